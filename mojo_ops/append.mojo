@@ -1,0 +1,368 @@
+"""Ragged append: scatter new tokens' K/V (or MLA's ckv/kpe) into their pages.
+
+Token i of the append goes to request `batch_indices[i]` at sequence position
+`positions[i]`, i.e. to slot `positions[i] % page_size` of page
+`kv_indices[kv_indptr[b] + positions[i] // page_size]`. The page table and the
+targets are checked on the host first (see page_table.mojo), so a bad call
+raises before a single element is written.
+
+CPU: tokens are split across all cores; each token's row moves with full-width
+vector loads and stores. GPU: one thread block per (token, K or V), each
+thread moving 16-byte vectors, so consecutive threads touch consecutive
+addresses.
+"""
+
+import extensibility
+from extensibility import InputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
+from max.algorithm import sync_parallelize
+from max.gpu import block_dim, block_idx, thread_idx
+from max.gpu.host import DeviceContext
+from std.math import ceildiv
+from std.sys import num_physical_cores, size_of
+
+from .cache_tensors import (
+    cache_from_pair,
+    cache_from_pool,
+    check_cache_page_table,
+    check_rows,
+)
+from .page_table import check_append_targets
+from .paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
+from .token_rows import move_token
+from .tensor_access import (
+    GPU_VECTOR_BYTES,
+    VECTOR_BYTES,
+    HostIndices,
+    ptr_of,
+    vector_width,
+)
+
+comptime CPU_BYTES_PER_TASK = 1 << 16
+"""Appends smaller than this per core stay on fewer cores: a thread's start
+costs more than moving 64 KiB."""
+
+comptime GPU_BLOCK = 128
+
+
+def scatter_tokens[
+    target: StaticString, kv_a: KV, kv_b: KV
+](
+    cache_a: PagedKVCache,
+    src_a: Ptr[cache_a.dtype],
+    cache_b: type_of(cache_a),
+    src_b: Ptr[cache_a.dtype],
+    batch_indices: IndexPtr,
+    positions: IndexPtr,
+    nnz: Int,
+    ctx: DeviceContext,
+) raises:
+    """Writes src_a into side kv_a of cache_a and src_b into side kv_b of
+    cache_b, both [nnz, heads, head_dim] of their cache.
+
+    K/V append is (cache, K, cache, V); MLA append is (ckv, K, kpe, K), two
+    one-head caches of different widths.
+    """
+    if nnz == 0:
+        return
+    comptime if target == "cpu":
+        comptime width = vector_width[cache_a.dtype, VECTOR_BYTES]()
+        var token_bytes = (
+            cache_a.num_kv_heads() * cache_a.head_dim()
+            + cache_b.num_kv_heads() * cache_b.head_dim()
+        ) * size_of[cache_a.dtype]()
+        var tasks = min(
+            nnz,
+            max(nnz * token_bytes // CPU_BYTES_PER_TASK, 1),
+            4 * num_physical_cores(),
+        )
+
+        def run_task(
+            t: Int,
+        ) {
+            var cache_a,
+            var src_a,
+            var cache_b,
+            var src_b,
+            var batch_indices,
+            var positions,
+            var nnz,
+            var tasks,
+        }:
+            for i in range(t * nnz // tasks, (t + 1) * nnz // tasks):
+                var b = Int(batch_indices[unsafe_offset=i])
+                var pos = Int(positions[unsafe_offset=i])
+                move_token[kv_a, width, True](cache_a, src_a, i, b, pos, 0, 1)
+                move_token[kv_b, width, True](cache_b, src_b, i, b, pos, 0, 1)
+
+        sync_parallelize(run_task, tasks)
+    else:
+        comptime width = vector_width[cache_a.dtype, GPU_VECTOR_BYTES]()
+
+        def kernel(
+            cache_a: type_of(cache_a),
+            src_a: Ptr[cache_a.dtype],
+            cache_b: type_of(cache_a),
+            src_b: Ptr[cache_a.dtype],
+            batch_indices: IndexPtr,
+            positions: IndexPtr,
+        ):
+            var i = Int(block_idx.x)
+            var b = Int(batch_indices[unsafe_offset=i])
+            var pos = Int(positions[unsafe_offset=i])
+            var t = Int(thread_idx.x)
+            var step = Int(block_dim.x)
+            if block_idx.y == 0:
+                move_token[kv_a, width, True](
+                    cache_a, src_a, i, b, pos, t, step
+                )
+            else:
+                move_token[kv_b, width, True](
+                    cache_b, src_b, i, b, pos, t, step
+                )
+
+        ctx.enqueue_function[kernel](
+            cache_a,
+            src_a,
+            cache_b,
+            src_b,
+            batch_indices,
+            positions,
+            grid_dim=(nnz, 2),
+            block_dim=GPU_BLOCK,
+        )
+
+
+def check_append[
+    target: StaticString
+](
+    cache: PagedKVCache,
+    batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    positions: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    """Raises unless the page table is sound and every token has a slot."""
+    check_cache_page_table[target](
+        cache, kv_indices, kv_indptr, kv_last_page_len, ctx
+    )
+    var nnz = batch_indices.dim_size(0)
+    if positions.dim_size(0) != nnz:
+        raise Error(
+            "pagedkv: positions has ",
+            positions.dim_size(0),
+            " entries but batch_indices has ",
+            nnz,
+        )
+    var bi = HostIndices.of[target](batch_indices, ctx)
+    var pos = HostIndices.of[target](positions, ctx)
+    var indptr = HostIndices.of[target](kv_indptr, ctx)
+    var last = HostIndices.of[target](kv_last_page_len, ctx)
+    check_append_targets(
+        bi.ptr,
+        pos.ptr,
+        nnz,
+        indptr.ptr,
+        last.ptr,
+        cache.batch_size,
+        cache.page_size(),
+    )
+
+
+def append_paged_kv[
+    target: StaticString
+](
+    cache: PagedKVCache,
+    append_key: InputTensor[dtype=cache.dtype, rank=3, ...],
+    append_value: InputTensor[dtype=cache.dtype, rank=3, ...],
+    batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    positions: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    """Checks everything, then writes key/value [nnz, H, D] into the pages."""
+    var nnz = batch_indices.dim_size(0)
+    var heads = cache.num_kv_heads()
+    check_rows("append_key", append_key, nnz, heads, cache.head_dim())
+    check_rows("append_value", append_value, nnz, heads, cache.head_dim())
+    check_append[target](
+        cache,
+        batch_indices,
+        positions,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        ctx,
+    )
+    scatter_tokens[target, KV.K, KV.V](
+        cache,
+        ptr_of(append_key),
+        cache,
+        ptr_of(append_value),
+        ptr_of(batch_indices),
+        ptr_of(positions),
+        nnz,
+        ctx,
+    )
+
+
+@extensibility.register("pagedkv_append_paged_kv_cache")
+struct AppendPagedKVCache:
+    """Appends into one pool [pages, 2, P, H, D] (NHD) or [pages, 2, H, P, D].
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString, layout: Int
+    ](
+        paged_kv_cache: MutableInputTensor[rank=5, ...],
+        append_key: InputTensor[dtype=paged_kv_cache.dtype, rank=3, ...],
+        append_value: InputTensor[dtype=paged_kv_cache.dtype, rank=3, ...],
+        batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        positions: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var cache = cache_from_pool[KVLayout(layout)](
+            paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len
+        )
+        append_paged_kv[target](
+            cache,
+            append_key,
+            append_value,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            ctx,
+        )
+
+
+@extensibility.register("pagedkv_append_paged_kv_cache_pair")
+struct AppendPagedKVCachePair:
+    """Appends into separate K and V pools, each [pages, P, H, D] or [pages, H, P, D].
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString, layout: Int
+    ](
+        k_cache: MutableInputTensor[rank=4, ...],
+        v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=4, ...],
+        append_key: InputTensor[dtype=k_cache.dtype, rank=3, ...],
+        append_value: InputTensor[dtype=k_cache.dtype, rank=3, ...],
+        batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        positions: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var cache = cache_from_pair[KVLayout(layout)](
+            k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
+        )
+        append_paged_kv[target](
+            cache,
+            append_key,
+            append_value,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            ctx,
+        )
+
+
+@extensibility.register("pagedkv_append_paged_mla_kv_cache")
+struct AppendPagedMLAKVCache:
+    """Appends MLA's compressed KV [nnz, ckv_dim] into ckv_cache [pages, P, ckv_dim]
+    and its rope part [nnz, kpe_dim] into kpe_cache [pages, P, kpe_dim]."""
+
+    @staticmethod
+    def execute[
+        target: StaticString
+    ](
+        ckv_cache: MutableInputTensor[rank=3, ...],
+        kpe_cache: MutableInputTensor[dtype=ckv_cache.dtype, rank=3, ...],
+        append_ckv: InputTensor[dtype=ckv_cache.dtype, rank=2, ...],
+        append_kpe: InputTensor[dtype=ckv_cache.dtype, rank=2, ...],
+        batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        positions: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var nnz = batch_indices.dim_size(0)
+        if kpe_cache.dim_size(0) != ckv_cache.dim_size(0) or kpe_cache.dim_size(
+            1
+        ) != ckv_cache.dim_size(1):
+            raise Error(
+                "pagedkv: ckv_cache and kpe_cache must have the same pages"
+                " and page size"
+            )
+        if append_ckv.dim_size(0) != nnz or append_kpe.dim_size(0) != nnz:
+            raise Error(
+                "pagedkv: append_ckv and append_kpe must have one row per token"
+            )
+        if append_ckv.dim_size(1) != ckv_cache.dim_size(
+            2
+        ) or append_kpe.dim_size(1) != kpe_cache.dim_size(2):
+            raise Error(
+                "pagedkv: append_ckv / append_kpe widths differ from the"
+                " caches'"
+            )
+        var batch_size = kv_last_page_len.dim_size(0)
+        # Each MLA cache is a K-only, one-head NHD cache of its own width.
+        comptime Cache = PagedKVCache[ckv_cache.dtype, KVLayout.NHD]
+        var ckv = Cache.from_pools(
+            ptr_of(ckv_cache),
+            ptr_of(ckv_cache),
+            ckv_cache.dim_size(0),
+            ptr_of(kv_indptr),
+            ptr_of(kv_indices),
+            ptr_of(kv_last_page_len),
+            batch_size,
+            ckv_cache.dim_size(1),
+            1,
+            ckv_cache.dim_size(2),
+        )
+        var kpe = Cache.from_pools(
+            ptr_of(kpe_cache),
+            ptr_of(kpe_cache),
+            kpe_cache.dim_size(0),
+            ptr_of(kv_indptr),
+            ptr_of(kv_indices),
+            ptr_of(kv_last_page_len),
+            batch_size,
+            kpe_cache.dim_size(1),
+            1,
+            kpe_cache.dim_size(2),
+        )
+        check_append[target](
+            ckv,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            ctx,
+        )
+        scatter_tokens[target, KV.K, KV.K](
+            ckv,
+            ptr_of(append_ckv),
+            kpe,
+            ptr_of(append_kpe),
+            ptr_of(batch_indices),
+            ptr_of(positions),
+            nnz,
+            ctx,
+        )

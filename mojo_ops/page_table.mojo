@@ -1,0 +1,342 @@
+"""Page-table checks and FlashInfer's index helpers.
+
+Every op that writes into a pool checks its indices first, on the host, and
+raises before it writes anything: a bad page table must never scribble over
+another request's pages. The checks read only the small index arrays.
+"""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
+from max.algorithm import sync_parallelize
+from max.gpu import block_dim, block_idx, thread_idx
+from max.gpu.host import DeviceContext
+
+from .paged_kv_cache import IndexPtr
+from .tensor_access import HostIndices, num_elements, ptr_of
+
+
+@always_inline
+def seq_len_of(
+    kv_indptr: IndexPtr, kv_last_page_len: IndexPtr, b: Int, page_size: Int
+) -> Int:
+    """FlashInfer's sequence length: full pages plus the last page's tokens."""
+    var pages = Int(kv_indptr[unsafe_offset=b + 1]) - Int(
+        kv_indptr[unsafe_offset=b]
+    )
+    return max(pages - 1, 0) * page_size + Int(
+        kv_last_page_len[unsafe_offset=b]
+    )
+
+
+def check_page_table(
+    kv_indptr: IndexPtr,
+    kv_indices: IndexPtr,
+    num_indices: Int,
+    kv_last_page_len: IndexPtr,
+    batch_size: Int,
+    page_size: Int,
+    num_pages: Int,
+) raises:
+    """Raises unless the CSR page table addresses only pages of the pool.
+
+    Host pointers. Checks: kv_indptr starts at 0 and never decreases, ends
+    within kv_indices, every page id is in [0, num_pages), and each request's
+    kv_last_page_len is in [1, page_size] (0 for a request with no pages).
+    """
+    if Int(kv_indptr[unsafe_offset=0]) != 0:
+        raise Error(
+            "pagedkv: kv_indptr[0] = ",
+            kv_indptr[unsafe_offset=0],
+            " must be 0",
+        )
+    for b in range(batch_size):
+        var lo = Int(kv_indptr[unsafe_offset=b])
+        var hi = Int(kv_indptr[unsafe_offset=b + 1])
+        if hi < lo:
+            raise Error(
+                "pagedkv: kv_indptr must not decrease: kv_indptr[",
+                b + 1,
+                "] = ",
+                hi,
+                " < kv_indptr[",
+                b,
+                "] = ",
+                lo,
+            )
+        var last = Int(kv_last_page_len[unsafe_offset=b])
+        if hi == lo and last != 0:
+            raise Error(
+                "pagedkv: request ",
+                b,
+                " owns no pages but kv_last_page_len[",
+                b,
+                "] = ",
+                last,
+                " (must be 0)",
+            )
+        if hi > lo and (last < 1 or last > page_size):
+            raise Error(
+                "pagedkv: kv_last_page_len[",
+                b,
+                "] = ",
+                last,
+                " is outside [1, page_size = ",
+                page_size,
+                "]",
+            )
+    var used = Int(kv_indptr[unsafe_offset=batch_size])
+    if used > num_indices:
+        raise Error(
+            "pagedkv: kv_indptr[-1] = ",
+            used,
+            " but kv_indices holds only ",
+            num_indices,
+            " pages",
+        )
+    for i in range(used):
+        var page = Int(kv_indices[unsafe_offset=i])
+        if page < 0 or page >= num_pages:
+            raise Error(
+                "pagedkv: kv_indices[",
+                i,
+                "] = ",
+                page,
+                " is outside the pool of ",
+                num_pages,
+                " pages",
+            )
+
+
+def check_append_targets(
+    batch_indices: IndexPtr,
+    positions: IndexPtr,
+    nnz: Int,
+    kv_indptr: IndexPtr,
+    kv_last_page_len: IndexPtr,
+    batch_size: Int,
+    page_size: Int,
+) raises:
+    """Raises unless every appended token lands inside its request's pages.
+
+    Host pointers; the page table must already have passed `check_page_table`.
+    """
+    for i in range(nnz):
+        var b = Int(batch_indices[unsafe_offset=i])
+        if b < 0 or b >= batch_size:
+            raise Error(
+                "pagedkv: batch_indices[",
+                i,
+                "] = ",
+                b,
+                " is outside the batch of ",
+                batch_size,
+                " requests",
+            )
+        var pos = Int(positions[unsafe_offset=i])
+        var length = seq_len_of(kv_indptr, kv_last_page_len, b, page_size)
+        if pos < 0 or pos >= length:
+            raise Error(
+                "pagedkv: positions[",
+                i,
+                "] = ",
+                pos,
+                " is outside request ",
+                b,
+                ", whose pages hold ",
+                length,
+                " tokens",
+            )
+
+
+def check_page_table_tensors[
+    target: StaticString
+](
+    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+    page_size: Int,
+    num_pages: Int,
+    ctx: DeviceContext,
+) raises:
+    """`check_page_table` on op tensors of either target."""
+    var batch_size = kv_last_page_len.dim_size(0)
+    if kv_indptr.dim_size(0) != batch_size + 1:
+        raise Error(
+            "pagedkv: kv_indptr has ",
+            kv_indptr.dim_size(0),
+            " entries; a batch of ",
+            batch_size,
+            " needs ",
+            batch_size + 1,
+        )
+    var indptr = HostIndices.of[target](kv_indptr, ctx)
+    var indices = HostIndices.of[target](kv_indices, ctx)
+    var last = HostIndices.of[target](kv_last_page_len, ctx)
+    check_page_table(
+        indptr.ptr,
+        indices.ptr,
+        kv_indices.dim_size(0),
+        last.ptr,
+        batch_size,
+        page_size,
+        num_pages,
+    )
+
+
+@extensibility.register("pagedkv_get_seq_lens")
+struct GetSeqLens:
+    """Seq_lens[b] = max(pages(b) - 1, 0) * page_size + kv_last_page_len[b]."""
+
+    @staticmethod
+    def execute[
+        target: StaticString
+    ](
+        seq_lens: MutableInputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        page_size: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        # page_size is a one-element host tensor for both targets (as MAX's own
+        # ops take their max lengths): no copy, no recompile per page size.
+        var p = Int(page_size[0])
+        var batch_size = seq_lens.dim_size(0)
+        var out_ptr = ptr_of(seq_lens)
+        var indptr = ptr_of(kv_indptr)
+        var last = ptr_of(kv_last_page_len)
+        comptime if target == "cpu":
+            for b in range(batch_size):
+                out_ptr[unsafe_offset=b] = Int32(seq_len_of(indptr, last, b, p))
+        else:
+
+            def kernel(
+                out_ptr: IndexPtr,
+                indptr: IndexPtr,
+                last: IndexPtr,
+                batch_size: Int,
+                p: Int,
+            ):
+                var b = Int(block_idx.x * block_dim.x + thread_idx.x)
+                if b < batch_size:
+                    out_ptr[unsafe_offset=b] = Int32(
+                        seq_len_of(indptr, last, b, p)
+                    )
+
+            comptime block = 256
+            ctx.enqueue_function[kernel](
+                out_ptr,
+                indptr,
+                last,
+                batch_size,
+                p,
+                grid_dim=max((batch_size + block - 1) // block, 1),
+                block_dim=block,
+            )
+
+
+@extensibility.register("pagedkv_get_batch_indices_positions")
+struct GetBatchIndicesPositions:
+    """For each appended token j of request b (append_indptr[b] <= j < append_indptr[b+1]):
+    batch_indices[j] = b and positions[j] = seq_lens[b] - append_len(b) + (j - append_indptr[b]).
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString
+    ](
+        batch_indices: MutableInputTensor[dtype=DType.int32, rank=1, ...],
+        positions: MutableInputTensor[dtype=DType.int32, rank=1, ...],
+        append_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        seq_lens: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var nnz = batch_indices.dim_size(0)
+        var batch_size = seq_lens.dim_size(0)
+        var indptr_host = HostIndices.of[target](append_indptr, ctx)
+        var seq_host = HostIndices.of[target](seq_lens, ctx)
+        check_append_indptr(indptr_host.ptr, seq_host.ptr, batch_size, nnz)
+
+        var bi = ptr_of(batch_indices)
+        var pos = ptr_of(positions)
+        var indptr = ptr_of(append_indptr)
+        var lens = ptr_of(seq_lens)
+        comptime if target == "cpu":
+
+            def one_request(b: Int) {var bi, var pos, var indptr, var lens}:
+                fill_request(bi, pos, indptr, lens, b, 0, 1)
+
+            sync_parallelize(one_request, batch_size)
+        else:
+
+            def kernel(
+                bi: IndexPtr, pos: IndexPtr, indptr: IndexPtr, lens: IndexPtr
+            ):
+                fill_request(
+                    bi,
+                    pos,
+                    indptr,
+                    lens,
+                    Int(block_idx.x),
+                    Int(thread_idx.x),
+                    Int(block_dim.x),
+                )
+
+            if batch_size > 0:
+                ctx.enqueue_function[kernel](
+                    bi, pos, indptr, lens, grid_dim=batch_size, block_dim=128
+                )
+
+
+@always_inline
+def fill_request(
+    batch_indices: IndexPtr,
+    positions: IndexPtr,
+    append_indptr: IndexPtr,
+    seq_lens: IndexPtr,
+    b: Int,
+    first: Int,
+    step: Int,
+):
+    """Writes the batch index and position of request b's appended tokens
+    first, first + step, ... (a strided share, so GPU threads split a request).
+    """
+    var lo = Int(append_indptr[unsafe_offset=b])
+    var hi = Int(append_indptr[unsafe_offset=b + 1])
+    var start = Int(seq_lens[unsafe_offset=b]) - (hi - lo)
+    var j = lo + first
+    while j < hi:
+        batch_indices[unsafe_offset=j] = Int32(b)
+        positions[unsafe_offset=j] = Int32(start + j - lo)
+        j += step
+
+
+def check_append_indptr(
+    append_indptr: IndexPtr, seq_lens: IndexPtr, batch_size: Int, nnz: Int
+) raises:
+    """Raises unless append_indptr is a CSR offset array of nnz tokens that
+    fits inside seq_lens (host pointers)."""
+    if Int(append_indptr[unsafe_offset=0]) != 0:
+        raise Error("pagedkv: append_indptr[0] must be 0")
+    for b in range(batch_size):
+        var n = Int(append_indptr[unsafe_offset=b + 1]) - Int(
+            append_indptr[unsafe_offset=b]
+        )
+        if n < 0:
+            raise Error(
+                "pagedkv: append_indptr must not decrease (at ", b + 1, ")"
+            )
+        if n > Int(seq_lens[unsafe_offset=b]):
+            raise Error(
+                "pagedkv: request ",
+                b,
+                " appends ",
+                n,
+                " tokens but seq_lens[",
+                b,
+                "] = ",
+                seq_lens[unsafe_offset=b],
+            )
+    var total = Int(append_indptr[unsafe_offset=batch_size])
+    if total != nnz:
+        raise Error("pagedkv: append_indptr[-1] = ", total, " but nnz = ", nnz)

@@ -1,0 +1,71 @@
+"""Raw access to op tensors: pointers, host copies of small index arrays, copies.
+"""
+
+from extensibility import ManagedTensorSlice
+from max.gpu.host import DeviceBuffer, DeviceContext, HostBuffer
+from std.sys import size_of
+
+from .paged_kv_cache import IndexPtr, Ptr
+
+
+@always_inline
+def ptr_of(t: ManagedTensorSlice) -> Ptr[t.dtype]:
+    """The data pointer of an op tensor (device memory for a GPU op)."""
+    return rebind[Ptr[t.dtype]](t.unsafe_ptr())
+
+
+@always_inline
+def num_elements(t: ManagedTensorSlice) -> Int:
+    var n = 1
+    comptime for i in range(t.rank):
+        n *= t.dim_size(i)
+    return n
+
+
+struct HostIndices(Movable):
+    """An int32 array readable on the host.
+
+    On the CPU it views the op's tensor; for a GPU op it is a host copy, so
+    the same validation code serves both targets.
+    """
+
+    var ptr: IndexPtr
+    var _host: Optional[HostBuffer[DType.int32]]
+
+    def __init__(
+        out self, ptr: IndexPtr, var host: Optional[HostBuffer[DType.int32]]
+    ):
+        self.ptr = ptr
+        self._host = host^
+
+    @staticmethod
+    def of[
+        target: StaticString
+    ](
+        t: ManagedTensorSlice[dtype=DType.int32, ...], ctx: DeviceContext
+    ) raises -> Self:
+        comptime if target == "cpu":
+            return Self(ptr_of(t), None)
+        else:
+            var n = max(num_elements(t), 1)
+            var host = ctx.enqueue_create_host_buffer[DType.int32](n)
+            if num_elements(t) > 0:
+                var device = DeviceBuffer[DType.int32](
+                    ctx, t.unsafe_ptr(), num_elements(t), owning=False
+                )
+                ctx.enqueue_copy(dst_buf=host, src_buf=device)
+            ctx.synchronize()
+            var ptr = rebind[IndexPtr](host.unsafe_ptr())
+            return Self(ptr, host^)
+
+
+comptime VECTOR_BYTES = 64
+"""Bytes moved per vector on the CPU (one AVX-512 register, two AVX2)."""
+
+comptime GPU_VECTOR_BYTES = 16
+"""Bytes per thread per load on a GPU: one 128-bit transaction."""
+
+
+@always_inline
+def vector_width[dtype: DType, bytes: Int]() -> Int:
+    return max(bytes // size_of[dtype](), 1)

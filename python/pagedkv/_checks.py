@@ -1,0 +1,166 @@
+"""Argument checks shared by the public entry points.
+
+Static facts (types, dtypes, ranks, shapes, devices, contiguity) are checked
+here, before any kernel runs; facts that depend on values (page ids, lengths,
+positions) are checked by the kernels themselves on the host before they write
+(see mojo_ops/page_table.mojo). Either way the caller's cache is untouched
+by a rejected call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from max.dtype import DType
+
+from ._tensors import Array, Device, check_array, device_of, dtype_of, is_contiguous
+
+KV_LAYOUTS = {"NHD": 0, "HND": 1}
+
+CACHE_DTYPES = (
+    DType.float32,
+    DType.float16,
+    DType.bfloat16,
+    DType.float8_e4m3fn,
+    DType.float8_e5m2,
+)
+
+
+def check_index_array(name: str, x: Array, length: int | None = None) -> None:
+    """Raises unless x is a 1-D int32 array (of `length` entries if given)."""
+    check_array(name, x)
+    if dtype_of(x) != DType.int32:
+        raise TypeError(f"{name} must be int32, got {dtype_of(x).name}")
+    if len(x.shape) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if length is not None and x.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries, got {x.shape[0]}")
+
+
+def check_device(name: str, x: Array, device: Device) -> None:
+    if device_of(x) != device:
+        raise ValueError(f"{name} is on {device_of(x)} but the cache is on {device}")
+
+
+def layout_code(kv_layout: str) -> int:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return KV_LAYOUTS[kv_layout]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What a paged K/V pool (one tensor or a K, V pair) holds."""
+
+    arrays: tuple[Array, ...]
+    """(pool,) or (k_pool, v_pool)."""
+    layout: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+    device: Device
+
+    @property
+    def is_pair(self) -> bool:
+        return len(self.arrays) == 2
+
+
+def cache_geometry(
+    name: str, paged_kv_cache: Array | Sequence[Array], kv_layout: str
+) -> CacheGeometry:
+    """Checks a pool and reads its geometry.
+
+    paged_kv_cache: [pages, 2, P, H, D] (NHD) or [pages, 2, H, P, D] (HND), or a
+    (K, V) pair of [pages, P, H, D] / [pages, H, P, D] arrays.
+    """
+    layout = layout_code(kv_layout)
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"{name} as a sequence must be a (k_cache, v_cache) pair")
+        arrays = tuple(paged_kv_cache)
+        for part, x in zip(("k_cache", "v_cache"), arrays, strict=True):
+            check_array(f"{name} {part}", x)
+            if len(x.shape) != 4:
+                raise ValueError(
+                    f"{name} {part} must be 4-D [pages, ...page...], got shape {tuple(x.shape)}"
+                )
+        if tuple(arrays[0].shape) != tuple(arrays[1].shape):
+            raise ValueError(
+                f"{name}: k_cache {tuple(arrays[0].shape)} and v_cache "
+                f"{tuple(arrays[1].shape)} differ in shape"
+            )
+        if dtype_of(arrays[0]) != dtype_of(arrays[1]):
+            raise TypeError(f"{name}: k_cache and v_cache differ in dtype")
+        if device_of(arrays[0]) != device_of(arrays[1]):
+            raise ValueError(f"{name}: k_cache and v_cache are on different devices")
+        page = tuple(arrays[0].shape[1:])
+    else:
+        check_array(name, paged_kv_cache)
+        arrays = (paged_kv_cache,)
+        shape = tuple(paged_kv_cache.shape)
+        if len(shape) != 5 or shape[1] != 2:
+            raise ValueError(
+                f"{name} must be [pages, 2, ...page...] (5-D) or a (k, v) pair, got shape {shape}"
+            )
+        page = shape[2:]
+    for x in arrays:
+        if not is_contiguous(x):
+            raise ValueError(f"{name} must be contiguous: it is written in place and never copied")
+    dtype = dtype_of(arrays[0])
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(
+            f"{name} dtype {dtype.name} is not supported "
+            f"({', '.join(d.name for d in CACHE_DTYPES)})"
+        )
+    if layout == 0:
+        page_size, heads, head_dim = page
+    else:
+        heads, page_size, head_dim = page
+    return CacheGeometry(
+        arrays=arrays,
+        layout=layout,
+        num_pages=int(arrays[0].shape[0]),
+        page_size=int(page_size),
+        num_kv_heads=int(heads),
+        head_dim=int(head_dim),
+        dtype=dtype,
+        device=device_of(arrays[0]),
+    )
+
+
+def check_page_table_arrays(
+    geometry: CacheGeometry, kv_indices: Array, kv_indptr: Array, kv_last_page_len: Array
+) -> int:
+    """Checks the static facts of a CSR page table; returns the batch size."""
+    check_index_array("kv_last_page_len", kv_last_page_len)
+    batch_size = int(kv_last_page_len.shape[0])
+    check_index_array("kv_indptr", kv_indptr, batch_size + 1)
+    check_index_array("kv_indices", kv_indices)
+    for name, x in (
+        ("kv_indices", kv_indices),
+        ("kv_indptr", kv_indptr),
+        ("kv_last_page_len", kv_last_page_len),
+    ):
+        check_device(name, x, geometry.device)
+    return batch_size
+
+
+def check_rows(name: str, x: Array, geometry: CacheGeometry, nnz: int | None = None) -> int:
+    """Checks new tokens' rows [nnz, num_kv_heads, head_dim] against the cache;
+    returns nnz."""
+    check_array(name, x)
+    want = (geometry.num_kv_heads, geometry.head_dim)
+    if len(x.shape) != 3 or tuple(x.shape[1:]) != want:
+        raise ValueError(
+            f"{name} must be [nnz, {want[0]}, {want[1]}] to match the cache, got "
+            f"shape {tuple(x.shape)}"
+        )
+    if nnz is not None and x.shape[0] != nnz:
+        raise ValueError(f"{name} has {x.shape[0]} rows, expected {nnz}")
+    if dtype_of(x) != geometry.dtype:
+        raise TypeError(f"{name} is {dtype_of(x).name} but the cache is {geometry.dtype.name}")
+    check_device(name, x, geometry.device)
+    return int(x.shape[0])

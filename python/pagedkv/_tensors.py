@@ -1,0 +1,111 @@
+"""NumPy arrays and torch tensors as MAX buffers, without copies.
+
+Every public function takes either kind; outputs are allocated with the kind
+and device of the inputs. Caches are wrapped in place (`Buffer.from_numpy` /
+`Buffer.from_dlpack` share memory), so an op that writes a cache writes the
+caller's array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import DeviceRef
+
+Array = Any
+"""A numpy.ndarray or a torch.Tensor."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where an array lives: ("cpu", 0) or ("gpu", index)."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "gpu"
+
+    def graph_ref(self) -> DeviceRef:
+        return DeviceRef.GPU(self.index) if self.is_gpu else DeviceRef.CPU()
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}" if self.is_gpu else "cpu"
+
+
+CPU = Device("cpu")
+
+
+def is_torch(x: Array) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def check_array(name: str, x: Array) -> None:
+    """Raises TypeError unless x is a numpy array or a torch tensor."""
+    if not (isinstance(x, np.ndarray) or is_torch(x)):
+        raise TypeError(f"{name} must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
+
+
+def dtype_of(x: Array) -> DType:
+    if is_torch(x):
+        return DType[str(x.dtype).removeprefix("torch.")]
+    return DType.from_numpy(x.dtype)
+
+
+def device_of(x: Array) -> Device:
+    if is_torch(x) and x.device.type == "cuda":
+        return Device("gpu", x.device.index or 0)
+    if is_torch(x) and x.device.type != "cpu":
+        raise ValueError(f"unsupported torch device {x.device}")
+    return CPU
+
+
+def is_contiguous(x: Array) -> bool:
+    if is_torch(x):
+        return x.is_contiguous()
+    return x.flags.c_contiguous
+
+
+def contiguous(x: Array) -> Array:
+    """x itself when it is already C-contiguous, else a contiguous copy."""
+    if is_contiguous(x):
+        return x
+    return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
+
+
+def to_buffer(x: Array) -> Buffer:
+    """A MAX buffer sharing x's memory (x must be contiguous)."""
+    if is_torch(x):
+        return Buffer.from_dlpack(x)
+    return Buffer.from_numpy(x)
+
+
+def empty(like: Array, shape: Sequence[int], dtype: DType) -> Array:
+    """An uninitialised array of the kind and device of `like`."""
+    if is_torch(like):
+        import torch
+
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype.name), device=like.device)
+    return np.empty(tuple(shape), dtype=dtype.to_numpy())
+
+
+def to_host_numpy(x: Array) -> np.ndarray:
+    """The values of x as a NumPy array (a device-to-host copy for GPU tensors)."""
+    if is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def new_like(like: Array, values: np.ndarray) -> Array:
+    """values (a host NumPy array) as an array of like's kind and device."""
+    if is_torch(like):
+        import torch
+
+        return torch.from_numpy(values).to(like.device)
+    return values

@@ -1,0 +1,358 @@
+"""FlashInfer's paged-cache functions: append, MLA append, index helpers, gather.
+
+Mirrors ``flashinfer.page``: the same names, arguments and meanings. Inputs are
+NumPy arrays or torch tensors; caches are written in place, never copied.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import numpy as np
+from max.dtype import DType
+
+from ._checks import (
+    CacheGeometry,
+    cache_geometry,
+    check_device,
+    check_index_array,
+    check_page_table_arrays,
+    check_rows,
+)
+from ._kernels import Operand, OpSpec, run_op
+from ._tensors import (
+    Array,
+    check_array,
+    contiguous,
+    device_of,
+    dtype_of,
+    empty,
+    new_like,
+    to_host_numpy,
+)
+
+INDEX = Operand(DType.int32, 1)
+INDEX_OUT = Operand(DType.int32, 1, mutable=True)
+HOST_INDEX = Operand(DType.int32, 1, on_host=True)
+
+SEQ_LENS = OpSpec.of("pagedkv_get_seq_lens", [INDEX_OUT, INDEX, INDEX, HOST_INDEX])
+BATCH_INDICES_POSITIONS = OpSpec.of(
+    "pagedkv_get_batch_indices_positions", [INDEX_OUT, INDEX_OUT, INDEX, INDEX]
+)
+
+
+def append_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
+    """pool (or k, v pools), key, value, batch_indices, positions, page table."""
+    pool = Operand(dtype, 4 if is_pair else 5, mutable=True)
+    rows = Operand(dtype, 3)
+    return OpSpec.of(
+        "pagedkv_append_paged_kv_cache_pair" if is_pair else "pagedkv_append_paged_kv_cache",
+        [*[pool] * (1 + is_pair), rows, rows, *[INDEX] * 5],
+        layout=layout,
+    )
+
+
+def mla_append_spec(dtype: DType) -> OpSpec:
+    """ckv_cache, kpe_cache, ckv, kpe, batch_indices, positions, page table."""
+    pool = Operand(dtype, 3, mutable=True)
+    rows = Operand(dtype, 2)
+    return OpSpec.of("pagedkv_append_paged_mla_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5])
+
+
+def gather_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
+    """out_k, out_v, pool (or k, v pools), page table, seq_indptr."""
+    rows = Operand(dtype, 3, mutable=True)
+    pool = Operand(dtype, 4 if is_pair else 5)
+    return OpSpec.of(
+        "pagedkv_gather_kv_pair" if is_pair else "pagedkv_gather_kv",
+        [rows, rows, *[pool] * (1 + is_pair), *[INDEX] * 4],
+        layout=layout,
+    )
+
+
+def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> Array:
+    """Sequence lengths of a paged batch: ``[B]`` int32.
+
+    ``seq_lens[b] = max(pages(b) - 1, 0) * page_size + kv_last_page_len[b]``
+    with ``pages(b) = kv_indptr[b + 1] - kv_indptr[b]``.
+
+    kv_indptr: [B + 1] int32. kv_last_page_len: [B] int32.
+    """
+    check_index_array("kv_last_page_len", kv_last_page_len)
+    check_index_array("kv_indptr", kv_indptr, kv_last_page_len.shape[0] + 1)
+    device = device_of(kv_indptr)
+    check_device("kv_last_page_len", kv_last_page_len, device)
+    if int(page_size) < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    seq_lens = empty(kv_last_page_len, kv_last_page_len.shape, DType.int32)
+    run_op(
+        SEQ_LENS,
+        [
+            seq_lens,
+            contiguous(kv_indptr),
+            contiguous(kv_last_page_len),
+            np.array([page_size], np.int32),
+        ],
+        device,
+    )
+    return seq_lens
+
+
+def get_batch_indices_positions(
+    append_indptr: Array, seq_lens: Array, nnz: int
+) -> tuple[Array, Array]:
+    """The request and position of each appended token: two ``[nnz]`` int32 arrays.
+
+    Token j of request b (``append_indptr[b] <= j < append_indptr[b + 1]``) gets
+    ``batch_indices[j] = b`` and ``positions[j] = seq_lens[b] - append_len(b) +
+    (j - append_indptr[b])``; ``seq_lens`` are lengths after the append.
+
+    append_indptr: [B + 1] int32. seq_lens: [B] int32.
+    """
+    check_index_array("seq_lens", seq_lens)
+    check_index_array("append_indptr", append_indptr, seq_lens.shape[0] + 1)
+    device = device_of(seq_lens)
+    check_device("append_indptr", append_indptr, device)
+    if int(nnz) < 0:
+        raise ValueError(f"nnz must be >= 0, got {nnz}")
+    batch_indices = empty(seq_lens, (nnz,), DType.int32)
+    positions = empty(seq_lens, (nnz,), DType.int32)
+    run_op(
+        BATCH_INDICES_POSITIONS,
+        [batch_indices, positions, contiguous(append_indptr), contiguous(seq_lens)],
+        device,
+    )
+    return batch_indices, positions
+
+
+def _append_signature(
+    append_key: Array,
+    append_value: Array,
+    batch_indices: Array,
+    positions: Array,
+    paged_kv_cache: Array | Sequence[Array],
+    kv_indices: Array,
+    kv_indptr: Array,
+    kv_last_page_len: Array,
+    kv_layout: str = "NHD",
+) -> None: ...
+
+
+def _append_signature_indptr(
+    append_key: Array,
+    append_value: Array,
+    append_indptr: Array,
+    paged_kv_cache: Array | Sequence[Array],
+    kv_indices: Array,
+    kv_indptr: Array,
+    kv_last_page_len: Array,
+    kv_layout: str = "NHD",
+) -> None: ...
+
+
+_APPEND = inspect.signature(_append_signature)
+_APPEND_INDPTR = inspect.signature(_append_signature_indptr)
+
+
+def _is_cache(x: object) -> bool:
+    return isinstance(x, (tuple, list)) or len(getattr(x, "shape", ())) >= 4
+
+
+def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwargs) -> None:
+    """Appends ragged K/V into the paged cache, in place.
+
+    Two call forms, told apart by the fourth argument:
+
+    - ``(append_key, append_value, batch_indices, positions, paged_kv_cache,
+      kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD")``: token i goes
+      to request ``batch_indices[i]`` at position ``positions[i]`` (FlashInfer
+      >= 0.2; build them with :func:`get_batch_indices_positions`).
+    - ``(append_key, append_value, append_indptr, paged_kv_cache, kv_indices,
+      kv_indptr, kv_last_page_len, kv_layout="NHD")``: request b appends rows
+      ``append_indptr[b]:append_indptr[b + 1]`` at the end of its sequence
+      (the older form in FlashInfer's docs).
+
+    append_key, append_value: [nnz, num_kv_heads, head_dim], the cache's dtype.
+    paged_kv_cache: [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size,
+    D] (HND), or a (k_cache, v_cache) pair of [pages, page_size, H, D] /
+    [pages, H, page_size, D]. Page table (int32): kv_indptr [B + 1],
+    kv_indices [kv_indptr[-1]], kv_last_page_len [B], describing the batch
+    after the append.
+    """
+    indptr_form = "append_indptr" in kwargs or (
+        "batch_indices" not in kwargs and len(args) >= 2 and _is_cache(args[1])
+    )
+    signature = _APPEND_INDPTR if indptr_form else _APPEND
+    bound = signature.bind(append_key, append_value, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    geometry = cache_geometry("paged_kv_cache", a["paged_kv_cache"], a["kv_layout"])
+    batch_size = check_page_table_arrays(
+        geometry, a["kv_indices"], a["kv_indptr"], a["kv_last_page_len"]
+    )
+    nnz = check_rows("append_key", append_key, geometry)
+    check_rows("append_value", append_value, geometry, nnz)
+    if indptr_form:
+        check_index_array("append_indptr", a["append_indptr"], batch_size + 1)
+        check_device("append_indptr", a["append_indptr"], geometry.device)
+        seq_lens = get_seq_lens(a["kv_indptr"], a["kv_last_page_len"], geometry.page_size)
+        batch_indices, positions = get_batch_indices_positions(a["append_indptr"], seq_lens, nnz)
+    else:
+        batch_indices, positions = a["batch_indices"], a["positions"]
+        check_index_array("batch_indices", batch_indices, nnz)
+        check_index_array("positions", positions, nnz)
+        check_device("batch_indices", batch_indices, geometry.device)
+        check_device("positions", positions, geometry.device)
+    _append(
+        geometry,
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        a["kv_indices"],
+        a["kv_indptr"],
+        a["kv_last_page_len"],
+    )
+
+
+def _append(
+    geometry: CacheGeometry,
+    append_key: Array,
+    append_value: Array,
+    batch_indices: Array,
+    positions: Array,
+    kv_indices: Array,
+    kv_indptr: Array,
+    kv_last_page_len: Array,
+) -> None:
+    run_op(
+        append_spec(geometry.dtype, geometry.layout, geometry.is_pair),
+        [
+            *geometry.arrays,
+            contiguous(append_key),
+            contiguous(append_value),
+            contiguous(batch_indices),
+            contiguous(positions),
+            contiguous(kv_indices),
+            contiguous(kv_indptr),
+            contiguous(kv_last_page_len),
+        ],
+        geometry.device,
+    )
+
+
+def append_paged_mla_kv_cache(
+    append_ckv: Array,
+    append_kpe: Array,
+    batch_indices: Array,
+    positions: Array,
+    ckv_cache: Array,
+    kpe_cache: Array,
+    kv_indices: Array,
+    kv_indptr: Array,
+    kv_last_page_len: Array,
+) -> None:
+    """Appends MLA's compressed KV and rope part into their paged caches, in place.
+
+    append_ckv: [nnz, ckv_dim]; append_kpe: [nnz, kpe_dim]; ckv_cache: [pages,
+    page_size, ckv_dim]; kpe_cache: [pages, page_size, kpe_dim]; the page table
+    as in :func:`append_paged_kv_cache`.
+    """
+    for name, x in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
+        check_array(name, x)
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be [pages, page_size, dim], got {tuple(x.shape)}")
+    if tuple(ckv_cache.shape[:2]) != tuple(kpe_cache.shape[:2]):
+        raise ValueError("ckv_cache and kpe_cache must have the same pages and page size")
+    # Each MLA pool is a one-head NHD pool: reuse the K/V checks on that view.
+    ckv = cache_geometry("ckv_cache", (ckv_cache[:, :, None], ckv_cache[:, :, None]), "NHD")
+    kpe = cache_geometry("kpe_cache", (kpe_cache[:, :, None], kpe_cache[:, :, None]), "NHD")
+    if ckv.dtype != kpe.dtype or ckv.device != kpe.device:
+        raise TypeError("ckv_cache and kpe_cache must share dtype and device")
+    check_page_table_arrays(ckv, kv_indices, kv_indptr, kv_last_page_len)
+    check_array("append_ckv", append_ckv)
+    nnz = int(append_ckv.shape[0]) if len(append_ckv.shape) == 2 else -1
+    for name, x, cache in (
+        ("append_ckv", append_ckv, ckv_cache),
+        ("append_kpe", append_kpe, kpe_cache),
+    ):
+        check_array(name, x)
+        if tuple(x.shape) != (nnz, cache.shape[2]):
+            raise ValueError(f"{name} must be [nnz, {cache.shape[2]}], got {tuple(x.shape)}")
+        if dtype_of(x) != ckv.dtype:
+            raise TypeError(f"{name} is {dtype_of(x).name} but the cache is {ckv.dtype.name}")
+        check_device(name, x, ckv.device)
+    check_index_array("batch_indices", batch_indices, nnz)
+    check_index_array("positions", positions, nnz)
+    check_device("batch_indices", batch_indices, ckv.device)
+    check_device("positions", positions, ckv.device)
+    run_op(
+        mla_append_spec(ckv.dtype),
+        [
+            ckv_cache,
+            kpe_cache,
+            contiguous(append_ckv),
+            contiguous(append_kpe),
+            contiguous(batch_indices),
+            contiguous(positions),
+            contiguous(kv_indices),
+            contiguous(kv_indptr),
+            contiguous(kv_last_page_len),
+        ],
+        ckv.device,
+    )
+
+
+def gather_kv(
+    paged_kv_cache: Array | Sequence[Array],
+    kv_indices: Array,
+    kv_indptr: Array,
+    kv_last_page_len: Array,
+    kv_layout: str = "NHD",
+    request: int | None = None,
+) -> tuple[Array, Array, Array] | tuple[Array, Array]:
+    """The contiguous K and V cached for a batch, or for one request of it.
+
+    Returns ``(k, v, seq_indptr)`` with k, v ``[sum(seq_lens), H, D]`` (NHD
+    order, whatever the pool's layout) and request b's tokens in rows
+    ``seq_indptr[b]:seq_indptr[b + 1]``; with ``request=b``, ``(k, v)`` of that
+    request alone, ``[seq_len(b), H, D]``. A debugging and reference tool: it
+    reads the page table on the host.
+    """
+    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+    batch_size = check_page_table_arrays(geometry, kv_indices, kv_indptr, kv_last_page_len)
+    indptr = to_host_numpy(kv_indptr).astype(np.int64)
+    last = to_host_numpy(kv_last_page_len).astype(np.int64)
+    if request is not None:
+        if not 0 <= request < batch_size:
+            raise ValueError(f"request {request} is outside the batch of {batch_size}")
+        lo, hi = int(indptr[request]), int(indptr[request + 1])
+        k, v, _ = gather_kv(
+            paged_kv_cache,
+            kv_indices[lo:hi],
+            new_like(kv_indptr, np.array([0, hi - lo], np.int32)),
+            new_like(kv_last_page_len, np.array([last[request]], np.int32)),
+            kv_layout,
+        )
+        return k, v
+    pages = np.diff(indptr)
+    seq_lens = np.where(pages > 0, np.maximum(pages - 1, 0) * geometry.page_size + last, 0)
+    seq_indptr = new_like(kv_indptr, np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
+    shape = (int(seq_lens.sum()), geometry.num_kv_heads, geometry.head_dim)
+    k = empty(geometry.arrays[0], shape, geometry.dtype)
+    v = empty(geometry.arrays[0], shape, geometry.dtype)
+    run_op(
+        gather_spec(geometry.dtype, geometry.layout, geometry.is_pair),
+        [
+            k,
+            v,
+            *geometry.arrays,
+            contiguous(kv_indices),
+            contiguous(kv_indptr),
+            contiguous(kv_last_page_len),
+            seq_indptr,
+        ],
+        geometry.device,
+    )
+    return k, v, seq_indptr
