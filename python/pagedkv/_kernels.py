@@ -14,11 +14,12 @@ so outputs come back as the caller's kind of array with no copy.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,46 @@ def mojo_ops_path() -> Path:
         if (candidate / "__init__.mojo").is_file():
             return candidate
     raise RuntimeError(f"pagedkv: cannot find the mojo_ops kernel package near {here}")
+
+
+@functools.cache
+def kernel_package() -> Path:
+    """mojo_ops compiled to a .mojoc, built once per source version.
+
+    MAX would otherwise re-run `mojo precompile` (seconds) for every graph that
+    names the source directory; the package is cached under
+    $PAGEDKV_CACHE_DIR (default ~/.cache/pagedkv), keyed by a hash of the
+    sources and the compiler version.
+    """
+    from importlib.metadata import version
+
+    from mojo.run import subprocess_run_mojo
+
+    source = mojo_ops_path()
+    digest = hashlib.sha256(version("mojo").encode())
+    for path in sorted(source.rglob("*.mojo")):
+        digest.update(str(path.relative_to(source)).encode())
+        digest.update(path.read_bytes())
+    root = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
+    # The compiler names the package after the file's stem: keep "mojo_ops".
+    package = root / digest.hexdigest()[:20] / "mojo_ops.mojoc"
+    if not package.is_file():
+        staging = package.parent / f".staging.{os.getpid()}"
+        staging.mkdir(parents=True, exist_ok=True)
+        try:
+            result = subprocess_run_mojo(
+                ["precompile", str(source), "-o", str(staging / package.name)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"pagedkv: compiling {source} failed:\n{result.stderr}")
+            os.replace(staging / package.name, package)
+        finally:
+            for leftover in staging.glob("*"):
+                leftover.unlink()
+            staging.rmdir()
+    return package
 
 
 @dataclass(frozen=True)
@@ -98,27 +139,65 @@ def _graph_type(i: int, operand: Operand, device: Device) -> Any:
     return cls(operand.dtype, dims, device=ref)
 
 
-@functools.cache
-def compiled_op(spec: OpSpec, device: Device) -> Any:
-    """The loaded one-op graph for this spec and device (compiled on first use)."""
+_models: dict[tuple[OpSpec, Device], Any] = {}
+
+
+def _add_graph(spec: OpSpec, device: Device, module: Any = None) -> Graph:
+    with Graph(
+        spec.name + "_" + _spec_tag(spec),
+        input_types=[_graph_type(i, o, device) for i, o in enumerate(spec.operands)],
+        custom_extensions=[kernel_package()],
+        module=module,
+    ) as graph:
+        ops.inplace_custom(
+            spec.name,
+            device=device.graph_ref(),
+            values=list(graph.inputs),
+            parameters=dict(spec.parameters) or None,
+        )
+        graph.output()
+    return graph
+
+
+def _spec_tag(spec: OpSpec) -> str:
+    """A stable graph name suffix (graph names must be unique in a module)."""
+    return hashlib.sha1(repr((spec.operands, spec.parameters)).encode()).hexdigest()[:10]
+
+
+def prepare(specs: Iterable[OpSpec], device: Device) -> None:
+    """Compiles the specs that are not loaded yet, all in one MAX module.
+
+    MAX's graph compile has a large fixed cost (seconds); one module of many
+    one-op graphs pays it once, so a program that knows which ops it will run
+    (a test suite, a server at start-up) should prepare them together.
+    """
+    from max.graph import Module
+
+    todo = list(dict.fromkeys(s for s in specs if (s, device) not in _models))
+    if not todo:
+        return
     with _lock:
         t0 = time.perf_counter()
-        with Graph(
-            spec.name,
-            input_types=[_graph_type(i, o, device) for i, o in enumerate(spec.operands)],
-            custom_extensions=[mojo_ops_path()],
-        ) as graph:
-            ops.inplace_custom(
-                spec.name,
-                device=device.graph_ref(),
-                values=list(graph.inputs),
-                parameters=dict(spec.parameters) or None,
-            )
-            graph.output()
-        model = session(device).load(graph)
-        compile_stats.graphs += 1
+        module = Module()
+        names = [_add_graph(spec, device, module).name for spec in todo]
+        models = session(device).load_all(module, custom_extensions=[kernel_package()])
+        for spec, name in zip(todo, names, strict=True):
+            _models[(spec, device)] = models[name]
+        compile_stats.graphs += len(todo)
         compile_stats.seconds += time.perf_counter() - t0
-        return model
+
+
+def compiled_op(spec: OpSpec, device: Device) -> Any:
+    """The loaded one-op graph for this spec and device (compiled on first use)."""
+    model = _models.get((spec, device))
+    if model is None:
+        with _lock:
+            t0 = time.perf_counter()
+            model = session(device).load(_add_graph(spec, device))
+            _models[(spec, device)] = model
+            compile_stats.graphs += 1
+            compile_stats.seconds += time.perf_counter() - t0
+    return model
 
 
 _KERNEL_MESSAGE = re.compile(r"pagedkv: (.*)")

@@ -1,0 +1,60 @@
+"""Compiling every op a program will use in one go.
+
+MAX pays a fixed cost of seconds per graph compile, but compiles a module of
+many one-op graphs for little more than one. `precompile` puts every pagedkv
+op variant for the given dtypes into one module; later calls then load
+nothing. The test suite and `pagedkv check-gpu` use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from max.dtype import DType
+
+from ._checks import KV_LAYOUTS
+from ._kernels import OpSpec, compile_stats, prepare
+from ._tensors import Device
+from .page import (
+    BATCH_INDICES_POSITIONS,
+    SEQ_LENS,
+    append_spec,
+    gather_spec,
+    mla_append_spec,
+)
+
+DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def op_specs(dtypes: Iterable[str] = DEFAULT_DTYPES) -> list[OpSpec]:
+    """Every op variant for these cache dtypes: both layouts, both pool forms."""
+    specs = [SEQ_LENS, BATCH_INDICES_POSITIONS]
+    for name in dtypes:
+        dtype = DType[name]
+        specs.append(mla_append_spec(dtype))
+        for layout in KV_LAYOUTS.values():
+            for is_pair in (False, True):
+                specs.append(append_spec(dtype, layout, is_pair))
+                specs.append(gather_spec(dtype, layout, is_pair))
+    return specs
+
+
+def parse_device(device: str | Device) -> Device:
+    if isinstance(device, Device):
+        return device
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "gpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'gpu[:index]', got {device!r}")
+    return Device("cpu") if kind == "cpu" else Device("gpu", int(index or 0))
+
+
+def precompile(
+    device: str | Device = "cpu", dtypes: Iterable[str] = DEFAULT_DTYPES
+) -> tuple[int, float]:
+    """Compiles every op for these dtypes on this device, in one MAX module.
+
+    Returns (graphs compiled or loaded so far, seconds spent compiling so far)
+    for this process.
+    """
+    prepare(op_specs(dtypes), parse_device(device))
+    return compile_stats.graphs, compile_stats.seconds

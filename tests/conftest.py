@@ -1,0 +1,61 @@
+"""Shared test helpers: arrays of each dtype and kind, and their raw bits."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def random_array(rng: np.random.Generator, shape, dtype: str, kind: str = "numpy"):
+    """Normal values rounded to dtype, as a NumPy array or a torch tensor."""
+    values = rng.standard_normal(shape, dtype=np.float32)
+    if kind == "numpy" and dtype not in TORCH_ONLY:
+        return values.astype(dtype)
+    import torch
+
+    return torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def bits(x) -> np.ndarray:
+    """The raw bit patterns of x (for exact, NaN-safe comparisons)."""
+    if isinstance(x, np.ndarray):
+        return x.view(f"u{x.dtype.itemsize}").copy()
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    return x.view(width).numpy().copy()
+
+
+def to_numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    return x.float().numpy() if x.dtype.is_floating_point else x.numpy()
+
+
+def like(x, values: np.ndarray):
+    """values as the kind of x (torch tensors stay torch)."""
+    if isinstance(x, np.ndarray):
+        return values
+    import torch
+
+    return torch.from_numpy(values)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_ops():
+    """Compiles every op the suite runs in one MAX module (one fixed cost)."""
+    from pagedkv.precompile import precompile
+
+    precompile("cpu", ("float32", "float16", "bfloat16"))

@@ -1,0 +1,140 @@
+"""NumPy references, written from FlashInfer's definitions and independent of
+pagedkv's kernels (plain loops and float64 where arithmetic is involved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def seq_lens(kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int) -> np.ndarray:
+    pages = np.diff(kv_indptr.astype(np.int64))
+    return np.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int32)
+
+
+def batch_indices_positions(
+    append_indptr: np.ndarray, lens: np.ndarray, nnz: int
+) -> tuple[np.ndarray, np.ndarray]:
+    batch_indices = np.zeros(nnz, np.int32)
+    positions = np.zeros(nnz, np.int32)
+    for b in range(len(lens)):
+        lo, hi = int(append_indptr[b]), int(append_indptr[b + 1])
+        for j in range(lo, hi):
+            batch_indices[j] = b
+            positions[j] = lens[b] - (hi - lo) + (j - lo)
+    return batch_indices, positions
+
+
+def slot(
+    pos: int, b: int, kv_indptr: np.ndarray, kv_indices: np.ndarray, page_size: int
+) -> tuple[int, int]:
+    """(page, offset in page) of sequence position pos of request b."""
+    return int(kv_indices[kv_indptr[b] + pos // page_size]), pos % page_size
+
+
+def page_slice(layout: str, kv: int, page: int, t: int) -> tuple:
+    """Index of a token's [H, D] in a one-tensor pool."""
+    if layout == "NHD":
+        return (page, kv, t, slice(None), slice(None))
+    return (page, kv, slice(None), t, slice(None))
+
+
+def append(
+    pool: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    batch_indices: np.ndarray,
+    positions: np.ndarray,
+    kv_indices: np.ndarray,
+    kv_indptr: np.ndarray,
+    layout: str,
+) -> np.ndarray:
+    """The one-tensor pool after the append (a new array)."""
+    out = pool.copy()
+    page_size = pool.shape[2] if layout == "NHD" else pool.shape[3]
+    for i in range(len(batch_indices)):
+        page, t = slot(int(positions[i]), int(batch_indices[i]), kv_indptr, kv_indices, page_size)
+        out[page_slice(layout, 0, page, t)] = key[i]
+        out[page_slice(layout, 1, page, t)] = value[i]
+    return out
+
+
+def gather(
+    pool: np.ndarray,
+    kv_indices: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_last_page_len: np.ndarray,
+    layout: str,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per request, its cached K and V as [L, H, D] (NHD order)."""
+    page_size = pool.shape[2] if layout == "NHD" else pool.shape[3]
+    lens = seq_lens(kv_indptr, kv_last_page_len, page_size)
+    out = []
+    for b in range(len(lens)):
+        ks, vs = [], []
+        for pos in range(int(lens[b])):
+            page, t = slot(pos, b, kv_indptr, kv_indices, page_size)
+            ks.append(pool[page_slice(layout, 0, page, t)])
+            vs.append(pool[page_slice(layout, 1, page, t)])
+        shape = (0, *pool.shape[-2:]) if layout == "NHD" else (0, pool.shape[2], pool.shape[4])
+        out.append(
+            (
+                np.stack(ks) if ks else np.zeros(shape, pool.dtype),
+                np.stack(vs) if vs else np.zeros(shape, pool.dtype),
+            )
+        )
+    return out
+
+
+@dataclass
+class PagedBatch:
+    """A batch's page table over a shuffled pool with spare pages.
+
+    Lengths are after the append; the pool holds more pages than the batch
+    uses, so untouched pages prove that nothing else was written.
+    """
+
+    page_size: int
+    num_pages: int
+    seq_lens: np.ndarray
+    append_lens: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    append_indptr: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.append_indptr[-1])
+
+
+def paged_batch(
+    rng: np.random.Generator,
+    page_size: int,
+    seq_lens_after: list[int],
+    append_lens: list[int],
+    spare_pages: int = 3,
+) -> PagedBatch:
+    lens = np.array(seq_lens_after, np.int64)
+    pages = -(-lens // page_size)
+    num_pages = int(pages.sum()) + spare_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    kv_indices = perm[: kv_indptr[-1]].copy()
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    append_indptr = np.concatenate([[0], np.cumsum(append_lens)]).astype(np.int32)
+    return PagedBatch(
+        page_size,
+        num_pages,
+        lens.astype(np.int32),
+        np.array(append_lens, np.int32),
+        kv_indptr,
+        kv_indices,
+        last,
+        append_indptr,
+    )
