@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import reference
-from conftest import bits, like, random_array
 
 import pagedkv
+import reference
+from conftest import bits, like, random_array
 
 # (dtype, kind, layout, pool form, page size, call form): a sampled grid that
 # covers each value of each axis while compiling only a few graphs.
