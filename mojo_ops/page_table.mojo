@@ -214,13 +214,13 @@ struct GetSeqLens:
                 out_ptr: IndexPtr,
                 indptr: IndexPtr,
                 last: IndexPtr,
-                batch_size: Int,
-                p: Int,
+                batch_size: Int64,
+                p: Int64,
             ):
                 var b = Int(block_idx.x * block_dim.x + thread_idx.x)
-                if b < batch_size:
+                if b < Int(batch_size):
                     out_ptr[unsafe_offset=b] = Int32(
-                        seq_len_of(indptr, last, b, p)
+                        seq_len_of(indptr, last, b, Int(p))
                     )
 
             comptime block = 256
@@ -228,8 +228,8 @@ struct GetSeqLens:
                 out_ptr,
                 indptr,
                 last,
-                batch_size,
-                p,
+                Int64(batch_size),
+                Int64(p),
                 grid_dim=max((batch_size + block - 1) // block, 1),
                 block_dim=block,
             )

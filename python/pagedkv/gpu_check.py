@@ -1,0 +1,46 @@
+"""Compiles every GPU path for a GPU this machine may not have.
+
+MAX's virtual devices run the whole GPU compile (a `comptime assert` in a GPU
+branch fires here), so a GPU-only bug fails in CI instead of on the first GPU
+that runs the code. Needs a fresh process: the virtual device must be set
+before any device exists. Run as ``python -m pagedkv.gpu_check sm_90``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def compile_for(arch: str, api: str = "cuda") -> int:
+    """Compiles every op for `arch` in this (fresh) process; returns the op count."""
+    import max.driver as driver
+
+    driver.set_virtual_device_api(api)
+    driver.set_virtual_device_target_arch(arch)
+    driver.set_virtual_device_count(1)
+
+    from ._kernels import prepare
+    from ._tensors import Device
+    from .precompile import op_specs
+
+    specs = op_specs(gpu_dtypes())
+    prepare(specs, Device("gpu"))
+    return len(specs)
+
+
+def gpu_dtypes() -> tuple[str, ...]:
+    return ("float32", "float16", "bfloat16")
+
+
+def main(argv: list[str] | None = None) -> int:
+    archs = (argv if argv is not None else sys.argv[1:]) or ["sm_90"]
+    for arch in archs:
+        t0 = time.perf_counter()
+        count = compile_for(arch)
+        print(f"{arch}: {count} ops compiled in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

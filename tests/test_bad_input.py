@@ -1,0 +1,141 @@
+"""Bad calls raise a clear error naming the argument, and leave the cache as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedkv
+import reference
+from conftest import bits, random_array
+
+PAGE, HEADS, DIM = 4, 2, 8
+
+
+@pytest.fixture
+def setup(rng):
+    batch = reference.paged_batch(rng, PAGE, [6, 3], [2, 1], spare_pages=2)
+    pool = random_array(rng, (batch.num_pages, 2, PAGE, HEADS, DIM), "float32")
+    key = random_array(rng, (batch.nnz, HEADS, DIM), "float32")
+    value = random_array(rng, (batch.nnz, HEADS, DIM), "float32")
+    bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    args = dict(
+        append_key=key,
+        append_value=value,
+        batch_indices=bi,
+        positions=pos,
+        paged_kv_cache=pool,
+        kv_indices=batch.kv_indices,
+        kv_indptr=batch.kv_indptr,
+        kv_last_page_len=batch.kv_last_page_len,
+    )
+    return batch, pool, args
+
+
+def with_(args, **changes):
+    out = dict(args)
+    out.update(changes)
+    return out
+
+
+def bad_calls(batch, pool, args):
+    """(description, call arguments, exception, message pattern)."""
+    indices, indptr, last = batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len
+    pos = args["positions"]
+    key = args["append_key"]
+    yield "heads", with_(args, append_key=key[:, :1]), ValueError, "append_key must be"
+    yield "dtype", with_(args, append_value=key.astype(np.float16)), TypeError, "append_value is"
+    yield "rows", with_(args, append_value=key[:1]), ValueError, "append_value has 1 rows"
+    yield (
+        "int64",
+        with_(args, kv_indices=indices.astype(np.int64)),
+        TypeError,
+        "kv_indices must be int32",
+    )
+    yield (
+        "int64 pos",
+        with_(args, positions=pos.astype(np.int64)),
+        TypeError,
+        "positions must be int32",
+    )
+    yield "list", with_(args, kv_indptr=list(indptr)), TypeError, "kv_indptr must be a numpy"
+    zero_last = last.copy()
+    zero_last[0] = 0
+    yield (
+        "last 0",
+        with_(args, kv_last_page_len=zero_last),
+        ValueError,
+        "kv_last_page_len\\[0\\] = 0",
+    )
+    big_last = last.copy()
+    big_last[1] = PAGE + 1
+    yield (
+        "last big",
+        with_(args, kv_last_page_len=big_last),
+        ValueError,
+        "kv_last_page_len\\[1\\] = 5",
+    )
+    outside = indices.copy()
+    outside[-1] = batch.num_pages
+    yield "page id", with_(args, kv_indices=outside), ValueError, "outside the pool of"
+    negative = indices.copy()
+    negative[0] = -1
+    yield "negative page", with_(args, kv_indices=negative), ValueError, "kv_indices\\[0\\] = -1"
+    down = indptr.copy()
+    down[1] = indptr[2] + 1
+    yield "indptr", with_(args, kv_indptr=down), ValueError, "kv_indptr"
+    long = indptr.copy()
+    long[-1] += 1
+    yield "indptr end", with_(args, kv_indptr=long), ValueError, "kv_indices holds only"
+    past = pos.copy()
+    past[-1] = batch.seq_lens[-1]
+    yield "position", with_(args, positions=past), ValueError, "positions\\[2\\] = 3 is outside"
+    wrong_b = args["batch_indices"].copy()
+    wrong_b[0] = 2
+    yield "batch index", with_(args, batch_indices=wrong_b), ValueError, "batch_indices\\[0\\] = 2"
+    yield "layout", with_(args, kv_layout="NDH"), ValueError, "kv_layout"
+    yield "pool rank", with_(args, paged_kv_cache=pool[:, 0]), ValueError, "paged_kv_cache must be"
+    strided = np.zeros((batch.num_pages, 2, PAGE, HEADS, 2 * DIM), np.float32)[..., ::2]
+    yield "strided", with_(args, paged_kv_cache=strided), ValueError, "contiguous"
+
+
+def test_bad_append_raises_and_leaves_cache_untouched(setup):
+    batch, pool, args = setup
+    before = bits(pool)
+    names = []
+    for name, call, error, pattern in bad_calls(batch, pool, args):
+        with pytest.raises(error, match=pattern):
+            pagedkv.append_paged_kv_cache(**call)
+        np.testing.assert_array_equal(bits(pool), before, err_msg=name)
+        names.append(name)
+    assert len(names) >= 15
+    # The same arguments, corrected, do write: the checks above are not vacuous.
+    pagedkv.append_paged_kv_cache(**args)
+    assert not np.array_equal(bits(pool), before)
+
+
+def test_bad_mla_append_raises(rng):
+    batch = reference.paged_batch(rng, PAGE, [5], [5])
+    ckv = np.zeros((batch.num_pages, PAGE, 12), np.float32)
+    kpe = np.zeros((batch.num_pages, PAGE, 4), np.float32)
+    bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
+    with pytest.raises(ValueError, match="append_kpe must be"):
+        pagedkv.append_paged_mla_kv_cache(
+            np.ones((5, 12), np.float32), np.ones((5, 5), np.float32), bi, pos, ckv, kpe, *table
+        )
+    bad = batch.kv_indices.copy()
+    bad[0] = 99
+    with pytest.raises(ValueError, match="outside the pool"):
+        pagedkv.append_paged_mla_kv_cache(
+            np.ones((5, 12), np.float32),
+            np.ones((5, 4), np.float32),
+            bi,
+            pos,
+            ckv,
+            kpe,
+            bad,
+            batch.kv_indptr,
+            batch.kv_last_page_len,
+        )
+    assert not ckv.any() and not kpe.any()

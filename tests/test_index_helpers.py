@@ -1,0 +1,80 @@
+"""get_seq_lens and get_batch_indices_positions: property tests against NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedkv
+import reference
+
+
+@st.composite
+def page_tables(draw):
+    page_size = draw(st.integers(1, 64))
+    lens = draw(st.lists(st.integers(0, 300), min_size=0, max_size=12))
+    pages = [-(-n // page_size) for n in lens]
+    indptr = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)]).astype(np.int32)
+    last = np.array(
+        [n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages, strict=True)], np.int32
+    )
+    return page_size, np.array(lens, np.int32), indptr, last
+
+
+@settings(max_examples=60, deadline=None)
+@given(page_tables())
+def test_seq_lens_match_flashinfer_formula(table):
+    page_size, lens, indptr, last = table
+    got = pagedkv.get_seq_lens(indptr, last, page_size)
+    np.testing.assert_array_equal(got, lens)
+    np.testing.assert_array_equal(got, reference.seq_lens(indptr, last, page_size))
+
+
+@st.composite
+def appends(draw):
+    lens = draw(st.lists(st.integers(0, 200), min_size=0, max_size=12))
+    appended = [draw(st.integers(0, n)) for n in lens]
+    indptr = np.concatenate([[0], np.cumsum(appended, dtype=np.int64)]).astype(np.int32)
+    return np.array(lens, np.int32), indptr
+
+
+@settings(max_examples=60, deadline=None)
+@given(appends())
+def test_batch_indices_positions_match_reference(case):
+    lens, append_indptr = case
+    nnz = int(append_indptr[-1])
+    batch_indices, positions = pagedkv.get_batch_indices_positions(append_indptr, lens, nnz)
+    want_b, want_p = reference.batch_indices_positions(append_indptr, lens, nnz)
+    np.testing.assert_array_equal(batch_indices, want_b)
+    np.testing.assert_array_equal(positions, want_p)
+    # The appended tokens are the last ones of each request.
+    if nnz:
+        assert (positions < lens[batch_indices]).all()
+
+
+def test_outputs_have_the_kind_of_the_inputs():
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32)
+    last = torch.tensor([3, 1], dtype=torch.int32)
+    lens = pagedkv.get_seq_lens(indptr, last, 4)
+    assert isinstance(lens, torch.Tensor) and lens.tolist() == [7, 1]
+    b, p = pagedkv.get_batch_indices_positions(torch.tensor([0, 2, 3], dtype=torch.int32), lens, 3)
+    assert isinstance(b, torch.Tensor) and b.tolist() == [0, 0, 1] and p.tolist() == [5, 6, 0]
+
+
+def test_index_helpers_reject_bad_input():
+    indptr = np.array([0, 2, 3], np.int32)
+    last = np.array([3, 1], np.int32)
+    with pytest.raises(TypeError, match="kv_indptr must be int32"):
+        pagedkv.get_seq_lens(indptr.astype(np.int64), last, 4)
+    with pytest.raises(ValueError, match="kv_indptr must have 3 entries"):
+        pagedkv.get_seq_lens(indptr[:2], last, 4)
+    with pytest.raises(ValueError, match="page_size"):
+        pagedkv.get_seq_lens(indptr, last, 0)
+    lens = np.array([7, 1], np.int32)
+    with pytest.raises(ValueError, match="append_indptr\\[-1\\] = 3 but nnz = 4"):
+        pagedkv.get_batch_indices_positions(indptr, lens, 4)
+    with pytest.raises(ValueError, match="appends 2 tokens but seq_lens"):
+        pagedkv.get_batch_indices_positions(np.array([0, 1, 3], np.int32), lens, 3)
