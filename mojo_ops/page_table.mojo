@@ -340,3 +340,45 @@ def check_append_indptr(
     var total = Int(append_indptr[unsafe_offset=batch_size])
     if total != nnz:
         raise Error("pagedkv: append_indptr[-1] = ", total, " but nnz = ", nnz)
+
+
+@extensibility.register("pagedkv_check_page_table")
+struct CheckPageTable:
+    """Raises unless a CSR page table is sound, else summarises it.
+
+    limits (host): [page_size, num_pages]. summary (host, written):
+    [largest page id used (-1 if none), tokens cached in the batch].
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString
+    ](
+        summary: MutableInputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        limits: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var page_size = Int(limits[0])
+        check_page_table_tensors[target](
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            page_size,
+            Int(limits[1]),
+            ctx,
+        )
+        var indptr = HostIndices.of[target](kv_indptr, ctx)
+        var indices = HostIndices.of[target](kv_indices, ctx)
+        var last = HostIndices.of[target](kv_last_page_len, ctx)
+        var batch_size = kv_last_page_len.dim_size(0)
+        var top = -1
+        for i in range(Int(indptr.ptr[unsafe_offset=batch_size])):
+            top = max(top, Int(indices.ptr[unsafe_offset=i]))
+        var tokens = 0
+        for b in range(batch_size):
+            tokens += seq_len_of(indptr.ptr, last.ptr, b, page_size)
+        summary[0] = Int32(top)
+        summary[1] = Int32(tokens)

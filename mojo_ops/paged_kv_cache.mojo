@@ -195,6 +195,29 @@ struct PagedKVCache[
             head_dim,
         )
 
+    def specialized[
+        page_size: Int, num_kv_heads: Int, head_dim: Int
+    ](self) -> PagedKVCache[
+        Self.dtype, Self.layout, page_size, num_kv_heads, head_dim
+    ]:
+        """The same view with shape parameters fixed (or left DYNAMIC) at compile
+        time; the caller has checked that the run-time values match."""
+        return PagedKVCache[
+            Self.dtype, Self.layout, page_size, num_kv_heads, head_dim
+        ](
+            self.k_pages,
+            self.v_pages,
+            self.page_stride,
+            self.num_pages,
+            self.kv_indptr,
+            self.kv_indices,
+            self.kv_last_page_len,
+            self.batch_size,
+            self._page_size,
+            self._num_kv_heads,
+            self._head_dim,
+        )
+
     # ---- shape -------------------------------------------------------------
 
     @always_inline

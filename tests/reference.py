@@ -138,3 +138,76 @@ def paged_batch(
         last,
         append_indptr,
     )
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes (Press et al.), as FlashInfer computes them."""
+    n = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    slopes += [2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(n, num_heads)]
+    return np.array(slopes, np.float64)
+
+
+def rotate(x: np.ndarray, positions: np.ndarray, rope_scale: float, rope_theta: float) -> np.ndarray:
+    """Llama rotary embedding (rotate-half) of x [..., n, D] at positions [n]."""
+    d = x.shape[-1]
+    inv_freq = rope_theta ** (-np.arange(0, d // 2, dtype=np.float64) * 2 / d)
+    angle = (positions.astype(np.float64) / rope_scale)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    lo, hi = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_positions: np.ndarray,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    window_left: int = -1,
+    pos_encoding_mode: str = "NONE",
+    rope_scale: float = 1.0,
+    rope_theta: float = 1e4,
+    qk_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 attention of one request: q [Lq, Hq, D] at q_positions over
+    k, v [L, Hkv, D] at positions 0..L-1. Returns o [Lq, Hq, D] and the base-2
+    lse [Lq, Hq] (-inf and o = 0 where no key is visible)."""
+    q = q.astype(np.float64)
+    k = k.astype(np.float64)
+    v = v.astype(np.float64)
+    lq, hq, d = q.shape
+    length, hkv, _ = k.shape
+    group = hq // hkv
+    kv_pos = np.arange(length)
+    if pos_encoding_mode == "ROPE_LLAMA":
+        q = rotate(q.transpose(1, 0, 2), q_positions, rope_scale, rope_theta).transpose(1, 0, 2)
+        k = rotate(k.transpose(1, 0, 2), kv_pos, rope_scale, rope_theta).transpose(1, 0, 2)
+    k = np.repeat(k, group, axis=1)  # [L, Hq, D]
+    v = np.repeat(v, group, axis=1)
+    scale = (1 / np.sqrt(d) if sm_scale is None else sm_scale) * qk_scale
+    s = np.einsum("qhd,khd->qhk", q, k) * scale
+    if logits_soft_cap:
+        s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+    if pos_encoding_mode == "ALIBI":
+        distance = kv_pos[None, :] - q_positions[:, None]
+        s = s + alibi_slopes(hq)[None, :, None] * distance[:, None, :]
+    visible = np.ones((lq, length), bool)
+    if causal:
+        visible &= kv_pos[None, :] <= q_positions[:, None]
+    if window_left >= 0:
+        visible &= kv_pos[None, :] >= q_positions[:, None] - window_left
+    s = np.where(visible[:, None, :], s, -np.inf)
+    top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    safe_top = np.where(np.isfinite(top), top, 0)
+    p = np.exp(s - safe_top)
+    total = p.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.einsum("qhk,khd->qhd", np.where(total > 0, p / total, 0), v) * v_scale
+        lse = np.where(total[..., 0] > 0, (np.log(total[..., 0]) + safe_top[..., 0]) / np.log(2),
+                       -np.inf)
+    return o, lse

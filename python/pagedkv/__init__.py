@@ -5,6 +5,7 @@ package validates arguments and dispatches to them, on NumPy arrays or torch
 tensors, writing caches in place.
 """
 
+from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -14,6 +15,7 @@ from .page import (
 )
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "gather_kv",

@@ -80,7 +80,9 @@ def contiguous(x: Array) -> Array:
 
 
 def to_buffer(x: Array) -> Buffer:
-    """A MAX buffer sharing x's memory (x must be contiguous)."""
+    """A MAX buffer sharing x's memory (x must be contiguous); a Buffer as is."""
+    if isinstance(x, Buffer):
+        return x
     if is_torch(x):
         return Buffer.from_dlpack(x)
     return Buffer.from_numpy(x)

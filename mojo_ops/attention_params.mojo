@@ -1,0 +1,148 @@
+"""Run-time options of paged attention (decode and prefill), FlashInfer's meaning.
+
+Scores are kept in base 2 (`exp2`, `log2`) as FlashInfer does: the log2(e)
+factor is folded into the scale once, and the log-sum-exp returned to users is
+FlashInfer's base-2 LSE.
+
+    s = q . k * sm_scale * q_scale * k_scale
+    s = cap * tanh(s / cap)               if logits_soft_cap > 0
+    s = s + slope(head) * (kv_pos - q_pos) if pos_encoding == ALIBI
+    p = softmax(s) over kv_pos in [q_pos - window_left, q_pos]  (all if -1)
+    o = (p . v) * v_scale
+
+With ROPE_LLAMA, q and k are rotated (rotate-half, Llama style) by their
+positions / rope_scale with base rope_theta before the dot product.
+"""
+
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+from std.math import cos, exp2, log2, sin, tanh
+from std.utils.numerics import neg_inf
+
+comptime LOG2E: Float32 = 1.4426950408889634
+
+comptime POS_NONE = 0
+comptime POS_ROPE_LLAMA = 1
+comptime POS_ALIBI = 2
+
+comptime PARAM_FLOATS = 8
+"""Layout of the float parameter tensor: sm_scale, logits_soft_cap,
+rope_scale, rope_theta, q_scale * k_scale, v_scale, (unused), (unused)."""
+
+comptime PARAM_INTS = 4
+"""Layout of the int parameter tensor: window_left, pos_encoding, (unused)."""
+
+
+struct AttentionParams(DevicePassable, TrivialRegisterPassable):
+    var q_scale_log2: Float32
+    """Multiplies q . k: sm_scale * q_scale * k_scale * log2(e), or, with a soft
+    cap, sm_scale * q_scale * k_scale / cap (the tanh's argument)."""
+    var soft_cap_log2: Float32
+    """cap * log2(e), or 0 without a soft cap."""
+    var v_scale: Float32
+    var window_left: Int
+    var pos_encoding: Int
+    var rope_rcp_scale: Float32
+    var rope_log2_theta: Float32
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(
+        self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]
+    ):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "AttentionParams"
+
+    def __init__(
+        out self,
+        sm_scale: Float32,
+        soft_cap: Float32,
+        rope_scale: Float32,
+        rope_theta: Float32,
+        qk_scale: Float32,
+        v_scale: Float32,
+        window_left: Int,
+        pos_encoding: Int,
+    ):
+        if soft_cap > 0:
+            self.q_scale_log2 = sm_scale * qk_scale / soft_cap
+            self.soft_cap_log2 = soft_cap * LOG2E
+        else:
+            self.q_scale_log2 = sm_scale * qk_scale * LOG2E
+            self.soft_cap_log2 = 0
+        self.v_scale = v_scale
+        self.window_left = window_left
+        self.pos_encoding = pos_encoding
+        self.rope_rcp_scale = 1 / rope_scale
+        self.rope_log2_theta = log2(rope_theta)
+
+    @always_inline
+    def has_soft_cap(self) -> Bool:
+        return self.soft_cap_log2 > 0
+
+    @always_inline
+    def first_visible(self, q_pos: Int) -> Int:
+        """The first kv position a query at q_pos sees."""
+        if self.window_left < 0:
+            return 0
+        return max(q_pos - self.window_left, 0)
+
+    @always_inline
+    def finish_scores[
+        width: Int
+    ](
+        self, raw: SIMD[DType.float32, width], alibi_log2: Float32, distance: SIMD[DType.float32, width]
+    ) -> SIMD[DType.float32, width]:
+        """Base-2 scores from pre-scaled dot products.
+
+        raw: q . k already multiplied by q_scale_log2. distance: kv_pos - q_pos.
+        alibi_log2: the head's ALiBi slope * log2(e) (0 when ALiBi is off).
+        """
+        var s = raw
+        if self.has_soft_cap():
+            s = self.soft_cap_log2 * tanh(raw)
+        return s + alibi_log2 * distance
+
+
+@always_inline
+def alibi_slope(head: Int, num_heads: Int) -> Float32:
+    """FlashInfer's (and Press et al.'s) ALiBi slope of a query head."""
+    var n = 1
+    while n * 2 <= num_heads:
+        n *= 2
+    if head < n:
+        return exp2(-8.0 * Float32(head + 1) / Float32(n))
+    return exp2(-4.0 * Float32(2 * (head - n) + 1) / Float32(n))
+
+
+@always_inline
+def rope_inv_freq(params: AttentionParams, i: Int, head_dim: Int) -> Float32:
+    """Angle per position of rotary pair i: theta^(-2i/D) / rope_scale."""
+    return (
+        exp2(-Float32(2 * i) / Float32(head_dim) * params.rope_log2_theta)
+        * params.rope_rcp_scale
+    )
+
+
+@always_inline
+def rope_rotate[
+    head_dim: Int, width: Int
+](x: Pointer[Float32, MutUntrackedOrigin], inv_freq: Pointer[Float32, MutUntrackedOrigin], pos: Int):
+    """Rotates x [head_dim] in place, Llama's rotate-half: pairs (i, i + D/2)."""
+    comptime half = head_dim // 2
+    comptime w = min(width, half)
+    comptime for c in range(half // w):
+        var angle = inv_freq.unsafe_offset(c * w).unsafe_load[width=w]() * Float32(pos)
+        var cs = cos(angle)
+        var sn = sin(angle)
+        var lo = x.unsafe_offset(c * w).unsafe_load[width=w]()
+        var hi = x.unsafe_offset(half + c * w).unsafe_load[width=w]()
+        x.unsafe_offset(c * w).unsafe_store(lo * cs - hi * sn)
+        x.unsafe_offset(half + c * w).unsafe_store(hi * cs + lo * sn)
+
+
+@always_inline
+def empty_lse() -> Float32:
+    return neg_inf[DType.float32]()

@@ -1,0 +1,173 @@
+"""Batch decode attention over the paged cache: the registered ops.
+
+Each of B requests has one query token with num_qo_heads heads attending to
+all K/V cached for it (the new token's K/V already appended). `plan()` in
+Python splits long requests into work items (decode_work.mojo); this op runs
+the items on all CPU cores or as GPU thread blocks, then merges the split
+requests' partial states. Output o [B, Hq, D] in q's dtype and the base-2
+log-sum-exp lse [B, Hq].
+"""
+
+import extensibility
+from extensibility import InputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
+from max.algorithm import sync_parallelize
+from max.gpu.host import DeviceContext
+
+from .attention_params import AttentionParams
+from .cache_tensors import cache_from_pair, cache_from_pool
+from .decode_cpu import decode_task, merge_split_request
+from .decode_work import DecodeWork
+from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache
+from .tensor_access import ptr_of
+
+comptime HEAD_DIMS = (64, 128, 256)
+
+
+def read_params(
+    float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+    int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+) -> AttentionParams:
+    """AttentionParams from the op's host-side parameter tensors."""
+    return AttentionParams(
+        sm_scale=float_params[0],
+        soft_cap=float_params[1],
+        rope_scale=float_params[2],
+        rope_theta=float_params[3],
+        qk_scale=float_params[4],
+        v_scale=float_params[5],
+        window_left=Int(int_params[0]),
+        pos_encoding=Int(int_params[1]),
+    )
+
+
+def batch_decode[
+    target: StaticString
+](
+    cache: PagedKVCache,
+    output: MutableInputTensor[rank=3, ...],
+    lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+    partial_o: MutableInputTensor[dtype=DType.float32, rank=3, ...],
+    partial_lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+    q: InputTensor[dtype=output.dtype, rank=3, ...],
+    work_items: InputTensor[dtype=DType.int32, rank=2, ...],
+    request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+    float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+    int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+    ctx: DeviceContext,
+) raises:
+    var params = read_params(float_params, int_params)
+    var num_qo_heads = q.dim_size(1)
+    var head_dim = q.dim_size(2)
+    var batch_size = q.dim_size(0)
+    if head_dim != cache.head_dim() or num_qo_heads % cache.num_kv_heads() != 0:
+        raise Error(
+            "pagedkv: q [B, ", num_qo_heads, ", ", head_dim, "] does not fit a cache"
+            " of ", cache.num_kv_heads(), " KV heads of dim ", cache.head_dim()
+        )
+    var work = DecodeWork(
+        ptr_of(work_items),
+        work_items.dim_size(0),
+        ptr_of(request_items),
+        ptr_of(partial_o),
+        ptr_of(partial_lse),
+    )
+    var q_ptr = ptr_of(q)
+    var o_ptr = ptr_of(output)
+    var lse_ptr = ptr_of(lse)
+    comptime for i in range(len(HEAD_DIMS)):
+        comptime D = HEAD_DIMS[i]
+        if head_dim == D:
+            var fixed = cache.specialized[DYNAMIC, DYNAMIC, D]()
+            comptime if target == "cpu":
+                var tasks = work.num_items * fixed.num_kv_heads()
+
+                def run_task(t: Int) {
+                    var fixed, var q_ptr, var o_ptr, var lse_ptr, var work,
+                    var params, var num_qo_heads,
+                }:
+                    decode_task(
+                        fixed, q_ptr, o_ptr, lse_ptr, work, params, num_qo_heads, t
+                    )
+
+                sync_parallelize(run_task, tasks)
+
+                def merge_task(b: Int) {
+                    var work, var o_ptr, var lse_ptr, var num_qo_heads
+                }:
+                    merge_split_request(
+                        work, o_ptr, lse_ptr, num_qo_heads, D, b, 0, 1
+                    )
+
+                sync_parallelize(merge_task, batch_size)
+            else:
+                raise Error("pagedkv: GPU decode not built yet")
+            return
+    raise Error(
+        "pagedkv: head_dim ", head_dim, " is not supported (64, 128 or 256)"
+    )
+
+
+@extensibility.register("pagedkv_batch_decode")
+struct BatchDecode:
+    """Decode over one pool [pages, 2, ...page...]."""
+
+    @staticmethod
+    def execute[
+        target: StaticString, layout: Int
+    ](
+        output: MutableInputTensor[rank=3, ...],
+        lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+        partial_o: MutableInputTensor[dtype=DType.float32, rank=3, ...],
+        partial_lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+        q: InputTensor[dtype=output.dtype, rank=3, ...],
+        paged_kv_cache: InputTensor[rank=5, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        work_items: InputTensor[dtype=DType.int32, rank=2, ...],
+        request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+        float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+        int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var cache = cache_from_pool[KVLayout(layout)](
+            paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len
+        )
+        batch_decode[target](
+            cache, output, lse, partial_o, partial_lse, q, work_items,
+            request_items, float_params, int_params, ctx,
+        )
+
+
+@extensibility.register("pagedkv_batch_decode_pair")
+struct BatchDecodePair:
+    """Decode over separate K and V pools."""
+
+    @staticmethod
+    def execute[
+        target: StaticString, layout: Int
+    ](
+        output: MutableInputTensor[rank=3, ...],
+        lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+        partial_o: MutableInputTensor[dtype=DType.float32, rank=3, ...],
+        partial_lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+        q: InputTensor[dtype=output.dtype, rank=3, ...],
+        k_cache: InputTensor[rank=4, ...],
+        v_cache: InputTensor[dtype=k_cache.dtype, rank=4, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        work_items: InputTensor[dtype=DType.int32, rank=2, ...],
+        request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+        float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+        int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var cache = cache_from_pair[KVLayout(layout)](
+            k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
+        )
+        batch_decode[target](
+            cache, output, lse, partial_o, partial_lse, q, work_items,
+            request_items, float_params, int_params, ctx,
+        )
