@@ -80,14 +80,19 @@ def batch_decode[
         if head_dim == D:
             var fixed = cache.specialized[DYNAMIC, DYNAMIC, D]()
             comptime if target == "cpu":
-                var tasks = work.num_items * fixed.num_kv_heads()
+                var heads_per_task = max(Int(int_params[2]), 1)
+                var blocks = (
+                    fixed.num_kv_heads() + heads_per_task - 1
+                ) // heads_per_task
+                var tasks = work.num_items * blocks
 
                 def run_task(t: Int) {
                     var fixed, var q_ptr, var o_ptr, var lse_ptr, var work,
-                    var params, var num_qo_heads,
+                    var params, var num_qo_heads, var heads_per_task,
                 }:
                     decode_task(
-                        fixed, q_ptr, o_ptr, lse_ptr, work, params, num_qo_heads, t
+                        fixed, q_ptr, o_ptr, lse_ptr, work, params,
+                        num_qo_heads, heads_per_task, t,
                     )
 
                 sync_parallelize(run_task, tasks)

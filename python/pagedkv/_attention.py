@@ -81,10 +81,22 @@ class AttentionOptions:
             np.float32,
         )
 
-    def int_params(self) -> np.ndarray:
+    def int_params(self, heads_per_task: int = 1) -> np.ndarray:
         return np.array(
-            [int(self.window_left), POS_ENCODING_MODES[self.pos_encoding_mode], 0, 0], np.int32
+            [int(self.window_left), POS_ENCODING_MODES[self.pos_encoding_mode], heads_per_task, 0],
+            np.int32,
         )
+
+
+MAX_TASK_QO_HEADS = 64
+"""Query heads one CPU task scores together (its state lives on the heap)."""
+
+
+def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
+    """KV heads per CPU task: all of them when their query heads fit, so an
+    NHD page is read token row by token row, in memory order."""
+    group = num_qo_heads // num_kv_heads
+    return max(1, min(num_kv_heads, MAX_TASK_QO_HEADS // group))
 
 
 def parallel_slots(is_gpu: bool) -> int:
@@ -98,14 +110,14 @@ def parallel_slots(is_gpu: bool) -> int:
 def split_work(
     seq_lens: np.ndarray,
     first_visible: np.ndarray,
-    num_kv_heads: int,
+    head_blocks: int,
     page_size: int,
     slots: int,
     min_chunk: int = 256,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Splits each request's visible tokens [first_visible, seq_len) into chunks.
 
-    Chunks are page-aligned and sized so that (items x KV heads) fills about
+    Chunks are page-aligned and sized so that (items x head blocks) fills about
     `slots` parallel workers; a short batch of long requests is split
     (flash-decoding), a large batch is not. Returns items [I, 3] (request,
     first, end) and request_items [B + 1] (CSR offsets into items); every
@@ -114,7 +126,7 @@ def split_work(
     seq_lens = seq_lens.astype(np.int64)
     first_visible = first_visible.astype(np.int64)
     visible = seq_lens - first_visible
-    per_head_slots = max(slots // max(num_kv_heads, 1), 1)
+    per_head_slots = max(slots // max(head_blocks, 1), 1)
     chunk = max(min_chunk, -(-int(visible.sum()) // per_head_slots))
     chunk = -(-chunk // page_size) * page_size
     # Chunks start on page boundaries of the sequence, counted from 0.

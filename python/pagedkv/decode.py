@@ -14,7 +14,13 @@ import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 
-from ._attention import AttentionOptions, as_dtype, parallel_slots, split_work
+from ._attention import (
+    AttentionOptions,
+    as_dtype,
+    heads_per_task,
+    parallel_slots,
+    split_work,
+)
 from ._checks import CacheGeometry, cache_geometry, check_index_array, layout_code
 from ._kernels import Operand, OpSpec, prepare, run_op
 from ._tensors import (
@@ -246,8 +252,13 @@ class _DecodePlan:
             if options.window_left < 0
             else np.maximum(seq_lens - 1 - options.window_left, 0)
         )
+        per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = split_work(
-            seq_lens, first_visible, num_kv_heads, page_size, parallel_slots(device.is_gpu)
+            seq_lens,
+            first_visible,
+            -(-num_kv_heads // per_task),
+            page_size,
+            parallel_slots(device.is_gpu),
         )
         plan.options = options
         plan.batch_size = batch_size
@@ -275,7 +286,7 @@ class _DecodePlan:
             "request_items": resident(request_items),
             "partial_o": to_buffer(partial_o),
             "partial_lse": to_buffer(empty(indptr, partial_shape[:2], F32)),
-            "int_params": to_buffer(options.int_params()),
+            "int_params": to_buffer(options.int_params(per_task)),
         }
         if plan.q_dtype is not None:
             plan.compile()

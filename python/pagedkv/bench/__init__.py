@@ -1,0 +1,1 @@
+"""Benchmarks: pagedkv beside its anchors in the same run (not tests)."""

@@ -1,0 +1,215 @@
+"""What pagedkv is measured against, timed in the same run on the same data.
+
+- MAX's built-in paged attention (``max.nn.kernels.flash_attention_ragged`` on
+  a ``PagedCacheValues`` collection, causal mask, one query token per request),
+  reading the very pool pagedkv reads: a FlashInfer NHD pool
+  [pages, 2, P, H, D] is MAX's [pages, 2, 1, P, H, D] with one layer.
+- torch ``scaled_dot_product_attention`` on K/V gathered beforehand to
+  contiguous [B, Hkv, L, D] (the gather is not timed), GQA both ways: with
+  ``enable_gqa`` and with the group folded into the query length.
+- The machine's read bandwidth: the best of NumPy and torch reductions over a
+  1 GiB array, one thread and all threads (STREAM's convention: best of N).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_FLUSH: np.ndarray | None = None
+
+
+def flush_caches() -> None:
+    """Evicts the caches by reading 256 MiB, so every timed run reads K/V from
+    memory as a real decode step does (each layer reads different K/V)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = np.ones((256 << 20) // 4, np.float32)
+    np.maximum.reduce(_FLUSH)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    runs: int
+
+
+def time_round_robin(
+    fns: dict[str, Callable[[], Any]], reps: int = 15, max_s: float = 4.0, flush: bool = True
+) -> dict[str, Timing]:
+    """Times the functions interleaved (one run of each per round, rotating the
+    order), so drifts in the machine's speed hit all of them alike."""
+    names = list(fns)
+    for name in names:
+        fns[name]()  # warm-up: compile caches, page faults
+    times: dict[str, list[float]] = {n: [] for n in names}
+    t_begin = time.perf_counter()
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if flush:
+                flush_caches()
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - t_begin > max_s * len(names):
+            break
+    return {n: Timing(statistics.median(t) * 1e3, min(t) * 1e3, len(t)) for n, t in times.items()}
+
+
+def _parallel(fn: Callable[[int, int], Any], parts: int) -> Callable[[], None]:
+    def run() -> None:
+        threads = [threading.Thread(target=fn, args=(i, parts)) for i in range(parts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return run
+
+
+def read_bandwidth_gbps(gib: float = 1.0, reps: int = 8) -> float:
+    """Best-of-N read bandwidth of a 1 GiB float32 array over NumPy and torch
+    reductions on one and on all threads (NumPy's loops release the GIL)."""
+    import torch
+
+    n = int(gib * (1 << 30)) // 4
+    a = np.ones(n, np.float32)
+    cores = os.cpu_count() or 1
+
+    def part(i: int, p: int) -> None:
+        np.maximum.reduce(a[i * n // p : (i + 1) * n // p])
+
+    tests = [lambda: np.maximum.reduce(a), _parallel(part, cores)]
+    at = torch.from_numpy(a)
+    saved = torch.get_num_threads()
+    best = 0.0
+    try:
+        for threads in sorted({1, cores}):
+            torch.set_num_threads(threads)
+            tests.append(lambda: at.sum())
+            for fn in tests:
+                fn()
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+            tests.pop()
+    finally:
+        torch.set_num_threads(saved)
+    return best
+
+
+# --------------------------------------------------------------------------- #
+# MAX's built-in paged attention
+# --------------------------------------------------------------------------- #
+
+_MAX_MODELS: dict[tuple, Any] = {}
+
+
+def _max_decode_graph(dtype: Any, hq: int, hkv: int, d: int, p: int) -> Any:
+    from max import tree
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType, ops
+    from max.nn.attention import MHAMaskVariant
+    from max.nn.kernels import flash_attention_ragged
+    from max.nn.kv_cache import MHAKVCacheParams
+
+    cpu = DeviceRef.CPU()
+    params = MHAKVCacheParams(
+        dtype=dtype, head_dim=d, num_layers=1, devices=[cpu], n_kv_heads=hkv, page_size=p
+    )
+    kv_types, _ = tree.flatten(params.get_symbolic_inputs())
+    q_type = TensorType(dtype, ["total_tokens", hq, d], device=cpu)
+    offsets = TensorType(DType.uint32, ["batch_plus_1"], device=cpu)
+    with Graph(
+        f"max_paged_decode_{dtype}_{hq}_{hkv}_{d}_{p}", input_types=[q_type, offsets, *kv_types]
+    ) as g:
+        q, ro, *kv_in = g.inputs
+        kv = params.unflatten_kv_inputs(iter(kv_in))[0]
+        o = flash_attention_ragged(
+            params,
+            q.tensor,
+            ro.tensor,
+            kv,
+            layer_idx=ops.constant(0, DType.uint32, device=cpu),
+            mask_variant=MHAMaskVariant.CAUSAL_MASK,
+            scale=1.0 / math.sqrt(d),
+        )
+        g.output(o)
+    return g
+
+
+def max_builtin_decode(
+    q: Any, pool: Any, page_table: np.ndarray, seq_len: int, num_pages: int
+) -> Callable[[], Any]:
+    """A callable running MAX's paged decode on (q [B, Hq, D], pool).
+
+    pool: [num_pages + 1, 2, P, Hkv, D] whose last page is all zeros (MAX pads
+    its lookup table with it); page_table: [B, pages per request].
+    """
+    from max.driver import CPU, Buffer
+    from max.engine import InferenceSession
+    from max.nn.kv_cache import padded_lut_cols
+
+    from .._tensors import dtype_of, to_buffer
+
+    b, hq, d = q.shape
+    _, _, p, hkv, _ = pool.shape
+    key = (dtype_of(q), hq, hkv, d, p)
+    if key not in _MAX_MODELS:
+        _MAX_MODELS[key] = InferenceSession(devices=[CPU()]).load(_max_decode_graph(*key))
+    model = _MAX_MODELS[key]
+    npg = page_table.shape[1]
+    lut = np.full((b, padded_lut_cols(npg)), num_pages, np.uint32)
+    lut[:, :npg] = page_table
+    pool6 = pool.reshape(pool.shape[0], 2, 1, *pool.shape[2:])
+
+    def u32(*v: int) -> Buffer:
+        return Buffer.from_numpy(np.array(v, np.uint32))
+
+    args = [
+        to_buffer(q),
+        Buffer.from_numpy(np.arange(b + 1, dtype=np.uint32)),
+        to_buffer(pool6),
+        Buffer.from_numpy(np.full(b, seq_len - 1, np.uint32)),  # cached before this step
+        Buffer.from_numpy(lut),
+        u32(1),  # max_prompt_length
+        u32(seq_len),  # max_cache_length
+        Buffer.from_numpy(np.array([-1], np.int64)),  # packed pages
+        Buffer.from_numpy(np.array([b, 1, 1, seq_len], np.int64)),  # dispatch metadata
+    ]
+    return lambda: model.execute(*args)[0]
+
+
+# --------------------------------------------------------------------------- #
+# torch SDPA on pre-gathered K/V
+# --------------------------------------------------------------------------- #
+
+
+def torch_sdpa_decode(q: Any, k: Any, v: Any, fold: bool) -> Callable[[], Any]:
+    """A callable running torch SDPA; k, v: contiguous [B, Hkv, L, D] tensors.
+
+    fold=False uses enable_gqa; fold=True views q as [B, Hkv, G, D] so that one
+    SDPA call reads each K/V row once for the whole group.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qv = q.reshape(b, hkv, hq // hkv, d) if fold else q.reshape(b, hq, 1, d)
+
+    def run() -> Any:
+        with torch.inference_mode():
+            return F.scaled_dot_product_attention(qv, k, v, enable_gqa=not fold)
+
+    return run

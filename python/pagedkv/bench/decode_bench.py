@@ -1,0 +1,203 @@
+"""Decode attention: pagedkv beside its anchors, one run, ratios.
+
+Each shape is one decode step: B requests of L cached tokens, Hq query heads
+over Hkv KV heads of dim D, pages of P tokens in random order. Every
+implementation reads the same K/V; K and V bytes / time is the effective
+bandwidth, reported as a share of the machine's measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .anchors import (
+    Timing,
+    max_builtin_decode,
+    read_bandwidth_gbps,
+    time_round_robin,
+    torch_sdpa_decode,
+)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    seq_len: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int = 128
+    page_size: int = 16
+
+    @property
+    def label(self) -> str:
+        return f"({self.batch}, {self.seq_len}, {self.num_qo_heads}, {self.num_kv_heads})"
+
+    def kv_bytes(self, itemsize: int) -> int:
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
+
+
+CPU_SHAPES = (
+    DecodeShape(1, 4096, 32, 8),
+    DecodeShape(16, 1024, 32, 8),
+    DecodeShape(64, 512, 32, 32),
+    DecodeShape(32, 2048, 32, 8),
+)
+
+
+@dataclass
+class DecodeCase:
+    """One step's data as torch tensors, plus the page table."""
+
+    shape: DecodeShape
+    q: object
+    pool: object  # [num_pages + 1, 2, P, Hkv, D]; the last page is MAX's null page
+    page_table: np.ndarray  # [B, pages per request]
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.page_table.size)
+
+    def gathered(self) -> tuple[object, object]:
+        """Contiguous K, V [B, Hkv, L, D] (for torch SDPA; not timed)."""
+        import torch
+
+        s = self.shape
+        table = torch.from_numpy(self.page_table.astype(np.int64))
+        k = self.pool[table, 0].reshape(s.batch, -1, s.num_kv_heads, s.head_dim)[:, : s.seq_len]
+        v = self.pool[table, 1].reshape(s.batch, -1, s.num_kv_heads, s.head_dim)[:, : s.seq_len]
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu") -> DecodeCase:
+    import torch
+
+    rng = np.random.default_rng(seed)
+    s = shape
+    npg = -(-s.seq_len // s.page_size)
+    num_pages = s.batch * npg
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(
+        (num_pages + 1, 2, s.page_size, s.num_kv_heads, s.head_dim), generator=gen
+    ).to(getattr(torch, dtype))
+    pool[num_pages] = 0
+    q = torch.randn((s.batch, s.num_qo_heads, s.head_dim), generator=gen).to(pool.dtype)
+    table = rng.permutation(num_pages).astype(np.int32).reshape(s.batch, npg)
+    indptr = (np.arange(s.batch + 1) * npg).astype(np.int32)
+    last = np.full(s.batch, s.seq_len - (npg - 1) * s.page_size, np.int32)
+    if device != "cpu":
+        pool, q = pool.to(device), q.to(device)
+    return DecodeCase(s, q, pool, table, indptr, table.reshape(-1).copy(), last)
+
+
+def pagedkv_decode(case: DecodeCase):
+    """A callable running pagedkv's decode on the case (plan outside timing)."""
+    import pagedkv
+
+    s = case.shape
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    like = case.q
+
+    def on_device(x: np.ndarray):
+        from .._tensors import new_like
+
+        return new_like(like, x)
+
+    w.plan(
+        on_device(case.kv_indptr),
+        on_device(case.kv_indices),
+        on_device(case.kv_last_page_len),
+        s.num_qo_heads,
+        s.num_kv_heads,
+        s.head_dim,
+        s.page_size,
+        q_data_type=case.q.dtype,
+        kv_data_type=case.pool.dtype,
+    )
+    return lambda: w.run(case.q, case.pool)
+
+
+@dataclass
+class Row:
+    shape: DecodeShape
+    dtype: str
+    name: str
+    timing: Timing
+    gbps: float
+    max_abs_diff: float
+
+
+def run_cpu_decode_bench(
+    shapes=CPU_SHAPES, dtypes=("float32", "bfloat16"), reps: int = 15, verbose: bool = True
+) -> tuple[float, list[Row]]:
+    """Times pagedkv, MAX's built-in kernel and torch SDPA; returns the read
+    bandwidth (GB/s) measured in this run and a row per implementation."""
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
+    if verbose:
+        print("measuring read bandwidth (1 GiB) ...", flush=True)
+    bandwidth = read_bandwidth_gbps()
+    rows: list[Row] = []
+    for shape in shapes:
+        for dtype in dtypes:
+            case = make_case(shape, dtype)
+            k, v = case.gathered()
+            fns = {
+                "pagedkv": pagedkv_decode(case),
+                "max_builtin": max_builtin_decode(
+                    case.q, case.pool, case.page_table, shape.seq_len, case.num_pages
+                ),
+                "torch_sdpa_gqa": torch_sdpa_decode(case.q, k, v, fold=False),
+                "torch_sdpa_fold": torch_sdpa_decode(case.q, k, v, fold=True),
+            }
+            reference = fns["torch_sdpa_fold"]().float().reshape(case.q.shape)
+            diffs = {}
+            for name, fn in fns.items():
+                out = fn()
+                out = torch.from_dlpack(out) if not isinstance(out, torch.Tensor) else out
+                diffs[name] = float((out.float().reshape(case.q.shape) - reference).abs().max())
+            timings = time_round_robin(fns, reps=reps)
+            nbytes = shape.kv_bytes(case.pool.element_size())
+            for name, t in timings.items():
+                row = Row(shape, dtype, name, t, nbytes / t.median_ms / 1e6, diffs[name])
+                rows.append(row)
+                if verbose:
+                    print(
+                        f"  {shape.label:22s} {dtype:8s} {name:16s} {t.median_ms:9.3f} ms "
+                        f"{row.gbps:7.1f} GB/s  {100 * row.gbps / bandwidth:4.0f}% of read BW",
+                        flush=True,
+                    )
+            del case, k, v, fns
+    return bandwidth, rows
+
+
+def format_table(bandwidth: float, rows: list[Row]) -> str:
+    """The table of the issue: pagedkv's ms, GB/s, share of read bandwidth and
+    speedup over each anchor (anchor time / pagedkv time)."""
+    lines = [
+        f"read bandwidth measured in this run: {bandwidth:.1f} GB/s",
+        f"{'shape (B, L, Hq, Hkv)':22s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} "
+        f"{'%BW':>5s} {'MAX ms':>8s} {'xMAX':>5s} {'gqa ms':>8s} {'xgqa':>5s} "
+        f"{'fold ms':>8s} {'xfold':>5s}",
+    ]
+    by_key: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        by_key.setdefault((r.shape, r.dtype), {})[r.name] = r
+    for (shape, dtype), group in by_key.items():
+        ours = group["pagedkv"]
+        max_ms, gqa_ms, fold_ms = (
+            group[name].timing.median_ms
+            for name in ("max_builtin", "torch_sdpa_gqa", "torch_sdpa_fold")
+        )
+        x_max, x_gqa, x_fold = (t / ours.timing.median_ms for t in (max_ms, gqa_ms, fold_ms))
+        lines.append(
+            f"{shape.label:22s} {dtype:8s} {ours.timing.median_ms:10.3f} {ours.gbps:6.1f} "
+            f"{100 * ours.gbps / bandwidth:4.0f}% {max_ms:8.3f} {x_max:5.2f} "
+            f"{gqa_ms:8.3f} {x_gqa:5.2f} {fold_ms:8.3f} {x_fold:5.2f}"
+        )
+    return "\n".join(lines)
