@@ -1,14 +1,20 @@
-"""Decode attention on the CPU: one task per (work item, KV head).
+"""Decode attention on the CPU.
 
-A task walks its tokens page by page in chunks of CHUNK tokens. Each chunk of
-K is read once for all query heads of the group (GQA), scores go through a
-base-2 online softmax, and the same chunk of V, still in L1, is folded into
-the heads' accumulators. Only the accumulators for up to MAX_PASS_HEADS query
-heads live on the stack; larger groups take more passes.
+A task is one work item (a run of one request's tokens) over a block of KV
+heads, all of them when their query heads fit (see `heads_per_task` in the
+plan): in an NHD page a token's heads are one contiguous row, so the task
+streams K and V through memory in order.
+
+The task walks its tokens in chunks of CHUNK tokens, which may span pages
+(token rows are addressed through a table of offsets). Per chunk and KV head:
+scores for all query heads of the group (each K row loaded once), a base-2
+online softmax, then the same V rows, still in L1, folded into the heads'
+accumulators. While a chunk is computed, the next chunk's rows are prefetched
+row by row, at the rate they will be consumed.
 
 The inner loops are specialised at compile time for the head dim and for the
-number of heads scored together (TILE_SIZES), so every vector op is
-full-width and every loop over head_dim is unrolled.
+number of query heads scored together (tiles of 8, 4, 2, 1), and unrolled so
+that every tile keeps 8 independent FMA chains in flight.
 """
 
 from std.math import exp2, log2
@@ -32,10 +38,16 @@ from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 
 comptime CHUNK = 32
-"""Tokens scored together: two AVX-512 vectors of scores per head."""
+"""Tokens per chunk: two AVX-512 vectors of scores per query head."""
+
+comptime CHAINS = 8
+"""Independent FMA chains a tile keeps in flight (FMA latency x ports)."""
 
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
+
+comptime RowOffsets = Ptr[DType.int64]
+"""Element offsets of a chunk's token rows from the pool base (head 0)."""
 
 
 @always_inline
@@ -52,14 +64,130 @@ def load_f32[
         return raw.cast[F32]()
 
 
+comptime PREFETCH_DISTANCE = 8
+"""Rows ahead, in the order the task consumes them, that are asked for into
+L2: enough misses in flight for one core to stream at full speed (measured
+best among 2-16 rows, L1 or L2, on a 2-core Ice Lake)."""
+
+
+struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
+    """Prefetches PREFETCH_DISTANCE rows ahead along a task's consumption order:
+    one KV head's K rows of a chunk, then its V rows, then the next head's
+    (or the next chunk's first head's) K rows.
+
+    Hardware prefetchers do not follow this order (a head's rows are 512 B
+    runs in different 4 KiB pages of an NHD page), so without it the core
+    waits on each row's miss.
+    """
+
+    var k: Ptr[Self.kv_dtype]
+    var v: Ptr[Self.kv_dtype]
+    var rows: RowOffsets
+    var n: Int
+    var next_k: Ptr[Self.kv_dtype]
+    var next_rows: RowOffsets
+    var next_n: Int
+
+    def __init__(
+        out self,
+        k: Ptr[Self.kv_dtype],
+        v: Ptr[Self.kv_dtype],
+        rows: RowOffsets,
+        n: Int,
+        next_k: Ptr[Self.kv_dtype],
+        next_rows: RowOffsets,
+        next_n: Int,
+    ):
+        self.k = k
+        self.v = v
+        self.rows = rows
+        self.n = n
+        self.next_k = next_k
+        self.next_rows = next_rows
+        self.next_n = next_n
+
+    def disabled(self) -> Self:
+        """The same prefetcher asking for nothing (a group's later tiles)."""
+        return Self(self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0)
+
+    @always_inline
+    def after_k_row(self, j: Int):
+        var target = j + PREFETCH_DISTANCE
+        if target < self.n:
+            self._fetch(self.k, self.rows, target)
+        elif target - self.n < self.n:
+            self._fetch(self.v, self.rows, target - self.n)
+
+    @always_inline
+    def after_v_row(self, j: Int):
+        var target = j + PREFETCH_DISTANCE
+        if target < self.n:
+            self._fetch(self.v, self.rows, target)
+        elif target - self.n < self.next_n:
+            self._fetch(self.next_k, self.next_rows, target - self.n)
+
+    @always_inline
+    def _fetch(self, base: Ptr[Self.kv_dtype], rows: RowOffsets, j: Int):
+        comptime line_elems = max(64 // size_of[Self.kv_dtype](), 1)
+        var p = base.unsafe_offset(Int(rows[unsafe_offset=j]))
+        comptime for i in range((Self.head_dim + line_elems - 1) // line_elems):
+            prefetch[PrefetchOptions().for_read().medium_locality()](
+                p.unsafe_offset(i * line_elems)
+            )
+
+
 @always_inline
-def prefetch_row[dtype: DType, elems: Int](p: Ptr[dtype]):
-    """Asks for the cache lines of one row of `elems` elements."""
-    comptime line_elems = max(64 // size_of[dtype](), 1)
-    comptime for i in range((elems + line_elems - 1) // line_elems):
-        prefetch[PrefetchOptions().for_read().medium_locality()](
-            p.unsafe_offset(i * line_elems)
-        )
+def chunk_rows(
+    cache: PagedKVCache, b: Int, first: Int, end: Int, rows: RowOffsets
+) -> Int:
+    """Fills rows with the offsets of tokens first.. of request b (up to
+    CHUNK, stopping at end); returns how many."""
+    var n = min(CHUNK, end - first)
+    var page_size = cache.page_size()
+    var ts = cache.token_stride()
+    var j = 0
+    while j < n:
+        var tok = first + j
+        var slot = tok % page_size
+        var base = cache.page_id(b, tok) * cache.page_stride + slot * ts
+        var run = min(page_size - slot, n - j)
+        for r in range(run):
+            rows[unsafe_offset = j + r] = Int64(base + r * ts)
+        j += run
+    return n
+
+
+@always_inline
+def score_tokens[
+    tile: Int, tokens: Int, head_dim: Int, kv_dtype: DType
+](
+    q: Ptr[F32],
+    k: Ptr[kv_dtype],
+    rows: RowOffsets,
+    j: Int,
+    scores: Ptr[F32],
+    prefetcher: RowPrefetch,
+):
+    """Scores of tokens j..j+tokens for the tile's heads."""
+    var acc = stack_allocation[tile * tokens, SIMD[F32, W]]()
+    comptime for i in range(tile * tokens):
+        acc[unsafe_offset=i] = 0
+    comptime for t in range(tokens):
+        prefetcher.after_k_row(j + t)
+    comptime for c in range(head_dim // W):
+        comptime for t in range(tokens):
+            var kv = load_f32[kv_dtype, W](
+                k, Int(rows[unsafe_offset = j + t]) + c * W
+            )
+            comptime for g in range(tile):
+                acc[unsafe_offset = t * tile + g] = q.unsafe_offset(
+                    g * head_dim + c * W
+                ).unsafe_load[width=W]().fma(kv, acc[unsafe_offset = t * tile + g])
+    comptime for t in range(tokens):
+        comptime for g in range(tile):
+            scores[unsafe_offset = g * CHUNK + j + t] = acc[
+                unsafe_offset = t * tile + g
+            ].reduce_add()
 
 
 @always_inline
@@ -68,34 +196,24 @@ def score_tile[
 ](
     q: Ptr[F32],
     k: Ptr[kv_dtype],
-    k_stride: Int,
+    rows: RowOffsets,
     n: Int,
     scores: Ptr[F32],
-    k_next: Ptr[kv_dtype],
-    n_next: Int,
+    prefetcher: RowPrefetch,
 ):
-    """scores[g * CHUNK + j] = q[g] . k[j] for tile heads and n tokens.
+    """scores[g * CHUNK + j] = q[g] . k[row j] for the tile's heads and n rows.
 
-    Each K row is loaded once and used by all heads of the tile. Row j of the
-    next chunk (k_next, n_next rows) is prefetched as row j is scored, so
-    memory requests stay in flight at the rate the rows are consumed.
+    Each K row is loaded once for all heads of the tile; small tiles score
+    several tokens at once so that CHAINS accumulations stay independent.
     """
-    for j in range(n):
-        if j < n_next:
-            prefetch_row[kv_dtype, head_dim](k_next.unsafe_offset(j * k_stride))
-        var acc = stack_allocation[tile, SIMD[F32, W]]()
-        comptime for g in range(tile):
-            acc[unsafe_offset=g] = 0
-        comptime for c in range(head_dim // W):
-            var kv = load_f32[kv_dtype, W](k, j * k_stride + c * W)
-            comptime for g in range(tile):
-                acc[unsafe_offset=g] = q.unsafe_offset(
-                    g * head_dim + c * W
-                ).unsafe_load[width=W]().fma(kv, acc[unsafe_offset=g])
-        comptime for g in range(tile):
-            scores[unsafe_offset = g * CHUNK + j] = acc[
-                unsafe_offset=g
-            ].reduce_add()
+    comptime tokens = max(CHAINS // tile, 1)
+    var j = 0
+    while j + tokens <= n:
+        score_tokens[tile, tokens, head_dim](q, k, rows, j, scores, prefetcher)
+        j += tokens
+    while j < n:
+        score_tokens[tile, 1, head_dim](q, k, rows, j, scores, prefetcher)
+        j += 1
 
 
 @always_inline
@@ -104,33 +222,42 @@ def accumulate_tile[
 ](
     probs: Ptr[F32],
     v: Ptr[kv_dtype],
-    v_stride: Int,
+    rows: RowOffsets,
     n: Int,
     acc: Ptr[F32],
-    v_next: Ptr[kv_dtype],
-    n_next: Int,
+    prefetcher: RowPrefetch,
 ):
-    """acc[g] += sum_j probs[g * CHUNK + j] * v[j], head_dim slice by slice so
-    that the tile's accumulators stay in registers while V streams from L1.
-    The next chunk's V rows are prefetched alongside."""
-    for j in range(n_next):
-        prefetch_row[kv_dtype, head_dim](v_next.unsafe_offset(j * v_stride))
-    comptime for c in range(head_dim // W):
-        var o = stack_allocation[tile, SIMD[F32, W]]()
+    """acc[g] += sum_j probs[g * CHUNK + j] * v[row j].
+
+    head_dim is covered a few vector slices at a time, so the tile's
+    accumulators for those slices stay in registers while the chunk's V rows
+    stream from L1; small tiles take more slices per pass to keep CHAINS
+    independent chains. Rows are prefetched on the first pass.
+    """
+    comptime slices = min(max(CHAINS // tile, 1), head_dim // W)
+    comptime for c0 in range(0, head_dim // W, slices):
+        var o = stack_allocation[tile * slices, SIMD[F32, W]]()
         comptime for g in range(tile):
-            o[unsafe_offset=g] = acc.unsafe_offset(
-                g * head_dim + c * W
-            ).unsafe_load[width=W]()
+            comptime for s in range(slices):
+                o[unsafe_offset = g * slices + s] = acc.unsafe_offset(
+                    g * head_dim + (c0 + s) * W
+                ).unsafe_load[width=W]()
         for j in range(n):
-            var vv = load_f32[kv_dtype, W](v, j * v_stride + c * W)
-            comptime for g in range(tile):
-                o[unsafe_offset=g] = vv.fma(
-                    probs[unsafe_offset = g * CHUNK + j], o[unsafe_offset=g]
-                )
+            comptime if c0 == 0:
+                prefetcher.after_v_row(j)
+            var row = Int(rows[unsafe_offset=j])
+            comptime for s in range(slices):
+                var vv = load_f32[kv_dtype, W](v, row + (c0 + s) * W)
+                comptime for g in range(tile):
+                    o[unsafe_offset = g * slices + s] = vv.fma(
+                        probs[unsafe_offset = g * CHUNK + j],
+                        o[unsafe_offset = g * slices + s],
+                    )
         comptime for g in range(tile):
-            acc.unsafe_offset(g * head_dim + c * W).unsafe_store(
-                o[unsafe_offset=g]
-            )
+            comptime for s in range(slices):
+                acc.unsafe_offset(g * head_dim + (c0 + s) * W).unsafe_store(
+                    o[unsafe_offset = g * slices + s]
+                )
 
 
 @always_inline
@@ -149,7 +276,7 @@ def softmax_tile[
     """Online softmax over one chunk: scores become probabilities relative to
     the running max m, and l and acc are rescaled when m grows.
 
-    distance0 = position of token 0 of the chunk - query position.
+    distance0 = position of the chunk's first token - the query's position.
     """
     var iota = SIMD[F32, W]()
     comptime for i in range(W):
@@ -189,90 +316,76 @@ def chunk_tile[
     tile: Int, head_dim: Int, k_dtype: DType, v_dtype: DType
 ](
     params: AttentionParams,
-    q: Ptr[F32],
+    state: TaskState[head_dim],
+    g: Int,
     k: Ptr[k_dtype],
-    k_stride: Int,
+    k_rows: RowOffsets,
     v: Ptr[v_dtype],
-    v_stride: Int,
+    v_rows: RowOffsets,
     n: Int,
     distance0: Int,
-    alibi_log2: Ptr[F32],
-    scores: Ptr[F32],
-    m: Ptr[F32],
-    l: Ptr[F32],
-    acc: Ptr[F32],
-    k_next: Ptr[k_dtype],
-    v_next: Ptr[v_dtype],
-    n_next: Int,
+    prefetcher: RowPrefetch,
 ):
-    score_tile[tile, head_dim](q, k, k_stride, n, scores, k_next, n_next)
+    """One chunk for query heads g..g+tile of the task."""
+    var q = state.q.unsafe_offset(g * head_dim)
+    var acc = state.acc.unsafe_offset(g * head_dim)
+    score_tile[tile, head_dim](q, k, k_rows, n, state.scores, prefetcher)
     softmax_tile[tile, head_dim](
-        params, scores, n, distance0, alibi_log2, m, l, acc
+        params,
+        state.scores,
+        n,
+        distance0,
+        state.alibi_log2.unsafe_offset(g),
+        state.m.unsafe_offset(g),
+        state.l.unsafe_offset(g),
+        acc,
     )
-    accumulate_tile[tile, head_dim](
-        scores, v, v_stride, n, acc, v_next, n_next
-    )
+    accumulate_tile[tile, head_dim](state.scores, v, v_rows, n, acc, prefetcher)
 
 
 @always_inline
-def chunk_heads[
+def chunk_group[
     head_dim: Int, k_dtype: DType, v_dtype: DType
 ](
     params: AttentionParams,
-    heads: Int,
-    q: Ptr[F32],
+    state: TaskState[head_dim],
+    g0: Int,
+    group: Int,
     k: Ptr[k_dtype],
-    k_stride: Int,
+    k_rows: RowOffsets,
     v: Ptr[v_dtype],
-    v_stride: Int,
+    v_rows: RowOffsets,
     n: Int,
     distance0: Int,
-    alibi_log2: Ptr[F32],
-    scores: Ptr[F32],
-    m: Ptr[F32],
-    l: Ptr[F32],
-    acc: Ptr[F32],
-    k_next: Ptr[k_dtype],
-    v_next: Ptr[v_dtype],
-    n_next: Int,
+    prefetcher: RowPrefetch,
 ):
-    """One chunk for `heads` query heads, in tiles of 8, 4, 2 and 1 heads;
-    the first tile prefetches the next chunk (k_next, v_next, n_next rows)."""
-    var g = 0
-    var ahead = n_next
-    while g < heads:
-        var left = heads - g
-        var qg = q.unsafe_offset(g * head_dim)
-        var ag = acc.unsafe_offset(g * head_dim)
-        var sg = alibi_log2.unsafe_offset(g)
-        var mg = m.unsafe_offset(g)
-        var lg = l.unsafe_offset(g)
-        if g > 0:
-            ahead = 0
+    """One chunk for the `group` query heads g0.. of one KV head, in tiles of
+    8, 4, 2 and 1; the first tile drives the prefetcher."""
+    var g = g0
+    var prefetching = prefetcher
+    while g < g0 + group:
+        var left = g0 + group - g
         if left >= 8:
             chunk_tile[8, head_dim](
-                params, qg, k, k_stride, v, v_stride, n, distance0, sg, scores,
-                mg, lg, ag, k_next, v_next, ahead,
+                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
             )
             g += 8
         elif left >= 4:
             chunk_tile[4, head_dim](
-                params, qg, k, k_stride, v, v_stride, n, distance0, sg, scores,
-                mg, lg, ag, k_next, v_next, ahead,
+                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
             )
             g += 4
         elif left >= 2:
             chunk_tile[2, head_dim](
-                params, qg, k, k_stride, v, v_stride, n, distance0, sg, scores,
-                mg, lg, ag, k_next, v_next, ahead,
+                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
             )
             g += 2
         else:
             chunk_tile[1, head_dim](
-                params, qg, k, k_stride, v, v_stride, n, distance0, sg, scores,
-                mg, lg, ag, k_next, v_next, ahead,
+                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
             )
             g += 1
+        prefetching = prefetcher.disabled()
 
 
 @always_inline
@@ -280,27 +393,27 @@ def rotated_keys[
     head_dim: Int, kv_dtype: DType
 ](
     k: Ptr[kv_dtype],
-    k_stride: Int,
+    rows: RowOffsets,
     n: Int,
     first_pos: Int,
     inv_freq: Ptr[F32],
-    output: Ptr[F32],
+    out_rows: Ptr[F32],
 ):
-    """n K rows widened to float32 and rotated by their positions (ROPE_LLAMA)."""
+    """The chunk's K rows widened to float32 and rotated by their positions
+    (ROPE_LLAMA), into out_rows [n, head_dim]."""
     for j in range(n):
+        var dst = out_rows.unsafe_offset(j * head_dim)
         comptime for c in range(head_dim // W):
-            output.unsafe_offset(j * head_dim + c * W).unsafe_store(
-                load_f32[kv_dtype, W](k, j * k_stride + c * W)
+            dst.unsafe_offset(c * W).unsafe_store(
+                load_f32[kv_dtype, W](k, Int(rows[unsafe_offset=j]) + c * W)
             )
-        rope_rotate[head_dim, W](
-            output.unsafe_offset(j * head_dim), inv_freq, first_pos + j
-        )
+        rope_rotate[head_dim, W](dst, inv_freq, first_pos + j)
 
 
-struct TaskState[head_dim: Int]:
-    """Per-task scratch: q rows, accumulators and softmax state of up to
-    `heads` query heads. On the heap: groups of 64 heads of dim 256 do not fit
-    a worker thread's stack."""
+struct TaskState[head_dim: Int](Movable):
+    """Per-task scratch: q rows, accumulators and softmax state of `heads`
+    query heads, scores of one tile, row offset tables. On the heap: 64 heads
+    of dim 256 would not fit a worker thread's stack."""
 
     var q: Ptr[F32]
     var acc: Ptr[F32]
@@ -310,39 +423,40 @@ struct TaskState[head_dim: Int]:
     var scores: Ptr[F32]
     var inv_freq: Ptr[F32]
     var krot: Ptr[F32]
+    var rows: RowOffsets
+    """Offsets of this chunk's rows, then of the next chunk's, then the
+    rotated keys' rows (j * head_dim)."""
     var _storage: Ptr[F32]
 
     def __init__(out self, heads: Int):
         comptime D = Self.head_dim
-        var sizes = (
-            heads * D,
-            heads * D,
-            heads,
-            heads,
-            heads,
-            8 * CHUNK,
-            D // 2,
-            CHUNK * D,
-        )
-        var total = 0
-        comptime for i in range(8):
-            total += (sizes[i] + W - 1) // W * W
-        self._storage = rebind[Ptr[F32]](
-            unsafe_alloc[Float32](total, alignment=64)
-        )
-        var offsets = List[Int]()
         var at = 0
-        comptime for i in range(8):
-            offsets.append(at)
-            at += (sizes[i] + W - 1) // W * W
-        self.q = self._storage.unsafe_offset(offsets[0])
-        self.acc = self._storage.unsafe_offset(offsets[1])
-        self.m = self._storage.unsafe_offset(offsets[2])
-        self.l = self._storage.unsafe_offset(offsets[3])
-        self.alibi_log2 = self._storage.unsafe_offset(offsets[4])
-        self.scores = self._storage.unsafe_offset(offsets[5])
-        self.inv_freq = self._storage.unsafe_offset(offsets[6])
-        self.krot = self._storage.unsafe_offset(offsets[7])
+
+        @always_inline
+        def take(mut at: Int, count: Int) -> Int:
+            var start = at
+            at += (count + W - 1) // W * W
+            return start
+
+        var q_at = take(at, heads * D)
+        var acc_at = take(at, heads * D)
+        var m_at = take(at, heads)
+        var l_at = take(at, heads)
+        var alibi_at = take(at, heads)
+        var scores_at = take(at, 8 * CHUNK)
+        var freq_at = take(at, D // 2)
+        var krot_at = take(at, CHUNK * D)
+        var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
+        self._storage = rebind[Ptr[F32]](unsafe_alloc[Float32](at, alignment=64))
+        self.q = self._storage.unsafe_offset(q_at)
+        self.acc = self._storage.unsafe_offset(acc_at)
+        self.m = self._storage.unsafe_offset(m_at)
+        self.l = self._storage.unsafe_offset(l_at)
+        self.alibi_log2 = self._storage.unsafe_offset(alibi_at)
+        self.scores = self._storage.unsafe_offset(scores_at)
+        self.inv_freq = self._storage.unsafe_offset(freq_at)
+        self.krot = self._storage.unsafe_offset(krot_at)
+        self.rows = rebind[RowOffsets](self._storage.unsafe_offset(rows_at))
 
     def __del__(deinit self):
         self._storage.free()
@@ -362,12 +476,10 @@ def decode_task[
     task: Int,
 ):
     """Attention of one work item over a block of KV heads, for every query
-    head of those heads' groups.
+    head of those heads' groups; task = item * blocks + block.
 
-    Tasks are (item, head block) pairs, task = item * blocks + block. A block
-    spans all KV heads when it can, so that in an NHD page the task reads
-    each token's K (and V) row from end to end, in memory order. Writes the
-    final output for an unsplit request, else the item's partial state.
+    Writes the final output for an unsplit request, else the item's partial
+    state for merge_split_request.
     """
     var kv_heads = cache.num_kv_heads()
     var blocks = (kv_heads + heads_per_task - 1) // heads_per_task
@@ -381,8 +493,7 @@ def decode_task[
     var q_pos = cache.cache_length(b) - 1
     var first = max(work.first(item), params.first_visible(q_pos))
     var end = work.end(item)
-    var page_size = cache.page_size()
-    var ts = cache.token_stride()
+    var hs = cache.head_stride()
     var rope = params.pos_encoding == POS_ROPE_LLAMA
 
     var st = TaskState[head_dim](heads)
@@ -393,7 +504,9 @@ def decode_task[
         var src = q.unsafe_offset((b * num_qo_heads + qo0 + g) * head_dim)
         var dst = st.q.unsafe_offset(g * head_dim)
         comptime for c in range(head_dim // W):
-            dst.unsafe_offset(c * W).unsafe_store(load_f32[q_dtype, W](src, c * W))
+            dst.unsafe_offset(c * W).unsafe_store(
+                load_f32[q_dtype, W](src, c * W)
+            )
         if rope:
             rope_rotate[head_dim, W](dst, st.inv_freq, q_pos)
         comptime for c in range(head_dim // W):
@@ -410,47 +523,46 @@ def decode_task[
                 alibi_slope(qo0 + g, num_qo_heads) * LOG2E
             )
 
+    var rows = st.rows
+    var ahead = st.rows.unsafe_offset(CHUNK)
+    var rot_rows = st.rows.unsafe_offset(2 * CHUNK)
+    for j in range(CHUNK):
+        rot_rows[unsafe_offset=j] = Int64(j * head_dim)
     var tok = first
+    var n = chunk_rows(cache, b, tok, end, rows) if tok < end else 0
     while tok < end:
-        var page = cache.page_id(b, tok)
-        var slot = tok % page_size
-        var n = min(CHUNK, page_size - slot, end - tok)
-        # Where the next chunk starts, for prefetching alongside this one.
         var next = tok + n
-        var next_page = page
-        var next_slot = slot
-        var n_next = 0
-        if next < end:
-            next_page = cache.page_id(b, next)
-            next_slot = next % page_size
-            n_next = min(CHUNK, page_size - next_slot, end - next)
+        var n_ahead = chunk_rows(cache, b, next, end, ahead) if next < end else 0
         for h in range(h0, h1):
-            var k = cache.page_ptr[KV.K](page, h).unsafe_offset(slot * ts)
-            var v = cache.page_ptr[KV.V](page, h).unsafe_offset(slot * ts)
-            var k_next = cache.page_ptr[KV.K](next_page, h).unsafe_offset(
-                next_slot * ts
-            )
-            var v_next = cache.page_ptr[KV.V](next_page, h).unsafe_offset(
-                next_slot * ts
-            )
+            var k = cache.k_pages.unsafe_offset(h * hs)
+            var v = cache.v_pages.unsafe_offset(h * hs)
             var g0 = (h - h0) * group
+            # After this head's V rows come the next head's K rows, or the
+            # next chunk's first head's.
+            var prefetcher = RowPrefetch[kv_dtype, head_dim](
+                k, v, rows, n, k.unsafe_offset(hs), rows, n
+            ) if h + 1 < h1 else RowPrefetch[kv_dtype, head_dim](
+                k, v, rows, n, cache.k_pages.unsafe_offset(h0 * hs), ahead, n_ahead
+            )
             if rope:
-                rotated_keys[head_dim](k, ts, n, tok, st.inv_freq, st.krot)
-                chunk_heads[head_dim](
-                    params, group, st.q.unsafe_offset(g0 * head_dim), st.krot,
-                    head_dim, v, ts, n, tok - q_pos,
-                    st.alibi_log2.unsafe_offset(g0), st.scores,
-                    st.m.unsafe_offset(g0), st.l.unsafe_offset(g0),
-                    st.acc.unsafe_offset(g0 * head_dim), st.krot, v_next, 0,
+                rotated_keys[head_dim](k, rows, n, tok, st.inv_freq, st.krot)
+                chunk_group[head_dim](
+                    params, st, g0, group, st.krot, rot_rows, v, rows, n,
+                    tok - q_pos,
+                    RowPrefetch[DType.float32, head_dim](
+                        st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0
+                    ),
                 )
             else:
-                chunk_heads[head_dim](
-                    params, group, st.q.unsafe_offset(g0 * head_dim), k, ts,
-                    v, ts, n, tok - q_pos, st.alibi_log2.unsafe_offset(g0),
-                    st.scores, st.m.unsafe_offset(g0), st.l.unsafe_offset(g0),
-                    st.acc.unsafe_offset(g0 * head_dim), k_next, v_next, n_next,
+                chunk_group[head_dim](
+                    params, st, g0, group, k, rows, v, rows, n, tok - q_pos,
+                    prefetcher,
                 )
         tok = next
+        n = n_ahead
+        var swap = rows
+        rows = ahead
+        ahead = swap
 
     var split = work.is_split(b)
     for g in range(heads):
