@@ -93,7 +93,10 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
     def finish_scores[
         width: Int
     ](
-        self, raw: SIMD[DType.float32, width], alibi_log2: Float32, distance: SIMD[DType.float32, width]
+        self,
+        raw: SIMD[DType.float32, width],
+        alibi_log2: Float32,
+        distance: SIMD[DType.float32, width],
     ) -> SIMD[DType.float32, width]:
         """Base-2 scores from pre-scaled dot products.
 
@@ -129,12 +132,19 @@ def rope_inv_freq(params: AttentionParams, i: Int, head_dim: Int) -> Float32:
 @always_inline
 def rope_rotate[
     head_dim: Int, width: Int
-](x: Pointer[Float32, MutUntrackedOrigin], inv_freq: Pointer[Float32, MutUntrackedOrigin], pos: Int):
-    """Rotates x [head_dim] in place, Llama's rotate-half: pairs (i, i + D/2)."""
+](
+    x: Pointer[Float32, MutUntrackedOrigin],
+    inv_freq: Pointer[Float32, MutUntrackedOrigin],
+    pos: Int,
+):
+    """Rotates x [head_dim] in place, Llama's rotate-half: pairs (i, i + D/2).
+    """
     comptime half = head_dim // 2
     comptime w = min(width, half)
     comptime for c in range(half // w):
-        var angle = inv_freq.unsafe_offset(c * w).unsafe_load[width=w]() * Float32(pos)
+        var angle = inv_freq.unsafe_offset(c * w).unsafe_load[
+            width=w
+        ]() * Float32(pos)
         var cs = cos(angle)
         var sn = sin(angle)
         var lo = x.unsafe_offset(c * w).unsafe_load[width=w]()

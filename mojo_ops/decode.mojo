@@ -62,8 +62,14 @@ def batch_decode[
     var batch_size = q.dim_size(0)
     if head_dim != cache.head_dim() or num_qo_heads % cache.num_kv_heads() != 0:
         raise Error(
-            "pagedkv: q [B, ", num_qo_heads, ", ", head_dim, "] does not fit a cache"
-            " of ", cache.num_kv_heads(), " KV heads of dim ", cache.head_dim()
+            "pagedkv: q [B, ",
+            num_qo_heads,
+            ", ",
+            head_dim,
+            "] does not fit a cache of ",
+            cache.num_kv_heads(),
+            " KV heads of dim ",
+            cache.head_dim(),
         )
     var work = DecodeWork(
         ptr_of(work_items),
@@ -86,20 +92,35 @@ def batch_decode[
                 ) // heads_per_task
                 var tasks = work.num_items * blocks
 
-                def run_task(t: Int) {
-                    var fixed, var q_ptr, var o_ptr, var lse_ptr, var work,
-                    var params, var num_qo_heads, var heads_per_task,
+                def run_task(
+                    t: Int,
+                ) {
+                    var fixed,
+                    var q_ptr,
+                    var o_ptr,
+                    var lse_ptr,
+                    var work,
+                    var params,
+                    var num_qo_heads,
+                    var heads_per_task,
                 }:
                     decode_task(
-                        fixed, q_ptr, o_ptr, lse_ptr, work, params,
-                        num_qo_heads, heads_per_task, t,
+                        fixed,
+                        q_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        work,
+                        params,
+                        num_qo_heads,
+                        heads_per_task,
+                        t,
                     )
 
                 sync_parallelize(run_task, tasks)
 
-                def merge_task(b: Int) {
-                    var work, var o_ptr, var lse_ptr, var num_qo_heads
-                }:
+                def merge_task(
+                    b: Int,
+                ) {var work, var o_ptr, var lse_ptr, var num_qo_heads}:
                     merge_split_request(
                         work, o_ptr, lse_ptr, num_qo_heads, D, b, 0, 1
                     )
@@ -140,8 +161,17 @@ struct BatchDecode:
             paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len
         )
         batch_decode[target](
-            cache, output, lse, partial_o, partial_lse, q, work_items,
-            request_items, float_params, int_params, ctx,
+            cache,
+            output,
+            lse,
+            partial_o,
+            partial_lse,
+            q,
+            work_items,
+            request_items,
+            float_params,
+            int_params,
+            ctx,
         )
 
 
@@ -173,6 +203,15 @@ struct BatchDecodePair:
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         )
         batch_decode[target](
-            cache, output, lse, partial_o, partial_lse, q, work_items,
-            request_items, float_params, int_params, ctx,
+            cache,
+            output,
+            lse,
+            partial_o,
+            partial_lse,
+            q,
+            work_items,
+            request_items,
+            float_params,
+            int_params,
+            ctx,
         )

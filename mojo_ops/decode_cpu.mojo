@@ -17,11 +17,13 @@ number of query heads scored together (tiles of 8, 4, 2, 1), and unrolled so
 that every tile keeps 8 independent FMA chains in flight.
 """
 
+from std.bit import log2_floor
 from std.math import exp2, log2
 from std.memory import bitcast, stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.sys import simd_width_of, size_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
+from std.utils import IndexList
 from std.utils.numerics import neg_inf
 
 from .attention_params import (
@@ -108,7 +110,9 @@ struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
 
     def disabled(self) -> Self:
         """The same prefetcher asking for nothing (a group's later tiles)."""
-        return Self(self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0)
+        return Self(
+            self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0
+        )
 
     @always_inline
     def after_k_row(self, j: Int):
@@ -152,9 +156,60 @@ def chunk_rows(
         var base = cache.page_id(b, tok) * cache.page_stride + slot * ts
         var run = min(page_size - slot, n - j)
         for r in range(run):
-            rows[unsafe_offset = j + r] = Int64(base + r * ts)
+            rows[unsafe_offset=j + r] = Int64(base + r * ts)
         j += run
     return n
+
+
+def _pair_sum_mask[gs: Int, hi: Bool]() -> IndexList[W]:
+    """Lanes of concat(x, y) that `pair_sums` adds: the low (or high) halves of
+    x's and then y's groups of gs lanes."""
+    var mask = IndexList[W]()
+    comptime half = gs // 2
+    comptime groups = W // gs
+    for i in range(W):
+        var group = i // half
+        var src = (group % groups) * gs + (group // groups) * W
+        mask[i] = src + i % half + (half if hi else 0)
+    return mask
+
+
+@always_inline
+def pair_sums[gs: Int](x: SIMD[F32, W], y: SIMD[F32, W]) -> SIMD[F32, W]:
+    """x and y hold groups of gs lanes; the result holds x's then y's groups,
+    each summed down to gs / 2 lanes."""
+    comptime lo = _pair_sum_mask[gs, False]()
+    comptime hi = _pair_sum_mask[gs, True]()
+    return x.shuffle[lo](y) + x.shuffle[hi](y)
+
+
+@always_inline
+def reduce_add_many[
+    count: Int
+](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, count]:
+    """The lane sums of count vectors, as one vector (lane i = sum of v[i]).
+
+    A transposed reduction: log2(count) levels of pairwise shuffle-adds, then
+    in-vector halving, instead of count separate horizontal sums.
+    """
+    comptime if count == 1:
+        return SIMD[F32, count](v[unsafe_offset=0].reduce_add())
+    else:
+        comptime levels = log2_floor(count)
+        comptime for level in range(levels):
+            comptime gs = W >> level
+            comptime stride = 1 << level
+            comptime for i in range(0, count, 2 * stride):
+                v[unsafe_offset=i] = pair_sums[gs](
+                    v[unsafe_offset=i], v[unsafe_offset=i + stride]
+                )
+        var x = v[unsafe_offset=0]
+        comptime for _ in range(log2_floor(W) - levels):
+            var halves = x.deinterleave()
+            var sums = halves[0] + halves[1]
+            # Only the low lanes matter from here on.
+            x = rebind[SIMD[F32, W]](sums.join(sums))
+        return x.slice[count]()
 
 
 @always_inline
@@ -177,17 +232,18 @@ def score_tokens[
     comptime for c in range(head_dim // W):
         comptime for t in range(tokens):
             var kv = load_f32[kv_dtype, W](
-                k, Int(rows[unsafe_offset = j + t]) + c * W
+                k, Int(rows[unsafe_offset=j + t]) + c * W
             )
             comptime for g in range(tile):
-                acc[unsafe_offset = t * tile + g] = q.unsafe_offset(
-                    g * head_dim + c * W
-                ).unsafe_load[width=W]().fma(kv, acc[unsafe_offset = t * tile + g])
+                acc[unsafe_offset=t * tile + g] = (
+                    q.unsafe_offset(g * head_dim + c * W)
+                    .unsafe_load[width=W]()
+                    .fma(kv, acc[unsafe_offset=t * tile + g])
+                )
+    var sums = reduce_add_many[tile * tokens](acc)
     comptime for t in range(tokens):
         comptime for g in range(tile):
-            scores[unsafe_offset = g * CHUNK + j + t] = acc[
-                unsafe_offset = t * tile + g
-            ].reduce_add()
+            scores[unsafe_offset=g * CHUNK + j + t] = sums[t * tile + g]
 
 
 @always_inline
@@ -239,7 +295,7 @@ def accumulate_tile[
         var o = stack_allocation[tile * slices, SIMD[F32, W]]()
         comptime for g in range(tile):
             comptime for s in range(slices):
-                o[unsafe_offset = g * slices + s] = acc.unsafe_offset(
+                o[unsafe_offset=g * slices + s] = acc.unsafe_offset(
                     g * head_dim + (c0 + s) * W
                 ).unsafe_load[width=W]()
         for j in range(n):
@@ -249,14 +305,14 @@ def accumulate_tile[
             comptime for s in range(slices):
                 var vv = load_f32[kv_dtype, W](v, row + (c0 + s) * W)
                 comptime for g in range(tile):
-                    o[unsafe_offset = g * slices + s] = vv.fma(
-                        probs[unsafe_offset = g * CHUNK + j],
-                        o[unsafe_offset = g * slices + s],
+                    o[unsafe_offset=g * slices + s] = vv.fma(
+                        probs[unsafe_offset=g * CHUNK + j],
+                        o[unsafe_offset=g * slices + s],
                     )
         comptime for g in range(tile):
             comptime for s in range(slices):
                 acc.unsafe_offset(g * head_dim + (c0 + s) * W).unsafe_store(
-                    o[unsafe_offset = g * slices + s]
+                    o[unsafe_offset=g * slices + s]
                 )
 
 
@@ -367,22 +423,58 @@ def chunk_group[
         var left = g0 + group - g
         if left >= 8:
             chunk_tile[8, head_dim](
-                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
+                params,
+                state,
+                g,
+                k,
+                k_rows,
+                v,
+                v_rows,
+                n,
+                distance0,
+                prefetching,
             )
             g += 8
         elif left >= 4:
             chunk_tile[4, head_dim](
-                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
+                params,
+                state,
+                g,
+                k,
+                k_rows,
+                v,
+                v_rows,
+                n,
+                distance0,
+                prefetching,
             )
             g += 4
         elif left >= 2:
             chunk_tile[2, head_dim](
-                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
+                params,
+                state,
+                g,
+                k,
+                k_rows,
+                v,
+                v_rows,
+                n,
+                distance0,
+                prefetching,
             )
             g += 2
         else:
             chunk_tile[1, head_dim](
-                params, state, g, k, k_rows, v, v_rows, n, distance0, prefetching
+                params,
+                state,
+                g,
+                k,
+                k_rows,
+                v,
+                v_rows,
+                n,
+                distance0,
+                prefetching,
             )
             g += 1
         prefetching = prefetcher.disabled()
@@ -447,7 +539,9 @@ struct TaskState[head_dim: Int](Movable):
         var freq_at = take(at, D // 2)
         var krot_at = take(at, CHUNK * D)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
-        self._storage = rebind[Ptr[F32]](unsafe_alloc[Float32](at, alignment=64))
+        self._storage = rebind[Ptr[F32]](
+            unsafe_alloc[Float32](at, alignment=64)
+        )
         self.q = self._storage.unsafe_offset(q_at)
         self.acc = self._storage.unsafe_offset(acc_at)
         self.m = self._storage.unsafe_offset(m_at)
@@ -532,7 +626,9 @@ def decode_task[
     var n = chunk_rows(cache, b, tok, end, rows) if tok < end else 0
     while tok < end:
         var next = tok + n
-        var n_ahead = chunk_rows(cache, b, next, end, ahead) if next < end else 0
+        var n_ahead = (
+            chunk_rows(cache, b, next, end, ahead) if next < end else 0
+        )
         for h in range(h0, h1):
             var k = cache.k_pages.unsafe_offset(h * hs)
             var v = cache.v_pages.unsafe_offset(h * hs)
@@ -542,12 +638,26 @@ def decode_task[
             var prefetcher = RowPrefetch[kv_dtype, head_dim](
                 k, v, rows, n, k.unsafe_offset(hs), rows, n
             ) if h + 1 < h1 else RowPrefetch[kv_dtype, head_dim](
-                k, v, rows, n, cache.k_pages.unsafe_offset(h0 * hs), ahead, n_ahead
+                k,
+                v,
+                rows,
+                n,
+                cache.k_pages.unsafe_offset(h0 * hs),
+                ahead,
+                n_ahead,
             )
             if rope:
                 rotated_keys[head_dim](k, rows, n, tok, st.inv_freq, st.krot)
                 chunk_group[head_dim](
-                    params, st, g0, group, st.krot, rot_rows, v, rows, n,
+                    params,
+                    st,
+                    g0,
+                    group,
+                    st.krot,
+                    rot_rows,
+                    v,
+                    rows,
+                    n,
                     tok - q_pos,
                     RowPrefetch[DType.float32, head_dim](
                         st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0
@@ -555,7 +665,16 @@ def decode_task[
                 )
             else:
                 chunk_group[head_dim](
-                    params, st, g0, group, k, rows, v, rows, n, tok - q_pos,
+                    params,
+                    st,
+                    g0,
+                    group,
+                    k,
+                    rows,
+                    v,
+                    rows,
+                    n,
+                    tok - q_pos,
                     prefetcher,
                 )
         tok = next
@@ -581,7 +700,7 @@ def decode_task[
                 dst.unsafe_offset(c * W).unsafe_store(
                     a.unsafe_offset(c * W).unsafe_load[width=W]() * norm
                 )
-            work.partial_lse[unsafe_offset = item * num_qo_heads + qo] = state_lse
+            work.partial_lse[unsafe_offset=item * num_qo_heads + qo] = state_lse
         else:
             var dst = output.unsafe_offset((b * num_qo_heads + qo) * head_dim)
             comptime for c in range(head_dim // W):
@@ -590,7 +709,7 @@ def decode_task[
                         q_dtype
                     ]()
                 )
-            lse[unsafe_offset = b * num_qo_heads + qo] = state_lse
+            lse[unsafe_offset=b * num_qo_heads + qo] = state_lse
 
 
 def merge_split_request[
@@ -605,14 +724,17 @@ def merge_split_request[
     first: Int,
     step: Int,
 ):
-    """Merges the partial states of request b (if it was split) into output, lse."""
+    """Merges the partial states of request b (if it was split) into output, lse.
+    """
     if not work.is_split(b):
         return
     var item0 = Int(work.request_items[unsafe_offset=b])
     var count = work.items_of(b)
     for qo in range(num_qo_heads):
         merge_row(
-            work.partial_o.unsafe_offset((item0 * num_qo_heads + qo) * head_dim),
+            work.partial_o.unsafe_offset(
+                (item0 * num_qo_heads + qo) * head_dim
+            ),
             num_qo_heads * head_dim,
             work.partial_lse.unsafe_offset(item0 * num_qo_heads + qo),
             num_qo_heads,

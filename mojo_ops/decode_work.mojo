@@ -49,19 +49,19 @@ struct DecodeWork(DevicePassable, TrivialRegisterPassable):
 
     @always_inline
     def request(self, item: Int) -> Int:
-        return Int(self.items[unsafe_offset = 3 * item])
+        return Int(self.items[unsafe_offset=3 * item])
 
     @always_inline
     def first(self, item: Int) -> Int:
-        return Int(self.items[unsafe_offset = 3 * item + 1])
+        return Int(self.items[unsafe_offset=3 * item + 1])
 
     @always_inline
     def end(self, item: Int) -> Int:
-        return Int(self.items[unsafe_offset = 3 * item + 2])
+        return Int(self.items[unsafe_offset=3 * item + 2])
 
     @always_inline
     def items_of(self, b: Int) -> Int:
-        return Int(self.request_items[unsafe_offset = b + 1]) - Int(
+        return Int(self.request_items[unsafe_offset=b + 1]) - Int(
             self.request_items[unsafe_offset=b]
         )
 

@@ -18,12 +18,14 @@ from max.algorithm import sync_parallelize
 from max.gpu import barrier, block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from std.math import exp2, log2
+from std.memory import stack_allocation
 from std.utils.numerics import neg_inf
 
 from .paged_kv_cache import Ptr
 from .tensor_access import ptr_of
 
-comptime MERGE_WIDTH = 8
+comptime SLICE = 256
+"""Elements of a head merged per pass (a stack buffer of float32)."""
 
 
 @always_inline
@@ -47,55 +49,40 @@ def merge_row[
     """
     var top = neg_inf[DType.float32]()
     for i in range(count):
-        top = max(top, s[unsafe_offset = i * s_stride])
+        top = max(top, s[unsafe_offset=i * s_stride])
     var total: Float32 = 0
     if top != neg_inf[DType.float32]():
         for i in range(count):
-            total += exp2(s[unsafe_offset = i * s_stride] - top)
+            total += exp2(s[unsafe_offset=i * s_stride] - top)
     if first == 0:
         out_s[unsafe_offset=0] = (
             top + log2(total) if total > 0 else neg_inf[DType.float32]()
         )
-    var d = first
-    while d < head_dim:
-        var acc: Float32 = 0
+    # head_dim in slices of SLICE: each state's weight is computed once per
+    # slice, not once per element.
+    var acc = stack_allocation[SLICE, Float32]()
+    var d0 = 0
+    while d0 < head_dim:
+        var width = min(SLICE, head_dim - d0)
+        var d = first
+        while d < width:
+            acc[unsafe_offset=d] = 0
+            d += step
         if total > 0:
             for i in range(count):
-                var w = exp2(s[unsafe_offset = i * s_stride] - top)
-                acc += w * v[unsafe_offset = i * v_stride + d].cast[
-                    DType.float32
-                ]()
-            acc /= total
-        out_v[unsafe_offset=d] = acc.cast[out_dtype]()
-        d += step
-
-
-@extensibility.register("pagedkv_merge_state_in_place")
-struct MergeStateInPlace:
-    """(v, s) <- merge((v, s), (v_other, s_other)); v, v_other [N, H, D], s [N, H].
-    """
-
-    @staticmethod
-    def execute[
-        target: StaticString
-    ](
-        v: MutableInputTensor[rank=3, ...],
-        s: MutableInputTensor[dtype=DType.float32, rank=2, ...],
-        v_other: InputTensor[dtype=v.dtype, rank=3, ...],
-        s_other: InputTensor[dtype=DType.float32, rank=2, ...],
-        ctx: DeviceContext,
-    ) raises:
-        var rows = v.dim_size(0) * v.dim_size(1)
-        var head_dim = v.dim_size(2)
-        merge_pairs[target](
-            ptr_of(v),
-            ptr_of(s),
-            ptr_of(v_other),
-            ptr_of(s_other),
-            rows,
-            head_dim,
-            ctx,
-        )
+                var w = exp2(s[unsafe_offset=i * s_stride] - top) / total
+                var row = v.unsafe_offset(i * v_stride + d0)
+                d = first
+                while d < width:
+                    acc[unsafe_offset=d] += (
+                        w * row[unsafe_offset=d].cast[DType.float32]()
+                    )
+                    d += step
+        d = first
+        while d < width:
+            out_v[unsafe_offset=d0 + d] = acc[unsafe_offset=d].cast[out_dtype]()
+            d += step
+        d0 += SLICE
 
 
 @always_inline
@@ -216,8 +203,16 @@ struct MergeStates:
             return
         comptime if target == "cpu":
 
-            def task(row: Int) {
-                var vp, var sp, var ov, var os, var states, var heads, var head_dim
+            def task(
+                row: Int,
+            ) {
+                var vp,
+                var sp,
+                var ov,
+                var os,
+                var states,
+                var heads,
+                var head_dim,
             }:
                 var i = row // heads
                 var h = row % heads
