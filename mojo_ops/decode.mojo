@@ -17,8 +17,10 @@ from max.gpu.host import DeviceContext
 from .attention_params import AttentionParams
 from .cache_tensors import cache_from_pair, cache_from_pool
 from .decode_cpu import decode_task, merge_split_request
+from .decode_gpu import GPU_THREADS, decode_gpu_kernel, group_tiles
 from .decode_work import DecodeWork
-from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache
+from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from max.gpu import block_dim, block_idx, thread_idx
 from .tensor_access import ptr_of
 
 comptime HEAD_DIMS = (64, 128, 256)
@@ -57,6 +59,7 @@ def batch_decode[
     ctx: DeviceContext,
 ) raises:
     var params = read_params(float_params, int_params)
+    var any_split = Int(int_params[3]) != 0
     var num_qo_heads = q.dim_size(1)
     var head_dim = q.dim_size(2)
     var batch_size = q.dim_size(0)

@@ -85,6 +85,34 @@ def merge_row[
         d0 += SLICE
 
 
+@extensibility.register("pagedkv_merge_state_in_place")
+struct MergeStateInPlace:
+    """(v, s) <- merge((v, s), (v_other, s_other)); v, v_other [N, H, D], s [N, H].
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString
+    ](
+        v: MutableInputTensor[rank=3, ...],
+        s: MutableInputTensor[dtype=DType.float32, rank=2, ...],
+        v_other: InputTensor[dtype=v.dtype, rank=3, ...],
+        s_other: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var rows = v.dim_size(0) * v.dim_size(1)
+        var head_dim = v.dim_size(2)
+        merge_pairs[target](
+            ptr_of(v),
+            ptr_of(s),
+            ptr_of(v_other),
+            ptr_of(s_other),
+            rows,
+            head_dim,
+            ctx,
+        )
+
+
 @always_inline
 def pair_weights(sa: Float32, sb: Float32) -> Tuple[Float32, Float32, Float32]:
     """(w_a, w_b, merged s) of two states' base-2 log-sum-exps; w sum to 1."""

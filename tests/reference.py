@@ -148,7 +148,9 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.array(slopes, np.float64)
 
 
-def rotate(x: np.ndarray, positions: np.ndarray, rope_scale: float, rope_theta: float) -> np.ndarray:
+def rotate(
+    x: np.ndarray, positions: np.ndarray, rope_scale: float, rope_theta: float
+) -> np.ndarray:
     """Llama rotary embedding (rotate-half) of x [..., n, D] at positions [n]."""
     d = x.shape[-1]
     inv_freq = rope_theta ** (-np.arange(0, d // 2, dtype=np.float64) * 2 / d)
@@ -208,6 +210,7 @@ def attention(
     total = p.sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.einsum("qhk,khd->qhd", np.where(total > 0, p / total, 0), v) * v_scale
-        lse = np.where(total[..., 0] > 0, (np.log(total[..., 0]) + safe_top[..., 0]) / np.log(2),
-                       -np.inf)
+        lse = np.where(
+            total[..., 0] > 0, (np.log(total[..., 0]) + safe_top[..., 0]) / np.log(2), -np.inf
+        )
     return o, lse

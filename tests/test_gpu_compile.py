@@ -13,7 +13,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("arch", ["sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_gpu_paths_compile(arch):
     result = subprocess.run(
         [sys.executable, "-m", "pagedkv.gpu_check", arch],

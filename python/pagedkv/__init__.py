@@ -5,7 +5,8 @@ package validates arguments and dispatches to them, on NumPy arrays or torch
 tensors, writing caches in place.
 """
 
-from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .cascade import merge_state, merge_state_in_place, merge_states
+from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -21,6 +22,10 @@ __all__ = [
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "single_decode_with_kv_cache",
 ]
 
 __version__ = "0.1.0"

@@ -44,6 +44,8 @@ FP8_DTYPES = (DType.float8_e4m3fn, DType.float8_e5m2)
 KV_DTYPES = Q_DTYPES + FP8_DTYPES
 
 F32 = DType.float32
+GPU_MAX_GROUP = 8
+"""Query heads per GPU thread block (MAX_GROUP in mojo_ops/decode_gpu.mojo)."""
 HOST_F32 = Operand(F32, 1, on_host=True)
 HOST_INDEX = Operand(DType.int32, 1, on_host=True)
 
@@ -252,13 +254,16 @@ class _DecodePlan:
             if options.window_left < 0
             else np.maximum(seq_lens - 1 - options.window_left, 0)
         )
+        # Items run once per head block: on the CPU a block is the KV heads one
+        # task covers, on a GPU the query heads one thread block covers.
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
+        head_blocks = (
+            num_kv_heads * -(-(num_qo_heads // num_kv_heads) // GPU_MAX_GROUP)
+            if device.is_gpu
+            else -(-num_kv_heads // per_task)
+        )
         items, request_items = split_work(
-            seq_lens,
-            first_visible,
-            -(-num_kv_heads // per_task),
-            page_size,
-            parallel_slots(device.is_gpu),
+            seq_lens, first_visible, head_blocks, page_size, parallel_slots(device.is_gpu)
         )
         plan.options = options
         plan.batch_size = batch_size
@@ -286,7 +291,9 @@ class _DecodePlan:
             "request_items": resident(request_items),
             "partial_o": to_buffer(partial_o),
             "partial_lse": to_buffer(empty(indptr, partial_shape[:2], F32)),
-            "int_params": to_buffer(options.int_params(per_task)),
+            "int_params": to_buffer(
+                options.int_params(per_task, bool((np.diff(request_items) > 1).any()))
+            ),
         }
         if plan.q_dtype is not None:
             plan.compile()
@@ -387,3 +394,66 @@ def _workspace_view(workspace: Array | None, shape: tuple[int, ...], like: Array
         if raw.size >= need:
             return raw[:need].view(np.float32).reshape(shape)
     return empty(like, shape, F32)
+
+
+def single_decode_with_kv_cache(
+    q: Array,
+    k: Array,
+    v: Array,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Decode attention of one request over contiguous K/V.
+
+    q: [num_qo_heads, head_dim]; k, v: [L, num_kv_heads, head_dim] (NHD) or
+    [num_kv_heads, L, head_dim] (HND). The K/V are viewed, without a copy, as
+    one page of L tokens and run through the batch kernel. Returns o
+    [num_qo_heads, head_dim], and lse [num_qo_heads] with return_lse.
+    """
+    layout_code(kv_layout)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x)
+    if len(q.shape) != 2 or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"q must be [Hq, D] and k, v the same [L, Hkv, D] / [Hkv, L, D]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    heads, length = (k.shape[1], k.shape[0]) if kv_layout == "NHD" else k.shape[:2]
+    num_qo_heads, head_dim = q.shape
+    if length == 0:
+        o = empty(q, q.shape, dtype_of(q))
+        o[...] = 0
+        lse = empty(q, (num_qo_heads,), F32)
+        lse[...] = -np.inf
+        return (o, lse) if return_lse else o
+    # One page holding all L tokens: the pair form of the pool, zero-copy.
+    cache = (contiguous(k)[None], contiguous(v)[None])
+    # plan() is cheap here: the op is compiled once per process.
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
+    wrapper.plan(
+        new_like(q, np.array([0, 1], np.int32)),
+        new_like(q, np.array([0], np.int32)),
+        new_like(q, np.array([length], np.int32)),
+        num_qo_heads,
+        int(heads),
+        int(head_dim),
+        int(length),
+        pos_encoding_mode=pos_encoding_mode,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        q_data_type=dtype_of(q),
+        kv_data_type=dtype_of(k),
+        sm_scale=sm_scale,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+    )
+    out = wrapper.run(q[None], cache, return_lse=return_lse)
+    if return_lse:
+        return out[0][0], out[1][0]
+    return out[0]

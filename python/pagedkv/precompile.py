@@ -15,6 +15,8 @@ from max.dtype import DType
 from ._checks import KV_LAYOUTS
 from ._kernels import OpSpec, compile_stats, prepare
 from ._tensors import Device
+from .cascade import merge_state_spec, merge_states_spec
+from .decode import CHECK_PAGE_TABLE, decode_spec
 from .page import (
     BATCH_INDICES_POSITIONS,
     SEQ_LENS,
@@ -26,9 +28,15 @@ from .page import (
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def op_specs(dtypes: Iterable[str] = DEFAULT_DTYPES) -> list[OpSpec]:
-    """Every op variant for these cache dtypes: both layouts, both pool forms."""
-    specs = [SEQ_LENS, BATCH_INDICES_POSITIONS]
+def op_specs(
+    dtypes: Iterable[str] = DEFAULT_DTYPES,
+    decode_dtypes: Iterable[tuple[str, str]] | None = None,
+) -> list[OpSpec]:
+    """Every op variant for these cache dtypes, both layouts, both pool forms;
+    decode for the (q, kv) dtype pairs (default: each dtype with itself)."""
+    dtypes = list(dtypes)
+    specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE]
+    pairs = [(d, d) for d in dtypes] if decode_dtypes is None else list(decode_dtypes)
     for name in dtypes:
         dtype = DType[name]
         specs.append(mla_append_spec(dtype))
@@ -36,7 +44,12 @@ def op_specs(dtypes: Iterable[str] = DEFAULT_DTYPES) -> list[OpSpec]:
             for is_pair in (False, True):
                 specs.append(append_spec(dtype, layout, is_pair))
                 specs.append(gather_spec(dtype, layout, is_pair))
-    return specs
+    for q_name, kv_name in pairs:
+        specs += [merge_state_spec(DType[q_name]), merge_states_spec(DType[q_name])]
+        for layout in KV_LAYOUTS.values():
+            for is_pair in (False, True):
+                specs.append(decode_spec(DType[q_name], DType[kv_name], layout, is_pair))
+    return list(dict.fromkeys(specs))
 
 
 def parse_device(device: str | Device) -> Device:
@@ -49,12 +62,14 @@ def parse_device(device: str | Device) -> Device:
 
 
 def precompile(
-    device: str | Device = "cpu", dtypes: Iterable[str] = DEFAULT_DTYPES
+    device: str | Device = "cpu",
+    dtypes: Iterable[str] = DEFAULT_DTYPES,
+    decode_dtypes: Iterable[tuple[str, str]] | None = None,
 ) -> tuple[int, float]:
     """Compiles every op for these dtypes on this device, in one MAX module.
 
     Returns (graphs compiled or loaded so far, seconds spent compiling so far)
     for this process.
     """
-    prepare(op_specs(dtypes), parse_device(device))
+    prepare(op_specs(dtypes, decode_dtypes), parse_device(device))
     return compile_stats.graphs, compile_stats.seconds
