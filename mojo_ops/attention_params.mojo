@@ -24,12 +24,11 @@ comptime POS_NONE = 0
 comptime POS_ROPE_LLAMA = 1
 comptime POS_ALIBI = 2
 
-comptime PARAM_FLOATS = 8
-"""Layout of the float parameter tensor: sm_scale, logits_soft_cap,
-rope_scale, rope_theta, q_scale * k_scale, v_scale, (unused), (unused)."""
-
-comptime PARAM_INTS = 4
-"""Layout of the int parameter tensor: window_left, pos_encoding, (unused)."""
+# The op parameter tensors (host, written by python/pagedkv/_attention.py):
+#   float_params [8]: sm_scale, logits_soft_cap, rope_scale, rope_theta,
+#                     q_scale * k_scale, v_scale, -, -
+#   int_params [8]:   window_left, pos_encoding, KV heads per CPU task,
+#                     any request split, K/V interleaved in one pool, -, -, -
 
 
 struct AttentionParams(DevicePassable, TrivialRegisterPassable):
@@ -37,12 +36,12 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
     """Multiplies q . k: sm_scale * q_scale * k_scale * log2(e), or, with a soft
     cap, sm_scale * q_scale * k_scale / cap (the tanh's argument)."""
     var soft_cap_log2: Float32
-    """cap * log2(e), or 0 without a soft cap."""
+    """The soft cap times log2(e), or 0 without a soft cap."""
     var v_scale: Float32
     var window_left: Int
     var pos_encoding: Int
-    var rope_rcp_scale: Float32
-    var rope_log2_theta: Float32
+    var rope_rcp_scale: Float64
+    var rope_log2_theta: Float64
 
     comptime device_type: AnyType = Self
 
@@ -75,8 +74,8 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
         self.v_scale = v_scale
         self.window_left = window_left
         self.pos_encoding = pos_encoding
-        self.rope_rcp_scale = 1 / rope_scale
-        self.rope_log2_theta = log2(rope_theta)
+        self.rope_rcp_scale = 1 / Float64(rope_scale)
+        self.rope_log2_theta = log2(Float64(rope_theta))
 
     @always_inline
     def has_soft_cap(self) -> Bool:
@@ -121,30 +120,45 @@ def alibi_slope(head: Int, num_heads: Int) -> Float32:
 
 
 @always_inline
-def rope_inv_freq(params: AttentionParams, i: Int, head_dim: Int) -> Float32:
+def rope_inv_freq(params: AttentionParams, i: Int, head_dim: Int) -> Float64:
     """Angle per position of rotary pair i: theta^(-2i/D) / rope_scale."""
     return (
-        exp2(-Float32(2 * i) / Float32(head_dim) * params.rope_log2_theta)
+        exp2(-Float64(2 * i) / Float64(head_dim) * params.rope_log2_theta)
         * params.rope_rcp_scale
     )
 
 
+comptime TWO_PI: Float64 = 6.283185307179586
+
+
 @always_inline
-def rope_rotate[
-    head_dim: Int, width: Int
-](
+def rope_angle[
+    width: Int
+](inv_freq: SIMD[DType.float64, width], pos: Int) -> SIMD[DType.float32, width]:
+    """The angle pos * inv_freq, reduced to [-pi, pi] in float64: at position 10^4 a
+    float32 product would already be off by 1e-3 radians."""
+    var angle = inv_freq * Float64(pos)
+    return (angle - TWO_PI * round(angle / TWO_PI)).cast[DType.float32]()
+
+
+@always_inline
+def rope_rotate(
     x: Pointer[Float32, MutUntrackedOrigin],
-    inv_freq: Pointer[Float32, MutUntrackedOrigin],
+    inv_freq: Pointer[Float64, MutUntrackedOrigin],
     pos: Int,
+    head_dim: Int,
 ):
     """Rotates x [head_dim] in place, Llama's rotate-half: pairs (i, i + D/2).
+
+    inv_freq holds head_dim / 2 float64 frequencies; head_dim / 2 is a
+    multiple of 8.
     """
-    comptime half = head_dim // 2
-    comptime w = min(width, half)
-    comptime for c in range(half // w):
-        var angle = inv_freq.unsafe_offset(c * w).unsafe_load[
-            width=w
-        ]() * Float32(pos)
+    comptime w = 8
+    var half = head_dim // 2
+    for c in range(half // w):
+        var angle = rope_angle[w](
+            inv_freq.unsafe_offset(c * w).unsafe_load[width=w](), pos
+        )
         var cs = cos(angle)
         var sn = sin(angle)
         var lo = x.unsafe_offset(c * w).unsafe_load[width=w]()

@@ -87,6 +87,38 @@ def cache_from_pair[
     )
 
 
+def cache_from_tensors[
+    layout: KVLayout
+](
+    k_cache: ManagedTensorSlice[rank=4, ...],
+    v_cache: ManagedTensorSlice[dtype=k_cache.dtype, rank=4, ...],
+    interleaved: Bool,
+    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+) raises -> PagedKVCache[k_cache.dtype, layout]:
+    """Views either pool form through rank-4 tensors, so that one compiled op
+    serves both: separate K and V pools [pages, ...page...], or (interleaved)
+    a one-tensor pool [pages, 2, ...page...] viewed as [2 * pages, ...page...]
+    and passed as both k_cache and v_cache."""
+    if not interleaved:
+        return cache_from_pair[layout](
+            k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
+        )
+    var dims = page_dims[layout](k_cache, 1)
+    return PagedKVCache[k_cache.dtype, layout].from_pool(
+        ptr_of(k_cache),
+        k_cache.dim_size(0) // 2,
+        ptr_of(kv_indptr),
+        ptr_of(kv_indices),
+        ptr_of(kv_last_page_len),
+        kv_last_page_len.dim_size(0),
+        dims[0],
+        dims[1],
+        dims[2],
+    )
+
+
 def check_cache_page_table[
     target: StaticString
 ](

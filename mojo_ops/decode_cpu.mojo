@@ -45,6 +45,10 @@ comptime CHUNK = 32
 comptime CHAINS = 8
 """Independent FMA chains a tile keeps in flight (FMA latency x ports)."""
 
+comptime MIN_HEAD_DIM = 64
+"""The head_dim granule: head_dim is a run-time value (one compiled kernel
+serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a V pass takes."""
+
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 
@@ -72,7 +76,7 @@ L2: enough misses in flight for one core to stream at full speed (measured
 best among 2-16 rows, L1 or L2, on a 2-core Ice Lake)."""
 
 
-struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
+struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     """Prefetches PREFETCH_DISTANCE rows ahead along a task's consumption order:
     one KV head's K rows of a chunk, then its V rows, then the next head's
     (or the next chunk's first head's) K rows.
@@ -89,6 +93,7 @@ struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
     var next_k: Ptr[Self.kv_dtype]
     var next_rows: RowOffsets
     var next_n: Int
+    var row_elems: Int
 
     def __init__(
         out self,
@@ -99,7 +104,9 @@ struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
         next_k: Ptr[Self.kv_dtype],
         next_rows: RowOffsets,
         next_n: Int,
+        row_elems: Int,
     ):
+        self.row_elems = row_elems
         self.k = k
         self.v = v
         self.rows = rows
@@ -111,7 +118,7 @@ struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
     def disabled(self) -> Self:
         """The same prefetcher asking for nothing (a group's later tiles)."""
         return Self(
-            self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0
+            self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0, 0
         )
 
     @always_inline
@@ -134,10 +141,12 @@ struct RowPrefetch[kv_dtype: DType, head_dim: Int](TrivialRegisterPassable):
     def _fetch(self, base: Ptr[Self.kv_dtype], rows: RowOffsets, j: Int):
         comptime line_elems = max(64 // size_of[Self.kv_dtype](), 1)
         var p = base.unsafe_offset(Int(rows[unsafe_offset=j]))
-        comptime for i in range((Self.head_dim + line_elems - 1) // line_elems):
+        var i = 0
+        while i < self.row_elems:
             prefetch[PrefetchOptions().for_read().medium_locality()](
-                p.unsafe_offset(i * line_elems)
+                p.unsafe_offset(i)
             )
+            i += line_elems
 
 
 @always_inline
@@ -176,7 +185,8 @@ def _pair_sum_mask[gs: Int, hi: Bool]() -> IndexList[W]:
 
 @always_inline
 def pair_sums[gs: Int](x: SIMD[F32, W], y: SIMD[F32, W]) -> SIMD[F32, W]:
-    """x and y hold groups of gs lanes; the result holds x's then y's groups,
+    """Sums lane pairs: x and y hold groups of gs lanes; the result holds x's
+    then y's groups,
     each summed down to gs / 2 lanes."""
     comptime lo = _pair_sum_mask[gs, False]()
     comptime hi = _pair_sum_mask[gs, True]()
@@ -214,8 +224,9 @@ def reduce_add_many[
 
 @always_inline
 def score_tokens[
-    tile: Int, tokens: Int, head_dim: Int, kv_dtype: DType
+    tile: Int, tokens: Int, kv_dtype: DType
 ](
+    head_dim: Int,
     q: Ptr[F32],
     k: Ptr[kv_dtype],
     rows: RowOffsets,
@@ -229,7 +240,7 @@ def score_tokens[
         acc[unsafe_offset=i] = 0
     comptime for t in range(tokens):
         prefetcher.after_k_row(j + t)
-    comptime for c in range(head_dim // W):
+    for c in range(head_dim // W):
         comptime for t in range(tokens):
             var kv = load_f32[kv_dtype, W](
                 k, Int(rows[unsafe_offset=j + t]) + c * W
@@ -248,8 +259,9 @@ def score_tokens[
 
 @always_inline
 def score_tile[
-    tile: Int, head_dim: Int, kv_dtype: DType
+    tile: Int, kv_dtype: DType
 ](
+    head_dim: Int,
     q: Ptr[F32],
     k: Ptr[kv_dtype],
     rows: RowOffsets,
@@ -257,7 +269,7 @@ def score_tile[
     scores: Ptr[F32],
     prefetcher: RowPrefetch,
 ):
-    """scores[g * CHUNK + j] = q[g] . k[row j] for the tile's heads and n rows.
+    """Scores: scores[g * CHUNK + j] = q[g] . k[row j] for the tile's heads.
 
     Each K row is loaded once for all heads of the tile; small tiles score
     several tokens at once so that CHAINS accumulations stay independent.
@@ -265,17 +277,18 @@ def score_tile[
     comptime tokens = max(CHAINS // tile, 1)
     var j = 0
     while j + tokens <= n:
-        score_tokens[tile, tokens, head_dim](q, k, rows, j, scores, prefetcher)
+        score_tokens[tile, tokens](head_dim, q, k, rows, j, scores, prefetcher)
         j += tokens
     while j < n:
-        score_tokens[tile, 1, head_dim](q, k, rows, j, scores, prefetcher)
+        score_tokens[tile, 1](head_dim, q, k, rows, j, scores, prefetcher)
         j += 1
 
 
 @always_inline
 def accumulate_tile[
-    tile: Int, head_dim: Int, kv_dtype: DType
+    tile: Int, kv_dtype: DType
 ](
+    head_dim: Int,
     probs: Ptr[F32],
     v: Ptr[kv_dtype],
     rows: RowOffsets,
@@ -283,15 +296,15 @@ def accumulate_tile[
     acc: Ptr[F32],
     prefetcher: RowPrefetch,
 ):
-    """acc[g] += sum_j probs[g * CHUNK + j] * v[row j].
+    """Folds V in: acc[g] += sum_j probs[g * CHUNK + j] * v[row j].
 
     head_dim is covered a few vector slices at a time, so the tile's
     accumulators for those slices stay in registers while the chunk's V rows
     stream from L1; small tiles take more slices per pass to keep CHAINS
     independent chains. Rows are prefetched on the first pass.
     """
-    comptime slices = min(max(CHAINS // tile, 1), head_dim // W)
-    comptime for c0 in range(0, head_dim // W, slices):
+    comptime slices = min(max(CHAINS // tile, 1), MIN_HEAD_DIM // W)
+    for c0 in range(0, head_dim // W, slices):
         var o = stack_allocation[tile * slices, SIMD[F32, W]]()
         comptime for g in range(tile):
             comptime for s in range(slices):
@@ -299,7 +312,7 @@ def accumulate_tile[
                     g * head_dim + (c0 + s) * W
                 ).unsafe_load[width=W]()
         for j in range(n):
-            comptime if c0 == 0:
+            if c0 == 0:
                 prefetcher.after_v_row(j)
             var row = Int(rows[unsafe_offset=j])
             comptime for s in range(slices):
@@ -318,8 +331,9 @@ def accumulate_tile[
 
 @always_inline
 def softmax_tile[
-    tile: Int, head_dim: Int
+    tile: Int
 ](
+    head_dim: Int,
     params: AttentionParams,
     scores: Ptr[F32],
     n: Int,
@@ -362,17 +376,18 @@ def softmax_tile[
         l[unsafe_offset=g] = l[unsafe_offset=g] * alpha + total
         m[unsafe_offset=g] = new
         if alpha != 1:
-            comptime for c in range(head_dim // W):
+            for c in range(head_dim // W):
                 var a = acc.unsafe_offset(g * head_dim + c * W)
                 a.unsafe_store(a.unsafe_load[width=W]() * alpha)
 
 
 @always_inline
 def chunk_tile[
-    tile: Int, head_dim: Int, k_dtype: DType, v_dtype: DType
+    tile: Int, k_dtype: DType, v_dtype: DType
 ](
+    head_dim: Int,
     params: AttentionParams,
-    state: TaskState[head_dim],
+    state: TaskState,
     g: Int,
     k: Ptr[k_dtype],
     k_rows: RowOffsets,
@@ -385,8 +400,9 @@ def chunk_tile[
     """One chunk for query heads g..g+tile of the task."""
     var q = state.q.unsafe_offset(g * head_dim)
     var acc = state.acc.unsafe_offset(g * head_dim)
-    score_tile[tile, head_dim](q, k, k_rows, n, state.scores, prefetcher)
-    softmax_tile[tile, head_dim](
+    score_tile[tile](head_dim, q, k, k_rows, n, state.scores, prefetcher)
+    softmax_tile[tile](
+        head_dim,
         params,
         state.scores,
         n,
@@ -396,15 +412,16 @@ def chunk_tile[
         state.l.unsafe_offset(g),
         acc,
     )
-    accumulate_tile[tile, head_dim](state.scores, v, v_rows, n, acc, prefetcher)
+    accumulate_tile[tile](head_dim, state.scores, v, v_rows, n, acc, prefetcher)
 
 
 @always_inline
 def chunk_group[
-    head_dim: Int, k_dtype: DType, v_dtype: DType
+    k_dtype: DType, v_dtype: DType
 ](
+    head_dim: Int,
     params: AttentionParams,
-    state: TaskState[head_dim],
+    state: TaskState,
     g0: Int,
     group: Int,
     k: Ptr[k_dtype],
@@ -422,7 +439,8 @@ def chunk_group[
     while g < g0 + group:
         var left = g0 + group - g
         if left >= 8:
-            chunk_tile[8, head_dim](
+            chunk_tile[8](
+                head_dim,
                 params,
                 state,
                 g,
@@ -436,7 +454,8 @@ def chunk_group[
             )
             g += 8
         elif left >= 4:
-            chunk_tile[4, head_dim](
+            chunk_tile[4](
+                head_dim,
                 params,
                 state,
                 g,
@@ -450,7 +469,8 @@ def chunk_group[
             )
             g += 4
         elif left >= 2:
-            chunk_tile[2, head_dim](
+            chunk_tile[2](
+                head_dim,
                 params,
                 state,
                 g,
@@ -464,7 +484,8 @@ def chunk_group[
             )
             g += 2
         else:
-            chunk_tile[1, head_dim](
+            chunk_tile[1](
+                head_dim,
                 params,
                 state,
                 g,
@@ -482,27 +503,28 @@ def chunk_group[
 
 @always_inline
 def rotated_keys[
-    head_dim: Int, kv_dtype: DType
+    kv_dtype: DType
 ](
+    head_dim: Int,
     k: Ptr[kv_dtype],
     rows: RowOffsets,
     n: Int,
     first_pos: Int,
-    inv_freq: Ptr[F32],
+    inv_freq: Ptr[DType.float64],
     out_rows: Ptr[F32],
 ):
     """The chunk's K rows widened to float32 and rotated by their positions
     (ROPE_LLAMA), into out_rows [n, head_dim]."""
     for j in range(n):
         var dst = out_rows.unsafe_offset(j * head_dim)
-        comptime for c in range(head_dim // W):
+        for c in range(head_dim // W):
             dst.unsafe_offset(c * W).unsafe_store(
                 load_f32[kv_dtype, W](k, Int(rows[unsafe_offset=j]) + c * W)
             )
-        rope_rotate[head_dim, W](dst, inv_freq, first_pos + j)
+        rope_rotate(dst, inv_freq, first_pos + j, head_dim)
 
 
-struct TaskState[head_dim: Int](Movable):
+struct TaskState(Movable):
     """Per-task scratch: q rows, accumulators and softmax state of `heads`
     query heads, scores of one tile, row offset tables. On the heap: 64 heads
     of dim 256 would not fit a worker thread's stack."""
@@ -513,15 +535,15 @@ struct TaskState[head_dim: Int](Movable):
     var l: Ptr[F32]
     var alibi_log2: Ptr[F32]
     var scores: Ptr[F32]
-    var inv_freq: Ptr[F32]
+    var inv_freq: Ptr[DType.float64]
     var krot: Ptr[F32]
     var rows: RowOffsets
     """Offsets of this chunk's rows, then of the next chunk's, then the
     rotated keys' rows (j * head_dim)."""
     var _storage: Ptr[F32]
 
-    def __init__(out self, heads: Int):
-        comptime D = Self.head_dim
+    def __init__(out self, heads: Int, head_dim: Int):
+        var D = head_dim
         var at = 0
 
         @always_inline
@@ -536,7 +558,7 @@ struct TaskState[head_dim: Int](Movable):
         var l_at = take(at, heads)
         var alibi_at = take(at, heads)
         var scores_at = take(at, 8 * CHUNK)
-        var freq_at = take(at, D // 2)
+        var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
         self._storage = rebind[Ptr[F32]](
@@ -548,18 +570,20 @@ struct TaskState[head_dim: Int](Movable):
         self.l = self._storage.unsafe_offset(l_at)
         self.alibi_log2 = self._storage.unsafe_offset(alibi_at)
         self.scores = self._storage.unsafe_offset(scores_at)
-        self.inv_freq = self._storage.unsafe_offset(freq_at)
+        self.inv_freq = rebind[Ptr[DType.float64]](
+            self._storage.unsafe_offset(freq_at)
+        )
         self.krot = self._storage.unsafe_offset(krot_at)
         self.rows = rebind[RowOffsets](self._storage.unsafe_offset(rows_at))
 
-    def __del__(deinit self):
-        self._storage.free()
+    def __deinit__(deinit self):
+        self._storage.unsafe_free()
 
 
 def decode_task[
-    q_dtype: DType, kv_dtype: DType, layout: KVLayout, head_dim: Int
+    q_dtype: DType, kv_dtype: DType, layout: KVLayout
 ](
-    cache: PagedKVCache[kv_dtype, layout, DYNAMIC, DYNAMIC, head_dim],
+    cache: PagedKVCache[kv_dtype, layout, DYNAMIC, DYNAMIC, DYNAMIC],
     q: Ptr[q_dtype],
     output: Ptr[q_dtype],
     lse: Ptr[F32],
@@ -588,22 +612,23 @@ def decode_task[
     var first = max(work.first(item), params.first_visible(q_pos))
     var end = work.end(item)
     var hs = cache.head_stride()
+    var head_dim = cache.head_dim()
     var rope = params.pos_encoding == POS_ROPE_LLAMA
 
-    var st = TaskState[head_dim](heads)
+    var st = TaskState(heads, head_dim)
     if rope:
         for i in range(head_dim // 2):
             st.inv_freq[unsafe_offset=i] = rope_inv_freq(params, i, head_dim)
     for g in range(heads):
         var src = q.unsafe_offset((b * num_qo_heads + qo0 + g) * head_dim)
         var dst = st.q.unsafe_offset(g * head_dim)
-        comptime for c in range(head_dim // W):
+        for c in range(head_dim // W):
             dst.unsafe_offset(c * W).unsafe_store(
                 load_f32[q_dtype, W](src, c * W)
             )
         if rope:
-            rope_rotate[head_dim, W](dst, st.inv_freq, q_pos)
-        comptime for c in range(head_dim // W):
+            rope_rotate(dst, st.inv_freq, q_pos, head_dim)
+        for c in range(head_dim // W):
             var d = dst.unsafe_offset(c * W)
             d.unsafe_store(d.unsafe_load[width=W]() * params.q_scale_log2)
             st.acc.unsafe_offset(g * head_dim + c * W).unsafe_store(
@@ -635,9 +660,9 @@ def decode_task[
             var g0 = (h - h0) * group
             # After this head's V rows come the next head's K rows, or the
             # next chunk's first head's.
-            var prefetcher = RowPrefetch[kv_dtype, head_dim](
-                k, v, rows, n, k.unsafe_offset(hs), rows, n
-            ) if h + 1 < h1 else RowPrefetch[kv_dtype, head_dim](
+            var prefetcher = RowPrefetch[kv_dtype](
+                k, v, rows, n, k.unsafe_offset(hs), rows, n, head_dim
+            ) if h + 1 < h1 else RowPrefetch[kv_dtype](
                 k,
                 v,
                 rows,
@@ -645,10 +670,12 @@ def decode_task[
                 cache.k_pages.unsafe_offset(h0 * hs),
                 ahead,
                 n_ahead,
+                head_dim,
             )
             if rope:
-                rotated_keys[head_dim](k, rows, n, tok, st.inv_freq, st.krot)
-                chunk_group[head_dim](
+                rotated_keys(head_dim, k, rows, n, tok, st.inv_freq, st.krot)
+                chunk_group(
+                    head_dim,
                     params,
                     st,
                     g0,
@@ -659,12 +686,13 @@ def decode_task[
                     rows,
                     n,
                     tok - q_pos,
-                    RowPrefetch[DType.float32, head_dim](
-                        st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0
+                    RowPrefetch[DType.float32](
+                        st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0, 0
                     ),
                 )
             else:
-                chunk_group[head_dim](
+                chunk_group(
+                    head_dim,
                     params,
                     st,
                     g0,
@@ -696,14 +724,14 @@ def decode_task[
             var dst = work.partial_o.unsafe_offset(
                 (item * num_qo_heads + qo) * head_dim
             )
-            comptime for c in range(head_dim // W):
+            for c in range(head_dim // W):
                 dst.unsafe_offset(c * W).unsafe_store(
                     a.unsafe_offset(c * W).unsafe_load[width=W]() * norm
                 )
             work.partial_lse[unsafe_offset=item * num_qo_heads + qo] = state_lse
         else:
             var dst = output.unsafe_offset((b * num_qo_heads + qo) * head_dim)
-            comptime for c in range(head_dim // W):
+            for c in range(head_dim // W):
                 dst.unsafe_offset(c * W).unsafe_store(
                     (a.unsafe_offset(c * W).unsafe_load[width=W]() * norm).cast[
                         q_dtype

@@ -28,6 +28,7 @@ from .attention_params import (
     POS_ROPE_LLAMA,
     AttentionParams,
     alibi_slope,
+    rope_angle,
     rope_inv_freq,
 )
 from .decode_work import DecodeWork
@@ -58,7 +59,8 @@ def decode_gpu_kernel[
     params: AttentionParams,
     num_qo_heads: Int64,
 ):
-    """Grid (num_items, num_kv_heads * group_tiles(group)), GPU_THREADS threads."""
+    """Grid (num_items, num_kv_heads * group_tiles(group)), GPU_THREADS threads.
+    """
     comptime VEC = head_dim // WARP_SIZE
     comptime TILE = TILE_ELEMS // head_dim
     var qo_heads = Int(num_qo_heads)
@@ -80,20 +82,20 @@ def decode_gpu_kernel[
     var rope = params.pos_encoding == POS_ROPE_LLAMA
 
     var k_tile = stack_allocation[
-        TILE_ELEMS, F32, address_space = AddressSpace.SHARED
+        TILE_ELEMS, F32, address_space=AddressSpace.SHARED
     ]()
     var v_tile = stack_allocation[
-        TILE_ELEMS, F32, address_space = AddressSpace.SHARED
+        TILE_ELEMS, F32, address_space=AddressSpace.SHARED
     ]()
     var q_rows = stack_allocation[
-        MAX_GROUP * head_dim, F32, address_space = AddressSpace.SHARED
+        MAX_GROUP * head_dim, F32, address_space=AddressSpace.SHARED
     ]()
 
     # q rows of this block's heads, rotated in shared memory when RoPE is on.
     for i in range(tid, heads * head_dim, GPU_THREADS):
         var g = i // head_dim
-        q_rows[i] = q[
-            unsafe_offset = (b * qo_heads + qo0 + g) * head_dim + i % head_dim
+        q_rows[unsafe_offset=i] = q[
+            unsafe_offset=(b * qo_heads + qo0 + g) * head_dim + i % head_dim
         ].cast[F32]()
     barrier()
     if rope:
@@ -106,7 +108,8 @@ def decode_gpu_kernel[
         if g < heads:
             comptime for e in range(VEC):
                 q_frag[g * VEC + e] = (
-                    q_rows[g * head_dim + lane * VEC + e] * params.q_scale_log2
+                    q_rows[unsafe_offset=g * head_dim + lane * VEC + e]
+                    * params.q_scale_log2
                 )
             if params.pos_encoding == POS_ALIBI:
                 alibi_log2[g] = alibi_slope(qo0 + g, qo_heads) * LOG2E
@@ -128,13 +131,13 @@ def decode_gpu_kernel[
             var k_frag = SIMD[F32, VEC]()
             var v_frag = SIMD[F32, VEC]()
             comptime for e in range(VEC):
-                k_frag[e] = k_tile[j * head_dim + lane * VEC + e]
-                v_frag[e] = v_tile[j * head_dim + lane * VEC + e]
+                k_frag[e] = k_tile[unsafe_offset=j * head_dim + lane * VEC + e]
+                v_frag[e] = v_tile[unsafe_offset=j * head_dim + lane * VEC + e]
             var distance = Float32(t0 + j - q_pos)
             comptime for g in range(MAX_GROUP):
                 if g < heads:
                     var partial = (
-                        q_frag.slice[VEC, offset = g * VEC]() * k_frag
+                        q_frag.slice[VEC, offset=g * VEC]() * k_frag
                     ).reduce_add()
                     var raw = warp.sum(partial)
                     var s = params.finish_scores[1](
@@ -157,12 +160,16 @@ def decode_gpu_kernel[
     comptime for g in range(MAX_GROUP):
         if g < heads:
             comptime for e in range(VEC):
-                parked_o[(warp_id * MAX_GROUP + g) * head_dim + lane * VEC + e] = o[
-                    g * VEC + e
-                ]
+                parked_o[
+                    unsafe_offset=(warp_id * MAX_GROUP + g) * head_dim
+                    + lane * VEC
+                    + e
+                ] = o[g * VEC + e]
             if lane == 0:
-                parked_ml[2 * (warp_id * MAX_GROUP + g)] = m[g]
-                parked_ml[2 * (warp_id * MAX_GROUP + g) + 1] = l[g]
+                parked_ml[unsafe_offset=2 * (warp_id * MAX_GROUP + g)] = m[g]
+                parked_ml[unsafe_offset=2 * (warp_id * MAX_GROUP + g) + 1] = l[
+                    g
+                ]
     barrier()
     var split = work.is_split(b)
     for i in range(tid, heads * head_dim, GPU_THREADS):
@@ -170,29 +177,36 @@ def decode_gpu_kernel[
         var d = i % head_dim
         var top = neg_inf[F32]()
         comptime for w in range(WARPS):
-            top = max(top, parked_ml[2 * (w * MAX_GROUP + g)])
+            top = max(top, parked_ml[unsafe_offset=2 * (w * MAX_GROUP + g)])
         var total: Float32 = 0
         var acc: Float32 = 0
         if top != neg_inf[F32]():
             comptime for w in range(WARPS):
-                var scale = exp2(parked_ml[2 * (w * MAX_GROUP + g)] - top)
-                total += parked_ml[2 * (w * MAX_GROUP + g) + 1] * scale
-                acc += parked_o[(w * MAX_GROUP + g) * head_dim + d] * scale
+                var scale = exp2(
+                    parked_ml[unsafe_offset=2 * (w * MAX_GROUP + g)] - top
+                )
+                total += (
+                    parked_ml[unsafe_offset=2 * (w * MAX_GROUP + g) + 1] * scale
+                )
+                acc += (
+                    parked_o[unsafe_offset=(w * MAX_GROUP + g) * head_dim + d]
+                    * scale
+                )
         var value = acc / total * params.v_scale if total > 0 else Float32(0)
         var state_lse = top + log2(total) if total > 0 else neg_inf[F32]()
         var qo = qo0 + g
         if split:
             work.partial_o[
-                unsafe_offset = (item * qo_heads + qo) * head_dim + d
+                unsafe_offset=(item * qo_heads + qo) * head_dim + d
             ] = value
             if d == 0:
-                work.partial_lse[unsafe_offset = item * qo_heads + qo] = state_lse
+                work.partial_lse[unsafe_offset=item * qo_heads + qo] = state_lse
         else:
-            output[unsafe_offset = (b * qo_heads + qo) * head_dim + d] = value.cast[
-                q_dtype
-            ]()
+            output[
+                unsafe_offset=(b * qo_heads + qo) * head_dim + d
+            ] = value.cast[q_dtype]()
             if d == 0:
-                lse[unsafe_offset = b * qo_heads + qo] = state_lse
+                lse[unsafe_offset=b * qo_heads + qo] = state_lse
 
 
 @always_inline
@@ -204,7 +218,7 @@ def stage_rows[
     t0: Int,
     n: Int,
     kv_head: Int,
-    tile: Pointer[mut=True, Float32, address_space = AddressSpace.SHARED, _],
+    tile: Pointer[mut=True, Float32, address_space=AddressSpace.SHARED, _],
     tid: Int,
 ):
     """Copies tokens t0..t0+n of one head (K or V) into a float32 tile
@@ -215,18 +229,20 @@ def stage_rows[
     for i in range(tid, n * per_row, GPU_THREADS):
         var j = i // per_row
         var d = (i % per_row) * width
-        var x = cache.block_paged_ptr[kv](b, t0 + j, kv_head, d).unsafe_load[
-            width=width
-        ]().cast[F32]()
+        var x = (
+            cache.block_paged_ptr[kv](b, t0 + j, kv_head, d)
+            .unsafe_load[width=width]()
+            .cast[F32]()
+        )
         comptime for e in range(width):
-            tile[j * head_dim + d + e] = x[e]
+            tile[unsafe_offset=j * head_dim + d + e] = x[e]
 
 
 @always_inline
 def rotate_rows_shared[
     head_dim: Int
 ](
-    rows: Pointer[mut=True, Float32, address_space = AddressSpace.SHARED, _],
+    rows: Pointer[mut=True, Float32, address_space=AddressSpace.SHARED, _],
     n: Int,
     params: AttentionParams,
     pos0: Int,
@@ -239,10 +255,13 @@ def rotate_rows_shared[
     for i in range(tid, n * half, GPU_THREADS):
         var j = i // half
         var e = i % half
-        var angle = rope_inv_freq(params, e, head_dim) * Float32(pos0 + j * pos_step)
+        var angle = rope_angle[1](
+            SIMD[DType.float64, 1](rope_inv_freq(params, e, head_dim)),
+            pos0 + j * pos_step,
+        )[0]
         var c = cos(angle)
         var s = sin(angle)
-        var lo = rows[j * head_dim + e]
-        var hi = rows[j * head_dim + half + e]
-        rows[j * head_dim + e] = lo * c - hi * s
-        rows[j * head_dim + half + e] = hi * c + lo * s
+        var lo = rows[unsafe_offset=j * head_dim + e]
+        var hi = rows[unsafe_offset=j * head_dim + half + e]
+        rows[unsafe_offset=j * head_dim + e] = lo * c - hi * s
+        rows[unsafe_offset=j * head_dim + half + e] = hi * c + lo * s

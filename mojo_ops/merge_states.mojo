@@ -136,7 +136,8 @@ def blend[
     first: Int,
     step: Int,
 ):
-    """v[d] <- w_a v[d] + w_b v_other[d] for d = first, first + step, ..."""
+    """Blends in place: v[d] <- w_a v[d] + w_b v_other[d], d = first, first + step, ...
+    """
     var d = first
     while d < head_dim:
         var merged = weights[0] * v[unsafe_offset=d].cast[DType.float32]() + (

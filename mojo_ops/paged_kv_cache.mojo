@@ -18,6 +18,7 @@ compiled op then serves every value, and kernels that need a static value
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+from std.sys import size_of
 
 comptime DYNAMIC = -1
 """A shape parameter known only at run time."""
@@ -207,6 +208,40 @@ struct PagedKVCache[
         ](
             self.k_pages,
             self.v_pages,
+            self.page_stride,
+            self.num_pages,
+            self.kv_indptr,
+            self.kv_indices,
+            self.kv_last_page_len,
+            self.batch_size,
+            self._page_size,
+            self._num_kv_heads,
+            self._head_dim,
+        )
+
+    def bitcast[
+        element: DType
+    ](self) -> PagedKVCache[
+        element,
+        Self.layout,
+        Self.static_page_size,
+        Self.static_num_kv_heads,
+        Self.static_head_dim,
+    ]:
+        """The same bytes read as `element` (of the same size): fp8 pools travel
+        through the graph as uint8, since MAX has no fp8 tensors on the CPU."""
+        comptime assert (
+            size_of[element]() == size_of[Self.dtype]()
+        ), "bitcast needs an element type of the same size"
+        return PagedKVCache[
+            element,
+            Self.layout,
+            Self.static_page_size,
+            Self.static_num_kv_heads,
+            Self.static_head_dim,
+        ](
+            rebind[Ptr[element]](self.k_pages),
+            rebind[Ptr[element]](self.v_pages),
             self.page_stride,
             self.num_pages,
             self.kv_indptr,

@@ -53,9 +53,41 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
+# (q dtype, kv dtype, layout, pool form) the decode tests cover. One graph
+# serves both pool forms, so these compile 2 + 4 decode graphs: both layouts
+# in float32, one layout for each other dtype pair.
+DECODE_CONFIGS = [
+    ("float32", "float32", "NHD", "pool"),
+    ("float32", "float32", "HND", "pool"),
+    ("float32", "float32", "NHD", "pair"),
+    ("float32", "float32", "HND", "pair"),
+    ("float16", "float16", "NHD", "pool"),
+    ("bfloat16", "bfloat16", "HND", "pair"),
+    ("float16", "float8_e4m3fn", "NHD", "pool"),
+    ("bfloat16", "float8_e5m2", "HND", "pair"),
+]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_ops():
     """Compiles every op the suite runs in one MAX module (one fixed cost)."""
-    from pagedkv.precompile import precompile
+    from max.dtype import DType
 
-    precompile("cpu", ("float32", "float16", "bfloat16"))
+    from pagedkv._kernels import prepare
+    from pagedkv._tensors import CPU
+    from pagedkv.decode import decode_spec
+    from pagedkv.precompile import op_specs
+
+    decode = list(
+        dict.fromkeys(
+            decode_spec(DType[q], DType[kv], {"NHD": 0, "HND": 1}[layout])
+            for q, kv, layout, _ in DECODE_CONFIGS
+        )
+    )
+    pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS})
+    page_and_merge = [
+        s
+        for s in op_specs(("float32", "float16", "bfloat16"), pairs)
+        if "batch_decode" not in s.name
+    ]
+    prepare(page_and_merge + decode, CPU)

@@ -88,6 +88,24 @@ def to_buffer(x: Array) -> Buffer:
     return Buffer.from_numpy(x)
 
 
+FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
+"""fp8 dtypes and the code the kernels know them by (0 = as stored)."""
+
+
+def storage_view(x: Array) -> Array:
+    """x itself, or for an fp8 tensor its bytes as uint8: MAX has no fp8
+    tensors on the CPU, so fp8 pools cross into the graph as bytes."""
+    if is_torch(x) and dtype_of(x) in FP8_FORMATS:
+        import torch
+
+        return x.view(torch.uint8)
+    return x
+
+
+def storage_dtype(dtype: DType) -> DType:
+    return DType.uint8 if dtype in FP8_FORMATS else dtype
+
+
 def empty(like: Array, shape: Sequence[int], dtype: DType) -> Array:
     """An uninitialised array of the kind and device of `like`."""
     if is_torch(like):

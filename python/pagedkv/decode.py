@@ -25,6 +25,7 @@ from ._checks import CacheGeometry, cache_geometry, check_index_array, layout_co
 from ._kernels import Operand, OpSpec, prepare, run_op
 from ._tensors import (
     CPU,
+    FP8_FORMATS,
     Array,
     Device,
     check_array,
@@ -34,6 +35,8 @@ from ._tensors import (
     empty,
     is_torch,
     new_like,
+    storage_dtype,
+    storage_view,
     to_buffer,
     to_host_numpy,
 )
@@ -55,18 +58,24 @@ CHECK_PAGE_TABLE = OpSpec.of(
 )
 
 
-def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int, is_pair: bool) -> OpSpec:
-    """out, lse, partial_o, partial_lse, q, pool(s), page table, work, params."""
-    pool = Operand(kv_dtype, 4 if is_pair else 5)
+def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
+    """out, lse, partial_o, partial_lse, q, k pool, v pool, page table, work,
+    params.
+
+    One op serves both pool forms (see kv_pool_operands); fp8 pools enter as
+    uint8 (see storage_view) with kv_format naming them.
+    """
+    pool = Operand(storage_dtype(kv_dtype), 4)
     return OpSpec.of(
-        "pagedkv_batch_decode_pair" if is_pair else "pagedkv_batch_decode",
+        "pagedkv_batch_decode",
         [
             Operand(q_dtype, 3, mutable=True),
             Operand(F32, 2, mutable=True),
             Operand(F32, 3, mutable=True),
             Operand(F32, 2, mutable=True),
             Operand(q_dtype, 3),
-            *[pool] * (1 + is_pair),
+            pool,
+            pool,
             INDEX,
             INDEX,
             INDEX,
@@ -76,7 +85,19 @@ def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int, is_pair: bool) -> 
             HOST_INDEX,
         ],
         layout=layout,
+        kv_format=FP8_FORMATS.get(kv_dtype, 0),
     )
+
+
+def kv_pool_operands(geometry: CacheGeometry) -> list[Array]:
+    """The (k, v) operands of an attention op: the pair as is, or a one-tensor
+    pool [pages, 2, ...page...] viewed (no copy) as [2 * pages, ...page...] and
+    passed twice; the op reads it interleaved (int_params[4] = 1)."""
+    if geometry.is_pair:
+        return [storage_view(x) for x in geometry.arrays]
+    pool = storage_view(geometry.arrays[0])
+    view = pool.reshape(2 * pool.shape[0], *pool.shape[2:])
+    return [view, view]
 
 
 def check_dtypes(q_dtype: DType, kv_dtype: DType) -> None:
@@ -291,24 +312,26 @@ class _DecodePlan:
             "request_items": resident(request_items),
             "partial_o": to_buffer(partial_o),
             "partial_lse": to_buffer(empty(indptr, partial_shape[:2], F32)),
-            "int_params": to_buffer(
-                options.int_params(per_task, bool((np.diff(request_items) > 1).any()))
-            ),
+            # One per pool form: int_params[4] says whether K and V interleave.
+            **{
+                f"int_params_{form}": to_buffer(
+                    options.int_params(
+                        per_task, bool((np.diff(request_items) > 1).any()), form == "pool"
+                    )
+                )
+                for form in ("pool", "pair")
+            },
         }
         if plan.q_dtype is not None:
             plan.compile()
         return plan
 
-    def specs(self) -> list[OpSpec]:
+    def spec(self) -> OpSpec:
         assert self.q_dtype is not None and self.kv_dtype is not None
-        return [
-            decode_spec(self.q_dtype, self.kv_dtype, self.layout, is_pair)
-            for is_pair in (False, True)
-        ]
+        return decode_spec(self.q_dtype, self.kv_dtype, self.layout)
 
     def compile(self) -> None:
-        """Compiles both pool forms in one MAX module (one fixed cost)."""
-        prepare(self.specs(), self.device)
+        prepare([self.spec()], self.device)
 
     def check_run(self, q: Array, geometry: CacheGeometry) -> None:
         check_array("q", q)
@@ -355,21 +378,21 @@ class _DecodePlan:
         assert q_dtype is not None and self.kv_dtype is not None
         b = self.buffers
         run_op(
-            decode_spec(q_dtype, self.kv_dtype, self.layout, geometry.is_pair),
+            self.spec(),
             [
                 o,
                 lse,
                 b["partial_o"],
                 b["partial_lse"],
                 contiguous(q),
-                *geometry.arrays,
+                *kv_pool_operands(geometry),
                 b["indices"],
                 b["indptr"],
                 b["last"],
                 b["items"],
                 b["request_items"],
                 self.options.float_params(q_scale, k_scale, v_scale),
-                b["int_params"],
+                b["int_params_pair" if geometry.is_pair else "int_params_pool"],
             ],
             self.device,
         )

@@ -29,6 +29,8 @@ from ._tensors import (
     dtype_of,
     empty,
     new_like,
+    storage_dtype,
+    storage_view,
     to_host_numpy,
 )
 
@@ -43,9 +45,11 @@ BATCH_INDICES_POSITIONS = OpSpec.of(
 
 
 def append_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
-    """pool (or k, v pools), key, value, batch_indices, positions, page table."""
-    pool = Operand(dtype, 4 if is_pair else 5, mutable=True)
-    rows = Operand(dtype, 3)
+    """pool (or k, v pools), key, value, batch_indices, positions, page table.
+
+    A copy moves bytes: fp8 data enters as uint8 (see storage_view)."""
+    pool = Operand(storage_dtype(dtype), 4 if is_pair else 5, mutable=True)
+    rows = Operand(storage_dtype(dtype), 3)
     return OpSpec.of(
         "pagedkv_append_paged_kv_cache_pair" if is_pair else "pagedkv_append_paged_kv_cache",
         [*[pool] * (1 + is_pair), rows, rows, *[INDEX] * 5],
@@ -55,15 +59,15 @@ def append_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
 
 def mla_append_spec(dtype: DType) -> OpSpec:
     """ckv_cache, kpe_cache, ckv, kpe, batch_indices, positions, page table."""
-    pool = Operand(dtype, 3, mutable=True)
-    rows = Operand(dtype, 2)
+    pool = Operand(storage_dtype(dtype), 3, mutable=True)
+    rows = Operand(storage_dtype(dtype), 2)
     return OpSpec.of("pagedkv_append_paged_mla_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5])
 
 
 def gather_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
     """out_k, out_v, pool (or k, v pools), page table, seq_indptr."""
-    rows = Operand(dtype, 3, mutable=True)
-    pool = Operand(dtype, 4 if is_pair else 5)
+    rows = Operand(storage_dtype(dtype), 3, mutable=True)
+    pool = Operand(storage_dtype(dtype), 4 if is_pair else 5)
     return OpSpec.of(
         "pagedkv_gather_kv_pair" if is_pair else "pagedkv_gather_kv",
         [rows, rows, *[pool] * (1 + is_pair), *[INDEX] * 4],
@@ -229,9 +233,9 @@ def _append(
     run_op(
         append_spec(geometry.dtype, geometry.layout, geometry.is_pair),
         [
-            *geometry.arrays,
-            contiguous(append_key),
-            contiguous(append_value),
+            *[storage_view(x) for x in geometry.arrays],
+            storage_view(contiguous(append_key)),
+            storage_view(contiguous(append_value)),
             contiguous(batch_indices),
             contiguous(positions),
             contiguous(kv_indices),
@@ -290,10 +294,10 @@ def append_paged_mla_kv_cache(
     run_op(
         mla_append_spec(ckv.dtype),
         [
-            ckv_cache,
-            kpe_cache,
-            contiguous(append_ckv),
-            contiguous(append_kpe),
+            storage_view(ckv_cache),
+            storage_view(kpe_cache),
+            storage_view(contiguous(append_ckv)),
+            storage_view(contiguous(append_kpe)),
             contiguous(batch_indices),
             contiguous(positions),
             contiguous(kv_indices),
@@ -345,9 +349,9 @@ def gather_kv(
     run_op(
         gather_spec(geometry.dtype, geometry.layout, geometry.is_pair),
         [
-            k,
-            v,
-            *geometry.arrays,
+            storage_view(k),
+            storage_view(v),
+            *[storage_view(x) for x in geometry.arrays],
             contiguous(kv_indices),
             contiguous(kv_indptr),
             contiguous(kv_last_page_len),

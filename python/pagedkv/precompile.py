@@ -47,8 +47,7 @@ def op_specs(
     for q_name, kv_name in pairs:
         specs += [merge_state_spec(DType[q_name]), merge_states_spec(DType[q_name])]
         for layout in KV_LAYOUTS.values():
-            for is_pair in (False, True):
-                specs.append(decode_spec(DType[q_name], DType[kv_name], layout, is_pair))
+            specs.append(decode_spec(DType[q_name], DType[kv_name], layout))
     return list(dict.fromkeys(specs))
 
 

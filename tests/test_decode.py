@@ -1,0 +1,334 @@
+"""Batch decode attention against a float64 NumPy reference (tests/reference.py).
+
+A sampled grid: every value of every axis appears in some case, cycled with
+different strides so that values meet in many combinations, while the suite
+compiles only the (q dtype, kv dtype, layout, pool form) graphs it needs.
+Tolerances: 1e-5 in float32; 1e-2 in 16-bit (the output's own rounding);
+1e-2 for fp8 caches too, since the reference reads the same fp8 values
+(FlashInfer checks fp8 at 1e-3 against its own fp16 kernel on those values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv
+import reference
+from conftest import DECODE_CONFIGS
+
+BATCHES = [1, 7, 33]
+GROUPS = [(1, 4), (4, 2), (8, 1)]  # (query heads per KV head, KV heads)
+HEAD_DIMS = [64, 128, 256]
+PAGE_SIZES = [1, 16, 64]
+POS_MODES = ["NONE", "ROPE_LLAMA", "ALIBI"]
+WINDOWS = [-1, 0, 17]
+SOFT_CAPS = [None, 30.0]
+SM_SCALES = [None, 0.05]
+
+
+@dataclass(frozen=True)
+class Case:
+    q_dtype: str
+    kv_dtype: str
+    batch: int
+    group: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    layout: str
+    form: str
+    pos_mode: str
+    window_left: int
+    soft_cap: float | None
+    sm_scale: float | None
+    seed: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.q_dtype}-{self.kv_dtype}-B{self.batch}-G{self.group}x{self.kv_heads}-"
+            f"D{self.head_dim}-P{self.page_size}-{self.layout}-{self.form}-{self.pos_mode}-"
+            f"w{self.window_left}-cap{self.soft_cap}-s{self.sm_scale}"
+        )
+
+
+def sampled_grid(count: int = 30) -> list[Case]:
+    """A fixed-seed sample in which every value of every axis appears.
+
+    Each axis is cycled through a shuffled order of its values, so all values
+    come up within the first len(axis) cases and combine differently after.
+    The (dtypes, layout, pool form) of a case is one of DECODE_CONFIGS: the
+    graphs the suite compiles once.
+    """
+    rng = np.random.default_rng(2024)
+    axes = [
+        DECODE_CONFIGS,
+        BATCHES,
+        GROUPS,
+        HEAD_DIMS,
+        PAGE_SIZES,
+        POS_MODES,
+        WINDOWS,
+        SOFT_CAPS,
+        SM_SCALES,
+    ]
+    orders = [rng.permutation(count) % len(axis) for axis in axes]
+    cases = []
+    for i in range(count):
+        v = [axis[int(order[i])] for axis, order in zip(axes, orders, strict=True)]
+        (q_dt, kv_dt, layout, form), batch, (group, kv_heads), head_dim, page = v[:5]
+        cases.append(
+            Case(q_dt, kv_dt, batch, group, kv_heads, head_dim, page, layout, form, *v[5:], seed=i)
+        )
+    return cases
+
+
+def lengths_for(case: Case, rng: np.random.Generator) -> list[int]:
+    """Ragged lengths from {0, 1, P, P + 1, ~2000}; long ones kept few so the
+    pools stay small, and always present in single-request batches (which
+    split-K then splits across cores)."""
+    p = case.page_size
+    short = [0, 1, p, p + 1]
+    if case.batch == 1:
+        return [int(rng.integers(1900, 2100))]
+    lengths = [short[i % 4] for i in range(case.batch)]
+    lengths[rng.integers(case.batch)] = int(rng.integers(1900, 2100))
+    return list(rng.permutation(lengths))
+
+
+def cast(values: np.ndarray, dtype: str):
+    """float32 values as a torch tensor of dtype (NumPy for float32)."""
+    if dtype == "float32":
+        return values
+    return torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def as_f64(x) -> np.ndarray:
+    return (x.float().numpy() if isinstance(x, torch.Tensor) else x).astype(np.float64)
+
+
+def build(case: Case):
+    rng = np.random.default_rng(case.seed)
+    lens = lengths_for(case, rng)
+    batch = reference.paged_batch(rng, case.page_size, lens, [0] * len(lens))
+    h, d, p = case.kv_heads, case.head_dim, case.page_size
+    page = (p, h, d) if case.layout == "NHD" else (h, p, d)
+    pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), case.kv_dtype)
+    cache = (
+        pool
+        if case.form == "pool"
+        else (pool[:, 0].contiguous(), pool[:, 1].contiguous())
+        if isinstance(pool, torch.Tensor)
+        else (pool[:, 0].copy(), pool[:, 1].copy())
+    )
+    return batch, pool, cache
+
+
+def references(case, batch, pool, q, k_scale=1.0, v_scale=1.0):
+    per_request = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, case.layout
+    )
+    outs, lses = [], []
+    for b, (k, v) in enumerate(per_request):
+        o, lse = reference.attention(
+            as_f64(q)[b : b + 1],
+            k,
+            v,
+            np.array([len(k) - 1]),
+            sm_scale=case.sm_scale,
+            logits_soft_cap=case.soft_cap,
+            window_left=case.window_left,
+            pos_encoding_mode=case.pos_mode,
+            qk_scale=k_scale,
+            v_scale=v_scale,
+        )
+        outs.append(o[0])
+        lses.append(lse[0])
+    return np.stack(outs), np.stack(lses)
+
+
+def tolerance(case: Case) -> float:
+    return 1e-5 if case.q_dtype == "float32" else 1e-2
+
+
+@pytest.mark.parametrize("case", sampled_grid(), ids=str)
+def test_decode_matches_reference(case: Case):
+    batch, pool, cache = build(case)
+    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout)
+    wrapper.plan(
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_page_len,
+        case.group * case.kv_heads,
+        case.kv_heads,
+        case.head_dim,
+        case.page_size,
+        pos_encoding_mode=case.pos_mode,
+        window_left=case.window_left,
+        logits_soft_cap=case.soft_cap,
+        q_data_type=case.q_dtype,
+        kv_data_type=case.kv_dtype,
+        sm_scale=case.sm_scale,
+    )
+    rng = np.random.default_rng(case.seed + 1000)
+    hq = case.group * case.kv_heads
+    fp8 = case.kv_dtype.startswith("float8")
+    # One plan, several runs: new queries (and, for fp8, new scales) each time.
+    for run in range(2):
+        q = cast(
+            rng.standard_normal((batch.batch_size, hq, case.head_dim), dtype=np.float32),
+            case.q_dtype,
+        )
+        k_scale, v_scale = (0.5 + run, 2.0 - run) if fp8 else (None, None)
+        o, lse = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        want_o, want_lse = references(case, batch, pool, q, k_scale or 1.0, v_scale or 1.0)
+        tol = tolerance(case)
+        np.testing.assert_allclose(as_f64(o), want_o, rtol=tol, atol=tol)
+        finite = np.isfinite(want_lse)
+        np.testing.assert_array_equal(np.isfinite(as_f64(lse)), finite)
+        np.testing.assert_allclose(as_f64(lse)[finite], want_lse[finite], rtol=tol, atol=tol)
+        assert (as_f64(lse)[~finite] == -np.inf).all()
+    plain = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+    np.testing.assert_array_equal(as_f64(plain), as_f64(o))
+
+
+def test_empty_and_single_token_requests():
+    rng = np.random.default_rng(7)
+    batch = reference.paged_batch(rng, 16, [0, 1, 0, 3], [0] * 4)
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((4, 4, 64), dtype=np.float32)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16)
+    o, lse = w.run(q, pool, return_lse=True)
+    assert (o[[0, 2]] == 0).all() and (lse[[0, 2]] == -np.inf).all()
+    # One token: the output is its V row exactly (up to float32 rounding).
+    page = batch.kv_indices[batch.kv_indptr[1]]
+    np.testing.assert_allclose(o[1], np.repeat(pool[page, 1, 0], 2, axis=0), rtol=1e-6)
+
+
+def test_extreme_logits_stay_finite_and_correct():
+    """Scores around 1e4: the running max keeps exp2 in range."""
+    rng = np.random.default_rng(3)
+    batch = reference.paged_batch(rng, 16, [700, 45], [0, 0])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 1, 128), dtype=np.float32) * 30
+    q = rng.standard_normal((2, 4, 128), dtype=np.float32) * 30
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 4, 1, 128, 16, sm_scale=1.0)
+    o, lse = w.run(q, pool, return_lse=True)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    assert np.abs(lse).max() > 5e3
+    for b, (k, v) in enumerate(
+        reference.gather(pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD")
+    ):
+        want_o, want_lse = reference.attention(
+            q[b : b + 1], k, v, np.array([len(k) - 1]), sm_scale=1.0
+        )
+        np.testing.assert_allclose(o[b], want_o[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(lse[b], want_lse[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_matches_reference(layout):
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((300, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((300, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((8, 64), dtype=np.float32)
+    kk, vv = (
+        (k, v) if layout == "NHD" else (k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy())
+    )
+    o, lse = pagedkv.single_decode_with_kv_cache(
+        q, kk, vv, kv_layout=layout, logits_soft_cap=20.0, return_lse=True
+    )
+    want_o, want_lse = reference.attention(q[None], k, v, np.array([299]), logits_soft_cap=20.0)
+    np.testing.assert_allclose(o, want_o[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-5, atol=1e-5)
+    empty = pagedkv.single_decode_with_kv_cache(
+        q,
+        kk[:0] if layout == "NHD" else kk[:, :0],
+        vv[:0] if layout == "NHD" else vv[:, :0],
+        kv_layout=layout,
+    )
+    assert (empty == 0).all()
+
+
+def test_decode_bad_input():
+    rng = np.random.default_rng(5)
+    batch = reference.paged_batch(rng, 16, [40, 3], [0, 0])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(q, pool)
+    with pytest.raises(ValueError, match="multiple of"):
+        w.plan(*table, 6, 4, 64, 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        w.plan(*table, 4, 2, 96, 16)
+    with pytest.raises(TypeError, match="indices must be int32"):
+        w.plan(
+            batch.kv_indptr, batch.kv_indices.astype(np.int64), batch.kv_last_page_len, 4, 2, 64, 16
+        )
+    bad = batch.kv_indptr.copy()
+    bad[1] = bad[2] + 1
+    with pytest.raises(ValueError, match="kv_indptr"):
+        w.plan(bad, batch.kv_indices, batch.kv_last_page_len, 4, 2, 64, 16)
+    w.plan(*table, 4, 2, 64, 16, q_data_type="float32")
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(q[:1], pool)
+    with pytest.raises(ValueError, match="page_size, num_kv_heads, head_dim"):
+        w.run(q, pool.reshape(batch.num_pages, 2, 8, 4, 64))
+    with pytest.raises(TypeError, match="the cache is float16"):
+        w.run(q, pool.astype(np.float16))
+    with pytest.raises(TypeError, match="q is float16"):
+        w.run(q.astype(np.float16), pool)
+    with pytest.raises(ValueError, match="holds"):
+        w.run(q, pool[: int(batch.kv_indices.max())])
+    # The same call, corrected, runs.
+    assert np.isfinite(w.run(q, pool)).all()
+
+
+def test_merge_states_match_reference():
+    rng = np.random.default_rng(9)
+    v = rng.standard_normal((5, 3, 2, 64), dtype=np.float32)
+    s = rng.standard_normal((5, 3, 2), dtype=np.float32) * 4
+    s[0, :, 0] = -np.inf  # a row with no keys at all
+    s[1, 1, :] = -np.inf  # one empty state among others
+    out_v, out_s = pagedkv.merge_states(v, s)
+    # float64 reference: weights 2^s, normalised over the states of each row.
+    s64 = s.astype(np.float64)
+    top = s64.max(axis=1, keepdims=True)
+    w = np.exp2(s64 - np.where(np.isfinite(top), top, 0))
+    total = w.sum(axis=1)
+    want_v = (w[..., None] * v).sum(axis=1) / np.maximum(total, 1e-300)[..., None]
+    with np.errstate(divide="ignore"):
+        want_s = np.where(total > 0, np.log2(total) + top[:, 0], -np.inf)
+    np.testing.assert_allclose(out_v, want_v, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_s, want_s, rtol=1e-5, atol=1e-5)
+    assert out_s[0, 0] == -np.inf and (out_v[0, 0] == 0).all()
+    # Pairwise merges agree with the S-way merge.
+    a_v, a_s = pagedkv.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    pagedkv.merge_state_in_place(
+        a_v, a_s, np.ascontiguousarray(v[:, 2]), np.ascontiguousarray(s[:, 2])
+    )
+    np.testing.assert_allclose(a_v, out_v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a_s[1:], out_s[1:], rtol=1e-5)
+
+
+def test_split_decode_equals_merge_of_halves():
+    """Cascade use: attention over a prefix and over a suffix, merged, equals
+    attention over the whole sequence (FlashInfer's merge_state contract)."""
+    rng = np.random.default_rng(21)
+    k = rng.standard_normal((500, 2, 128), dtype=np.float32)
+    v = rng.standard_normal((500, 2, 128), dtype=np.float32)
+    q = rng.standard_normal((8, 128), dtype=np.float32)
+    o_all, s_all = pagedkv.single_decode_with_kv_cache(q, k, v, return_lse=True)
+    # Half-sequence states: the same q over the first 200 and the last 300 keys
+    # (no causal mask in decode: the query sees all of them).
+    o_a, s_a = pagedkv.single_decode_with_kv_cache(q, k[:200], v[:200], return_lse=True)
+    o_b, s_b = pagedkv.single_decode_with_kv_cache(q, k[200:], v[200:], return_lse=True)
+    o, s = pagedkv.merge_state(o_a[None], s_a[None], o_b[None], s_b[None])
+    np.testing.assert_allclose(o[0], o_all, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s[0], s_all, rtol=1e-5)
