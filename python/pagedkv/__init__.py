@@ -10,6 +10,7 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_ca
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
+    copy_pages,
     gather_kv,
     get_batch_indices_positions,
     get_seq_lens,
@@ -19,6 +20,7 @@ __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
+    "copy_pages",
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",

@@ -360,3 +360,43 @@ def gather_kv(
         geometry.device,
     )
     return k, v, seq_indptr
+
+
+COPY_PAGES = OpSpec.of("pagedkv_copy_pages", [Operand(DType.uint8, 2, mutable=True), INDEX, INDEX])
+
+
+def copy_pages(
+    paged_kv_cache: Array | Sequence[Array],
+    src_pages: Array,
+    dst_pages: Array,
+    kv_layout: str = "NHD",
+) -> None:
+    """Copies whole pages (K and V) in place: page src_pages[i] onto
+    dst_pages[i]. The copy-on-write step of forked requests.
+
+    paged_kv_cache: a one-tensor pool or a (k_cache, v_cache) pair, any dtype.
+    src_pages, dst_pages: [n] int32. Raises before copying anything if an id
+    is outside the pool, a destination repeats, or a page is both read and
+    written.
+    """
+    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+    check_index_array("src_pages", src_pages)
+    check_index_array("dst_pages", dst_pages, src_pages.shape[0])
+    check_device("src_pages", src_pages, geometry.device)
+    check_device("dst_pages", dst_pages, geometry.device)
+    for pool in geometry.arrays:
+        # Pages as rows of bytes: one compiled op for every dtype and layout.
+        rows = _byte_view(pool)
+        run_op(COPY_PAGES, [rows, contiguous(src_pages), contiguous(dst_pages)], geometry.device)
+
+
+def _byte_view(pool: Array) -> Array:
+    """A contiguous pool viewed (no copy) as [num_pages, page_bytes] uint8."""
+    from ._tensors import is_torch
+
+    flat = pool.reshape(pool.shape[0], -1)
+    if is_torch(flat):
+        import torch
+
+        return flat.view(torch.uint8)
+    return flat.view(np.uint8)

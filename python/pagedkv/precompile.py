@@ -19,6 +19,7 @@ from .cascade import merge_state_spec, merge_states_spec
 from .decode import CHECK_PAGE_TABLE, decode_spec
 from .page import (
     BATCH_INDICES_POSITIONS,
+    COPY_PAGES,
     SEQ_LENS,
     append_spec,
     gather_spec,
@@ -35,7 +36,7 @@ def op_specs(
     """Every op variant for these cache dtypes, both layouts, both pool forms;
     decode for the (q, kv) dtype pairs (default: each dtype with itself)."""
     dtypes = list(dtypes)
-    specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE]
+    specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE, COPY_PAGES]
     pairs = [(d, d) for d in dtypes] if decode_dtypes is None else list(decode_dtypes)
     for name in dtypes:
         dtype = DType[name]
