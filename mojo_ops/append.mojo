@@ -22,8 +22,7 @@ from std.math import ceildiv
 from std.sys import num_physical_cores, size_of
 
 from .cache_tensors import (
-    cache_from_pair,
-    cache_from_pool,
+    cache_from_tensors,
     check_cache_page_table,
     check_rows,
 )
@@ -212,50 +211,15 @@ def append_paged_kv[
 
 @extensibility.register("pagedkv_append_paged_kv_cache")
 struct AppendPagedKVCache:
-    """Appends into one pool [pages, 2, P, H, D] (NHD) or [pages, 2, H, P, D].
-    """
+    """Appends into a pool passed as k_cache, v_cache [pages, kv, ...page...]
+    (see cache_tensors.mojo: a one-tensor pool twice, or a K, V pair)."""
 
     @staticmethod
     def execute[
         target: StaticString, layout: Int
     ](
-        paged_kv_cache: MutableInputTensor[rank=5, ...],
-        append_key: InputTensor[dtype=paged_kv_cache.dtype, rank=3, ...],
-        append_value: InputTensor[dtype=paged_kv_cache.dtype, rank=3, ...],
-        batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
-        positions: InputTensor[dtype=DType.int32, rank=1, ...],
-        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
-        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
-        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
-        ctx: DeviceContext,
-    ) raises:
-        var cache = cache_from_pool[KVLayout(layout)](
-            paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len
-        )
-        append_paged_kv[target](
-            cache,
-            append_key,
-            append_value,
-            batch_indices,
-            positions,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
-            ctx,
-        )
-
-
-@extensibility.register("pagedkv_append_paged_kv_cache_pair")
-struct AppendPagedKVCachePair:
-    """Appends into separate K and V pools, each [pages, P, H, D] or [pages, H, P, D].
-    """
-
-    @staticmethod
-    def execute[
-        target: StaticString, layout: Int
-    ](
-        k_cache: MutableInputTensor[rank=4, ...],
-        v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=4, ...],
+        k_cache: MutableInputTensor[rank=5, ...],
+        v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=5, ...],
         append_key: InputTensor[dtype=k_cache.dtype, rank=3, ...],
         append_value: InputTensor[dtype=k_cache.dtype, rank=3, ...],
         batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
@@ -265,7 +229,7 @@ struct AppendPagedKVCachePair:
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var cache = cache_from_pair[KVLayout(layout)](
+        var cache = cache_from_tensors[KVLayout(layout)](
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         )
         append_paged_kv[target](

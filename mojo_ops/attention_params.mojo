@@ -28,7 +28,7 @@ comptime POS_ALIBI = 2
 #   float_params [8]: sm_scale, logits_soft_cap, rope_scale, rope_theta,
 #                     q_scale * k_scale, v_scale, -, -
 #   int_params [8]:   window_left, pos_encoding, KV heads per CPU task,
-#                     any request split, K/V interleaved in one pool, -, -, -
+#                     -, -, -, -, -
 
 
 struct AttentionParams(DevicePassable, TrivialRegisterPassable):

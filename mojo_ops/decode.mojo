@@ -73,7 +73,9 @@ def batch_decode[
     ctx: DeviceContext,
 ) raises:
     var params = read_params(float_params, int_params)
-    var any_split = Int(int_params[3]) != 0
+    # Every request has at least one work item: more items than requests
+    # means some request was split and needs its partial states merged.
+    var any_split = work_items.dim_size(0) > q.dim_size(0)
     var num_qo_heads = q.dim_size(1)
     var head_dim = q.dim_size(2)
     var batch_size = q.dim_size(0)
@@ -206,13 +208,10 @@ def batch_decode[
 
 @extensibility.register("pagedkv_batch_decode")
 struct BatchDecode:
-    """Decode over a paged pool.
-
-    Both pool forms share one compiled op (a decode op is costly to compile):
-    separate pools arrive as k_cache, v_cache [pages, ...page...]; a one-tensor
-    pool [pages, 2, ...page...] arrives viewed as [2 * pages, ...page...],
-    passed as both k_cache and v_cache, with int_params[4] = 1 (interleaved).
-    """
+    """Decode over a pool passed as k_cache, v_cache [pages, kv, ...page...]
+    (see cache_tensors.mojo). The pool is declared mutable though only read,
+    so that in a graph it is the same buffer value the appends write: MAX
+    then orders this op after them and never copies the pool."""
 
     @staticmethod
     def execute[
@@ -223,8 +222,8 @@ struct BatchDecode:
         partial_o: MutableInputTensor[dtype=DType.float32, rank=3, ...],
         partial_lse: MutableInputTensor[dtype=DType.float32, rank=2, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
-        k_cache: InputTensor[rank=4, ...],
-        v_cache: InputTensor[dtype=k_cache.dtype, rank=4, ...],
+        k_cache: MutableInputTensor[rank=5, ...],
+        v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=5, ...],
         kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
@@ -235,12 +234,7 @@ struct BatchDecode:
         ctx: DeviceContext,
     ) raises:
         var cache = cache_from_tensors[KVLayout(layout)](
-            k_cache,
-            v_cache,
-            Int(int_params[4]) != 0,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
+            k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         ).bitcast[kv_element_type[k_cache.dtype, kv_format]()]()
         batch_decode[target](
             cache,

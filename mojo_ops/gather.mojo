@@ -13,8 +13,7 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
 from .cache_tensors import (
-    cache_from_pair,
-    cache_from_pool,
+    cache_from_tensors,
     check_cache_page_table,
     check_rows,
 )
@@ -138,7 +137,8 @@ def gather_kv[
 
 @extensibility.register("pagedkv_gather_kv")
 struct GatherKV:
-    """Gathers from one pool [pages, 2, ...page...]."""
+    """Gathers from a pool passed as k_cache, v_cache [pages, kv, ...page...].
+    """
 
     @staticmethod
     def execute[
@@ -146,47 +146,15 @@ struct GatherKV:
     ](
         out_k: MutableInputTensor[rank=3, ...],
         out_v: MutableInputTensor[dtype=out_k.dtype, rank=3, ...],
-        paged_kv_cache: InputTensor[dtype=out_k.dtype, rank=5, ...],
+        k_cache: InputTensor[dtype=out_k.dtype, rank=5, ...],
+        v_cache: InputTensor[dtype=out_k.dtype, rank=5, ...],
         kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
         seq_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        var cache = cache_from_pool[KVLayout(layout)](
-            paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len
-        )
-        gather_kv[target](
-            cache,
-            out_k,
-            out_v,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
-            seq_indptr,
-            ctx,
-        )
-
-
-@extensibility.register("pagedkv_gather_kv_pair")
-struct GatherKVPair:
-    """Gathers from separate K and V pools."""
-
-    @staticmethod
-    def execute[
-        target: StaticString, layout: Int
-    ](
-        out_k: MutableInputTensor[rank=3, ...],
-        out_v: MutableInputTensor[dtype=out_k.dtype, rank=3, ...],
-        k_cache: InputTensor[dtype=out_k.dtype, rank=4, ...],
-        v_cache: InputTensor[dtype=out_k.dtype, rank=4, ...],
-        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
-        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
-        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
-        seq_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
-        ctx: DeviceContext,
-    ) raises:
-        var cache = cache_from_pair[KVLayout(layout)](
+        var cache = cache_from_tensors[KVLayout(layout)](
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         )
         gather_kv[target](

@@ -81,22 +81,12 @@ class AttentionOptions:
             np.float32,
         )
 
-    def int_params(
-        self, heads_per_task: int = 1, any_split: bool = False, interleaved: bool = False
-    ) -> np.ndarray:
-        """window_left, pos_encoding, KV heads per CPU task, whether any request
-        is split across work items, whether K and V interleave in one pool."""
+    def int_params(self, heads_per_task: int = 1) -> np.ndarray:
+        """window_left, pos_encoding, KV heads per CPU task (see
+        mojo_ops/attention_params.mojo)."""
         return np.array(
-            [
-                int(self.window_left),
-                POS_ENCODING_MODES[self.pos_encoding_mode],
-                heads_per_task,
-                int(any_split),
-                int(interleaved),
-                0,
-                0,
-                0,
-            ],
+            [int(self.window_left), POS_ENCODING_MODES[self.pos_encoding_mode], heads_per_task]
+            + [0] * 5,
             np.int32,
         )
 

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from max.dtype import DType
 
-from ._tensors import Array, Device, check_array, device_of, dtype_of, is_contiguous
+from ._tensors import (
+    Array,
+    Device,
+    check_array,
+    device_of,
+    dtype_of,
+    is_contiguous,
+    storage_view,
+)
 
 KV_LAYOUTS = {"NHD": 0, "HND": 1}
 
@@ -66,6 +74,17 @@ class CacheGeometry:
     @property
     def is_pair(self) -> bool:
         return len(self.arrays) == 2
+
+    def kernel_operands(self) -> list[Array]:
+        """The pool as the ops take it: k_cache, v_cache [pages, kv, ...page...].
+
+        A one-tensor pool goes in twice (kv = 2); a (K, V) pair as views with
+        kv = 1 (no copy). fp8 pools as bytes (MAX has no fp8 on the CPU).
+        """
+        if not self.is_pair:
+            pool = storage_view(self.arrays[0])
+            return [pool, pool]
+        return [storage_view(x).reshape(x.shape[0], 1, *x.shape[1:]) for x in self.arrays]
 
 
 def cache_geometry(

@@ -36,7 +36,6 @@ from ._tensors import (
     is_torch,
     new_like,
     storage_dtype,
-    storage_view,
     to_buffer,
     to_host_numpy,
 )
@@ -59,13 +58,10 @@ CHECK_PAGE_TABLE = OpSpec.of(
 
 
 def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
-    """out, lse, partial_o, partial_lse, q, k pool, v pool, page table, work,
-    params.
-
-    One op serves both pool forms (see kv_pool_operands); fp8 pools enter as
-    uint8 (see storage_view) with kv_format naming them.
-    """
-    pool = Operand(storage_dtype(kv_dtype), 4)
+    """out, lse, partial_o, partial_lse, q, k_cache, v_cache
+    (CacheGeometry.kernel_operands), page table, work, params. fp8 pools enter
+    as uint8 with kv_format naming them."""
+    pool = Operand(storage_dtype(kv_dtype), 5, mutable=True)
     return OpSpec.of(
         "pagedkv_batch_decode",
         [
@@ -87,17 +83,6 @@ def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
         layout=layout,
         kv_format=FP8_FORMATS.get(kv_dtype, 0),
     )
-
-
-def kv_pool_operands(geometry: CacheGeometry) -> list[Array]:
-    """The (k, v) operands of an attention op: the pair as is, or a one-tensor
-    pool [pages, 2, ...page...] viewed (no copy) as [2 * pages, ...page...] and
-    passed twice; the op reads it interleaved (int_params[4] = 1)."""
-    if geometry.is_pair:
-        return [storage_view(x) for x in geometry.arrays]
-    pool = storage_view(geometry.arrays[0])
-    view = pool.reshape(2 * pool.shape[0], *pool.shape[2:])
-    return [view, view]
 
 
 def check_dtypes(q_dtype: DType, kv_dtype: DType) -> None:
@@ -312,15 +297,7 @@ class _DecodePlan:
             "request_items": resident(request_items),
             "partial_o": to_buffer(partial_o),
             "partial_lse": to_buffer(empty(indptr, partial_shape[:2], F32)),
-            # One per pool form: int_params[4] says whether K and V interleave.
-            **{
-                f"int_params_{form}": to_buffer(
-                    options.int_params(
-                        per_task, bool((np.diff(request_items) > 1).any()), form == "pool"
-                    )
-                )
-                for form in ("pool", "pair")
-            },
+            "int_params": to_buffer(options.int_params(per_task)),
         }
         if plan.q_dtype is not None:
             plan.compile()
@@ -385,14 +362,14 @@ class _DecodePlan:
                 b["partial_o"],
                 b["partial_lse"],
                 contiguous(q),
-                *kv_pool_operands(geometry),
+                *geometry.kernel_operands(),
                 b["indices"],
                 b["indptr"],
                 b["last"],
                 b["items"],
                 b["request_items"],
                 self.options.float_params(q_scale, k_scale, v_scale),
-                b["int_params_pair" if geometry.is_pair else "int_params_pool"],
+                b["int_params"],
             ],
             self.device,
         )

@@ -44,16 +44,14 @@ BATCH_INDICES_POSITIONS = OpSpec.of(
 )
 
 
-def append_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
-    """pool (or k, v pools), key, value, batch_indices, positions, page table.
-
-    A copy moves bytes: fp8 data enters as uint8 (see storage_view)."""
-    pool = Operand(storage_dtype(dtype), 4 if is_pair else 5, mutable=True)
+def append_spec(dtype: DType, layout: int) -> OpSpec:
+    """k_cache, v_cache (CacheGeometry.kernel_operands), key, value,
+    batch_indices, positions, page table. A copy moves bytes: fp8 data enters
+    as uint8 (see storage_view)."""
+    pool = Operand(storage_dtype(dtype), 5, mutable=True)
     rows = Operand(storage_dtype(dtype), 3)
     return OpSpec.of(
-        "pagedkv_append_paged_kv_cache_pair" if is_pair else "pagedkv_append_paged_kv_cache",
-        [*[pool] * (1 + is_pair), rows, rows, *[INDEX] * 5],
-        layout=layout,
+        "pagedkv_append_paged_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5], layout=layout
     )
 
 
@@ -64,15 +62,12 @@ def mla_append_spec(dtype: DType) -> OpSpec:
     return OpSpec.of("pagedkv_append_paged_mla_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5])
 
 
-def gather_spec(dtype: DType, layout: int, is_pair: bool) -> OpSpec:
-    """out_k, out_v, pool (or k, v pools), page table, seq_indptr."""
+def gather_spec(dtype: DType, layout: int) -> OpSpec:
+    """out_k, out_v, k_cache, v_cache (CacheGeometry.kernel_operands), page
+    table, seq_indptr."""
     rows = Operand(storage_dtype(dtype), 3, mutable=True)
-    pool = Operand(storage_dtype(dtype), 4 if is_pair else 5)
-    return OpSpec.of(
-        "pagedkv_gather_kv_pair" if is_pair else "pagedkv_gather_kv",
-        [rows, rows, *[pool] * (1 + is_pair), *[INDEX] * 4],
-        layout=layout,
-    )
+    pool = Operand(storage_dtype(dtype), 5)
+    return OpSpec.of("pagedkv_gather_kv", [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
 
 
 def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> Array:
@@ -231,9 +226,9 @@ def _append(
     kv_last_page_len: Array,
 ) -> None:
     run_op(
-        append_spec(geometry.dtype, geometry.layout, geometry.is_pair),
+        append_spec(geometry.dtype, geometry.layout),
         [
-            *[storage_view(x) for x in geometry.arrays],
+            *geometry.kernel_operands(),
             storage_view(contiguous(append_key)),
             storage_view(contiguous(append_value)),
             contiguous(batch_indices),
@@ -347,11 +342,11 @@ def gather_kv(
     k = empty(geometry.arrays[0], shape, geometry.dtype)
     v = empty(geometry.arrays[0], shape, geometry.dtype)
     run_op(
-        gather_spec(geometry.dtype, geometry.layout, geometry.is_pair),
+        gather_spec(geometry.dtype, geometry.layout),
         [
             storage_view(k),
             storage_view(v),
-            *[storage_view(x) for x in geometry.arrays],
+            *geometry.kernel_operands(),
             contiguous(kv_indices),
             contiguous(kv_indptr),
             contiguous(kv_last_page_len),

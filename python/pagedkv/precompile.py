@@ -33,7 +33,7 @@ def op_specs(
     dtypes: Iterable[str] = DEFAULT_DTYPES,
     decode_dtypes: Iterable[tuple[str, str]] | None = None,
 ) -> list[OpSpec]:
-    """Every op variant for these cache dtypes, both layouts, both pool forms;
+    """Every op variant for these cache dtypes and both layouts;
     decode for the (q, kv) dtype pairs (default: each dtype with itself)."""
     dtypes = list(dtypes)
     specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE, COPY_PAGES]
@@ -42,9 +42,8 @@ def op_specs(
         dtype = DType[name]
         specs.append(mla_append_spec(dtype))
         for layout in KV_LAYOUTS.values():
-            for is_pair in (False, True):
-                specs.append(append_spec(dtype, layout, is_pair))
-                specs.append(gather_spec(dtype, layout, is_pair))
+            specs.append(append_spec(dtype, layout))
+            specs.append(gather_spec(dtype, layout))
     for q_name, kv_name in pairs:
         specs += [merge_state_spec(DType[q_name]), merge_states_spec(DType[q_name])]
         for layout in KV_LAYOUTS.values():
