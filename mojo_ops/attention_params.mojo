@@ -28,7 +28,7 @@ comptime POS_ALIBI = 2
 #   float_params [8]: sm_scale, logits_soft_cap, rope_scale, rope_theta,
 #                     q_scale * k_scale, v_scale, -, -
 #   int_params [8]:   window_left, pos_encoding, KV heads per CPU task,
-#                     -, -, -, -, -
+#                     causal, query rows per item at most, -, -, -
 
 
 struct AttentionParams(DevicePassable, TrivialRegisterPassable):
@@ -40,6 +40,8 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
     var v_scale: Float32
     var window_left: Int
     var pos_encoding: Int
+    var causal: Bool
+    """Whether a query sees only keys at or before its own position."""
     var rope_rcp_scale: Float64
     var rope_log2_theta: Float64
 
@@ -64,6 +66,7 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
         v_scale: Float32,
         window_left: Int,
         pos_encoding: Int,
+        causal: Bool = True,
     ):
         if soft_cap > 0:
             self.q_scale_log2 = sm_scale * qk_scale / soft_cap
@@ -74,6 +77,7 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
         self.v_scale = v_scale
         self.window_left = window_left
         self.pos_encoding = pos_encoding
+        self.causal = causal
         self.rope_rcp_scale = 1 / Float64(rope_scale)
         self.rope_log2_theta = log2(Float64(rope_theta))
 
@@ -87,6 +91,22 @@ struct AttentionParams(DevicePassable, TrivialRegisterPassable):
         if self.window_left < 0:
             return 0
         return max(q_pos - self.window_left, 0)
+
+    @always_inline
+    def visible[
+        width: Int
+    ](
+        self,
+        distance: SIMD[DType.float32, width],
+        in_range: SIMD[DType.bool, width],
+    ) -> SIMD[DType.bool, width]:
+        """Which keys, at distance = kv_pos - q_pos, a query may see."""
+        var seen = in_range
+        if self.causal:
+            seen = seen & distance.le(0)
+        if self.window_left >= 0:
+            seen = seen & distance.ge(Float32(-self.window_left))
+        return seen
 
     @always_inline
     def finish_scores[
@@ -132,13 +152,21 @@ comptime TWO_PI: Float64 = 6.283185307179586
 
 
 @always_inline
-def rope_angle[
+def rope_angle64[
     width: Int
-](inv_freq: SIMD[DType.float64, width], pos: Int) -> SIMD[DType.float32, width]:
+](inv_freq: SIMD[DType.float64, width], pos: Int) -> SIMD[DType.float64, width]:
     """The angle pos * inv_freq, reduced to [-pi, pi] in float64: at position 10^4 a
     float32 product would already be off by 1e-3 radians."""
     var angle = inv_freq * Float64(pos)
-    return (angle - TWO_PI * round(angle / TWO_PI)).cast[DType.float32]()
+    return angle - TWO_PI * round(angle / TWO_PI)
+
+
+@always_inline
+def rope_angle[
+    width: Int
+](inv_freq: SIMD[DType.float64, width], pos: Int) -> SIMD[DType.float32, width]:
+    """`rope_angle64` rounded to float32 (for float32 sin and cos)."""
+    return rope_angle64(inv_freq, pos).cast[DType.float32]()
 
 
 @always_inline
@@ -156,15 +184,27 @@ def rope_rotate(
     comptime w = 8
     var half = head_dim // 2
     for c in range(half // w):
-        var angle = rope_angle[w](
+        # Rotated in float64 on the CPU: the result is rounded once, so
+        # RoPE adds no error beyond float32's own (the GPU rotates in float32).
+        var angle = rope_angle64[w](
             inv_freq.unsafe_offset(c * w).unsafe_load[width=w](), pos
         )
         var cs = cos(angle)
         var sn = sin(angle)
-        var lo = x.unsafe_offset(c * w).unsafe_load[width=w]()
-        var hi = x.unsafe_offset(half + c * w).unsafe_load[width=w]()
-        x.unsafe_offset(c * w).unsafe_store(lo * cs - hi * sn)
-        x.unsafe_offset(half + c * w).unsafe_store(hi * cs + lo * sn)
+        var lo = (
+            x.unsafe_offset(c * w).unsafe_load[width=w]().cast[DType.float64]()
+        )
+        var hi = (
+            x.unsafe_offset(half + c * w)
+            .unsafe_load[width=w]()
+            .cast[DType.float64]()
+        )
+        x.unsafe_offset(c * w).unsafe_store(
+            (lo * cs - hi * sn).cast[DType.float32]()
+        )
+        x.unsafe_offset(half + c * w).unsafe_store(
+            (hi * cs + lo * sn).cast[DType.float32]()
+        )
 
 
 @always_inline

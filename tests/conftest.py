@@ -68,6 +68,14 @@ DECODE_CONFIGS = [
 ]
 
 
+# (q dtype, kv dtype, layout) the prefill tests cover.
+PREFILL_CONFIGS = [
+    ("float32", "float32", "NHD"),
+    ("bfloat16", "bfloat16", "HND"),
+    ("float16", "float8_e4m3fn", "NHD"),
+]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_ops():
     """Compiles every op the suite runs in one MAX module (one fixed cost)."""
@@ -77,17 +85,23 @@ def compiled_ops():
     from pagedkv._tensors import CPU
     from pagedkv.decode import decode_spec
     from pagedkv.precompile import op_specs
+    from pagedkv.prefill import prefill_spec
 
-    decode = list(
+    layouts = {"NHD": 0, "HND": 1}
+    attention = list(
         dict.fromkeys(
-            decode_spec(DType[q], DType[kv], {"NHD": 0, "HND": 1}[layout])
-            for q, kv, layout, _ in DECODE_CONFIGS
+            [
+                decode_spec(DType[q], DType[kv], layouts[layout])
+                for q, kv, layout, _ in DECODE_CONFIGS
+            ]
+            + [
+                prefill_spec(DType[q], DType[kv], layouts[layout])
+                for q, kv, layout in PREFILL_CONFIGS
+            ]
         )
     )
     pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS})
     page_and_merge = [
-        s
-        for s in op_specs(("float32", "float16", "bfloat16"), pairs)
-        if "batch_decode" not in s.name
+        s for s in op_specs(("float32", "float16", "bfloat16"), pairs) if "batch_" not in s.name
     ]
-    prepare(page_and_merge + decode, CPU)
+    prepare(page_and_merge + attention, CPU)

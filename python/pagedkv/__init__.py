@@ -15,9 +15,11 @@ from .page import (
     get_batch_indices_positions,
     get_seq_lens,
 )
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "copy_pages",

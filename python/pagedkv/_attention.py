@@ -81,25 +81,34 @@ class AttentionOptions:
             np.float32,
         )
 
-    def int_params(self, heads_per_task: int = 1) -> np.ndarray:
-        """window_left, pos_encoding, KV heads per CPU task (see
-        mojo_ops/attention_params.mojo)."""
+    def int_params(self, heads_per_task: int, causal: bool, max_queries: int) -> np.ndarray:
+        """window_left, pos_encoding, KV heads per CPU task, causal, most query
+        tokens in a work item (see mojo_ops/attention_params.mojo)."""
         return np.array(
-            [int(self.window_left), POS_ENCODING_MODES[self.pos_encoding_mode], heads_per_task]
-            + [0] * 5,
+            [
+                int(self.window_left),
+                POS_ENCODING_MODES[self.pos_encoding_mode],
+                heads_per_task,
+                int(causal),
+                max_queries,
+                0,
+                0,
+                0,
+            ],
             np.int32,
         )
 
 
-MAX_TASK_QO_HEADS = 64
-"""Query heads one CPU task scores together (its state lives on the heap)."""
+CPU_MAX_TASK_ROWS = 64
+"""Query rows (a query token's head) one CPU task scores together: their
+state lives on the heap, their K/V reads are shared."""
 
 
 def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
     """KV heads per CPU task: all of them when their query heads fit, so an
     NHD page is read token row by token row, in memory order."""
     group = num_qo_heads // num_kv_heads
-    return max(1, min(num_kv_heads, MAX_TASK_QO_HEADS // group))
+    return max(1, min(num_kv_heads, CPU_MAX_TASK_ROWS // group))
 
 
 def parallel_slots(is_gpu: bool) -> int:
@@ -110,36 +119,94 @@ def parallel_slots(is_gpu: bool) -> int:
     return 4 * (os.cpu_count() or 1)
 
 
-def split_work(
-    seq_lens: np.ndarray,
-    first_visible: np.ndarray,
-    head_blocks: int,
-    page_size: int,
-    slots: int,
+GPU_MAX_ROWS = 8
+"""Query rows per GPU thread block (MAX_ROWS in mojo_ops/attention_gpu.mojo)."""
+
+
+def item_array(*fields: np.ndarray) -> np.ndarray:
+    """Work items [I, 6]: request, first query row, query rows, first query's
+    position, first key, end key (mojo_ops/attention_work.mojo)."""
+    return np.ascontiguousarray(np.stack(fields, axis=1).astype(np.int32))
+
+
+def decode_work(
+    table: object,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    per_task: int,
+    options: AttentionOptions,
+    is_gpu: bool,
     min_chunk: int = 256,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Splits each request's visible tokens [first_visible, seq_len) into chunks.
+    """Work items of a decode step: one query per request, its visible keys
+    split into page-aligned chunks (flash-decoding) when the batch alone would
+    leave cores (or SMs) idle.
 
-    Chunks are page-aligned and sized so that (items x head blocks) fills about
-    `slots` parallel workers; a short batch of long requests is split
-    (flash-decoding), a large batch is not. Returns items [I, 3] (request,
-    first, end) and request_items [B + 1] (CSR offsets into items); every
-    request has at least one item, so empty ones get o = 0, lse = -inf.
+    Chunks are sized so that (items x head blocks) fills about
+    parallel_slots() workers; a head block is the KV heads one CPU task covers,
+    or the query rows one GPU thread block covers. Every request has at least
+    one item, so an empty one gets o = 0, lse = -inf. Returns items [I, 6] and
+    request_items [B + 1].
     """
-    seq_lens = seq_lens.astype(np.int64)
-    first_visible = first_visible.astype(np.int64)
+    seq_lens = table.seq_lens.astype(np.int64)
+    page_size = table.page_size
+    if options.window_left < 0:
+        first_visible = np.zeros_like(seq_lens)
+    else:
+        first_visible = np.maximum(seq_lens - 1 - options.window_left, 0)
+    group = num_qo_heads // num_kv_heads
+    if is_gpu:
+        head_blocks = num_kv_heads * -(-group // GPU_MAX_ROWS)
+    else:
+        head_blocks = -(-num_kv_heads // per_task)
+    per_block_slots = max(parallel_slots(is_gpu) // head_blocks, 1)
     visible = seq_lens - first_visible
-    per_head_slots = max(slots // max(head_blocks, 1), 1)
-    chunk = max(min_chunk, -(-int(visible.sum()) // per_head_slots))
+    chunk = max(min_chunk, -(-int(visible.sum()) // per_block_slots))
     chunk = -(-chunk // page_size) * page_size
     # Chunks start on page boundaries of the sequence, counted from 0.
-    start_page = first_visible // page_size
-    aligned = start_page * page_size
+    aligned = first_visible // page_size * page_size
     counts = np.maximum(-(-(seq_lens - aligned) // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
     k = np.arange(int(request_items[-1])) - request_items[request]
     first = np.maximum(aligned[request] + k * chunk, first_visible[request])
-    end = np.minimum(aligned[request] + (k + 1) * chunk, seq_lens[request])
-    items = np.stack([request, first, np.maximum(end, first)], axis=1).astype(np.int32)
-    return np.ascontiguousarray(items), request_items
+    end = np.maximum(np.minimum(aligned[request] + (k + 1) * chunk, seq_lens[request]), first)
+    items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
+    return items, request_items
+
+
+def prefill_work(
+    table: object,
+    qo_indptr: np.ndarray,
+    group: int,
+    options: AttentionOptions,
+    causal: bool,
+    is_gpu: bool,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Work items of a prefill: tiles of each request's query tokens, each
+    with every key one of its queries may see (causal and window bounds).
+
+    Request b's n_b queries are its last n_b tokens: query i sits at position
+    seq_len - n_b + i. A CPU tile holds up to CPU_MAX_TASK_ROWS query rows of
+    one KV head (tokens x group heads), so every key row read serves them
+    all. Returns items [I, 6], request_items [B + 1] and the most queries in a
+    tile.
+    """
+    seq_lens = table.seq_lens.astype(np.int64)
+    qo_indptr = qo_indptr.astype(np.int64)
+    counts = np.diff(qo_indptr)
+    tile = 16 if is_gpu else max(CPU_MAX_TASK_ROWS // group, 1)
+    tiles = -(-counts // tile)
+    request_items = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
+    request = np.repeat(np.arange(len(counts)), tiles)
+    k = np.arange(int(request_items[-1])) - request_items[request]
+    q0 = k * tile
+    queries = np.minimum(tile, counts[request] - q0)
+    q_pos = seq_lens[request] - counts[request] + q0
+    if options.window_left < 0:
+        first = np.zeros_like(q_pos)
+    else:
+        first = np.maximum(q_pos - options.window_left, 0)
+    end = np.minimum(q_pos + queries, seq_lens[request]) if causal else seq_lens[request]
+    items = item_array(request, qo_indptr[request] + q0, queries, q_pos, first, end)
+    return items, request_items, int(queries.max()) if len(queries) else 1

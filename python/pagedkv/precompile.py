@@ -12,11 +12,12 @@ from collections.abc import Iterable
 
 from max.dtype import DType
 
+from ._attention_plan import CHECK_PAGE_TABLE
 from ._checks import KV_LAYOUTS
 from ._kernels import OpSpec, compile_stats, prepare
 from ._tensors import Device
 from .cascade import merge_state_spec, merge_states_spec
-from .decode import CHECK_PAGE_TABLE, decode_spec
+from .decode import decode_spec
 from .page import (
     BATCH_INDICES_POSITIONS,
     COPY_PAGES,
@@ -25,6 +26,7 @@ from .page import (
     gather_spec,
     mla_append_spec,
 )
+from .prefill import prefill_spec
 
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -48,6 +50,7 @@ def op_specs(
         specs += [merge_state_spec(DType[q_name]), merge_states_spec(DType[q_name])]
         for layout in KV_LAYOUTS.values():
             specs.append(decode_spec(DType[q_name], DType[kv_name], layout))
+            specs.append(prefill_spec(DType[q_name], DType[kv_name], layout))
     return list(dict.fromkeys(specs))
 
 

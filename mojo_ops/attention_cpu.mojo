@@ -1,20 +1,23 @@
-"""Decode attention on the CPU.
+"""Paged attention on the CPU: decode and prefill.
 
-A task is one work item (a run of one request's tokens) over a block of KV
-heads, all of them when their query heads fit (see `heads_per_task` in the
+A task is one work item (a tile of one request's query tokens against a run
+of its keys, see attention_work.mojo) over a block of KV heads. Decode tasks
+take all KV heads when their query heads fit (see `heads_per_task` in the
 plan): in an NHD page a token's heads are one contiguous row, so the task
-streams K and V through memory in order.
+streams K and V through memory in order. Prefill tasks take one KV head and
+a tile of query tokens, whose rows all reuse each K and V row read.
 
-The task walks its tokens in chunks of CHUNK tokens, which may span pages
+The task walks its keys in chunks of CHUNK tokens, which may span pages
 (token rows are addressed through a table of offsets). Per chunk and KV head:
-scores for all query heads of the group (each K row loaded once), a base-2
-online softmax, then the same V rows, still in L1, folded into the heads'
-accumulators. While a chunk is computed, the next chunk's rows are prefetched
+scores for all the head's query rows (each K row loaded once), a base-2
+online softmax with per-row masks (causal, window), then the same V rows,
+still in L1, folded into the rows' accumulators. While a chunk is computed, the next chunk's rows are prefetched
 row by row, at the rate they will be consumed.
 
-The inner loops are specialised at compile time for the head dim and for the
-number of query heads scored together (tiles of 8, 4, 2, 1), and unrolled so
-that every tile keeps 8 independent FMA chains in flight.
+The inner loops are specialised at compile time for the number of query rows
+scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps 8
+independent FMA chains in flight; head_dim is a run-time value, so one
+compile serves every model.
 """
 
 from std.bit import log2_floor
@@ -35,7 +38,7 @@ from .attention_params import (
     rope_inv_freq,
     rope_rotate,
 )
-from .decode_work import DecodeWork
+from .attention_work import AttentionWork
 from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 
@@ -337,7 +340,8 @@ def softmax_tile[
     params: AttentionParams,
     scores: Ptr[F32],
     n: Int,
-    distance0: Int,
+    kv_pos0: Int,
+    row_pos: Ptr[F32],
     alibi_log2: Ptr[F32],
     m: Ptr[F32],
     l: Ptr[F32],
@@ -346,7 +350,9 @@ def softmax_tile[
     """Online softmax over one chunk: scores become probabilities relative to
     the running max m, and l and acc are rescaled when m grows.
 
-    distance0 = position of the chunk's first token - the query's position.
+    kv_pos0: position of the chunk's first key; row_pos[g]: the position of
+    row g's query. Keys a row may not see (past the chunk's end, after the
+    query when causal, before its window) get no weight.
     """
     var iota = SIMD[F32, W]()
     comptime for i in range(W):
@@ -355,18 +361,26 @@ def softmax_tile[
         var row = scores.unsafe_offset(g * CHUNK)
         var top = neg_inf[F32]()
         comptime for c in range(CHUNK // W):
+            var distance = (
+                iota + Float32(kv_pos0 + c * W) - row_pos[unsafe_offset=g]
+            )
             var s = params.finish_scores(
                 row.unsafe_offset(c * W).unsafe_load[width=W](),
                 alibi_log2[unsafe_offset=g],
-                iota + Float32(distance0 + c * W),
+                distance,
             )
-            # Lanes past the chunk's last token get no weight.
-            var live = iota.lt(Float32(n - c * W))
-            s = live.select(s, neg_inf[F32]())
+            s = params.visible(distance, iota.lt(Float32(n - c * W))).select(
+                s, neg_inf[F32]()
+            )
             row.unsafe_offset(c * W).unsafe_store(s)
             top = max(top, s.reduce_max())
         var old = m[unsafe_offset=g]
         var new = max(old, top)
+        if new == neg_inf[F32]():
+            # Nothing visible yet for this row: no weight, state unchanged.
+            comptime for c in range(CHUNK // W):
+                row.unsafe_offset(c * W).unsafe_store(SIMD[F32, W](0))
+            continue
         var total: Float32 = 0
         comptime for c in range(CHUNK // W):
             var p = exp2(row.unsafe_offset(c * W).unsafe_load[width=W]() - new)
@@ -394,10 +408,10 @@ def chunk_tile[
     v: Ptr[v_dtype],
     v_rows: RowOffsets,
     n: Int,
-    distance0: Int,
+    kv_pos0: Int,
     prefetcher: RowPrefetch,
 ):
-    """One chunk for query heads g..g+tile of the task."""
+    """One chunk for the task's query rows g..g+tile."""
     var q = state.q.unsafe_offset(g * head_dim)
     var acc = state.acc.unsafe_offset(g * head_dim)
     score_tile[tile](head_dim, q, k, k_rows, n, state.scores, prefetcher)
@@ -406,7 +420,8 @@ def chunk_tile[
         params,
         state.scores,
         n,
-        distance0,
+        kv_pos0,
+        state.row_pos.unsafe_offset(g),
         state.alibi_log2.unsafe_offset(g),
         state.m.unsafe_offset(g),
         state.l.unsafe_offset(g),
@@ -429,7 +444,7 @@ def chunk_group[
     v: Ptr[v_dtype],
     v_rows: RowOffsets,
     n: Int,
-    distance0: Int,
+    kv_pos0: Int,
     prefetcher: RowPrefetch,
 ):
     """One chunk for the `group` query heads g0.. of one KV head, in tiles of
@@ -449,7 +464,7 @@ def chunk_group[
                 v,
                 v_rows,
                 n,
-                distance0,
+                kv_pos0,
                 prefetching,
             )
             g += 8
@@ -464,7 +479,7 @@ def chunk_group[
                 v,
                 v_rows,
                 n,
-                distance0,
+                kv_pos0,
                 prefetching,
             )
             g += 4
@@ -479,7 +494,7 @@ def chunk_group[
                 v,
                 v_rows,
                 n,
-                distance0,
+                kv_pos0,
                 prefetching,
             )
             g += 2
@@ -494,7 +509,7 @@ def chunk_group[
                 v,
                 v_rows,
                 n,
-                distance0,
+                kv_pos0,
                 prefetching,
             )
             g += 1
@@ -525,15 +540,17 @@ def rotated_keys[
 
 
 struct TaskState(Movable):
-    """Per-task scratch: q rows, accumulators and softmax state of `heads`
-    query heads, scores of one tile, row offset tables. On the heap: 64 heads
-    of dim 256 would not fit a worker thread's stack."""
+    """Per-task scratch: the q vector, accumulator, softmax state, position
+    and ALiBi slope of each query row (a query token's head), the scores of
+    one tile, row offset tables. On the heap: 64 rows of dim 256 would not fit
+    a worker thread's stack."""
 
     var q: Ptr[F32]
     var acc: Ptr[F32]
     var m: Ptr[F32]
     var l: Ptr[F32]
     var alibi_log2: Ptr[F32]
+    var row_pos: Ptr[F32]
     var scores: Ptr[F32]
     var inv_freq: Ptr[DType.float64]
     var krot: Ptr[F32]
@@ -542,7 +559,7 @@ struct TaskState(Movable):
     rotated keys' rows (j * head_dim)."""
     var _storage: Ptr[F32]
 
-    def __init__(out self, heads: Int, head_dim: Int):
+    def __init__(out self, rows: Int, head_dim: Int):
         var D = head_dim
         var at = 0
 
@@ -552,11 +569,12 @@ struct TaskState(Movable):
             at += (count + W - 1) // W * W
             return start
 
-        var q_at = take(at, heads * D)
-        var acc_at = take(at, heads * D)
-        var m_at = take(at, heads)
-        var l_at = take(at, heads)
-        var alibi_at = take(at, heads)
+        var q_at = take(at, rows * D)
+        var acc_at = take(at, rows * D)
+        var m_at = take(at, rows)
+        var l_at = take(at, rows)
+        var alibi_at = take(at, rows)
+        var pos_at = take(at, rows)
         var scores_at = take(at, 8 * CHUNK)
         var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
@@ -569,6 +587,7 @@ struct TaskState(Movable):
         self.m = self._storage.unsafe_offset(m_at)
         self.l = self._storage.unsafe_offset(l_at)
         self.alibi_log2 = self._storage.unsafe_offset(alibi_at)
+        self.row_pos = self._storage.unsafe_offset(pos_at)
         self.scores = self._storage.unsafe_offset(scores_at)
         self.inv_freq = rebind[Ptr[DType.float64]](
             self._storage.unsafe_offset(freq_at)
@@ -580,24 +599,25 @@ struct TaskState(Movable):
         self._storage.unsafe_free()
 
 
-def decode_task[
+def attention_task[
     q_dtype: DType, kv_dtype: DType, layout: KVLayout
 ](
     cache: PagedKVCache[kv_dtype, layout, DYNAMIC, DYNAMIC, DYNAMIC],
     q: Ptr[q_dtype],
     output: Ptr[q_dtype],
     lse: Ptr[F32],
-    work: DecodeWork,
+    work: AttentionWork,
     params: AttentionParams,
     num_qo_heads: Int,
     heads_per_task: Int,
     task: Int,
 ):
-    """Attention of one work item over a block of KV heads, for every query
-    head of those heads' groups; task = item * blocks + block.
+    """One work item over a block of KV heads; task = item * blocks + block.
 
-    Writes the final output for an unsplit request, else the item's partial
-    state for merge_split_request.
+    The task's query rows are (KV head, query token, head of the group), so
+    each KV head's rows are contiguous and share every K and V row it reads.
+    Writes final outputs, or the item's partial state when its request's keys
+    are split across items (decode).
     """
     var kv_heads = cache.num_kv_heads()
     var blocks = (kv_heads + heads_per_task - 1) // heads_per_task
@@ -605,42 +625,52 @@ def decode_task[
     var h0 = (task % blocks) * heads_per_task
     var h1 = min(h0 + heads_per_task, kv_heads)
     var group = num_qo_heads // kv_heads
-    var heads = (h1 - h0) * group
-    var qo0 = h0 * group
+    var queries = work.q_count(item)
+    var q_row0 = work.q_row(item)
+    var q_pos0 = work.q_pos(item)
+    var head_rows = queries * group
     var b = work.request(item)
-    var q_pos = cache.cache_length(b) - 1
-    var first = max(work.first(item), params.first_visible(q_pos))
-    var end = work.end(item)
+    var first = work.kv_first(item)
+    var end = work.kv_end(item)
     var hs = cache.head_stride()
     var head_dim = cache.head_dim()
     var rope = params.pos_encoding == POS_ROPE_LLAMA
 
-    var st = TaskState(heads, head_dim)
+    var st = TaskState((h1 - h0) * head_rows, head_dim)
     if rope:
         for i in range(head_dim // 2):
             st.inv_freq[unsafe_offset=i] = rope_inv_freq(params, i, head_dim)
-    for g in range(heads):
-        var src = q.unsafe_offset((b * num_qo_heads + qo0 + g) * head_dim)
-        var dst = st.q.unsafe_offset(g * head_dim)
-        for c in range(head_dim // W):
-            dst.unsafe_offset(c * W).unsafe_store(
-                load_f32[q_dtype, W](src, c * W)
-            )
-        if rope:
-            rope_rotate(dst, st.inv_freq, q_pos, head_dim)
-        for c in range(head_dim // W):
-            var d = dst.unsafe_offset(c * W)
-            d.unsafe_store(d.unsafe_load[width=W]() * params.q_scale_log2)
-            st.acc.unsafe_offset(g * head_dim + c * W).unsafe_store(
-                SIMD[F32, W](0)
-            )
-        st.m[unsafe_offset=g] = neg_inf[F32]()
-        st.l[unsafe_offset=g] = 0
-        st.alibi_log2[unsafe_offset=g] = 0
-        if params.pos_encoding == POS_ALIBI:
-            st.alibi_log2[unsafe_offset=g] = (
-                alibi_slope(qo0 + g, num_qo_heads) * LOG2E
-            )
+    for h in range(h0, h1):
+        for t in range(queries):
+            for g in range(group):
+                var r = (h - h0) * head_rows + t * group + g
+                var qo = h * group + g
+                var src = q.unsafe_offset(
+                    ((q_row0 + t) * num_qo_heads + qo) * head_dim
+                )
+                var dst = st.q.unsafe_offset(r * head_dim)
+                for c in range(head_dim // W):
+                    dst.unsafe_offset(c * W).unsafe_store(
+                        load_f32[q_dtype, W](src, c * W)
+                    )
+                if rope:
+                    rope_rotate(dst, st.inv_freq, q_pos0 + t, head_dim)
+                for c in range(head_dim // W):
+                    var d = dst.unsafe_offset(c * W)
+                    d.unsafe_store(
+                        d.unsafe_load[width=W]() * params.q_scale_log2
+                    )
+                    st.acc.unsafe_offset(r * head_dim + c * W).unsafe_store(
+                        SIMD[F32, W](0)
+                    )
+                st.m[unsafe_offset=r] = neg_inf[F32]()
+                st.l[unsafe_offset=r] = 0
+                st.row_pos[unsafe_offset=r] = Float32(q_pos0 + t)
+                st.alibi_log2[unsafe_offset=r] = 0
+                if params.pos_encoding == POS_ALIBI:
+                    st.alibi_log2[unsafe_offset=r] = (
+                        alibi_slope(qo, num_qo_heads) * LOG2E
+                    )
 
     var rows = st.rows
     var ahead = st.rows.unsafe_offset(CHUNK)
@@ -657,7 +687,7 @@ def decode_task[
         for h in range(h0, h1):
             var k = cache.k_pages.unsafe_offset(h * hs)
             var v = cache.v_pages.unsafe_offset(h * hs)
-            var g0 = (h - h0) * group
+            var r0 = (h - h0) * head_rows
             # After this head's V rows come the next head's K rows, or the
             # next chunk's first head's.
             var prefetcher = RowPrefetch[kv_dtype](
@@ -678,14 +708,14 @@ def decode_task[
                     head_dim,
                     params,
                     st,
-                    g0,
-                    group,
+                    r0,
+                    head_rows,
                     st.krot,
                     rot_rows,
                     v,
                     rows,
                     n,
-                    tok - q_pos,
+                    tok,
                     RowPrefetch[DType.float32](
                         st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0, 0
                     ),
@@ -695,14 +725,14 @@ def decode_task[
                     head_dim,
                     params,
                     st,
-                    g0,
-                    group,
+                    r0,
+                    head_rows,
                     k,
                     rows,
                     v,
                     rows,
                     n,
-                    tok - q_pos,
+                    tok,
                     prefetcher,
                 )
         tok = next
@@ -711,39 +741,48 @@ def decode_task[
         rows = ahead
         ahead = swap
 
-    var split = work.is_split(b)
-    for g in range(heads):
-        var qo = qo0 + g
-        var total = st.l[unsafe_offset=g]
-        var norm = params.v_scale / total if total > 0 else Float32(0)
-        var state_lse = (
-            st.m[unsafe_offset=g] + log2(total) if total > 0 else neg_inf[F32]()
-        )
-        var a = st.acc.unsafe_offset(g * head_dim)
-        if split:
-            var dst = work.partial_o.unsafe_offset(
-                (item * num_qo_heads + qo) * head_dim
-            )
-            for c in range(head_dim // W):
-                dst.unsafe_offset(c * W).unsafe_store(
-                    a.unsafe_offset(c * W).unsafe_load[width=W]() * norm
+    var partial = work.writes_partial(b)
+    for h in range(h0, h1):
+        for t in range(queries):
+            for g in range(group):
+                var r = (h - h0) * head_rows + t * group + g
+                var qo = h * group + g
+                var total = st.l[unsafe_offset=r]
+                var norm = params.v_scale / total if total > 0 else Float32(0)
+                var state_lse = (
+                    st.m[unsafe_offset=r] + log2(total) if total
+                    > 0 else neg_inf[F32]()
                 )
-            work.partial_lse[unsafe_offset=item * num_qo_heads + qo] = state_lse
-        else:
-            var dst = output.unsafe_offset((b * num_qo_heads + qo) * head_dim)
-            for c in range(head_dim // W):
-                dst.unsafe_offset(c * W).unsafe_store(
-                    (a.unsafe_offset(c * W).unsafe_load[width=W]() * norm).cast[
-                        q_dtype
-                    ]()
-                )
-            lse[unsafe_offset=b * num_qo_heads + qo] = state_lse
+                var a = st.acc.unsafe_offset(r * head_dim)
+                if partial:
+                    # Key-split items hold one query (decode).
+                    var dst = work.partial_o.unsafe_offset(
+                        (item * num_qo_heads + qo) * head_dim
+                    )
+                    for c in range(head_dim // W):
+                        dst.unsafe_offset(c * W).unsafe_store(
+                            a.unsafe_offset(c * W).unsafe_load[width=W]() * norm
+                        )
+                    work.partial_lse[
+                        unsafe_offset=item * num_qo_heads + qo
+                    ] = state_lse
+                else:
+                    var out_row = (q_row0 + t) * num_qo_heads + qo
+                    var dst = output.unsafe_offset(out_row * head_dim)
+                    for c in range(head_dim // W):
+                        dst.unsafe_offset(c * W).unsafe_store(
+                            (
+                                a.unsafe_offset(c * W).unsafe_load[width=W]()
+                                * norm
+                            ).cast[q_dtype]()
+                        )
+                    lse[unsafe_offset=out_row] = state_lse
 
 
 def merge_split_request[
     q_dtype: DType
 ](
-    work: DecodeWork,
+    work: AttentionWork,
     output: Ptr[q_dtype],
     lse: Ptr[F32],
     num_qo_heads: Int,
@@ -752,12 +791,13 @@ def merge_split_request[
     first: Int,
     step: Int,
 ):
-    """Merges the partial states of request b (if it was split) into output, lse.
-    """
-    if not work.is_split(b):
+    """Merges the partial states of request b's key-split items, if any, into
+    its query's output row."""
+    if not work.writes_partial(b):
         return
     var item0 = Int(work.request_items[unsafe_offset=b])
     var count = work.items_of(b)
+    var row = work.q_row(item0)
     for qo in range(num_qo_heads):
         merge_row(
             work.partial_o.unsafe_offset(
@@ -768,8 +808,8 @@ def merge_split_request[
             num_qo_heads,
             count,
             head_dim,
-            output.unsafe_offset((b * num_qo_heads + qo) * head_dim),
-            lse.unsafe_offset(b * num_qo_heads + qo),
+            output.unsafe_offset((row * num_qo_heads + qo) * head_dim),
+            lse.unsafe_offset(row * num_qo_heads + qo),
             first,
             step,
         )

@@ -1,0 +1,211 @@
+"""Running paged attention (decode or prefill) on the CPU or a GPU.
+
+`plan()` in Python turns a batch into work items (attention_work.mojo); the
+registered ops (decode.mojo, prefill.mojo) read their tensors and call
+`run_attention`, which runs the items on all CPU cores or as GPU thread
+blocks, then merges the states of key-split requests.
+"""
+
+from extensibility import InputTensor, ManagedTensorSlice
+from max.algorithm import sync_parallelize
+from max.gpu import block_dim, block_idx, thread_idx
+from max.gpu.host import DeviceContext
+
+from .attention_cpu import MIN_HEAD_DIM, attention_task, merge_split_request
+from .attention_gpu import GPU_THREADS, attention_gpu_kernel, row_tiles
+from .attention_params import AttentionParams
+from .attention_work import AttentionWork
+from .paged_kv_cache import DYNAMIC, PagedKVCache, Ptr
+from .tensor_access import ptr_of
+
+comptime HEAD_DIMS = (64, 128, 256)
+"""Head dims of the GPU kernel (a lane holds head_dim / 32 elements)."""
+
+comptime KV_AS_STORED = 0
+comptime KV_FP8_E4M3 = 1
+comptime KV_FP8_E5M2 = 2
+
+
+def kv_element_type[storage: DType, kv_format: Int]() -> DType:
+    """The element type of a pool passed as `storage`: fp8 pools arrive as
+    uint8 (MAX has no fp8 tensors on the CPU) with kv_format naming them."""
+    comptime if kv_format == KV_FP8_E4M3:
+        return DType.float8_e4m3fn
+    elif kv_format == KV_FP8_E5M2:
+        return DType.float8_e5m2
+    return storage
+
+
+def read_params(
+    float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+    int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+) -> AttentionParams:
+    """AttentionParams from the op's host-side parameter tensors (layout in
+    attention_params.mojo)."""
+    return AttentionParams(
+        sm_scale=float_params[0],
+        soft_cap=float_params[1],
+        rope_scale=float_params[2],
+        rope_theta=float_params[3],
+        qk_scale=float_params[4],
+        v_scale=float_params[5],
+        window_left=Int(int_params[0]),
+        pos_encoding=Int(int_params[1]),
+        causal=Int(int_params[3]) != 0,
+    )
+
+
+def run_attention[
+    target: StaticString
+](
+    cache: PagedKVCache,
+    output: ManagedTensorSlice[rank=3, ...],
+    lse: ManagedTensorSlice[dtype=DType.float32, rank=2, ...],
+    partial_o: ManagedTensorSlice[dtype=DType.float32, rank=3, ...],
+    partial_lse: ManagedTensorSlice[dtype=DType.float32, rank=2, ...],
+    q: ManagedTensorSlice[dtype=output.dtype, rank=3, ...],
+    work_items: InputTensor[dtype=DType.int32, rank=2, ...],
+    request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+    float_params: InputTensor[dtype=DType.float32, rank=1, ...],
+    int_params: InputTensor[dtype=DType.int32, rank=1, ...],
+    kv_split: Bool,
+    ctx: DeviceContext,
+) raises:
+    """Attention of q [rows, Hq, D] over the cache, item by item, into
+    output [rows, Hq, D] and lse [rows, Hq]."""
+    var params = read_params(float_params, int_params)
+    var num_qo_heads = q.dim_size(1)
+    var head_dim = q.dim_size(2)
+    var batch_size = request_items.dim_size(0) - 1
+    if head_dim != cache.head_dim() or num_qo_heads % cache.num_kv_heads() != 0:
+        raise Error(
+            "pagedkv: q [rows, ",
+            num_qo_heads,
+            ", ",
+            head_dim,
+            "] does not fit a cache of ",
+            cache.num_kv_heads(),
+            " KV heads of dim ",
+            cache.head_dim(),
+        )
+    var work = AttentionWork(
+        ptr_of(work_items),
+        work_items.dim_size(0),
+        ptr_of(request_items),
+        ptr_of(partial_o),
+        ptr_of(partial_lse),
+        kv_split,
+    )
+    # A request with more items than one has split keys, whose partial
+    # states need merging (decode); prefill items split queries.
+    var any_split = kv_split and work.num_items > batch_size
+    var q_ptr = ptr_of(q)
+    var o_ptr = ptr_of(output)
+    var lse_ptr = ptr_of(lse)
+    comptime if target == "cpu":
+        # One compiled kernel for every head dim (a multiple of 64): the
+        # vector loops over head_dim run at run time.
+        if head_dim % MIN_HEAD_DIM != 0:
+            raise Error(
+                "pagedkv: head_dim ", head_dim, " is not a multiple of 64"
+            )
+        var heads_per_task = max(Int(int_params[2]), 1)
+        var blocks = (
+            cache.num_kv_heads() + heads_per_task - 1
+        ) // heads_per_task
+        var dynamic = cache.specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
+
+        def run_task(
+            t: Int,
+        ) {
+            var dynamic,
+            var q_ptr,
+            var o_ptr,
+            var lse_ptr,
+            var work,
+            var params,
+            var num_qo_heads,
+            var heads_per_task,
+        }:
+            attention_task(
+                dynamic,
+                q_ptr,
+                o_ptr,
+                lse_ptr,
+                work,
+                params,
+                num_qo_heads,
+                heads_per_task,
+                t,
+            )
+
+        sync_parallelize(run_task, work.num_items * blocks)
+        if any_split:
+
+            def merge_task(
+                b: Int,
+            ) {
+                var work, var o_ptr, var lse_ptr, var num_qo_heads, var head_dim
+            }:
+                merge_split_request(
+                    work, o_ptr, lse_ptr, num_qo_heads, head_dim, b, 0, 1
+                )
+
+            sync_parallelize(merge_task, batch_size)
+        return
+    else:
+        # A GPU lane holds head_dim / 32 elements in registers: one kernel
+        # per supported head dim.
+        var group = num_qo_heads // cache.num_kv_heads()
+        var tiles = row_tiles(Int(int_params[4]) * group)
+        comptime for i in range(len(HEAD_DIMS)):
+            comptime D = HEAD_DIMS[i]
+            if head_dim == D:
+                var fixed = cache.specialized[DYNAMIC, DYNAMIC, D]()
+                ctx.enqueue_function[
+                    attention_gpu_kernel[q.dtype, cache.dtype, cache.layout, D]
+                ](
+                    fixed,
+                    q_ptr,
+                    o_ptr,
+                    lse_ptr,
+                    work,
+                    params,
+                    Int64(num_qo_heads),
+                    Int64(tiles),
+                    grid_dim=(work.num_items, fixed.num_kv_heads() * tiles),
+                    block_dim=GPU_THREADS,
+                )
+                if any_split:
+
+                    def merge_kernel(
+                        work: AttentionWork,
+                        o_ptr: Ptr[q.dtype],
+                        lse_ptr: Ptr[DType.float32],
+                        num_qo_heads: Int64,
+                    ):
+                        merge_split_request(
+                            work,
+                            o_ptr,
+                            lse_ptr,
+                            Int(num_qo_heads),
+                            D,
+                            Int(block_idx.x),
+                            Int(thread_idx.x),
+                            Int(block_dim.x),
+                        )
+
+                    ctx.enqueue_function[merge_kernel](
+                        work,
+                        o_ptr,
+                        lse_ptr,
+                        Int64(num_qo_heads),
+                        grid_dim=batch_size,
+                        block_dim=GPU_THREADS,
+                    )
+                return
+        raise Error(
+            "pagedkv: head_dim ",
+            head_dim,
+            " is not supported on GPUs (64, 128, 256)",
+        )

@@ -1,0 +1,99 @@
+"""The work list of an attention call, decided once by `plan()` in Python.
+
+A work item is a tile of one request's query rows (consecutive tokens, each
+with all its heads) against a run of that request's keys [kv_first, kv_end).
+Decode has one query per request and may split its keys across several items
+(split-K, flash-decoding), whose partial states are merged afterwards;
+prefill tiles its queries and gives each tile all the keys it can see.
+"""
+
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+
+from .paged_kv_cache import IndexPtr, Ptr
+
+comptime ITEM_FIELDS = 6
+"""request, first query row (in q), query rows, position of the first query,
+first key, end key."""
+
+
+struct AttentionWork(DevicePassable, TrivialRegisterPassable):
+    var items: IndexPtr
+    """[num_items, ITEM_FIELDS]."""
+    var num_items: Int
+    var request_items: IndexPtr
+    """[batch_size + 1]: request b's items are request_items[b] .. [b + 1]."""
+    var partial_o: Ptr[DType.float32]
+    """[num_items, num_qo_heads, head_dim]: states of key-split items."""
+    var partial_lse: Ptr[DType.float32]
+    """[num_items, num_qo_heads]."""
+    var kv_split: Bool
+    """Whether a request's items split its keys (decode) rather than its
+    queries (prefill)."""
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(
+        self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]
+    ):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "AttentionWork"
+
+    def __init__(
+        out self,
+        items: IndexPtr,
+        num_items: Int,
+        request_items: IndexPtr,
+        partial_o: Ptr[DType.float32],
+        partial_lse: Ptr[DType.float32],
+        kv_split: Bool,
+    ):
+        self.items = items
+        self.num_items = num_items
+        self.request_items = request_items
+        self.partial_o = partial_o
+        self.partial_lse = partial_lse
+        self.kv_split = kv_split
+
+    @always_inline
+    def _field(self, item: Int, field: Int) -> Int:
+        return Int(self.items[unsafe_offset=ITEM_FIELDS * item + field])
+
+    @always_inline
+    def request(self, item: Int) -> Int:
+        return self._field(item, 0)
+
+    @always_inline
+    def q_row(self, item: Int) -> Int:
+        """Row of the item's first query in q [rows, num_qo_heads, head_dim]."""
+        return self._field(item, 1)
+
+    @always_inline
+    def q_count(self, item: Int) -> Int:
+        return self._field(item, 2)
+
+    @always_inline
+    def q_pos(self, item: Int) -> Int:
+        """Sequence position of the item's first query."""
+        return self._field(item, 3)
+
+    @always_inline
+    def kv_first(self, item: Int) -> Int:
+        return self._field(item, 4)
+
+    @always_inline
+    def kv_end(self, item: Int) -> Int:
+        return self._field(item, 5)
+
+    @always_inline
+    def items_of(self, b: Int) -> Int:
+        return Int(self.request_items[unsafe_offset=b + 1]) - Int(
+            self.request_items[unsafe_offset=b]
+        )
+
+    @always_inline
+    def writes_partial(self, b: Int) -> Bool:
+        """Whether request b's items hold partial states to merge."""
+        return self.kv_split and self.items_of(b) > 1

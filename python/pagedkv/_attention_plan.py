@@ -1,0 +1,296 @@
+"""What plan() prepares for decode and prefill alike, and the run it enables.
+
+plan() checks the page table once (with the kernels' own checker, on host
+copies), decides the work items, keeps its own device-resident copies of the
+metadata as ready MAX buffers and compiles the op; run() then only checks
+shapes and launches: no host round-trip, no re-wrapping of metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from max.driver import Buffer
+from max.dtype import DType
+
+from ._attention import AttentionOptions
+from ._checks import CacheGeometry, cache_geometry, check_index_array
+from ._kernels import Operand, OpSpec, prepare, run_op
+from ._tensors import (
+    CPU,
+    FP8_FORMATS,
+    Array,
+    Device,
+    check_array,
+    contiguous,
+    device_of,
+    dtype_of,
+    empty,
+    is_torch,
+    new_like,
+    storage_dtype,
+    to_buffer,
+    to_host_numpy,
+)
+from .page import INDEX
+
+Q_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
+FP8_DTYPES = tuple(FP8_FORMATS)
+KV_DTYPES = Q_DTYPES + FP8_DTYPES
+
+F32 = DType.float32
+HOST_F32 = Operand(F32, 1, on_host=True)
+HOST_INDEX = Operand(DType.int32, 1, on_host=True)
+
+CHECK_PAGE_TABLE = OpSpec.of(
+    "pagedkv_check_page_table",
+    [Operand(DType.int32, 1, mutable=True, on_host=True), INDEX, INDEX, INDEX, HOST_INDEX],
+)
+
+
+def attention_spec(op: str, q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
+    """out, lse, partial_o, partial_lse, q, k_cache, v_cache
+    (CacheGeometry.kernel_operands), page table, work items, params: the
+    operands of pagedkv_batch_decode and pagedkv_batch_prefill. fp8 pools
+    enter as uint8 with kv_format naming them."""
+    pool = Operand(storage_dtype(kv_dtype), 5, mutable=True)
+    return OpSpec.of(
+        op,
+        [
+            Operand(q_dtype, 3, mutable=True),
+            Operand(F32, 2, mutable=True),
+            Operand(F32, 3, mutable=True),
+            Operand(F32, 2, mutable=True),
+            Operand(q_dtype, 3),
+            pool,
+            pool,
+            INDEX,
+            INDEX,
+            INDEX,
+            Operand(DType.int32, 2),
+            INDEX,
+            HOST_F32,
+            HOST_INDEX,
+        ],
+        layout=layout,
+        kv_format=FP8_FORMATS.get(kv_dtype, 0),
+    )
+
+
+def check_dtypes(q_dtype: DType, kv_dtype: DType) -> None:
+    if q_dtype not in Q_DTYPES:
+        raise TypeError(f"q dtype must be float32, float16 or bfloat16, got {q_dtype.name}")
+    if kv_dtype not in KV_DTYPES:
+        raise TypeError(f"KV dtype {kv_dtype.name} is not supported")
+    if kv_dtype in FP8_DTYPES and q_dtype == DType.float32:
+        raise TypeError("an fp8 KV cache needs a 16-bit q (float16 or bfloat16)")
+
+
+def check_page_table_on_host(
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    kv_last_page_len: np.ndarray,
+    page_size: int,
+    num_pages: int = 2**31 - 1,
+) -> tuple[int, int]:
+    """Runs the kernels' own page-table check on host copies (raises ValueError).
+
+    Returns (largest page id used or -1, tokens cached in the batch).
+    """
+    summary = np.zeros(2, np.int32)
+    run_op(
+        CHECK_PAGE_TABLE,
+        [
+            summary,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            np.array([page_size, num_pages], np.int32),
+        ],
+        CPU,
+    )
+    return int(summary[0]), int(summary[1])
+
+
+@dataclass
+class PageTable:
+    """A checked CSR page table: host copies, and what plan() derives."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+    page_size: int
+    seq_lens: np.ndarray
+    max_page_id: int
+    like: Array
+    """An array of the caller's kind and device (for resident copies)."""
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.last_page_len)
+
+    @staticmethod
+    def checked(indptr: Array, indices: Array, last_page_len: Array, page_size: int) -> PageTable:
+        """Checks the arrays (int32, 1-D, consistent, page ids >= 0, last
+        page lengths in range) and reads the sequence lengths."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        check_index_array("last_page_len", last_page_len)
+        check_index_array("indptr", indptr, int(last_page_len.shape[0]) + 1)
+        check_index_array("indices", indices)
+        host = [np.ascontiguousarray(to_host_numpy(x)) for x in (indptr, indices, last_page_len)]
+        max_page_id, _ = check_page_table_on_host(*host, page_size)
+        pages = np.diff(host[0].astype(np.int64))
+        seq_lens = np.where(pages > 0, (pages - 1) * page_size + host[2], 0)
+        return PageTable(*host, page_size, seq_lens, max_page_id, indptr)
+
+
+class AttentionPlan:
+    """Everything run() needs: metadata buffers, options, the compiled op."""
+
+    def __init__(
+        self,
+        op: str,
+        table: PageTable,
+        items: np.ndarray,
+        request_items: np.ndarray,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        layout: int,
+        options: AttentionOptions,
+        int_params: np.ndarray,
+        q_rows: int,
+        q_dtype: DType | None,
+        kv_dtype: DType | None,
+        workspace: Array | None,
+    ) -> None:
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.op = op
+        self.table = table
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.layout = layout
+        self.options = options
+        self.q_rows = q_rows
+        self.device: Device = device_of(table.like)
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype or q_dtype
+        if q_dtype is not None:
+            check_dtypes(q_dtype, self.kv_dtype)
+
+        def resident(values: np.ndarray) -> Buffer:
+            return to_buffer(new_like(table.like, np.ascontiguousarray(values)))
+
+        partial_shape = (max(len(items), 1), num_qo_heads, options.head_dim)
+        # run() reads the plan's own copies: later edits to the caller's arrays
+        # cannot desynchronise the metadata from the page table.
+        self.buffers = {
+            "indices": resident(table.indices),
+            "indptr": resident(table.indptr),
+            "last": resident(table.last_page_len),
+            "items": resident(items),
+            "request_items": resident(request_items),
+            "partial_o": to_buffer(_workspace_view(workspace, partial_shape, table.like)),
+            "partial_lse": to_buffer(empty(table.like, partial_shape[:2], F32)),
+            "int_params": to_buffer(int_params),
+        }
+        if self.q_dtype is not None:
+            self.compile()
+
+    def spec(self) -> OpSpec:
+        assert self.q_dtype is not None and self.kv_dtype is not None
+        return attention_spec(self.op, self.q_dtype, self.kv_dtype, self.layout)
+
+    def compile(self) -> None:
+        prepare([self.spec()], self.device)
+
+    def check_run(self, q: Array, geometry: CacheGeometry) -> None:
+        check_array("q", q)
+        want = (self.q_rows, self.num_qo_heads, self.options.head_dim)
+        if tuple(q.shape) != want:
+            raise ValueError(f"q must be {list(want)} as planned, got {list(q.shape)}")
+        if device_of(q) != self.device or geometry.device != self.device:
+            raise ValueError(f"q and the cache must be on {self.device}, where plan() ran")
+        got = (geometry.page_size, geometry.num_kv_heads, geometry.head_dim)
+        planned = (self.table.page_size, self.num_kv_heads, self.options.head_dim)
+        if got != planned:
+            raise ValueError(
+                f"the cache has (page_size, num_kv_heads, head_dim) = {got}, the plan {planned}"
+            )
+        if self.table.max_page_id >= geometry.num_pages:
+            raise ValueError(
+                f"the page table uses page {self.table.max_page_id} but the cache holds "
+                f"{geometry.num_pages} pages"
+            )
+        if self.q_dtype is None:
+            self.q_dtype, self.kv_dtype = dtype_of(q), geometry.dtype
+            check_dtypes(self.q_dtype, self.kv_dtype)
+            self.compile()
+        if dtype_of(q) != self.q_dtype:
+            raise TypeError(f"q is {dtype_of(q).name} but the plan has {self.q_dtype.name}")
+        if geometry.dtype != self.kv_dtype:
+            raise TypeError(
+                f"the cache is {geometry.dtype.name} but the plan has {self.kv_dtype.name}"
+            )
+
+    def run(
+        self,
+        q: Array,
+        paged_kv_cache: Array | Sequence[Array],
+        kv_layout: str,
+        q_scale: float | None,
+        k_scale: float | None,
+        v_scale: float | None,
+    ) -> tuple[Array, Array]:
+        """o [rows, Hq, D] (q's dtype) and lse [rows, Hq] (float32, base 2)."""
+        geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+        self.check_run(q, geometry)
+        assert self.q_dtype is not None
+        o = empty(q, q.shape, self.q_dtype)
+        lse = empty(q, q.shape[:2], F32)
+        b = self.buffers
+        run_op(
+            self.spec(),
+            [
+                o,
+                lse,
+                b["partial_o"],
+                b["partial_lse"],
+                contiguous(q),
+                *geometry.kernel_operands(),
+                b["indices"],
+                b["indptr"],
+                b["last"],
+                b["items"],
+                b["request_items"],
+                self.options.float_params(q_scale, k_scale, v_scale),
+                b["int_params"],
+            ],
+            self.device,
+        )
+        return o, lse
+
+
+def _workspace_view(workspace: Array | None, shape: tuple[int, ...], like: Array) -> Array:
+    """float32 scratch of `shape`: the front of the caller's workspace buffer
+    (any dtype) when it is large enough, else a new array."""
+    need = 4 * int(np.prod(shape))
+    if workspace is None:
+        return empty(like, shape, F32)
+    check_array("float_workspace_buffer", workspace)
+    if is_torch(workspace):
+        import torch
+
+        raw = workspace.reshape(-1).view(torch.uint8)
+        if raw.numel() >= need:
+            return raw[:need].view(torch.float32).view(shape)
+    else:
+        raw = workspace.reshape(-1).view(np.uint8)
+        if raw.size >= need:
+            return raw[:need].view(np.float32).reshape(shape)
+    return empty(like, shape, F32)

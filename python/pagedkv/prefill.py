@@ -1,0 +1,151 @@
+"""Batch prefill attention over the paged cache, FlashInfer's wrapper API.
+
+Each request brings several query tokens, the last ones of its sequence (their
+K/V already appended): a prompt prefilled in one step, a chunk of a long
+prompt (chunked prefill), or a few draft tokens (speculative decoding). The
+queries attend, causally or not, to all of the request's cached K/V, with the
+same options as decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from max.dtype import DType
+
+from ._attention import AttentionOptions, as_dtype, prefill_work
+from ._attention_plan import AttentionPlan, PageTable, attention_spec
+from ._checks import check_index_array, layout_code
+from ._kernels import OpSpec
+from ._tensors import Array, device_of, to_host_numpy
+
+
+def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
+    """The compiled prefill op for these dtypes and layout."""
+    return attention_spec("pagedkv_batch_prefill", q_dtype, kv_dtype, layout)
+
+
+class BatchPrefillWithPagedKVCacheWrapper:
+    """Ragged multi-token attention over the paged cache.
+
+    >>> w = BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
+    >>> w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
+    ...        causal=True)
+    >>> o = w.run(q, paged_kv_cache)          # q [qo_indptr[-1], 32, 128]
+    """
+
+    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD") -> None:
+        self._layout = layout_code(kv_layout)
+        self._kv_layout = kv_layout
+        self._workspace = float_workspace_buffer
+        self._plan: AttentionPlan | None = None
+
+    def plan(
+        self,
+        qo_indptr: Array,
+        paged_kv_indptr: Array,
+        paged_kv_indices: Array,
+        paged_kv_last_page_len: Array,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: int | None = None,
+        custom_mask: Array | None = None,
+        packed_custom_mask: Array | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: object = None,
+        kv_data_type: object = None,
+    ) -> None:
+        """Prepares the batch: qo_indptr [B + 1] (request b's queries are rows
+        qo_indptr[b]:qo_indptr[b + 1] of q) and the CSR page table of the
+        cached K/V, which already includes the queries' own tokens.
+
+        Options as in FlashInfer and decode; custom masks are not supported,
+        and use_fp16_qk_reduction is accepted and ignored (scores are always
+        accumulated in float32).
+        """
+        if custom_mask is not None or packed_custom_mask is not None:
+            raise NotImplementedError("custom masks are not supported: use causal or window_left")
+        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+            raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        options = AttentionOptions(
+            head_dim=int(head_dim_qk),
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=int(window_left),
+            logits_soft_cap=logits_soft_cap or None,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )
+        table = PageTable.checked(
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, int(page_size)
+        )
+        check_index_array("qo_indptr", qo_indptr, table.batch_size + 1)
+        host_qo = np.ascontiguousarray(to_host_numpy(qo_indptr)).astype(np.int64)
+        counts = np.diff(host_qo)
+        if host_qo[0] != 0 or (counts < 0).any():
+            raise ValueError("qo_indptr must start at 0 and never decrease")
+        over = np.nonzero(counts > table.seq_lens)[0]
+        if len(over):
+            b = int(over[0])
+            raise ValueError(
+                f"request {b} has {counts[b]} queries but only {table.seq_lens[b]} cached "
+                "tokens: append the queries' K/V before prefill"
+            )
+        items, request_items, max_queries = prefill_work(
+            table,
+            host_qo,
+            num_qo_heads // num_kv_heads,
+            options,
+            causal,
+            device_of(qo_indptr).is_gpu,
+        )
+        self._plan = AttentionPlan(
+            "pagedkv_batch_prefill",
+            table,
+            items,
+            request_items,
+            num_qo_heads,
+            num_kv_heads,
+            self._layout,
+            options,
+            # Prefill tasks take one KV head and a tile of query tokens.
+            options.int_params(1, causal=causal, max_queries=max_queries),
+            int(host_qo[-1]),
+            None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
+            None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
+            self._workspace,
+        )
+
+    def run(
+        self,
+        q: Array,
+        paged_kv_cache: Array | Sequence[Array],
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        return_lse: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Attention of q [qo_indptr[-1], num_qo_heads, head_dim] over the batch.
+
+        Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
+        with return_lse.
+        """
+        if self._plan is None:
+            raise RuntimeError("run() called before plan()")
+        o, lse = self._plan.run(q, paged_kv_cache, self._kv_layout, None, k_scale, v_scale)
+        return (o, lse) if return_lse else o
+
+    forward = run

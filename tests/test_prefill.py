@@ -1,0 +1,143 @@
+"""Batch prefill attention (ragged, causal or not) against the float64 reference.
+
+Request b's queries are its last qo_len tokens (already appended), so the same
+call covers a whole prompt, a chunk of a long one (chunked prefill) and a few
+draft tokens (speculative decoding). Tolerances as in test_decode.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv
+import reference
+from conftest import PREFILL_CONFIGS
+
+# (cached tokens after the append, queries) per request.
+SHAPES = {
+    "prompts": [(9, 9), (40, 40), (1, 1), (0, 0), (130, 130)],
+    "chunked": [(300, 64), (64, 64), (17, 5)],
+    "speculative": [(500, 4), (33, 1), (80, 3), (7, 7)],
+}
+OPTIONS = [
+    dict(),
+    dict(window_left=17),
+    dict(logits_soft_cap=30.0, sm_scale=0.05),
+    dict(pos_encoding_mode="ROPE_LLAMA"),
+    dict(pos_encoding_mode="ALIBI", window_left=0),
+]
+
+
+def cast(values: np.ndarray, dtype: str):
+    if dtype == "float32":
+        return values
+    return torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def as_f64(x) -> np.ndarray:
+    return (x.float().numpy() if isinstance(x, torch.Tensor) else x).astype(np.float64)
+
+
+CASES = [
+    (config, shape, options, causal, page_size)
+    for i, (config, shape, options, causal, page_size) in enumerate(
+        [
+            (
+                PREFILL_CONFIGS[i % len(PREFILL_CONFIGS)],
+                shape,
+                OPTIONS[i % len(OPTIONS)],
+                i % 3 != 2,
+                [1, 16, 5][i % 3],
+            )
+            for i, shape in enumerate(list(SHAPES) * 3)
+        ]
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "config,shape,options,causal,page_size",
+    CASES,
+    ids=[
+        f"{c[0]}-{c[1]}-{s}-{'causal' if k else 'full'}-P{p}-{sorted(o)}" for c, s, o, k, p in CASES
+    ],
+)
+def test_prefill_matches_reference(config, shape, options, causal, page_size):
+    q_dtype, kv_dtype, layout = config
+    rng = np.random.default_rng(abs(hash((shape, causal, page_size))) % 2**32)
+    lens, queries = zip(*SHAPES[shape], strict=True)
+    hq, hkv, d = 8, 2, 128
+    batch = reference.paged_batch(rng, page_size, list(lens), list(queries))
+    page = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
+    pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), kv_dtype)
+    q = cast(rng.standard_normal((batch.nnz, hq, d), dtype=np.float32), q_dtype)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(
+        batch.append_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_page_len,
+        hq,
+        hkv,
+        d,
+        page_size,
+        causal=causal,
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+        **options,
+    )
+    o, lse = w.run(q, pool, return_lse=True)
+    tol = 1e-5 if q_dtype == "float32" else 1e-2
+    refs = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout
+    )
+    for b, (k, v) in enumerate(refs):
+        lo, hi = batch.append_indptr[b], batch.append_indptr[b + 1]
+        if hi == lo:
+            continue
+        positions = np.arange(len(k) - (hi - lo), len(k))
+        want_o, want_lse = reference.attention(
+            as_f64(q)[lo:hi], k, v, positions, causal=causal, **options
+        )
+        np.testing.assert_allclose(as_f64(o)[lo:hi], want_o, rtol=tol, atol=tol)
+        finite = np.isfinite(want_lse)
+        np.testing.assert_allclose(as_f64(lse)[lo:hi][finite], want_lse[finite], rtol=tol, atol=tol)
+        assert (as_f64(lse)[lo:hi][~finite] == -np.inf).all()
+
+
+def test_prefill_then_decode_agree_on_last_token():
+    """The last query of a prompt is exactly a decode query."""
+    rng = np.random.default_rng(4)
+    batch = reference.paged_batch(rng, 16, [37, 90], [37, 90])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((batch.nnz, 8, 64), dtype=np.float32)
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    prefill = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+    prefill.plan(batch.append_indptr, *table, 8, 2, 64, 16, causal=True)
+    o = prefill.run(q, pool)
+    decode = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    decode.plan(*table, 8, 2, 64, 16)
+    last = batch.append_indptr[1:] - 1
+    np.testing.assert_allclose(decode.run(q[last], pool), o[last], rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_bad_input():
+    rng = np.random.default_rng(2)
+    batch = reference.paged_batch(rng, 16, [10, 5], [10, 5])
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+    with pytest.raises(ValueError, match="cached"):
+        w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="never decrease"):
+        w.plan(np.array([0, 11, 10], np.int32), *table, 4, 2, 64, 16)
+    with pytest.raises(NotImplementedError, match="custom masks"):
+        w.plan(batch.append_indptr, *table, 4, 2, 64, 16, custom_mask=np.ones(3, bool))
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(np.zeros((15, 4, 64), np.float32), np.zeros((2, 2, 16, 2, 64), np.float32))
+    w.plan(batch.append_indptr, *table, 4, 2, 64, 16, q_data_type="float32")
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(
+            np.zeros((14, 4, 64), np.float32), np.zeros((batch.num_pages, 2, 16, 2, 64), np.float32)
+        )
