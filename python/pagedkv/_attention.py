@@ -175,6 +175,13 @@ def decode_work(
     return items, request_items
 
 
+def prefill_tile(group: int, is_gpu: bool) -> int:
+    """Query tokens per prefill work item: a CPU task's CPU_MAX_TASK_ROWS rows
+    of one KV head, or 16 tokens on a GPU (spread over blocks of GPU_MAX_ROWS
+    rows)."""
+    return 16 if is_gpu else max(CPU_MAX_TASK_ROWS // group, 1)
+
+
 def prefill_work(
     table: object,
     qo_indptr: np.ndarray,
@@ -195,7 +202,7 @@ def prefill_work(
     seq_lens = table.seq_lens.astype(np.int64)
     qo_indptr = qo_indptr.astype(np.int64)
     counts = np.diff(qo_indptr)
-    tile = 16 if is_gpu else max(CPU_MAX_TASK_ROWS // group, 1)
+    tile = prefill_tile(group, is_gpu)
     tiles = -(-counts // tile)
     request_items = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     request = np.repeat(np.arange(len(counts)), tiles)

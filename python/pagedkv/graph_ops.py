@@ -1,0 +1,272 @@
+"""pagedkv's ops inside your own ``max.graph`` graphs.
+
+The cache pool is a graph ``BufferValue`` (FlashInfer's one-tensor form
+[num_pages, 2, ...page...]) written in place by `append_paged_kv_cache` and
+read by `batch_decode` / `batch_prefill`: all three take the same buffer value,
+so MAX orders them and never copies the pool. Batch, token and page counts may
+be symbolic dims: one compiled graph serves every step.
+
+The attention ops take their work list as graph inputs, built on the host per
+step by `decode_work` / `prefill_work` from the page table (cheap, vectorized
+NumPy; the page manager has the page table on the host anyway).
+
+    with Graph("step", input_types=[...],
+               custom_extensions=graph_ops.custom_extensions()) as g:
+        graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions,
+                                         kv_indices, kv_indptr, kv_last_page_len)
+        o, lse = graph_ops.batch_decode(q, pool, kv_indices, kv_indptr,
+                                        kv_last_page_len, work_items, request_items)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from max.dtype import DType
+from max.graph import BufferType, BufferValue, DeviceRef, TensorValue, ops
+
+from . import _attention
+from ._attention import AttentionOptions, heads_per_task
+from ._checks import layout_code
+
+F32 = DType.float32
+
+
+def custom_extensions() -> list:
+    """What to pass as ``Graph(..., custom_extensions=...)`` for these ops:
+    pagedkv's compiled kernel package."""
+    from ._kernels import kernel_package
+
+    return [kernel_package()]
+
+
+def append_paged_kv_cache(
+    paged_kv_cache: BufferValue,
+    append_key: TensorValue,
+    append_value: TensorValue,
+    batch_indices: TensorValue,
+    positions: TensorValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    kv_layout: str = "NHD",
+) -> None:
+    """Writes append_key/append_value [nnz, H, D] into the pool, in place.
+
+    paged_kv_cache: [pages, 2, ...page...]; int32 index tensors as in
+    `pagedkv.append_paged_kv_cache`. On the CPU the op checks the indices and
+    raises before writing anything.
+    """
+    ops.inplace_custom(
+        "pagedkv_append_paged_kv_cache",
+        device=paged_kv_cache.device,
+        values=[
+            paged_kv_cache,
+            paged_kv_cache,
+            append_key,
+            append_value,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+        ],
+        parameters={"layout": layout_code(kv_layout)},
+    )
+
+
+def _attention_op(
+    op: str,
+    q: TensorValue,
+    paged_kv_cache: BufferValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    work_items: TensorValue,
+    request_items: TensorValue,
+    kv_layout: str,
+    options: AttentionOptions,
+    int_params: np.ndarray,
+    q_scale: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+) -> tuple[TensorValue, TensorValue]:
+    device = paged_kv_cache.device
+    rows, heads, head_dim = q.shape
+    o = ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device))
+    lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
+    partial_o = ops.buffer_create(
+        BufferType(F32, [work_items.shape[0], heads, head_dim], device=device)
+    )
+    partial_lse = ops.buffer_create(BufferType(F32, [work_items.shape[0], heads], device=device))
+    host = DeviceRef.CPU()
+    ops.inplace_custom(
+        op,
+        device=device,
+        values=[
+            o,
+            lse,
+            partial_o,
+            partial_lse,
+            q,
+            paged_kv_cache,
+            paged_kv_cache,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            work_items,
+            request_items,
+            ops.constant(options.float_params(q_scale, k_scale, v_scale), F32, device=host),
+            ops.constant(int_params, DType.int32, device=host),
+        ],
+        parameters={"layout": layout_code(kv_layout), "kv_format": 0},
+    )
+    return ops.buffer_load(o), ops.buffer_load(lse)
+
+
+def batch_decode(
+    q: TensorValue,
+    paged_kv_cache: BufferValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    work_items: TensorValue,
+    request_items: TensorValue,
+    num_kv_heads: int,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+) -> tuple[TensorValue, TensorValue]:
+    """Decode attention of q [B, Hq, D] over the pool: (o [B, Hq, D], lse [B, Hq]).
+
+    work_items [I, 6], request_items [B + 1] (int32): from `decode_work` for
+    this step's page table, with the same window_left.
+    """
+    num_qo_heads, head_dim = int(q.shape[1]), int(q.shape[2])
+    options = AttentionOptions(
+        head_dim, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
+    )
+    return _attention_op(
+        "pagedkv_batch_decode",
+        q,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        work_items,
+        request_items,
+        kv_layout,
+        options,
+        options.int_params(heads_per_task(num_qo_heads, num_kv_heads), causal=True, max_queries=1),
+        None,
+        None,
+        None,
+    )
+
+
+def batch_prefill(
+    q: TensorValue,
+    paged_kv_cache: BufferValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    work_items: TensorValue,
+    request_items: TensorValue,
+    causal: bool = True,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+) -> tuple[TensorValue, TensorValue]:
+    """Prefill attention of q [nnz_qo, Hq, D] (each request's last tokens)
+    over the pool: (o [nnz_qo, Hq, D], lse [nnz_qo, Hq]).
+
+    work_items, request_items: from `prefill_work` for this step, with the same
+    causal and window_left.
+    """
+    num_qo_heads, head_dim = int(q.shape[1]), int(q.shape[2])
+    options = AttentionOptions(
+        head_dim, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
+    )
+    group = num_qo_heads // int(paged_kv_cache.shape[3 if kv_layout == "NHD" else 2])
+    tile = _attention.prefill_tile(group, paged_kv_cache.device.is_gpu())
+    return _attention_op(
+        "pagedkv_batch_prefill",
+        q,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        work_items,
+        request_items,
+        kv_layout,
+        options,
+        # Queries per item are bounded by the tile size, whatever the step.
+        options.int_params(1, causal=causal, max_queries=tile),
+        None,
+        None,
+        None,
+    )
+
+
+def _table(kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int) -> object:
+    pages = np.diff(np.asarray(kv_indptr, np.int64))
+    seq_lens = np.where(pages > 0, (pages - 1) * page_size + np.asarray(kv_last_page_len), 0)
+    return SimpleNamespace(seq_lens=seq_lens, page_size=page_size)
+
+
+def decode_work(
+    kv_indptr: np.ndarray,
+    kv_last_page_len: np.ndarray,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window_left: int = -1,
+    gpu: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
+    request_items [B + 1] int32), for `batch_decode`."""
+    options = AttentionOptions(head_dim, window_left=window_left)
+    return _attention.decode_work(
+        _table(kv_indptr, kv_last_page_len, page_size),
+        num_qo_heads,
+        num_kv_heads,
+        heads_per_task(num_qo_heads, num_kv_heads),
+        options,
+        gpu,
+    )
+
+
+def prefill_work(
+    qo_indptr: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_last_page_len: np.ndarray,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool = True,
+    window_left: int = -1,
+    gpu: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The work list of a prefill step (host NumPy): (work_items [I, 6] int32,
+    request_items [B + 1] int32), for `batch_prefill`."""
+    options = AttentionOptions(head_dim, window_left=window_left)
+    items, request_items, _ = _attention.prefill_work(
+        _table(kv_indptr, kv_last_page_len, page_size),
+        np.asarray(qo_indptr, np.int64),
+        num_qo_heads // num_kv_heads,
+        options,
+        causal,
+        gpu,
+    )
+    return items, request_items
