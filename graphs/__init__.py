@@ -1,0 +1,7 @@
+"""Decode-step graphs that serve a Llama-style model from pagedkv's cache.
+
+Shipped inside the package as ``pagedkv.graphs``: the model and its NumPy
+reference (model.py, numpy_reference.py), the max.graph step graphs
+(llama.py), the engine that runs them on a paged cache (engine.py) and the
+continuous-batching scheduler behind ``pagedkv demo`` (scheduler.py).
+"""

@@ -1,0 +1,159 @@
+"""The model's step graphs: a decoder layer stack over pagedkv's paged cache.
+
+Two graphs share the layer code and the weights: a prefill graph (a ragged
+batch of many tokens per request, causal attention through pagedkv's prefill
+op) and a decode graph (one token per request, pagedkv's decode op). Each
+layer appends its new K/V into its pool, a graph buffer written in place,
+then attends over the pool; both take every count (batch, tokens, pages,
+work items) as a symbolic dim, so one compile serves every step of a run.
+
+Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache holds
+rotated keys), append, paged attention, output projection and residual,
+RMSNorm, SwiGLU MLP and residual; then a final norm and the logits of each
+request's last token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.dtype import DType
+from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue, ops
+from max.graph import Module, Weight
+
+from pagedkv import graph_ops
+
+from .model import LlamaConfig, layer_weight_shapes, rope_tables
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+def step_input_names(kind: str, num_layers: int) -> tuple[str, ...]:
+    """The order of a step graph's inputs (what the engine feeds)."""
+    common = (
+        "tokens",
+        "positions",
+        "batch_indices",
+        "kv_indices",
+        "kv_indptr",
+        "kv_last_page_len",
+        "work_items",
+        "request_items",
+    )
+    extra = ("last_rows",) if kind == PREFILL else ()
+    return common + extra + tuple(f"pool.{i}" for i in range(num_layers))
+
+
+def _input_types(
+    kind: str, c: LlamaConfig, page_size: int, dtype: DType, device: DeviceRef
+) -> list:
+    i32 = DType.int32
+    rows = "tokens" if kind == PREFILL else "batch"
+
+    def index(dim: str) -> TensorType:
+        return TensorType(i32, [dim], device=device)
+
+    types = [
+        index(rows),
+        index(rows),
+        index(rows),
+        index("used_pages"),
+        index("batch_plus_1"),
+        index("batch"),
+        TensorType(i32, ["items", 6], device=device),
+        index("batch_plus_1"),
+    ]
+    if kind == PREFILL:
+        types.append(index("batch"))
+    pool = BufferType(dtype, ["pages", 2, page_size, c.num_kv_heads, c.head_dim], device=device)
+    return types + [pool] * c.num_layers
+
+
+def _rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorValue:
+    """Rotate-half RoPE of x [T, heads, D] with cos, sin [T, 1, D/2]."""
+    half = int(x.shape[-1]) // 2
+    lo, hi = ops.split(x, [half, half], axis=-1)
+    return ops.concat([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
+def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weight]:
+    shapes = {"embed": (c.vocab_size, c.hidden_size), "final_norm": (c.hidden_size,),
+              "lm_head": (c.hidden_size, c.vocab_size)}
+    for i in range(c.num_layers):
+        for name, shape in layer_weight_shapes(c).items():
+            shapes[f"layers.{i}.{name}"] = shape
+    return {name: Weight(name, dtype, shape, device) for name, shape in shapes.items()}
+
+
+def build_step_graph(
+    kind: str,
+    c: LlamaConfig,
+    page_size: int,
+    dtype: DType = DType.float32,
+    device: DeviceRef | None = None,
+    module: Module | None = None,
+) -> Graph:
+    """The prefill or decode step graph; see step_input_names for its inputs.
+
+    Output: logits [batch, vocab] (float32) of each request's last token.
+    """
+    device = device or DeviceRef.CPU()
+    cos_table, sin_table = rope_tables(c)
+    with Graph(
+        f"llama_{kind}",
+        input_types=_input_types(kind, c, page_size, dtype, device),
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        named = dict(zip(step_input_names(kind, c.num_layers), g.inputs, strict=True))
+        w = _weights(c, dtype, device)
+        t = {k: v.tensor for k, v in named.items() if not k.startswith("pool.")}
+        positions = t["positions"]
+        rope_cos = ops.unsqueeze(
+            ops.gather(ops.constant(cos_table, DType.float32, device=device), positions, 0), 1
+        )
+        rope_sin = ops.unsqueeze(
+            ops.gather(ops.constant(sin_table, DType.float32, device=device), positions, 0), 1
+        )
+        rope_cos, rope_sin = ops.cast(rope_cos, dtype), ops.cast(rope_sin, dtype)
+        table = (t["kv_indices"], t["kv_indptr"], t["kv_last_page_len"])
+        work = (t["work_items"], t["request_items"])
+
+        x = ops.gather(w["embed"], t["tokens"], 0)  # [rows, H]
+        rows = x.shape[0]
+        nq = c.num_qo_heads * c.head_dim
+        nk = c.num_kv_heads * c.head_dim
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            pool: BufferValue = named[f"pool.{i}"].buffer
+            h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_eps)
+            q, k, v = ops.split(h @ w[p + "wqkv"], [nq, nk, nk], axis=-1)
+            q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), rope_cos, rope_sin)
+            k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), rope_cos, rope_sin)
+            v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
+            graph_ops.append_paged_kv_cache(
+                pool, k, v, t["batch_indices"], positions, *table
+            )
+            if kind == PREFILL:
+                attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
+            else:
+                attn, _ = graph_ops.batch_decode(
+                    q, pool, *table, *work, num_kv_heads=c.num_kv_heads
+                )
+            x = x + ops.reshape(attn, [rows, nq]) @ w[p + "wo"]
+            h = ops.rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
+            x = x + (ops.silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
+        if kind == PREFILL:
+            x = ops.gather(x, t["last_rows"], 0)
+        x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
+        g.output(ops.cast(x @ w["lm_head"], DType.float32))
+    return g
+
+
+def weights_registry(weights: dict[str, np.ndarray], dtype: DType) -> dict:
+    """The weights as the graphs' Weight values want them (cast once)."""
+    if dtype == DType.float32:
+        return dict(weights)
+    import torch
+
+    return {k: torch.from_numpy(v).to(getattr(torch, dtype.name)) for k, v in weights.items()}

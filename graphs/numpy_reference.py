@@ -1,0 +1,89 @@
+"""The model in plain NumPy, with a dense (non-paged) KV cache per request.
+
+Independent of pagedkv's kernels and of MAX: the demo's self-check runs the
+same weights through it and compares every generated token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .model import LlamaConfig, rope_tables
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x [T, heads, D] with cos, sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    lo, hi = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+class DenseLlama:
+    """One request at a time: feed() tokens, get the last token's logits."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]) -> None:
+        self.c = config
+        self.w = weights
+        self.cos, self.sin = rope_tables(config)
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self.length = 0
+        self.reset()
+
+    def reset(self) -> None:
+        c = self.c
+        empty = np.zeros((0, c.num_kv_heads, c.head_dim), np.float32)
+        self.k = [empty] * c.num_layers
+        self.v = [empty] * c.num_layers
+        self.length = 0
+
+    def fork(self) -> DenseLlama:
+        """A copy sharing nothing mutable (the reference of a forked request)."""
+        other = DenseLlama.__new__(DenseLlama)
+        other.c, other.w, other.cos, other.sin = self.c, self.w, self.cos, self.sin
+        other.k, other.v, other.length = list(self.k), list(self.v), self.length
+        return other
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        """Appends tokens (causal attention over everything so far); returns
+        the logits [vocab] after the last one."""
+        c, w = self.c, self.w
+        t = len(tokens)
+        pos = np.arange(self.length, self.length + t)
+        cos, sin = self.cos[pos], self.sin[pos]
+        x = w["embed"][np.asarray(tokens)]
+        group = c.num_qo_heads // c.num_kv_heads
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
+            qkv = h @ w[p + "wqkv"]
+            nq, nk = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q = rotate(qkv[:, :nq].reshape(t, c.num_qo_heads, c.head_dim), cos, sin)
+            k = rotate(qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, nq + nk :].reshape(t, c.num_kv_heads, c.head_dim)
+            self.k[i] = np.concatenate([self.k[i], k])
+            self.v[i] = np.concatenate([self.v[i], v])
+            keys = np.repeat(self.k[i], group, axis=1)  # [L, Hq, D]
+            values = np.repeat(self.v[i], group, axis=1)
+            scores = np.einsum("thd,lhd->htl", q, keys) / np.sqrt(c.head_dim)
+            visible = np.arange(self.length + t)[None, :] <= pos[:, None]
+            scores = np.where(visible[None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p_attn = np.exp(scores)
+            p_attn /= p_attn.sum(axis=-1, keepdims=True)
+            attn = np.einsum("htl,lhd->thd", p_attn, values).reshape(t, nq)
+            x = x + attn @ w[p + "wo"]
+            h = rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
+            x = x + (silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
+        self.length += t
+        x = rms_norm(x[-1:], w["final_norm"], c.rms_eps)
+        return (x @ w["lm_head"])[0]
