@@ -17,8 +17,17 @@ from __future__ import annotations
 
 import numpy as np
 from max.dtype import DType
-from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue, ops
-from max.graph import Module, Weight
+from max.graph import (
+    BufferType,
+    BufferValue,
+    DeviceRef,
+    Graph,
+    Module,
+    TensorType,
+    TensorValue,
+    Weight,
+    ops,
+)
 
 from pagedkv import graph_ops
 
@@ -77,8 +86,11 @@ def _rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorValue:
 
 
 def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weight]:
-    shapes = {"embed": (c.vocab_size, c.hidden_size), "final_norm": (c.hidden_size,),
-              "lm_head": (c.hidden_size, c.vocab_size)}
+    shapes = {
+        "embed": (c.vocab_size, c.hidden_size),
+        "final_norm": (c.hidden_size,),
+        "lm_head": (c.hidden_size, c.vocab_size),
+    }
     for i in range(c.num_layers):
         for name, shape in layer_weight_shapes(c).items():
             shapes[f"layers.{i}.{name}"] = shape
@@ -131,9 +143,7 @@ def build_step_graph(
             q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), rope_cos, rope_sin)
             k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), rope_cos, rope_sin)
             v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
-            graph_ops.append_paged_kv_cache(
-                pool, k, v, t["batch_indices"], positions, *table
-            )
+            graph_ops.append_paged_kv_cache(pool, k, v, t["batch_indices"], positions, *table)
             if kind == PREFILL:
                 attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
             else:

@@ -164,27 +164,38 @@ def _spec_tag(spec: OpSpec) -> str:
     return hashlib.sha1(repr((spec.operands, spec.parameters)).encode()).hexdigest()[:10]
 
 
-def prepare(specs: Iterable[OpSpec], device: Device) -> None:
+def prepare(
+    specs: Iterable[OpSpec],
+    device: Device,
+    module: Any = None,
+    weights_registry: Any = None,
+) -> dict[str, Any]:
     """Compiles the specs that are not loaded yet, all in one MAX module.
 
     MAX's graph compile has a large fixed cost (seconds); one module of many
     one-op graphs pays it once, so a program that knows which ops it will run
-    (a test suite, a server at start-up) should prepare them together.
+    (a test suite, a server at start-up) should prepare them together. A
+    caller with graphs of its own passes their `module` (and their weights)
+    to compile everything at once; returns the module's loaded models by
+    graph name.
     """
     from max.graph import Module
 
     todo = list(dict.fromkeys(s for s in specs if (s, device) not in _models))
-    if not todo:
-        return
+    if not todo and module is None:
+        return {}
     with _lock:
         t0 = time.perf_counter()
-        module = Module()
+        module = module if module is not None else Module()
         names = [_add_graph(spec, device, module).name for spec in todo]
-        models = session(device).load_all(module, custom_extensions=[kernel_package()])
+        models = session(device).load_all(
+            module, custom_extensions=[kernel_package()], weights_registry=weights_registry
+        )
         for spec, name in zip(todo, names, strict=True):
             _models[(spec, device)] = models[name]
         compile_stats.graphs += len(todo)
         compile_stats.seconds += time.perf_counter() - t0
+        return models
 
 
 def compiled_op(spec: OpSpec, device: Device) -> Any:

@@ -1,0 +1,132 @@
+"""Runs the step graphs over a page manager's pools: prefill and decode steps.
+
+The manager owns the pools and the page tables; the engine turns one step of
+a batch into the graphs' inputs (host NumPy: tokens, positions, page table,
+work list), executes one graph for the whole layer stack, and returns the
+logits of each request's last token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, Module
+
+from pagedkv import graph_ops
+from pagedkv._kernels import prepare
+from pagedkv._tensors import CPU, to_buffer
+from pagedkv.manager import PagedKVCacheManager
+from pagedkv.page import COPY_PAGES
+
+from .llama import DECODE, PREFILL, build_step_graph, step_input_names, weights_registry
+from .model import LlamaConfig
+
+_compiled: dict[tuple, tuple[object, object, float]] = {}
+
+
+def compile_step_graphs(
+    config: LlamaConfig, weights: dict[str, np.ndarray], page_size: int, dtype: DType
+) -> tuple[object, object, float]:
+    """(prefill model, decode model, seconds spent compiling): both graphs in
+    one MAX module, compiled once per process and kept. The module also
+    carries the page manager's page-copy op (copy-on-write of forked
+    requests), so that no compile happens in the middle of serving."""
+    key = (config, page_size, dtype, id(weights))
+    if key not in _compiled:
+        t0 = time.perf_counter()
+        module = Module()
+        device = DeviceRef.CPU()
+        prefill = build_step_graph(PREFILL, config, page_size, dtype, device, module)
+        decode = build_step_graph(DECODE, config, page_size, dtype, device, module)
+        models = prepare(
+            [COPY_PAGES], CPU, module=module, weights_registry=weights_registry(weights, dtype)
+        )
+        _compiled[key] = (models[prefill.name], models[decode.name], time.perf_counter() - t0)
+    return _compiled[key]
+
+
+class LlamaEngine:
+    """The model on a paged cache: prefill() and decode() steps of a batch."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, np.ndarray],
+        manager: PagedKVCacheManager,
+    ) -> None:
+        if manager.num_layers != config.num_layers or manager.head_dim != config.head_dim:
+            raise ValueError("the manager's pools do not match the model's layers and head_dim")
+        if manager.num_kv_heads != config.num_kv_heads:
+            raise ValueError("the manager's pools do not match the model's KV heads")
+        self.config = config
+        self.manager = manager
+        self._prefill, self._decode, self.compile_seconds = compile_step_graphs(
+            config, weights, manager.page_size, manager.dtype
+        )
+
+    def prefill(
+        self, request_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """Appends each request's new tokens (any number, after what it has
+        cached) and returns the logits [B, vocab] after its last one."""
+        counts = [len(t) for t in tokens]
+        self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
+        md = self.manager.metadata(request_ids)
+        c = self.config
+        items, request_items = graph_ops.prefill_work(
+            md.append_indptr,
+            md.kv_indptr,
+            md.kv_last_page_len,
+            self.manager.page_size,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        )
+        inputs = {
+            "tokens": np.concatenate([np.asarray(t, np.int32) for t in tokens]),
+            "last_rows": md.append_indptr[1:] - 1,
+            **self._step_inputs(md, items, request_items),
+        }
+        return self._run(self._prefill, PREFILL, inputs)
+
+    def decode(self, request_ids: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
+        """Appends one token per request and returns the next logits [B, vocab]."""
+        self.manager.reserve(request_ids, 1, tokens=[[int(t)] for t in tokens])
+        md = self.manager.metadata(request_ids)
+        c = self.config
+        items, request_items = graph_ops.decode_work(
+            md.kv_indptr,
+            md.kv_last_page_len,
+            self.manager.page_size,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        )
+        inputs = {
+            "tokens": np.asarray(tokens, np.int32),
+            **self._step_inputs(md, items, request_items),
+        }
+        return self._run(self._decode, DECODE, inputs)
+
+    def _step_inputs(self, md, items: np.ndarray, request_items: np.ndarray) -> dict:
+        return {
+            "positions": md.positions,
+            "batch_indices": md.batch_indices,
+            "kv_indices": md.kv_indices,
+            "kv_indptr": md.kv_indptr,
+            "kv_last_page_len": md.kv_last_page_len,
+            "work_items": items,
+            "request_items": request_items,
+            **{f"pool.{i}": pool for i, pool in enumerate(self.manager.pools)},
+        }
+
+    def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
+        names = step_input_names(kind, self.config.num_layers)
+        buffers = [
+            to_buffer(np.ascontiguousarray(inputs[n]) if not n.startswith("pool.") else inputs[n])
+            for n in names
+        ]
+        return model.execute(*buffers)[0].to_numpy()

@@ -1,0 +1,96 @@
+"""The `pagedkv` command: demo (the main job), bench and check-gpu.
+
+Bad flags and impossible configurations end with a one-line error naming
+the problem and how to fix it, and exit status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors are one line and exit with status 2."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pagedkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="serve a small Llama-style model and check every token")
+    demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--layers", type=int, default=4)
+    demo.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    demo.add_argument("--page-size", type=int, default=16)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--num-pages", type=int, default=None, help="pages in each layer's pool")
+    demo.add_argument("--qo-heads", type=int, default=8)
+    demo.add_argument("--kv-heads", type=int, default=2)
+
+    bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
+    bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    bench.add_argument("--dtypes", default="float32,bfloat16")
+    bench.add_argument("--shapes", default=None, help="comma-separated shape indices")
+    bench.add_argument("--reps", type=int, default=15)
+    bench.add_argument("--plot", default=None, help="write GB/s against length to this PNG")
+
+    gpu = sub.add_parser("check-gpu", help="compile every GPU path for NVIDIA GPUs")
+    gpu.add_argument("archs", nargs="*", default=["sm_90", "sm_80"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "bench":
+            return _bench(args)
+        from .gpu_check import main as check_gpu
+
+        return check_gpu(args.archs)
+    except KeyboardInterrupt:
+        print("pagedkv: interrupted", file=sys.stderr)
+        return 130
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .graphs.demo import DemoError, DemoOptions, run_demo
+
+    options = DemoOptions(
+        device=args.device,
+        requests=args.requests,
+        layers=args.layers,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        num_pages=args.num_pages,
+        qo_heads=args.qo_heads,
+        kv_heads=args.kv_heads,
+    )
+    try:
+        return run_demo(options)
+    except DemoError as e:
+        print(f"pagedkv demo: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run_bench
+
+    try:
+        return run_bench(args.device, args.dtypes.split(","), args.shapes, args.reps, args.plot)
+    except ValueError as e:
+        print(f"pagedkv bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
