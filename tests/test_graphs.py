@@ -1,0 +1,127 @@
+"""The main job: step graphs against NumPy, the scheduler, the demo and its CLI.
+
+All tests share the demo's model (one compile of its two step graphs per
+process, reused from MAX's disk cache by the demo subprocess).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pagedkv.graphs.demo import DemoOptions, check_options
+from pagedkv.graphs.engine import LlamaEngine
+from pagedkv.graphs.model import LlamaConfig, init_weights
+from pagedkv.graphs.numpy_reference import DenseLlama
+from pagedkv.graphs.scheduler import Request, Scheduler
+from pagedkv.graphs.self_check import check_sequences
+from pagedkv.manager import PagedKVCacheManager
+
+CONFIG = LlamaConfig()  # the demo's model
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init_weights(CONFIG, 0)
+
+
+def engine_with_pool(weights, num_pages: int) -> LlamaEngine:
+    manager = PagedKVCacheManager(
+        num_pages, PAGE, CONFIG.num_kv_heads, CONFIG.head_dim, num_layers=CONFIG.num_layers
+    )
+    return LlamaEngine(CONFIG, weights, manager)
+
+
+def test_one_prefill_and_decode_step_equal_numpy(weights):
+    """Logits of a ragged prefill and of the next decode step, through the paged
+    graphs, against the dense-cache NumPy model."""
+    engine = engine_with_pool(weights, 64)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (1, 17, 40)]
+    ids = ["a", "b", "c"]
+    for i in ids:
+        engine.manager.add(i)
+    logits = engine.prefill(ids, prompts)
+    refs = [DenseLlama(CONFIG, weights) for _ in prompts]
+    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    nxt = want.argmax(-1)
+    logits = engine.decode(ids, nxt)
+    want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert (logits.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
+    """A pool that holds two requests at a time: later arrivals wait, start when
+    earlier ones finish, and every page comes back."""
+    engine = engine_with_pool(weights, 12)
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, CONFIG.vocab_size, 32).tolist()
+    requests = [
+        Request(
+            f"r{i}",
+            tuple(system + rng.integers(0, CONFIG.vocab_size, 5 + i).tolist()),
+            max_new_tokens=4 + 3 * i,
+            samples=2 if i == 2 else 1,
+            arrival_step=0,
+        )
+        for i in range(4)
+    ]
+    steps_running: list[int] = []
+    sequences, stats = Scheduler(engine).run(
+        requests, on_step=lambda step, tokens, running: steps_running.append(running)
+    )
+    assert [len(s.tokens) for s in sequences] == [4, 7, 10, 10, 13]
+    assert max(steps_running) < sum(r.samples for r in requests)  # not all at once
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+    assert engine.manager.stats.prefix_hits > 0  # the shared system prompt
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+    assert check.tokens == sum(len(s.tokens) for s in sequences)
+
+
+def test_demo_runs_and_checks_itself():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "demo", "--requests", "5", "--max-new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "self-check" in result.stdout and "PASS" in result.stdout
+    assert "0 at the end (none leaked)" in result.stdout
+    assert "compile:" in result.stdout and "tokens/s" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--qo-heads", "6", "--kv-heads", "4"], "not a multiple of --kv-heads"),
+        (["demo", "--max-new-tokens", "5000"], "past the model's maximum"),
+        (["demo", "--num-pages", "3"], "raise --num-pages"),
+        (["demo", "--device", "tpu"], "--device must be cpu or gpu"),
+        (["demo", "--requests", "x"], "invalid int value"),
+        (["bench", "--dtypes", "float64"], "--dtypes takes"),
+    ],
+)
+def test_cli_errors_are_one_line_with_status_2(flags, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_options_are_checked_before_anything_runs():
+    config, requests, num_pages = check_options(DemoOptions(requests=3, max_new_tokens=4))
+    assert config == CONFIG and len(requests) == 3 and num_pages >= 1
+    assert all(r.prompt[:64] == requests[0].prompt[:64] for r in requests)  # shared prompt
