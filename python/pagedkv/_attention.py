@@ -18,6 +18,14 @@ POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
 HEAD_DIMS = (64, 128, 256)
 
 
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
+    """Raises unless the query heads split evenly over the KV heads (GQA)."""
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise ValueError(
+            f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+
+
 def as_dtype(x: object, name: str) -> DType:
     """A dtype given as a MAX DType, a torch or NumPy dtype, or a string."""
     if isinstance(x, DType):

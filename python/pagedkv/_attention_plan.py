@@ -166,10 +166,6 @@ class AttentionPlan:
         kv_dtype: DType | None,
         workspace: Array | None,
     ) -> None:
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise ValueError(
-                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
         self.op = op
         self.table = table
         self.num_qo_heads = num_qo_heads

@@ -16,6 +16,7 @@ from max.dtype import DType
 from ._attention import (
     AttentionOptions,
     as_dtype,
+    check_heads,
     decode_work,
     heads_per_task,
 )
@@ -88,10 +89,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rope_scale=rope_scale,
             rope_theta=rope_theta,
         )
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise ValueError(
-                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+        check_heads(num_qo_heads, num_kv_heads)
         table = PageTable.checked(indptr, indices, last_page_len, int(page_size))
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import AttentionOptions, as_dtype, prefill_work
+from ._attention import AttentionOptions, as_dtype, check_heads, prefill_work
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import check_index_array, layout_code
 from ._kernels import OpSpec
@@ -77,10 +77,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise NotImplementedError("custom masks are not supported: use causal or window_left")
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
-        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-            raise ValueError(
-                f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+        check_heads(num_qo_heads, num_kv_heads)
         options = AttentionOptions(
             head_dim=int(head_dim_qk),
             pos_encoding_mode=pos_encoding_mode,
