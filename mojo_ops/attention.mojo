@@ -10,16 +10,23 @@ from extensibility import InputTensor, ManagedTensorSlice
 from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
+from max.gpu.host.info import H100
 
 from .attention_cpu import MIN_HEAD_DIM, attention_task, merge_split_request
 from .attention_gpu import GPU_THREADS, attention_gpu_kernel, row_tiles
 from .attention_params import AttentionParams
 from .attention_work import AttentionWork
-from .paged_kv_cache import DYNAMIC, PagedKVCache, Ptr
+from .decode_sm90 import launch_decode_sm90, tma_decode_applies
+from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from .tensor_access import ptr_of
 
 comptime HEAD_DIMS = (64, 128, 256)
 """Head dims of the GPU kernel (a lane holds head_dim / 32 elements)."""
+
+comptime GPU_KERNEL_GENERIC = 0
+comptime GPU_KERNEL_TMA = 1
+"""Values of int_params[5], the GPU decode kernel plan() chose: backend="tma"
+picks the Hopper kernel of decode_sm90.mojo."""
 
 comptime KV_AS_STORED = 0
 comptime KV_FP8_E4M3 = 1
@@ -154,9 +161,48 @@ def run_attention[
             sync_parallelize(merge_task, batch_size)
         return
     else:
+        if Int(cache.k_pages) % 16 != 0 or Int(cache.v_pages) % 16 != 0:
+            raise Error(
+                "pagedkv: a GPU cache must start on a 16-byte boundary (its"
+                " kernels move 16-byte vectors)"
+            )
+        var group = num_qo_heads // cache.num_kv_heads()
+        if kv_split and Int(int_params[5]) == GPU_KERNEL_TMA:
+            comptime if (
+                ctx.default_device_info.compute == H100.compute
+                and cache.layout == KVLayout.NHD
+            ):
+                if tma_decode_applies[cache.dtype, cache.layout](
+                    cache, group, params
+                ):
+                    launch_decode_sm90[q.dtype, cache.dtype](
+                        rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](cache),
+                        q_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        work,
+                        params,
+                        num_qo_heads,
+                        ctx,
+                    )
+                    if any_split:
+                        enqueue_merge(
+                            work,
+                            o_ptr,
+                            lse_ptr,
+                            num_qo_heads,
+                            head_dim,
+                            batch_size,
+                            ctx,
+                        )
+                    return
+            raise Error(
+                "pagedkv: the TMA decode kernel needs an sm_90 GPU, an NHD"
+                " pool, page sizes that are multiples of 16, a group of at"
+                " most 8 query heads per KV head and no RoPE on the fly"
+            )
         # A GPU lane holds head_dim / 32 elements in registers: one kernel
         # per supported head dim.
-        var group = num_qo_heads // cache.num_kv_heads()
         var tiles = row_tiles(Int(int_params[4]) * group)
         comptime for i in range(len(HEAD_DIMS)):
             comptime D = HEAD_DIMS[i]
@@ -177,31 +223,14 @@ def run_attention[
                     block_dim=GPU_THREADS,
                 )
                 if any_split:
-
-                    def merge_kernel(
-                        work: AttentionWork,
-                        o_ptr: Ptr[q.dtype],
-                        lse_ptr: Ptr[DType.float32],
-                        num_qo_heads: Int64,
-                    ):
-                        merge_split_request(
-                            work,
-                            o_ptr,
-                            lse_ptr,
-                            Int(num_qo_heads),
-                            D,
-                            Int(block_idx.x),
-                            Int(thread_idx.x),
-                            Int(block_dim.x),
-                        )
-
-                    ctx.enqueue_function[merge_kernel](
+                    enqueue_merge(
                         work,
                         o_ptr,
                         lse_ptr,
-                        Int64(num_qo_heads),
-                        grid_dim=batch_size,
-                        block_dim=GPU_THREADS,
+                        num_qo_heads,
+                        head_dim,
+                        batch_size,
+                        ctx,
                     )
                 return
         raise Error(
@@ -209,3 +238,46 @@ def run_attention[
             head_dim,
             " is not supported on GPUs (64, 128, 256)",
         )
+
+
+def enqueue_merge[
+    dtype: DType
+](
+    work: AttentionWork,
+    o_ptr: Ptr[dtype],
+    lse_ptr: Ptr[DType.float32],
+    num_qo_heads: Int,
+    head_dim: Int,
+    batch_size: Int,
+    ctx: DeviceContext,
+) raises:
+    """Merges the partial states of key-split requests on the GPU: a block per
+    request."""
+
+    def merge_kernel(
+        work: AttentionWork,
+        o_ptr: Ptr[dtype],
+        lse_ptr: Ptr[DType.float32],
+        num_qo_heads: Int64,
+        head_dim: Int64,
+    ):
+        merge_split_request(
+            work,
+            o_ptr,
+            lse_ptr,
+            Int(num_qo_heads),
+            Int(head_dim),
+            Int(block_idx.x),
+            Int(thread_idx.x),
+            Int(block_dim.x),
+        )
+
+    ctx.enqueue_function[merge_kernel](
+        work,
+        o_ptr,
+        lse_ptr,
+        Int64(num_qo_heads),
+        Int64(head_dim),
+        grid_dim=batch_size,
+        block_dim=GPU_THREADS,
+    )

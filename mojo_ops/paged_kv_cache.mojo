@@ -19,6 +19,12 @@ compiled op then serves every value, and kernels that need a static value
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from std.sys import size_of
+from std.utils import Index
+
+from layout import coord
+from layout.tma_async import TMATensorTile
+from max.gpu.host import DeviceBuffer, DeviceContext
+from max.gpu.host.nvidia.tma import TensorMapSwizzle, create_tma_descriptor
 
 comptime DYNAMIC = -1
 """A shape parameter known only at run time."""
@@ -27,6 +33,21 @@ comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 """A raw pointer whose lifetime the caller (the graph runtime) manages."""
 
 comptime IndexPtr = Ptr[DType.int32]
+
+
+def tma_element[dtype: DType]() -> DType:
+    """The element type a TMA descriptor moves `dtype` as: 1-byte types as
+    uint8 (the descriptor has no fp8 e5m2; a copy needs no element type)."""
+    comptime if size_of[dtype]() == 1:
+        return DType.uint8
+    return dtype
+
+
+comptime KVTile[dtype: DType, rows: Int, cols: Int] = TMATensorTile[
+    tma_element[dtype](), coord[rows, cols]
+]
+"""A TMA descriptor fetching boxes of `rows` tokens x `cols` elements of one
+head from a K or V pool of `dtype` (see `PagedKVCache.create_tma_tile`)."""
 
 
 struct KVLayout(Equatable, TrivialRegisterPassable):
@@ -373,6 +394,47 @@ struct PagedKVCache[
     ](self, b: Int, head: Int, tok: Int, d: Int, val: SIMD[Self.dtype, ...]):
         """Writes elements d..d+width of `head` at token `tok` of request b."""
         self.block_paged_ptr[kv](b, tok, head, d).unsafe_store(val)
+
+    def create_tma_tile[
+        kv: KV,
+        box_rows: Int,
+        box_cols: Int,
+        swizzle: TensorMapSwizzle = TensorMapSwizzle.SWIZZLE_128B,
+    ](self, ctx: DeviceContext) raises -> KVTile[
+        Self.dtype, box_rows, box_cols
+    ]:
+        """A TMA descriptor over the K (or V) pool of an NHD cache.
+
+        The pool is seen as the matrix of `row_idx` rows, `token_stride()`
+        elements wide, so the box at coordinates (col_idx(head) + d,
+        row_idx(b, tok)) holds tokens tok .. tok + box_rows of that head
+        (box_rows must divide the page size, so a box never leaves its page)
+        and elements d .. d + box_cols, stored in shared memory with
+        `swizzle`.
+        """
+        comptime assert (
+            Self.layout == KVLayout.NHD
+        ), "TMA tiles need an NHD pool: an HND page's rows are one head's"
+        var width = self.token_stride()
+        var rows_per_page = self.page_stride // width
+        # The V view starts a half page in, so it ends P rows after the
+        # last page's start, like the K view.
+        var rows = (self.num_pages - 1) * rows_per_page + self.page_size()
+        comptime element = tma_element[Self.dtype]()
+        var pool = DeviceBuffer[element](
+            ctx,
+            rebind[Ptr[element]](self._base[kv]()),
+            rows * width,
+            owning=False,
+        )
+        return KVTile[Self.dtype, box_rows, box_cols](
+            create_tma_descriptor[element, 2, swizzle](
+                pool,
+                Index(rows, width),
+                Index(width, 1),
+                Index(box_rows, box_cols),
+            )
+        )
 
     def empty_cache(self) -> Bool:
         """True when no request of the batch has a cached token."""

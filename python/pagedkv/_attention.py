@@ -89,9 +89,12 @@ class AttentionOptions:
             np.float32,
         )
 
-    def int_params(self, heads_per_task: int, causal: bool, max_queries: int) -> np.ndarray:
+    def int_params(
+        self, heads_per_task: int, causal: bool, max_queries: int, gpu_kernel: int = 0
+    ) -> np.ndarray:
         """window_left, pos_encoding, KV heads per CPU task, causal, most query
-        tokens in a work item (see mojo_ops/attention_params.mojo)."""
+        tokens in a work item, GPU decode kernel (see
+        mojo_ops/attention_params.mojo)."""
         return np.array(
             [
                 int(self.window_left),
@@ -99,12 +102,51 @@ class AttentionOptions:
                 heads_per_task,
                 int(causal),
                 max_queries,
-                0,
+                gpu_kernel,
                 0,
                 0,
             ],
             np.int32,
         )
+
+
+DECODE_BACKENDS = ("auto", "generic", "tma")
+"""GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/decode_sm90.mojo);
+"auto" runs the generic kernel until the TMA one has been verified on a GPU."""
+GPU_KERNEL_TMA = 1
+TMA_BOX_ROWS = 16
+TMA_MAX_GROUP = 8
+
+
+def decode_kernel(
+    backend: str,
+    is_gpu: bool,
+    kv_layout: str,
+    page_size: int | None,
+    group: int,
+    pos_encoding_mode: str,
+) -> int:
+    """int_params[5] for a decode backend; raises if "tma" cannot run this
+    batch (the kernel checks its GPU and dtypes itself). page_size None: not
+    known yet (a symbolic graph dimension)."""
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
+    if backend != "tma":
+        return 0
+    problems = []
+    if not is_gpu:
+        problems.append("the page table is on the CPU (it needs an sm_90 GPU)")
+    if kv_layout != "NHD":
+        problems.append(f"kv_layout is {kv_layout} (it needs NHD)")
+    if page_size is not None and page_size % TMA_BOX_ROWS:
+        problems.append(f"page_size {page_size} is not a multiple of {TMA_BOX_ROWS}")
+    if group > TMA_MAX_GROUP:
+        problems.append(f"{group} query heads per KV head (at most {TMA_MAX_GROUP})")
+    if pos_encoding_mode == "ROPE_LLAMA":
+        problems.append("RoPE on the fly is not supported (rotate q and k before the cache)")
+    if problems:
+        raise ValueError("backend='tma' cannot run this batch: " + "; ".join(problems))
+    return GPU_KERNEL_TMA
 
 
 CPU_MAX_TASK_ROWS = 64

@@ -17,6 +17,7 @@ from ._attention import (
     AttentionOptions,
     as_dtype,
     check_heads,
+    decode_kernel,
     decode_work,
     heads_per_task,
 )
@@ -47,11 +48,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
     >>> w = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
     >>> o = w.run(q, paged_kv_cache)              # per layer: q [B, 32, 128]
+
+    backend: "auto" or "generic" (the kernel for every GPU), or "tma" (the
+    Hopper kernel: sm_90, NHD, page sizes a multiple of 16, at most 8 query
+    heads per KV head, no RoPE on the fly). The CPU ignores it.
     """
 
-    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD") -> None:
+    def __init__(
+        self,
+        float_workspace_buffer: Array | None = None,
+        kv_layout: str = "NHD",
+        *,
+        backend: str = "auto",
+    ) -> None:
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
+        decode_kernel(backend, True, kv_layout, None, 1, "NONE")  # validates the name
+        self._backend = backend
         self._workspace = float_workspace_buffer
         self._plan: AttentionPlan | None = None
 
@@ -90,10 +103,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rope_theta=rope_theta,
         )
         check_heads(num_qo_heads, num_kv_heads)
+        is_gpu = device_of(indptr).is_gpu
+        gpu_kernel = decode_kernel(
+            self._backend,
+            is_gpu,
+            self._kv_layout,
+            int(page_size),
+            num_qo_heads // num_kv_heads,
+            pos_encoding_mode,
+        )
         table = PageTable.checked(indptr, indices, last_page_len, int(page_size))
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
-            table, num_qo_heads, num_kv_heads, per_task, options, device_of(indptr).is_gpu
+            table, num_qo_heads, num_kv_heads, per_task, options, is_gpu
         )
         self._plan = AttentionPlan(
             "pagedkv_batch_decode",
@@ -104,7 +126,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_kv_heads,
             self._layout,
             options,
-            options.int_params(per_task, causal=True, max_queries=1),
+            options.int_params(per_task, causal=True, max_queries=1, gpu_kernel=gpu_kernel),
             table.batch_size,
             None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
             None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),

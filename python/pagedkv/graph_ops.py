@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from max.dtype import DType
-from max.graph import BufferType, BufferValue, DeviceRef, TensorValue, ops
+from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorValue, ops
 
 from . import _attention
 from ._attention import AttentionOptions, heads_per_task
@@ -141,15 +141,26 @@ def batch_decode(
     sm_scale: float | None = None,
     rope_scale: float | None = None,
     rope_theta: float | None = None,
+    backend: str = "auto",
 ) -> tuple[TensorValue, TensorValue]:
     """Decode attention of q [B, Hq, D] over the pool: (o [B, Hq, D], lse [B, Hq]).
 
     work_items [I, 6], request_items [B + 1] (int32): from `decode_work` for
-    this step's page table, with the same window_left.
+    this step's page table, with the same window_left. backend: as for
+    BatchDecodeWithPagedKVCacheWrapper.
     """
     num_qo_heads, head_dim = int(q.shape[1]), int(q.shape[2])
     options = AttentionOptions(
         head_dim, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
+    )
+    page_dim = paged_kv_cache.shape[2 if kv_layout == "NHD" else 3]
+    gpu_kernel = _attention.decode_kernel(
+        backend,
+        paged_kv_cache.device.is_gpu(),
+        kv_layout,
+        int(page_dim) if isinstance(page_dim, StaticDim) else None,
+        num_qo_heads // num_kv_heads,
+        pos_encoding_mode,
     )
     return _attention_op(
         "pagedkv_batch_decode",
@@ -162,7 +173,12 @@ def batch_decode(
         request_items,
         kv_layout,
         options,
-        options.int_params(heads_per_task(num_qo_heads, num_kv_heads), causal=True, max_queries=1),
+        options.int_params(
+            heads_per_task(num_qo_heads, num_kv_heads),
+            causal=True,
+            max_queries=1,
+            gpu_kernel=gpu_kernel,
+        ),
         None,
         None,
         None,
