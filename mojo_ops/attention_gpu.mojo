@@ -262,7 +262,8 @@ def stage_rows[
 ):
     """Copies tokens t0..t0+n of one head (K or V) into a float32 tile
     [n, head_dim]: each thread moves 16-byte vectors, neighbouring threads
-    neighbouring vectors of a row."""
+    neighbouring vectors of a row (run_attention checked that the pools
+    start on 16 bytes, so every such vector is aligned)."""
     comptime width = 16 // size_of[cache.dtype]()
     comptime per_row = head_dim // width
     for i in range(tid, n * per_row, GPU_THREADS):
@@ -270,7 +271,7 @@ def stage_rows[
         var d = (i % per_row) * width
         var x = (
             cache.block_paged_ptr[kv](b, t0 + j, kv_head, d)
-            .unsafe_load[width=width]()
+            .unsafe_load[width=width, alignment=16]()
             .cast[F32]()
         )
         comptime for e in range(width):

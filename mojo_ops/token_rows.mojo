@@ -3,12 +3,14 @@ its slot in the pages: the inner step of append (rows -> cache) and of gather
 (cache -> rows), on the CPU and in GPU threads alike.
 """
 
+from std.sys import size_of
+
 from .paged_kv_cache import KV, KVLayout, PagedKVCache, Ptr
 
 
 @always_inline
 def copy_run[
-    dtype: DType, width: Int
+    dtype: DType, width: Int, alignment: Int = 1
 ](dst: Ptr[dtype], src: Ptr[dtype], n: Int, first: Int, step: Int):
     """Copies n elements; this worker moves vectors first, first + step, ...
 
@@ -19,8 +21,10 @@ def copy_run[
     var vectors = n // width
     var v = first
     while v < vectors:
-        dst.unsafe_offset(v * width).unsafe_store(
-            src.unsafe_offset(v * width).unsafe_load[width=width]()
+        dst.unsafe_offset(v * width).unsafe_store[alignment=alignment](
+            src.unsafe_offset(v * width).unsafe_load[
+                width=width, alignment=alignment
+            ]()
         )
         v += step
     var i = vectors * width + first
@@ -33,10 +37,16 @@ def copy_run[
 def copy_run_aligned[
     dtype: DType, width: Int
 ](dst: Ptr[dtype], src: Ptr[dtype], n: Int, first: Int, step: Int):
-    """`copy_run` with vectors only when every vector stays width-aligned
-    (runs whose length is a multiple of width)."""
-    if n % width == 0:
-        copy_run[dtype, width](dst, src, n, first, step)
+    """`copy_run` with whole, aligned vectors where both runs start on a
+    vector boundary and hold whole vectors (a GPU splits a vector access it
+    cannot prove aligned into scalar ones), element by element otherwise."""
+    comptime vector_bytes = width * size_of[dtype]()
+    if (
+        n % width == 0
+        and Int(dst) % vector_bytes == 0
+        and Int(src) % vector_bytes == 0
+    ):
+        copy_run[dtype, width, vector_bytes](dst, src, n, first, step)
     else:
         copy_run[dtype, 1](dst, src, n, first, step)
 
