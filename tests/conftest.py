@@ -30,7 +30,7 @@ def bits(x) -> np.ndarray:
     import torch
 
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
-    return x.view(width).numpy().copy()
+    return x.view(width).cpu().numpy().copy()
 
 
 def to_numpy(x) -> np.ndarray:
@@ -45,7 +45,35 @@ def like(x, values: np.ndarray):
         return values
     import torch
 
-    return torch.from_numpy(values)
+    return torch.from_numpy(values).to(x.device)
+
+
+def cast(values: np.ndarray, dtype: str):
+    """float32 values as a torch tensor of dtype (NumPy for float32)."""
+    if dtype == "float32":
+        return values
+    import torch
+
+    return torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def as_f64(x) -> np.ndarray:
+    """An array or a tensor (any device) as float64 NumPy."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return x.float().cpu().numpy().astype(np.float64)
+
+
+def to_device(x, device: str):
+    """x (an array, a tensor, or a tuple of them) on device: "cpu" leaves it
+    as it is; "cuda" makes torch CUDA tensors of it."""
+    if device == "cpu":
+        return x
+    if isinstance(x, tuple):
+        return tuple(to_device(y, device) for y in x)
+    import torch
+
+    return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to(device)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 import pagedkv
 import reference
-from conftest import bits, like, random_array
+from conftest import bits, like, random_array, to_device
 
 # (dtype, kind, layout, pool form, page size, call form): a sampled grid that
 # covers each value of each axis while compiling only a few graphs.
@@ -39,8 +39,9 @@ def scenario(page_size: int) -> tuple[list[int], list[int]]:
     return after, appended
 
 
-@pytest.mark.parametrize("dtype,kind,layout,form,page_size,call", CASES)
-def test_append_matches_reference(rng, dtype, kind, layout, form, page_size, call):
+def check_append_case(rng, dtype, kind, layout, form, page_size, call, device="cpu") -> None:
+    """One append on device ("cpu", or "cuda" with torch tensors), checked bit
+    for bit over the whole pool."""
     heads, head_dim = 3, 16
     batch = reference.paged_batch(rng, page_size, *scenario(page_size))
     page = (page_size, heads, head_dim) if layout == "NHD" else (heads, page_size, head_dim)
@@ -52,6 +53,7 @@ def test_append_matches_reference(rng, dtype, kind, layout, form, page_size, cal
     expected = reference.append(
         bits(pool), bits(key), bits(value), bi, pos, batch.kv_indices, batch.kv_indptr, layout
     )
+    pool, key, value = to_device((pool, key, value), device)
     cache = (
         pool[:, 0].clone() if kind == "torch" else pool[:, 0].copy(),
         pool[:, 1].clone() if kind == "torch" else pool[:, 1].copy(),
@@ -68,6 +70,11 @@ def test_append_matches_reference(rng, dtype, kind, layout, form, page_size, cal
         )
     got = np.stack([bits(cache[0]), bits(cache[1])], 1) if form == "pair" else bits(pool)
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype,kind,layout,form,page_size,call", CASES)
+def test_append_matches_reference(rng, dtype, kind, layout, form, page_size, call):
+    check_append_case(rng, dtype, kind, layout, form, page_size, call)
 
 
 def test_append_keyword_call_and_gather_roundtrip(rng):
@@ -125,6 +132,11 @@ def test_gather_hnd_pair_matches_reference(rng):
 
 @pytest.mark.parametrize("dtype,kind", [("float32", "numpy"), ("bfloat16", "torch")])
 def test_mla_append_matches_reference(rng, dtype, kind):
+    check_mla_append(rng, dtype, kind)
+
+
+def check_mla_append(rng, dtype, kind, device="cpu") -> None:
+    """One MLA append on device, checked bit for bit over both caches."""
     page_size, ckv_dim, kpe_dim = 16, 40, 24  # dims need not be powers of two
     batch = reference.paged_batch(rng, page_size, *scenario(page_size))
     ckv_cache = random_array(rng, (batch.num_pages, page_size, ckv_dim), dtype, kind)
@@ -140,6 +152,7 @@ def test_mla_append_matches_reference(rng, dtype, kind):
         )
         want_ckv[page, t] = bits(ckv)[i]
         want_kpe[page, t] = bits(kpe)[i]
+    ckv, kpe, ckv_cache, kpe_cache = to_device((ckv, kpe, ckv_cache, kpe_cache), device)
     pagedkv.append_paged_mla_kv_cache(
         ckv,
         kpe,

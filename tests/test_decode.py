@@ -18,7 +18,7 @@ import torch
 
 import pagedkv
 import reference
-from conftest import DECODE_CONFIGS
+from conftest import DECODE_CONFIGS, as_f64, cast, to_device
 
 BATCHES = [1, 7, 33]
 GROUPS = [(1, 4), (4, 2), (8, 1)]  # (query heads per KV head, KV heads)
@@ -99,17 +99,6 @@ def lengths_for(case: Case, rng: np.random.Generator) -> list[int]:
     return list(rng.permutation(lengths))
 
 
-def cast(values: np.ndarray, dtype: str):
-    """float32 values as a torch tensor of dtype (NumPy for float32)."""
-    if dtype == "float32":
-        return values
-    return torch.from_numpy(values).to(getattr(torch, dtype))
-
-
-def as_f64(x) -> np.ndarray:
-    return (x.float().numpy() if isinstance(x, torch.Tensor) else x).astype(np.float64)
-
-
 def build(case: Case):
     rng = np.random.default_rng(case.seed)
     lens = lengths_for(case, rng)
@@ -154,14 +143,14 @@ def tolerance(case: Case) -> float:
     return 1e-5 if case.q_dtype == "float32" else 1e-2
 
 
-@pytest.mark.parametrize("case", sampled_grid(), ids=str)
-def test_decode_matches_reference(case: Case):
+def check_decode_case(case: Case, device: str = "cpu", backend: str = "auto") -> None:
+    """Plans and runs `case` on device ("cpu" or "cuda") with `backend`, twice
+    with new queries, against the float64 reference."""
     batch, pool, cache = build(case)
-    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout)
+    cache = to_device(cache, device)
+    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout, backend=backend)
     wrapper.plan(
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_page_len,
+        *to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), device),
         case.group * case.kv_heads,
         case.kv_heads,
         case.head_dim,
@@ -183,7 +172,9 @@ def test_decode_matches_reference(case: Case):
             case.q_dtype,
         )
         k_scale, v_scale = (0.5 + run, 2.0 - run) if fp8 else (None, None)
-        o, lse = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        o, lse = wrapper.run(
+            to_device(q, device), cache, k_scale=k_scale, v_scale=v_scale, return_lse=True
+        )
         want_o, want_lse = references(case, batch, pool, q, k_scale or 1.0, v_scale or 1.0)
         tol = tolerance(case)
         np.testing.assert_allclose(as_f64(o), want_o, rtol=tol, atol=tol)
@@ -191,8 +182,13 @@ def test_decode_matches_reference(case: Case):
         np.testing.assert_array_equal(np.isfinite(as_f64(lse)), finite)
         np.testing.assert_allclose(as_f64(lse)[finite], want_lse[finite], rtol=tol, atol=tol)
         assert (as_f64(lse)[~finite] == -np.inf).all()
-    plain = wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+    plain = wrapper.run(to_device(q, device), cache, k_scale=k_scale, v_scale=v_scale)
     np.testing.assert_array_equal(as_f64(plain), as_f64(o))
+
+
+@pytest.mark.parametrize("case", sampled_grid(), ids=str)
+def test_decode_matches_reference(case: Case):
+    check_decode_case(case)
 
 
 def test_empty_and_single_token_requests():

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import pagedkv
 import reference
-from conftest import PREFILL_CONFIGS
+from conftest import PREFILL_CONFIGS, as_f64, cast, to_device
 
 # (cached tokens after the append, queries) per request.
 SHAPES = {
@@ -28,16 +27,6 @@ OPTIONS = [
     dict(pos_encoding_mode="ROPE_LLAMA"),
     dict(pos_encoding_mode="ALIBI", window_left=0),
 ]
-
-
-def cast(values: np.ndarray, dtype: str):
-    if dtype == "float32":
-        return values
-    return torch.from_numpy(values).to(getattr(torch, dtype))
-
-
-def as_f64(x) -> np.ndarray:
-    return (x.float().numpy() if isinstance(x, torch.Tensor) else x).astype(np.float64)
 
 
 CASES = [
@@ -65,6 +54,11 @@ CASES = [
     ],
 )
 def test_prefill_matches_reference(config, shape, options, causal, page_size):
+    check_prefill_case(config, shape, options, causal, page_size)
+
+
+def check_prefill_case(config, shape, options, causal, page_size, device="cpu") -> None:
+    """One ragged prefill on device ("cpu" or "cuda") against the reference."""
     q_dtype, kv_dtype, layout = config
     rng = np.random.default_rng(abs(hash((shape, causal, page_size))) % 2**32)
     lens, queries = zip(*SHAPES[shape], strict=True)
@@ -75,10 +69,10 @@ def test_prefill_matches_reference(config, shape, options, causal, page_size):
     q = cast(rng.standard_normal((batch.nnz, hq, d), dtype=np.float32), q_dtype)
     w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
     w.plan(
-        batch.append_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_page_len,
+        *to_device(
+            (batch.append_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len),
+            device,
+        ),
         hq,
         hkv,
         d,
@@ -88,7 +82,7 @@ def test_prefill_matches_reference(config, shape, options, causal, page_size):
         kv_data_type=kv_dtype,
         **options,
     )
-    o, lse = w.run(q, pool, return_lse=True)
+    o, lse = w.run(to_device(q, device), to_device(pool, device), return_lse=True)
     tol = 1e-5 if q_dtype == "float32" else 1e-2
     refs = reference.gather(
         as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout

@@ -1,0 +1,135 @@
+"""The GPU paths against the same float64 references as the CPU suites.
+
+Runs only where torch sees a CUDA GPU and MAX an accelerator (skipped in CI,
+which has none; test_gpu_compile.py compiles these paths there). The append,
+decode and prefill cases are the CPU suites' own, moved to the GPU; decode
+runs each case with the generic kernel and, where it applies, the Hopper TMA
+kernel, and a second test holds the two kernels to each other on longer,
+paged sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedkv
+import reference
+from conftest import DECODE_CONFIGS, PREFILL_CONFIGS, as_f64, cast, to_device
+from test_append import CASES as APPEND_CASES
+from test_append import check_append_case, check_mla_append
+from test_decode import Case, check_decode_case, sampled_grid
+from test_prefill import CASES as PREFILL_CASES
+from test_prefill import check_prefill_case
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        from max.driver import accelerator_count
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and accelerator_count() > 0
+
+
+pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_gpu_ops():
+    """Compiles the GPU ops of this module in one MAX module."""
+    from max.dtype import DType
+
+    from pagedkv._kernels import prepare
+    from pagedkv._tensors import Device
+    from pagedkv.decode import decode_spec
+    from pagedkv.precompile import op_specs
+    from pagedkv.prefill import prefill_spec
+
+    layouts = {"NHD": 0, "HND": 1}
+    pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS} | {("bfloat16", "bfloat16")})
+    specs = op_specs(("float32", "float16", "bfloat16"), pairs) + [
+        prefill_spec(DType[q], DType[kv], layouts[layout]) for q, kv, layout in PREFILL_CONFIGS
+    ]
+    specs += [decode_spec(DType.bfloat16, DType.bfloat16, 0)]
+    prepare(list(dict.fromkeys(specs)), Device("gpu"))
+
+
+@pytest.mark.parametrize("dtype,kind,layout,form,page_size,call", APPEND_CASES)
+def test_append_on_gpu(rng, dtype, kind, layout, form, page_size, call):
+    check_append_case(rng, dtype, "torch", layout, form, page_size, call, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_append_on_gpu(rng, dtype):
+    check_mla_append(rng, dtype, "torch", device="cuda")
+
+
+def tma_applies(case: Case) -> bool:
+    return (
+        case.layout == "NHD"
+        and case.page_size % 16 == 0
+        and case.group <= 8
+        and case.pos_mode != "ROPE_LLAMA"
+        and not (case.kv_dtype.startswith("float8") and case.head_dim == 64)
+    )
+
+
+@pytest.mark.parametrize("backend", ["generic", "tma"])
+@pytest.mark.parametrize("case", sampled_grid(), ids=str)
+def test_decode_on_gpu(case: Case, backend: str):
+    if backend == "tma" and not tma_applies(case):
+        pytest.skip("the TMA kernel does not serve this case")
+    check_decode_case(case, device="cuda", backend=backend)
+
+
+@pytest.mark.parametrize("config,shape,options,causal,page_size", PREFILL_CASES)
+def test_prefill_on_gpu(config, shape, options, causal, page_size):
+    check_prefill_case(config, shape, options, causal, page_size, device="cuda")
+
+
+TMA_SHAPES = [
+    # (kv dtype, group, KV heads, head dim, page size, lengths, options)
+    ("bfloat16", 4, 2, 128, 16, [4100, 1, 17, 900], {}),
+    ("bfloat16", 1, 4, 128, 64, [3000, 64, 65], {"window_left": 700}),
+    ("bfloat16", 2, 2, 64, 256, [2049, 256, 0], {"logits_soft_cap": 30.0}),
+    ("bfloat16", 8, 1, 256, 32, [1500, 33], {"pos_encoding_mode": "ALIBI"}),
+    ("bfloat16", 5, 2, 128, 16, [2500, 31, 48], {}),
+    ("float32", 4, 2, 128, 16, [2000, 5], {}),
+    ("float8_e4m3fn", 4, 2, 128, 16, [2000, 77], {}),
+]
+
+
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: f"{s[0]}-G{s[1]}-D{s[3]}-P{s[4]}")
+def test_tma_and_generic_kernels_agree(shape):
+    """Long, split, ragged requests over shuffled pages: the two GPU kernels
+    agree with each other and with the reference."""
+    kv_dtype, group, kv_heads, head_dim, page_size, lengths, options = shape
+    q_dtype = "float32" if kv_dtype == "float32" else "bfloat16"
+    rng = np.random.default_rng(group * 1000 + head_dim + page_size)
+    batch = reference.paged_batch(rng, page_size, lengths, [0] * len(lengths))
+    pool = cast(
+        rng.standard_normal((batch.num_pages, 2, page_size, kv_heads, head_dim), np.float32),
+        kv_dtype,
+    )
+    q = cast(rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32), q_dtype)
+    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
+    outputs = {}
+    for backend in ("generic", "tma"):
+        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend=backend)
+        w.plan(*table, group * kv_heads, kv_heads, head_dim, page_size, **options)
+        o, lse = w.run(to_device(q, "cuda"), to_device(pool, "cuda"), return_lse=True)
+        outputs[backend] = as_f64(o), as_f64(lse)
+    tol = 1e-5 if q_dtype == "float32" else 1e-2
+    np.testing.assert_allclose(*(outputs[b][0] for b in outputs), rtol=tol, atol=tol)
+    np.testing.assert_allclose(*(outputs[b][1] for b in outputs), rtol=tol, atol=tol)
+    refs = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(refs):
+        if len(k) == 0:
+            assert (outputs["tma"][0][b] == 0).all()
+            continue
+        last = np.array([len(k) - 1])
+        want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
+        np.testing.assert_allclose(outputs["tma"][0][b], want_o[0], rtol=tol, atol=tol)
