@@ -28,7 +28,7 @@ from typing import Any
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 
-from ._tensors import Array, Device, to_buffer
+from ._tensors import Array, Device, is_torch, to_buffer
 
 
 def mojo_ops_path() -> Path:
@@ -230,16 +230,27 @@ def run_op(spec: OpSpec, arrays: Sequence[Array], device: Device) -> None:
     """Runs a registered in-place op on arrays matching spec.operands."""
     model = compiled_op(spec, device)
     buffers = [to_buffer(array) for array in arrays]
-    if device.is_gpu:
-        # Eager calls order MAX's stream against torch's: what torch wrote is
-        # done before the op reads it, and the op is done when the call returns.
-        import torch
+    if not device.is_gpu:
+        with kernel_errors():
+            model.execute(*buffers)
+        return
+    # MAX runs the op on its own CUDA stream, ordered against torch's current
+    # stream by events both ways (no host synchronization): the op starts
+    # after what torch enqueued before the call, and torch work enqueued
+    # after the call starts after the op, as if the op were a torch kernel.
+    import torch
 
-        torch.cuda.current_stream(device.index).synchronize()
+    current = torch.cuda.current_stream(device.index)
+    stream = max_stream(device)
+    stream.wait_stream(current)
+    for array in arrays:
+        if is_torch(array) and array.is_cuda:
+            # The caching allocator must not hand this memory out again
+            # before MAX's stream is done with it.
+            array.record_stream(stream)
     with kernel_errors():
         model.execute(*buffers)
-    if device.is_gpu:
-        accelerator(device).synchronize()
+    current.wait_stream(stream)
 
 
 @functools.cache
@@ -247,6 +258,15 @@ def accelerator(device: Device) -> Any:
     from max.driver import Accelerator
 
     return Accelerator(device.index)
+
+
+@functools.cache
+def max_stream(device: Device) -> Any:
+    """MAX's stream on a GPU, as a torch stream (to order work against)."""
+    import torch
+
+    handle = accelerator(device).default_queue.native_stream_handle
+    return torch.cuda.ExternalStream(handle, device=torch.device("cuda", device.index))
 
 
 def debug_enabled() -> bool:

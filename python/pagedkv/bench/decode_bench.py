@@ -94,12 +94,12 @@ def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu"
     return DecodeCase(s, q, pool, table, indptr, table.reshape(-1).copy(), last)
 
 
-def pagedkv_decode(case: DecodeCase):
+def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
     """A callable running pagedkv's decode on the case (plan outside timing)."""
     import pagedkv
 
     s = case.shape
-    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", backend=backend)
     like = case.q
 
     def on_device(x: np.ndarray):

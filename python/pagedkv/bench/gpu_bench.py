@@ -1,19 +1,26 @@
 """Decode and append on an NVIDIA GPU beside FlashInfer and MAX, one run.
 
-Decode at bf16, page size 16, head_dim 128 over the shapes of the GPU issue;
-append of a 5000-token and an 8-token ragged batch. Reports microseconds,
-TB/s of K/V read, the share of the GPU's peak HBM bandwidth and of a measured
-device-to-device copy, and the ratio to each anchor. FlashInfer runs when it
-is installed (fa2 backend, tensor cores for GQA); otherwise its rows say so.
+Decode at bf16, page size 16, head_dim 128 over the shapes of the GPU issue,
+with both pagedkv kernels (the generic one and the Hopper TMA one), against
+FlashInfer's BatchDecodeWithPagedKVCacheWrapper (fa2, tensor cores for GQA)
+and MAX's built-in paged decode (`flash_attention_ragged`) on the same pool;
+then appends of a 5000-token and an 8-token ragged batch against FlashInfer's
+append_paged_kv_cache and a torch index_put. Every implementation is timed
+with CUDA events on torch's stream; reports microseconds, TB/s of K/V read,
+the share of the GPU's peak HBM bandwidth and of a measured device-to-device
+copy, and ratios. An anchor that is not installed, or fails, says so in its
+row; its failure does not stop the run.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .decode_bench import DecodeShape, make_case
+from .append_bench import APPEND_SHAPES, append_fns
+from .decode_bench import DecodeCase, DecodeShape, make_case, pagedkv_decode
 
 GPU_SHAPES = (
     DecodeShape(1, 65536, 32, 8),
@@ -22,6 +29,9 @@ GPU_SHAPES = (
     DecodeShape(64, 8192, 32, 8),
     DecodeShape(128, 2048, 32, 32),
     DecodeShape(64, 1024, 64, 8),
+)
+GPU_APPEND_SHAPES = tuple(
+    s for s in APPEND_SHAPES if s.label in ("prefill 5000 tokens", "decode 8 tokens")
 )
 
 PEAK_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.0, "H20": 4.0}
@@ -34,6 +44,7 @@ class GpuRow:
     name: str
     us: float
     tbps: float
+    max_abs_diff: float | None = None
 
 
 def peak_tbps(name: str) -> float | None:
@@ -44,8 +55,7 @@ def peak_tbps(name: str) -> float | None:
 
 
 def time_cuda(fn, reps: int = 50, warmup: int = 5) -> float:
-    """Median microseconds of fn() timed with CUDA events (each call timed
-    alone, so a host sync inside fn is part of its cost)."""
+    """Median microseconds of fn() between CUDA events on torch's stream."""
     import torch
 
     for _ in range(warmup):
@@ -72,7 +82,7 @@ def copy_tbps(nbytes: int = 2 << 30) -> float:
     return 2 * a.numel() / us / 1e6
 
 
-def flashinfer_decode(case):
+def flashinfer_decode(case: DecodeCase):
     """FlashInfer's decode wrapper on the same pool, or None if not installed."""
     try:
         import flashinfer
@@ -100,10 +110,166 @@ def flashinfer_decode(case):
     return lambda: w.run(case.q, case.pool)
 
 
-def run_gpu_bench(reps: int = 50) -> int:
+def max_builtin_decode(case: DecodeCase):
+    """MAX's own paged decode (flash_attention_ragged over MHAKVCacheParams)
+    on the same pool, viewed as MAX's [pages, 2, layers=1, P, H, D] blocks."""
+    import torch
+    from max import tree
+    from max._kv_cache_ops import mha_decode_num_partitions
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, ops
+    from max.nn.attention import MHAMaskVariant
+    from max.nn.kernels import flash_attention_ragged
+    from max.nn.kv_cache import MHAKVCacheParams, padded_lut_cols
+
+    from .._kernels import accelerator
+    from .._tensors import device_of
+
+    s = case.shape
+    gpu = DeviceRef.GPU()
+    params = MHAKVCacheParams(
+        dtype=DType.bfloat16,
+        head_dim=s.head_dim,
+        num_layers=1,
+        devices=[gpu],
+        n_kv_heads=s.num_kv_heads,
+        page_size=s.page_size,
+    )
+    kv_types, _ = tree.flatten(params.get_symbolic_inputs())
+    q_type = TensorType(DType.bfloat16, ["rows", s.num_qo_heads, s.head_dim], device=gpu)
+    offsets_type = TensorType(DType.uint32, ["batch_plus_1"], device=gpu)
+    with Graph("max_paged_decode", input_types=[q_type, offsets_type, *kv_types]) as g:
+        q, offsets, *kv_inputs = g.inputs
+        kv = params.unflatten_kv_inputs(iter(kv_inputs))[0]
+        g.output(
+            flash_attention_ragged(
+                params,
+                q.tensor,
+                offsets.tensor,
+                kv,
+                layer_idx=ops.constant(0, DType.uint32, device=DeviceRef.CPU()),
+                mask_variant=MHAMaskVariant.CAUSAL_MASK,
+                scale=1.0 / math.sqrt(s.head_dim),
+            )
+        )
+    device = accelerator(device_of(case.q))
+    model = InferenceSession(devices=[CPU(), device]).load(g)
+    npg = case.page_table.shape[1]
+    lut = np.zeros((s.batch, padded_lut_cols(npg)), np.uint32)
+    lut[:, :npg] = case.page_table
+    partitions = mha_decode_num_partitions(s.batch, s.seq_len, s.num_kv_heads, device)
+    host_values = [
+        None,  # kv_blocks: the pool itself
+        np.full(s.batch, s.seq_len - 1, np.uint32),  # cached before this token
+        lut,
+        np.array([1], np.uint32),  # max_prompt_length
+        np.array([s.seq_len], np.uint32),  # max_cache_length
+        np.array([-1], np.int64),  # page_stride: packed pages
+        np.array([s.batch, 1, partitions, s.seq_len], np.int64),  # dispatch key
+    ]
+    blocks = Buffer.from_dlpack(case.pool.unsqueeze(2))
+    args = [
+        Buffer.from_dlpack(case.q),
+        Buffer.from_numpy(np.arange(s.batch + 1, dtype=np.uint32)).to(device),
+    ]
+    for value, t in zip(host_values, kv_types, strict=True):
+        if value is None:
+            args.append(blocks)
+        else:
+            buffer = Buffer.from_numpy(value)
+            args.append(buffer.to(device) if t.device.is_gpu() else buffer)
+    out: dict[str, object] = {}
+    stream = torch.cuda.current_stream()
+
+    def run():
+        torch.cuda.synchronize()  # MAX's model runs on its own stream
+        out["o"] = model.execute(*args)[0]
+        device.synchronize()
+        stream.synchronize()
+
+    run.result = lambda: torch.from_dlpack(out["o"]).view(s.batch, s.num_qo_heads, s.head_dim)
+    return run
+
+
+def decode_rows(reps: int) -> list[GpuRow]:
     import torch
 
-    from .decode_bench import pagedkv_decode
+    rows: list[GpuRow] = []
+    for shape in GPU_SHAPES:
+        case = make_case(shape, "bfloat16", device="cuda")
+        nbytes = shape.kv_bytes(2)
+        reference = None
+        impls = {
+            "pagedkv": lambda c=case: pagedkv_decode(c, "generic"),
+            "pagedkv-tma": lambda c=case: pagedkv_decode(c, "tma"),
+            "flashinfer": lambda c=case: flashinfer_decode(c),
+            "max": lambda c=case: max_builtin_decode(c),
+        }
+        for name, make in impls.items():
+            try:
+                fn = make()
+                if fn is None:
+                    print(f"  {shape.label:22s} {name:12s} not installed", flush=True)
+                    continue
+                result = fn()
+                out = fn.result() if hasattr(fn, "result") else result
+                us = time_cuda(fn, reps)
+            except Exception as e:  # an anchor's failure is reported, not fatal
+                print(f"  {shape.label:22s} {name:12s} failed: {str(e).splitlines()[0][:200]}")
+                continue
+            if reference is None:
+                reference = out.float()
+                diff = 0.0
+            else:
+                diff = float((out.float() - reference).abs().max())
+            rows.append(GpuRow(shape.label, name, us, nbytes / us / 1e6, diff))
+            print(
+                f"  {shape.label:22s} {name:12s} {us:9.1f} us {nbytes / us / 1e6:6.2f} TB/s "
+                f"max|diff| vs first {diff:.2e}",
+                flush=True,
+            )
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def flashinfer_append(fns: dict, shape, dtype: str) -> None:
+    """Adds FlashInfer's append of the same batch to fns (when installed)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return
+    from .append_bench import _case
+
+    pool, k, v, meta, _, _ = _case(shape, dtype, "cuda")
+    fns["flashinfer"] = lambda: flashinfer.append_paged_kv_cache(
+        k,
+        v,
+        meta["batch_indices"],
+        meta["positions"],
+        pool,
+        meta["kv_indices"],
+        meta["kv_indptr"],
+        meta["kv_last_page_len"],
+    )
+
+
+def append_rows(reps: int) -> list[GpuRow]:
+    rows = []
+    for shape in GPU_APPEND_SHAPES:
+        fns, nbytes = append_fns(shape, "bfloat16", "cuda")
+        flashinfer_append(fns, shape, "bfloat16")
+        for name, fn in fns.items():
+            us = time_cuda(fn, reps)
+            rows.append(GpuRow(shape.label, name, us, nbytes / us / 1e6))
+            print(f"  {shape.label:22s} {name:16s} {us:9.1f} us {nbytes / us / 1e3:8.1f} GB/s")
+    return rows
+
+
+def run_gpu_bench(reps: int = 50) -> int:
+    import torch
 
     if not torch.cuda.is_available():
         raise ValueError("--device gpu: no CUDA device is visible")
@@ -111,34 +277,32 @@ def run_gpu_bench(reps: int = 50) -> int:
     peak = peak_tbps(name)
     copy = copy_tbps()
     print(f"{name}: peak {peak or '?'} TB/s, measured device-to-device copy {copy:.2f} TB/s")
-    rows: list[GpuRow] = []
-    for shape in GPU_SHAPES:
-        case = make_case(shape, "bfloat16", device="cuda")
-        fns = {"pagedkv": pagedkv_decode(case), "flashinfer": flashinfer_decode(case)}
-        nbytes = shape.kv_bytes(2)
-        for impl, fn in fns.items():
-            if fn is None:
-                print(f"  {shape.label} {impl}: not installed")
-                continue
-            us = time_cuda(fn, reps)
-            rows.append(GpuRow(shape.label, impl, us, nbytes / us / 1e6))
-            print(
-                f"  {shape.label:22s} {impl:12s} {us:9.1f} us {nbytes / us / 1e6:6.2f} TB/s",
-                flush=True,
-            )
-        del case
+    decode = decode_rows(reps)
     print()
+    print("decode, bf16, page 16, head_dim 128 (x: the anchor's time / pagedkv-tma's)")
     print(
-        f"{'shape (B, L, Hq, Hkv)':22s} {'pagedkv us':>10s} {'TB/s':>6s} {'%peak':>6s} "
-        f"{'%copy':>6s} {'flashinfer us':>13s} {'x fi':>5s}"
+        f"{'shape (B, L, Hq, Hkv)':22s} {'impl':12s} {'us':>9s} {'TB/s':>6s} {'%peak':>6s} "
+        f"{'%copy':>6s} {'x':>6s}"
     )
-    for label in dict.fromkeys(r.label for r in rows):
-        ours = next(r for r in rows if r.label == label and r.name == "pagedkv")
-        fi = next((r for r in rows if r.label == label and r.name == "flashinfer"), None)
-        pct_peak = f"{100 * ours.tbps / peak:5.0f}%" if peak else f"{'?':>6s}"
-        print(
-            f"{label:22s} {ours.us:10.1f} {ours.tbps:6.2f} {pct_peak} "
-            f"{100 * ours.tbps / copy:5.0f}% "
-            + (f"{fi.us:13.1f} {fi.us / ours.us:5.2f}" if fi else f"{'-':>13s} {'-':>5s}")
-        )
+    for label in dict.fromkeys(r.label for r in decode):
+        mine = {r.name: r for r in decode if r.label == label}
+        ours = mine.get("pagedkv-tma") or mine.get("pagedkv")
+        for row in mine.values():
+            pct = f"{100 * row.tbps / peak:5.0f}%" if peak else f"{'?':>6s}"
+            ratio = row.us / ours.us if ours else float("nan")
+            print(
+                f"{label:22s} {row.name:12s} {row.us:9.1f} {row.tbps:6.2f} {pct} "
+                f"{100 * row.tbps / copy:5.0f}% {ratio:6.2f}"
+            )
+    appends = append_rows(reps)
+    print()
+    print("append, bf16 (GB/s moved: the appended K and V read once and written once)")
+    for label in dict.fromkeys(r.label for r in appends):
+        mine = {r.name: r for r in appends if r.label == label}
+        ours = mine["pagedkv"]
+        for row in mine.values():
+            print(
+                f"{label:22s} {row.name:16s} {row.us:9.1f} us {row.tbps * 1e3:8.1f} GB/s "
+                f"x{row.us / ours.us:5.2f}"
+            )
     return 0

@@ -1,0 +1,23 @@
+"""Decode and append on an NVIDIA GPU beside FlashInfer and MAX's built-in
+decode, in one run: µs, TB/s, share of peak and of a measured copy, ratios.
+The same as `pagedkv bench --device gpu`.
+
+    python benchmarks/decode_gpu.py [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedkv.bench.gpu_bench import run_gpu_bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    raise SystemExit(run_gpu_bench(reps=args.reps))
+
+
+if __name__ == "__main__":
+    main()
