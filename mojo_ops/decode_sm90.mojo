@@ -42,7 +42,7 @@ from max.gpu import (
 )
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.host.nvidia.tma import TensorMapSwizzle
-from max.gpu.memory import AddressSpace, external_memory
+from max.gpu.memory import AddressSpace, external_memory, fence_mbarrier_init
 from max.gpu.primitives import warp
 from max.gpu.sync import named_barrier
 
@@ -289,6 +289,8 @@ def decode_sm90_kernel[
         comptime for s in range(STAGES):
             full[unsafe_offset=s].init(1)
             empty[unsafe_offset=s].init(Int32(CONSUMERS))
+        # The TMA (the async proxy) completes transactions on these barriers.
+        fence_mbarrier_init()
     barrier()
 
     if tid >= CONSUMERS:
