@@ -7,6 +7,13 @@ tensors, writing caches in place.
 
 from .cascade import merge_state, merge_state_in_place, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from .functional import (
+    allocate_blocks,
+    append_kv,
+    init_paged_kv_cache,
+    release_blocks,
+)
+from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -19,16 +26,24 @@ from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchMetadata",
     "BatchPrefillWithPagedKVCacheWrapper",
+    "CacheStateError",
+    "OutOfPagesError",
+    "PagedKVCacheManager",
+    "allocate_blocks",
+    "append_kv",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "copy_pages",
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "init_paged_kv_cache",
     "merge_state",
     "merge_state_in_place",
     "merge_states",
+    "release_blocks",
     "single_decode_with_kv_cache",
 ]
 

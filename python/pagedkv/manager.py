@@ -1,0 +1,749 @@
+"""A page pool and the page tables of live requests: allocation, prefix caching,
+copy-on-write forks, and the batch metadata the kernels take.
+
+FlashInfer leaves page allocation to its caller; :class:`PagedKVCacheManager`
+is that caller's half. It owns one pool per layer and hands out page ids that
+name the same slot in every layer, so one page table serves the whole model.
+
+A step of an engine::
+
+    m = PagedKVCacheManager(num_pages, page_size, num_kv_heads, head_dim, num_layers)
+    cached = m.add("a", tokens=prompt)            # leading tokens already cached
+    m.reserve(["a"], len(prompt) - cached, tokens=[prompt[cached:]])
+    meta = m.metadata(["a"])                      # the batch after the append
+    for layer, pool in enumerate(m.pools):
+        pagedkv.append_paged_kv_cache(k[layer], v[layer], meta.batch_indices,
+            meta.positions, pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
+    wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, ...)
+
+Pages are shared read-only in two ways, both refcounted. Prefix caching: a
+full page whose token ids are known is keyed by a chained hash (its parent
+page's key and its own ids); add() reuses the cached pages a prompt starts
+with, and a page no request owns keeps its key until an allocation evicts it
+(least recently released first, a prompt's tail before its head). Forks: a
+child shares all its parent's pages; reserve() copies a shared, partially
+filled last page (pagedkv.copy_pages, every layer) before the first write
+into it. Writes only ever go to a request's partial last page or new pages.
+
+Reserved tokens count as written from the moment reserve() returns (their
+pages may serve a later prefix hit): the caller appends them before it runs
+attention over any request that could read them.
+
+Not thread-safe: one scheduler thread owns a manager.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from max.dtype import DType
+
+from ._attention import as_dtype
+from ._checks import layout_code
+from ._kernels import debug_enabled
+from ._tensors import Array
+from .page import copy_pages
+
+POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
+PAD_PAGE = -1
+"""The block table's value past the end of a request's pages."""
+ROOT_HASH = b""
+"""The parent hash of a request's first page."""
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool cannot supply the pages a call asked for; nothing was changed."""
+
+    def __init__(self, requested: int, available: int, unused: int, cached: int) -> None:
+        super().__init__(
+            f"out of KV pages: {requested} asked for, {available} free "
+            f"({unused} unused + {cached} cached and evictable)"
+        )
+        self.requested = requested
+        self.available = available
+
+
+class CacheStateError(RuntimeError):
+    """validate() found the page tables and the pool out of step (a bug)."""
+
+
+@dataclass
+class CacheStats:
+    """Counters since the manager was made.
+
+    prefix_hits / prefix_misses count full pages of the prompts given to add():
+    a hit is served from the cache, a miss is a full page the lookup did not
+    find (the lookup stops at the first miss, so every later full page misses
+    too). A prompt's partial last page is never looked up.
+    """
+
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    evictions: int = 0
+    """Cached pages (refcount 0) reclaimed for new allocations."""
+    cow_copies: int = 0
+    """Shared pages copied on write (each counts once, however many layers)."""
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """A batch's page table and append indices, all int32 NumPy arrays.
+
+    Every array describes the batch after the append (FlashInfer's convention):
+    the appended tokens are the last ``append_indptr[b + 1] - append_indptr[b]``
+    of request b.
+    """
+
+    kv_indptr: np.ndarray
+    """[B + 1]: request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]."""
+    kv_indices: np.ndarray
+    """[kv_indptr[-1]] page ids."""
+    kv_last_page_len: np.ndarray
+    """[B]: tokens in each request's last page, in [1, page_size]; 0 with no pages."""
+    seq_lens: np.ndarray
+    """[B] tokens per request."""
+    append_indptr: np.ndarray
+    """[B + 1]: request b appends rows append_indptr[b]:append_indptr[b + 1]."""
+    batch_indices: np.ndarray
+    """[nnz]: the request of each appended row."""
+    positions: np.ndarray
+    """[nnz]: the sequence position of each appended row."""
+    block_table: np.ndarray
+    """[B, max pages of a request]: the same pages, one row per request, padded
+    with PAD_PAGE (-1)."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def nnz(self) -> int:
+        """Rows appended by the whole batch."""
+        return int(self.append_indptr[-1])
+
+
+class _Request:
+    """One live request's page list and prefix-hash state."""
+
+    __slots__ = ("pages", "num_pages", "seq_len", "reserved", "generation", "chain", "tail")
+
+    def __init__(self) -> None:
+        self.pages = np.empty(4, np.int32)
+        """pages[:num_pages] are the request's pages; the rest is spare capacity."""
+        self.num_pages = 0
+        self.seq_len = 0
+        self.reserved = 0
+        """Tokens reserved by the reserve() call numbered `generation`."""
+        self.generation = -1
+        self.chain: bytes | None = ROOT_HASH
+        """Hash of the last full page; None once some page's tokens are unknown."""
+        self.tail = np.empty(0, np.int64)
+        """Token ids in the partial last page (meaningful while chain is not None)."""
+
+    def page_list(self) -> np.ndarray:
+        return self.pages[: self.num_pages]
+
+    def push(self, new_pages: Sequence[int]) -> None:
+        need = self.num_pages + len(new_pages)
+        if need > len(self.pages):
+            grown = np.empty(max(need, 2 * len(self.pages)), np.int32)
+            grown[: self.num_pages] = self.page_list()
+            self.pages = grown
+        self.pages[self.num_pages : need] = new_pages
+        self.num_pages = need
+
+    def copy(self) -> _Request:
+        other = _Request()
+        other.pages = self.pages.copy()
+        other.num_pages = self.num_pages
+        other.seq_len = self.seq_len
+        other.chain = self.chain
+        other.tail = self.tail.copy()
+        return other
+
+
+def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
+    """The chained key of a full page: its parent page's key and its token ids.
+
+    128-bit BLAKE2b: equal keys mean equal prefixes, up to a negligible chance.
+    """
+    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
+
+
+class PagedKVCacheManager:
+    """A page pool for every layer plus the page tables of the live requests.
+
+    num_pages: pages in each layer's pool. page_size: tokens per page.
+    dtype: "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
+    kv_layout: "NHD" pools are [num_pages, 2, page_size, num_kv_heads,
+    head_dim], "HND" pools [num_pages, 2, num_kv_heads, page_size, head_dim]:
+    FlashInfer's one-tensor form, ready for append_paged_kv_cache and the decode
+    wrapper. ``pools[layer]`` is a NumPy array, or a torch tensor for bfloat16
+    (NumPy has none) or when use_torch is set. device: "cpu", or "cuda[:i]" /
+    "gpu[:i]" for torch pools on that GPU (copy-on-write copies then run there).
+    The page tables and all metadata stay in host memory, as plan() wants them.
+
+    Request ids are any hashable values. A page id names the same slot in every
+    layer's pool. Every call checks its arguments and the pool's capacity before
+    changing anything; a call that raises leaves the manager as it was.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        dtype: object = "float32",
+        kv_layout: str = "NHD",
+        device: object = "cpu",
+        use_torch: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_layers", num_layers),
+        ):
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        pool_dtype = as_dtype(dtype, "dtype")
+        if pool_dtype not in POOL_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {pool_dtype.name}")
+        layout_code(kv_layout)
+        kind, _, index = str(device).partition(":")
+        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}")
+        torch_device = "cpu" if kind == "cpu" else f"cuda:{index or 0}"
+        if torch_device != "cpu":
+            import torch
+
+            if int(index or 0) >= torch.cuda.device_count():
+                raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPUs")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.num_layers = int(num_layers)
+        self.dtype = pool_dtype
+        self.kv_layout = kv_layout
+        page = (
+            (self.page_size, self.num_kv_heads, self.head_dim)
+            if kv_layout == "NHD"
+            else (self.num_kv_heads, self.page_size, self.head_dim)
+        )
+        shape = (self.num_pages, 2, *page)
+        torch_pools = use_torch or pool_dtype == DType.bfloat16 or torch_device != "cpu"
+        self.pools: list[Array] = [
+            _zeros(shape, pool_dtype, torch_device if torch_pools else None)
+            for _ in range(num_layers)
+        ]
+        """One pool per layer, written in place by the kernels."""
+
+        # pop() hands out low page ids first.
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._refcount = np.zeros(self.num_pages, np.int32)
+        self._hash_of_page: dict[int, bytes] = {}
+        self._page_of_hash: dict[bytes, int] = {}
+        # Pages with a hash and no owner, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._requests: dict[Hashable, _Request] = {}
+        self._generation = 0
+        self.stats = CacheStats()
+
+    # ----------------------------------------------------------- inspection
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a reservation can take: unused ones plus cached, evictable ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages no request owns that keep their contents for prefix hits."""
+        return len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages owned by at least one live request."""
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def seq_len(self, request_id: Hashable) -> int:
+        """Tokens of the request, reserved ones included."""
+        return self._request("request_id", request_id).seq_len
+
+    def pages(self, request_id: Hashable) -> np.ndarray:
+        """The request's page ids in sequence order ([pages] int32, a copy)."""
+        return self._request("request_id", request_id).page_list().copy()
+
+    def refcounts(self) -> np.ndarray:
+        """Owners of each page ([num_pages] int32, a copy)."""
+        return self._refcount.copy()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A deep copy of the bookkeeping (not the pools): equal snapshots mean
+        equal states. For tests and debugging."""
+        return {
+            "requests": {
+                rid: (
+                    r.page_list().tolist(),
+                    r.seq_len,
+                    r.reserved,
+                    r.generation,
+                    r.chain,
+                    r.tail.tolist(),
+                )
+                for rid, r in self._requests.items()
+            },
+            "free": list(self._free),
+            "refcount": self._refcount.tolist(),
+            "hash_of_page": dict(self._hash_of_page),
+            "page_of_hash": dict(self._page_of_hash),
+            "evictable": list(self._evictable),
+            "generation": self._generation,
+            "stats": CacheStats(**vars(self.stats)),
+        }
+
+    # ------------------------------------------------------------- requests
+
+    def add(self, request_id: Hashable, tokens: Sequence[int] | np.ndarray | None = None) -> int:
+        """Starts a request; returns how many leading tokens of `tokens` (its
+        prompt ids, 1-D ints) were served from the prefix cache, a multiple of
+        page_size. Those tokens are the request's first seq_len(request_id);
+        the caller reserves and appends the rest. Allocates no pages.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already live")
+        prompt = None if tokens is None else _token_ids("tokens", tokens)
+        request = _Request()
+        if prompt is not None:
+            hits, chain = self._lookup_prefix(prompt)
+            self.stats.prefix_hits += len(hits)
+            self.stats.prefix_misses += len(prompt) // self.page_size - len(hits)
+            for page in hits:
+                self._evictable.pop(page, None)
+            if hits:
+                self._refcount[hits] += 1
+                request.push(hits)
+                request.seq_len = len(hits) * self.page_size
+                request.chain = chain
+        self._requests[request_id] = request
+        self._after_mutation()
+        return request.seq_len
+
+    def reserve(
+        self,
+        request_ids: Sequence[Hashable],
+        num_new_tokens: int | Sequence[int] | np.ndarray,
+        tokens: Any = None,
+    ) -> None:
+        """Allocates the pages that appending num_new_tokens (an int for all, or
+        one per request) to each listed request needs, all or nothing, and
+        counts those tokens in the requests' lengths.
+
+        A request whose partial last page is shared (a fork) gets a private
+        copy of it first (pagedkv.copy_pages on every layer's pool). tokens:
+        the new token ids, for prefix-caching the pages they fill: one entry
+        per request (a sequence of its num_new_tokens ids, or None), or all of
+        them concatenated in request order. Without them a request's later
+        pages are not cached.
+
+        Raises OutOfPagesError, with nothing changed, when the pool is short.
+        """
+        requests = self._batch(request_ids)
+        counts = self._counts("num_new_tokens", num_new_tokens, len(requests))
+        new_tokens = _split_tokens(tokens, counts)
+        size = self.page_size
+
+        need = 0
+        writers: dict[int, int] = {}
+        for request, n in zip(requests, counts.tolist(), strict=True):
+            if n == 0:
+                continue
+            need += -(-(request.seq_len + n) // size) - request.num_pages
+            if request.seq_len % size:
+                last = int(request.pages[request.num_pages - 1])
+                if self._refcount[last] > 1:
+                    writers[last] = writers.get(last, 0) + 1
+        # Every writer into a shared page copies it, but when all its owners
+        # write, the last one keeps the original.
+        need += sum(c - (c == self._refcount[p]) for p, c in writers.items())
+        if need > self.num_free_pages:
+            raise OutOfPagesError(need, self.num_free_pages, len(self._free), len(self._evictable))
+
+        fresh = self._peek(need)
+        copies: list[tuple[_Request, int, int]] = []
+        if writers:
+            owners = {p: int(self._refcount[p]) for p in writers}
+            spare = iter(fresh)
+            for request, n in zip(requests, counts.tolist(), strict=True):
+                if n == 0 or not request.seq_len % size:
+                    continue
+                last = int(request.pages[request.num_pages - 1])
+                if owners.get(last, 1) > 1:
+                    owners[last] -= 1
+                    copies.append((request, last, next(spare)))
+            if copies:
+                src = np.array([c[1] for c in copies], np.int32)
+                dst = np.array([c[2] for c in copies], np.int32)
+                for pool in self.pools:
+                    copy_pages(pool, src, dst, self.kv_layout)
+
+        # Nothing below can fail: commit.
+        self._claim(fresh)
+        for request, old, new in copies:
+            request.pages[request.num_pages - 1] = new
+            self._refcount[old] -= 1
+            self._refcount[new] = 1
+        self.stats.cow_copies += len(copies)
+        taken = len(copies)
+        self._generation += 1
+        for request, n, ids in zip(requests, counts.tolist(), new_tokens, strict=True):
+            request.reserved = n
+            request.generation = self._generation
+            if n == 0:
+                continue
+            grow = -(-(request.seq_len + n) // size) - request.num_pages
+            if grow:
+                new_pages = fresh[taken : taken + grow]
+                taken += grow
+                self._refcount[new_pages] = 1
+                request.push(new_pages)
+            self._extend_chain(request, ids)
+            request.seq_len += n
+        self._after_mutation()
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Starts child_id as a copy of parent_id that shares all its pages.
+
+        Allocates nothing: the first reserve() that writes into a shared,
+        partially filled last page copies that page (copy-on-write).
+        """
+        parent = self._request("parent_id", parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"child_id {child_id!r} is already live")
+        child = parent.copy()
+        self._refcount[child.page_list()] += 1
+        self._requests[child_id] = child
+        self._after_mutation()
+
+    def release(self, request_id: Hashable) -> None:
+        """Ends a request. Its pages that no one else owns become free; those
+        with a prefix hash stay cached until the pool needs them (LRU)."""
+        request = self._request("request_id", request_id)
+        del self._requests[request_id]
+        pages = request.page_list()
+        self._refcount[pages] -= 1
+        # The tail of a prefix is reused less often than its head: reversed,
+        # it is evicted first.
+        for page in reversed(pages[self._refcount[pages] == 0].tolist()):
+            if page in self._hash_of_page:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+        self._after_mutation()
+
+    # ------------------------------------------------------------- metadata
+
+    def metadata(
+        self,
+        request_ids: Sequence[Hashable],
+        num_new_tokens: int | Sequence[int] | np.ndarray | None = None,
+    ) -> BatchMetadata:
+        """The batch's page table and append indices (see BatchMetadata).
+
+        num_new_tokens: tokens each request appends, its last ones (an int or
+        one per request); None: what the latest reserve() call reserved for
+        each request (0 for requests it did not list). 0 gives decode-only
+        metadata. Only tokens that reserve() made room for may be written:
+        pages before them can be shared. Changes nothing.
+        """
+        requests = self._batch(request_ids)
+        batch = len(requests)
+        seq_lens = np.fromiter((r.seq_len for r in requests), np.int64, batch)
+        page_counts = np.fromiter((r.num_pages for r in requests), np.int64, batch)
+        if num_new_tokens is None:
+            generation = self._generation
+            appended = np.fromiter(
+                (r.reserved if r.generation == generation else 0 for r in requests),
+                np.int64,
+                batch,
+            )
+        else:
+            appended = self._counts("num_new_tokens", num_new_tokens, batch)
+            over = np.flatnonzero(appended > seq_lens)
+            if over.size:
+                b = int(over[0])
+                raise ValueError(
+                    f"num_new_tokens[{b}] = {appended[b]} exceeds the {seq_lens[b]} tokens of "
+                    f"request {request_ids[b]!r}"
+                )
+        kv_indptr = np.zeros(batch + 1, np.int32)
+        np.cumsum(page_counts, out=kv_indptr[1:])
+        kv_indices = (
+            np.concatenate([r.pages[: r.num_pages] for r in requests])
+            if batch
+            else np.empty(0, np.int32)
+        )
+        kv_last_page_len = np.where(
+            page_counts > 0, seq_lens - (page_counts - 1) * self.page_size, 0
+        ).astype(np.int32)
+        append_indptr = np.zeros(batch + 1, np.int32)
+        np.cumsum(appended, out=append_indptr[1:])
+        nnz = int(append_indptr[-1])
+        rows = np.arange(batch, dtype=np.int32)
+        batch_indices = np.repeat(rows, appended)
+        # Row j of request b sits at seq_len - appended + (j - append_indptr[b]).
+        positions = np.arange(nnz, dtype=np.int32) + np.repeat(
+            (seq_lens - appended - append_indptr[:-1]).astype(np.int32), appended
+        )
+        width = int(page_counts.max()) if batch else 0
+        block_table = np.full((batch, width), PAD_PAGE, np.int32)
+        # Row-major order of the mask is CSR order.
+        block_table[np.arange(width) < page_counts[:, None]] = kv_indices
+        return BatchMetadata(
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_last_page_len=kv_last_page_len,
+            seq_lens=seq_lens.astype(np.int32),
+            append_indptr=append_indptr,
+            batch_indices=batch_indices,
+            positions=positions,
+            block_table=block_table,
+        )
+
+    # ------------------------------------------------------------- checking
+
+    def validate(self) -> None:
+        """Checks the page tables against the pool; raises CacheStateError.
+
+        CSR form: indptr monotone, page ids in the pool, last_page_len in
+        [1, page_size] for requests with pages (0 without). Ownership: each
+        request holds ceil(seq_len / page_size) distinct pages; refcounts equal
+        the owners counted from the tables; a page with several owners sits at
+        the same index in each and is filled alike in each (shared read-only:
+        prefix-cache pages are full, a fork's partial page is everyone's last);
+        a page with a prefix hash is full. Pool: unused, cached-evictable and
+        owned pages partition the pool; the hash maps are mutual inverses.
+        """
+        size, total = self.page_size, self.num_pages
+        ids = list(self._requests)
+        for rid in ids:
+            r = self._requests[rid]
+            if r.num_pages != -(-r.seq_len // size):
+                _fail(f"request {rid!r}: {r.num_pages} pages for {r.seq_len} tokens")
+            pages = r.page_list()
+            if pages.size and (pages.min() < 0 or pages.max() >= total):
+                _fail(f"request {rid!r} holds a page outside the pool: {pages.tolist()}")
+            if np.unique(pages).size != pages.size:
+                _fail(f"request {rid!r} holds a page twice: {pages.tolist()}")
+            if r.chain is not None and r.tail.size != r.seq_len % size:
+                _fail(f"request {rid!r}: {r.tail.size} token ids for its partial last page")
+        meta = self.metadata(ids, num_new_tokens=0)
+        indptr, indices, last = meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len
+        counts = np.diff(indptr.astype(np.int64))
+        if indptr[0] != 0 or (counts < 0).any() or indptr[-1] != indices.size:
+            _fail(f"kv_indptr is not a CSR offset array: {indptr.tolist()}")
+        if indices.size and (indices.min() < 0 or indices.max() >= total):
+            _fail("kv_indices leaves the pool")
+        full = counts > 0
+        if ((last < 1) | (last > size))[full].any() or (last[~full] != 0).any():
+            _fail(f"kv_last_page_len out of range: {last.tolist()}")
+
+        owners = np.bincount(indices, minlength=total)
+        wrong = np.flatnonzero(owners != self._refcount)
+        if wrong.size:
+            p = int(wrong[0])
+            _fail(f"page {p}: refcount {self._refcount[p]} but {owners[p]} owners")
+        slot = np.arange(indices.size) - np.repeat(indptr[:-1], counts)
+        fill = np.where(slot == np.repeat(counts - 1, counts), np.repeat(last, counts), size)
+        for name, value in (("index", slot), ("fill", fill)):
+            low = np.full(total, np.iinfo(np.int64).max)
+            high = np.full(total, -1)
+            np.minimum.at(low, indices, value)
+            np.maximum.at(high, indices, value)
+            differs = np.flatnonzero((owners > 1) & (low != high))
+            if differs.size:
+                _fail(f"shared page {int(differs[0])} differs in {name} between its owners")
+        hashed = np.array(sorted(self._hash_of_page), np.int64)
+        if hashed.size:
+            low_fill = np.full(total, size)
+            np.minimum.at(low_fill, indices, fill)
+            partial = hashed[low_fill[hashed] < size]
+            if partial.size:
+                _fail(f"page {int(partial[0])} has a prefix hash but is not full")
+
+        if len(set(self._free)) != len(self._free):
+            _fail("a page is on the free list twice")
+        unused = np.array(self._free, np.int64)
+        cached = np.array(list(self._evictable), np.int64)
+        for name, group in (("free", unused), ("cached", cached)):
+            if group.size and (self._refcount[group] != 0).any():
+                _fail(f"a {name} page has owners")
+        if any(p in self._hash_of_page for p in self._free):
+            _fail("a free page keeps a prefix hash")
+        if any(p not in self._hash_of_page for p in self._evictable):
+            _fail("a cached page has no prefix hash")
+        in_use = int((self._refcount > 0).sum())
+        if unused.size + cached.size + in_use != total:
+            _fail(f"{unused.size} free + {cached.size} cached + {in_use} used != {total} pages")
+        if len(self._hash_of_page) != len(self._page_of_hash) or any(
+            self._page_of_hash.get(h) != p for p, h in self._hash_of_page.items()
+        ):
+            _fail("the page -> hash and hash -> page maps disagree")
+
+    # ------------------------------------------------------------ internals
+
+    def _after_mutation(self) -> None:
+        if debug_enabled():
+            self.validate()
+
+    def _request(self, name: str, request_id: Hashable) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"{name} {request_id!r} is not a live request") from None
+
+    def _batch(self, request_ids: Iterable[Hashable]) -> list[_Request]:
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+            raise TypeError(f"request_ids must be a sequence of ids, got {request_ids!r}")
+        ids = list(request_ids)
+        requests = [self._request("request_ids entry", rid) for rid in ids]
+        if len(set(map(id, requests))) != len(requests):
+            raise ValueError(f"request_ids lists a request twice: {ids!r}")
+        return requests
+
+    @staticmethod
+    def _counts(name: str, value: Any, batch: int) -> np.ndarray:
+        """num_new_tokens as [batch] int64 counts >= 0."""
+        if isinstance(value, numbers.Integral):
+            counts = np.full(batch, int(value), np.int64)
+        else:
+            counts = np.asarray(value)
+            if counts.shape != (batch,) or (batch and counts.dtype.kind not in "iu"):
+                raise ValueError(f"{name} must be an int or {batch} ints, got {value!r}")
+            counts = counts.astype(np.int64)
+        if (counts < 0).any():
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        return counts
+
+    def _lookup_prefix(self, prompt: np.ndarray) -> tuple[list[int], bytes]:
+        """The cached pages that hold the prompt's leading full pages, and the
+        hash of the last of them."""
+        size = self.page_size
+        chain, hits = ROOT_HASH, []
+        for start in range(0, len(prompt) - size + 1, size):
+            key = page_hash(chain, prompt[start : start + size])
+            page = self._page_of_hash.get(key)
+            if page is None:
+                break
+            hits.append(page)
+            chain = key
+        return hits, chain
+
+    def _extend_chain(self, request: _Request, ids: np.ndarray | None) -> None:
+        """Hashes and caches the pages that request's new tokens fill."""
+        if request.chain is None:
+            return
+        if ids is None:
+            request.chain = None
+            request.tail = np.empty(0, np.int64)
+            return
+        size = self.page_size
+        run = np.concatenate([request.tail, ids]) if request.tail.size else ids
+        first = request.seq_len // size
+        filled = len(run) // size
+        for i in range(filled):
+            key = page_hash(request.chain, run[i * size : (i + 1) * size])
+            page = int(request.pages[first + i])
+            # The same content may already be cached (two requests prefilled
+            # together): keep that one and leave this page private.
+            if key not in self._page_of_hash:
+                self._page_of_hash[key] = page
+                self._hash_of_page[page] = key
+            request.chain = key
+        request.tail = run[filled * size :].copy()
+
+    def _peek(self, count: int) -> list[int]:
+        """The pages the next _claim(count) takes: unused pages first, then
+        the least recently released cached ones."""
+        take = min(count, len(self._free))
+        pages = self._free[len(self._free) - take :][::-1]
+        if count > take:
+            lru = iter(self._evictable)
+            pages += [next(lru) for _ in range(count - take)]
+        return pages
+
+    def _claim(self, pages: list[int]) -> None:
+        take = min(len(pages), len(self._free))
+        del self._free[len(self._free) - take :]
+        for page in pages[take:]:
+            del self._evictable[page]
+            del self._page_of_hash[self._hash_of_page.pop(page)]
+        self.stats.evictions += len(pages) - take
+
+
+def _fail(message: str) -> None:
+    raise CacheStateError(f"pagedkv cache state: {message}")
+
+
+def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
+    """A NumPy array, or a torch tensor on torch_device when one is named."""
+    if torch_device is not None:
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype.name), device=torch_device)
+    return np.zeros(shape, dtype.to_numpy())
+
+
+def _token_ids(name: str, tokens: Any) -> np.ndarray:
+    """Token ids as a 1-D int64 array."""
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got {tokens!r}")
+    return ids.astype(np.int64)
+
+
+def _split_tokens(tokens: Any, counts: np.ndarray) -> list[np.ndarray | None]:
+    """reserve()'s tokens as one int64 array (or None) per request."""
+    batch = len(counts)
+    if tokens is None:
+        return [None] * batch
+    if batch == 0:
+        if len(tokens):
+            raise ValueError(f"tokens must be empty for an empty batch, got {tokens!r}")
+        return []
+    flat = isinstance(tokens, np.ndarray) or all(
+        isinstance(t, (numbers.Integral, np.integer)) for t in tokens
+    )
+    if flat:
+        ids = _token_ids("tokens", tokens)
+        if ids.size != int(counts.sum()):
+            raise ValueError(
+                f"tokens holds {ids.size} ids but num_new_tokens adds up to {int(counts.sum())}"
+            )
+        return np.split(ids, np.cumsum(counts)[:-1])
+    if len(tokens) != batch:
+        raise ValueError(f"tokens must have one entry per request ({batch}), got {len(tokens)}")
+    out: list[np.ndarray | None] = []
+    for b, entry in enumerate(tokens):
+        ids = None if entry is None else _token_ids(f"tokens[{b}]", entry)
+        if ids is not None and ids.size != counts[b]:
+            raise ValueError(f"tokens[{b}] holds {ids.size} ids but num_new_tokens is {counts[b]}")
+        out.append(ids)
+    return out

@@ -1,0 +1,708 @@
+"""PagedKVCacheManager and the functional API, through the real kernels.
+
+The state machine drives random adds, reserves + appends, forks and releases
+against a plain model (each live request's token ids) and after every step
+reads every request back with pagedkv.gather_kv: the K/V of token i is a pure
+function of the request's tokens 0..i, so a page served from the prefix cache
+or shared by a fork reads back right only if it really holds that prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import pagedkv
+from conftest import bits
+from pagedkv.functional import (
+    BlockTable,
+    allocate_blocks,
+    append_kv,
+    gather_kv,
+    init_paged_kv_cache,
+    release_blocks,
+)
+from pagedkv.manager import PAD_PAGE, CacheStateError, OutOfPagesError, PagedKVCacheManager
+
+PAGE, HEADS, DIM, LAYERS = 4, 2, 8, 2
+BASE = [7, 3, 5, 1, 2, 8, 6, 4, 9, 0, 3, 3, 5]
+"""A shared prompt start: prompts built on it hit the prefix cache."""
+
+_rows: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def token_kv(prefix: tuple[int, ...]) -> np.ndarray:
+    """[LAYERS, 2, HEADS, DIM]: the K/V of a prefix's last token, per layer."""
+    if prefix not in _rows:
+        digest = hashlib.blake2b(np.array(prefix, np.int64).tobytes(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        _rows[prefix] = rng.standard_normal((LAYERS, 2, HEADS, DIM), dtype=np.float32)
+    return _rows[prefix]
+
+
+def kv_of(tokens: list[int], start: int = 0) -> np.ndarray:
+    """[LAYERS, 2, len - start, HEADS, DIM]: the K/V of tokens[start:]."""
+    if len(tokens) == start:
+        return np.zeros((LAYERS, 2, 0, HEADS, DIM), np.float32)
+    rows = [token_kv(tuple(tokens[: i + 1])) for i in range(start, len(tokens))]
+    return np.ascontiguousarray(np.stack(rows, axis=2))
+
+
+def state_of(manager: PagedKVCacheManager) -> tuple:
+    """Everything a failed call must leave alone: bookkeeping and pool bytes."""
+    return manager.snapshot(), [bits(pool) for pool in manager.pools]
+
+
+def assert_same_state(manager: PagedKVCacheManager, before: tuple) -> None:
+    snapshot, pools = state_of(manager)
+    assert snapshot == before[0]
+    for got, want in zip(pools, before[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def append_tokens(
+    manager: PagedKVCacheManager,
+    ids: list,
+    new_tokens: list[list[int]],
+    histories: list[list[int]],
+) -> None:
+    """Appends the K/V of new_tokens[b] after histories[b] to each request,
+    on every layer, with the metadata of the latest reserve()."""
+    meta = manager.metadata(ids)
+    np.testing.assert_array_equal(np.diff(meta.append_indptr), [len(t) for t in new_tokens])
+    if meta.nnz == 0:
+        return
+    kv = np.concatenate(
+        [kv_of(h + t, len(h)) for h, t in zip(histories, new_tokens, strict=True)], axis=2
+    )
+    for layer, pool in enumerate(manager.pools):
+        pagedkv.append_paged_kv_cache(
+            np.ascontiguousarray(kv[layer, 0]),
+            np.ascontiguousarray(kv[layer, 1]),
+            meta.batch_indices,
+            meta.positions,
+            pool,
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.kv_last_page_len,
+            manager.kv_layout,
+        )
+
+
+def check_reads_back(manager: PagedKVCacheManager, model: dict) -> None:
+    """Every request's gathered K/V, on every layer, is its model's, exactly.
+
+    One gather_kv per layer reads the whole batch (request b's rows are
+    seq_indptr[b]:seq_indptr[b + 1]); the fork and decode tests read single
+    requests with request=b."""
+    ids = sorted(model)
+    meta = manager.metadata(ids, num_new_tokens=0)
+    for layer, pool in enumerate(manager.pools):
+        k, v, seq_indptr = pagedkv.gather_kv(
+            pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, manager.kv_layout
+        )
+        np.testing.assert_array_equal(seq_indptr, np.cumsum([0] + [len(model[r]) for r in ids]))
+        for b, rid in enumerate(ids):
+            want = kv_of(model[rid])[layer]
+            rows = slice(int(seq_indptr[b]), int(seq_indptr[b + 1]))
+            np.testing.assert_array_equal(k[rows], want[0], err_msg=f"K of {rid}, layer {layer}")
+            np.testing.assert_array_equal(v[rows], want[1], err_msg=f"V of {rid}, layer {layer}")
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random traffic on a 16-page pool; the model is each request's tokens."""
+
+    layout = "NHD"
+    num_pages = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = PagedKVCacheManager(
+            self.num_pages, PAGE, HEADS, DIM, num_layers=LAYERS, kv_layout=self.layout
+        )
+        self.model: dict[int, list[int]] = {}
+        self.next_id = 0
+        self.hits_seen = 0
+        self.copies_seen = 0
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def reserve_and_append(self, ids: list[int], new_tokens: list[list[int]], hashed: bool) -> bool:
+        before = state_of(self.manager)
+        try:
+            self.manager.reserve(ids, [len(t) for t in new_tokens], new_tokens if hashed else None)
+        except OutOfPagesError as e:
+            assert e.requested > e.available == self.manager.num_free_pages
+            assert f"{e.requested} asked for, {e.available} free" in str(e)
+            assert_same_state(self.manager, before)
+            return False
+        histories = [self.model[rid] for rid in ids]
+        append_tokens(self.manager, ids, new_tokens, histories)
+        for rid, tokens in zip(ids, new_tokens, strict=True):
+            self.model[rid] = self.model[rid] + tokens
+        return True
+
+    @rule(
+        shared=st.integers(0, len(BASE)),
+        extra=st.lists(st.integers(0, 1), max_size=6),
+        hashed=st.booleans(),
+    )
+    def add(self, shared: int, extra: list[int], hashed: bool) -> None:
+        prompt = BASE[:shared] + extra
+        rid = self.new_id()
+        hits_before = self.manager.stats.prefix_hits
+        cached = self.manager.add(rid, prompt if hashed else None)
+        assert cached % PAGE == 0 and 0 <= cached <= len(prompt)
+        assert self.manager.stats.prefix_hits - hits_before == cached // PAGE
+        if not hashed:
+            assert cached == 0
+        self.hits_seen += cached // PAGE
+        self.model[rid] = prompt[:cached]
+        self.reserve_and_append([rid], [prompt[cached:]], hashed)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), hashed=st.booleans())
+    def append(self, data: st.DataObject, hashed: bool) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
+        new_tokens = [data.draw(st.lists(st.integers(0, 1), max_size=6)) for _ in ids]
+        copies = self.manager.stats.cow_copies
+        if self.reserve_and_append(ids, new_tokens, hashed):
+            self.copies_seen += self.manager.stats.cow_copies - copies
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.model)))
+        child = self.new_id()
+        free = self.manager.num_free_pages
+        self.manager.fork(parent, child)
+        assert self.manager.num_free_pages == free
+        self.model[child] = list(self.model[parent])
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        self.manager.release(rid)
+        del self.model[rid]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def exhaust(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
+        before = state_of(self.manager)
+        with pytest.raises(OutOfPagesError):
+            self.manager.reserve(ids, self.num_pages * PAGE + 1)
+        assert_same_state(self.manager, before)
+
+    @invariant()
+    def pages_match_model(self) -> None:
+        manager = self.manager
+        manager.validate()
+        assert sorted(manager.request_ids) == sorted(self.model)
+        owners = np.zeros(self.num_pages, np.int64)
+        holders: dict[int, list[tuple[int, int]]] = {}
+        for rid, tokens in self.model.items():
+            assert manager.seq_len(rid) == len(tokens)
+            pages = manager.pages(rid)
+            assert len(pages) == -(-len(tokens) // PAGE)
+            owners[pages] += 1
+            for slot, page in enumerate(pages.tolist()):
+                holders.setdefault(page, []).append((rid, slot))
+        np.testing.assert_array_equal(manager.refcounts(), owners)
+        # Free + used (+ cached, counted among free) = pool: no page leaks.
+        assert manager.num_free_pages + int((owners > 0).sum()) == self.num_pages
+        assert manager.num_used_pages == int((owners > 0).sum())
+        # A page held by several requests holds the same tokens for each.
+        for page, held in holders.items():
+            contents = {
+                tuple(self.model[rid][slot * PAGE : (slot + 1) * PAGE]) for rid, slot in held
+            }
+            prefixes = {tuple(self.model[rid][: slot * PAGE]) for rid, slot in held}
+            assert len(contents) == 1 and len(prefixes) == 1, f"page {page}: {held}"
+        check_reads_back(manager, self.model)
+
+
+class ManagerMachineHND(ManagerMachine):
+    layout = "HND"
+    num_pages = 12
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=30,
+    stateful_step_count=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD", "HND"])
+def test_state_machine(machine):
+    totals = {"hits": 0, "copies": 0}
+
+    class Counted(machine):
+        def teardown(self) -> None:
+            totals["hits"] += self.hits_seen
+            totals["copies"] += self.copies_seen
+
+    run_state_machine_as_test(Counted, settings=MACHINE_SETTINGS)
+    # The traffic really exercised prefix hits and copy-on-write.
+    assert totals["hits"] > 0 and totals["copies"] > 0, totals
+
+
+# --------------------------------------------------------------- fixed cases
+
+
+def prefilled(manager: PagedKVCacheManager, rid, tokens: list[int], hashed: bool = True) -> int:
+    """add + reserve + append of a whole prompt; returns the cached tokens."""
+    cached = manager.add(rid, tokens if hashed else None)
+    history = tokens[:cached]
+    manager.reserve([rid], len(tokens) - cached, [tokens[cached:]] if hashed else None)
+    append_tokens(manager, [rid], [tokens[cached:]], [history])
+    return cached
+
+
+def test_prefix_cache_serves_a_repeated_prompt_without_new_pages():
+    manager = PagedKVCacheManager(10, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prompt = BASE[: 3 * PAGE]
+    assert prefilled(manager, "a", prompt) == 0
+    assert (manager.stats.prefix_hits, manager.stats.prefix_misses) == (0, 3)
+    free = manager.num_free_pages
+    assert manager.add("b", prompt) == 3 * PAGE
+    assert manager.num_free_pages == free
+    assert (manager.stats.prefix_hits, manager.stats.prefix_misses) == (3, 3)
+    np.testing.assert_array_equal(manager.pages("b"), manager.pages("a"))
+    assert manager.refcounts()[manager.pages("a")].tolist() == [2, 2, 2]
+    check_reads_back(manager, {"a": prompt, "b": prompt})
+    # A prompt that diverges inside page 2 reuses pages 0 and 1 only.
+    other = prompt[: 2 * PAGE] + [1] * PAGE
+    assert manager.add("c", other) == 2 * PAGE
+    assert manager.stats.prefix_misses == 4
+    manager.validate()
+
+
+def test_pages_filled_piecemeal_are_cached_and_unknown_tokens_stop_caching():
+    """Chunked prefill and decode steps (token ids given) fill pages across
+    calls; each page is cached once full. A step without token ids ends the
+    caching of that request's later pages."""
+    manager = PagedKVCacheManager(16, PAGE, HEADS, DIM, num_layers=LAYERS)
+    history: list[int] = []
+    manager.add("a", [])
+    for chunk in ([7, 3], [5, 1, 2], [8, 6, 4, 9, 0], [3], [3]):  # 12 tokens
+        manager.reserve(["a"], len(chunk), [chunk])
+        append_tokens(manager, ["a"], [chunk], [history])
+        history = history + chunk
+    assert manager.add("b", history + [1]) == 3 * PAGE
+    manager.reserve(["b"], 1, [[1]])
+    append_tokens(manager, ["b"], [[1]], [history])
+    check_reads_back(manager, {"a": history, "b": history + [1]})
+
+    manager.reserve(["a"], 2)  # no token ids: a's page 3 will not be cached
+    append_tokens(manager, ["a"], [[5, 5]], [history])
+    manager.reserve(["a"], 2, [[5, 5]])
+    append_tokens(manager, ["a"], [[5, 5]], [history + [5, 5]])
+    longer = history + [5, 5, 5, 5]
+    hits = manager.stats.prefix_hits
+    assert manager.add("c", longer + [1]) == 3 * PAGE
+    assert manager.stats.prefix_hits - hits == 3
+    manager.validate()
+
+
+def test_released_prompt_stays_cached_and_is_evicted_tail_first():
+    manager = PagedKVCacheManager(6, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prompt = BASE[: 3 * PAGE]
+    prefilled(manager, "a", prompt)
+    manager.release("a")
+    assert (manager.num_cached_pages, manager.num_free_pages) == (3, 6)
+    manager.validate()
+    # Fill the 3 unused pages and one more: the prompt's last page goes first.
+    filler = [1] * (4 * PAGE)
+    prefilled(manager, "x", filler, hashed=False)
+    assert manager.stats.evictions == 1 and manager.num_cached_pages == 2
+    check_reads_back(manager, {"x": filler})
+    manager.release("x")
+    assert manager.add("b", prompt) == 2 * PAGE
+    rest = prompt[2 * PAGE :]
+    manager.reserve(["b"], PAGE, [rest])
+    append_tokens(manager, ["b"], [rest], [prompt[: 2 * PAGE]])
+    check_reads_back(manager, {"b": prompt})
+    # b cached its last page again: a third request gets the whole prompt.
+    assert manager.add("c", prompt) == 3 * PAGE
+    check_reads_back(manager, {"b": prompt, "c": prompt})
+    manager.validate()
+
+
+def test_fork_copies_a_shared_partial_page_on_first_write():
+    manager = PagedKVCacheManager(8, PAGE, HEADS, DIM, num_layers=LAYERS)
+    parent = BASE[: PAGE + 2]  # the last page holds 2 of 4 tokens
+    prefilled(manager, "p", parent)
+    manager.fork("p", "c")
+    shared = manager.pages("p")
+    np.testing.assert_array_equal(manager.pages("c"), shared)
+    assert manager.refcounts()[shared].tolist() == [2, 2]
+
+    manager.reserve(["c"], 1, [[9]])
+    assert manager.stats.cow_copies == 1
+    child_pages = manager.pages("c")
+    assert child_pages[0] == shared[0] and child_pages[1] != shared[1]
+    np.testing.assert_array_equal(manager.pages("p"), shared)
+    assert manager.refcounts()[shared].tolist() == [2, 1]
+    for pool in manager.pools:  # the copy holds the parent's 2 tokens, on every layer
+        meta = manager.metadata(["p"], 0)
+        k_parent, _ = pagedkv.gather_kv(
+            pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, request=0
+        )
+        page_copy = pool[child_pages[1], :, :2]
+        np.testing.assert_array_equal(page_copy[0], k_parent[PAGE:])
+    append_tokens(manager, ["c"], [[9]], [parent])
+    check_reads_back(manager, {"p": parent, "c": parent + [9]})
+
+    # The parent's page is private now: its next write copies nothing.
+    manager.reserve(["p"], 1, [[4]])
+    append_tokens(manager, ["p"], [[4]], [parent])
+    assert manager.stats.cow_copies == 1
+    check_reads_back(manager, {"p": parent + [4], "c": parent + [9]})
+    manager.validate()
+
+
+def test_fork_of_full_pages_copies_nothing():
+    manager = PagedKVCacheManager(8, PAGE, HEADS, DIM)
+    prefilled(manager, "p", BASE[: 2 * PAGE])
+    manager.fork("p", "c")
+    free = manager.num_free_pages
+    manager.reserve(["p", "c"], 1)
+    assert manager.stats.cow_copies == 0 and manager.num_free_pages == free - 2
+
+
+def test_copy_on_write_counts_pages_exactly():
+    """Two owners of a partial page writing in one call need one copy, not two;
+    with one page too few the call fails and changes nothing."""
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM)
+    prefilled(manager, "p", BASE[:2])
+    manager.fork("p", "c")
+    manager.fork("p", "d")
+    filler = [1] * (2 * PAGE)
+    prefilled(manager, "x", filler, hashed=False)
+    assert manager.num_free_pages == 1
+    before = state_of(manager)
+    with pytest.raises(OutOfPagesError, match="2 asked for, 1 free"):
+        manager.reserve(["c", "d"], 1)  # 3 owners, 2 writers: 2 copies
+    assert_same_state(manager, before)
+    manager.release("d")
+    manager.reserve(["p", "c"], 1, [[4], [5]])  # 2 owners, 2 writers: 1 copy
+    assert manager.stats.cow_copies == 1 and manager.num_free_pages == 0
+    append_tokens(manager, ["p", "c"], [[4], [5]], [BASE[:2], BASE[:2]])
+    check_reads_back(manager, {"p": BASE[:2] + [4], "c": BASE[:2] + [5], "x": filler})
+    manager.validate()
+
+
+def test_bad_calls_raise_and_change_nothing():
+    manager = PagedKVCacheManager(6, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prefilled(manager, "a", BASE[:6])
+    manager.fork("a", "b")
+    prefilled(manager, "c", BASE[:8])
+    manager.release("c")  # leaves cached pages
+    prefilled(manager, "d", [1, 2, 3])
+    assert manager.num_cached_pages > 0
+    before = state_of(manager)
+    calls = [
+        (OutOfPagesError, "asked for", lambda: manager.reserve(["a"], 6 * PAGE)),
+        (OutOfPagesError, "asked for", lambda: manager.reserve(["a", "d"], [1, 5 * PAGE])),
+        (KeyError, "request_ids entry 'zz'", lambda: manager.reserve(["a", "zz"], 1)),
+        (ValueError, "twice", lambda: manager.reserve(["a", "a"], 1)),
+        (ValueError, "num_new_tokens must be >= 0", lambda: manager.reserve(["a", "d"], [1, -1])),
+        (
+            ValueError,
+            "num_new_tokens must be an int or 2",
+            lambda: manager.reserve(["a", "d"], [1]),
+        ),
+        (ValueError, "tokens holds 1 ids", lambda: manager.reserve(["a", "d"], 1, [5])),
+        (ValueError, r"tokens\[1\] holds 2", lambda: manager.reserve(["a", "d"], 1, [[5], [5, 6]])),
+        (ValueError, "tokens must have one entry", lambda: manager.reserve(["a"], 1, [[1], [2]])),
+        (TypeError, "request_ids must be a sequence", lambda: manager.reserve("a", 1)),
+        (ValueError, "already live", lambda: manager.add("a")),
+        (ValueError, "tokens must be a 1-D", lambda: manager.add("n", [[1, 2]])),
+        (ValueError, "already live", lambda: manager.fork("a", "d")),
+        (KeyError, "parent_id 'zz'", lambda: manager.fork("zz", "n")),
+        (KeyError, "request_id 'zz'", lambda: manager.release("zz")),
+        (KeyError, "request_id 'zz'", lambda: manager.seq_len("zz")),
+        (ValueError, "exceeds the 6 tokens", lambda: manager.metadata(["a"], 7)),
+    ]
+    for error, pattern, call in calls:
+        with pytest.raises(error, match=pattern):
+            call()
+        assert_same_state(manager, before)
+    # The same state takes a fitting reservation: the checks above are not vacuous.
+    manager.reserve(["a", "d"], [1, 2])
+    assert manager.snapshot() != before[0]
+    manager.validate()
+
+
+def test_out_of_pages_error_is_a_runtime_error_naming_the_counts():
+    manager = PagedKVCacheManager(3, PAGE, HEADS, DIM)
+    manager.add("a")
+    with pytest.raises(RuntimeError, match="4 asked for, 3 free"):
+        manager.reserve(["a"], 3 * PAGE + 1)
+
+
+def test_metadata_is_flashinfer_csr_and_a_padded_block_table():
+    manager = PagedKVCacheManager(20, PAGE, HEADS, DIM)
+    lens = {"a": 9, "b": 0, "c": 4, "d": 13}
+    for rid in lens:
+        manager.add(rid)
+    manager.reserve(list(lens), list(lens.values()))
+    manager.reserve(["a", "d"], [3, 1])
+    order = ["d", "b", "a", "c"]
+    meta = manager.metadata(order)
+    after = np.array([14, 0, 12, 4])
+    appended = np.array([1, 0, 3, 0])  # the latest reserve(): b and c were not in it
+    np.testing.assert_array_equal(meta.seq_lens, after)
+    np.testing.assert_array_equal(np.diff(meta.append_indptr), appended)
+    pages = [manager.pages(rid) for rid in order]
+    np.testing.assert_array_equal(meta.kv_indptr, np.cumsum([0] + [len(p) for p in pages]))
+    np.testing.assert_array_equal(meta.kv_indices, np.concatenate(pages))
+    np.testing.assert_array_equal(meta.kv_last_page_len, [2, 0, 4, 4])
+    np.testing.assert_array_equal(
+        pagedkv.get_seq_lens(meta.kv_indptr, meta.kv_last_page_len, PAGE), after
+    )
+    want_b, want_p = pagedkv.get_batch_indices_positions(meta.append_indptr, meta.seq_lens, 4)
+    np.testing.assert_array_equal(meta.batch_indices, want_b)
+    np.testing.assert_array_equal(meta.positions, want_p)
+    np.testing.assert_array_equal(meta.positions, [13, 9, 10, 11])
+    assert meta.block_table.shape == (4, 4)
+    for b, p in enumerate(pages):
+        np.testing.assert_array_equal(meta.block_table[b, : len(p)], p)
+        assert (meta.block_table[b, len(p) :] == PAD_PAGE).all()
+    for x in (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, meta.positions):
+        assert x.dtype == np.int32
+    explicit = manager.metadata(order, [0, 0, 2, 4])
+    np.testing.assert_array_equal(explicit.positions, [10, 11, 0, 1, 2, 3])
+    assert manager.metadata([]).kv_indptr.tolist() == [0]
+
+
+def test_debug_mode_validates_after_every_mutation(monkeypatch):
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM)
+    manager.add("a")
+    manager.reserve(["a"], 5)
+    manager._refcount[manager.pages("a")[0]] += 1  # corrupt on purpose
+    monkeypatch.setenv("PAGEDKV_DEBUG", "0")
+    manager.add("b")  # not checked
+    monkeypatch.setenv("PAGEDKV_DEBUG", "1")
+    with pytest.raises(CacheStateError, match="refcount 2 but 1 owners"):
+        manager.add("c")
+    with pytest.raises(CacheStateError):
+        manager.validate()
+
+
+def test_validate_catches_a_double_free():
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM)
+    manager.add("a")
+    manager.reserve(["a"], 2)
+    manager.validate()
+    manager._free.append(int(manager.pages("a")[0]))
+    with pytest.raises(CacheStateError, match="has owners"):
+        manager.validate()
+
+
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [("float16", np.ndarray), ("bfloat16", "torch"), ("float32", np.ndarray)],
+)
+def test_pool_shapes_and_kinds(dtype, kind):
+    import torch
+
+    nhd = PagedKVCacheManager(5, PAGE, HEADS, DIM, num_layers=3, dtype=dtype)
+    hnd = PagedKVCacheManager(5, PAGE, HEADS, DIM, dtype=getattr(torch, dtype), kv_layout="HND")
+    assert len(nhd.pools) == 3
+    assert tuple(nhd.pools[0].shape) == (5, 2, PAGE, HEADS, DIM)
+    assert tuple(hnd.pools[0].shape) == (5, 2, HEADS, PAGE, DIM)
+    want = torch.Tensor if kind == "torch" else np.ndarray
+    assert all(isinstance(pool, want) for pool in nhd.pools + hnd.pools)
+    forced = PagedKVCacheManager(2, PAGE, HEADS, DIM, dtype=dtype, use_torch=True)
+    assert isinstance(forced.pools[0], torch.Tensor)
+
+
+def test_bad_construction_is_refused():
+    with pytest.raises(ValueError, match="device must be 'cpu'"):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, device="tpu")
+    with pytest.raises(TypeError, match="dtype must be"):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, dtype="int32")
+    with pytest.raises(ValueError, match="kv_layout"):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, kv_layout="HDN")
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1"):
+        PagedKVCacheManager(4, 0, HEADS, DIM)
+
+
+def test_torch_bfloat16_pools_round_trip():
+    import torch
+
+    manager = PagedKVCacheManager(6, PAGE, HEADS, DIM, dtype="bfloat16")
+    manager.add("a")
+    manager.reserve(["a"], 6)
+    manager.fork("a", "b")
+    manager.reserve(["b"], 1)
+    assert manager.stats.cow_copies == 1
+    rows = torch.arange(7 * HEADS * DIM, dtype=torch.float32).reshape(7, HEADS, DIM)
+    rows = rows.to(torch.bfloat16)
+    meta = manager.metadata(["a"], 6)
+    pool = manager.pools[0]
+    pagedkv.append_paged_kv_cache(
+        rows[:6], -rows[:6], meta.batch_indices, meta.positions, pool,
+        meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len,
+    )  # fmt: skip
+    k, v = pagedkv.gather_kv(
+        pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, request=0
+    )
+    assert torch.equal(k, rows[:6]) and torch.equal(v, -rows[:6])
+
+
+# --------------------------------------------------------------- functional
+
+
+def test_functional_round_trip_and_unallocated_writes():
+    cache = init_paged_kv_cache(8, PAGE, HEADS, DIM, num_layers=2, kv_layout="HND")
+    table = allocate_blocks(cache, ["a", "b"], [6, 3])
+    assert isinstance(table, BlockTable) and table.seq_ids == ("a", "b")
+    np.testing.assert_array_equal(table.seq_lens, [6, 3])
+    assert table.table.shape == (2, 2) and table.table[1, 1] == PAD_PAGE
+    kv = np.concatenate([kv_of(BASE[:6]), kv_of([1, 2, 3])], axis=2)
+    rows = np.array([0] * 6 + [1] * 3, np.int32)
+    pos = np.array([0, 1, 2, 3, 4, 5, 0, 1, 2], np.int32)
+    for layer in range(2):
+        append_kv(cache, table, kv[layer, 0], kv[layer, 1], rows, pos, layer=layer)
+    for layer in range(2):
+        k, v = gather_kv(cache, table, layer=layer, request=0)
+        np.testing.assert_array_equal(k, kv[layer, 0, :6])
+        np.testing.assert_array_equal(v, kv[layer, 1, :6])
+        k_all, _, indptr = gather_kv(cache, table, layer=layer)
+        np.testing.assert_array_equal(k_all, kv[layer, 0])
+        assert indptr.tolist() == [0, 6, 9]
+
+    before = [bits(p) for p in cache.pools]
+    one = kv[0, 0, :1]
+    bad_writes = [
+        # block 1 of row b is -1
+        ([1], [PAGE], "block 1 of row 1 in block_table is unallocated"),
+        # past the 2 columns of the table
+        ([0], [40], "block 10 of row 0 in block_table is unallocated"),
+        # inside b's page but past its 3 tokens
+        ([1], [3], "past the sequence's seq_lens"),
+        ([2], [0], "outside the 2 rows"),
+        ([0], [-1], "negative"),
+    ]
+    for r, p, pattern in bad_writes:
+        with pytest.raises(ValueError, match=pattern):
+            append_kv(cache, table, one, one, np.array(r, np.int32), np.array(p, np.int32))
+    for got, want in zip(before, cache.pools, strict=True):
+        np.testing.assert_array_equal(got, bits(want))
+
+    # Growing b by 2 tokens allocates its block 1; the write then goes through.
+    table = allocate_blocks(cache, ["b"], 2)
+    np.testing.assert_array_equal(table.seq_lens, [5])
+    append_kv(cache, table, one, one, np.array([0], np.int32), np.array([PAGE], np.int32))
+
+    # A block shared with a fork is refused until allocate_blocks copies it.
+    cache.manager.fork("a", "a2")
+    shared = BlockTable(("a2",), cache.manager.metadata(["a2"], 0).block_table, np.array([6]))
+    with pytest.raises(ValueError, match="share"):
+        append_kv(cache, shared, one, one, np.array([0], np.int32), np.array([5], np.int32))
+    table = allocate_blocks(cache, ["a2"], 1)
+    append_kv(cache, table, one, one, np.array([0], np.int32), np.array([5], np.int32))
+    k, _ = gather_kv(cache, table, request=0)
+    np.testing.assert_array_equal(k[5], one[0])
+    k_a, _ = gather_kv(cache, allocate_blocks(cache, ["a"], 0), request=0)
+    np.testing.assert_array_equal(k_a, kv[0, 0, :6])  # the parent is untouched
+
+    # An allocation that does not fit changes nothing, new ids included.
+    snapshot = cache.manager.snapshot()
+    with pytest.raises(OutOfPagesError):
+        allocate_blocks(cache, ["a", "new"], [1, 8 * PAGE])
+    assert cache.manager.snapshot() == snapshot and "new" not in cache.manager
+    release_blocks(cache, ["a", "a2", "b"])
+    assert cache.manager.num_free_pages == 8
+    cache.manager.validate()
+    with pytest.raises(KeyError, match="not a live sequence"):
+        release_blocks(cache, ["a"])
+
+
+def test_functional_rejects_an_inconsistent_block_table():
+    cache = init_paged_kv_cache(4, PAGE, HEADS, DIM)
+    table = allocate_blocks(cache, ["a"], 5)
+    holey = BlockTable(("a",), np.array([[table.table[0, 0], PAD_PAGE]], np.int32), np.array([5]))
+    with pytest.raises(ValueError, match="block_table row 0 must hold 2 pages"):
+        gather_kv(cache, holey)
+    with pytest.raises(ValueError, match="layer must be in"):
+        gather_kv(cache, table, layer=1)
+
+
+# ------------------------------------------------------------------- decode
+
+
+def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """float64 decode attention of q [Hq, D] over k, v [L, Hkv, D] (GQA)."""
+    group = q.shape[0] // k.shape[1]
+    k64 = np.repeat(k.astype(np.float64), group, axis=1)
+    v64 = np.repeat(v.astype(np.float64), group, axis=1)
+    scores = np.einsum("hd,lhd->hl", q.astype(np.float64), k64) / np.sqrt(q.shape[1])
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return np.einsum("hl,lhd->hd", p / p.sum(axis=1, keepdims=True), v64)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_metadata_drives_batch_decode(layout):
+    head_dim, kv_heads, qo_heads, page = 64, 2, 4, 4
+    rng = np.random.default_rng(7)
+    manager = PagedKVCacheManager(24, page, kv_heads, head_dim, kv_layout=layout)
+    prompt = list(range(9))
+    for rid, tokens in (("a", prompt), ("b", prompt + [1, 2]), ("c", [5] * 3)):
+        cached = manager.add(rid, tokens)
+        manager.reserve([rid], len(tokens) - cached, [tokens[cached:]])
+        meta = manager.metadata([rid])
+        rows = rng.standard_normal((2, meta.nnz, kv_heads, head_dim), dtype=np.float32)
+        pagedkv.append_paged_kv_cache(
+            rows[0], rows[1], meta.batch_indices, meta.positions, manager.pools[0],
+            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, layout,
+        )  # fmt: skip
+    assert manager.stats.prefix_hits == 2  # b reuses a's two full pages
+    manager.fork("a", "a2")
+    # One decode step: every request appends its new token, then attends.
+    batch = ["a", "b", "c", "a2"]
+    manager.reserve(batch, 1)
+    meta = manager.metadata(batch)
+    rows = rng.standard_normal((2, len(batch), kv_heads, head_dim), dtype=np.float32)
+    pool = manager.pools[0]
+    pagedkv.append_paged_kv_cache(
+        rows[0], rows[1], meta.batch_indices, meta.positions, pool,
+        meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, layout,
+    )  # fmt: skip
+    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=layout)
+    wrapper.plan(
+        meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+        qo_heads, kv_heads, head_dim, page, q_data_type="float32", kv_data_type="float32",
+    )  # fmt: skip
+    q = rng.standard_normal((len(batch), qo_heads, head_dim), dtype=np.float32)
+    out = wrapper.run(q, pool)
+    np.testing.assert_array_equal(meta.seq_lens, [10, 12, 4, 10])
+    for b in range(len(batch)):
+        k, v = pagedkv.gather_kv(
+            pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, layout, request=b
+        )
+        np.testing.assert_array_equal(k[-1], rows[0, b])  # the step's own token is seen
+        np.testing.assert_allclose(out[b], softmax_attention(q[b], k, v), rtol=1e-5, atol=1e-5)
+    # a and a2 forked with a partial page, then wrote different tokens.
+    assert manager.stats.cow_copies == 1
+    assert not np.array_equal(out[0], out[3])
