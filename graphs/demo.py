@@ -65,8 +65,8 @@ def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int
         raise DemoError(f"--device must be cpu or gpu, got {options.device!r}")
     if options.device == "gpu":
         raise DemoError(
-            "--device gpu: the demo's page manager keeps host pools; run `pagedkv check-gpu` "
-            "to compile the GPU kernels, or use --device cpu"
+            "--device gpu: the demo's model graphs are built for the CPU so far; run "
+            "`pagedkv check-gpu` to compile the GPU kernels, or use --device cpu"
         )
     if options.dtype not in ("float32", "bfloat16"):
         raise DemoError(f"--dtype must be float32 or bfloat16, got {options.dtype!r}")
