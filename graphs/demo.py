@@ -59,14 +59,24 @@ def demo_requests(config: LlamaConfig, options: DemoOptions) -> list[Request]:
     return requests
 
 
+def gpu_visible() -> bool:
+    """Whether torch (which holds the GPU pools) and MAX both see a GPU."""
+    try:
+        import torch
+        from max.driver import accelerator_count
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and accelerator_count() > 0
+
+
 def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int]:
     """The model, the requests and the pool size, or a DemoError."""
     if options.device not in ("cpu", "gpu"):
         raise DemoError(f"--device must be cpu or gpu, got {options.device!r}")
-    if options.device == "gpu":
+    if options.device == "gpu" and not gpu_visible():
         raise DemoError(
-            "--device gpu: the demo's model graphs are built for the CPU so far; run "
-            "`pagedkv check-gpu` to compile the GPU kernels, or use --device cpu"
+            "--device gpu: no CUDA GPU visible to both torch and MAX; use --device cpu "
+            "(`pagedkv check-gpu` compiles the GPU kernels without a GPU)"
         )
     if options.dtype not in ("float32", "bfloat16"):
         raise DemoError(f"--dtype must be float32 or bfloat16, got {options.dtype!r}")
@@ -128,6 +138,7 @@ def run_demo(options: DemoOptions) -> int:
         config.head_dim,
         num_layers=config.num_layers,
         dtype=options.dtype,
+        device="cuda" if options.device == "gpu" else "cpu",
     )
     print("compiling the prefill and decode graphs ...", flush=True)
     engine = LlamaEngine(config, weights, manager)

@@ -3,7 +3,9 @@
 The manager owns the pools and the page tables; the engine turns one step of
 a batch into the graphs' inputs (host NumPy: tokens, positions, page table,
 work list), executes one graph for the whole layer stack, and returns the
-logits of each request's last token.
+logits of each request's last token. The graphs run where the manager's
+pools live: on a GPU the step's small index arrays are copied over and the
+logits copied back (greedy sampling happens on the host).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import time
 from collections.abc import Hashable, Sequence
 
 import numpy as np
+from max.driver import CPU
 from max.dtype import DType
 from max.graph import DeviceRef, Module
 
 from pagedkv import graph_ops
-from pagedkv._kernels import prepare
-from pagedkv._tensors import CPU, to_buffer
+from pagedkv._kernels import accelerator, prepare, stream_ordered
+from pagedkv._tensors import Device, device_of, to_buffer
 from pagedkv.manager import PagedKVCacheManager
 from pagedkv.page import COPY_PAGES
 
@@ -28,21 +31,25 @@ _compiled: dict[tuple, tuple[object, object, float]] = {}
 
 
 def compile_step_graphs(
-    config: LlamaConfig, weights: dict[str, np.ndarray], page_size: int, dtype: DType
+    config: LlamaConfig,
+    weights: dict[str, np.ndarray],
+    page_size: int,
+    dtype: DType,
+    device: Device,
 ) -> tuple[object, object, float]:
     """(prefill model, decode model, seconds spent compiling): both graphs in
-    one MAX module, compiled once per process and kept. The module also
-    carries the page manager's page-copy op (copy-on-write of forked
-    requests), so that no compile happens in the middle of serving."""
-    key = (config, page_size, dtype, id(weights))
+    one MAX module for `device`, compiled once per process and kept. The
+    module also carries the page manager's page-copy op (copy-on-write of
+    forked requests), so that no compile happens in the middle of serving."""
+    key = (config, page_size, dtype, device, id(weights))
     if key not in _compiled:
         t0 = time.perf_counter()
         module = Module()
-        device = DeviceRef.CPU()
-        prefill = build_step_graph(PREFILL, config, page_size, dtype, device, module)
-        decode = build_step_graph(DECODE, config, page_size, dtype, device, module)
+        ref = DeviceRef.GPU(device.index) if device.is_gpu else DeviceRef.CPU()
+        prefill = build_step_graph(PREFILL, config, page_size, dtype, ref, module)
+        decode = build_step_graph(DECODE, config, page_size, dtype, ref, module)
         models = prepare(
-            [COPY_PAGES], CPU, module=module, weights_registry=weights_registry(weights, dtype)
+            [COPY_PAGES], device, module=module, weights_registry=weights_registry(weights, dtype)
         )
         _compiled[key] = (models[prefill.name], models[decode.name], time.perf_counter() - t0)
     return _compiled[key]
@@ -63,8 +70,9 @@ class LlamaEngine:
             raise ValueError("the manager's pools do not match the model's KV heads")
         self.config = config
         self.manager = manager
+        self.device = device_of(manager.pools[0])
         self._prefill, self._decode, self.compile_seconds = compile_step_graphs(
-            config, weights, manager.page_size, manager.dtype
+            config, weights, manager.page_size, manager.dtype, self.device
         )
 
     def prefill(
@@ -126,7 +134,14 @@ class LlamaEngine:
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
         names = step_input_names(kind, self.config.num_layers)
         buffers = [
-            to_buffer(np.ascontiguousarray(inputs[n]) if not n.startswith("pool.") else inputs[n])
+            to_buffer(inputs[n]) if n.startswith("pool.") else self._index_buffer(inputs[n])
             for n in names
         ]
-        return model.execute(*buffers)[0].to_numpy()
+        with stream_ordered(self.manager.pools, self.device):
+            logits = model.execute(*buffers)[0]
+        return (logits if logits.is_host else logits.to(CPU())).to_numpy()
+
+    def _index_buffer(self, values: np.ndarray):
+        """A host index array as a graph input on the engine's device."""
+        buffer = to_buffer(np.ascontiguousarray(values))
+        return buffer.to(accelerator(self.device)) if self.device.is_gpu else buffer

@@ -13,13 +13,15 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_gpu_paths_compile(arch):
+@pytest.mark.parametrize("arch,flags", [("sm_90", []), ("sm_80", ["--no-demo"])])
+def test_gpu_paths_compile(arch, flags):
+    """Every op, and on sm_90 the demo's model graphs (minutes: one arch is enough)."""
     result = subprocess.run(
-        [sys.executable, "-m", "pagedkv.gpu_check", arch],
+        [sys.executable, "-m", "pagedkv.gpu_check", arch, *flags],
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert f"{arch}:" in result.stdout and "ops compiled" in result.stdout
+    assert ("demo graphs compiled" in result.stdout) == (not flags)

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagedkv.graphs.demo import DemoOptions, check_options
+from pagedkv.graphs.demo import DemoError, DemoOptions, check_options, gpu_visible
 from pagedkv.graphs.engine import LlamaEngine
 from pagedkv.graphs.model import LlamaConfig, init_weights
 from pagedkv.graphs.numpy_reference import DenseLlama
@@ -119,6 +119,12 @@ def test_cli_errors_are_one_line_with_status_2(flags, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(gpu_visible(), reason="a GPU is visible here")
+def test_demo_on_gpu_without_one_is_a_clear_error():
+    with pytest.raises(DemoError, match="no CUDA GPU visible"):
+        check_options(DemoOptions(device="gpu"))
 
 
 def test_demo_options_are_checked_before_anything_runs():

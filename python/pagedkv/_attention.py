@@ -7,6 +7,7 @@ changing them never recompiles anything.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -163,10 +164,23 @@ def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
 
 def parallel_slots(is_gpu: bool) -> int:
     """Independent work items that keep the machine busy: 4 per CPU core, or
-    4 per SM of a typical datacenter GPU."""
+    4 per SM of the GPU."""
     if is_gpu:
-        return 4 * 132
+        return 4 * gpu_sm_count()
     return 4 * (os.cpu_count() or 1)
+
+
+@functools.cache
+def gpu_sm_count() -> int:
+    """SMs of the first CUDA GPU torch sees; an H100 SXM's 132 without one
+    (a plan built for a virtual device or a graph compiled ahead of time)."""
+    try:
+        import torch
+    except ImportError:
+        return 132
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 GPU_MAX_ROWS = 8

@@ -230,14 +230,22 @@ def run_op(spec: OpSpec, arrays: Sequence[Array], device: Device) -> None:
     """Runs a registered in-place op on arrays matching spec.operands."""
     model = compiled_op(spec, device)
     buffers = [to_buffer(array) for array in arrays]
+    with stream_ordered(arrays, device), kernel_errors():
+        model.execute(*buffers)
+
+
+@contextmanager
+def stream_ordered(arrays: Sequence[Array], device: Device) -> Iterator[None]:
+    """Orders the MAX executions inside it against torch's current stream.
+
+    MAX runs a model on its own CUDA stream, ordered against torch's current
+    stream by events both ways (no host synchronization): the model starts
+    after what torch enqueued before, and torch work enqueued after starts
+    after the model, as if the model were a torch kernel. A no-op on the CPU.
+    """
     if not device.is_gpu:
-        with kernel_errors():
-            model.execute(*buffers)
+        yield
         return
-    # MAX runs the op on its own CUDA stream, ordered against torch's current
-    # stream by events both ways (no host synchronization): the op starts
-    # after what torch enqueued before the call, and torch work enqueued
-    # after the call starts after the op, as if the op were a torch kernel.
     import torch
 
     current = torch.cuda.current_stream(device.index)
@@ -248,8 +256,7 @@ def run_op(spec: OpSpec, arrays: Sequence[Array], device: Device) -> None:
             # The caching allocator must not hand this memory out again
             # before MAX's stream is done with it.
             array.record_stream(stream)
-    with kernel_errors():
-        model.execute(*buffers)
+    yield
     current.wait_stream(stream)
 
 

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
 
     gpu = sub.add_parser("check-gpu", help="compile every GPU path for NVIDIA GPUs")
     gpu.add_argument("archs", nargs="*", default=["sm_90", "sm_80"])
+    gpu.add_argument(
+        "--no-demo", action="store_true", help="leave out the demo's model graphs (minutes)"
+    )
     return parser
 
 
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         from .gpu_check import main as check_gpu
 
-        return check_gpu(args.archs)
+        return check_gpu(args.archs + (["--no-demo"] if args.no_demo else []))
     except KeyboardInterrupt:
         print("pagedkv: interrupted", file=sys.stderr)
         return 130

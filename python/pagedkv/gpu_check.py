@@ -3,7 +3,8 @@
 MAX's virtual devices run the whole GPU compile (a `comptime assert` in a GPU
 branch fires here), so a GPU-only bug fails in CI instead of on the first GPU
 that runs the code. Needs a fresh process: the virtual device must be set
-before any device exists. Run as ``python -m pagedkv.gpu_check sm_90``.
+before any device exists. Run as ``python -m pagedkv.gpu_check sm_90``
+(``--no-demo`` leaves out the demo's model graphs, the slow part).
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def compile_for(arch: str, api: str = "cuda") -> int:
     return len(specs)
 
 
+def compile_demo_graphs() -> None:
+    """Compiles `pagedkv demo --device gpu`'s prefill and decode step graphs
+    (after compile_for set up the virtual device)."""
+    from max.dtype import DType
+
+    from ._tensors import Device
+    from .graphs.engine import compile_step_graphs
+    from .graphs.model import LlamaConfig, init_weights
+
+    config = LlamaConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
+    compile_step_graphs(config, init_weights(config, 0), 16, DType.float32, Device("gpu"))
+
+
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 DECODE_DTYPES = (
     ("float32", "float32"),
@@ -41,19 +55,26 @@ DECODE_DTYPES = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    archs = (argv if argv is not None else sys.argv[1:]) or ["sm_90"]
+    args = list(argv if argv is not None else sys.argv[1:])
+    demo = "--no-demo" not in args
+    archs = [a for a in args if a != "--no-demo"] or ["sm_90"]
     if len(archs) > 1:
         # One architecture per process: the virtual device is process-wide.
         import subprocess
 
+        flags = [] if demo else ["--no-demo"]
         for arch in archs:
-            result = subprocess.run([sys.executable, "-m", "pagedkv.gpu_check", arch])
+            result = subprocess.run([sys.executable, "-m", "pagedkv.gpu_check", arch, *flags])
             if result.returncode:
                 return result.returncode
         return 0
     t0 = time.perf_counter()
     count = compile_for(archs[0])
     print(f"{archs[0]}: {count} ops compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    if demo:
+        t0 = time.perf_counter()
+        compile_demo_graphs()
+        print(f"{archs[0]}: demo graphs compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
 
