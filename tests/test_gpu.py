@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_manager import check_copy_on_write_of_torch_pools
 
 import pagedkv
 import reference
@@ -136,28 +137,7 @@ def test_tma_and_generic_kernels_agree(shape):
 
 
 def test_manager_copies_on_write_on_gpu():
-    """A fork's first write into its shared partial page copies that page, on
-    the GPU and in every layer, and leaves every other page as it was."""
-    import torch
-
-    from pagedkv.manager import PagedKVCacheManager
-
-    manager = PagedKVCacheManager(8, 4, 2, 64, num_layers=2, dtype="float16", device="cuda")
-    assert all(pool.is_cuda for pool in manager.pools)
-    for pool in manager.pools:
-        pool.copy_(torch.randn_like(pool))
-    manager.add("parent")
-    manager.reserve(["parent"], 6)  # its second page holds 2 of 4 tokens
-    manager.fork("parent", "child")
-    before = [pool.clone() for pool in manager.pools]
-    manager.reserve(["child"], 1)
-    source, copy = int(manager.pages("parent")[1]), int(manager.pages("child")[1])
-    assert source != copy and manager.stats.cow_copies == 1
-    for pool, old in zip(manager.pools, before, strict=True):
-        assert torch.equal(pool[copy], old[source])
-        others = [p for p in range(manager.num_pages) if p != copy]
-        assert torch.equal(pool[others], old[others])
-    manager.validate()
+    check_copy_on_write_of_torch_pools("cuda")
 
 
 def test_demo_serves_and_checks_itself_on_gpu(capsys):

@@ -13,6 +13,7 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -377,6 +378,32 @@ def test_fork_copies_a_shared_partial_page_on_first_write():
     assert manager.stats.cow_copies == 1
     check_reads_back(manager, {"p": parent + [4], "c": parent + [9]})
     manager.validate()
+
+
+def check_copy_on_write_of_torch_pools(device: str) -> None:
+    """A fork's first write into its shared partial page copies that page,
+    in every layer's torch pool on `device`, and leaves every other page as
+    it was."""
+    manager = PagedKVCacheManager(8, 4, 2, 64, num_layers=2, dtype="bfloat16", device=device)
+    assert all(pool.device.type == device for pool in manager.pools)
+    for pool in manager.pools:
+        pool.copy_(torch.randn_like(pool))
+    manager.add("parent")
+    manager.reserve(["parent"], 6)  # its second page holds 2 of 4 tokens
+    manager.fork("parent", "child")
+    before = [pool.clone() for pool in manager.pools]
+    manager.reserve(["child"], 1)
+    source, copy = int(manager.pages("parent")[1]), int(manager.pages("child")[1])
+    assert source != copy and manager.stats.cow_copies == 1
+    others = [p for p in range(manager.num_pages) if p != copy]
+    for pool, old in zip(manager.pools, before, strict=True):
+        assert torch.equal(pool[copy], old[source])
+        assert torch.equal(pool[others], old[others])
+    manager.validate()
+
+
+def test_copy_on_write_of_torch_pools():
+    check_copy_on_write_of_torch_pools("cpu")
 
 
 def test_fork_of_full_pages_copies_nothing():

@@ -47,7 +47,7 @@ from max.dtype import DType
 from ._attention import as_dtype
 from ._checks import layout_code
 from ._kernels import debug_enabled
-from ._tensors import Array
+from ._tensors import Array, new_like
 from .page import copy_pages
 
 POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
@@ -399,8 +399,9 @@ class PagedKVCacheManager:
                     owners[last] -= 1
                     copies.append((request, last, next(spare)))
             if copies:
-                src = np.array([c[1] for c in copies], np.int32)
-                dst = np.array([c[2] for c in copies], np.int32)
+                # The page ids go where the pools are (a GPU's copy reads them there).
+                src = new_like(self.pools[0], np.array([c[1] for c in copies], np.int32))
+                dst = new_like(self.pools[0], np.array([c[2] for c in copies], np.int32))
                 for pool in self.pools:
                     copy_pages(pool, src, dst, self.kv_layout)
 
