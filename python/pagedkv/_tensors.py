@@ -8,7 +8,6 @@ caller's array.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,38 +79,16 @@ def contiguous(x: Array) -> Array:
     return x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
 
 
-_buffers: dict[int, tuple[weakref.ref, tuple, Buffer]] = {}
-
-
-def _buffer_key(x: Array) -> tuple:
-    if is_torch(x):
-        return (x.data_ptr(), tuple(x.shape), str(x.dtype), str(x.device))
-    return (x.__array_interface__["data"][0], x.shape, x.dtype.str)
-
-
 def to_buffer(x: Array) -> Buffer:
     """A MAX buffer sharing x's memory (x must be contiguous); a Buffer as is.
 
-    The buffer of a long-lived array (a cache pool, a plan's metadata) is
-    kept and reused while the array lives and still has the same memory and
-    shape: MAX executes a model several times faster with buffers it has
-    seen before (tens of microseconds per call for a pool).
+    Not cached: a MAX buffer holds a reference to its array, so a cache of
+    buffers would keep every array it ever saw alive (measured: a reused
+    buffer saves nothing per call, on the CPU, for pools or small arrays).
     """
     if isinstance(x, Buffer):
         return x
-    key = _buffer_key(x)
-    known = _buffers.get(id(x))
-    if known is not None and known[0]() is x and known[1] == key:
-        return known[2]
-    buffer = Buffer.from_dlpack(x) if is_torch(x) else Buffer.from_numpy(x)
-    if len(_buffers) > 1024:
-        for stale in [k for k, (ref, _, _) in _buffers.items() if ref() is None]:
-            del _buffers[stale]
-    try:
-        _buffers[id(x)] = (weakref.ref(x), key, buffer)
-    except TypeError:  # not weak-referenceable: no reuse
-        pass
-    return buffer
+    return Buffer.from_dlpack(x) if is_torch(x) else Buffer.from_numpy(x)
 
 
 FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
