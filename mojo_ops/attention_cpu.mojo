@@ -48,6 +48,10 @@ comptime CHUNK = 32
 comptime CHAINS = 8
 """Independent FMA chains a tile keeps in flight (FMA latency x ports)."""
 
+comptime DOTS_PER_STEP = W
+"""(Head, token) dot products scored together: one vector of sums, twice
+CHAINS so that the reduction's shuffles are shared by a whole vector."""
+
 comptime MIN_HEAD_DIM = 64
 """The head_dim granule: head_dim is a run-time value (one compiled kernel
 serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a V pass takes."""
@@ -73,14 +77,65 @@ def load_f32[
         return raw.cast[F32]()
 
 
-comptime PREFETCH_DISTANCE = 8
-"""Rows ahead, in the order the task consumes them, that are asked for into
-L2: enough misses in flight for one core to stream at full speed (measured
-best among 2-16 rows, L1 or L2, on a 2-core Ice Lake)."""
+comptime BLOCK = 2 * W
+"""Elements one K or V load covers: 64 bytes of bfloat16, two float32
+vectors once widened."""
+
+
+@always_inline
+def paired[dtype: DType]() -> Bool:
+    """Whether blocks of dtype widen in paired order: a bfloat16 block's even
+    elements, then its odd ones. Its 32-bit words then widen with a shift and
+    a mask, no shuffles; the q or accumulator rows a paired block meets are
+    kept in the same order (`to_paired_order`)."""
+    return dtype == DType.bfloat16
+
+
+@always_inline
+def load_block[dtype: DType](p: Ptr[dtype], offset: Int) -> SIMD[F32, BLOCK]:
+    """BLOCK elements at p + offset widened to float32, in paired order if
+    `paired[dtype]`."""
+    comptime if paired[dtype]():
+        var words = bitcast[DType.uint32, W](
+            p.unsafe_offset(offset).unsafe_load[width=BLOCK]()
+        )
+        var even = bitcast[F32, W](words << 16)
+        var odd = bitcast[F32, W](words & 0xFFFF0000)
+        return even.join(odd)
+    else:
+        return load_f32[dtype, BLOCK](p, offset)
+
+
+@always_inline
+def to_paired_order(row: Ptr[F32], n: Int):
+    """Reorders each BLOCK of row[:n] as `load_block` widens a paired dtype."""
+    for c in range(0, n, BLOCK):
+        var halves = (
+            row.unsafe_offset(c).unsafe_load[width=BLOCK]().deinterleave()
+        )
+        row.unsafe_offset(c).unsafe_store(halves[0].join(halves[1]))
+
+
+@always_inline
+def from_paired_order(row: Ptr[F32], n: Int):
+    """Undoes `to_paired_order`."""
+    for c in range(0, n, BLOCK):
+        var x = row.unsafe_offset(c).unsafe_load[width=BLOCK]()
+        row.unsafe_offset(c).unsafe_store(
+            x.slice[W]().interleave(x.slice[W, offset=W]())
+        )
+
+
+comptime PREFETCH_BYTES = 4096
+"""How far ahead, in the order the task consumes rows, rows are asked for
+into L2: enough misses in flight for one core to stream at full speed
+(measured best among 1-8 KiB, L1 or L2, on a 2-core Ice Lake). A distance in
+bytes, not rows: narrow rows (16-bit, fp8, small head_dim) need more rows
+ahead for the same misses in flight."""
 
 
 struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
-    """Prefetches PREFETCH_DISTANCE rows ahead along a task's consumption order:
+    """Prefetches PREFETCH_BYTES of rows ahead along a task's consumption order:
     one KV head's K rows of a chunk, then its V rows, then the next head's
     (or the next chunk's first head's) K rows.
 
@@ -97,6 +152,8 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     var next_rows: RowOffsets
     var next_n: Int
     var row_elems: Int
+    var distance: Int
+    """Rows ahead: PREFETCH_BYTES of rows, at most one chunk."""
 
     def __init__(
         out self,
@@ -110,6 +167,8 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
         row_elems: Int,
     ):
         self.row_elems = row_elems
+        var row_bytes = max(row_elems * size_of[Self.kv_dtype](), 64)
+        self.distance = min(max(PREFETCH_BYTES // row_bytes, 1), CHUNK)
         self.k = k
         self.v = v
         self.rows = rows
@@ -126,7 +185,7 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
 
     @always_inline
     def after_k_row(self, j: Int):
-        var target = j + PREFETCH_DISTANCE
+        var target = j + self.distance
         if target < self.n:
             self._fetch(self.k, self.rows, target)
         elif target - self.n < self.n:
@@ -134,7 +193,7 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
 
     @always_inline
     def after_v_row(self, j: Int):
-        var target = j + PREFETCH_DISTANCE
+        var target = j + self.distance
         if target < self.n:
             self._fetch(self.v, self.rows, target)
         elif target - self.n < self.next_n:
@@ -173,9 +232,9 @@ def chunk_rows(
     return n
 
 
-def _pair_sum_mask[gs: Int, hi: Bool]() -> IndexList[W]:
-    """Lanes of concat(x, y) that `pair_sums` adds: the low (or high) halves of
-    x's and then y's groups of gs lanes."""
+def _pair_mask[gs: Int, hi: Bool]() -> IndexList[W]:
+    """Lanes of concat(x, y) that `combine_pairs` combines: the low (or high)
+    halves of x's and then y's groups of gs lanes."""
     var mask = IndexList[W]()
     comptime half = gs // 2
     comptime groups = W // gs
@@ -187,41 +246,58 @@ def _pair_sum_mask[gs: Int, hi: Bool]() -> IndexList[W]:
 
 
 @always_inline
-def pair_sums[gs: Int](x: SIMD[F32, W], y: SIMD[F32, W]) -> SIMD[F32, W]:
-    """Sums lane pairs: x and y hold groups of gs lanes; the result holds x's
-    then y's groups,
-    each summed down to gs / 2 lanes."""
-    comptime lo = _pair_sum_mask[gs, False]()
-    comptime hi = _pair_sum_mask[gs, True]()
-    return x.shuffle[lo](y) + x.shuffle[hi](y)
+def combine[
+    is_max: Bool, width: Int
+](x: SIMD[F32, width], y: SIMD[F32, width]) -> SIMD[F32, width]:
+    comptime if is_max:
+        return max(x, y)
+    else:
+        return x + y
 
 
 @always_inline
-def reduce_add_many[
-    count: Int
-](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, count]:
-    """The lane sums of count vectors, as one vector (lane i = sum of v[i]).
+def combine_pairs[
+    gs: Int, is_max: Bool
+](x: SIMD[F32, W], y: SIMD[F32, W]) -> SIMD[F32, W]:
+    """Combines lane pairs: x and y hold groups of gs lanes; the result holds
+    x's then y's groups, each reduced to gs / 2 lanes."""
+    comptime lo = _pair_mask[gs, False]()
+    comptime hi = _pair_mask[gs, True]()
+    return combine[is_max](x.shuffle[lo](y), x.shuffle[hi](y))
 
-    A transposed reduction: log2(count) levels of pairwise shuffle-adds, then
-    in-vector halving, instead of count separate horizontal sums.
+
+@always_inline
+def reduce_many[
+    count: Int, is_max: Bool = False
+](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, count]:
+    """The lane sums (or maxima) of count vectors, as one vector (lane i
+    reduces v[i]); v is overwritten.
+
+    A transposed reduction: log2(count) levels of pairwise shuffles, then
+    in-vector halving, instead of count separate horizontal reductions.
     """
     comptime if count == 1:
-        return SIMD[F32, count](v[unsafe_offset=0].reduce_add())
+        comptime if is_max:
+            return SIMD[F32, count](v[unsafe_offset=0].reduce_max())
+        else:
+            return SIMD[F32, count](v[unsafe_offset=0].reduce_add())
     else:
         comptime levels = log2_floor(count)
         comptime for level in range(levels):
             comptime gs = W >> level
             comptime stride = 1 << level
             comptime for i in range(0, count, 2 * stride):
-                v[unsafe_offset=i] = pair_sums[gs](
+                v[unsafe_offset=i] = combine_pairs[gs, is_max](
                     v[unsafe_offset=i], v[unsafe_offset=i + stride]
                 )
         var x = v[unsafe_offset=0]
         comptime for _ in range(log2_floor(W) - levels):
             var halves = x.deinterleave()
-            var sums = halves[0] + halves[1]
+            var reduced = halves[0] + halves[1]
+            comptime if is_max:
+                reduced = max(halves[0], halves[1])
             # Only the low lanes matter from here on.
-            x = rebind[SIMD[F32, W]](sums.join(sums))
+            x = rebind[SIMD[F32, W]](reduced.join(reduced))
         return x.slice[count]()
 
 
@@ -237,27 +313,36 @@ def score_tokens[
     scores: Ptr[F32],
     prefetcher: RowPrefetch,
 ):
-    """Scores of tokens j..j+tokens for the tile's heads."""
+    """Scores of tokens j..j+tokens for the tile's heads; q rows in the
+    order `load_block` widens K.
+
+    Each K block is loaded once for the tile's heads and each q slice once
+    for the step's tokens: the loop is bound by FMAs, not by loads.
+    """
     var acc = stack_allocation[tile * tokens, SIMD[F32, W]]()
     comptime for i in range(tile * tokens):
         acc[unsafe_offset=i] = 0
     comptime for t in range(tokens):
         prefetcher.after_k_row(j + t)
-    for c in range(head_dim // W):
+    for c in range(0, head_dim, BLOCK):
         comptime for t in range(tokens):
-            var kv = load_f32[kv_dtype, W](
-                k, Int(rows[unsafe_offset=j + t]) + c * W
-            )
-            comptime for g in range(tile):
-                acc[unsafe_offset=t * tile + g] = (
-                    q.unsafe_offset(g * head_dim + c * W)
-                    .unsafe_load[width=W]()
-                    .fma(kv, acc[unsafe_offset=t * tile + g])
-                )
-    var sums = reduce_add_many[tile * tokens](acc)
-    comptime for t in range(tokens):
-        comptime for g in range(tile):
-            scores[unsafe_offset=g * CHUNK + j + t] = sums[t * tile + g]
+            var kb = load_block[kv_dtype](k, Int(rows[unsafe_offset=j + t]) + c)
+            comptime for h in range(2):
+                comptime for g in range(tile):
+                    acc[unsafe_offset=g * tokens + t] = (
+                        q.unsafe_offset(g * head_dim + c + h * W)
+                        .unsafe_load[width=W]()
+                        .fma(
+                            kb.slice[W, offset=h * W](),
+                            acc[unsafe_offset=g * tokens + t],
+                        )
+                    )
+    # Lane g * tokens + t: head g's score of token j + t.
+    var sums = reduce_many[tile * tokens](acc)
+    comptime for g in range(tile):
+        scores.unsafe_offset(g * CHUNK + j).unsafe_store(
+            sums.slice[tokens, offset=g * tokens]()
+        )
 
 
 @always_inline
@@ -274,10 +359,11 @@ def score_tile[
 ):
     """Scores: scores[g * CHUNK + j] = q[g] . k[row j] for the tile's heads.
 
-    Each K row is loaded once for all heads of the tile; small tiles score
-    several tokens at once so that CHAINS accumulations stay independent.
+    Each K row is loaded once for all heads of the tile; a step scores
+    DOTS_PER_STEP (head, token) pairs, enough independent FMA chains to keep
+    both FMA ports busy, and their sums fill one vector.
     """
-    comptime tokens = max(CHAINS // tile, 1)
+    comptime tokens = max(DOTS_PER_STEP // tile, 1)
     var j = 0
     while j + tokens <= n:
         score_tokens[tile, tokens](head_dim, q, k, rows, j, scores, prefetcher)
@@ -299,14 +385,15 @@ def accumulate_tile[
     acc: Ptr[F32],
     prefetcher: RowPrefetch,
 ):
-    """Folds V in: acc[g] += sum_j probs[g * CHUNK + j] * v[row j].
+    """Folds V in: acc[g] += sum_j probs[g * CHUNK + j] * v[row j], acc rows
+    in the order `load_block` widens V.
 
     head_dim is covered a few vector slices at a time, so the tile's
     accumulators for those slices stay in registers while the chunk's V rows
     stream from L1; small tiles take more slices per pass to keep CHAINS
     independent chains. Rows are prefetched on the first pass.
     """
-    comptime slices = min(max(CHAINS // tile, 1), MIN_HEAD_DIM // W)
+    comptime slices = min(max(CHAINS // tile, BLOCK // W), MIN_HEAD_DIM // W)
     for c0 in range(0, head_dim // W, slices):
         var o = stack_allocation[tile * slices, SIMD[F32, W]]()
         comptime for g in range(tile):
@@ -314,12 +401,15 @@ def accumulate_tile[
                 o[unsafe_offset=g * slices + s] = acc.unsafe_offset(
                     g * head_dim + (c0 + s) * W
                 ).unsafe_load[width=W]()
+        var vb = SIMD[F32, BLOCK]()
         for j in range(n):
             if c0 == 0:
                 prefetcher.after_v_row(j)
             var row = Int(rows[unsafe_offset=j])
             comptime for s in range(slices):
-                var vv = load_f32[kv_dtype, W](v, row + (c0 + s) * W)
+                comptime if s % 2 == 0:
+                    vb = load_block[kv_dtype](v, row + (c0 + s) * W)
+                var vv = vb.slice[W, offset=(s % 2) * W]()
                 comptime for g in range(tile):
                     o[unsafe_offset=g * slices + s] = vv.fma(
                         probs[unsafe_offset=g * CHUNK + j],
@@ -352,15 +442,19 @@ def softmax_tile[
 
     kv_pos0: position of the chunk's first key; row_pos[g]: the position of
     row g's query. Keys a row may not see (past the chunk's end, after the
-    query when causal, before its window) get no weight.
+    query when causal, before its window) get no weight. The tile's rows go
+    through each step together, without branches, so that their reductions
+    and exponentials overlap instead of forming one long chain per row.
     """
+    comptime vectors = CHUNK // W
     var iota = SIMD[F32, W]()
     comptime for i in range(W):
         iota[i] = Float32(i)
+    var tops = stack_allocation[tile, SIMD[F32, W]]()
     comptime for g in range(tile):
         var row = scores.unsafe_offset(g * CHUNK)
-        var top = neg_inf[F32]()
-        comptime for c in range(CHUNK // W):
+        var top = SIMD[F32, W](neg_inf[F32]())
+        comptime for c in range(vectors):
             var distance = (
                 iota + Float32(kv_pos0 + c * W) - row_pos[unsafe_offset=g]
             )
@@ -373,26 +467,34 @@ def softmax_tile[
                 s, neg_inf[F32]()
             )
             row.unsafe_offset(c * W).unsafe_store(s)
-            top = max(top, s.reduce_max())
-        var old = m[unsafe_offset=g]
-        var new = max(old, top)
-        if new == neg_inf[F32]():
-            # Nothing visible yet for this row: no weight, state unchanged.
-            comptime for c in range(CHUNK // W):
-                row.unsafe_offset(c * W).unsafe_store(SIMD[F32, W](0))
-            continue
-        var total: Float32 = 0
-        comptime for c in range(CHUNK // W):
-            var p = exp2(row.unsafe_offset(c * W).unsafe_load[width=W]() - new)
+            top = max(top, s)
+        tops[unsafe_offset=g] = top
+    var old = m.unsafe_load[width=tile]()
+    var new = max(old, reduce_many[tile, is_max=True](tops))
+    # A row that has seen nothing yet keeps m = -inf: exponents relative to 0
+    # give its scores (all -inf) no weight, and its state stays zero.
+    var base = new.eq(neg_inf[F32]()).select(SIMD[F32, tile](0), new)
+    var alpha = exp2(old - base)
+    var totals = stack_allocation[tile, SIMD[F32, W]]()
+    comptime for g in range(tile):
+        var row = scores.unsafe_offset(g * CHUNK)
+        var total = SIMD[F32, W](0)
+        comptime for c in range(vectors):
+            var p = exp2(
+                row.unsafe_offset(c * W).unsafe_load[width=W]() - base[g]
+            )
             row.unsafe_offset(c * W).unsafe_store(p)
-            total += p.reduce_add()
-        var alpha = exp2(old - new)
-        l[unsafe_offset=g] = l[unsafe_offset=g] * alpha + total
-        m[unsafe_offset=g] = new
-        if alpha != 1:
+            total += p
+        totals[unsafe_offset=g] = total
+    l.unsafe_store(
+        l.unsafe_load[width=tile]() * alpha + reduce_many[tile](totals)
+    )
+    m.unsafe_store(new)
+    comptime for g in range(tile):
+        if alpha[g] != 1:
             for c in range(head_dim // W):
                 var a = acc.unsafe_offset(g * head_dim + c * W)
-                a.unsafe_store(a.unsafe_load[width=W]() * alpha)
+                a.unsafe_store(a.unsafe_load[width=W]() * alpha[g])
 
 
 @always_inline
@@ -663,6 +765,10 @@ def attention_task[
                     st.acc.unsafe_offset(r * head_dim + c * W).unsafe_store(
                         SIMD[F32, W](0)
                     )
+                comptime if paired[kv_dtype]():
+                    # Rotated keys are widened to float32 rows in order.
+                    if not rope:
+                        to_paired_order(dst, head_dim)
                 st.m[unsafe_offset=r] = neg_inf[F32]()
                 st.l[unsafe_offset=r] = 0
                 st.row_pos[unsafe_offset=r] = Float32(q_pos0 + t)
@@ -754,6 +860,8 @@ def attention_task[
                     > 0 else neg_inf[F32]()
                 )
                 var a = st.acc.unsafe_offset(r * head_dim)
+                comptime if paired[kv_dtype]():
+                    from_paired_order(a, head_dim)
                 if partial:
                     # Key-split items hold one query (decode).
                     var dst = work.partial_o.unsafe_offset(
