@@ -77,6 +77,21 @@ def load_f32[
         return raw.cast[F32]()
 
 
+@always_inline
+def narrow[dtype: DType, width: Int](x: SIMD[F32, width]) -> SIMD[dtype, width]:
+    """x rounded to dtype (to nearest, ties to even)."""
+    comptime if dtype == DType.bfloat16:
+        # In integer lanes: a plain cast is a library call per element here
+        # (no AVX512_BF16).
+        var bits = bitcast[DType.uint32, width](x)
+        var rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        var is_nan = (bits & 0x7FFFFFFF).gt(0x7F800000)
+        var kept = is_nan.select(bits | 0x00400000, rounded)  # NaN: quiet
+        return bitcast[dtype, width]((kept >> 16).cast[DType.uint16]())
+    else:
+        return x.cast[dtype]()
+
+
 comptime BLOCK = 2 * W
 """Elements one K or V load covers: 64 bytes of bfloat16, two float32
 vectors once widened."""
@@ -879,10 +894,10 @@ def attention_task[
                     var dst = output.unsafe_offset(out_row * head_dim)
                     for c in range(head_dim // W):
                         dst.unsafe_offset(c * W).unsafe_store(
-                            (
+                            narrow[q_dtype](
                                 a.unsafe_offset(c * W).unsafe_load[width=W]()
                                 * norm
-                            ).cast[q_dtype]()
+                            )
                         )
                     lse[unsafe_offset=out_row] = state_lse
 
