@@ -144,7 +144,7 @@ def from_paired_order(row: Ptr[F32], n: Int):
 comptime PREFETCH_BYTES = 4096
 """How far ahead, in the order the task consumes rows, rows are asked for
 into L2: enough misses in flight for one core to stream at full speed
-(measured best among 1-8 KiB, L1 or L2, on a 2-core Ice Lake). A distance in
+(measured best of 2, 4 and 8 KiB, L1 or L2, on a 2-core Ice Lake). A distance in
 bytes, not rows: narrow rows (16-bit, fp8, small head_dim) need more rows
 ahead for the same misses in flight."""
 
