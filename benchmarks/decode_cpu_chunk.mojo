@@ -1,0 +1,114 @@
+"""The CPU attention kernel's compute cost, without memory traffic: one
+task's chunk loop (scores, online softmax, V accumulation) over the same 32
+token rows, hot in L1/L2, on one core.
+
+    mojo run -I . benchmarks/decode_cpu_chunk.mojo
+
+Prints ns per (token, KV head) for GQA groups 4 and 1, head_dim 128, K/V in
+bfloat16 and float32, and the split between scoring and accumulating. Set
+beside the memory's time for the same bytes (`benchmarks/decode.py` measures
+the read bandwidth) it says whether decode is bound by compute or by memory.
+"""
+
+from std.memory.alloc import unsafe_alloc
+from std.time import perf_counter_ns
+
+from mojo_ops.attention_cpu import (
+    CHUNK,
+    RowPrefetch,
+    TaskState,
+    accumulate_tile,
+    chunk_group,
+    score_tile,
+)
+from mojo_ops.attention_params import AttentionParams
+from mojo_ops.paged_kv_cache import Ptr
+
+comptime HEAD_DIM = 128
+comptime KV_HEADS = 8
+comptime ITERATIONS = 20000
+
+
+def filled[dtype: DType](n: Int) -> Ptr[dtype]:
+    var p = rebind[Ptr[dtype]](unsafe_alloc[Scalar[dtype]](n, alignment=64))
+    for i in range(n):
+        p[unsafe_offset=i] = Scalar[dtype](Float32((i * 7919) % 13) * 0.01)
+    return p
+
+
+def ns_per_token(start: Int, stop: Int) -> Float64:
+    return Float64(stop - start) / Float64(ITERATIONS * CHUNK)
+
+
+def bench[kv_dtype: DType, group: Int]() raises:
+    # Token rows as in an NHD page: all KV heads of a token side by side.
+    var token_stride = KV_HEADS * HEAD_DIM
+    var k = filled[kv_dtype](CHUNK * token_stride)
+    var v = filled[kv_dtype](CHUNK * token_stride)
+    var rows = rebind[Ptr[DType.int64]](
+        unsafe_alloc[Int64](CHUNK, alignment=64)
+    )
+    for j in range(CHUNK):
+        rows[unsafe_offset=j] = Int64(j * token_stride)
+    var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+    var state = TaskState(group, HEAD_DIM)
+    for r in range(group):
+        for c in range(HEAD_DIM):
+            state.q[unsafe_offset=r * HEAD_DIM + c] = 0.001 * Float32(c)
+            state.acc[unsafe_offset=r * HEAD_DIM + c] = 0
+        state.m[unsafe_offset=r] = -1e30
+        state.l[unsafe_offset=r] = 0
+        state.row_pos[unsafe_offset=r] = 1e6
+        state.alibi_log2[unsafe_offset=r] = 0
+    var quiet = RowPrefetch[kv_dtype](k, v, rows, 0, k, rows, 0, 0)
+
+    var start = Int(perf_counter_ns())
+    for i in range(ITERATIONS):
+        chunk_group(
+            HEAD_DIM,
+            params,
+            state,
+            0,
+            group,
+            k,
+            rows,
+            v,
+            rows,
+            CHUNK,
+            i * CHUNK,
+            quiet,
+        )
+    var total = ns_per_token(start, Int(perf_counter_ns()))
+    start = Int(perf_counter_ns())
+    for _ in range(ITERATIONS):
+        score_tile[group](
+            HEAD_DIM, state.q, k, rows, CHUNK, state.scores, quiet
+        )
+    var scoring = ns_per_token(start, Int(perf_counter_ns()))
+    start = Int(perf_counter_ns())
+    for _ in range(ITERATIONS):
+        accumulate_tile[group](
+            HEAD_DIM, state.scores, v, rows, CHUNK, state.acc, quiet
+        )
+    var accumulating = ns_per_token(start, Int(perf_counter_ns()))
+    print(
+        kv_dtype,
+        " group ",
+        group,
+        ": ",
+        total,
+        " ns per token and KV head (",
+        "scores ",
+        scoring,
+        ", V ",
+        accumulating,
+        ")",
+        sep="",
+    )
+
+
+def main() raises:
+    bench[DType.bfloat16, 4]()
+    bench[DType.float32, 4]()
+    bench[DType.bfloat16, 1]()
+    bench[DType.float32, 1]()
