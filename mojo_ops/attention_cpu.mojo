@@ -15,13 +15,14 @@ still in L1, folded into the rows' accumulators. While a chunk is computed, the 
 row by row, at the rate they will be consumed.
 
 The inner loops are specialised at compile time for the number of query rows
-scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps 8
-independent FMA chains in flight; head_dim is a run-time value, so one
-compile serves every model.
+scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
+least 8 independent FMA chains in flight; head_dim is a run-time value, so one
+compile serves every model. bfloat16 K and V are widened in "paired" order
+(see `paired`), which the q and accumulator rows follow.
 """
 
 from std.bit import log2_floor
-from std.math import exp2, log2
+from std.math import log2
 from std.memory import bitcast, stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.sys import simd_width_of, size_of
@@ -39,6 +40,7 @@ from .attention_params import (
     rope_rotate,
 )
 from .attention_work import AttentionWork
+from .exp2 import exp2_f32
 from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 
@@ -489,13 +491,13 @@ def softmax_tile[
     # A row that has seen nothing yet keeps m = -inf: exponents relative to 0
     # give its scores (all -inf) no weight, and its state stays zero.
     var base = new.eq(neg_inf[F32]()).select(SIMD[F32, tile](0), new)
-    var alpha = exp2(old - base)
+    var alpha = exp2_f32[tile](old - base)
     var totals = stack_allocation[tile, SIMD[F32, W]]()
     comptime for g in range(tile):
         var row = scores.unsafe_offset(g * CHUNK)
         var total = SIMD[F32, W](0)
         comptime for c in range(vectors):
-            var p = exp2(
+            var p = exp2_f32[W](
                 row.unsafe_offset(c * W).unsafe_load[width=W]() - base[g]
             )
             row.unsafe_offset(c * W).unsafe_store(p)

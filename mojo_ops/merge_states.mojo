@@ -17,10 +17,11 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.algorithm import sync_parallelize
 from max.gpu import barrier, block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
-from std.math import exp2, log2
+from std.math import log2
 from std.memory import stack_allocation
 from std.utils.numerics import neg_inf
 
+from .exp2 import exp2_f32
 from .paged_kv_cache import Ptr
 from .tensor_access import ptr_of
 
@@ -53,7 +54,7 @@ def merge_row[
     var total: Float32 = 0
     if top != neg_inf[DType.float32]():
         for i in range(count):
-            total += exp2(s[unsafe_offset=i * s_stride] - top)
+            total += exp2_f32[1](s[unsafe_offset=i * s_stride] - top)
     if first == 0:
         out_s[unsafe_offset=0] = (
             top + log2(total) if total > 0 else neg_inf[DType.float32]()
@@ -70,7 +71,7 @@ def merge_row[
             d += step
         if total > 0:
             for i in range(count):
-                var w = exp2(s[unsafe_offset=i * s_stride] - top) / total
+                var w = exp2_f32[1](s[unsafe_offset=i * s_stride] - top) / total
                 var row = v.unsafe_offset(i * v_stride + d0)
                 d = first
                 while d < width:
@@ -119,8 +120,8 @@ def pair_weights(sa: Float32, sb: Float32) -> Tuple[Float32, Float32, Float32]:
     var top = max(sa, sb)
     if top == neg_inf[DType.float32]():
         return (Float32(0), Float32(0), top)
-    var wa = exp2(sa - top)
-    var wb = exp2(sb - top)
+    var wa = exp2_f32[1](sa - top)
+    var wb = exp2_f32[1](sb - top)
     var total = wa + wb
     return (wa / total, wb / total, top + log2(total))
 
