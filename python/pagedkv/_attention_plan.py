@@ -17,7 +17,7 @@ from max.dtype import DType
 
 from ._attention import AttentionOptions
 from ._checks import CacheGeometry, cache_geometry, check_index_array
-from ._kernels import Operand, OpSpec, compiled_op, prepare, run_model, run_op
+from ._kernels import Operand, OpSpec, compiled_op, run_model, run_op
 from ._tensors import (
     CPU,
     FP8_FORMATS,
@@ -207,9 +207,7 @@ class AttentionPlan:
         return attention_spec(self.op, self.q_dtype, self.kv_dtype, self.layout)
 
     def compile(self) -> None:
-        spec = self.spec()
-        prepare([spec], self.device)
-        self.model = compiled_op(spec, self.device)
+        self.model = compiled_op(self.spec(), self.device)
 
     def float_params(
         self, q_scale: float | None, k_scale: float | None, v_scale: float | None
