@@ -19,6 +19,7 @@ from .attention_work import AttentionWork
 from .decode_sm90 import launch_decode_sm90, tma_decode_applies
 from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from .tensor_access import ptr_of
+from .work_queue import parallel_dynamic
 
 comptime HEAD_DIMS = (64, 128, 256)
 """Head dims of the GPU kernel (a lane holds head_dim / 32 elements)."""
@@ -146,7 +147,7 @@ def run_attention[
                 t,
             )
 
-        sync_parallelize(run_task, work.num_items * blocks)
+        parallel_dynamic(run_task, work.num_items * blocks)
         if any_split:
 
             def merge_task(
