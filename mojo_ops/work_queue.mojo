@@ -26,7 +26,7 @@ def parallel_dynamic[
             func(t)
         return
     var next_task = stack_allocation[1, Scalar[DType.int64]]()
-    next_task[0] = 0
+    next_task[unsafe_offset=0] = 0
 
     def worker(_w: Int) raises {imm func, var next_task, var num_tasks}:
         while True:
