@@ -52,18 +52,27 @@ def check_array(name: str, x: Array) -> None:
         raise TypeError(f"{name} must be a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
 
 
+_TORCH_DTYPES: dict[Any, DType] = {}
+"""torch dtype -> DType, filled as dtypes are met: run() asks several times
+per call, and a lookup is cheaper than parsing the name (27 vs 33 us cold,
+0.36 vs 0.47 us warm)."""
+
+
 def dtype_of(x: Array) -> DType:
     if is_torch(x):
-        return DType[str(x.dtype).removeprefix("torch.")]
+        dtype = _TORCH_DTYPES.get(x.dtype)
+        if dtype is None:
+            dtype = _TORCH_DTYPES[x.dtype] = DType[str(x.dtype).removeprefix("torch.")]
+        return dtype
     return DType.from_numpy(x.dtype)
 
 
 def device_of(x: Array) -> Device:
-    if is_torch(x) and x.device.type == "cuda":
+    if not is_torch(x) or x.is_cpu:
+        return CPU
+    if x.is_cuda:
         return Device("gpu", x.device.index or 0)
-    if is_torch(x) and x.device.type != "cpu":
-        raise ValueError(f"unsupported torch device {x.device}")
-    return CPU
+    raise ValueError(f"unsupported torch device {x.device}")
 
 
 def is_contiguous(x: Array) -> bool:
@@ -82,13 +91,50 @@ def contiguous(x: Array) -> Array:
 def to_buffer(x: Array) -> Buffer:
     """A MAX buffer sharing x's memory (x must be contiguous); a Buffer as is.
 
-    Not cached: a MAX buffer holds a reference to its array, so a cache of
-    buffers would keep every array it ever saw alive (measured: a reused
-    buffer saves nothing per call, on the CPU, for pools or small arrays).
+    Not cached: a MAX buffer holds a reference to its array's memory, so a
+    cache of buffers would keep every array it ever saw alive (torch keeps
+    a tensor's Python object alive while its memory is exported, so not even
+    a weak reference would let go).
     """
     if isinstance(x, Buffer):
         return x
-    return Buffer.from_dlpack(x) if is_torch(x) else Buffer.from_numpy(x)
+    if not is_torch(x):
+        return Buffer.from_numpy(x)
+    if x.is_cpu:
+        if not x.is_contiguous():
+            raise ValueError("a torch tensor passed to a kernel must be contiguous")
+        # torch's __dlpack__ and MAX's from_dlpack wrap the export in layers
+        # of Python checks; the bare capsule is 2x cheaper on a cold cache
+        # (60 vs 140 us, once per run() after a step has evicted Python)
+        # and 5x warm (1.5 vs 7.7 us).
+        return Buffer._from_dlpack(_CpuCapsule(torch_to_dlpack(x)))
+    return Buffer.from_dlpack(x)
+
+
+class _CpuCapsule:
+    """A DLPack capsule of host memory, as the DLPack protocol presents one."""
+
+    __slots__ = ("capsule",)
+
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU, device 0
+
+
+def torch_to_dlpack(x: Array) -> Any:
+    """torch.utils.dlpack.to_dlpack(x), imported on first use (torch is optional)."""
+    global _to_dlpack
+    if _to_dlpack is None:
+        from torch.utils.dlpack import to_dlpack as _to_dlpack
+    return _to_dlpack(x)
+
+
+_to_dlpack: Any = None
 
 
 FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
