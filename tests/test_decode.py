@@ -286,6 +286,48 @@ def test_decode_bad_input():
     assert np.isfinite(w.run(q, pool)).all()
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_decode_writes_into_out_and_lse(kind):
+    """run(out=, lse=) fills the caller's arrays with what run() returns."""
+    rng = np.random.default_rng(11)
+    batch = reference.paged_batch(rng, 16, [40, 3, 0], [0, 0, 0])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    full = np.full
+    if kind == "torch":
+        pool, q = torch.from_numpy(pool), torch.from_numpy(q)
+        table = tuple(torch.from_numpy(x) for x in table)
+
+        def full(shape, value, dtype):
+            return torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name))
+
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(*table, 4, 2, 64, 16)
+    want_o, want_lse = w.run(q, pool, return_lse=True)
+    out, lse = full((3, 4, 64), np.nan, np.float32), full((3, 4), np.nan, np.float32)
+    got_o, got_lse = w.run(q, pool, return_lse=True, out=out, lse=lse)
+    assert got_o is out and got_lse is lse
+    np.testing.assert_array_equal(as_f64(out), as_f64(want_o))
+    np.testing.assert_array_equal(as_f64(lse), as_f64(want_lse))
+    # Without return_lse the caller's lse is not written.
+    out, lse = full((3, 4, 64), np.nan, np.float32), full((3, 4), np.nan, np.float32)
+    assert w.run(q, pool, out=out, lse=lse) is out
+    np.testing.assert_array_equal(as_f64(out), as_f64(want_o))
+    assert np.isnan(as_f64(lse)).all()
+    # Outputs that cannot take the results are refused before the kernel runs.
+    bad = {
+        "must be \\[3, 4, 64\\]": (full((2, 4, 64), np.nan, np.float32), None),
+        "out must be float32": (full((3, 4, 64), np.nan, np.float16), None),
+        "contiguous": (full((3, 4, 128), np.nan, np.float32)[..., ::2], None),
+        "lse must be \\[3, 4\\]": (full((3, 4, 64), np.nan, np.float32), full((4,), 0, np.float32)),
+    }
+    for pattern, (bad_out, bad_lse) in bad.items():
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            w.run(q, pool, return_lse=True, out=bad_out, lse=bad_lse)
+        assert np.isnan(as_f64(bad_out)).all(), pattern
+
+
 def test_merge_states_match_reference():
     rng = np.random.default_rng(9)
     v = rng.standard_normal((5, 3, 2, 64), dtype=np.float32)

@@ -16,7 +16,7 @@ from max.driver import Buffer
 from max.dtype import DType
 
 from ._attention import AttentionOptions
-from ._checks import CacheGeometry, cache_geometry, check_index_array
+from ._checks import CacheGeometry, cache_geometry, check_index_array, check_output
 from ._kernels import Operand, OpSpec, compiled_op, run_model, run_op
 from ._tensors import (
     CPU,
@@ -193,6 +193,10 @@ class AttentionPlan:
             "request_items": resident(request_items),
             "partial_o": to_buffer(_workspace_view(workspace, partial_shape, table.like)),
             "partial_lse": to_buffer(empty(table.like, partial_shape[:2], F32)),
+            # Where lse goes when the caller does not ask for it: the kernel
+            # always writes one, and an allocation per call costs more than
+            # the write.
+            "lse_scratch": to_buffer(empty(table.like, (q_rows, num_qo_heads), F32)),
             "int_params": to_buffer(int_params),
         }
         self.model = None
@@ -257,19 +261,33 @@ class AttentionPlan:
         q_scale: float | None,
         k_scale: float | None,
         v_scale: float | None,
-    ) -> tuple[Array, Array]:
-        """o [rows, Hq, D] (q's dtype) and lse [rows, Hq] (float32, base 2)."""
+        out: Array | None = None,
+        lse: Array | None = None,
+        return_lse: bool = False,
+    ) -> tuple[Array, Array | None]:
+        """o [rows, Hq, D] (q's dtype), into `out` if given, and with
+        return_lse lse [rows, Hq] (float32, base 2), into `lse` if given;
+        else None."""
         geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
         self.check_run(q, geometry)
         assert self.q_dtype is not None
-        o = empty(q, q.shape, self.q_dtype)
-        lse = empty(q, q.shape[:2], F32)
+        if out is None:
+            out = empty(q, q.shape, self.q_dtype)
+        else:
+            check_output("out", out, tuple(q.shape), self.q_dtype, self.device)
         b = self.buffers
+        if not return_lse:
+            lse_operand = b["lse_scratch"]
+        elif lse is None:
+            lse = lse_operand = empty(q, q.shape[:2], F32)
+        else:
+            check_output("lse", lse, tuple(q.shape[:2]), F32, self.device)
+            lse_operand = lse
         run_model(
             self.model,
             [
-                o,
-                lse,
+                out,
+                lse_operand,
                 b["partial_o"],
                 b["partial_lse"],
                 contiguous(q),
@@ -284,7 +302,7 @@ class AttentionPlan:
             ],
             self.device,
         )
-        return o, lse
+        return out, (lse if return_lse else None)
 
 
 def _workspace_view(workspace: Array | None, shape: tuple[int, ...], like: Array) -> Array:

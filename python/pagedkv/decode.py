@@ -141,16 +141,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         k_scale: float | None = None,
         v_scale: float | None = None,
         return_lse: bool = False,
+        *,
+        out: Array | None = None,
+        lse: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [B, num_qo_heads, head_dim] over the planned batch.
 
         paged_kv_cache: [pages, 2, ...page...] or a (k_cache, v_cache) pair, in
         the wrapper's layout. Returns o [B, Hq, D] (q's dtype), and lse [B, Hq]
-        (float32, base 2) with return_lse.
+        (float32, base 2) with return_lse. As in FlashInfer, `out` and `lse`
+        (used with return_lse) take the results in place of new arrays: a
+        server that keeps them across layers allocates nothing per call. They
+        must not overlap q or the cache.
         """
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
-        o, lse = self._plan.run(q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale)
+        o, lse = self._plan.run(
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
+        )
         return (o, lse) if return_lse else o
 
     forward = run

@@ -134,15 +134,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
         k_scale: float | None = None,
         v_scale: float | None = None,
         return_lse: bool = False,
+        *,
+        out: Array | None = None,
+        lse: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim] over the batch.
 
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
-        with return_lse.
+        with return_lse; `out` and `lse` take them in place, as in
+        BatchDecodeWithPagedKVCacheWrapper.run.
         """
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
-        o, lse = self._plan.run(q, paged_kv_cache, self._kv_layout, None, k_scale, v_scale)
+        o, lse = self._plan.run(
+            q, paged_kv_cache, self._kv_layout, None, k_scale, v_scale, out, lse, return_lse
+        )
         return (o, lse) if return_lse else o
 
     forward = run
