@@ -118,6 +118,13 @@ def test_prefill_then_decode_agree_on_last_token():
     decode.plan(*table, 8, 2, 64, 16)
     last = batch.append_indptr[1:] - 1
     np.testing.assert_allclose(decode.run(q[last], pool), o[last], rtol=1e-5, atol=1e-6)
+    # The same prefill into the caller's arrays (out=, lse=).
+    out = np.full_like(o, np.nan)
+    lse = np.full(q.shape[:2], np.nan, np.float32)
+    got = prefill.run(q, pool, return_lse=True, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    np.testing.assert_array_equal(out, o)
+    assert np.isfinite(lse).all()
 
 
 def test_prefill_bad_input():
