@@ -194,8 +194,7 @@ class AttentionPlan:
             "partial_o": to_buffer(_workspace_view(workspace, partial_shape, table.like)),
             "partial_lse": to_buffer(empty(table.like, partial_shape[:2], F32)),
             # Where lse goes when the caller does not ask for it: the kernel
-            # always writes one, and an allocation per call costs more than
-            # the write.
+            # always writes one, and this spares run() an allocation.
             "lse_scratch": to_buffer(empty(table.like, (q_rows, num_qo_heads), F32)),
             "int_params": to_buffer(int_params),
         }
