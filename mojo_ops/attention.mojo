@@ -12,7 +12,7 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import H100
 
-from .attention_cpu import MIN_HEAD_DIM, attention_task, merge_split_request
+from .attention_cpu import MIN_HEAD_DIM, attention_task, merge_split_head
 from .attention_gpu import GPU_THREADS, attention_gpu_kernel, row_tiles
 from .attention_params import AttentionParams
 from .attention_work import AttentionWork
@@ -149,15 +149,26 @@ def run_attention[
 
         parallel_dynamic(run_task, work.num_items * blocks)
         if any_split:
-
+            # A task per request: a batch of one merges inline, on the
+            # calling thread (spreading its heads over the cores costs more
+            # in wake-ups than the merge itself).
             def merge_task(
                 b: Int,
             ) {
                 var work, var o_ptr, var lse_ptr, var num_qo_heads, var head_dim
             }:
-                merge_split_request(
-                    work, o_ptr, lse_ptr, num_qo_heads, head_dim, b, 0, 1
-                )
+                for qo in range(num_qo_heads):
+                    merge_split_head(
+                        work,
+                        o_ptr,
+                        lse_ptr,
+                        num_qo_heads,
+                        head_dim,
+                        b,
+                        qo,
+                        0,
+                        1,
+                    )
 
             sync_parallelize(merge_task, batch_size)
         return
@@ -253,7 +264,7 @@ def enqueue_merge[
     ctx: DeviceContext,
 ) raises:
     """Merges the partial states of key-split requests on the GPU: a block per
-    request."""
+    (request, query head)."""
 
     def merge_kernel(
         work: AttentionWork,
@@ -262,13 +273,15 @@ def enqueue_merge[
         num_qo_heads: Int64,
         head_dim: Int64,
     ):
-        merge_split_request(
+        var heads = Int(num_qo_heads)
+        merge_split_head(
             work,
             o_ptr,
             lse_ptr,
-            Int(num_qo_heads),
+            heads,
             Int(head_dim),
-            Int(block_idx.x),
+            Int(block_idx.x) // heads,
+            Int(block_idx.x) % heads,
             Int(thread_idx.x),
             Int(block_dim.x),
         )
@@ -279,6 +292,6 @@ def enqueue_merge[
         lse_ptr,
         Int64(num_qo_heads),
         Int64(head_dim),
-        grid_dim=batch_size,
+        grid_dim=batch_size * num_qo_heads,
         block_dim=GPU_THREADS,
     )

@@ -904,7 +904,7 @@ def attention_task[
                     lse[unsafe_offset=out_row] = state_lse
 
 
-def merge_split_request[
+def merge_split_head[
     q_dtype: DType
 ](
     work: AttentionWork,
@@ -913,28 +913,26 @@ def merge_split_request[
     num_qo_heads: Int,
     head_dim: Int,
     b: Int,
+    qo: Int,
     first: Int,
     step: Int,
 ):
-    """Merges the partial states of request b's key-split items, if any, into
-    its query's output row."""
+    """Merges the partial states of request b's key-split items, if any, for
+    query head qo into its query's output row (elements first, first + step,
+    ... of it: see `merge_row`)."""
     if not work.writes_partial(b):
         return
     var item0 = Int(work.request_items[unsafe_offset=b])
-    var count = work.items_of(b)
     var row = work.q_row(item0)
-    for qo in range(num_qo_heads):
-        merge_row(
-            work.partial_o.unsafe_offset(
-                (item0 * num_qo_heads + qo) * head_dim
-            ),
-            num_qo_heads * head_dim,
-            work.partial_lse.unsafe_offset(item0 * num_qo_heads + qo),
-            num_qo_heads,
-            count,
-            head_dim,
-            output.unsafe_offset((row * num_qo_heads + qo) * head_dim),
-            lse.unsafe_offset(row * num_qo_heads + qo),
-            first,
-            step,
-        )
+    merge_row(
+        work.partial_o.unsafe_offset((item0 * num_qo_heads + qo) * head_dim),
+        num_qo_heads * head_dim,
+        work.partial_lse.unsafe_offset(item0 * num_qo_heads + qo),
+        num_qo_heads,
+        work.items_of(b),
+        head_dim,
+        output.unsafe_offset((row * num_qo_heads + qo) * head_dim),
+        lse.unsafe_offset(row * num_qo_heads + qo),
+        first,
+        step,
+    )

@@ -8,7 +8,7 @@ WARPS-th key of the tile: a lane holds head_dim / 32 elements of each row's
 q, a warp-wide sum gives the score, and the warp keeps its own online-softmax
 state per row, masking by each row's position (causal, window). At the end
 the warps' states are merged through shared memory and written, final or
-partial (key-split decode items are merged by `merge_split_request`).
+partial (key-split decode items are merged by `merge_split_head`).
 
 The Hopper kernel (decode_sm90.mojo) is the fast path for decode on sm_90;
 this one serves every other case and GPU.

@@ -19,7 +19,7 @@ Warps 0-3 consume a stage in three steps separated by named barriers:
 Scores use CUDA cores: a decode step reads each byte of K/V once and does
 `group` multiply-adds with it, far below what the SM computes while HBM
 delivers it. Key-split items (plan() splits long requests over SMs) write
-partial states that `merge_split_request` combines, as for the generic
+partial states that `merge_split_head` combines, as for the generic
 kernel (attention_gpu.mojo), which serves every case this one does not:
 HND pools, RoPE on the fly, groups above 8, other GPUs.
 """

@@ -19,6 +19,7 @@ from max.gpu import barrier, block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from std.math import log2
 from std.memory import stack_allocation
+from std.sys import simd_width_of
 from std.utils.numerics import neg_inf
 
 from .exp2 import exp2_f32
@@ -27,6 +28,8 @@ from .tensor_access import ptr_of
 
 comptime SLICE = 256
 """Elements of a head merged per pass (a stack buffer of float32)."""
+comptime W = simd_width_of[DType.float32]()
+"""float32 lanes per vector: what one CPU worker merges at a time."""
 
 
 @always_inline
@@ -60,12 +63,16 @@ def merge_row[
             top + log2(total) if total > 0 else neg_inf[DType.float32]()
         )
     # head_dim in slices of SLICE: each state's weight is computed once per
-    # slice, not once per element.
+    # slice, not once per element. One worker per head (step 1: the CPU)
+    # takes whole vectors of it; GPU threads take every step-th element.
     var acc = stack_allocation[SLICE, Float32]()
     var d0 = 0
     while d0 < head_dim:
         var width = min(SLICE, head_dim - d0)
-        var d = first
+        var vectors = width // W if step == 1 else 0
+        for c in range(vectors):
+            acc.unsafe_offset(c * W).unsafe_store(SIMD[DType.float32, W](0))
+        var d = first + vectors * W
         while d < width:
             acc[unsafe_offset=d] = 0
             d += step
@@ -73,13 +80,27 @@ def merge_row[
             for i in range(count):
                 var w = exp2_f32[1](s[unsafe_offset=i * s_stride] - top) / total
                 var row = v.unsafe_offset(i * v_stride + d0)
-                d = first
+                for c in range(vectors):
+                    var a = acc.unsafe_offset(c * W)
+                    a.unsafe_store(
+                        row.unsafe_offset(c * W)
+                        .unsafe_load[width=W]()
+                        .cast[DType.float32]()
+                        .fma(w, a.unsafe_load[width=W]())
+                    )
+                d = first + vectors * W
                 while d < width:
                     acc[unsafe_offset=d] += (
                         w * row[unsafe_offset=d].cast[DType.float32]()
                     )
                     d += step
-        d = first
+        for c in range(vectors):
+            out_v.unsafe_offset(d0 + c * W).unsafe_store(
+                acc.unsafe_offset(c * W)
+                .unsafe_load[width=W]()
+                .cast[out_dtype]()
+            )
+        d = first + vectors * W
         while d < width:
             out_v[unsafe_offset=d0 + d] = acc[unsafe_offset=d].cast[out_dtype]()
             d += step

@@ -328,9 +328,10 @@ def test_decode_writes_into_out_and_lse(kind):
         assert np.isnan(as_f64(bad_out)).all(), pattern
 
 
-def test_merge_states_match_reference():
+@pytest.mark.parametrize("head_dim", [64, 300])  # 300: two slices, the second not whole vectors
+def test_merge_states_match_reference(head_dim):
     rng = np.random.default_rng(9)
-    v = rng.standard_normal((5, 3, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((5, 3, 2, head_dim), dtype=np.float32)
     s = rng.standard_normal((5, 3, 2), dtype=np.float32) * 4
     s[0, :, 0] = -np.inf  # a row with no keys at all
     s[1, 1, :] = -np.inf  # one empty state among others
