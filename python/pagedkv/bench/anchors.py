@@ -41,6 +41,28 @@ class Timing:
     median_ms: float
     min_ms: float
     runs: int
+    steal: float | None = None
+    """Share of CPU time the hypervisor took from this VM while these runs
+    were timed (None where /proc/stat has no steal counter): a run that lost
+    its cores to a neighbour reads slow for no fault of its own."""
+
+
+def cpu_times() -> list[int] | None:
+    """The machine-wide CPU time counters of /proc/stat (Linux), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in fields[1:]] if fields and fields[0] == "cpu" else None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Stolen share of the CPU time between two cpu_times() readings."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / max(sum(spent), 1)
 
 
 def time_round_robin(
@@ -53,6 +75,7 @@ def time_round_robin(
         fns[name]()  # warm-up: compile caches, page faults
     times: dict[str, list[float]] = {n: [] for n in names}
     t_begin = time.perf_counter()
+    counters = cpu_times()
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if flush:
@@ -62,7 +85,10 @@ def time_round_robin(
             times[name].append(time.perf_counter() - t0)
         if r >= 2 and time.perf_counter() - t_begin > max_s * len(names):
             break
-    return {n: Timing(statistics.median(t) * 1e3, min(t) * 1e3, len(t)) for n, t in times.items()}
+    steal = steal_share(counters, cpu_times())
+    return {
+        n: Timing(statistics.median(t) * 1e3, min(t) * 1e3, len(t), steal) for n, t in times.items()
+    }
 
 
 def _parallel(fn: Callable[[int, int], Any], parts: int) -> Callable[[], None]:

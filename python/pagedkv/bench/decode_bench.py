@@ -14,8 +14,10 @@ import numpy as np
 
 from .anchors import (
     Timing,
+    cpu_times,
     max_builtin_decode,
     read_bandwidth_gbps,
+    steal_share,
     time_round_robin,
     torch_sdpa_decode,
 )
@@ -141,7 +143,12 @@ def run_cpu_decode_bench(
     torch.set_num_threads(torch.get_num_threads())
     if verbose:
         print("measuring read bandwidth (1 GiB) ...", flush=True)
+    counters = cpu_times()
     bandwidth = read_bandwidth_gbps()
+    if verbose:
+        steal = steal_share(counters, cpu_times())
+        stolen = f" (steal {100 * steal:.1f}%)" if steal is not None else ""
+        print(f"  {bandwidth:.1f} GB/s{stolen}", flush=True)
     rows: list[Row] = []
     for shape in shapes:
         for dtype in dtypes:
@@ -178,12 +185,14 @@ def run_cpu_decode_bench(
 
 def format_table(bandwidth: float, rows: list[Row]) -> str:
     """The table of the issue: pagedkv's ms, GB/s, share of read bandwidth and
-    speedup over each anchor (anchor time / pagedkv time)."""
+    speedup over each anchor (anchor time / pagedkv time), all from medians;
+    then the share at pagedkv's fastest run and the CPU time stolen by the
+    hypervisor while the row was timed (how much of the spread is the VM's)."""
     lines = [
         f"read bandwidth measured in this run: {bandwidth:.1f} GB/s",
         f"{'shape (B, L, Hq, Hkv)':22s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} "
         f"{'%BW':>5s} {'MAX ms':>8s} {'xMAX':>5s} {'gqa ms':>8s} {'xgqa':>5s} "
-        f"{'fold ms':>8s} {'xfold':>5s}",
+        f"{'fold ms':>8s} {'xfold':>5s} {'%BWbest':>7s} {'steal':>5s}",
     ]
     by_key: dict[tuple, dict[str, Row]] = {}
     for r in rows:
@@ -195,9 +204,12 @@ def format_table(bandwidth: float, rows: list[Row]) -> str:
             for name in ("max_builtin", "torch_sdpa_gqa", "torch_sdpa_fold")
         )
         x_max, x_gqa, x_fold = (t / ours.timing.median_ms for t in (max_ms, gqa_ms, fold_ms))
+        best = 100 * ours.gbps * ours.timing.median_ms / ours.timing.min_ms / bandwidth
+        steal = ours.timing.steal
         lines.append(
             f"{shape.label:22s} {dtype:8s} {ours.timing.median_ms:10.3f} {ours.gbps:6.1f} "
             f"{100 * ours.gbps / bandwidth:4.0f}% {max_ms:8.3f} {x_max:5.2f} "
-            f"{gqa_ms:8.3f} {x_gqa:5.2f} {fold_ms:8.3f} {x_fold:5.2f}"
+            f"{gqa_ms:8.3f} {x_gqa:5.2f} {fold_ms:8.3f} {x_fold:5.2f} {best:6.0f}% "
+            + (f"{100 * steal:4.1f}%" if steal is not None else "    -")
         )
     return "\n".join(lines)
