@@ -181,9 +181,15 @@ def prepare(
     """
     from max.graph import Module
 
-    todo = list(dict.fromkeys(s for s in specs if (s, device) not in _models))
-    if not todo and module is None:
-        return {}
+    # A caller's module gets every spec, loaded before or not: MAX's disk
+    # cache is keyed by the module, so what it holds must not depend on what
+    # this process happened to compile first (the demo in a fresh process
+    # would otherwise miss the compile of the same graphs in another).
+    todo = list(dict.fromkeys(specs))
+    if module is None:
+        todo = [s for s in todo if (s, device) not in _models]
+        if not todo:
+            return {}
     with _lock:
         t0 = time.perf_counter()
         module = module if module is not None else Module()
