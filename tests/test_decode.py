@@ -205,6 +205,26 @@ def test_empty_and_single_token_requests():
     np.testing.assert_allclose(o[1], np.repeat(pool[page, 1, 0], 2, axis=0), rtol=1e-6)
 
 
+def test_a_strided_torch_q_gets_a_contiguous_o():
+    """q a transposed view (dense, not contiguous): run() reads it through a
+    contiguous copy and returns o [B, Hq, D] in row-major order."""
+    rng = np.random.default_rng(11)
+    batch = reference.paged_batch(rng, 16, [40, 7, 19], [0] * 3)
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q_heads_first = rng.standard_normal((8, 3, 64), dtype=np.float32)  # [Hq, B, D]
+    q = torch.from_numpy(q_heads_first).transpose(0, 1)
+    assert not q.is_contiguous()
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, 8, 2, 64, 16)
+    o = w.run(q, torch.from_numpy(pool))
+    assert o.shape == (3, 8, 64) and o.is_contiguous()
+    for b, (k, v) in enumerate(
+        reference.gather(pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD")
+    ):
+        want_o, _ = reference.attention(q.numpy()[b : b + 1], k, v, np.array([len(k) - 1]))
+        np.testing.assert_allclose(o[b].numpy(), want_o[0], rtol=1e-5, atol=1e-5)
+
+
 def test_extreme_logits_stay_finite_and_correct():
     """Scores around 1e4: the running max keeps exp2 in range."""
     rng = np.random.default_rng(3)

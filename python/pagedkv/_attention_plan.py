@@ -28,6 +28,7 @@ from ._tensors import (
     device_of,
     dtype_of,
     empty,
+    empty_like,
     is_torch,
     new_like,
     storage_dtype,
@@ -271,7 +272,7 @@ class AttentionPlan:
         self.check_run(q, geometry)
         assert self.q_dtype is not None
         if out is None:
-            out = empty(q, q.shape, self.q_dtype)
+            out = empty_like(q)  # check_run: q has the plan's dtype
         else:
             check_output("out", out, tuple(q.shape), self.q_dtype, self.device)
         b = self.buffers
