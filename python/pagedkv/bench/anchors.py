@@ -66,25 +66,40 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
 
 
 def time_round_robin(
-    fns: dict[str, Callable[[], Any]], reps: int = 15, max_s: float = 4.0, flush: bool = True
+    fns: dict[str, Callable[[], Any]],
+    reps: int = 15,
+    max_s: float = 4.0,
+    flush: bool = True,
+    min_reps: int = 3,
 ) -> dict[str, Timing]:
     """Times the functions interleaved (one run of each per round, rotating the
-    order), so drifts in the machine's speed hit all of them alike."""
+    order), so drifts in the machine's speed hit all of them alike.
+
+    Each function gets `reps` runs, or fewer (but at least `min_reps`) once it
+    has spent `max_s` seconds: a slow anchor (seconds per call) stops early,
+    and the fast ones keep their full count instead of a median of three.
+    """
     names = list(fns)
     for name in names:
         fns[name]()  # warm-up: compile caches, page faults
     times: dict[str, list[float]] = {n: [] for n in names}
-    t_begin = time.perf_counter()
+
+    def active(name: str) -> bool:
+        runs = times[name]
+        return len(runs) < reps and (len(runs) < min_reps or sum(runs) < max_s)
+
     counters = cpu_times()
-    for r in range(reps):
+    r = 0
+    while any(active(n) for n in names):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if not active(name):
+                continue
             if flush:
                 flush_caches()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
-        if r >= 2 and time.perf_counter() - t_begin > max_s * len(names):
-            break
+        r += 1
     steal = steal_share(counters, cpu_times())
     return {
         n: Timing(statistics.median(t) * 1e3, min(t) * 1e3, len(t), steal) for n, t in times.items()

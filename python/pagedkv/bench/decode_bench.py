@@ -176,7 +176,8 @@ def run_cpu_decode_bench(
                 if verbose:
                     print(
                         f"  {shape.label:22s} {dtype:8s} {name:16s} {t.median_ms:9.3f} ms "
-                        f"{row.gbps:7.1f} GB/s  {100 * row.gbps / bandwidth:4.0f}% of read BW",
+                        f"{row.gbps:7.1f} GB/s  {100 * row.gbps / bandwidth:4.0f}% of read BW"
+                        f"  (median of {t.runs})",
                         flush=True,
                     )
             del case, k, v, fns
