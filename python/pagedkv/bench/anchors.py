@@ -76,8 +76,8 @@ def time_round_robin(
     order), so drifts in the machine's speed hit all of them alike.
 
     Each function gets `reps` runs, or fewer (but at least `min_reps`) once it
-    has spent `max_s` seconds: a slow anchor (seconds per call) stops early,
-    and the fast ones keep their full count instead of a median of three.
+    has spent `max_s` seconds: a slow anchor (seconds per call) stops early
+    without cutting the fast ones' count short.
     """
     names = list(fns)
     for name in names:
