@@ -18,9 +18,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     shapes = [CPU_SHAPES[int(i)] for i in args.shapes.split(",")]
-    bandwidth, rows = run_cpu_decode_bench(shapes, args.dtypes.split(","), args.reps)
+    machine, rows = run_cpu_decode_bench(shapes, args.dtypes.split(","), args.reps)
     print()
-    print(format_table(bandwidth, rows))
+    print(format_table(machine, rows))
 
 
 if __name__ == "__main__":

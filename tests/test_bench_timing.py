@@ -1,8 +1,9 @@
 """The benchmarks' timing loop (no kernels: fake workloads)."""
 
+import threading
 import time
 
-from pagedkv.bench.anchors import time_round_robin
+from pagedkv.bench.anchors import burst_speedup, time_round_robin
 
 
 def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
@@ -25,3 +26,20 @@ def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
     timed = calls[2:]  # after one warm-up call each
     first = timed.index("slow")
     assert "fast" in timed[first : timed.index("slow", first + 1)]
+
+
+def test_burst_speedup_is_the_work_done_in_parallel_over_one_thread():
+    # Sleeping releases the GIL: two threads do two bursts in one burst's time.
+    def parallel(i: int) -> None:
+        time.sleep(0.02)
+
+    assert 1.7 < burst_speedup(20, threads=2, idle_s=0, reps=3, work=parallel) < 2.2
+
+    # The same bursts behind one lock run one after the other.
+    lock = threading.Lock()
+
+    def serialized(i: int) -> None:
+        with lock:
+            time.sleep(0.02)
+
+    assert 0.8 < burst_speedup(20, threads=2, idle_s=0, reps=3, work=serialized) < 1.2

@@ -9,6 +9,8 @@
   ``enable_gqa`` and with the group folded into the query length.
 - The machine's read bandwidth: the best of NumPy and torch reductions over a
   1 GiB array, one thread and all threads (STREAM's convention: best of N).
+- How well the machine runs short parallel bursts after idling (a decode
+  call is one): the speedup of all threads over one.
 """
 
 from __future__ import annotations
@@ -147,6 +149,66 @@ def read_bandwidth_gbps(gib: float = 1.0, reps: int = 8) -> float:
     finally:
         torch.set_num_threads(saved)
     return best
+
+
+def burst_speedup(
+    burst_ms: float,
+    threads: int | None = None,
+    idle_s: float = 0.01,
+    reps: int = 9,
+    work: Callable[[int], None] | None = None,
+) -> float:
+    """How many times more work `threads` threads get done in a short burst
+    than one thread, right after the machine idled for `idle_s`: the median
+    over `reps` of threads x (one thread's time for one burst) / (the time
+    for `threads` bursts run at once). Ideal: `threads`.
+
+    A decode call is such a burst (milliseconds). A hypervisor that leaves an
+    idle vCPU parked, or wakes it onto its neighbour's core, shows here as a
+    speedup short of ideal for short bursts, though neither the steal counter
+    nor a long bandwidth run sees it. work(i) runs burst i (thread i); by
+    default a NumPy loop (GIL released) of about burst_ms on one thread.
+    """
+    threads = threads or os.cpu_count() or 1
+    if work is None:
+        work = _numpy_burst(burst_ms, threads)
+
+    def all_at_once() -> None:
+        helpers = [threading.Thread(target=work, args=(i,)) for i in range(1, threads)]
+        for t in helpers:
+            t.start()
+        work(0)
+        for t in helpers:
+            t.join()
+
+    ratios = []
+    for _ in range(reps):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        work(0)
+        one = time.perf_counter() - t0
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        all_at_once()
+        ratios.append(threads * one / (time.perf_counter() - t0))
+    return statistics.median(ratios)
+
+
+def _numpy_burst(burst_ms: float, threads: int) -> Callable[[int], None]:
+    """work(i): np.exp over thread i's own L2-sized array, repeated to last
+    about burst_ms."""
+    arrays = [np.linspace(0.0, 1.0, 1 << 16) for _ in range(threads)]
+    outs = [np.empty_like(a) for a in arrays]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        np.exp(arrays[0], out=outs[0])
+    calls = max(1, round(burst_ms / 1e3 / ((time.perf_counter() - t0) / 20)))
+
+    def work(i: int) -> None:
+        for _ in range(calls):
+            np.exp(arrays[i], out=outs[i])
+
+    return work
 
 
 # --------------------------------------------------------------------------- #

@@ -41,18 +41,18 @@ def run_bench(
             raise ValueError(
                 f"--shapes takes indices 0-{len(CPU_SHAPES) - 1}, got {shapes!r}"
             ) from e
-    bandwidth, rows = run_cpu_decode_bench(chosen, dtypes, reps)
+    machine, rows = run_cpu_decode_bench(chosen, dtypes, reps)
     append_rows = run_append_bench(dtypes=dtypes, reps=reps)
     print()
     print("decode attention, CPU (ratios: anchor time / pagedkv time)")
-    print(format_table(bandwidth, rows))
+    print(format_table(machine, rows))
     print()
     print("append, CPU (GB/s moved: the appended K and V read once and written once)")
     print(format_append_table(append_rows))
     if plot is not None:
         sweep = [DecodeShape(16, length, 32, 8) for length in SWEEP_LENGTHS]
-        sweep_bw, sweep_rows = run_cpu_decode_bench(sweep, dtypes[:1], reps, verbose=False)
-        draw(plot, sweep_bw, sweep_rows)
+        sweep_machine, sweep_rows = run_cpu_decode_bench(sweep, dtypes[:1], reps, verbose=False)
+        draw(plot, sweep_machine.read_gbps, sweep_rows)
         print(f"\nwrote {plot}")
     return 0
 

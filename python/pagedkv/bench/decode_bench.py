@@ -14,6 +14,7 @@ import numpy as np
 
 from .anchors import (
     Timing,
+    burst_speedup,
     cpu_times,
     max_builtin_decode,
     read_bandwidth_gbps,
@@ -123,6 +124,22 @@ def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
     return lambda: w.run(case.q, case.pool)
 
 
+BURST_MS = (1.0, 5.0, 20.0)
+"""Burst lengths whose parallel speedup the bench reports: a decode call at
+the issue's shapes takes 2-50 ms."""
+
+
+@dataclass
+class MachineSpeed:
+    """What the machine could do in this run: read bandwidth (GB/s, long
+    reductions) and the speedup of all threads over one on bursts of
+    compute after 10 ms idle (burst ms -> speedup; ideal: the thread count)."""
+
+    read_gbps: float
+    threads: int
+    burst_speedup: dict[float, float]
+
+
 @dataclass
 class Row:
     shape: DecodeShape
@@ -135,9 +152,11 @@ class Row:
 
 def run_cpu_decode_bench(
     shapes=CPU_SHAPES, dtypes=("float32", "bfloat16"), reps: int = 15, verbose: bool = True
-) -> tuple[float, list[Row]]:
-    """Times pagedkv, MAX's built-in kernel and torch SDPA; returns the read
-    bandwidth (GB/s) measured in this run and a row per implementation."""
+) -> tuple[MachineSpeed, list[Row]]:
+    """Times pagedkv, MAX's built-in kernel and torch SDPA; returns what the
+    machine could do in this run and a row per implementation."""
+    import os
+
     import torch
 
     torch.set_num_threads(torch.get_num_threads())
@@ -149,6 +168,10 @@ def run_cpu_decode_bench(
         steal = steal_share(counters, cpu_times())
         stolen = f" (steal {100 * steal:.1f}%)" if steal is not None else ""
         print(f"  {bandwidth:.1f} GB/s{stolen}", flush=True)
+    threads = os.cpu_count() or 1
+    machine = MachineSpeed(bandwidth, threads, {ms: burst_speedup(ms, threads) for ms in BURST_MS})
+    if verbose:
+        print(f"  {burst_line(machine)}", flush=True)
     rows: list[Row] = []
     for shape in shapes:
         for dtype in dtypes:
@@ -181,16 +204,26 @@ def run_cpu_decode_bench(
                         flush=True,
                     )
             del case, k, v, fns
-    return bandwidth, rows
+    return machine, rows
 
 
-def format_table(bandwidth: float, rows: list[Row]) -> str:
+def burst_line(machine: MachineSpeed) -> str:
+    speedups = ", ".join(f"{x:.2f}x at {ms:g} ms" for ms, x in machine.burst_speedup.items())
+    return (
+        f"{machine.threads}-thread speedup of bursts after 10 ms idle "
+        f"(ideal {machine.threads:.2f}x): {speedups}"
+    )
+
+
+def format_table(machine: MachineSpeed, rows: list[Row]) -> str:
     """The table of the issue: pagedkv's ms, GB/s, share of read bandwidth and
     speedup over each anchor (anchor time / pagedkv time), all from medians;
     then the share at pagedkv's fastest run and the CPU time stolen by the
     hypervisor while the row was timed (how much of the spread is the VM's)."""
+    bandwidth = machine.read_gbps
     lines = [
         f"read bandwidth measured in this run: {bandwidth:.1f} GB/s",
+        burst_line(machine),
         f"{'shape (B, L, Hq, Hkv)':22s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} "
         f"{'%BW':>5s} {'MAX ms':>8s} {'xMAX':>5s} {'gqa ms':>8s} {'xgqa':>5s} "
         f"{'fold ms':>8s} {'xfold':>5s} {'%BWbest':>7s} {'steal':>5s}",
