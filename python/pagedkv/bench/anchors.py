@@ -173,14 +173,7 @@ def burst_speedup(
     if work is None:
         work = _numpy_burst(burst_ms, threads)
 
-    def all_at_once() -> None:
-        helpers = [threading.Thread(target=work, args=(i,)) for i in range(1, threads)]
-        for t in helpers:
-            t.start()
-        work(0)
-        for t in helpers:
-            t.join()
-
+    all_at_once = _parallel(lambda i, _parts: work(i), threads)
     ratios = []
     for _ in range(reps):
         time.sleep(idle_s)
