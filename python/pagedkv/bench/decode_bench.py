@@ -8,6 +8,7 @@ bandwidth, reported as a share of the machine's measured read bandwidth.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,8 +156,6 @@ def run_cpu_decode_bench(
 ) -> tuple[MachineSpeed, list[Row]]:
     """Times pagedkv, MAX's built-in kernel and torch SDPA; returns what the
     machine could do in this run and a row per implementation."""
-    import os
-
     import torch
 
     torch.set_num_threads(torch.get_num_threads())
@@ -208,6 +207,7 @@ def run_cpu_decode_bench(
 
 
 def burst_line(machine: MachineSpeed) -> str:
+    """The machine's burst speedups as one line of the table's header."""
     speedups = ", ".join(f"{x:.2f}x at {ms:g} ms" for ms, x in machine.burst_speedup.items())
     return (
         f"{machine.threads}-thread speedup of bursts after 10 ms idle "
@@ -219,7 +219,9 @@ def format_table(machine: MachineSpeed, rows: list[Row]) -> str:
     """The table of the issue: pagedkv's ms, GB/s, share of read bandwidth and
     speedup over each anchor (anchor time / pagedkv time), all from medians;
     then the share at pagedkv's fastest run and the CPU time stolen by the
-    hypervisor while the row was timed (how much of the spread is the VM's)."""
+    hypervisor while the row was timed (how much of the spread is the VM's).
+    The header gives the machine's read bandwidth and burst speedups (a
+    short call on a machine slow to start its idle cores reads slow)."""
     bandwidth = machine.read_gbps
     lines = [
         f"read bandwidth measured in this run: {bandwidth:.1f} GB/s",
