@@ -173,12 +173,15 @@ def burst_speedup(
     if work is None:
         work = _numpy_burst(burst_ms, threads)
 
+    # Both timings start their bursts on new threads, so thread start-up
+    # costs them alike.
+    alone = _parallel(lambda i, _parts: work(i), 1)
     all_at_once = _parallel(lambda i, _parts: work(i), threads)
     ratios = []
     for _ in range(reps):
         time.sleep(idle_s)
         t0 = time.perf_counter()
-        work(0)
+        alone()
         one = time.perf_counter() - t0
         time.sleep(idle_s)
         t0 = time.perf_counter()
