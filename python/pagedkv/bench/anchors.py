@@ -9,6 +9,9 @@
   ``enable_gqa`` and with the group folded into the query length.
 - The machine's read bandwidth: the best of NumPy and torch reductions over a
   1 GiB array, one thread and all threads (STREAM's convention: best of N).
+- A plain read of the same bytes as a kernel (`same_bytes_reads`), timed in
+  the kernel's own rounds: what memory gives a burst of that length, after
+  the same cache flush, at the same moments of a noisy machine.
 - How well the machine runs short parallel bursts after idling (a decode
   call is one): the speedup of all threads over one.
 """
@@ -149,6 +152,22 @@ def read_bandwidth_gbps(gib: float = 1.0, reps: int = 8) -> float:
     finally:
         torch.set_num_threads(saved)
     return best
+
+
+def same_bytes_reads(nbytes: int) -> dict[str, Callable[[], Any]]:
+    """Reductions over a float32 array of nbytes, NumPy on one thread and
+    torch on all threads: a reference for a kernel that reads nbytes, to be
+    timed in the same rounds (`time_round_robin`) as the kernel.
+
+    The best-of-N bandwidth above is the machine's peak; a burst of a few
+    milliseconds right after a flush, on a machine whose neighbours load
+    its memory, gets less, and these show how much less.
+    """
+    import torch
+
+    a = np.ones(nbytes // 4, np.float32)
+    at = torch.from_numpy(a)
+    return {"read_numpy": lambda: np.maximum.reduce(a), "read_torch": lambda: at.sum()}
 
 
 def burst_speedup(

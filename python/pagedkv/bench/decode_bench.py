@@ -19,6 +19,7 @@ from .anchors import (
     cpu_times,
     max_builtin_decode,
     read_bandwidth_gbps,
+    same_bytes_reads,
     steal_share,
     time_round_robin,
     torch_sdpa_decode,
@@ -148,14 +149,16 @@ class Row:
     name: str
     timing: Timing
     gbps: float
-    max_abs_diff: float
+    max_abs_diff: float | None
+    """Against torch SDPA (fold); None for the plain reads."""
 
 
 def run_cpu_decode_bench(
     shapes=CPU_SHAPES, dtypes=("float32", "bfloat16"), reps: int = 15, verbose: bool = True
 ) -> tuple[MachineSpeed, list[Row]]:
-    """Times pagedkv, MAX's built-in kernel and torch SDPA; returns what the
-    machine could do in this run and a row per implementation."""
+    """Times pagedkv, MAX's built-in kernel, torch SDPA and plain reads of
+    the same bytes, interleaved; returns what the machine could do in this
+    run and a row per implementation."""
     import torch
 
     torch.set_num_threads(torch.get_num_threads())
@@ -176,7 +179,8 @@ def run_cpu_decode_bench(
         for dtype in dtypes:
             case = make_case(shape, dtype)
             k, v = case.gathered()
-            fns = {
+            nbytes = shape.kv_bytes(case.pool.element_size())
+            attention = {
                 "pagedkv": pagedkv_decode(case),
                 "max_builtin": max_builtin_decode(
                     case.q, case.pool, case.page_table, shape.seq_len, case.num_pages
@@ -184,16 +188,16 @@ def run_cpu_decode_bench(
                 "torch_sdpa_gqa": torch_sdpa_decode(case.q, k, v, fold=False),
                 "torch_sdpa_fold": torch_sdpa_decode(case.q, k, v, fold=True),
             }
-            reference = fns["torch_sdpa_fold"]().float().reshape(case.q.shape)
+            reference = attention["torch_sdpa_fold"]().float().reshape(case.q.shape)
             diffs = {}
-            for name, fn in fns.items():
+            for name, fn in attention.items():
                 out = fn()
                 out = torch.from_dlpack(out) if not isinstance(out, torch.Tensor) else out
                 diffs[name] = float((out.float().reshape(case.q.shape) - reference).abs().max())
+            fns = {**attention, **same_bytes_reads(nbytes)}
             timings = time_round_robin(fns, reps=reps)
-            nbytes = shape.kv_bytes(case.pool.element_size())
             for name, t in timings.items():
-                row = Row(shape, dtype, name, t, nbytes / t.median_ms / 1e6, diffs[name])
+                row = Row(shape, dtype, name, t, nbytes / t.median_ms / 1e6, diffs.get(name))
                 rows.append(row)
                 if verbose:
                     print(
@@ -202,7 +206,7 @@ def run_cpu_decode_bench(
                         f"  (median of {t.runs})",
                         flush=True,
                     )
-            del case, k, v, fns
+            del case, k, v, attention, fns
     return machine, rows
 
 
@@ -218,17 +222,20 @@ def burst_line(machine: MachineSpeed) -> str:
 def format_table(machine: MachineSpeed, rows: list[Row]) -> str:
     """The table of the issue: pagedkv's ms, GB/s, share of read bandwidth and
     speedup over each anchor (anchor time / pagedkv time), all from medians;
-    then the share at pagedkv's fastest run and the CPU time stolen by the
-    hypervisor while the row was timed (how much of the spread is the VM's).
-    The header gives the machine's read bandwidth and burst speedups (a
-    short call on a machine slow to start its idle cores reads slow)."""
+    then the share at pagedkv's fastest run, pagedkv's GB/s as a share of
+    the faster plain read of the same bytes timed in the same rounds
+    (%read: the same flush, burst length and moments of the machine; 100%
+    means as fast as memory gave that burst), and the CPU time stolen by
+    the hypervisor while the row was timed. The header gives the machine's
+    read bandwidth and burst speedups (a short call on a machine slow to
+    start its idle cores reads slow)."""
     bandwidth = machine.read_gbps
     lines = [
         f"read bandwidth measured in this run: {bandwidth:.1f} GB/s",
         burst_line(machine),
         f"{'shape (B, L, Hq, Hkv)':22s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} "
         f"{'%BW':>5s} {'MAX ms':>8s} {'xMAX':>5s} {'gqa ms':>8s} {'xgqa':>5s} "
-        f"{'fold ms':>8s} {'xfold':>5s} {'%BWbest':>7s} {'steal':>5s}",
+        f"{'fold ms':>8s} {'xfold':>5s} {'%BWbest':>7s} {'%read':>5s} {'steal':>5s}",
     ]
     by_key: dict[tuple, dict[str, Row]] = {}
     for r in rows:
@@ -241,11 +248,12 @@ def format_table(machine: MachineSpeed, rows: list[Row]) -> str:
         )
         x_max, x_gqa, x_fold = (t / ours.timing.median_ms for t in (max_ms, gqa_ms, fold_ms))
         best = 100 * ours.gbps * ours.timing.median_ms / ours.timing.min_ms / bandwidth
+        read = 100 * ours.gbps / max(group[n].gbps for n in ("read_numpy", "read_torch"))
         steal = ours.timing.steal
         lines.append(
             f"{shape.label:22s} {dtype:8s} {ours.timing.median_ms:10.3f} {ours.gbps:6.1f} "
             f"{100 * ours.gbps / bandwidth:4.0f}% {max_ms:8.3f} {x_max:5.2f} "
             f"{gqa_ms:8.3f} {x_gqa:5.2f} {fold_ms:8.3f} {x_fold:5.2f} {best:6.0f}% "
-            + (f"{100 * steal:4.1f}%" if steal is not None else "    -")
+            f"{read:4.0f}% " + (f"{100 * steal:4.1f}%" if steal is not None else "    -")
         )
     return "\n".join(lines)
