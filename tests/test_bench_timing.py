@@ -43,3 +43,32 @@ def test_burst_speedup_is_the_work_done_in_parallel_over_one_thread():
             time.sleep(0.02)
 
     assert 0.8 < burst_speedup(20, threads=2, idle_s=0, reps=3, work=serialized) < 1.2
+
+
+def test_decode_table_ratios_come_from_the_rows_medians():
+    from pagedkv.bench.anchors import Timing
+    from pagedkv.bench.decode_bench import DecodeShape, MachineSpeed, Row, format_table
+
+    shape = DecodeShape(16, 1024, 32, 8)
+    nbytes = shape.kv_bytes(2)
+
+    def row(name: str, median_ms: float, min_ms: float) -> Row:
+        timing = Timing(median_ms, min_ms, 15, 0.0)
+        return Row(shape, "bfloat16", name, timing, nbytes / median_ms / 1e6, None)
+
+    rows = [
+        row("pagedkv", 4.0, 3.0),
+        row("max_builtin", 40.0, 40.0),
+        row("torch_sdpa_gqa", 12.0, 12.0),
+        row("torch_sdpa_fold", 6.0, 6.0),
+        row("read_numpy", 6.0, 6.0),
+        row("read_torch", 3.2, 3.0),  # the faster read: pagedkv at 80% of it
+    ]
+    bandwidth = nbytes / 2.0 / 1e6  # pagedkv's median reads at half of it
+    table = format_table(MachineSpeed(bandwidth, 2, {5.0: 1.5}), rows)
+    cells = table.splitlines()[-1].split()  # the label is 4 cells, then the dtype
+    # ms, GB/s, %BW, MAX ms, xMAX, gqa ms, xgqa, fold ms, xfold, %BWbest, %read, steal
+    assert cells[5:] == [
+        "4.000", f"{nbytes / 4e6:.1f}", "50%", "40.000", "10.00", "12.000", "3.00",
+        "6.000", "1.50", "67%", "80%", "0.0%",
+    ]  # fmt: skip
