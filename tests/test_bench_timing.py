@@ -3,7 +3,8 @@
 import threading
 import time
 
-from pagedkv.bench.anchors import burst_speedup, time_round_robin
+from pagedkv.bench.anchors import Timing, burst_speedup, time_round_robin
+from pagedkv.bench.decode_bench import DecodeShape, MachineSpeed, Row, format_table
 
 
 def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
@@ -46,9 +47,6 @@ def test_burst_speedup_is_the_work_done_in_parallel_over_one_thread():
 
 
 def test_decode_table_ratios_come_from_the_rows_medians():
-    from pagedkv.bench.anchors import Timing
-    from pagedkv.bench.decode_bench import DecodeShape, MachineSpeed, Row, format_table
-
     shape = DecodeShape(16, 1024, 32, 8)
     nbytes = shape.kv_bytes(2)
 
