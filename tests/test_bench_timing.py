@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from pagedkv.bench.anchors import Timing, burst_speedup, time_round_robin
 from pagedkv.bench.decode_bench import DecodeShape, MachineSpeed, Row, format_table
 
@@ -29,21 +31,46 @@ def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
     assert "fast" in timed[first : timed.index("slow", first + 1)]
 
 
+class SimulatedClock:
+    """Seconds that advance only when a burst says so: exact, unlike a VM's."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
 def test_burst_speedup_is_the_work_done_in_parallel_over_one_thread():
-    # Sleeping releases the GIL: two threads do two bursts in one burst's time.
+    # Bursts that overlap perfectly: thread 0's burst spans the wall time, the
+    # others run alongside it.
+    clock = SimulatedClock()
+
     def parallel(i: int) -> None:
-        time.sleep(0.02)
+        if i == 0:
+            clock.advance(0.02)
 
-    assert 1.7 < burst_speedup(20, threads=2, idle_s=0, reps=3, work=parallel) < 2.2
+    speedup = burst_speedup(20, threads=3, idle_s=0, reps=3, work=parallel, clock=clock)
+    assert speedup == pytest.approx(3.0)
 
-    # The same bursts behind one lock run one after the other.
-    lock = threading.Lock()
-
+    # Bursts that do not overlap at all: each adds its own time.
     def serialized(i: int) -> None:
-        with lock:
-            time.sleep(0.02)
+        clock.advance(0.02)
 
-    assert 0.8 < burst_speedup(20, threads=2, idle_s=0, reps=3, work=serialized) < 1.2
+    speedup = burst_speedup(20, threads=3, idle_s=0, reps=3, work=serialized, clock=clock)
+    assert speedup == pytest.approx(1.0)
+
+    # Half-overlapped: 3 bursts of 20 ms take 40 ms at once, so 60 / 40.
+    def half(i: int) -> None:
+        clock.advance(0.02 if i == 0 else 0.01)
+
+    speedup = burst_speedup(20, threads=3, idle_s=0, reps=3, work=half, clock=clock)
+    assert speedup == pytest.approx(1.5)
 
 
 def test_decode_table_ratios_come_from_the_rows_medians():

@@ -176,6 +176,7 @@ def burst_speedup(
     idle_s: float = 0.01,
     reps: int = 9,
     work: Callable[[int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """How many times more work `threads` threads get done in a short burst
     than one thread, right after the machine idled for `idle_s`: the median
@@ -187,6 +188,7 @@ def burst_speedup(
     speedup short of ideal for short bursts, though neither the steal counter
     nor a long bandwidth run sees it. work(i) runs burst i (thread i); by
     default a NumPy loop (GIL released) of about burst_ms on one thread.
+    `clock` reads seconds (tests pass a simulated one).
     """
     threads = threads or os.cpu_count() or 1
     if work is None:
@@ -199,13 +201,13 @@ def burst_speedup(
     ratios = []
     for _ in range(reps):
         time.sleep(idle_s)
-        t0 = time.perf_counter()
+        t0 = clock()
         alone()
-        one = time.perf_counter() - t0
+        one = clock() - t0
         time.sleep(idle_s)
-        t0 = time.perf_counter()
+        t0 = clock()
         all_at_once()
-        ratios.append(threads * one / (time.perf_counter() - t0))
+        ratios.append(threads * one / (clock() - t0))
     return statistics.median(ratios)
 
 
