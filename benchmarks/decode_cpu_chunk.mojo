@@ -1,13 +1,17 @@
 """The CPU attention kernel's compute cost, without memory traffic: one
 task's chunk loop (scores, online softmax, V accumulation) over the same 32
-token rows, hot in L1/L2, on one core.
+token rows, hot in L1/L2, on one core; then a whole task (`attention_task`:
+row tables, row prefetch, q and state set-up) over one request of TASK_TOKENS
+tokens in random pages, a pool small enough to stay in L2.
 
     mojo run -I . benchmarks/decode_cpu_chunk.mojo
 
-Prints the best of REPEATS runs, in ns per (token, KV head), for GQA groups 4 and 1, head_dim 128, K/V in
-bfloat16 and float32, and the split between scoring and accumulating. Set
-beside the memory's time for the same bytes (`benchmarks/decode.py` measures
-the read bandwidth) it says whether decode is bound by compute or by memory.
+Prints the best of REPEATS runs, in ns per (token, KV head), for GQA groups 4
+and 1, head_dim 128, K/V in bfloat16 and float32, and the split between
+scoring and accumulating. Set beside the memory's time for the same bytes
+(`benchmarks/decode.py` measures the read bandwidth) it says whether decode is
+bound by compute or by memory: the task's figure is the one to compare, as the
+chunk loop alone leaves out the L2 reads and the prefetch bookkeeping.
 """
 
 from std.memory.alloc import unsafe_alloc
@@ -18,17 +22,25 @@ from mojo_ops.attention_cpu import (
     RowPrefetch,
     TaskState,
     accumulate_tile,
+    attention_task,
     chunk_group,
     score_tile,
 )
 from mojo_ops.attention_params import AttentionParams
-from mojo_ops.paged_kv_cache import Ptr
+from mojo_ops.attention_work import AttentionWork
+from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 
 comptime HEAD_DIM = 128
 comptime KV_HEADS = 8
 comptime ITERATIONS = 4000
 comptime REPEATS = 9
 """Timed runs of ITERATIONS chunks; the best is printed (the machine is shared)."""
+comptime PAGE_SIZE = 16
+comptime TASK_TOKENS = 128
+"""One request's tokens in the task measurement: 512 KiB of bfloat16 K/V,
+1 MiB of float32, within a 1.25 MiB L2."""
+comptime TASK_RUNS = 500
+"""Tasks per timed run."""
 
 
 def filled[dtype: DType](n: Int) -> Ptr[dtype]:
@@ -115,8 +127,76 @@ def bench[kv_dtype: DType, group: Int]() raises:
     )
 
 
+def bench_task[kv_dtype: DType, group: Int]() raises:
+    var pages = TASK_TOKENS // PAGE_SIZE
+    var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
+    var pool = filled[kv_dtype](pages * page_elems)
+    var indices = rebind[Ptr[DType.int32]](
+        unsafe_alloc[Int32](pages, alignment=64)
+    )
+    for i in range(pages):
+        # Pages out of order, as a long-running pool holds them.
+        indices[unsafe_offset=i] = Int32((i * 5 + 3) % pages)
+    var indptr = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](2, alignment=64))
+    indptr[unsafe_offset=0] = 0
+    indptr[unsafe_offset=1] = Int32(pages)
+    var last = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](1, alignment=64))
+    last[unsafe_offset=0] = PAGE_SIZE
+    var cache = (
+        PagedKVCache[kv_dtype, KVLayout.NHD]
+        .from_pool(
+            pool, pages, indptr, indices, last, 1, PAGE_SIZE, KV_HEADS, HEAD_DIM
+        )
+        .specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
+    )
+    # One work item: request 0, its one query at the last position, all keys.
+    var items = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](6, alignment=64))
+    var fields = [0, 0, 1, TASK_TOKENS - 1, 0, TASK_TOKENS]
+    for i in range(6):
+        items[unsafe_offset=i] = Int32(fields[i])
+    var request_items = rebind[Ptr[DType.int32]](
+        unsafe_alloc[Int32](2, alignment=64)
+    )
+    request_items[unsafe_offset=0] = 0
+    request_items[unsafe_offset=1] = 1
+    var heads = KV_HEADS * group
+    var partial_o = filled[DType.float32](heads * HEAD_DIM)
+    var partial_lse = filled[DType.float32](heads)
+    var work = AttentionWork(
+        items, 1, request_items, partial_o, partial_lse, True
+    )
+    var q = filled[kv_dtype](heads * HEAD_DIM)
+    var o = filled[kv_dtype](heads * HEAD_DIM)
+    var lse = filled[DType.float32](heads)
+    var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+
+    var best = Float64.MAX
+    for _ in range(REPEATS):
+        var start = Int(perf_counter_ns())
+        for _ in range(TASK_RUNS):
+            attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, 0)
+        best = min(
+            best,
+            Float64(Int(perf_counter_ns()) - start)
+            / Float64(TASK_RUNS * TASK_TOKENS * KV_HEADS),
+        )
+    print(
+        kv_dtype,
+        " group ",
+        group,
+        ": ",
+        best,
+        " ns per token and KV head (whole task, pool in L2)",
+        sep="",
+    )
+
+
 def main() raises:
     bench[DType.bfloat16, 4]()
     bench[DType.float32, 4]()
     bench[DType.bfloat16, 1]()
     bench[DType.float32, 1]()
+    bench_task[DType.bfloat16, 4]()
+    bench_task[DType.float32, 4]()
+    bench_task[DType.bfloat16, 1]()
+    bench_task[DType.float32, 1]()
