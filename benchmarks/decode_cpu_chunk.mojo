@@ -50,6 +50,15 @@ def filled[dtype: DType](n: Int) -> Ptr[dtype]:
     return p
 
 
+def index_array(values: List[Int]) -> Ptr[DType.int32]:
+    var p = rebind[Ptr[DType.int32]](
+        unsafe_alloc[Int32](len(values), alignment=64)
+    )
+    for i in range(len(values)):
+        p[unsafe_offset=i] = Int32(values[i])
+    return p
+
+
 def ns_per_token(start: Int, stop: Int) -> Float64:
     return Float64(stop - start) / Float64(ITERATIONS * CHUNK)
 
@@ -131,34 +140,26 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
     var pages = TASK_TOKENS // PAGE_SIZE
     var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
     var pool = filled[kv_dtype](pages * page_elems)
-    var indices = rebind[Ptr[DType.int32]](
-        unsafe_alloc[Int32](pages, alignment=64)
-    )
-    for i in range(pages):
-        # Pages out of order, as a long-running pool holds them.
-        indices[unsafe_offset=i] = Int32((i * 5 + 3) % pages)
-    var indptr = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](2, alignment=64))
-    indptr[unsafe_offset=0] = 0
-    indptr[unsafe_offset=1] = Int32(pages)
-    var last = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](1, alignment=64))
-    last[unsafe_offset=0] = PAGE_SIZE
+    # Pages out of order, as a long-running pool holds them.
+    var indices = index_array([(i * 5 + 3) % pages for i in range(pages)])
     var cache = (
         PagedKVCache[kv_dtype, KVLayout.NHD]
         .from_pool(
-            pool, pages, indptr, indices, last, 1, PAGE_SIZE, KV_HEADS, HEAD_DIM
+            pool,
+            pages,
+            index_array([0, pages]),
+            indices,
+            index_array([PAGE_SIZE]),
+            1,
+            PAGE_SIZE,
+            KV_HEADS,
+            HEAD_DIM,
         )
         .specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
     )
     # One work item: request 0, its one query at the last position, all keys.
-    var items = rebind[Ptr[DType.int32]](unsafe_alloc[Int32](6, alignment=64))
-    var fields = [0, 0, 1, TASK_TOKENS - 1, 0, TASK_TOKENS]
-    for i in range(6):
-        items[unsafe_offset=i] = Int32(fields[i])
-    var request_items = rebind[Ptr[DType.int32]](
-        unsafe_alloc[Int32](2, alignment=64)
-    )
-    request_items[unsafe_offset=0] = 0
-    request_items[unsafe_offset=1] = 1
+    var items = index_array([0, 0, 1, TASK_TOKENS - 1, 0, TASK_TOKENS])
+    var request_items = index_array([0, 1])
     var heads = KV_HEADS * group
     var partial_o = filled[DType.float32](heads * HEAD_DIM)
     var partial_lse = filled[DType.float32](heads)
