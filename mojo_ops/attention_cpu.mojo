@@ -579,66 +579,25 @@ def chunk_group[
     var prefetching = prefetcher
     while g < g0 + group:
         var left = g0 + group - g
-        if left >= 8:
-            chunk_tile[8](
-                head_dim,
-                params,
-                state,
-                g,
-                k,
-                k_rows,
-                v,
-                v_rows,
-                n,
-                kv_pos0,
-                prefetching,
-            )
-            g += 8
-        elif left >= 4:
-            chunk_tile[4](
-                head_dim,
-                params,
-                state,
-                g,
-                k,
-                k_rows,
-                v,
-                v_rows,
-                n,
-                kv_pos0,
-                prefetching,
-            )
-            g += 4
-        elif left >= 2:
-            chunk_tile[2](
-                head_dim,
-                params,
-                state,
-                g,
-                k,
-                k_rows,
-                v,
-                v_rows,
-                n,
-                kv_pos0,
-                prefetching,
-            )
-            g += 2
-        else:
-            chunk_tile[1](
-                head_dim,
-                params,
-                state,
-                g,
-                k,
-                k_rows,
-                v,
-                v_rows,
-                n,
-                kv_pos0,
-                prefetching,
-            )
-            g += 1
+        var taken = False
+        comptime for i in range(4):
+            comptime tile = 8 >> i
+            if not taken and left >= tile:
+                chunk_tile[tile](
+                    head_dim,
+                    params,
+                    state,
+                    g,
+                    k,
+                    k_rows,
+                    v,
+                    v_rows,
+                    n,
+                    kv_pos0,
+                    prefetching,
+                )
+                g += tile
+                taken = True
         prefetching = prefetcher.disabled()
 
 
