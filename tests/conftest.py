@@ -10,6 +10,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import background  # noqa: E402  (from this folder, put on the path above)
+
 TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
@@ -133,3 +135,28 @@ def compiled_ops():
         s for s in op_specs(("float32", "float16", "bfloat16"), pairs) if "batch_" not in s.name
     ]
     prepare(page_and_merge + attention, CPU)
+
+
+def pytest_collection_finish(session):
+    """Starts the selected GPU compile checks (minutes each) in the
+    background, beside the CPU tests (see background.py)."""
+    checks = [
+        item
+        for item in session.items
+        if getattr(item, "originalname", "") == "test_gpu_paths_compile"
+    ]
+    if not checks:
+        return
+    from pagedkv._kernels import kernel_package
+
+    try:
+        kernel_package()  # built once here, not by each check at once
+    except RuntimeError:
+        pass  # a kernel that does not compile fails in the tests themselves
+    for item in checks:
+        arch, flags = item.callspec.params["arch"], item.callspec.params["flags"]
+        background.start(arch, item.module.gpu_check_argv(arch, flags))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    background.stop_all()

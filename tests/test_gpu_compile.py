@@ -2,26 +2,32 @@
 
 CI has no GPU: the virtual device runs the whole compile of each op's GPU
 branch, so GPU-only compile errors fail here. Each architecture needs a
-fresh process (the virtual device is set before any device exists).
+fresh process (the virtual device is set before any device exists). The
+processes start when the suite is collected and run beside the CPU tests
+(background.py, conftest.py); each test waits for its architecture's.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
+import background
 import pytest
+
+GPU_COMPILE_TIMEOUT_S = 1800
+"""A cold sm_90 compile takes about 7.5 minutes alone on 2 cores, and longer
+beside the CPU tests."""
+
+
+def gpu_check_argv(arch: str, flags: list[str]) -> list[str]:
+    """The command that compiles every GPU path for arch."""
+    return [sys.executable, "-m", "pagedkv.gpu_check", arch, *flags]
 
 
 @pytest.mark.parametrize("arch,flags", [("sm_90", []), ("sm_80", ["--no-demo"])])
 def test_gpu_paths_compile(arch, flags):
     """Every op, and on sm_90 the demo's model graphs (minutes: one arch is enough)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pagedkv.gpu_check", arch, *flags],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    result = background.result(arch, gpu_check_argv(arch, flags), GPU_COMPILE_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert f"{arch}:" in result.stdout and "ops compiled" in result.stdout
     assert ("demo graphs compiled" in result.stdout) == (not flags)
