@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `pagedkv` command: runs `demo`, `bench` or `check-gpu`; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":

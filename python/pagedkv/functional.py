@@ -42,6 +42,7 @@ class PagedKVCache:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return self.manager.page_size
 
 

@@ -55,6 +55,8 @@ DECODE_DTYPES = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Compiles every GPU path for each architecture in argv (default sm_90), one
+    process per architecture; `--no-demo` skips the demo graphs. Returns the exit status."""
     args = list(argv if argv is not None else sys.argv[1:])
     demo = "--no-demo" not in args
     archs = [a for a in args if a != "--no-demo"] or ["sm_90"]

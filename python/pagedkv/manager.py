@@ -120,6 +120,7 @@ class BatchMetadata:
 
     @property
     def batch_size(self) -> int:
+        """B: the number of sequences in the table."""
         return int(self.seq_lens.shape[0])
 
     @property
@@ -278,6 +279,7 @@ class PagedKVCacheManager:
 
     @property
     def request_ids(self) -> list[Hashable]:
+        """The live requests' ids, in the order they were added."""
         return list(self._requests)
 
     def __contains__(self, request_id: object) -> bool:

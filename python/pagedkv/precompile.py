@@ -55,6 +55,7 @@ def op_specs(
 
 
 def parse_device(device: str | Device) -> Device:
+    """A MAX Device from 'cpu', 'gpu[:index]' or 'cuda[:index]' (a Device passes through)."""
     if isinstance(device, Device):
         return device
     kind, _, index = device.partition(":")
