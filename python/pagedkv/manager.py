@@ -120,7 +120,7 @@ class BatchMetadata:
 
     @property
     def batch_size(self) -> int:
-        """B: the number of sequences in the table."""
+        """B: the number of requests in the batch."""
         return int(self.seq_lens.shape[0])
 
     @property
