@@ -4,13 +4,18 @@
 
 Streams the bfloat16 K/V rows of 32 requests x 2048 tokens (8 KV heads,
 head_dim 128, pages of 16 tokens in random order: 512 MiB) in the CPU decode
-kernel's order (per chunk of 32 tokens and KV head: its K rows, then its V
-rows), with the kernel's row prefetch, and does FMAS float32 FMAs per 64-byte
-line it reads. Prints GB/s (best of 5) on 1 and on all cores for 0, 8 and 16
-FMAs per line. The decode kernel's own arithmetic is about 12 FMA-port
-operations per line at GQA group 4 (`decode_cpu_chunk.mojo`): the row for 16
-is the most that kernel can expect to read at; the row for 0 is what the
-access pattern alone allows.
+kernel's order (per chunk and KV head: its K rows, then its V rows), with
+the kernel's row prefetch, and does FMAS float32 FMAs per 64-byte line it
+reads. Prints GB/s (best of 5) on 1 and on all cores for 0, 8 and 16 FMAs per
+line. The decode kernel's own arithmetic is about 12 FMA-port operations per
+line at GQA group 4 (`decode_cpu_chunk.mojo`): the row for 16 is the most
+that kernel can expect to read at; the row for 0 is what the access pattern
+alone allows.
+
+The same rows again with every request's pages among HOT_PAGES (the pool
+stays in L2) say what the cores alone can do: where the rows from memory
+read about as fast as the hot ones, the loop is bound by its arithmetic, not
+by the memory.
 """
 
 from std.memory import bitcast, stack_allocation
@@ -22,7 +27,7 @@ from std.time import perf_counter_ns
 
 from max.algorithm import sync_parallelize
 
-from mojo_ops.attention_cpu import CHUNK, PREFETCH_BYTES
+from mojo_ops.attention_cpu import PREFETCH_BYTES, chunk_tokens
 from mojo_ops.paged_kv_cache import Ptr
 
 comptime W = 16
@@ -33,11 +38,15 @@ comptime KV_HEADS = 8
 comptime HEAD_DIM = 128
 comptime LINE = 32
 """Elements (bfloat16) per 64-byte line."""
+comptime HOT_PAGES = 4
+"""Pages the L2-resident rows cycle through: 256 KiB."""
 comptime ROW_LINES = HEAD_DIM // LINE
 comptime TOKEN_ELEMS = KV_HEADS * HEAD_DIM
 comptime HALF_ELEMS = PAGE_SIZE * TOKEN_ELEMS
 """A page's K (or V) half: [PAGE_SIZE, KV_HEADS, HEAD_DIM], NHD."""
 comptime PAGE_ELEMS = 2 * HALF_ELEMS
+comptime CHUNK = chunk_tokens[BF16]()
+"""The kernel's tokens per chunk for bfloat16 K/V."""
 comptime ROWS_PER_HEAD = 2 * CHUNK
 """Rows a (chunk, KV head) consumes: CHUNK K rows, then CHUNK V rows."""
 comptime ROWS_PER_CHUNK = KV_HEADS * ROWS_PER_HEAD
@@ -164,14 +173,23 @@ def main() raises:
         var swap = table[unsafe_offset=i]
         table[unsafe_offset=i] = table[unsafe_offset=j]
         table[unsafe_offset=j] = swap
+    var hot = rebind[Ptr[DType.int64]](
+        unsafe_alloc[Int64](num_pages, alignment=64)
+    )
+    for i in range(num_pages):
+        hot[unsafe_offset=i] = table[unsafe_offset=i] % HOT_PAGES
     var cores = num_physical_cores()
-    for threads in [1, cores]:
-        print(
-            threads,
-            "thread(s), GB/s with 0 / 8 / 16 FMAs per line:",
-            gbps[0](pool, table, requests, pages_per_request, threads),
-            gbps[8](pool, table, requests, pages_per_request, threads),
-            gbps[16](pool, table, requests, pages_per_request, threads),
-        )
+    for pages in [(table, "memory"), (hot, "L2")]:
+        for threads in [1, cores]:
+            print(
+                threads,
+                "thread(s), rows from",
+                pages[1],
+                "GB/s with 0 / 8 / 16 FMAs per line:",
+                gbps[0](pool, pages[0], requests, pages_per_request, threads),
+                gbps[8](pool, pages[0], requests, pages_per_request, threads),
+                gbps[16](pool, pages[0], requests, pages_per_request, threads),
+            )
     pool.unsafe_free()
     table.unsafe_free()
+    hot.unsafe_free()
