@@ -1,6 +1,6 @@
 """The CPU attention kernel's compute cost, without memory traffic: one
-task's chunk loop (scores, online softmax, V accumulation) over the same
-chunk of token rows, hot in L1/L2, on one core; then a whole task (`attention_task`:
+task's chunk loop (scores, online softmax, V accumulation) over the same 32
+token rows, hot in L1/L2, on one core; then a whole task (`attention_task`:
 row tables, row prefetch, q and state set-up) over one request of TASK_TOKENS
 tokens in random pages, a pool small enough to stay in L2.
 
@@ -18,12 +18,12 @@ from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
 from mojo_ops.attention_cpu import (
+    CHUNK,
     RowPrefetch,
     TaskState,
     accumulate_tile,
     attention_task,
     chunk_group,
-    chunk_tokens,
     score_tile,
 )
 from mojo_ops.attention_params import AttentionParams
@@ -59,20 +59,19 @@ def index_array(values: List[Int]) -> Ptr[DType.int32]:
     return p
 
 
-def ns_per_token(start: Int, stop: Int, chunk: Int) -> Float64:
-    return Float64(stop - start) / Float64(ITERATIONS * chunk)
+def ns_per_token(start: Int, stop: Int) -> Float64:
+    return Float64(stop - start) / Float64(ITERATIONS * CHUNK)
 
 
 def bench[kv_dtype: DType, group: Int]() raises:
-    comptime chunk = chunk_tokens[kv_dtype]()
     # Token rows as in an NHD page: all KV heads of a token side by side.
     var token_stride = KV_HEADS * HEAD_DIM
-    var k = filled[kv_dtype](chunk * token_stride)
-    var v = filled[kv_dtype](chunk * token_stride)
+    var k = filled[kv_dtype](CHUNK * token_stride)
+    var v = filled[kv_dtype](CHUNK * token_stride)
     var rows = rebind[Ptr[DType.int64]](
-        unsafe_alloc[Int64](chunk, alignment=64)
+        unsafe_alloc[Int64](CHUNK, alignment=64)
     )
-    for j in range(chunk):
+    for j in range(CHUNK):
         rows[unsafe_offset=j] = Int64(j * token_stride)
     var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
     var state = TaskState(group, HEAD_DIM)
@@ -92,7 +91,7 @@ def bench[kv_dtype: DType, group: Int]() raises:
     for _ in range(REPEATS):
         var start = Int(perf_counter_ns())
         for i in range(ITERATIONS):
-            chunk_group[chunk](
+            chunk_group(
                 HEAD_DIM,
                 params,
                 state,
@@ -102,26 +101,24 @@ def bench[kv_dtype: DType, group: Int]() raises:
                 rows,
                 v,
                 rows,
-                chunk,
-                i * chunk,
+                CHUNK,
+                i * CHUNK,
                 quiet,
             )
-        total = min(total, ns_per_token(start, Int(perf_counter_ns()), chunk))
+        total = min(total, ns_per_token(start, Int(perf_counter_ns())))
         start = Int(perf_counter_ns())
         for _ in range(ITERATIONS):
             score_tile[group](
-                HEAD_DIM, state.q, k, rows, chunk, state.scores, quiet
+                HEAD_DIM, state.q, k, rows, CHUNK, state.scores, quiet
             )
-        scoring = min(
-            scoring, ns_per_token(start, Int(perf_counter_ns()), chunk)
-        )
+        scoring = min(scoring, ns_per_token(start, Int(perf_counter_ns())))
         start = Int(perf_counter_ns())
         for _ in range(ITERATIONS):
             accumulate_tile[group](
-                HEAD_DIM, state.scores, v, rows, chunk, state.acc, quiet
+                HEAD_DIM, state.scores, v, rows, CHUNK, state.acc, quiet
             )
         accumulating = min(
-            accumulating, ns_per_token(start, Int(perf_counter_ns()), chunk)
+            accumulating, ns_per_token(start, Int(perf_counter_ns()))
         )
     print(
         kv_dtype,

@@ -27,7 +27,7 @@ from std.time import perf_counter_ns
 
 from max.algorithm import sync_parallelize
 
-from mojo_ops.attention_cpu import PREFETCH_BYTES, chunk_tokens
+from mojo_ops.attention_cpu import CHUNK, PREFETCH_BYTES
 from mojo_ops.paged_kv_cache import Ptr
 
 comptime W = 16
@@ -45,8 +45,6 @@ comptime TOKEN_ELEMS = KV_HEADS * HEAD_DIM
 comptime HALF_ELEMS = PAGE_SIZE * TOKEN_ELEMS
 """A page's K (or V) half: [PAGE_SIZE, KV_HEADS, HEAD_DIM], NHD."""
 comptime PAGE_ELEMS = 2 * HALF_ELEMS
-comptime CHUNK = chunk_tokens[BF16]()
-"""The kernel's tokens per chunk for bfloat16 K/V."""
 comptime ROWS_PER_HEAD = 2 * CHUNK
 """Rows a (chunk, KV head) consumes: CHUNK K rows, then CHUNK V rows."""
 comptime ROWS_PER_CHUNK = KV_HEADS * ROWS_PER_HEAD

@@ -7,13 +7,12 @@ plan): in an NHD page a token's heads are one contiguous row, so the task
 streams K and V through memory in order. Prefill tasks take one KV head and
 a tile of query tokens, whose rows all reuse each K and V row read.
 
-The task walks its keys in chunks (`chunk_tokens`), which may span pages
+The task walks its keys in chunks of CHUNK tokens, which may span pages
 (token rows are addressed through a table of offsets). Per chunk and KV head:
 scores for all the head's query rows (each K row loaded once), a base-2
 online softmax with per-row masks (causal, window), then the same V rows,
-still in L1, folded into the rows' accumulators. While a chunk is computed,
-the next chunk's rows are prefetched row by row, at the rate they will be
-consumed.
+still in L1, folded into the rows' accumulators. While a chunk is computed, the next chunk's rows are prefetched
+row by row, at the rate they will be consumed.
 
 The inner loops are specialised at compile time for the number of query rows
 scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
@@ -45,27 +44,8 @@ from .exp2 import exp2_f32
 from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 
-comptime CHUNK = 64
-"""The most tokens a chunk holds (see `chunk_tokens`), and the stride of a
-query row's scores: four AVX-512 vectors."""
-
-
-@always_inline
-def chunk_tokens[kv_dtype: DType]() -> Int:
-    """Tokens per chunk for K/V of kv_dtype.
-
-    Longer chunks spread each chunk's fixed cost (the softmax's reductions
-    and rescaling, the V accumulators' loads and stores, loop exits) over
-    more tokens. On a 2-core Ice Lake, one bfloat16 task over a 1 or 2 MiB
-    pool (group 4, head_dim 128) took 2-5% less time per token with 64
-    tokens than with 32 and won 73-84% of paired runs; float16 likewise.
-    float32 with 64 took about 5% more (won 13-21%), and 128 was slower than
-    64 for bfloat16. The softmax's vector count follows the chunk at compile
-    time: skipping a float32 chunk's empty vectors with branches instead cost
-    more than the longer chunks saved.
-    """
-    return CHUNK // 2 if size_of[kv_dtype]() >= 4 else CHUNK
-
+comptime CHUNK = 32
+"""Tokens per chunk: two AVX-512 vectors of scores per query head."""
 
 comptime CHAINS = 16
 """Independent FMA chains a V pass keeps in flight: twice FMA latency x
@@ -208,9 +188,7 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     ):
         self.row_elems = row_elems
         var row_bytes = max(row_elems * size_of[Self.kv_dtype](), 64)
-        self.distance = min(
-            max(PREFETCH_BYTES // row_bytes, 1), chunk_tokens[Self.kv_dtype]()
-        )
+        self.distance = min(max(PREFETCH_BYTES // row_bytes, 1), CHUNK)
         self.k = k
         self.v = v
         self.rows = rows
@@ -254,12 +232,12 @@ struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
 
 
 @always_inline
-def chunk_rows[
-    chunk: Int
-](cache: PagedKVCache, b: Int, first: Int, end: Int, rows: RowOffsets) -> Int:
+def chunk_rows(
+    cache: PagedKVCache, b: Int, first: Int, end: Int, rows: RowOffsets
+) -> Int:
     """Fills rows with the offsets of tokens first.. of request b (up to
-    chunk, stopping at end); returns how many."""
-    var n = min(chunk, end - first)
+    CHUNK, stopping at end); returns how many."""
+    var n = min(CHUNK, end - first)
     var page_size = cache.page_size()
     var ts = cache.token_stride()
     var j = 0
@@ -470,7 +448,7 @@ def accumulate_tile[
 
 @always_inline
 def softmax_tile[
-    tile: Int, chunk: Int
+    tile: Int
 ](
     head_dim: Int,
     params: AttentionParams,
@@ -492,7 +470,7 @@ def softmax_tile[
     through each step together, without branches, so that their reductions
     and exponentials overlap instead of forming one long chain per row.
     """
-    comptime vectors = chunk // W
+    comptime vectors = CHUNK // W
     var iota = SIMD[F32, W]()
     comptime for i in range(W):
         iota[i] = Float32(i)
@@ -545,7 +523,7 @@ def softmax_tile[
 
 @always_inline
 def chunk_tile[
-    tile: Int, chunk: Int, k_dtype: DType, v_dtype: DType
+    tile: Int, k_dtype: DType, v_dtype: DType
 ](
     head_dim: Int,
     params: AttentionParams,
@@ -563,7 +541,7 @@ def chunk_tile[
     var q = state.q.unsafe_offset(g * head_dim)
     var acc = state.acc.unsafe_offset(g * head_dim)
     score_tile[tile](head_dim, q, k, k_rows, n, state.scores, prefetcher)
-    softmax_tile[tile, chunk](
+    softmax_tile[tile](
         head_dim,
         params,
         state.scores,
@@ -580,7 +558,7 @@ def chunk_tile[
 
 @always_inline
 def chunk_group[
-    chunk: Int, k_dtype: DType, v_dtype: DType
+    k_dtype: DType, v_dtype: DType
 ](
     head_dim: Int,
     params: AttentionParams,
@@ -605,7 +583,7 @@ def chunk_group[
         comptime for i in range(4):
             comptime tile = 8 >> i
             if not taken and left >= tile:
-                chunk_tile[tile, chunk](
+                chunk_tile[tile](
                     head_dim,
                     params,
                     state,
@@ -783,18 +761,17 @@ def attention_task[
                         alibi_slope(qo, num_qo_heads) * LOG2E
                     )
 
-    comptime chunk = chunk_tokens[kv_dtype]()
     var rows = st.rows
     var ahead = st.rows.unsafe_offset(CHUNK)
     var rot_rows = st.rows.unsafe_offset(2 * CHUNK)
     for j in range(CHUNK):
         rot_rows[unsafe_offset=j] = Int64(j * head_dim)
     var tok = first
-    var n = chunk_rows[chunk](cache, b, tok, end, rows) if tok < end else 0
+    var n = chunk_rows(cache, b, tok, end, rows) if tok < end else 0
     while tok < end:
         var next = tok + n
         var n_ahead = (
-            chunk_rows[chunk](cache, b, next, end, ahead) if next < end else 0
+            chunk_rows(cache, b, next, end, ahead) if next < end else 0
         )
         for h in range(h0, h1):
             var k = cache.k_pages.unsafe_offset(h * hs)
@@ -816,7 +793,7 @@ def attention_task[
             )
             if rope:
                 rotated_keys(head_dim, k, rows, n, tok, st.inv_freq, st.krot)
-                chunk_group[chunk](
+                chunk_group(
                     head_dim,
                     params,
                     st,
@@ -833,7 +810,7 @@ def attention_task[
                     ),
                 )
             else:
-                chunk_group[chunk](
+                chunk_group(
                     head_dim,
                     params,
                     st,
