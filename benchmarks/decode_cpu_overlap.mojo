@@ -4,8 +4,8 @@
 
 Streams the bfloat16 K/V rows of 32 requests x 2048 tokens (8 KV heads,
 head_dim 128, pages of 16 tokens in random order: 512 MiB) in the CPU decode
-kernel's order (per chunk and KV head: its K rows, then its V rows), with
-the kernel's row prefetch, and does FMAS float32 FMAs per 64-byte line it
+kernel's order (per chunk of CHUNK tokens and KV head: its K rows, then its
+V rows), with the kernel's row prefetch, and does FMAS float32 FMAs per 64-byte line it
 reads. Prints GB/s (best of 5) on 1 and on all cores for 0, 8 and 16 FMAs per
 line. The decode kernel's own arithmetic is about 12 FMA-port operations per
 line at GQA group 4 (`decode_cpu_chunk.mojo`): the row for 16 is the most
