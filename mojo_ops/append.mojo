@@ -21,18 +21,15 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv
 from std.sys import num_physical_cores, size_of
 
-from .cache_tensors import (
-    cache_from_tensors,
-    check_cache_page_table,
-    check_rows,
-)
-from .page_table import check_append_targets
+from .cache_tensors import cache_from_tensors, check_rows
+from .page_table import HostPageTable, check_append_targets
 from .paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
 from .token_rows import move_token
 from .tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
     HostIndices,
+    host_ready,
     ptr_of,
     vector_width,
 )
@@ -143,10 +140,10 @@ def check_append[
     kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
-    """Raises unless the page table is sound and every token has a slot."""
-    check_cache_page_table[target](
-        cache, kv_indices, kv_indptr, kv_last_page_len, ctx
-    )
+    """Raises unless the page table is sound and every token has a slot.
+
+    On a GPU the five index arrays come to the host in one synchronization.
+    """
     var nnz = batch_indices.dim_size(0)
     if positions.dim_size(0) != nnz:
         raise Error(
@@ -155,16 +152,19 @@ def check_append[
             " entries but batch_indices has ",
             nnz,
         )
-    var bi = HostIndices.of[target](batch_indices, ctx)
-    var pos = HostIndices.of[target](positions, ctx)
-    var indptr = HostIndices.of[target](kv_indptr, ctx)
-    var last = HostIndices.of[target](kv_last_page_len, ctx)
+    var table = HostPageTable.enqueue[target](
+        kv_indptr, kv_indices, kv_last_page_len, ctx
+    )
+    var bi = HostIndices.enqueue[target](batch_indices, ctx)
+    var pos = HostIndices.enqueue[target](positions, ctx)
+    host_ready[target](ctx)
+    table.check(cache.page_size(), cache.num_pages)
     check_append_targets(
         bi.ptr,
         pos.ptr,
         nnz,
-        indptr.ptr,
-        last.ptr,
+        table.indptr.ptr,
+        table.last.ptr,
         cache.batch_size,
         cache.page_size(),
     )

@@ -16,7 +16,6 @@ dim) come from the pool itself: one compile serves them all.
 from extensibility import InputTensor, ManagedTensorSlice
 from max.gpu.host import DeviceContext
 
-from .page_table import check_page_table_tensors
 from .paged_kv_cache import KVLayout, PagedKVCache
 from .tensor_access import ptr_of
 
@@ -84,26 +83,6 @@ def cache_from_tensors[
         dims[0],
         dims[1],
         dims[2],
-    )
-
-
-def check_cache_page_table[
-    target: StaticString
-](
-    cache: PagedKVCache,
-    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
-    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
-    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
-    ctx: DeviceContext,
-) raises:
-    """Raises unless the cache's page table stays inside its pool."""
-    check_page_table_tensors[target](
-        kv_indptr,
-        kv_indices,
-        kv_last_page_len,
-        cache.page_size(),
-        cache.num_pages,
-        ctx,
     )
 
 

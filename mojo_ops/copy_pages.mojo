@@ -15,7 +15,13 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
 from .paged_kv_cache import IndexPtr, Ptr
-from .tensor_access import GPU_VECTOR_BYTES, VECTOR_BYTES, HostIndices, ptr_of
+from .tensor_access import (
+    GPU_VECTOR_BYTES,
+    VECTOR_BYTES,
+    HostIndices,
+    host_ready,
+    ptr_of,
+)
 from .token_rows import copy_run_aligned
 
 
@@ -77,8 +83,9 @@ struct CopyPages:
             raise Error("pagedkv: src_pages and dst_pages differ in length")
         var num_pages = pool.dim_size(0)
         var page_bytes = pool.dim_size(1)
-        var host_src = HostIndices.of[target](src_pages, ctx)
-        var host_dst = HostIndices.of[target](dst_pages, ctx)
+        var host_src = HostIndices.enqueue[target](src_pages, ctx)
+        var host_dst = HostIndices.enqueue[target](dst_pages, ctx)
+        host_ready[target](ctx)
         check_page_copies(host_src.ptr, host_dst.ptr, count, num_pages)
         if count == 0:
             return

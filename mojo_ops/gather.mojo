@@ -12,16 +12,14 @@ from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from .cache_tensors import (
-    cache_from_tensors,
-    check_cache_page_table,
-    check_rows,
-)
+from .cache_tensors import cache_from_tensors, check_rows
+from .page_table import HostPageTable
 from .paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
 from .tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
     HostIndices,
+    host_ready,
     ptr_of,
     vector_width,
 )
@@ -58,21 +56,22 @@ def gather_kv[
     ctx: DeviceContext,
 ) raises:
     """Checks the page table and seq_indptr, then copies every cached token."""
-    check_cache_page_table[target](
-        cache, kv_indices, kv_indptr, kv_last_page_len, ctx
-    )
     var total = out_k.dim_size(0)
     check_rows("out_k", out_k, total, cache.num_kv_heads(), cache.head_dim())
     check_rows("out_v", out_v, total, cache.num_kv_heads(), cache.head_dim())
     var batch_size = cache.batch_size
     if seq_indptr.dim_size(0) != batch_size + 1:
         raise Error("pagedkv: seq_indptr must have batch_size + 1 entries")
-    var host_seq = HostIndices.of[target](seq_indptr, ctx)
-    var host_indptr = HostIndices.of[target](kv_indptr, ctx)
-    var host_last = HostIndices.of[target](kv_last_page_len, ctx)
+    # One synchronization on a GPU for all four index arrays.
+    var table = HostPageTable.enqueue[target](
+        kv_indptr, kv_indices, kv_last_page_len, ctx
+    )
+    var host_seq = HostIndices.enqueue[target](seq_indptr, ctx)
+    host_ready[target](ctx)
+    table.check(cache.page_size(), cache.num_pages)
     var host_cache = cache
-    host_cache.kv_indptr = host_indptr.ptr
-    host_cache.kv_last_page_len = host_last.ptr
+    host_cache.kv_indptr = table.indptr.ptr
+    host_cache.kv_last_page_len = table.last.ptr
     var offset = 0
     for b in range(batch_size):
         if Int(host_seq.ptr[unsafe_offset=b]) != offset:

@@ -13,7 +13,7 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
 from .paged_kv_cache import IndexPtr
-from .tensor_access import HostIndices, num_elements, ptr_of
+from .tensor_access import HostIndices, host_ready, ptr_of
 
 
 @always_inline
@@ -149,39 +149,71 @@ def check_append_targets(
             )
 
 
-def check_page_table_tensors[
-    target: StaticString
-](
-    kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
-    kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
-    kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
-    page_size: Int,
-    num_pages: Int,
-    ctx: DeviceContext,
-) raises:
-    """`check_page_table` on op tensors of either target."""
-    var batch_size = kv_last_page_len.dim_size(0)
-    if kv_indptr.dim_size(0) != batch_size + 1:
-        raise Error(
-            "pagedkv: kv_indptr has ",
-            kv_indptr.dim_size(0),
-            " entries; a batch of ",
+struct HostPageTable(Movable):
+    """An op's CSR page table (kv_indptr, kv_indices, kv_last_page_len),
+    readable on the host: views on the CPU, copies for a GPU op enqueued
+    beside the op's other index arrays (see `HostIndices`)."""
+
+    var indptr: HostIndices
+    var indices: HostIndices
+    var last: HostIndices
+    var batch_size: Int
+    var num_indices: Int
+
+    def __init__(
+        out self,
+        var indptr: HostIndices,
+        var indices: HostIndices,
+        var last: HostIndices,
+        batch_size: Int,
+        num_indices: Int,
+    ):
+        self.indptr = indptr^
+        self.indices = indices^
+        self.last = last^
+        self.batch_size = batch_size
+        self.num_indices = num_indices
+
+    @staticmethod
+    def enqueue[
+        target: StaticString
+    ](
+        kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
+        kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises -> Self:
+        """Checks the arrays' lengths agree, then starts their host copies:
+        read them (`check`) after `host_ready`."""
+        var batch_size = kv_last_page_len.dim_size(0)
+        if kv_indptr.dim_size(0) != batch_size + 1:
+            raise Error(
+                "pagedkv: kv_indptr has ",
+                kv_indptr.dim_size(0),
+                " entries; a batch of ",
+                batch_size,
+                " needs ",
+                batch_size + 1,
+            )
+        return Self(
+            HostIndices.enqueue[target](kv_indptr, ctx),
+            HostIndices.enqueue[target](kv_indices, ctx),
+            HostIndices.enqueue[target](kv_last_page_len, ctx),
             batch_size,
-            " needs ",
-            batch_size + 1,
+            kv_indices.dim_size(0),
         )
-    var indptr = HostIndices.of[target](kv_indptr, ctx)
-    var indices = HostIndices.of[target](kv_indices, ctx)
-    var last = HostIndices.of[target](kv_last_page_len, ctx)
-    check_page_table(
-        indptr.ptr,
-        indices.ptr,
-        kv_indices.dim_size(0),
-        last.ptr,
-        batch_size,
-        page_size,
-        num_pages,
-    )
+
+    def check(self, page_size: Int, num_pages: Int) raises:
+        """`check_page_table` on the host copies."""
+        check_page_table(
+            self.indptr.ptr,
+            self.indices.ptr,
+            self.num_indices,
+            self.last.ptr,
+            self.batch_size,
+            page_size,
+            num_pages,
+        )
 
 
 @extensibility.register("pagedkv_get_seq_lens")
@@ -253,8 +285,9 @@ struct GetBatchIndicesPositions:
     ) raises:
         var nnz = batch_indices.dim_size(0)
         var batch_size = seq_lens.dim_size(0)
-        var indptr_host = HostIndices.of[target](append_indptr, ctx)
-        var seq_host = HostIndices.of[target](seq_lens, ctx)
+        var indptr_host = HostIndices.enqueue[target](append_indptr, ctx)
+        var seq_host = HostIndices.enqueue[target](seq_lens, ctx)
+        host_ready[target](ctx)
         check_append_indptr(indptr_host.ptr, seq_host.ptr, batch_size, nnz)
 
         var bi = ptr_of(batch_indices)
@@ -362,23 +395,17 @@ struct CheckPageTable:
         ctx: DeviceContext,
     ) raises:
         var page_size = Int(limits[0])
-        check_page_table_tensors[target](
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
-            page_size,
-            Int(limits[1]),
-            ctx,
+        var table = HostPageTable.enqueue[target](
+            kv_indptr, kv_indices, kv_last_page_len, ctx
         )
-        var indptr = HostIndices.of[target](kv_indptr, ctx)
-        var indices = HostIndices.of[target](kv_indices, ctx)
-        var last = HostIndices.of[target](kv_last_page_len, ctx)
-        var batch_size = kv_last_page_len.dim_size(0)
+        host_ready[target](ctx)
+        table.check(page_size, Int(limits[1]))
+        var batch_size = table.batch_size
         var top = -1
-        for i in range(Int(indptr.ptr[unsafe_offset=batch_size])):
-            top = max(top, Int(indices.ptr[unsafe_offset=i]))
+        for i in range(Int(table.indptr.ptr[unsafe_offset=batch_size])):
+            top = max(top, Int(table.indices.ptr[unsafe_offset=i]))
         var tokens = 0
         for b in range(batch_size):
-            tokens += seq_len_of(indptr.ptr, last.ptr, b, page_size)
+            tokens += seq_len_of(table.indptr.ptr, table.last.ptr, b, page_size)
         summary[0] = Int32(top)
         summary[1] = Int32(tokens)

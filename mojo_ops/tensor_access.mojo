@@ -26,10 +26,13 @@ struct HostIndices(Movable):
     """An int32 array readable on the host.
 
     On the CPU it views the op's tensor; for a GPU op it is a host copy, so
-    the same validation code serves both targets.
+    the same validation code serves both targets. An op enqueues the copies
+    of every array it checks, then waits once (`host_ready`): one
+    synchronization per op, not one per array.
     """
 
     var ptr: IndexPtr
+    """Valid once `host_ready` has returned (on the CPU, at once)."""
     var _host: Optional[HostBuffer[DType.int32]]
 
     def __init__(
@@ -39,11 +42,13 @@ struct HostIndices(Movable):
         self._host = host^
 
     @staticmethod
-    def of[
+    def enqueue[
         target: StaticString
     ](
         t: ManagedTensorSlice[dtype=DType.int32, ...], ctx: DeviceContext
     ) raises -> Self:
+        """Starts the host copy of t (a view on the CPU); read it after
+        `host_ready`."""
         comptime if target == "cpu":
             return Self(ptr_of(t), None)
         else:
@@ -54,9 +59,14 @@ struct HostIndices(Movable):
                     ctx, t.unsafe_ptr(), num_elements(t), owning=False
                 )
                 ctx.enqueue_copy(dst_buf=host, src_buf=device)
-            ctx.synchronize()
             var ptr = rebind[IndexPtr](host.unsafe_ptr())
             return Self(ptr, host^)
+
+
+def host_ready[target: StaticString](ctx: DeviceContext) raises:
+    """Waits for the host copies enqueued so far (none on the CPU)."""
+    comptime if target != "cpu":
+        ctx.synchronize()
 
 
 comptime VECTOR_BYTES = 64

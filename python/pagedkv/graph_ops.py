@@ -55,8 +55,9 @@ def append_paged_kv_cache(
     """Writes append_key/append_value [nnz, H, D] into the pool, in place.
 
     paged_kv_cache: [pages, 2, ...page...]; int32 index tensors as in
-    `pagedkv.append_paged_kv_cache`. On the CPU the op checks the indices and
-    raises before writing anything.
+    `pagedkv.append_paged_kv_cache`. The op checks the indices and raises
+    before writing anything (on a GPU, after one synchronization that brings
+    the index arrays to the host).
     """
     ops.inplace_custom(
         "pagedkv_append_paged_kv_cache",
