@@ -1,20 +1,29 @@
-"""The CPU attention kernel's compute cost, without memory traffic: one
-task's chunk loop (scores, online softmax, V accumulation) over the same 32
-token rows, hot in L1/L2, on one core; then a whole task (`attention_task`:
-row tables, row prefetch, q and state set-up) over one request of TASK_TOKENS
-tokens in random pages, a pool small enough to stay in L2.
+"""The CPU attention kernel's compute cost without memory traffic, and its
+read rate from memory without MAX's per-call cost.
+
+First one task's chunk loop (scores, online softmax, V accumulation) over the
+same 32 token rows, hot in L1/L2, on one core; then a whole task
+(`attention_task`: row tables, row prefetch, q and state set-up) over one
+request of TASK_TOKENS tokens in random pages, a pool small enough to stay in
+L2; last, a decode batch of BATCH requests from memory on all cores (a pool
+of 256 MiB or more, far past the L3), timed in turns with a plain read of the
+same pool.
 
     mojo run -I . benchmarks/decode_cpu_chunk.mojo
 
-Prints the best of REPEATS runs, in ns per (token, KV head), for GQA groups 4
-and 1, head_dim 128, K/V in bfloat16 and float32, and the split between
-scoring and accumulating. Set beside the memory's time for the same bytes
-(`benchmarks/decode.py` measures the read bandwidth) it says whether decode is
-bound by compute or by memory: the task's figure is the one to compare, as the
-chunk loop alone leaves out the L2 reads and the prefetch bookkeeping.
+The hot figures are the best of REPEATS runs, in ns per (token, KV head), for
+GQA groups 4 and 1, head_dim 128, K/V in bfloat16 and float32, with the split
+between scoring and accumulating. Set beside the memory's time for the same
+bytes they say whether decode is bound by compute or by memory: the task's
+figure is the one to compare, as the chunk loop alone leaves out the L2 reads
+and the prefetch bookkeeping. The batch from memory prints medians, as GB/s
+and as a share of the plain read: the kernel's own efficiency, without the
+per-call cost of MAX and Python that `benchmarks/decode.py` includes.
 """
 
+from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
+from std.sys import size_of
 from std.time import perf_counter_ns
 
 from mojo_ops.attention_cpu import (
@@ -29,6 +38,7 @@ from mojo_ops.attention_cpu import (
 from mojo_ops.attention_params import AttentionParams
 from mojo_ops.attention_work import AttentionWork
 from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from mojo_ops.work_queue import parallel_dynamic
 
 comptime HEAD_DIM = 128
 comptime KV_HEADS = 8
@@ -41,6 +51,12 @@ comptime TASK_TOKENS = 128
 1 MiB of float32, within a 1.25 MiB L2."""
 comptime TASK_RUNS = 500
 """Tasks per timed run."""
+comptime BATCH = 64
+comptime BATCH_TOKENS = 2048
+"""The batch from memory: 64 requests of 2048 tokens, 256 MiB of bfloat16
+K/V (512 MiB of float32), one task per request."""
+comptime MEMORY_ROUNDS = 7
+"""Rounds of (kernel, read) from memory; medians are printed."""
 
 
 def filled[dtype: DType](n: Int) -> Ptr[dtype]:
@@ -192,6 +208,117 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
     )
 
 
+def read_all_cores(pool: Ptr[DType.uint8], nbytes: Int) raises -> Float64:
+    """Seconds to read nbytes at pool (a multiple of 1 MiB) on all cores, in
+    1 MiB runs taken in turn: the anchor of the batch from memory."""
+    comptime RUN_BYTES = 1 << 20
+    comptime VECTORS = 4
+    """Independent sums: enough loads in flight for one core's share."""
+    var sums = filled[DType.float32](16 * 64)
+    """Where each run's sum goes, so that its loads are kept; one 64-byte
+    line per run, so that the cores do not share lines."""
+
+    def read_run(i: Int) {var pool, var sums}:
+        var p = rebind[Ptr[DType.float32]](pool.unsafe_offset(i * RUN_BYTES))
+        var totals = stack_allocation[VECTORS, SIMD[DType.float32, 16]]()
+        comptime for v in range(VECTORS):
+            totals[unsafe_offset=v] = 0
+        for off in range(0, RUN_BYTES // 4, 16 * VECTORS):
+            comptime for v in range(VECTORS):
+                totals[unsafe_offset=v] += p.unsafe_offset(
+                    off + 16 * v
+                ).unsafe_load[width=16]()
+        var total = SIMD[DType.float32, 16](0)
+        comptime for v in range(VECTORS):
+            total += totals[unsafe_offset=v]
+        sums[unsafe_offset=(i % 64) * 16] += total.reduce_add()
+
+    var start = Int(perf_counter_ns())
+    parallel_dynamic(read_run, nbytes // RUN_BYTES)
+    var seconds = Float64(Int(perf_counter_ns()) - start) * 1e-9
+    sums.unsafe_free()
+    return seconds
+
+
+def median(mut values: List[Float64]) -> Float64:
+    sort(values)
+    return values[len(values) // 2]
+
+
+def bench_from_memory[kv_dtype: DType, group: Int]() raises:
+    var per_request = BATCH_TOKENS // PAGE_SIZE
+    var pages = BATCH * per_request
+    var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
+    var pool = filled[kv_dtype](pages * page_elems)
+    var nbytes = pages * page_elems * size_of[kv_dtype]()
+    # A permutation of the pages (an odd multiplier of a power of two).
+    var indices = index_array([(i * 40503 + 7) % pages for i in range(pages)])
+    var indptr = List[Int]()
+    var items = List[Int]()
+    for b in range(BATCH + 1):
+        indptr.append(b * per_request)
+    for b in range(BATCH):
+        items += [b, b, 1, BATCH_TOKENS - 1, 0, BATCH_TOKENS]
+    var cache = (
+        PagedKVCache[kv_dtype, KVLayout.NHD]
+        .from_pool(
+            pool,
+            pages,
+            index_array(indptr),
+            indices,
+            index_array([PAGE_SIZE for _ in range(BATCH)]),
+            BATCH,
+            PAGE_SIZE,
+            KV_HEADS,
+            HEAD_DIM,
+        )
+        .specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
+    )
+    var heads = KV_HEADS * group
+    var work = AttentionWork(
+        index_array(items),
+        BATCH,
+        index_array([b for b in range(BATCH + 1)]),
+        filled[DType.float32](BATCH * heads * HEAD_DIM),
+        filled[DType.float32](BATCH * heads),
+        True,
+    )
+    var q = filled[kv_dtype](BATCH * heads * HEAD_DIM)
+    var o = filled[kv_dtype](BATCH * heads * HEAD_DIM)
+    var lse = filled[DType.float32](BATCH * heads)
+    var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+
+    def task(
+        t: Int,
+    ) {var cache, var q, var o, var lse, var work, var params, var heads}:
+        attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, t)
+
+    var kernel = List[Float64]()
+    var read = List[Float64]()
+    for _ in range(MEMORY_ROUNDS):
+        # 256 MiB or more, far past the L3: each pass reads from memory.
+        var start = Int(perf_counter_ns())
+        parallel_dynamic(task, BATCH)
+        kernel.append(Float64(Int(perf_counter_ns()) - start) * 1e-9)
+        read.append(read_all_cores(rebind[Ptr[DType.uint8]](pool), nbytes))
+    var kernel_gbps = Float64(nbytes) / median(kernel) * 1e-9
+    var read_gbps = Float64(nbytes) / median(read) * 1e-9
+    print(
+        kv_dtype,
+        " group ",
+        group,
+        ": ",
+        kernel_gbps,
+        " GB/s from memory on all cores, plain read ",
+        read_gbps,
+        " GB/s: ",
+        kernel_gbps / read_gbps,
+        " of it",
+        sep="",
+    )
+    pool.unsafe_free()
+
+
 def main() raises:
     bench[DType.bfloat16, 4]()
     bench[DType.float32, 4]()
@@ -201,3 +328,5 @@ def main() raises:
     bench_task[DType.float32, 4]()
     bench_task[DType.bfloat16, 1]()
     bench_task[DType.float32, 1]()
+    bench_from_memory[DType.bfloat16, 4]()
+    bench_from_memory[DType.float32, 4]()
