@@ -27,14 +27,13 @@ from std.sys import size_of
 from std.time import perf_counter_ns
 
 from mojo_ops.attention_cpu import (
-    CHUNK,
-    RowPrefetch,
     TaskState,
     accumulate_tile,
     attention_task,
     chunk_group,
     score_tile,
 )
+from mojo_ops.key_chunks import CHUNK, RowPrefetch
 from mojo_ops.attention_params import AttentionParams
 from mojo_ops.attention_work import AttentionWork
 from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
@@ -214,9 +213,10 @@ def read_all_cores(pool: Ptr[DType.uint8], nbytes: Int) raises -> Float64:
     comptime RUN_BYTES = 1 << 20
     comptime VECTORS = 4
     """Independent sums: enough loads in flight for one core's share."""
+    # Where each run's sum goes, so that its loads are kept: 64 slots of one
+    # 64-byte line, run i's in slot i mod 64, so that the cores' runs in
+    # flight do not share a line.
     var sums = filled[DType.float32](16 * 64)
-    """Where each run's sum goes, so that its loads are kept; one 64-byte
-    line per run, so that the cores do not share lines."""
 
     def read_run(i: Int) {var pool, var sums}:
         var p = rebind[Ptr[DType.float32]](pool.unsafe_offset(i * RUN_BYTES))

@@ -27,7 +27,7 @@ from std.time import perf_counter_ns
 
 from max.algorithm import sync_parallelize
 
-from mojo_ops.attention_cpu import CHUNK, PREFETCH_BYTES
+from mojo_ops.key_chunks import CHUNK, PREFETCH_BYTES
 from mojo_ops.paged_kv_cache import Ptr
 
 comptime W = 16

@@ -8,26 +8,22 @@ streams K and V through memory in order. Prefill tasks take one KV head and
 a tile of query tokens, whose rows all reuse each K and V row read.
 
 The task walks its keys in chunks of CHUNK tokens, which may span pages
-(token rows are addressed through a table of offsets). Per chunk and KV head:
-scores for all the head's query rows (each K row loaded once), a base-2
-online softmax with per-row masks (causal, window), then the same V rows,
-still in L1, folded into the rows' accumulators. While a chunk is computed, the next chunk's rows are prefetched
-row by row, at the rate they will be consumed.
+(see key_chunks.mojo). Per chunk and KV head: scores for all the head's
+query rows (each K row loaded once), a base-2 online softmax with per-row
+masks (causal, window), then the same V rows, still in L1, folded into the
+rows' accumulators. While a chunk is computed, the next chunk's rows are
+prefetched row by row, at the rate they will be consumed.
 
 The inner loops are specialised at compile time for the number of query rows
 scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
 least 8 independent FMA chains in flight; head_dim is a run-time value, so one
 compile serves every model. bfloat16 K and V are widened in "paired" order
-(see `paired`), which the q and accumulator rows follow.
+(see widen.mojo), which the q and accumulator rows follow.
 """
 
-from std.bit import log2_floor
 from std.math import log2
-from std.memory import bitcast, stack_allocation
+from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
-from std.sys import simd_width_of, size_of
-from std.sys.intrinsics import PrefetchOptions, prefetch
-from std.utils import IndexList
 from std.utils.numerics import neg_inf
 
 from .attention_params import (
@@ -41,11 +37,21 @@ from .attention_params import (
 )
 from .attention_work import AttentionWork
 from .exp2 import exp2_f32
+from .key_chunks import CHUNK, RowOffsets, RowPrefetch, chunk_rows
+from .lane_reduce import reduce_many
 from .merge_states import merge_row
-from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
-
-comptime CHUNK = 32
-"""Tokens per chunk: two AVX-512 vectors of scores per query head."""
+from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from .widen import (
+    BLOCK,
+    F32,
+    W,
+    from_paired_order,
+    load_block,
+    load_f32,
+    narrow,
+    paired,
+    to_paired_order,
+)
 
 comptime CHAINS = 16
 """Independent FMA chains a V pass keeps in flight: twice FMA latency x
@@ -60,265 +66,6 @@ the reduction's shuffles are shared by a whole vector."""
 comptime MIN_HEAD_DIM = 64
 """The head_dim granule: head_dim is a run-time value (one compiled kernel
 serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a V pass takes."""
-
-comptime F32 = DType.float32
-comptime W = simd_width_of[F32]()
-
-comptime RowOffsets = Ptr[DType.int64]
-"""Element offsets of a chunk's token rows from the pool base (head 0)."""
-
-
-@always_inline
-def load_f32[
-    dtype: DType, width: Int
-](p: Ptr[dtype], offset: Int) -> SIMD[F32, width]:
-    """Width elements at p + offset, widened to float32."""
-    var raw = p.unsafe_offset(offset).unsafe_load[width=width]()
-    comptime if dtype == DType.bfloat16:
-        # bfloat16 is the top half of a float32: a shift, not a conversion.
-        var bits = bitcast[DType.uint16, width](raw).cast[DType.uint32]() << 16
-        return bitcast[F32, width](bits)
-    else:
-        return raw.cast[F32]()
-
-
-@always_inline
-def narrow[dtype: DType, width: Int](x: SIMD[F32, width]) -> SIMD[dtype, width]:
-    """x rounded to dtype (to nearest, ties to even)."""
-    comptime if dtype == DType.bfloat16:
-        # In integer lanes: a plain cast is a library call per element here
-        # (no AVX512_BF16).
-        var bits = bitcast[DType.uint32, width](x)
-        var rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-        var is_nan = (bits & 0x7FFFFFFF).gt(0x7F800000)
-        var kept = is_nan.select(bits | 0x00400000, rounded)  # NaN: quiet
-        return bitcast[dtype, width]((kept >> 16).cast[DType.uint16]())
-    else:
-        return x.cast[dtype]()
-
-
-comptime BLOCK = 2 * W
-"""Elements one K or V load covers: 64 bytes of bfloat16, two float32
-vectors once widened."""
-
-
-@always_inline
-def paired[dtype: DType]() -> Bool:
-    """Whether blocks of dtype widen in paired order: a bfloat16 block's even
-    elements, then its odd ones. Its 32-bit words then widen with a shift and
-    a mask, no shuffles; the q or accumulator rows a paired block meets are
-    kept in the same order (`to_paired_order`)."""
-    return dtype == DType.bfloat16
-
-
-@always_inline
-def load_block[dtype: DType](p: Ptr[dtype], offset: Int) -> SIMD[F32, BLOCK]:
-    """BLOCK elements at p + offset widened to float32, in paired order if
-    `paired[dtype]`."""
-    comptime if paired[dtype]():
-        var words = bitcast[DType.uint32, W](
-            p.unsafe_offset(offset).unsafe_load[width=BLOCK]()
-        )
-        var even = bitcast[F32, W](words << 16)
-        var odd = bitcast[F32, W](words & 0xFFFF0000)
-        return even.join(odd)
-    else:
-        return load_f32[dtype, BLOCK](p, offset)
-
-
-@always_inline
-def to_paired_order(row: Ptr[F32], n: Int):
-    """Reorders each BLOCK of row[:n] as `load_block` widens a paired dtype."""
-    for c in range(0, n, BLOCK):
-        var halves = (
-            row.unsafe_offset(c).unsafe_load[width=BLOCK]().deinterleave()
-        )
-        row.unsafe_offset(c).unsafe_store(halves[0].join(halves[1]))
-
-
-@always_inline
-def from_paired_order(row: Ptr[F32], n: Int):
-    """Undoes `to_paired_order`."""
-    for c in range(0, n, BLOCK):
-        var x = row.unsafe_offset(c).unsafe_load[width=BLOCK]()
-        row.unsafe_offset(c).unsafe_store(
-            x.slice[W]().interleave(x.slice[W, offset=W]())
-        )
-
-
-comptime PREFETCH_BYTES = 4096
-"""How far ahead, in the order the task consumes rows, rows are asked for
-into L2: enough misses in flight for one core to stream at full speed
-(measured best of 2, 4 and 8 KiB, L1 or L2, on a 2-core Ice Lake). A distance in
-bytes, not rows: narrow rows (16-bit, fp8, small head_dim) need more rows
-ahead for the same misses in flight."""
-
-
-struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
-    """Prefetches PREFETCH_BYTES of rows ahead along a task's consumption order:
-    one KV head's K rows of a chunk, then its V rows, then the next head's
-    (or the next chunk's first head's) K rows.
-
-    Hardware prefetchers do not follow this order (a head's rows are 512 B
-    runs in different 4 KiB pages of an NHD page), so without it the core
-    waits on each row's miss.
-    """
-
-    var k: Ptr[Self.kv_dtype]
-    var v: Ptr[Self.kv_dtype]
-    var rows: RowOffsets
-    var n: Int
-    var next_k: Ptr[Self.kv_dtype]
-    var next_rows: RowOffsets
-    var next_n: Int
-    var row_elems: Int
-    var distance: Int
-    """Rows ahead: PREFETCH_BYTES of rows, at most one chunk."""
-
-    def __init__(
-        out self,
-        k: Ptr[Self.kv_dtype],
-        v: Ptr[Self.kv_dtype],
-        rows: RowOffsets,
-        n: Int,
-        next_k: Ptr[Self.kv_dtype],
-        next_rows: RowOffsets,
-        next_n: Int,
-        row_elems: Int,
-    ):
-        self.row_elems = row_elems
-        var row_bytes = max(row_elems * size_of[Self.kv_dtype](), 64)
-        self.distance = min(max(PREFETCH_BYTES // row_bytes, 1), CHUNK)
-        self.k = k
-        self.v = v
-        self.rows = rows
-        self.n = n
-        self.next_k = next_k
-        self.next_rows = next_rows
-        self.next_n = next_n
-
-    def disabled(self) -> Self:
-        """The same prefetcher asking for nothing (a group's later tiles)."""
-        return Self(
-            self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0, 0
-        )
-
-    @always_inline
-    def after_k_row(self, j: Int):
-        var target = j + self.distance
-        if target < self.n:
-            self._fetch(self.k, self.rows, target)
-        elif target - self.n < self.n:
-            self._fetch(self.v, self.rows, target - self.n)
-
-    @always_inline
-    def after_v_row(self, j: Int):
-        var target = j + self.distance
-        if target < self.n:
-            self._fetch(self.v, self.rows, target)
-        elif target - self.n < self.next_n:
-            self._fetch(self.next_k, self.next_rows, target - self.n)
-
-    @always_inline
-    def _fetch(self, base: Ptr[Self.kv_dtype], rows: RowOffsets, j: Int):
-        comptime line_elems = max(64 // size_of[Self.kv_dtype](), 1)
-        var p = base.unsafe_offset(Int(rows[unsafe_offset=j]))
-        var i = 0
-        while i < self.row_elems:
-            prefetch[PrefetchOptions().for_read().medium_locality()](
-                p.unsafe_offset(i)
-            )
-            i += line_elems
-
-
-@always_inline
-def chunk_rows(
-    cache: PagedKVCache, b: Int, first: Int, end: Int, rows: RowOffsets
-) -> Int:
-    """Fills rows with the offsets of tokens first.. of request b (up to
-    CHUNK, stopping at end); returns how many."""
-    var n = min(CHUNK, end - first)
-    var page_size = cache.page_size()
-    var ts = cache.token_stride()
-    var j = 0
-    while j < n:
-        var tok = first + j
-        var slot = tok % page_size
-        var base = cache.page_id(b, tok) * cache.page_stride + slot * ts
-        var run = min(page_size - slot, n - j)
-        for r in range(run):
-            rows[unsafe_offset=j + r] = Int64(base + r * ts)
-        j += run
-    return n
-
-
-def _pair_mask[gs: Int, hi: Bool]() -> IndexList[W]:
-    """Lanes of concat(x, y) that `combine_pairs` combines: the low (or high)
-    halves of x's and then y's groups of gs lanes."""
-    var mask = IndexList[W]()
-    comptime half = gs // 2
-    comptime groups = W // gs
-    for i in range(W):
-        var group = i // half
-        var src = (group % groups) * gs + (group // groups) * W
-        mask[i] = src + i % half + (half if hi else 0)
-    return mask
-
-
-@always_inline
-def combine[
-    is_max: Bool, width: Int
-](x: SIMD[F32, width], y: SIMD[F32, width]) -> SIMD[F32, width]:
-    comptime if is_max:
-        return max(x, y)
-    else:
-        return x + y
-
-
-@always_inline
-def combine_pairs[
-    gs: Int, is_max: Bool
-](x: SIMD[F32, W], y: SIMD[F32, W]) -> SIMD[F32, W]:
-    """Combines lane pairs: x and y hold groups of gs lanes; the result holds
-    x's then y's groups, each reduced to gs / 2 lanes."""
-    comptime lo = _pair_mask[gs, False]()
-    comptime hi = _pair_mask[gs, True]()
-    return combine[is_max](x.shuffle[lo](y), x.shuffle[hi](y))
-
-
-@always_inline
-def reduce_many[
-    count: Int, is_max: Bool = False
-](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, count]:
-    """The lane sums (or maxima) of count vectors, as one vector (lane i
-    reduces v[i]); v is overwritten.
-
-    A transposed reduction: log2(count) levels of pairwise shuffles, then
-    in-vector halving, instead of count separate horizontal reductions.
-    """
-    comptime if count == 1:
-        comptime if is_max:
-            return SIMD[F32, count](v[unsafe_offset=0].reduce_max())
-        else:
-            return SIMD[F32, count](v[unsafe_offset=0].reduce_add())
-    else:
-        comptime levels = log2_floor(count)
-        comptime for level in range(levels):
-            comptime gs = W >> level
-            comptime stride = 1 << level
-            comptime for i in range(0, count, 2 * stride):
-                v[unsafe_offset=i] = combine_pairs[gs, is_max](
-                    v[unsafe_offset=i], v[unsafe_offset=i + stride]
-                )
-        var x = v[unsafe_offset=0]
-        comptime for _ in range(log2_floor(W) - levels):
-            var halves = x.deinterleave()
-            var reduced = halves[0] + halves[1]
-            comptime if is_max:
-                reduced = max(halves[0], halves[1])
-            # Only the low lanes matter from here on.
-            x = rebind[SIMD[F32, W]](reduced.join(reduced))
-        return x.slice[count]()
 
 
 @always_inline

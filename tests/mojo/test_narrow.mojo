@@ -9,7 +9,7 @@ rounding ties. NaNs must stay NaN (quiet).
 from std.memory import bitcast
 from std.testing import assert_equal, assert_true
 
-from mojo_ops.attention_cpu import narrow
+from mojo_ops.widen import narrow
 
 
 def main() raises:

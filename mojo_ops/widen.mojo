@@ -1,0 +1,89 @@
+"""float32 arithmetic on narrower rows: K, V and q rows widened to float32
+as they are loaded, results rounded back to the output dtype, and the
+"paired" order in which bfloat16 blocks widen without shuffles."""
+
+from std.memory import bitcast
+from std.sys import simd_width_of
+
+from .paged_kv_cache import Ptr
+
+comptime F32 = DType.float32
+comptime W = simd_width_of[F32]()
+
+
+@always_inline
+def load_f32[
+    dtype: DType, width: Int
+](p: Ptr[dtype], offset: Int) -> SIMD[F32, width]:
+    """Width elements at p + offset, widened to float32."""
+    var raw = p.unsafe_offset(offset).unsafe_load[width=width]()
+    comptime if dtype == DType.bfloat16:
+        # bfloat16 is the top half of a float32: a shift, not a conversion.
+        var bits = bitcast[DType.uint16, width](raw).cast[DType.uint32]() << 16
+        return bitcast[F32, width](bits)
+    else:
+        return raw.cast[F32]()
+
+
+@always_inline
+def narrow[dtype: DType, width: Int](x: SIMD[F32, width]) -> SIMD[dtype, width]:
+    """x rounded to dtype (to nearest, ties to even)."""
+    comptime if dtype == DType.bfloat16:
+        # In integer lanes: a plain cast is a library call per element here
+        # (no AVX512_BF16).
+        var bits = bitcast[DType.uint32, width](x)
+        var rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        var is_nan = (bits & 0x7FFFFFFF).gt(0x7F800000)
+        var kept = is_nan.select(bits | 0x00400000, rounded)  # NaN: quiet
+        return bitcast[dtype, width]((kept >> 16).cast[DType.uint16]())
+    else:
+        return x.cast[dtype]()
+
+
+comptime BLOCK = 2 * W
+"""Elements one K or V load covers: 64 bytes of bfloat16, two float32
+vectors once widened."""
+
+
+@always_inline
+def paired[dtype: DType]() -> Bool:
+    """Whether blocks of dtype widen in paired order: a bfloat16 block's even
+    elements, then its odd ones. Its 32-bit words then widen with a shift and
+    a mask, no shuffles; the q or accumulator rows a paired block meets are
+    kept in the same order (`to_paired_order`)."""
+    return dtype == DType.bfloat16
+
+
+@always_inline
+def load_block[dtype: DType](p: Ptr[dtype], offset: Int) -> SIMD[F32, BLOCK]:
+    """BLOCK elements at p + offset widened to float32, in paired order if
+    `paired[dtype]`."""
+    comptime if paired[dtype]():
+        var words = bitcast[DType.uint32, W](
+            p.unsafe_offset(offset).unsafe_load[width=BLOCK]()
+        )
+        var even = bitcast[F32, W](words << 16)
+        var odd = bitcast[F32, W](words & 0xFFFF0000)
+        return even.join(odd)
+    else:
+        return load_f32[dtype, BLOCK](p, offset)
+
+
+@always_inline
+def to_paired_order(row: Ptr[F32], n: Int):
+    """Reorders each BLOCK of row[:n] as `load_block` widens a paired dtype."""
+    for c in range(0, n, BLOCK):
+        var halves = (
+            row.unsafe_offset(c).unsafe_load[width=BLOCK]().deinterleave()
+        )
+        row.unsafe_offset(c).unsafe_store(halves[0].join(halves[1]))
+
+
+@always_inline
+def from_paired_order(row: Ptr[F32], n: Int):
+    """Undoes `to_paired_order`."""
+    for c in range(0, n, BLOCK):
+        var x = row.unsafe_offset(c).unsafe_load[width=BLOCK]()
+        row.unsafe_offset(c).unsafe_store(
+            x.slice[W]().interleave(x.slice[W, offset=W]())
+        )
