@@ -1,4 +1,4 @@
-"""float32 arithmetic on narrower rows: K, V and q rows widened to float32
+"""Float32 arithmetic on narrower rows: K, V and q rows widened to float32
 as they are loaded, results rounded back to the output dtype, and the
 "paired" order in which bfloat16 blocks widen without shuffles."""
 
@@ -27,7 +27,7 @@ def load_f32[
 
 @always_inline
 def narrow[dtype: DType, width: Int](x: SIMD[F32, width]) -> SIMD[dtype, width]:
-    """x rounded to dtype (to nearest, ties to even)."""
+    """Rounds x to dtype (to nearest, ties to even)."""
     comptime if dtype == DType.bfloat16:
         # In integer lanes: a plain cast is a library call per element here
         # (no AVX512_BF16).
