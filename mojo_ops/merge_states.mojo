@@ -14,7 +14,6 @@ the same code.
 import extensibility
 from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
-from max.algorithm import sync_parallelize
 from max.gpu import barrier, block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from std.math import log2
@@ -25,11 +24,16 @@ from std.utils.numerics import neg_inf
 from .exp2 import exp2_f32
 from .paged_kv_cache import Ptr
 from .tensor_access import ptr_of
+from .widen import load_f32, narrow
+from .work_queue import parallel_row_blocks
 
 comptime SLICE = 256
 """Elements of a head merged per pass (a stack buffer of float32)."""
 comptime W = simd_width_of[DType.float32]()
 """float32 lanes per vector: what one CPU worker merges at a time."""
+comptime TASK_ELEMENTS = 1 << 15
+"""Elements of v one CPU task reads (64-128 KiB): rows are grouped into
+tasks of about this size, so that dispatch costs little beside the work."""
 
 
 @always_inline
@@ -96,13 +100,15 @@ def merge_row[
                     d += step
         for c in range(vectors):
             out_v.unsafe_offset(d0 + c * W).unsafe_store(
-                acc.unsafe_offset(c * W)
-                .unsafe_load[width=W]()
-                .cast[out_dtype]()
+                narrow[out_dtype](
+                    acc.unsafe_offset(c * W).unsafe_load[width=W]()
+                )
             )
         d = first + vectors * W
         while d < width:
-            out_v[unsafe_offset=d0 + d] = acc[unsafe_offset=d].cast[out_dtype]()
+            out_v[unsafe_offset=d0 + d] = narrow[out_dtype, 1](
+                acc[unsafe_offset=d]
+            )
             d += step
         d0 += SLICE
 
@@ -161,11 +167,18 @@ def blend[
     """Blends in place: v[d] <- w_a v[d] + w_b v_other[d], d = first, first + step, ...
     """
     var d = first
+    if step == 1:
+        while d + W <= head_dim:
+            var merged = weights[0] * load_f32[dtype, W](v, d) + (
+                weights[1] * load_f32[dtype, W](v_other, d)
+            )
+            v.unsafe_offset(d).unsafe_store(narrow[dtype](merged))
+            d += W
     while d < head_dim:
-        var merged = weights[0] * v[unsafe_offset=d].cast[DType.float32]() + (
-            weights[1] * v_other[unsafe_offset=d].cast[DType.float32]()
+        var merged = weights[0] * load_f32[dtype, 1](v, d) + (
+            weights[1] * load_f32[dtype, 1](v_other, d)
         )
-        v[unsafe_offset=d] = merged.cast[dtype]()
+        v[unsafe_offset=d] = narrow[dtype, 1](merged)
         d += step
 
 
@@ -185,19 +198,24 @@ def merge_pairs[
         return
     comptime if target == "cpu":
 
-        def task(r: Int) {var v, var s, var v_other, var s_other, var head_dim}:
-            var w = pair_weights(s[unsafe_offset=r], s_other[unsafe_offset=r])
-            blend(
-                v.unsafe_offset(r * head_dim),
-                v_other.unsafe_offset(r * head_dim),
-                w,
-                head_dim,
-                0,
-                1,
-            )
-            s[unsafe_offset=r] = w[2]
+        def task(
+            first: Int, end: Int
+        ) {var v, var s, var v_other, var s_other, var head_dim}:
+            for r in range(first, end):
+                var w = pair_weights(
+                    s[unsafe_offset=r], s_other[unsafe_offset=r]
+                )
+                blend(
+                    v.unsafe_offset(r * head_dim),
+                    v_other.unsafe_offset(r * head_dim),
+                    w,
+                    head_dim,
+                    0,
+                    1,
+                )
+                s[unsafe_offset=r] = w[2]
 
-        sync_parallelize(task, rows)
+        parallel_row_blocks(task, rows, TASK_ELEMENTS // max(2 * head_dim, 1))
     else:
 
         def kernel(
@@ -255,7 +273,8 @@ struct MergeStates:
         comptime if target == "cpu":
 
             def task(
-                row: Int,
+                first: Int,
+                end: Int,
             ) {
                 var vp,
                 var sp,
@@ -265,22 +284,25 @@ struct MergeStates:
                 var heads,
                 var head_dim,
             }:
-                var i = row // heads
-                var h = row % heads
-                merge_row(
-                    vp.unsafe_offset((i * states * heads + h) * head_dim),
-                    heads * head_dim,
-                    sp.unsafe_offset(i * states * heads + h),
-                    heads,
-                    states,
-                    head_dim,
-                    ov.unsafe_offset(row * head_dim),
-                    os.unsafe_offset(row),
-                    0,
-                    1,
-                )
+                for row in range(first, end):
+                    var i = row // heads
+                    var h = row % heads
+                    merge_row(
+                        vp.unsafe_offset((i * states * heads + h) * head_dim),
+                        heads * head_dim,
+                        sp.unsafe_offset(i * states * heads + h),
+                        heads,
+                        states,
+                        head_dim,
+                        ov.unsafe_offset(row * head_dim),
+                        os.unsafe_offset(row),
+                        0,
+                        1,
+                    )
 
-            sync_parallelize(task, n * heads)
+            parallel_row_blocks(
+                task, n * heads, TASK_ELEMENTS // max(states * head_dim, 1)
+            )
         else:
 
             def kernel(

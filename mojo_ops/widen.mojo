@@ -3,7 +3,7 @@ as they are loaded, results rounded back to the output dtype, and the
 "paired" order in which bfloat16 blocks widen without shuffles."""
 
 from std.memory import bitcast
-from std.sys import simd_width_of
+from std.sys import is_gpu, simd_width_of
 
 from .paged_kv_cache import Ptr
 
@@ -28,9 +28,9 @@ def load_f32[
 @always_inline
 def narrow[dtype: DType, width: Int](x: SIMD[F32, width]) -> SIMD[dtype, width]:
     """Rounds x to dtype (to nearest, ties to even)."""
-    comptime if dtype == DType.bfloat16:
-        # In integer lanes: a plain cast is a library call per element here
-        # (no AVX512_BF16).
+    comptime if dtype == DType.bfloat16 and not is_gpu():
+        # In integer lanes: on a CPU without AVX512_BF16 a plain cast is a
+        # library call per element (a GPU has an instruction for it).
         var bits = bitcast[DType.uint32, width](x)
         var rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         var is_nan = (bits & 0x7FFFFFFF).gt(0x7F800000)

@@ -36,3 +36,18 @@ def parallel_dynamic[
             func(t)
 
     sync_parallelize(worker, workers)
+
+
+def parallel_row_blocks[
+    FuncType: def(Int, Int) raises -> None,
+](func: FuncType, rows: Int, rows_per_task: Int) raises:
+    """Runs func(first, end) over rows [0, rows) in blocks of rows_per_task
+    rows, the blocks taken from the shared counter as in `parallel_dynamic`:
+    a task per block, not per row, so that the work of a task dwarfs its
+    dispatch."""
+    var per = max(rows_per_task, 1)
+
+    def block(t: Int) raises {imm func, var per, var rows}:
+        func(t * per, min((t + 1) * per, rows))
+
+    parallel_dynamic(block, (rows + per - 1) // per)

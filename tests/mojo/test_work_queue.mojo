@@ -1,13 +1,15 @@
 """Unit test of `parallel_dynamic`: every task runs exactly once, whatever the
 number of tasks against the number of cores (none, one, fewer, many), and
-tasks of very uneven cost still all run.
+tasks of very uneven cost still all run; and of `parallel_row_blocks`: every
+row falls in exactly one block, whatever the block size (including 0, taken
+as 1, and more than the rows).
 """
 
 from std.atomic import Atomic
 from std.memory.alloc import unsafe_alloc
 from std.testing import assert_equal
 
-from mojo_ops.work_queue import parallel_dynamic
+from mojo_ops.work_queue import parallel_dynamic, parallel_row_blocks
 
 
 def main() raises:
@@ -33,3 +35,29 @@ def main() raises:
             checked += 1
         runs.unsafe_free()
     print("parallel_dynamic:", checked, "tasks passed")
+
+    checked = 0
+    for rows in [0, 1, 7, 64, 1001]:
+        for per in [0, 1, 3, 64, 5000]:
+            var covered = unsafe_alloc[Scalar[DType.int64]](max(rows, 1))
+            for r in range(rows):
+                covered[unsafe_offset=r] = 0
+
+            def block(first: Int, end: Int) {var covered, var rows}:
+                # A block past the rows or an empty one would be a bug.
+                var bad = Int(first >= end or end > rows)
+                for r in range(first, min(end, rows)):
+                    _ = Atomic.fetch_add(
+                        covered.unsafe_offset(r), Int64(1 + 100 * bad)
+                    )
+
+            parallel_row_blocks(block, rows, per)
+            for r in range(rows):
+                assert_equal(
+                    covered[unsafe_offset=r],
+                    1,
+                    String("row ", r, " of ", rows, " in blocks of ", per),
+                )
+                checked += 1
+            covered.unsafe_free()
+    print("parallel_row_blocks:", checked, "rows passed")
