@@ -10,7 +10,6 @@ the pool, no page written twice, no page both read and written.
 import extensibility
 from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
-from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
@@ -23,6 +22,10 @@ from .tensor_access import (
     ptr_of,
 )
 from .token_rows import copy_run_aligned
+from .work_queue import parallel_row_blocks
+
+comptime TASK_BYTES = 1 << 20
+"""Bytes one CPU task copies, whole pages (at least one)."""
 
 
 def check_page_id(name: StaticString, i: Int, page: Int, num_pages: Int) raises:
@@ -94,16 +97,25 @@ struct CopyPages:
         var dst = ptr_of(dst_pages)
         comptime if target == "cpu":
 
-            def one_page(i: Int) {var base, var src, var dst, var page_bytes}:
-                copy_run_aligned[DType.uint8, VECTOR_BYTES](
-                    base.unsafe_offset(Int(dst[unsafe_offset=i]) * page_bytes),
-                    base.unsafe_offset(Int(src[unsafe_offset=i]) * page_bytes),
-                    page_bytes,
-                    0,
-                    1,
-                )
+            def pages(
+                first: Int, end: Int
+            ) {var base, var src, var dst, var page_bytes}:
+                for i in range(first, end):
+                    copy_run_aligned[DType.uint8, VECTOR_BYTES](
+                        base.unsafe_offset(
+                            Int(dst[unsafe_offset=i]) * page_bytes
+                        ),
+                        base.unsafe_offset(
+                            Int(src[unsafe_offset=i]) * page_bytes
+                        ),
+                        page_bytes,
+                        0,
+                        1,
+                    )
 
-            sync_parallelize(one_page, count)
+            # Tasks of about TASK_BYTES: a page of a small page size is a
+            # few KiB, less than a runtime task costs to dispatch.
+            parallel_row_blocks(pages, count, TASK_BYTES // max(page_bytes, 1))
         else:
 
             def kernel(

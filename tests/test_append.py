@@ -166,3 +166,26 @@ def check_mla_append(rng, dtype, kind, device="cpu") -> None:
     )
     np.testing.assert_array_equal(bits(ckv_cache), want_ckv)
     np.testing.assert_array_equal(bits(kpe_cache), want_kpe)
+
+
+@pytest.mark.parametrize("form", ["pool", "pair"])
+def test_copy_pages_copies_many_pages_bitwise(form):
+    """copy_pages of more pages than one CPU task takes (1 MiB of them): each
+    destination holds its source's bytes, every other page is untouched."""
+    rng = np.random.default_rng(13)
+    pages, page = 10_000, (1, 2, 64)  # page_size 1: 1 KiB f32 pool rows, 256 B bf16 halves
+    if form == "pool":
+        cache = random_array(rng, (pages, 2, *page), "float32")
+        arrays = [cache]
+    else:
+        cache = tuple(random_array(rng, (pages, *page), "bfloat16") for _ in range(2))
+        arrays = list(cache)
+    before = [bits(a) for a in arrays]
+    perm = rng.permutation(pages).astype(np.int32)
+    src, dst = perm[:4500].copy(), perm[4500:9000].copy()
+    src[:7] = src[7]  # one parent page copied to several children
+    pagedkv.copy_pages(cache, src, dst)
+    for array, old in zip(arrays, before, strict=True):
+        want = old.copy()
+        want[dst] = old[src]
+        np.testing.assert_array_equal(bits(array), want)
