@@ -3,7 +3,7 @@ read rate from memory without MAX's per-call cost.
 
 First one task's chunk loop (scores, online softmax, V accumulation) over the
 same 32 token rows, hot in L1/L2, on one core; then a whole task
-(`attention_task`: row tables, row prefetch, q and state set-up) over one
+(`attention_task`: row tables, block prefetch, q and state set-up) over one
 request of TASK_TOKENS tokens in random pages, a pool small enough to stay in
 L2; last, a decode batch of BATCH requests from memory on all cores (a pool
 of 256 MiB or more, far past the L3), timed in turns with a plain read of the
@@ -28,12 +28,14 @@ from std.time import perf_counter_ns
 
 from mojo_ops.attention_cpu import (
     TaskState,
+    accumulate_heads,
     accumulate_tile,
     attention_task,
-    chunk_group,
+    score_heads,
     score_tile,
+    softmax_rows,
 )
-from mojo_ops.key_chunks import CHUNK, RowPrefetch
+from mojo_ops.key_chunks import CHUNK, BlockPrefetch
 from mojo_ops.attention_params import AttentionParams
 from mojo_ops.attention_work import AttentionWork
 from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
@@ -98,7 +100,7 @@ def bench[kv_dtype: DType, group: Int]() raises:
         state.l[unsafe_offset=r] = 0
         state.row_pos[unsafe_offset=r] = 1e6
         state.alibi_log2[unsafe_offset=r] = 0
-    var quiet = RowPrefetch[kv_dtype](k, v, rows, 0, k, rows, 0, 0)
+    var quiet = BlockPrefetch[kv_dtype](k, rows, 0, 0, 1, 0, 0, True)
 
     var total = Float64.MAX
     var scoring = Float64.MAX
@@ -106,31 +108,22 @@ def bench[kv_dtype: DType, group: Int]() raises:
     for _ in range(REPEATS):
         var start = Int(perf_counter_ns())
         for i in range(ITERATIONS):
-            chunk_group(
-                HEAD_DIM,
-                params,
-                state,
-                0,
-                group,
-                k,
-                rows,
-                v,
-                rows,
-                CHUNK,
-                i * CHUNK,
-                quiet,
+            score_heads(HEAD_DIM, state, 1, group, k, 0, rows, 0, CHUNK, quiet)
+            softmax_rows(HEAD_DIM, params, state, group, CHUNK, i * CHUNK)
+            accumulate_heads(
+                HEAD_DIM, state, 1, group, v, 0, rows, 0, CHUNK, quiet
             )
         total = min(total, ns_per_token(start, Int(perf_counter_ns())))
         start = Int(perf_counter_ns())
         for _ in range(ITERATIONS):
             score_tile[group](
-                HEAD_DIM, state.q, k, rows, CHUNK, state.scores, quiet
+                HEAD_DIM, state.q, k, 0, rows, 0, CHUNK, state.scores, quiet
             )
         scoring = min(scoring, ns_per_token(start, Int(perf_counter_ns())))
         start = Int(perf_counter_ns())
         for _ in range(ITERATIONS):
             accumulate_tile[group](
-                HEAD_DIM, state.scores, v, rows, CHUNK, state.acc, quiet
+                HEAD_DIM, state.scores, v, 0, rows, 0, CHUNK, state.acc, quiet
             )
         accumulating = min(
             accumulating, ns_per_token(start, Int(perf_counter_ns()))

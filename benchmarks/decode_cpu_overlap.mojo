@@ -1,21 +1,26 @@
-"""How much arithmetic the memory system hides while decode streams K/V.
+"""How the order in which decode reads K/V rows decides how fast memory
+serves them, and how much arithmetic that hides.
 
     mojo run -I . benchmarks/decode_cpu_overlap.mojo
 
 Streams the bfloat16 K/V rows of 32 requests x 2048 tokens (8 KV heads,
-head_dim 128, pages of 16 tokens in random order: 512 MiB) in the CPU decode
-kernel's order (per chunk of CHUNK tokens and KV head: its K rows, then its
-V rows), with the kernel's row prefetch, and does FMAS float32 FMAs per 64-byte line it
-reads. Prints GB/s (best of 5) on 1 and on all cores for 0, 8 and 16 FMAs per
-line. The decode kernel's own arithmetic is about 12 FMA-port operations per
-line at GQA group 4 (`decode_cpu_chunk.mojo`): the row for 16 is the most
-that kernel can expect to read at; the row for 0 is what the access pattern
-alone allows.
+head_dim 128, pages of 16 tokens in random order: 512 MiB), each chunk of
+CHUNK tokens its K rows then its V rows, in four orders:
 
-The same rows again with every request's pages among HOT_PAGES (the pool
-stays in L2) say what the cores alone can do: where the rows from memory
-read about as fast as the hot ones, the loop is bound by its arithmetic, not
-by the memory.
+- head by head: one head's rows of the chunk, then the next head's (the
+  CPU kernel's order before blocks), rows prefetched 4 KiB ahead;
+- blocks of 8 and of 16 tokens: all heads of a block's tokens before the
+  next block (the kernel's order now, `block_tokens` in attention_cpu.mojo),
+  the next block prefetched;
+- token by token: all heads of one token, then the next, 16 KiB ahead.
+
+and does 0 or 16 float32 FMAs per 64-byte line it reads (the kernel's own
+arithmetic at GQA group 4 is about 12). Prints GB/s (best of 5) on all
+cores. Head by head, a run of reads is one head's 256 B piece of each of
+many token rows; in blocks it stays within a few adjacent rows, which the
+hardware prefetchers stream (one run on a 2-core Zen 5 VM, 16 FMAs a line:
+32 GB/s head by head, 42 in blocks of 8, 41 in blocks of 16, 44 token by
+token).
 """
 
 from std.memory import bitcast, stack_allocation
@@ -27,7 +32,7 @@ from std.time import perf_counter_ns
 
 from max.algorithm import sync_parallelize
 
-from mojo_ops.key_chunks import CHUNK, PREFETCH_BYTES
+from mojo_ops.key_chunks import CHUNK
 from mojo_ops.paged_kv_cache import Ptr
 
 comptime W = 16
@@ -38,53 +43,56 @@ comptime KV_HEADS = 8
 comptime HEAD_DIM = 128
 comptime LINE = 32
 """Elements (bfloat16) per 64-byte line."""
-comptime HOT_PAGES = 4
-"""Pages the L2-resident rows cycle through: 256 KiB."""
 comptime ROW_LINES = HEAD_DIM // LINE
 comptime TOKEN_ELEMS = KV_HEADS * HEAD_DIM
 comptime HALF_ELEMS = PAGE_SIZE * TOKEN_ELEMS
 """A page's K (or V) half: [PAGE_SIZE, KV_HEADS, HEAD_DIM], NHD."""
 comptime PAGE_ELEMS = 2 * HALF_ELEMS
-comptime ROWS_PER_HEAD = 2 * CHUNK
-"""Rows a (chunk, KV head) consumes: CHUNK K rows, then CHUNK V rows."""
-comptime ROWS_PER_CHUNK = KV_HEADS * ROWS_PER_HEAD
-comptime DISTANCE = PREFETCH_BYTES // (HEAD_DIM * 2)
-"""The kernel's prefetch distance for 16-bit rows, in rows."""
+comptime ROWS_PER_CHUNK = 2 * CHUNK * KV_HEADS
+"""K rows, then V rows, of every head of a chunk's tokens."""
 
 
 @always_inline
-def row(pool: Ptr[BF16], pages: Ptr[DType.int64], index: Int) -> Ptr[BF16]:
-    """The index-th row in consumption order."""
+def row[
+    block: Int
+](pool: Ptr[BF16], pages: Ptr[DType.int64], index: Int) -> Ptr[BF16]:
+    """The index-th row read: per chunk, its K rows, then its V rows, in
+    blocks of `block` tokens (all heads of a block's tokens, head by head,
+    before the next block); a block of CHUNK tokens is the chunk head by
+    head, a block of 1 token by token."""
     var chunk = index // ROWS_PER_CHUNK
-    var head = (index % ROWS_PER_CHUNK) // ROWS_PER_HEAD
-    var r = index % ROWS_PER_HEAD
-    var token = chunk * CHUNK + r % CHUNK
+    var r = index % ROWS_PER_CHUNK
+    var half = r // (CHUNK * KV_HEADS)
+    var w = r % (CHUNK * KV_HEADS)
+    var head = (w % (block * KV_HEADS)) // block
+    var token = chunk * CHUNK + w // (block * KV_HEADS) * block + w % block
     var page = Int(pages[unsafe_offset=token // PAGE_SIZE])
     return pool.unsafe_offset(
         page * PAGE_ELEMS
-        + (r // CHUNK) * HALF_ELEMS
+        + half * HALF_ELEMS
         + (token % PAGE_SIZE) * TOKEN_ELEMS
         + head * HEAD_DIM
     )
 
 
 def stream_request[
-    fmas: Int
+    fmas: Int, block: Int, distance: Int
 ](pool: Ptr[BF16], pages: Ptr[DType.int64], num_pages: Int) -> Float32:
-    """Reads one request's K/V rows, fmas FMAs per line; returns a sum (kept
+    """Reads one request's K/V rows in blocks of `block` tokens, prefetching
+    the row `distance` rows ahead, fmas FMAs per line; returns a sum (kept
     so the work is not optimised away)."""
     var acc = stack_allocation[8, SIMD[F32, W]]()
     comptime for i in range(8):
         acc[unsafe_offset=i] = 0
     var rows = num_pages * PAGE_SIZE // CHUNK * ROWS_PER_CHUNK
     for index in range(rows):
-        if index + DISTANCE < rows:
-            var ahead = row(pool, pages, index + DISTANCE)
+        if index + distance < rows:
+            var ahead = row[block](pool, pages, index + distance)
             comptime for l in range(ROW_LINES):
                 prefetch[PrefetchOptions().for_read().medium_locality()](
                     ahead.unsafe_offset(l * LINE)
                 )
-        var p = row(pool, pages, index)
+        var p = row[block](pool, pages, index)
         comptime for l in range(ROW_LINES):
             var words = bitcast[DType.uint32, W](
                 p.unsafe_offset(l * LINE).unsafe_load[width=LINE]()
@@ -107,7 +115,7 @@ def stream_request[
 
 
 def gbps[
-    fmas: Int
+    fmas: Int, block: Int, distance: Int
 ](
     pool: Ptr[BF16],
     table: Ptr[DType.int64],
@@ -133,7 +141,7 @@ def gbps[
             var total: Float32 = 0
             var b = t
             while b < requests:
-                total += stream_request[fmas](
+                total += stream_request[fmas, block, distance](
                     pool,
                     table.unsafe_offset(b * pages_per_request),
                     pages_per_request,
@@ -171,23 +179,29 @@ def main() raises:
         var swap = table[unsafe_offset=i]
         table[unsafe_offset=i] = table[unsafe_offset=j]
         table[unsafe_offset=j] = swap
-    var hot = rebind[Ptr[DType.int64]](
-        unsafe_alloc[Int64](num_pages, alignment=64)
-    )
-    for i in range(num_pages):
-        hot[unsafe_offset=i] = table[unsafe_offset=i] % HOT_PAGES
     var cores = num_physical_cores()
-    for pages in [(table, "memory"), (hot, "L2")]:
-        for threads in [1, cores]:
-            print(
-                threads,
-                "thread(s), rows from",
-                pages[1],
-                "GB/s with 0 / 8 / 16 FMAs per line:",
-                gbps[0](pool, pages[0], requests, pages_per_request, threads),
-                gbps[8](pool, pages[0], requests, pages_per_request, threads),
-                gbps[16](pool, pages[0], requests, pages_per_request, threads),
-            )
+
+    @always_inline
+    def line[
+        block: Int, distance: Int
+    ](name: String) raises {
+        var pool, var table, var requests, var pages_per_request, var cores
+    }:
+        print(
+            name,
+            "GB/s with 0 / 16 FMAs per line:",
+            gbps[0, block, distance](
+                pool, table, requests, pages_per_request, cores
+            ),
+            gbps[16, block, distance](
+                pool, table, requests, pages_per_request, cores
+            ),
+        )
+
+    print(cores, "threads, rows from memory")
+    line[CHUNK, 16]("head by head, 4 KiB ahead:")
+    line[8, 8 * KV_HEADS]("blocks of 8 tokens, a block ahead:")
+    line[16, 16 * KV_HEADS]("blocks of 16 tokens, a block ahead:")
+    line[1, 64]("token by token, 16 KiB ahead:")
     pool.unsafe_free()
     table.unsafe_free()
-    hot.unsafe_free()

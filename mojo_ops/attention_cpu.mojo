@@ -8,11 +8,15 @@ streams K and V through memory in order. Prefill tasks take one KV head and
 a tile of query tokens, whose rows all reuse each K and V row read.
 
 The task walks its keys in chunks of CHUNK tokens, which may span pages
-(see key_chunks.mojo). Per chunk and KV head: scores for all the head's
-query rows (each K row loaded once), a base-2 online softmax with per-row
-masks (causal, window), then the same V rows, still in L1, folded into the
-rows' accumulators. While a chunk is computed, the next chunk's rows are
-prefetched row by row, at the rate they will be consumed.
+(see key_chunks.mojo). Per chunk: scores for all its query rows, then a
+base-2 online softmax with per-row masks (causal, window), then V folded
+into the rows' accumulators. K, and then V, are read in blocks of a few
+tokens (`block_tokens`): all the task's heads of a block's tokens before the
+next block, so that reads stay within a few adjacent token rows, which the
+hardware prefetchers stream; meanwhile the next block is prefetched
+(BlockPrefetch). Heads of one or two query rows each (GQA group 1 or 2) are
+taken several at a time, so that each token's read is a run of adjacent
+heads.
 
 The inner loops are specialised at compile time for the number of query rows
 scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
@@ -24,6 +28,7 @@ compile serves every model. bfloat16 K and V are widened in "paired" order
 from std.math import log2
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
+from std.sys import size_of
 from std.utils.numerics import neg_inf
 
 from .attention_params import (
@@ -37,7 +42,7 @@ from .attention_params import (
 )
 from .attention_work import AttentionWork
 from .exp2 import exp2_f32
-from .key_chunks import CHUNK, RowOffsets, RowPrefetch, chunk_rows
+from .key_chunks import CHUNK, BlockPrefetch, RowOffsets, chunk_rows
 from .lane_reduce import reduce_many
 from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
@@ -70,126 +75,152 @@ serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a
 
 @always_inline
 def score_tokens[
-    tile: Int, tokens: Int, kv_dtype: DType
+    tile: Int, tokens: Int, heads: Int, kv_dtype: DType
 ](
     head_dim: Int,
     q: Ptr[F32],
     k: Ptr[kv_dtype],
+    head_stride: Int,
     rows: RowOffsets,
     j: Int,
     scores: Ptr[F32],
-    prefetcher: RowPrefetch,
+    prefetcher: BlockPrefetch,
 ):
-    """Scores of tokens j..j+tokens for the tile's heads; q rows in the
-    order `load_block` widens K.
+    """Scores of tokens j..j+tokens for `heads` adjacent KV heads of `tile`
+    query rows each (rows hh * tile + g, head hh's K at k + hh *
+    head_stride); q rows in the order `load_block` widens K.
 
-    Each K block is loaded once for the tile's heads and each q slice once
+    Each K block is loaded once for the tile's rows and each q slice once
     for the step's tokens: the loop is bound by FMAs, not by loads.
     """
-    var acc = stack_allocation[tile * tokens, SIMD[F32, W]]()
-    comptime for i in range(tile * tokens):
+    comptime R = heads * tile
+    var acc = stack_allocation[R * tokens, SIMD[F32, W]]()
+    comptime for i in range(R * tokens):
         acc[unsafe_offset=i] = 0
     comptime for t in range(tokens):
-        prefetcher.after_k_row(j + t)
+        comptime for hh in range(heads):
+            prefetcher.after_row(j + t, hh)
     # A while loop: `range` with a step checks for overflow on every
     # iteration of this, the hottest loop.
     var c = 0
     while c < head_dim:
         comptime for t in range(tokens):
-            var kb = load_block[kv_dtype](k, Int(rows[unsafe_offset=j + t]) + c)
-            comptime for h in range(2):
-                comptime for g in range(tile):
-                    acc[unsafe_offset=g * tokens + t] = (
-                        q.unsafe_offset(g * head_dim + c + h * W)
-                        .unsafe_load[width=W]()
-                        .fma(
-                            kb.slice[W, offset=h * W](),
-                            acc[unsafe_offset=g * tokens + t],
+            comptime for hh in range(heads):
+                var kb = load_block[kv_dtype](
+                    k, hh * head_stride + Int(rows[unsafe_offset=j + t]) + c
+                )
+                comptime for h in range(2):
+                    comptime for g in range(tile):
+                        comptime r = hh * tile + g
+                        acc[unsafe_offset=r * tokens + t] = (
+                            q.unsafe_offset(r * head_dim + c + h * W)
+                            .unsafe_load[width=W]()
+                            .fma(
+                                kb.slice[W, offset=h * W](),
+                                acc[unsafe_offset=r * tokens + t],
+                            )
                         )
-                    )
         c += BLOCK
-    # Lane g * tokens + t: head g's score of token j + t.
-    var sums = reduce_many[tile * tokens](acc)
-    comptime for g in range(tile):
-        scores.unsafe_offset(g * CHUNK + j).unsafe_store(
-            sums.slice[tokens, offset=g * tokens]()
+    # Lane r * tokens + t: row r's score of token j + t.
+    var sums = reduce_many[R * tokens](acc)
+    comptime for r in range(R):
+        scores.unsafe_offset(r * CHUNK + j).unsafe_store(
+            sums.slice[tokens, offset=r * tokens]()
         )
 
 
 @always_inline
 def score_tile[
-    tile: Int, kv_dtype: DType
+    tile: Int, kv_dtype: DType, heads: Int = 1
 ](
     head_dim: Int,
     q: Ptr[F32],
     k: Ptr[kv_dtype],
+    head_stride: Int,
     rows: RowOffsets,
-    n: Int,
+    j0: Int,
+    j1: Int,
     scores: Ptr[F32],
-    prefetcher: RowPrefetch,
+    prefetcher: BlockPrefetch,
 ):
-    """Scores: scores[g * CHUNK + j] = q[g] . k[row j] for the tile's heads.
+    """Scores of tokens j0..j1: scores[r * CHUNK + j] = q[r] . k[row j] for
+    the rows r = hh * tile + g of `heads` adjacent KV heads (see
+    `score_tokens`).
 
-    Each K row is loaded once for all heads of the tile; a step scores
-    DOTS_PER_STEP (head, token) pairs, enough independent FMA chains to keep
-    both FMA ports busy, and their sums fill one vector.
+    Each K row is loaded once for all the tile's rows of its head; a step
+    scores DOTS_PER_STEP (row, token) pairs, enough independent FMA chains
+    to keep both FMA ports busy, and their sums fill one vector.
     """
-    comptime tokens = max(DOTS_PER_STEP // tile, 1)
-    var j = 0
-    while j + tokens <= n:
-        score_tokens[tile, tokens](head_dim, q, k, rows, j, scores, prefetcher)
+    comptime tokens = max(DOTS_PER_STEP // (tile * heads), 1)
+    var j = j0
+    while j + tokens <= j1:
+        score_tokens[tile, tokens, heads](
+            head_dim, q, k, head_stride, rows, j, scores, prefetcher
+        )
         j += tokens
-    while j < n:
-        score_tokens[tile, 1](head_dim, q, k, rows, j, scores, prefetcher)
+    while j < j1:
+        score_tokens[tile, 1, heads](
+            head_dim, q, k, head_stride, rows, j, scores, prefetcher
+        )
         j += 1
 
 
 @always_inline
 def accumulate_tile[
-    tile: Int, kv_dtype: DType
+    tile: Int, kv_dtype: DType, heads: Int = 1
 ](
     head_dim: Int,
     probs: Ptr[F32],
     v: Ptr[kv_dtype],
+    head_stride: Int,
     rows: RowOffsets,
-    n: Int,
+    j0: Int,
+    j1: Int,
     acc: Ptr[F32],
-    prefetcher: RowPrefetch,
+    prefetcher: BlockPrefetch,
 ):
-    """Folds V in: acc[g] += sum_j probs[g * CHUNK + j] * v[row j], acc rows
-    in the order `load_block` widens V.
+    """Folds tokens j0..j1 of V in: acc[r] += sum_j probs[r * CHUNK + j] *
+    v[row j] for the rows r = hh * tile + g of `heads` adjacent KV heads
+    (head hh's V at v + hh * head_stride), acc rows in the order
+    `load_block` widens V.
 
-    head_dim is covered a few vector slices at a time, so the tile's
-    accumulators for those slices stay in registers while the chunk's V rows
-    stream from L1; small tiles take more slices per pass to keep CHAINS
+    head_dim is covered a few vector slices at a time, so the rows'
+    accumulators for those slices stay in registers while the V rows
+    stream from L1; few rows take more slices per pass to keep CHAINS
     independent chains. Rows are prefetched on the first pass.
     """
-    comptime slices = min(max(CHAINS // tile, BLOCK // W), MIN_HEAD_DIM // W)
+    comptime R = heads * tile
+    comptime slices = min(max(CHAINS // R, BLOCK // W), MIN_HEAD_DIM // W)
     for c0 in range(0, head_dim // W, slices):
-        var o = stack_allocation[tile * slices, SIMD[F32, W]]()
-        comptime for g in range(tile):
+        var o = stack_allocation[R * slices, SIMD[F32, W]]()
+        comptime for r in range(R):
             comptime for s in range(slices):
-                o[unsafe_offset=g * slices + s] = acc.unsafe_offset(
-                    g * head_dim + (c0 + s) * W
+                o[unsafe_offset=r * slices + s] = acc.unsafe_offset(
+                    r * head_dim + (c0 + s) * W
                 ).unsafe_load[width=W]()
         var vb = SIMD[F32, BLOCK]()
-        for j in range(n):
+        for j in range(j0, j1):
             if c0 == 0:
-                prefetcher.after_v_row(j)
+                comptime for hh in range(heads):
+                    prefetcher.after_row(j, hh)
             var row = Int(rows[unsafe_offset=j])
+            comptime for hh in range(heads):
+                comptime for s in range(slices):
+                    comptime if s % 2 == 0:
+                        vb = load_block[kv_dtype](
+                            v, hh * head_stride + row + (c0 + s) * W
+                        )
+                    var vv = vb.slice[W, offset=(s % 2) * W]()
+                    comptime for g in range(tile):
+                        comptime r = hh * tile + g
+                        o[unsafe_offset=r * slices + s] = vv.fma(
+                            probs[unsafe_offset=r * CHUNK + j],
+                            o[unsafe_offset=r * slices + s],
+                        )
+        comptime for r in range(R):
             comptime for s in range(slices):
-                comptime if s % 2 == 0:
-                    vb = load_block[kv_dtype](v, row + (c0 + s) * W)
-                var vv = vb.slice[W, offset=(s % 2) * W]()
-                comptime for g in range(tile):
-                    o[unsafe_offset=g * slices + s] = vv.fma(
-                        probs[unsafe_offset=g * CHUNK + j],
-                        o[unsafe_offset=g * slices + s],
-                    )
-        comptime for g in range(tile):
-            comptime for s in range(slices):
-                acc.unsafe_offset(g * head_dim + (c0 + s) * W).unsafe_store(
-                    o[unsafe_offset=g * slices + s]
+                acc.unsafe_offset(r * head_dim + (c0 + s) * W).unsafe_store(
+                    o[unsafe_offset=r * slices + s]
                 )
 
 
@@ -269,83 +300,298 @@ def softmax_tile[
 
 
 @always_inline
-def chunk_tile[
-    tile: Int, k_dtype: DType, v_dtype: DType
+def score_rows[
+    kv_dtype: DType
 ](
     head_dim: Int,
-    params: AttentionParams,
     state: TaskState,
-    g: Int,
-    k: Ptr[k_dtype],
-    k_rows: RowOffsets,
-    v: Ptr[v_dtype],
-    v_rows: RowOffsets,
-    n: Int,
-    kv_pos0: Int,
-    prefetcher: RowPrefetch,
+    r0: Int,
+    count: Int,
+    k: Ptr[kv_dtype],
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    prefetcher: BlockPrefetch,
 ):
-    """One chunk for the task's query rows g..g+tile."""
-    var q = state.q.unsafe_offset(g * head_dim)
-    var acc = state.acc.unsafe_offset(g * head_dim)
-    score_tile[tile](head_dim, q, k, k_rows, n, state.scores, prefetcher)
-    softmax_tile[tile](
-        head_dim,
-        params,
-        state.scores,
-        n,
-        kv_pos0,
-        state.row_pos.unsafe_offset(g),
-        state.alibi_log2.unsafe_offset(g),
-        state.m.unsafe_offset(g),
-        state.l.unsafe_offset(g),
-        acc,
-    )
-    accumulate_tile[tile](head_dim, state.scores, v, v_rows, n, acc, prefetcher)
-
-
-@always_inline
-def chunk_group[
-    k_dtype: DType, v_dtype: DType
-](
-    head_dim: Int,
-    params: AttentionParams,
-    state: TaskState,
-    g0: Int,
-    group: Int,
-    k: Ptr[k_dtype],
-    k_rows: RowOffsets,
-    v: Ptr[v_dtype],
-    v_rows: RowOffsets,
-    n: Int,
-    kv_pos0: Int,
-    prefetcher: RowPrefetch,
-):
-    """One chunk for the `group` query heads g0.. of one KV head, in tiles of
-    8, 4, 2 and 1; the first tile drives the prefetcher."""
-    var g = g0
+    """Scores of tokens j0..j1 for the task's query rows r0..r0+count (of one
+    KV head), in tiles of 8, 4, 2 and 1; the first tile drives the
+    prefetcher."""
+    var r = r0
     var prefetching = prefetcher
-    while g < g0 + group:
-        var left = g0 + group - g
+    while r < r0 + count:
+        var left = r0 + count - r
         var taken = False
         comptime for i in range(4):
             comptime tile = 8 >> i
             if not taken and left >= tile:
-                chunk_tile[tile](
+                score_tile[tile](
                     head_dim,
-                    params,
-                    state,
-                    g,
+                    state.q.unsafe_offset(r * head_dim),
                     k,
-                    k_rows,
-                    v,
-                    v_rows,
-                    n,
-                    kv_pos0,
+                    0,
+                    rows,
+                    j0,
+                    j1,
+                    state.scores.unsafe_offset(r * CHUNK),
                     prefetching,
                 )
-                g += tile
+                r += tile
                 taken = True
         prefetching = prefetcher.disabled()
+
+
+@always_inline
+def accumulate_rows[
+    kv_dtype: DType
+](
+    head_dim: Int,
+    state: TaskState,
+    r0: Int,
+    count: Int,
+    v: Ptr[kv_dtype],
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    prefetcher: BlockPrefetch,
+):
+    """Folds tokens j0..j1 of V into the task's query rows r0..r0+count (of
+    one KV head), in tiles of 8, 4, 2 and 1; the first tile drives the
+    prefetcher."""
+    var r = r0
+    var prefetching = prefetcher
+    while r < r0 + count:
+        var left = r0 + count - r
+        var taken = False
+        comptime for i in range(4):
+            comptime tile = 8 >> i
+            if not taken and left >= tile:
+                accumulate_tile[tile](
+                    head_dim,
+                    state.scores.unsafe_offset(r * CHUNK),
+                    v,
+                    0,
+                    rows,
+                    j0,
+                    j1,
+                    state.acc.unsafe_offset(r * head_dim),
+                    prefetching,
+                )
+                r += tile
+                taken = True
+        prefetching = prefetcher.disabled()
+
+
+@always_inline
+def paired_heads[kv_dtype: DType]() -> Int:
+    """KV heads of one query row each (GQA group 1) that a step scores, or
+    folds V into, together: each token's run of adjacent head rows read in
+    order is then 2 KiB at head_dim 128 (float32: 4 heads, 16-bit: 8),
+    instead of one head's 256-512 B piece of many tokens' rows."""
+    return 4 if size_of[kv_dtype]() >= 4 else 8
+
+
+comptime BLOCK_BYTES = 16 << 10
+"""What a block of a task's heads and tokens should read, K or V: in a
+micro-benchmark of the kernel's reads from memory (2 cores), blocks of 8
+bfloat16 tokens of 8 heads (16 KiB) read fastest, about 8% faster than 16
+tokens and than token by token."""
+
+comptime PREFETCH_MAX_BYTES = 32 << 10
+"""The largest block whose successor is prefetched while it is read. A
+larger block (the steps' tokens across many wide heads, such as 32 float32
+heads of group 1: 64 KiB) reads as long runs of each token row, which the
+hardware prefetchers stream faster alone (37 GB/s against 29 with the
+next block asked for, same micro-benchmark)."""
+
+
+def step_tokens[kv_dtype: DType](heads: Int, head_rows: Int) -> Int:
+    """The tokens every scoring step of a task takes divide this (see
+    `score_heads`)."""
+    comptime paired = paired_heads[kv_dtype]()
+    if head_rows == 1:
+        return DOTS_PER_STEP // paired if heads % paired == 0 else DOTS_PER_STEP
+    if head_rows == 2:
+        return (
+            DOTS_PER_STEP // paired if heads % (paired // 2)
+            == 0 else DOTS_PER_STEP // 2
+        )
+    # Tiles of 8, 4, 2, 1 rows take 2, 4, 8, 16 tokens a step.
+    return DOTS_PER_STEP // min(head_rows & -head_rows, 8)
+
+
+def block_tokens[
+    kv_dtype: DType
+](heads: Int, head_rows: Int, head_dim: Int) -> Int:
+    """Tokens per block of a task with `heads` KV heads of head_rows query
+    rows each: about BLOCK_BYTES of K (or V), a multiple of the steps'
+    tokens. One head (prefill) has nothing to interleave: its block is the
+    chunk."""
+    if heads == 1:
+        return CHUNK
+    var step = step_tokens[kv_dtype](heads, head_rows)
+    var token_bytes = heads * head_dim * size_of[kv_dtype]()
+    var wanted = max(BLOCK_BYTES // token_bytes, 1)
+    return min((wanted + step - 1) // step * step, CHUNK)
+
+
+@always_inline
+def score_heads[
+    kv_dtype: DType
+](
+    head_dim: Int,
+    state: TaskState,
+    heads: Int,
+    head_rows: Int,
+    k: Ptr[kv_dtype],
+    head_stride: Int,
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    target: BlockPrefetch,
+):
+    """Scores of tokens j0..j1 for all the task's `heads` KV heads of
+    head_rows query rows each (head h's K at k + h * head_stride); target:
+    the block to prefetch meanwhile. Heads of one or two rows go
+    `paired_heads` (or half as many) at a time."""
+    comptime P = paired_heads[kv_dtype]()
+    var h = 0
+    if head_rows == 1:
+        while h + P <= heads:
+            score_tile[1, kv_dtype, P](
+                head_dim,
+                state.q.unsafe_offset(h * head_dim),
+                k.unsafe_offset(h * head_stride),
+                head_stride,
+                rows,
+                j0,
+                j1,
+                state.scores.unsafe_offset(h * CHUNK),
+                target.for_head(h, j0, j1 - j0),
+            )
+            h += P
+    elif head_rows == 2:
+        while h + P // 2 <= heads:
+            score_tile[2, kv_dtype, P // 2](
+                head_dim,
+                state.q.unsafe_offset(2 * h * head_dim),
+                k.unsafe_offset(h * head_stride),
+                head_stride,
+                rows,
+                j0,
+                j1,
+                state.scores.unsafe_offset(2 * h * CHUNK),
+                target.for_head(h, j0, j1 - j0),
+            )
+            h += P // 2
+    while h < heads:
+        score_rows(
+            head_dim,
+            state,
+            h * head_rows,
+            head_rows,
+            k.unsafe_offset(h * head_stride),
+            rows,
+            j0,
+            j1,
+            target.for_head(h, j0, j1 - j0),
+        )
+        h += 1
+
+
+@always_inline
+def accumulate_heads[
+    kv_dtype: DType
+](
+    head_dim: Int,
+    state: TaskState,
+    heads: Int,
+    head_rows: Int,
+    v: Ptr[kv_dtype],
+    head_stride: Int,
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    target: BlockPrefetch,
+):
+    """Folds tokens j0..j1 of V into all the task's query rows, grouped as in
+    `score_heads`."""
+    comptime P = paired_heads[kv_dtype]()
+    var h = 0
+    if head_rows == 1:
+        while h + P <= heads:
+            accumulate_tile[1, kv_dtype, P](
+                head_dim,
+                state.scores.unsafe_offset(h * CHUNK),
+                v.unsafe_offset(h * head_stride),
+                head_stride,
+                rows,
+                j0,
+                j1,
+                state.acc.unsafe_offset(h * head_dim),
+                target.for_head(h, j0, j1 - j0),
+            )
+            h += P
+    elif head_rows == 2:
+        while h + P // 2 <= heads:
+            accumulate_tile[2, kv_dtype, P // 2](
+                head_dim,
+                state.scores.unsafe_offset(2 * h * CHUNK),
+                v.unsafe_offset(h * head_stride),
+                head_stride,
+                rows,
+                j0,
+                j1,
+                state.acc.unsafe_offset(2 * h * head_dim),
+                target.for_head(h, j0, j1 - j0),
+            )
+            h += P // 2
+    while h < heads:
+        accumulate_rows(
+            head_dim,
+            state,
+            h * head_rows,
+            head_rows,
+            v.unsafe_offset(h * head_stride),
+            rows,
+            j0,
+            j1,
+            target.for_head(h, j0, j1 - j0),
+        )
+        h += 1
+
+
+@always_inline
+def softmax_rows(
+    head_dim: Int,
+    params: AttentionParams,
+    state: TaskState,
+    count: Int,
+    n: Int,
+    kv_pos0: Int,
+):
+    """The online softmax step of one chunk of n keys from kv_pos0 for all
+    the task's count query rows, in tiles of 8, 4, 2 and 1."""
+    var r = 0
+    while r < count:
+        var left = count - r
+        var taken = False
+        comptime for i in range(4):
+            comptime tile = 8 >> i
+            if not taken and left >= tile:
+                softmax_tile[tile](
+                    head_dim,
+                    params,
+                    state.scores.unsafe_offset(r * CHUNK),
+                    n,
+                    kv_pos0,
+                    state.row_pos.unsafe_offset(r),
+                    state.alibi_log2.unsafe_offset(r),
+                    state.m.unsafe_offset(r),
+                    state.l.unsafe_offset(r),
+                    state.acc.unsafe_offset(r * head_dim),
+                )
+                r += tile
+                taken = True
 
 
 @always_inline
@@ -374,7 +620,7 @@ def rotated_keys[
 struct TaskState(Movable):
     """Per-task scratch: the q vector, accumulator, softmax state, position
     and ALiBi slope of each query row (a query token's head), the scores of
-    one tile, row offset tables. On the heap: 64 rows of dim 256 would not fit
+    one chunk, row offset tables. On the heap: 64 rows of dim 256 would not fit
     a worker thread's stack."""
 
     var q: Ptr[F32]
@@ -407,7 +653,7 @@ struct TaskState(Movable):
         var l_at = take(at, rows)
         var alibi_at = take(at, rows)
         var pos_at = take(at, rows)
-        var scores_at = take(at, 8 * CHUNK)
+        var scores_at = take(at, rows * CHUNK)
         var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
@@ -513,64 +759,108 @@ def attention_task[
     var rot_rows = st.rows.unsafe_offset(2 * CHUNK)
     for j in range(CHUNK):
         rot_rows[unsafe_offset=j] = Int64(j * head_dim)
+    # A chunk's K, then its V, is read in blocks of `block` tokens, all the
+    # task's heads of a block before the next (see BlockPrefetch).
+    var heads = h1 - h0
+    var block = block_tokens[kv_dtype](heads, head_rows, head_dim)
+    # Past PREFETCH_MAX_BYTES a block asks for nothing (count 0).
+    var ahead_max = (
+        block if block * heads * head_dim * size_of[kv_dtype]()
+        <= PREFETCH_MAX_BYTES else 0
+    )
+    var nhd = layout == KVLayout.NHD
+    var k0 = cache.k_pages.unsafe_offset(h0 * hs)
+    var v0 = cache.v_pages.unsafe_offset(h0 * hs)
     var tok = first
     var n = chunk_rows(cache, b, tok, end, rows) if tok < end else 0
+    BlockPrefetch[kv_dtype](
+        k0, rows, 0, min(ahead_max, n), heads, hs, head_dim, nhd
+    ).fetch_all()
     while tok < end:
         var next = tok + n
         var n_ahead = (
             chunk_rows(cache, b, next, end, ahead) if next < end else 0
         )
-        for h in range(h0, h1):
-            var k = cache.k_pages.unsafe_offset(h * hs)
-            var v = cache.v_pages.unsafe_offset(h * hs)
-            var r0 = (h - h0) * head_rows
-            # After this head's V rows come the next head's K rows, or the
-            # next chunk's first head's.
-            var prefetcher = RowPrefetch[kv_dtype](
-                k, v, rows, n, k.unsafe_offset(hs), rows, n, head_dim
-            ) if h + 1 < h1 else RowPrefetch[kv_dtype](
-                k,
-                v,
-                rows,
-                n,
-                cache.k_pages.unsafe_offset(h0 * hs),
-                ahead,
-                n_ahead,
-                head_dim,
-            )
-            if rope:
-                rotated_keys(head_dim, k, rows, n, tok, st.inv_freq, st.krot)
-                chunk_group(
+        var first_v = BlockPrefetch[kv_dtype](
+            v0, rows, 0, min(ahead_max, n), heads, hs, head_dim, nhd
+        )
+        if rope:
+            # Rotated keys are scored head by head, the whole chunk at once.
+            for h in range(h0, h1):
+                rotated_keys(
                     head_dim,
-                    params,
+                    cache.k_pages.unsafe_offset(h * hs),
+                    rows,
+                    n,
+                    tok,
+                    st.inv_freq,
+                    st.krot,
+                )
+                score_rows(
+                    head_dim,
                     st,
-                    r0,
+                    (h - h0) * head_rows,
                     head_rows,
                     st.krot,
                     rot_rows,
-                    v,
-                    rows,
+                    0,
                     n,
-                    tok,
-                    RowPrefetch[DType.float32](
-                        st.krot, st.krot, rot_rows, 0, st.krot, rot_rows, 0, 0
-                    ),
+                    first_v.for_head(h - h0, 0, n),
                 )
-            else:
-                chunk_group(
+        # Scores block by block; the last K block asks for the first V one.
+        var jb = 0
+        while jb < n and not rope:
+            var je = min(jb + block, n)
+            var target = (
+                BlockPrefetch[kv_dtype](
+                    k0,
+                    rows,
+                    je,
+                    min(ahead_max, n - je),
+                    heads,
+                    hs,
                     head_dim,
-                    params,
-                    st,
-                    r0,
-                    head_rows,
-                    k,
-                    rows,
-                    v,
-                    rows,
-                    n,
-                    tok,
-                    prefetcher,
-                )
+                    nhd,
+                ) if je
+                < n else first_v
+            )
+            score_heads(
+                head_dim,
+                st,
+                heads,
+                head_rows,
+                k0,
+                hs,
+                rows,
+                jb,
+                je,
+                target,
+            )
+            jb = je
+        softmax_rows(head_dim, params, st, heads * head_rows, n, tok)
+        # V, block by block; the last V block asks for the next chunk's
+        # first K block.
+        jb = 0
+        while jb < n:
+            var je = min(jb + block, n)
+            var target = BlockPrefetch[kv_dtype](
+                v0, rows, je, min(ahead_max, n - je), heads, hs, head_dim, nhd
+            ) if je < n else BlockPrefetch[kv_dtype](
+                k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
+            )
+            accumulate_heads(
+                head_dim,
+                st,
+                heads,
+                head_rows,
+                v0,
+                hs,
+                rows,
+                jb,
+                je,
+                target,
+            )
+            jb = je
         tok = next
         n = n_ahead
         var swap = rows

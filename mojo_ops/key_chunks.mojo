@@ -1,6 +1,6 @@
 """A task's keys in chunks of CHUNK token rows: the rows' offsets in the
-pool (a chunk may span pages), and the prefetcher that asks for rows ahead
-in the order the task consumes them."""
+pool (a chunk may span pages), the blocks in which a task reads them, and
+the prefetcher that asks for the next block while it reads one."""
 
 from std.sys import size_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
@@ -13,89 +13,113 @@ comptime CHUNK = 32
 comptime RowOffsets = Ptr[DType.int64]
 """Element offsets of a chunk's token rows from the pool base (head 0)."""
 
-comptime PREFETCH_BYTES = 4096
-"""How far ahead, in the order the task consumes rows, rows are asked for
-into L2: enough misses in flight for one core to stream at full speed
-(measured best of 2, 4 and 8 KiB, L1 or L2, on a 2-core Ice Lake). A distance in
-bytes, not rows: narrow rows (16-bit, fp8, small head_dim) need more rows
-ahead for the same misses in flight."""
 
+struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
+    """Asks for the rows of the task's next block while it reads this one:
+    one row of the next block for each row it consumes, in memory order.
 
-struct RowPrefetch[kv_dtype: DType](TrivialRegisterPassable):
-    """Prefetches PREFETCH_BYTES of rows ahead along a task's consumption order:
-    one KV head's K rows of a chunk, then its V rows, then the next head's
-    (or the next chunk's first head's) K rows.
-
-    Hardware prefetchers do not follow this order (a head's rows are 512 B
-    runs in different 4 KiB pages of an NHD page), so without it the core
-    waits on each row's miss.
+    A task reads a chunk's K, then its V, in blocks of a few tokens, all the
+    task's heads of each block's tokens before the next block (see
+    `block_tokens` in attention_cpu.mojo), so a run of reads stays within a few adjacent token
+    rows, which the hardware prefetchers then stream. The rows asked for
+    here are the next block's (K, V, or the next chunk's K): far enough
+    ahead to cover the memory's latency, and in address order.
     """
 
-    var k: Ptr[Self.kv_dtype]
-    var v: Ptr[Self.kv_dtype]
+    var base: Ptr[Self.kv_dtype]
+    """The target block's K (or V) pages at the task's first head."""
     var rows: RowOffsets
-    var n: Int
-    var next_k: Ptr[Self.kv_dtype]
-    var next_rows: RowOffsets
-    var next_n: Int
+    var first: Int
+    """The target block's first token, an index into rows."""
+    var count: Int
+    """The target block's tokens; 0 asks for nothing."""
+    var heads: Int
+    var head_stride: Int
     var row_elems: Int
-    var distance: Int
-    """Rows ahead: PREFETCH_BYTES of rows, at most one chunk."""
+    var token_major: Bool
+    """NHD: a token's heads are adjacent; HND: a head's tokens are."""
+    var visit0: Int
+    """How many rows of the current block the task consumed before this
+    head's first: (head - first head) x the block's tokens."""
+    var block_first: Int
+    """The current block's first token."""
+    var block_len: Int
+    """The current block's tokens."""
 
     def __init__(
         out self,
-        k: Ptr[Self.kv_dtype],
-        v: Ptr[Self.kv_dtype],
+        base: Ptr[Self.kv_dtype],
         rows: RowOffsets,
-        n: Int,
-        next_k: Ptr[Self.kv_dtype],
-        next_rows: RowOffsets,
-        next_n: Int,
+        first: Int,
+        count: Int,
+        heads: Int,
+        head_stride: Int,
         row_elems: Int,
+        token_major: Bool,
     ):
-        self.row_elems = row_elems
-        var row_bytes = max(row_elems * size_of[Self.kv_dtype](), 64)
-        self.distance = min(max(PREFETCH_BYTES // row_bytes, 1), CHUNK)
-        self.k = k
-        self.v = v
+        """A prefetcher for the target block of `count` tokens from `first`
+        of rows; `for_head` places it in the current block."""
+        self.base = base
         self.rows = rows
-        self.n = n
-        self.next_k = next_k
-        self.next_rows = next_rows
-        self.next_n = next_n
+        self.first = first
+        self.count = count
+        self.heads = heads
+        self.head_stride = head_stride
+        self.row_elems = row_elems
+        self.token_major = token_major
+        self.visit0 = 0
+        self.block_first = 0
+        self.block_len = 0
+
+    def for_head(self, head: Int, block_first: Int, block_tokens: Int) -> Self:
+        """The prefetcher for the task's `head`-th head (from 0) in the current
+        block of block_tokens tokens from block_first."""
+        var placed = self
+        placed.visit0 = head * block_tokens
+        placed.block_first = block_first
+        placed.block_len = block_tokens
+        return placed
 
     def disabled(self) -> Self:
-        """The same prefetcher asking for nothing (a group's later tiles)."""
-        return Self(
-            self.k, self.v, self.rows, 0, self.next_k, self.next_rows, 0, 0
+        """The same prefetcher asking for nothing (a head's later tiles)."""
+        var quiet = self
+        quiet.count = 0
+        return quiet
+
+    @always_inline
+    def after_row(self, j: Int, head: Int = 0):
+        """The task consumed row j (a token of the chunk) of its head, or of
+        the head `head` places after it."""
+        self.fetch(self.visit0 + head * self.block_len + j - self.block_first)
+
+    @always_inline
+    def fetch(self, i: Int):
+        """Asks for the target block's row i, in memory order."""
+        if i >= self.count * self.heads:
+            return
+        var t: Int
+        var h: Int
+        if self.token_major:
+            t = i // self.heads
+            h = i - t * self.heads
+        else:
+            h = i // self.count
+            t = i - h * self.count
+        var p = self.base.unsafe_offset(
+            Int(self.rows[unsafe_offset=self.first + t]) + h * self.head_stride
         )
-
-    @always_inline
-    def after_k_row(self, j: Int):
-        var target = j + self.distance
-        if target < self.n:
-            self._fetch(self.k, self.rows, target)
-        elif target - self.n < self.n:
-            self._fetch(self.v, self.rows, target - self.n)
-
-    @always_inline
-    def after_v_row(self, j: Int):
-        var target = j + self.distance
-        if target < self.n:
-            self._fetch(self.v, self.rows, target)
-        elif target - self.n < self.next_n:
-            self._fetch(self.next_k, self.next_rows, target - self.n)
-
-    @always_inline
-    def _fetch(self, base: Ptr[Self.kv_dtype], rows: RowOffsets, j: Int):
         comptime line_elems = max(64 // size_of[Self.kv_dtype](), 1)
-        var p = base.unsafe_offset(Int(rows[unsafe_offset=j]))
-        var i = 0
-        while i < self.row_elems:
+        var e = 0
+        while e < self.row_elems:
             prefetch[PrefetchOptions().for_read().medium_locality()](
-                p.unsafe_offset(i)
+                p.unsafe_offset(e)
             )
-            i += line_elems
+            e += line_elems
+
+    def fetch_all(self):
+        """Asks for the whole target block at once (a task's first)."""
+        for i in range(self.count * self.heads):
+            self.fetch(i)
 
 
 @always_inline

@@ -191,6 +191,27 @@ def test_decode_matches_reference(case: Case):
     check_decode_case(case)
 
 
+# How a CPU task walks its KV heads depends on the heads it holds and their
+# query rows: heads of one row go 4 (float32) or 8 (16-bit, fp8) at a time,
+# of two rows half as many, the rest one by one in tiles of 8, 4, 2, 1 rows;
+# blocks of tokens are sized to the heads' bytes, and wide blocks skip the
+# software prefetch. Each case takes a different mix of these paths.
+TASK_SHAPES = [
+    Case("float16", "float16", 7, 1, 8, 128, 16, "NHD", "pool", "NONE", -1, None, None, 51),
+    Case("float32", "float32", 7, 1, 6, 64, 16, "NHD", "pool", "NONE", -1, None, None, 52),
+    Case("bfloat16", "bfloat16", 7, 2, 6, 128, 16, "HND", "pair", "NONE", -1, None, None, 53),
+    Case("float32", "float32", 7, 3, 4, 64, 1, "NHD", "pair", "NONE", 17, 30.0, None, 54),
+    Case("float32", "float32", 3, 1, 32, 128, 16, "NHD", "pool", "NONE", -1, None, None, 55),
+    Case("float16", "float8_e4m3fn", 7, 2, 8, 64, 16, "NHD", "pool", "ALIBI", -1, None, None, 56),
+    Case("float32", "float32", 7, 1, 8, 64, 64, "HND", "pool", "ROPE_LLAMA", -1, None, None, 57),
+]
+
+
+@pytest.mark.parametrize("case", TASK_SHAPES, ids=str)
+def test_task_head_mixes_match_reference(case: Case):
+    check_decode_case(case)
+
+
 def test_empty_and_single_token_requests():
     rng = np.random.default_rng(7)
     batch = reference.paged_batch(rng, 16, [0, 1, 0, 3], [0] * 4)
