@@ -2,6 +2,9 @@
 SDPA, in one run: ms, GB/s, share of the measured read bandwidth, ratios.
 
     python benchmarks/decode.py [--shapes 0,1,2,3] [--dtypes float32,bfloat16]
+
+MAX's worker threads are pinned one per core (MODULAR_ENABLE_AFFINITY=1, see
+pagedkv/bench/threads.py); MODULAR_ENABLE_AFFINITY=0 measures them unpinned.
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 import argparse
 
 from pagedkv.bench.decode_bench import CPU_SHAPES, format_table, run_cpu_decode_bench
+from pagedkv.bench.threads import pin_max_workers
 
 
 def main() -> None:
+    pin_max_workers()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(CPU_SHAPES))))
     parser.add_argument("--dtypes", default="float32,bfloat16")

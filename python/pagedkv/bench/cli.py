@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .append_bench import format_append_table, run_append_bench
 from .decode_bench import CPU_SHAPES, DecodeShape, format_table, run_cpu_decode_bench
+from .threads import pin_max_workers
 
 SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096)
 
@@ -33,6 +34,7 @@ def run_bench(
         return run_gpu_bench(reps=reps)
     if device != "cpu":
         raise ValueError(f"--device must be cpu or gpu, got {device!r}")
+    pin_max_workers()  # before this process first uses MAX
     chosen = CPU_SHAPES
     if shapes:
         try:

@@ -24,6 +24,7 @@ from .anchors import (
     time_round_robin,
     torch_sdpa_decode,
 )
+from .threads import workers_pinned
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ class MachineSpeed:
     read_gbps: float
     threads: int
     burst_speedup: dict[float, float]
+    workers_pinned: bool = False
+    """Whether MAX's worker threads ran pinned one per core (threads.py)."""
 
 
 @dataclass
@@ -177,7 +180,7 @@ def run_cpu_decode_bench(
         print(f"  {bandwidth:.1f} GB/s{stolen}", flush=True)
     threads = os.cpu_count() or 1
     speedups = {ms: burst_speedup(ms, threads, BURST_IDLE_S) for ms in BURST_MS}
-    machine = MachineSpeed(bandwidth, threads, speedups)
+    machine = MachineSpeed(bandwidth, threads, speedups, workers_pinned())
     if verbose:
         print(f"  {burst_line(machine)}", flush=True)
     rows: list[Row] = []
@@ -219,9 +222,10 @@ def run_cpu_decode_bench(
 def burst_line(machine: MachineSpeed) -> str:
     """The machine's burst speedups as one line of the table's header."""
     speedups = ", ".join(f"{x:.2f}x at {ms:g} ms" for ms, x in machine.burst_speedup.items())
+    pinned = "pinned" if machine.workers_pinned else "not pinned"
     return (
         f"{machine.threads}-thread speedup of bursts after {BURST_IDLE_S * 1e3:g} ms idle "
-        f"(ideal {machine.threads:.2f}x): {speedups}"
+        f"(ideal {machine.threads:.2f}x): {speedups}; MAX workers {pinned}"
     )
 
 
