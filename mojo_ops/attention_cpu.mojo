@@ -399,9 +399,16 @@ tokens and than token by token."""
 comptime PREFETCH_MAX_BYTES = 32 << 10
 """The largest block whose successor is prefetched while it is read. A
 larger block (the steps' tokens across many wide heads, such as 32 float32
-heads of group 1: 64 KiB) reads as long runs of each token row, which the
-hardware prefetchers stream faster alone (37 GB/s against 29 with the
-next block asked for, same micro-benchmark)."""
+heads of group 1: 16 KiB a token) is read as runs of many token rows at
+once, which the hardware prefetchers stream faster alone. In the kernel
+alone from memory on a 2-core Zen 5 VM, 32 float32 heads of group 1 in
+blocks of 8 tokens read at 29-30 GB/s with the next block prefetched and
+37-38 without (a plain read: 40-44 GB/s)."""
+
+comptime STREAMED_BLOCK = 16
+"""Tokens per block when the hardware prefetchers alone fetch it (see
+PREFETCH_MAX_BYTES): 16 token rows read side by side. Same measurement,
+blocks of 4, 8, 16 and 32 tokens: 37, 34, 41 and 40 GB/s (plain read 42)."""
 
 
 def step_tokens[kv_dtype: DType](heads: Int, head_rows: Int) -> Int:
@@ -424,14 +431,17 @@ def block_tokens[
 ](heads: Int, head_rows: Int, head_dim: Int) -> Int:
     """Tokens per block of a task with `heads` KV heads of head_rows query
     rows each: about BLOCK_BYTES of K (or V), a multiple of the steps'
-    tokens. One head (prefill) has nothing to interleave: its block is the
-    chunk."""
+    tokens, or STREAMED_BLOCK where that is past PREFETCH_MAX_BYTES. One head
+    (prefill) has nothing to interleave: its block is the chunk."""
     if heads == 1:
         return CHUNK
     var step = step_tokens[kv_dtype](heads, head_rows)
     var token_bytes = heads * head_dim * size_of[kv_dtype]()
     var wanted = max(BLOCK_BYTES // token_bytes, 1)
-    return min((wanted + step - 1) // step * step, CHUNK)
+    var block = min((wanted + step - 1) // step * step, CHUNK)
+    if block * token_bytes > PREFETCH_MAX_BYTES:
+        return STREAMED_BLOCK
+    return block
 
 
 @always_inline
