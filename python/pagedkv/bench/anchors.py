@@ -155,19 +155,27 @@ def read_bandwidth_gbps(gib: float = 1.0, reps: int = 8) -> float:
 
 
 def same_bytes_reads(nbytes: int) -> dict[str, Callable[[], Any]]:
-    """Reductions over a float32 array of nbytes, NumPy on one thread and
-    torch on all threads: a reference for a kernel that reads nbytes, to be
-    timed in the same rounds (`time_round_robin`) as the kernel.
+    """Reductions over a float32 array of nbytes, torch on all threads and
+    NumPy on one: a reference for a kernel that reads nbytes, to be timed in
+    the same rounds (`time_round_robin`) as the kernel, after it.
 
     The best-of-N bandwidth above is the machine's peak; a burst of a few
     milliseconds right after a flush, on a machine whose neighbours load
     its memory, gets less, and these show how much less.
+
+    NumPy's read comes last: in the rotating rounds the first function (the
+    kernel under test) mostly runs right after the last one, and torch's
+    OpenMP workers spin on for about 10 ms after a torch call, past the
+    cache flush, so a kernel timed right after torch's read shared a core
+    with them (at (1, 4096) float32 the copy of pagedkv placed there ran
+    about 10% slower than three identical copies placed elsewhere; with
+    OMP_WAIT_POLICY=PASSIVE, 3%).
     """
     import torch
 
     a = np.ones(nbytes // 4, np.float32)
     at = torch.from_numpy(a)
-    return {"read_numpy": lambda: np.maximum.reduce(a), "read_torch": lambda: at.sum()}
+    return {"read_torch": lambda: at.sum(), "read_numpy": lambda: np.maximum.reduce(a)}
 
 
 def burst_speedup(
