@@ -391,10 +391,12 @@ def paired_heads[kv_dtype: DType]() -> Int:
 
 
 comptime BLOCK_BYTES = 16 << 10
-"""What a block of a task's heads and tokens should read, K or V: in a
-micro-benchmark of the kernel's reads from memory (2 cores), blocks of 8
-bfloat16 tokens of 8 heads (16 KiB) read fastest, about 8% faster than 16
-tokens and than token by token."""
+"""What a block of a task's heads and tokens should read, K or V. In the
+micro-benchmark of read orders (benchmarks/decode_cpu_overlap.mojo: 8
+bfloat16 heads, 16 FMAs a line, 2 cores), blocks of 8 tokens (16 KiB),
+of 16, and token by token all read 15-36% faster than head by head; which
+of the three led changed from run to run (by up to 8%). Small blocks keep
+the kernel's step structure (whole tiles of rows per head)."""
 
 comptime PREFETCH_MAX_BYTES = 32 << 10
 """The largest block whose successor is prefetched while it is read. A
