@@ -28,12 +28,11 @@ from std.time import perf_counter_ns
 
 from mojo_ops.attention_cpu import (
     TaskState,
-    accumulate_heads,
     accumulate_tile,
     attention_task,
-    score_heads,
     score_tile,
     softmax_rows,
+    walk_heads,
 )
 from mojo_ops.key_chunks import CHUNK, BlockPrefetch
 from mojo_ops.attention_params import AttentionParams
@@ -108,9 +107,11 @@ def bench[kv_dtype: DType, group: Int]() raises:
     for _ in range(REPEATS):
         var start = Int(perf_counter_ns())
         for i in range(ITERATIONS):
-            score_heads(HEAD_DIM, state, 1, group, k, 0, rows, 0, CHUNK, quiet)
+            walk_heads[scoring=True](
+                HEAD_DIM, state, 1, group, k, 0, rows, 0, CHUNK, quiet
+            )
             softmax_rows(HEAD_DIM, params, state, group, CHUNK, i * CHUNK)
-            accumulate_heads(
+            walk_heads[scoring=False](
                 HEAD_DIM, state, 1, group, v, 0, rows, 0, CHUNK, quiet
             )
         total = min(total, ns_per_token(start, Int(perf_counter_ns())))

@@ -300,88 +300,6 @@ def softmax_tile[
 
 
 @always_inline
-def score_rows[
-    kv_dtype: DType
-](
-    head_dim: Int,
-    state: TaskState,
-    r0: Int,
-    count: Int,
-    k: Ptr[kv_dtype],
-    rows: RowOffsets,
-    j0: Int,
-    j1: Int,
-    prefetcher: BlockPrefetch,
-):
-    """Scores of tokens j0..j1 for the task's query rows r0..r0+count (of one
-    KV head), in tiles of 8, 4, 2 and 1; the first tile drives the
-    prefetcher."""
-    var r = r0
-    var prefetching = prefetcher
-    while r < r0 + count:
-        var left = r0 + count - r
-        var taken = False
-        comptime for i in range(4):
-            comptime tile = 8 >> i
-            if not taken and left >= tile:
-                score_tile[tile](
-                    head_dim,
-                    state.q.unsafe_offset(r * head_dim),
-                    k,
-                    0,
-                    rows,
-                    j0,
-                    j1,
-                    state.scores.unsafe_offset(r * CHUNK),
-                    prefetching,
-                )
-                r += tile
-                taken = True
-        prefetching = prefetcher.disabled()
-
-
-@always_inline
-def accumulate_rows[
-    kv_dtype: DType
-](
-    head_dim: Int,
-    state: TaskState,
-    r0: Int,
-    count: Int,
-    v: Ptr[kv_dtype],
-    rows: RowOffsets,
-    j0: Int,
-    j1: Int,
-    prefetcher: BlockPrefetch,
-):
-    """Folds tokens j0..j1 of V into the task's query rows r0..r0+count (of
-    one KV head), in tiles of 8, 4, 2 and 1; the first tile drives the
-    prefetcher."""
-    var r = r0
-    var prefetching = prefetcher
-    while r < r0 + count:
-        var left = r0 + count - r
-        var taken = False
-        comptime for i in range(4):
-            comptime tile = 8 >> i
-            if not taken and left >= tile:
-                accumulate_tile[tile](
-                    head_dim,
-                    state.scores.unsafe_offset(r * CHUNK),
-                    v,
-                    0,
-                    rows,
-                    j0,
-                    j1,
-                    state.acc.unsafe_offset(r * head_dim),
-                    prefetching,
-                )
-                r += tile
-                taken = True
-        prefetching = prefetcher.disabled()
-
-
-@always_inline
 def paired_heads[kv_dtype: DType]() -> Int:
     """KV heads of one query row each (GQA group 1) that a step scores, or
     folds V into, together: each token's run of adjacent head rows read in
@@ -415,7 +333,7 @@ blocks of 4, 8, 16 and 32 tokens: 37, 34, 41 and 40 GB/s (plain read 42)."""
 
 def step_tokens[kv_dtype: DType](heads: Int, head_rows: Int) -> Int:
     """The tokens every scoring step of a task takes divide this (see
-    `score_heads`)."""
+    `walk_heads`)."""
     comptime paired = paired_heads[kv_dtype]()
     if head_rows == 1:
         return DOTS_PER_STEP // paired if heads % paired == 0 else DOTS_PER_STEP
@@ -447,123 +365,136 @@ def block_tokens[
 
 
 @always_inline
-def score_heads[
-    kv_dtype: DType
+def tile_rows[
+    kv_dtype: DType, scoring: Bool, tile: Int, heads: Int = 1
 ](
     head_dim: Int,
     state: TaskState,
-    heads: Int,
-    head_rows: Int,
-    k: Ptr[kv_dtype],
+    r: Int,
+    kv: Ptr[kv_dtype],
     head_stride: Int,
     rows: RowOffsets,
     j0: Int,
     j1: Int,
-    target: BlockPrefetch,
+    prefetcher: BlockPrefetch,
 ):
-    """Scores of tokens j0..j1 for all the task's `heads` KV heads of
-    head_rows query rows each (head h's K at k + h * head_stride); target:
-    the block to prefetch meanwhile. Heads of one or two rows go
-    `paired_heads` (or half as many) at a time."""
-    comptime P = paired_heads[kv_dtype]()
-    var h = 0
-    if head_rows == 1:
-        while h + P <= heads:
-            score_tile[1, kv_dtype, P](
-                head_dim,
-                state.q.unsafe_offset(h * head_dim),
-                k.unsafe_offset(h * head_stride),
-                head_stride,
-                rows,
-                j0,
-                j1,
-                state.scores.unsafe_offset(h * CHUNK),
-                target.for_head(h, j0, j1 - j0),
-            )
-            h += P
-    elif head_rows == 2:
-        while h + P // 2 <= heads:
-            score_tile[2, kv_dtype, P // 2](
-                head_dim,
-                state.q.unsafe_offset(2 * h * head_dim),
-                k.unsafe_offset(h * head_stride),
-                head_stride,
-                rows,
-                j0,
-                j1,
-                state.scores.unsafe_offset(2 * h * CHUNK),
-                target.for_head(h, j0, j1 - j0),
-            )
-            h += P // 2
-    while h < heads:
-        score_rows(
+    """Tokens j0..j1 for the task's rows r.. of `heads` adjacent KV heads of
+    `tile` rows each (head hh's rows at kv + hh * head_stride): their
+    scores (scoring, kv is K) or V folded into them (kv is V)."""
+    comptime if scoring:
+        score_tile[tile, kv_dtype, heads](
             head_dim,
-            state,
-            h * head_rows,
-            head_rows,
-            k.unsafe_offset(h * head_stride),
+            state.q.unsafe_offset(r * head_dim),
+            kv,
+            head_stride,
             rows,
             j0,
             j1,
-            target.for_head(h, j0, j1 - j0),
+            state.scores.unsafe_offset(r * CHUNK),
+            prefetcher,
         )
-        h += 1
+    else:
+        accumulate_tile[tile, kv_dtype, heads](
+            head_dim,
+            state.scores.unsafe_offset(r * CHUNK),
+            kv,
+            head_stride,
+            rows,
+            j0,
+            j1,
+            state.acc.unsafe_offset(r * head_dim),
+            prefetcher,
+        )
 
 
 @always_inline
-def accumulate_heads[
-    kv_dtype: DType
+def walk_rows[
+    kv_dtype: DType, scoring: Bool
+](
+    head_dim: Int,
+    state: TaskState,
+    r0: Int,
+    count: Int,
+    kv: Ptr[kv_dtype],
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    prefetcher: BlockPrefetch,
+):
+    """`tile_rows` over the task's rows r0..r0+count of one KV head, in tiles
+    of 8, 4, 2 and 1; the first tile drives the prefetcher."""
+    var r = r0
+    var prefetching = prefetcher
+    while r < r0 + count:
+        var left = r0 + count - r
+        var taken = False
+        comptime for i in range(4):
+            comptime tile = 8 >> i
+            if not taken and left >= tile:
+                tile_rows[kv_dtype, scoring, tile](
+                    head_dim, state, r, kv, 0, rows, j0, j1, prefetching
+                )
+                r += tile
+                taken = True
+        prefetching = prefetcher.disabled()
+
+
+@always_inline
+def walk_heads[
+    kv_dtype: DType, scoring: Bool
 ](
     head_dim: Int,
     state: TaskState,
     heads: Int,
     head_rows: Int,
-    v: Ptr[kv_dtype],
+    kv: Ptr[kv_dtype],
     head_stride: Int,
     rows: RowOffsets,
     j0: Int,
     j1: Int,
     target: BlockPrefetch,
 ):
-    """Folds tokens j0..j1 of V into all the task's query rows, grouped as in
-    `score_heads`."""
+    """`tile_rows` over all the task's `heads` KV heads of head_rows query
+    rows each (head h's rows at kv + h * head_stride); target: the block to
+    prefetch meanwhile. Heads of one or two rows go `paired_heads` (or half
+    as many) at a time."""
     comptime P = paired_heads[kv_dtype]()
     var h = 0
     if head_rows == 1:
         while h + P <= heads:
-            accumulate_tile[1, kv_dtype, P](
+            tile_rows[kv_dtype, scoring, 1, P](
                 head_dim,
-                state.scores.unsafe_offset(h * CHUNK),
-                v.unsafe_offset(h * head_stride),
+                state,
+                h,
+                kv.unsafe_offset(h * head_stride),
                 head_stride,
                 rows,
                 j0,
                 j1,
-                state.acc.unsafe_offset(h * head_dim),
                 target.for_head(h, j0, j1 - j0),
             )
             h += P
     elif head_rows == 2:
         while h + P // 2 <= heads:
-            accumulate_tile[2, kv_dtype, P // 2](
+            tile_rows[kv_dtype, scoring, 2, P // 2](
                 head_dim,
-                state.scores.unsafe_offset(2 * h * CHUNK),
-                v.unsafe_offset(h * head_stride),
+                state,
+                2 * h,
+                kv.unsafe_offset(h * head_stride),
                 head_stride,
                 rows,
                 j0,
                 j1,
-                state.acc.unsafe_offset(2 * h * head_dim),
                 target.for_head(h, j0, j1 - j0),
             )
             h += P // 2
     while h < heads:
-        accumulate_rows(
+        walk_rows[kv_dtype, scoring](
             head_dim,
             state,
             h * head_rows,
             head_rows,
-            v.unsafe_offset(h * head_stride),
+            kv.unsafe_offset(h * head_stride),
             rows,
             j0,
             j1,
@@ -808,7 +739,7 @@ def attention_task[
                     st.inv_freq,
                     st.krot,
                 )
-                score_rows(
+                walk_rows[scoring=True](
                     head_dim,
                     st,
                     (h - h0) * head_rows,
@@ -836,7 +767,7 @@ def attention_task[
                 ) if je
                 < n else first_v
             )
-            score_heads(
+            walk_heads[scoring=True](
                 head_dim,
                 st,
                 heads,
@@ -860,7 +791,7 @@ def attention_task[
             ) if je < n else BlockPrefetch[kv_dtype](
                 k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
             )
-            accumulate_heads(
+            walk_heads[scoring=False](
                 head_dim,
                 st,
                 heads,
