@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 
 from pagedkv.bench.append_bench import format_append_table, run_append_bench
+from pagedkv.bench.threads import pin_max_workers
 
 
 def main() -> None:
+    pin_max_workers()  # MAX's CPU workers one per core (pagedkv/bench/threads.py)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--reps", type=int, default=20)

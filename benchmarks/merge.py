@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 
 from pagedkv.bench.merge_bench import format_merge_table, run_merge_bench
+from pagedkv.bench.threads import pin_max_workers
 
 
 def main() -> None:
+    pin_max_workers()  # MAX's CPU workers one per core (pagedkv/bench/threads.py)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--reps", type=int, default=20)
