@@ -80,6 +80,17 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
         placed.block_len = block_tokens
         return placed
 
+    def for_sub_block(
+        self, head: Int, heads: Int, block_first: Int, first: Int, tokens: Int
+    ) -> Self:
+        """The prefetcher for the task's `head`-th head (from 0) of `heads` in
+        a sub-block of `tokens` tokens from `first`, in the current block
+        from block_first: each sub-block's rows, all its heads, are consumed
+        before the next sub-block's."""
+        var placed = self.for_head(head, first, tokens)
+        placed.visit0 += (first - block_first) * heads
+        return placed
+
     def disabled(self) -> Self:
         """The same prefetcher asking for nothing (a head's later tiles)."""
         var quiet = self

@@ -193,9 +193,10 @@ def test_decode_matches_reference(case: Case):
 
 # How a CPU task walks its KV heads depends on the heads it holds and their
 # query rows: heads of one row go 4 (float32) or 8 (16-bit, fp8) at a time,
-# of two rows half as many, the rest one by one in tiles of 8, 4, 2, 1 rows;
-# blocks of tokens are sized to the heads' bytes, and wide blocks skip the
-# software prefetch. Each case takes a different mix of these paths.
+# of two rows half as many, the rest one by one in tiles of 8, 4, 2, 1 rows,
+# heads of three or more rows over sub-blocks of a block's tokens; blocks of
+# tokens are sized to the heads' bytes, and wide blocks skip the software
+# prefetch. Each case takes a different mix of these paths.
 TASK_SHAPES = [
     Case("float16", "float16", 7, 1, 8, 128, 16, "NHD", "pool", "NONE", -1, None, None, 51),
     Case("float32", "float32", 7, 1, 6, 64, 16, "NHD", "pool", "NONE", -1, None, None, 52),
@@ -204,6 +205,8 @@ TASK_SHAPES = [
     Case("float32", "float32", 3, 1, 32, 128, 16, "NHD", "pool", "NONE", -1, None, None, 55),
     Case("float16", "float8_e4m3fn", 7, 2, 8, 64, 16, "NHD", "pool", "ALIBI", -1, None, None, 56),
     Case("float32", "float32", 7, 1, 8, 64, 64, "HND", "pool", "ROPE_LLAMA", -1, None, None, 57),
+    # Group 4 over 8 heads: bfloat16 blocks of 8 tokens in sub-blocks of 4.
+    Case("bfloat16", "bfloat16", 3, 4, 8, 128, 16, "NHD", "pool", "NONE", -1, None, None, 58),
 ]
 
 
