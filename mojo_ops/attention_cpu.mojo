@@ -16,7 +16,8 @@ next block, so that reads stay within a few adjacent token rows, which the
 hardware prefetchers stream; meanwhile the next block is prefetched
 (BlockPrefetch). Heads of one or two query rows each (GQA group 1 or 2) are
 taken several at a time, so that each token's read is a run of adjacent
-heads.
+heads; heads of more rows take the block in sub-blocks of a few tokens
+(`sub_block_tokens`), all heads of one before the next.
 
 The inner loops are specialised at compile time for the number of query rows
 scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
