@@ -357,7 +357,7 @@ def sub_block_tokens[kv_dtype: DType](heads: Int, head_dim: Int) -> Int:
     arithmetic, take SUB_BLOCK_BYTES. In the kernel alone from memory on a
     2-core Zen 5 VM (8 KV heads, group 4, blocks of 16 KiB), against whole
     blocks head by head: float32 token by token 16-20% faster (2 tokens:
-    5%); bfloat16 in 4 tokens 3-5% faster (2 tokens: 1-2% slower, 1 token:
+    5%); bfloat16 in 4 tokens 3-5% faster (2 tokens: 1-3% slower, 1 token:
     20-35% slower)."""
     comptime if size_of[kv_dtype]() >= 4:
         return 1
