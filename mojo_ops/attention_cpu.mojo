@@ -527,11 +527,10 @@ def walk_heads[
     var sub = j1 - j0
     if head_rows > 2 and heads > 1:
         sub = sub_block_tokens[kv_dtype](heads, head_dim)
-    var first_head = h
     var s0 = j0
     while s0 < j1:
         var s1 = min(s0 + sub, j1)
-        for hh in range(first_head, heads):
+        for hh in range(h, heads):
             walk_rows[kv_dtype, scoring](
                 head_dim,
                 state,
