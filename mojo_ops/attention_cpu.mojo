@@ -73,25 +73,33 @@ comptime MIN_HEAD_DIM = 64
 """The head_dim granule: head_dim is a run-time value (one compiled kernel
 serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a V pass takes."""
 
-comptime SCORE_RUN_BYTES = 256
-"""Bytes of one K row a scoring step of single-row tiles (GQA group 1)
+comptime RUN_BYTES = 256
+"""Bytes of one K or V row that a step of single-row tiles (GQA group 1)
 reads in a run before the next row. A step reads its tokens' and heads'
 rows side by side, and the L1 fills from L2 far faster from few long runs
 than from many short ones: one core reading 16 rows of an L2-resident 512
 KiB in turn ran at 85 GB/s in 128-byte runs, 116 in 256-byte runs, 146 in
-512-byte runs, 254 in order (2-core Zen 5 VM). With 256-byte runs instead
-of one BLOCK (float32 128 bytes, bfloat16 64), the kernel alone from memory,
-32 KV heads of group 1, read 7-11% faster in float32 and 2-5% in bfloat16.
-Larger tiles keep one BLOCK: a step's q slices then outnumber the registers
-and are reloaded for every token, and 8 bfloat16 heads of group 4 read
-3-10% slower in runs of 256 bytes."""
+512-byte runs, 254 in order (2-core Zen 5 VM). The kernel alone from
+memory, 32 KV heads of group 1: scoring in 256-byte runs instead of one
+BLOCK (float32 128 bytes, bfloat16 64) read 7-11% faster in float32 and
+2-11% in bfloat16; V in 256-byte runs of 2 heads instead of 64-byte ones of
+8, 8-12% faster in bfloat16. Larger tiles keep one BLOCK: a step's q
+slices then outnumber the registers and are reloaded for every token, and
+8 bfloat16 heads of group 4 scored 3-10% slower in runs of 256 bytes."""
 
 
-def score_run[kv_dtype: DType]() -> Int:
-    """Elements of a K row a scoring step of single-row tiles reads in a
-    run: SCORE_RUN_BYTES, at most two MIN_HEAD_DIM granules (a head_dim of
-    an odd number of granules is read in runs of one)."""
-    return min(SCORE_RUN_BYTES // size_of[kv_dtype](), 2 * MIN_HEAD_DIM)
+def row_run[kv_dtype: DType]() -> Int:
+    """Elements of a K or V row a step of single-row tiles reads in a run:
+    RUN_BYTES, at most two MIN_HEAD_DIM granules (a head_dim of an odd
+    number of granules is read in runs of one)."""
+    return min(RUN_BYTES // size_of[kv_dtype](), 2 * MIN_HEAD_DIM)
+
+
+def v_heads[kv_dtype: DType]() -> Int:
+    """KV heads of one query row each whose V a step folds in together:
+    as many as CHAINS accumulators hold a run of `row_run` elements of
+    (float32 4 heads, 16-bit and fp8 2)."""
+    return max(CHAINS // (row_run[kv_dtype]() // W), 1)
 
 
 @always_inline
@@ -122,7 +130,7 @@ def score_tokens[
     comptime for t in range(tokens):
         comptime for hh in range(heads):
             prefetcher.after_row(j + t, hh)
-    # Each row's run of `run` elements in turn (see SCORE_RUN_BYTES). A
+    # Each row's run of `run` elements in turn (see RUN_BYTES). A
     # while loop: `range` with a step checks for overflow on every
     # iteration of this, the hottest loop.
     var c = 0
@@ -176,7 +184,7 @@ def score_tile[
     scores DOTS_PER_STEP (row, token) pairs, enough independent FMA chains
     to keep both FMA ports busy, and their sums fill one vector.
     """
-    comptime run = score_run[kv_dtype]() if tile == 1 else BLOCK
+    comptime run = row_run[kv_dtype]() if tile == 1 else BLOCK
     comptime if run > MIN_HEAD_DIM:
         # A head_dim of an odd number of granules takes its own compiled
         # path: a remainder loop after the runs, in the same function, made
@@ -251,10 +259,40 @@ def accumulate_tile[
     head_dim is covered a few vector slices at a time, so the rows'
     accumulators for those slices stay in registers while the V rows
     stream from L1; few rows take more slices per pass to keep CHAINS
-    independent chains. Rows are prefetched on the first pass.
+    independent chains, single-row tiles up to a run of `row_run`
+    elements. Rows are prefetched on the first pass.
     """
     comptime R = heads * tile
-    comptime slices = min(max(CHAINS // R, BLOCK // W), MIN_HEAD_DIM // W)
+    comptime widest = row_run[kv_dtype]() if tile == 1 else MIN_HEAD_DIM
+    comptime slices = min(max(CHAINS // R, BLOCK // W), widest // W)
+    comptime if slices * W > MIN_HEAD_DIM:
+        # As in `score_tile`: an odd number of granules, its own path.
+        if head_dim % (slices * W) != 0:
+            accumulate_runs[tile, kv_dtype, heads, MIN_HEAD_DIM // W](
+                head_dim, probs, v, head_stride, rows, j0, j1, acc, prefetcher
+            )
+            return
+    accumulate_runs[tile, kv_dtype, heads, slices](
+        head_dim, probs, v, head_stride, rows, j0, j1, acc, prefetcher
+    )
+
+
+@always_inline
+def accumulate_runs[
+    tile: Int, kv_dtype: DType, heads: Int, slices: Int
+](
+    head_dim: Int,
+    probs: Ptr[F32],
+    v: Ptr[kv_dtype],
+    head_stride: Int,
+    rows: RowOffsets,
+    j0: Int,
+    j1: Int,
+    acc: Ptr[F32],
+    prefetcher: BlockPrefetch,
+):
+    """`accumulate_tile` over head_dim `slices` vectors at a time."""
+    comptime R = heads * tile
     for c0 in range(0, head_dim // W, slices):
         var o = stack_allocation[R * slices, SIMD[F32, W]]()
         comptime for r in range(R):
@@ -365,10 +403,11 @@ def softmax_tile[
 
 @always_inline
 def paired_heads[kv_dtype: DType]() -> Int:
-    """KV heads of one query row each (GQA group 1) that a step scores, or
-    folds V into, together: each token's run of adjacent head rows read in
-    order is then 2 KiB at head_dim 128 (float32: 4 heads, 16-bit: 8),
-    instead of one head's 256-512 B piece of many tokens' rows."""
+    """KV heads of one query row each (GQA group 1) that a step scores
+    together (V: `v_heads`; group 2: half as many, scores and V): each
+    token's run of adjacent head rows read in order is then 2 KiB at
+    head_dim 128 (float32: 4 heads, 16-bit: 8), instead of one head's
+    256-512 B piece of many tokens' rows."""
     return 4 if size_of[kv_dtype]() >= 4 else 8
 
 
@@ -545,12 +584,13 @@ def walk_heads[
     """`tile_rows` over all the task's `heads` KV heads of head_rows query
     rows each (head h's rows at kv + h * head_stride); target: the block to
     prefetch meanwhile. Heads of one or two rows go `paired_heads` (or half
-    as many) at a time."""
+    as many) at a time, the V of heads of one row `v_heads` at a time."""
     comptime P = paired_heads[kv_dtype]()
     var h = 0
     if head_rows == 1:
-        while h + P <= heads:
-            tile_rows[kv_dtype, scoring, 1, P](
+        comptime together = P if scoring else v_heads[kv_dtype]()
+        while h + together <= heads:
+            tile_rows[kv_dtype, scoring, 1, together](
                 head_dim,
                 state,
                 h,
@@ -561,7 +601,7 @@ def walk_heads[
                 j1,
                 target.for_head(h, j0, j1 - j0),
             )
-            h += P
+            h += together
     elif head_rows == 2:
         while h + P // 2 <= heads:
             tile_rows[kv_dtype, scoring, 2, P // 2](
