@@ -21,7 +21,8 @@ heads; heads of more rows take the block in sub-blocks of a few tokens
 
 The inner loops are specialised at compile time for the number of query rows
 scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
-least 8 independent FMA chains in flight; head_dim is a run-time value, so one
+least 8 independent FMA chains in flight; tiles of one row (GQA group 1)
+read each K and V row in runs of RUN_BYTES. head_dim is a run-time value, so one
 compile serves every model. bfloat16 K and V are widened in "paired" order
 (see widen.mojo), which the q and accumulator rows follow.
 """
