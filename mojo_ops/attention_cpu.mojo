@@ -83,8 +83,8 @@ KiB in turn ran at 85 GB/s in 128-byte runs, 116 in 256-byte runs, 146 in
 512-byte runs, 254 in order (2-core Zen 5 VM). The kernel alone from
 memory, 32 KV heads of group 1: scoring in 256-byte runs instead of one
 BLOCK (float32 128 bytes, bfloat16 64) read 7-11% faster in float32 and
-2-11% in bfloat16; V in 256-byte runs of 2 heads instead of 64-byte ones of
-8, 8-12% faster in bfloat16. Larger tiles keep one BLOCK: a step's q
+2-11% in bfloat16; V then in 256-byte runs of 2 heads instead of 64-byte
+ones of 8, another 3-6.5% in bfloat16. Larger tiles keep one BLOCK: a step's q
 slices then outnumber the registers and are reloaded for every token, and
 8 bfloat16 heads of group 4 scored 3-10% slower in runs of 256 bytes."""
 
@@ -189,8 +189,8 @@ def score_tile[
     comptime if run > MIN_HEAD_DIM:
         # A head_dim of an odd number of granules takes its own compiled
         # path: a remainder loop after the runs, in the same function, made
-        # the compiler's code for the runs 16-24% slower (bfloat16, read
-        # from memory).
+        # the compiler's code for the runs 16-24% slower (bfloat16 group 4,
+        # read from memory).
         if head_dim % run != 0:
             score_runs[tile, kv_dtype, heads, MIN_HEAD_DIM](
                 head_dim, q, k, head_stride, rows, j0, j1, scores, prefetcher
