@@ -98,8 +98,8 @@ def row_run[kv_dtype: DType]() -> Int:
 
 def v_heads[kv_dtype: DType]() -> Int:
     """KV heads of one query row each whose V a step folds in together:
-    as many as CHAINS accumulators hold a run of `row_run` elements of
-    (float32 4 heads, 16-bit and fp8 2)."""
+    as many as CHAINS accumulators hold when each head takes a run of
+    `row_run` elements (float32: 4 heads, 16-bit and fp8: 2)."""
     return max(CHAINS // (row_run[kv_dtype]() // W), 1)
 
 
