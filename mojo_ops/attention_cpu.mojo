@@ -31,6 +31,7 @@ from std.math import log2
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.sys import size_of
+from std.sys.info import CompilationTarget
 from std.utils.numerics import neg_inf
 
 from .attention_params import (
@@ -60,11 +61,22 @@ from .widen import (
     to_paired_order,
 )
 
-comptime CHAINS = 16
-"""Independent FMA chains a V pass keeps in flight: twice FMA latency x
-ports (4 x 2), so that the widening and loads between a tile's FMAs leave
-no port idle (at GQA group 4, the V pass of float32 K/V took about 18% less
-time with 16 than with 8, hot in cache)."""
+comptime VECTOR_REGISTERS = (
+    16 if CompilationTarget.is_x86()
+    and not CompilationTarget.has_avx512f() else 32
+)
+"""Vector registers of the target: 16 with AVX2, 32 with AVX-512 (and
+Arm's NEON and SVE). What a step keeps in registers is sized to them."""
+
+comptime CHAINS = VECTOR_REGISTERS // 2
+"""Independent FMA chains a V pass keeps in flight, half the registers:
+the other half hold the V block, the probabilities and the loads in flight.
+With AVX-512, twice FMA latency x ports (4 x 2), so that the widening and
+loads between a tile's FMAs leave no port idle (at GQA group 4, the V pass
+of float32 K/V took about 18% less time with 16 than with 8, hot in cache,
+Zen 5). With AVX2, 16 chains spilled to the stack: on a 2-core Zen 3 VM,
+the kernel alone from memory ran 1.5-1.7x faster with 8 for 8 bfloat16
+heads of group 4, and 1.2x for 32 float32 heads of group 1."""
 
 comptime DOTS_PER_STEP = W
 """(Head, token) dot products scored together: one vector of sums, so that
@@ -72,7 +84,8 @@ the reduction's shuffles are shared by a whole vector."""
 
 comptime MIN_HEAD_DIM = 64
 """The head_dim granule: head_dim is a run-time value (one compiled kernel
-serves all), a multiple of MIN_HEAD_DIM: four float32 vectors, the most slices a V pass takes."""
+serves all), a multiple of MIN_HEAD_DIM (four AVX-512 float32 vectors,
+eight AVX2 ones)."""
 
 comptime RUN_BYTES = 256
 """Bytes of one K or V row that a step of single-row tiles (GQA group 1)
@@ -435,9 +448,8 @@ PREFETCH_MAX_BYTES): 16 token rows read side by side. Same measurement,
 blocks of 4, 8, 16 and 32 tokens: 37, 34, 41 and 40 GB/s (plain read 42)."""
 
 
-comptime SUB_BLOCK_BYTES = 8 << 10
-"""What a sub-block of a block reads for 16-bit or 8-bit K/V: see
-`sub_block_tokens`."""
+comptime SUB_BLOCK_BYTES = (8 << 10) if VECTOR_REGISTERS >= 32 else BLOCK_BYTES
+"""What a sub-block of a block reads: see `sub_block_tokens`."""
 
 
 def sub_block_tokens[kv_dtype: DType](heads: Int, head_dim: Int) -> Int:
@@ -447,14 +459,17 @@ def sub_block_tokens[kv_dtype: DType](heads: Int, head_dim: Int) -> Int:
 
     Fewer tokens per head keep the reads closer to address order, which the
     hardware prefetchers follow; more keep more independent FMA chains and
-    reuse each accumulator load. float32 rows (4 KiB a token at 8 heads)
-    go token by token; narrower rows, half the bytes for the same
-    arithmetic, take SUB_BLOCK_BYTES. In the kernel alone from memory on a
-    2-core Zen 5 VM (8 KV heads, group 4, blocks of 16 KiB), against whole
-    blocks head by head: float32 token by token 16-20% faster (2 tokens:
-    5%); bfloat16 in 4 tokens 3-5% faster (2 tokens: 1-3% slower, 1 token:
-    20-35% slower)."""
-    comptime if size_of[kv_dtype]() >= 4:
+    reuse each accumulator load. With 32 vector registers, float32 rows (4
+    KiB a token at 8 heads) go token by token; narrower rows, half the
+    bytes for the same arithmetic, take SUB_BLOCK_BYTES. In the kernel
+    alone from memory on a 2-core Zen 5 VM (8 KV heads, group 4, blocks of
+    16 KiB), against whole blocks head by head: float32 token by token
+    16-20% faster (2 tokens: 5%); bfloat16 in 4 tokens 3-5% faster (2
+    tokens: 1-3% slower, 1 token: 20-35% slower). With 16 registers a V
+    pass's accumulators are loaded and stored for every sub-block, and the
+    whole block is faster: on a 2-core Zen 3 VM, float32 in blocks of 4
+    tokens ran 1.34-1.38x the speed of token by token, and 1.24x in 2."""
+    comptime if size_of[kv_dtype]() >= 4 and VECTOR_REGISTERS >= 32:
         return 1
     return max(SUB_BLOCK_BYTES // (heads * head_dim * size_of[kv_dtype]()), 1)
 
