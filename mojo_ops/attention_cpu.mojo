@@ -433,14 +433,19 @@ of 16, and token by token all read 15-36% faster than head by head; which
 of the three led changed from run to run (by up to 8%). Small blocks keep
 the kernel's step structure (whole tiles of rows per head)."""
 
-comptime PREFETCH_MAX_BYTES = 32 << 10
+comptime PREFETCH_MAX_BYTES = (32 << 10) if VECTOR_REGISTERS >= 32 else (
+    16 << 10
+)
 """The largest block whose successor is prefetched while it is read. A
 larger block (the steps' tokens across many wide heads, such as 32 float32
 heads of group 1: 16 KiB a token) is read as runs of many token rows at
 once, which the hardware prefetchers stream faster alone. In the kernel
 alone from memory on a 2-core Zen 5 VM, 32 float32 heads of group 1 in
 blocks of 8 tokens read at 29-30 GB/s with the next block prefetched and
-37-38 without (a plain read: 40-44 GB/s)."""
+37-38 without (a plain read: 40-44 GB/s). AVX2's smaller steps make that
+block 2 tokens (32 KiB), and on a 2-core Zen 3 VM (32 KiB of L1) it too
+read 1.12-1.28x faster streamed; there, 8 KiB made 16-bit heads 8-25%
+slower."""
 
 comptime STREAMED_BLOCK = 16
 """Tokens per block when the hardware prefetchers alone fetch it (see
