@@ -48,7 +48,8 @@ comptime REPEATS = 9
 comptime PAGE_SIZE = 16
 comptime TASK_TOKENS = 128
 """One request's tokens in the task measurement: 512 KiB of bfloat16 K/V,
-1 MiB of float32, within a 1.25 MiB L2."""
+1 MiB of float32, within a 1.25 MiB L2 (Zen 5). A 512 KiB L2 (Zen 3) holds
+neither with the task's own state: there the task figures include L3 reads."""
 comptime TASK_RUNS = 500
 """Tasks per timed run."""
 comptime BATCH = 64
