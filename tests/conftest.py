@@ -102,6 +102,11 @@ DECODE_CONFIGS = [
 # module as the rest (a graph of its own costs a fixed ~30 s).
 TASK_ONLY_DECODE_CONFIGS = [("bfloat16", "bfloat16", "NHD")]
 
+# (q dtype, kv dtype, layout) of every decode graph the suite compiles.
+COMPILED_DECODE_CONFIGS = list(
+    dict.fromkeys([c[:3] for c in DECODE_CONFIGS] + TASK_ONLY_DECODE_CONFIGS)
+)
+
 
 # (q dtype, kv dtype, layout) the prefill tests cover.
 PREFILL_CONFIGS = [
