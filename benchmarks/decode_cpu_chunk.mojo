@@ -12,14 +12,14 @@ same pool.
     mojo run -I . benchmarks/decode_cpu_chunk.mojo
 
 The hot figures are the best of REPEATS runs, in ns per (token, KV head), for
-GQA groups 4 and 1, head_dim 128, K/V in bfloat16 and float32, with the split
-between scoring and accumulating. Set beside the memory's time for the same
-bytes they say whether decode is bound by compute or by memory: the task's
-figure is the one to compare, as the chunk loop alone leaves out the L2 reads
-and the prefetch bookkeeping. The batch from memory prints medians, as GB/s
-and as a share of the plain read: the kernel's own efficiency, without the
-per-call cost of MAX and Python that `benchmarks/decode.py` includes.
-"""
+GQA groups 8 (chunk loop only), 4 and 1, head_dim 128, K/V in bfloat16 and
+float32, with the split between scoring and accumulating. Set beside the
+memory's time for the same bytes they say whether decode is bound by compute
+or by memory: the task's figure is the one to compare, as the chunk loop alone
+leaves out the L2 reads and the prefetch bookkeeping. The batch from memory
+prints medians, as GB/s and as a share of the plain read: the kernel's own
+efficiency, without the per-call cost of MAX and Python that
+`benchmarks/decode.py` includes."""
 
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
@@ -315,6 +315,8 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
 
 
 def main() raises:
+    bench[DType.bfloat16, 8]()
+    bench[DType.float32, 8]()
     bench[DType.bfloat16, 4]()
     bench[DType.float32, 4]()
     bench[DType.bfloat16, 1]()

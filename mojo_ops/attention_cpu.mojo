@@ -56,6 +56,7 @@ from .widen import (
     from_paired_order,
     load_block,
     load_f32,
+    load_half,
     narrow,
     paired,
     to_paired_order,
@@ -278,7 +279,11 @@ def accumulate_tile[
     """
     comptime R = heads * tile
     comptime widest = row_run[kv_dtype]() if tile == 1 else MIN_HEAD_DIM
-    comptime slices = min(max(CHAINS // R, BLOCK // W), widest // W)
+    # One slice where CHAINS rows fill the chains: two would hold 2 x CHAINS
+    # accumulators, past the registers.
+    comptime slices = 1 if R >= CHAINS else min(
+        max(CHAINS // R, BLOCK // W), widest // W
+    )
     comptime if slices * W > MIN_HEAD_DIM:
         # As in `score_tile`: an odd number of granules, its own path.
         if head_dim % (slices * W) != 0:
@@ -305,7 +310,9 @@ def accumulate_runs[
     acc: Ptr[F32],
     prefetcher: BlockPrefetch,
 ):
-    """`accumulate_tile` over head_dim `slices` vectors at a time."""
+    """`accumulate_tile` over head_dim `slices` vectors at a time: an even
+    number (whole blocks), or one (a half block a pass)."""
+    comptime assert slices == 1 or slices % 2 == 0, "whole or half blocks"
     comptime R = heads * tile
     for c0 in range(0, head_dim // W, slices):
         var o = stack_allocation[R * slices, SIMD[F32, W]]()
@@ -322,11 +329,17 @@ def accumulate_runs[
             var row = Int(rows[unsafe_offset=j])
             comptime for hh in range(heads):
                 comptime for s in range(slices):
-                    comptime if s % 2 == 0:
-                        vb = load_block[kv_dtype](
-                            v, hh * head_stride + row + (c0 + s) * W
+                    var vv: SIMD[F32, W]
+                    comptime if slices == 1:
+                        vv = load_half[kv_dtype](
+                            v, hh * head_stride + row + c0 // 2 * BLOCK, c0 % 2
                         )
-                    var vv = vb.slice[W, offset=(s % 2) * W]()
+                    else:
+                        comptime if s % 2 == 0:
+                            vb = load_block[kv_dtype](
+                                v, hh * head_stride + row + (c0 + s) * W
+                            )
+                        vv = vb.slice[W, offset=(s % 2) * W]()
                     comptime for g in range(tile):
                         comptime r = hh * tile + g
                         o[unsafe_offset=r * slices + s] = vv.fma(
@@ -433,6 +446,22 @@ of 16, and token by token all read 15-36% faster than head by head; which
 of the three led changed from run to run (by up to 8%). Small blocks keep
 the kernel's step structure (whole tiles of rows per head)."""
 
+comptime GROUP_BLOCK_TOKENS = 8
+"""With 16 vector registers, the fewest tokens a block of heads of three or
+more query rows each takes, where they fit GROUP_BLOCK_MAX_BYTES. Such a
+block is one sub-block (see `sub_block_tokens`): each head's q rows are
+loaded for scoring, and its accumulators loaded and stored for the V pass,
+once per slice of head_dim and block. In the kernel alone from memory on a
+2-core Zen 3 VM, 8 float32 KV heads of group 4 (4 KiB a token) in blocks of
+8 tokens ran 1.05-1.16x the speed of blocks of 4 (16 KiB). Blocks of 16
+tokens gained nothing over 8 where those were 16 KiB already (bfloat16,
+0.95-1.06x), and blocks of 24 or 32 bfloat16 tokens ran 0.58-0.68x."""
+
+comptime GROUP_BLOCK_MAX_BYTES = 32 << 10
+"""The most a block of GROUP_BLOCK_TOKENS reads, K or V, prefetched: 32
+KiB, the L1 of a core with 16 vector registers."""
+
+
 comptime PREFETCH_MAX_BYTES = (32 << 10) if VECTOR_REGISTERS >= 32 else (
     16 << 10
 )
@@ -453,8 +482,41 @@ PREFETCH_MAX_BYTES): 16 token rows read side by side. Same measurement,
 blocks of 4, 8, 16 and 32 tokens: 37, 34, 41 and 40 GB/s (plain read 42)."""
 
 
-comptime SUB_BLOCK_BYTES = (8 << 10) if VECTOR_REGISTERS >= 32 else BLOCK_BYTES
+comptime SUB_BLOCK_BYTES = (8 << 10) if VECTOR_REGISTERS >= 32 else (
+    GROUP_BLOCK_MAX_BYTES
+)
 """What a sub-block of a block reads: see `sub_block_tokens`."""
+
+
+@no_inline
+def wanted_tokens(head_rows: Int, token_bytes: Int) -> Int:
+    """Tokens a block of a task's heads of head_rows query rows each aims
+    for, token_bytes a token: BLOCK_BYTES, or with 16 registers and three
+    or more rows at least GROUP_BLOCK_TOKENS within GROUP_BLOCK_MAX_BYTES."""
+    var wanted = max(BLOCK_BYTES // token_bytes, 1)
+    comptime if VECTOR_REGISTERS < 32:
+        if head_rows > 2:
+            var fewest = min(
+                GROUP_BLOCK_TOKENS, GROUP_BLOCK_MAX_BYTES // token_bytes
+            )
+            wanted = max(wanted, fewest)
+    return wanted
+
+
+@no_inline
+def prefetch_max_bytes(head_rows: Int) -> Int:
+    """The largest block of a task's heads of head_rows query rows each
+    whose successor is prefetched: PREFETCH_MAX_BYTES, or with 16 registers
+    and three or more rows GROUP_BLOCK_MAX_BYTES.
+
+    Not inlined (neither is `wanted_tokens`), though called once per task:
+    inlined, their branch on head_rows changed the compiler's code for the
+    task's inner loops, and 4 bfloat16 KV heads of group 8 ran 0.58-0.62x
+    as fast (kernel alone from memory, 2-core Zen 3 VM)."""
+    comptime if VECTOR_REGISTERS < 32:
+        if head_rows > 2:
+            return GROUP_BLOCK_MAX_BYTES
+    return PREFETCH_MAX_BYTES
 
 
 def sub_block_tokens[kv_dtype: DType](heads: Int, head_dim: Int) -> Int:
@@ -498,16 +560,16 @@ def block_tokens[
     kv_dtype: DType
 ](heads: Int, head_rows: Int, head_dim: Int) -> Int:
     """Tokens per block of a task with `heads` KV heads of head_rows query
-    rows each: about BLOCK_BYTES of K (or V), a multiple of the steps'
-    tokens, or STREAMED_BLOCK where that is past PREFETCH_MAX_BYTES. One head
+    rows each: `wanted_tokens`, rounded up to a multiple of the steps'
+    tokens, or STREAMED_BLOCK where that is past `prefetch_max_bytes`. One head
     (prefill) has nothing to interleave: its block is the chunk."""
     if heads == 1:
         return CHUNK
     var step = step_tokens[kv_dtype](heads, head_rows)
     var token_bytes = heads * head_dim * size_of[kv_dtype]()
-    var wanted = max(BLOCK_BYTES // token_bytes, 1)
+    var wanted = wanted_tokens(head_rows, token_bytes)
     var block = min((wanted + step - 1) // step * step, CHUNK)
-    if block * token_bytes > PREFETCH_MAX_BYTES:
+    if block * token_bytes > prefetch_max_bytes(head_rows):
         return STREAMED_BLOCK
     return block
 
@@ -864,10 +926,10 @@ def attention_task[
     # task's heads of a block before the next (see BlockPrefetch).
     var heads = h1 - h0
     var block = block_tokens[kv_dtype](heads, head_rows, head_dim)
-    # Past PREFETCH_MAX_BYTES a block asks for nothing (count 0).
+    # Past prefetch_max_bytes a block asks for nothing (count 0).
     var ahead_max = (
         block if block * heads * head_dim * size_of[kv_dtype]()
-        <= PREFETCH_MAX_BYTES else 0
+        <= prefetch_max_bytes(head_rows) else 0
     )
     var nhd = layout == KVLayout.NHD
     var k0 = cache.k_pages.unsafe_offset(h0 * hs)

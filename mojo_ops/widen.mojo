@@ -70,6 +70,25 @@ def load_block[dtype: DType](p: Ptr[dtype], offset: Int) -> SIMD[F32, BLOCK]:
 
 
 @always_inline
+def load_half[
+    dtype: DType
+](p: Ptr[dtype], offset: Int, half: Int) -> SIMD[F32, W]:
+    """Half `half` (0 or 1, a run-time value) of the BLOCK elements at p +
+    offset as `load_block` widens them: `load_block(p, offset)` sliced at
+    half * W, without a branch."""
+    comptime if paired[dtype]():
+        var words = bitcast[DType.uint32, W](
+            p.unsafe_offset(offset).unsafe_load[width=BLOCK]()
+        )
+        # Even elements: the low halves of the words, shifted up; odd ones:
+        # the high halves, masked.
+        var shift = SIMD[DType.uint32, W](UInt32(16 - 16 * half))
+        return bitcast[F32, W]((words << shift) & 0xFFFF0000)
+    else:
+        return load_f32[dtype, W](p, offset + half * W)
+
+
+@always_inline
 def to_paired_order(row: Ptr[F32], n: Int):
     """Reorders each BLOCK of row[:n] as `load_block` widens a paired dtype."""
     for c in range(0, n, BLOCK):

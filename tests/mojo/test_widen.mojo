@@ -1,0 +1,54 @@
+"""Unit test of the CPU kernels' widening loads: `load_block` (a block of
+BLOCK elements, bfloat16 in paired order), `load_half` (one half of it,
+chosen at run time) and `to_paired_order`, which puts q and accumulator
+rows in the order `load_block` widens K and V. Exact: widening is a copy.
+"""
+
+from std.memory.alloc import unsafe_alloc
+from std.testing import assert_equal
+
+from mojo_ops.paged_kv_cache import Ptr
+from mojo_ops.widen import (
+    BLOCK,
+    F32,
+    W,
+    load_block,
+    load_half,
+    paired,
+    to_paired_order,
+)
+
+
+def check[dtype: DType]() raises:
+    """Two blocks of distinct values, each element i = i + 1 (exact in every
+    dtype here); the second block checks that offsets are honoured."""
+    var n = 2 * BLOCK
+    var row = rebind[Ptr[dtype]](unsafe_alloc[Scalar[dtype]](n, alignment=64))
+    var want = rebind[Ptr[F32]](unsafe_alloc[Float32](n, alignment=64))
+    for i in range(n):
+        row[unsafe_offset=i] = Scalar[dtype](Float32(i + 1))
+        want[unsafe_offset=i] = Float32(i + 1)
+    comptime if paired[dtype]():
+        to_paired_order(want, n)
+    for b in range(2):
+        var block = load_block[dtype](row, b * BLOCK)
+        for half in range(2):
+            var got = load_half[dtype](row, b * BLOCK, half)
+            for i in range(W):
+                var at = b * BLOCK + half * W + i
+                assert_equal(block[half * W + i], want[unsafe_offset=at])
+                assert_equal(got[i], want[unsafe_offset=at])
+    # Paired order: a block's even elements, then its odd ones.
+    comptime if paired[dtype]():
+        assert_equal(want[unsafe_offset=0], 1.0)
+        assert_equal(want[unsafe_offset=1], 3.0)
+        assert_equal(want[unsafe_offset=W], 2.0)
+    row.unsafe_free()
+    want.unsafe_free()
+
+
+def main() raises:
+    check[DType.bfloat16]()
+    check[DType.float16]()
+    check[DType.float32]()
+    print("widen: load_block and load_half passed")
