@@ -453,9 +453,11 @@ block is one sub-block (see `sub_block_tokens`): each head's q rows are
 loaded for scoring, and its accumulators loaded and stored for the V pass,
 once per slice of head_dim and block. In the kernel alone from memory on a
 2-core Zen 3 VM, 8 float32 KV heads of group 4 (4 KiB a token) in blocks of
-8 tokens ran 1.05-1.16x the speed of blocks of 4 (16 KiB). Blocks of 16
-tokens gained nothing over 8 where those were 16 KiB already (bfloat16,
-0.95-1.06x), and blocks of 24 or 32 bfloat16 tokens ran 0.58-0.68x."""
+8 tokens ran 1.03-1.16x the speed of blocks of 4 (16 KiB), and 16 of them
+4 tokens 1.08-1.12x the speed of 2. Where 16 KiB held 8 tokens or more it
+stays: 8 bfloat16 heads in blocks of 16 tokens instead of 8 ran
+0.95-1.06x, and 4 bfloat16 heads of group 8 in blocks of 24 instead of 16
+0.68x."""
 
 comptime GROUP_BLOCK_MAX_BYTES = 32 << 10
 """The most a block of GROUP_BLOCK_TOKENS reads, K or V, prefetched: 32
