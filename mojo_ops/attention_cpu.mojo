@@ -478,10 +478,14 @@ block 2 tokens (32 KiB), and on a 2-core Zen 3 VM (32 KiB of L1) it too
 read 1.12-1.28x faster streamed; there, 8 KiB made 16-bit heads 8-25%
 slower."""
 
-comptime STREAMED_BLOCK = 16
+comptime STREAMED_BLOCK = 16 if VECTOR_REGISTERS >= 32 else 4
 """Tokens per block when the hardware prefetchers alone fetch it (see
-PREFETCH_MAX_BYTES): 16 token rows read side by side. Same measurement,
-blocks of 4, 8, 16 and 32 tokens: 37, 34, 41 and 40 GB/s (plain read 42)."""
+PREFETCH_MAX_BYTES): that many token rows read side by side. Same
+measurement on the Zen 5 VM, blocks of 4, 8, 16 and 32 tokens: 37, 34, 41
+and 40 GB/s (plain read 42). On the Zen 3 VM (AVX2), 32 float32 heads of
+group 1 in blocks of 4 ran 1.19-1.26x the speed of 16 (8: 1.13-1.19x, 2:
+1.10-1.16x, 32: 0.83-0.89x), and 32 of group 2 1.31x (kernel alone from
+memory, both cores)."""
 
 
 comptime SUB_BLOCK_BYTES = (8 << 10) if VECTOR_REGISTERS >= 32 else (
