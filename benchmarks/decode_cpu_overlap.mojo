@@ -14,19 +14,28 @@ CHUNK tokens its K rows then its V rows, in four orders:
   the next block prefetched;
 - token by token: all heads of one token, then the next, 16 KiB ahead.
 
-and does 0 or 16 float32 FMAs per 64-byte line it reads (the kernel's own
-arithmetic at GQA group 4 is about 12). Prints GB/s (best of 5) on all
-cores. Head by head, a run of reads is one head's 256 B piece of each of
+Each order runs with no arithmetic and with GQA group 4's: 4 float32
+FMA lanes per element read (4 query rows score each K element and fold
+each V element), in the target's vectors (AVX2: 16 FMAs a 64-byte line,
+AVX-512: 8). Prints GB/s (best of 5) on all cores, from memory, and the
+arithmetic alone: the same order over 4 pages that stay in L2. Where the
+arithmetic hides behind the reads, GB/s with arithmetic stays near GB/s
+without. Head by head, a run of reads is one head's 256 B piece of each of
 many token rows; in blocks it stays within a few adjacent rows, which the
-hardware prefetchers stream (one run on a 2-core Zen 5 VM, 16 FMAs a line:
-32 GB/s head by head, 42 in blocks of 8, 41 in blocks of 16, 44 token by
-token).
+hardware prefetchers stream. One run on a 2-core Zen 5 VM, with twice group
+4's arithmetic (16 FMAs of 16 lanes a line): 32 GB/s head by head, 42 in
+blocks of 8, 41 in blocks of 16, 44 token by token. Two runs on a 2-core
+Zen 3 VM (AVX2), with group 4's arithmetic: 15-16, 17-20, 19-20 and 22-24
+GB/s, the same as without it within the noise, and the arithmetic alone
+33-38 GB/s: there the reads hide the arithmetic in every order, while the
+kernel itself (`decode_cpu_chunk.mojo`), bfloat16 at group 4, read about
+14 GB/s, its whole task in L2 costing about 1.6x this loop's arithmetic.
 """
 
 from std.memory import bitcast, stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.random import random_ui64, seed
-from std.sys import num_physical_cores
+from std.sys import num_physical_cores, simd_width_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
 from std.time import perf_counter_ns
 
@@ -35,7 +44,7 @@ from max.algorithm import sync_parallelize
 from mojo_ops.key_chunks import CHUNK
 from mojo_ops.paged_kv_cache import Ptr
 
-comptime W = 16
+comptime W = simd_width_of[DType.float32]()
 comptime F32 = DType.float32
 comptime BF16 = DType.bfloat16
 comptime PAGE_SIZE = 16
@@ -43,6 +52,8 @@ comptime KV_HEADS = 8
 comptime HEAD_DIM = 128
 comptime LINE = 32
 """Elements (bfloat16) per 64-byte line."""
+comptime GROUP4_FMAS = 4 * LINE // W
+"""FMAs a line at GQA group 4: 4 lanes per element."""
 comptime ROW_LINES = HEAD_DIM // LINE
 comptime TOKEN_ELEMS = KV_HEADS * HEAD_DIM
 comptime HALF_ELEMS = PAGE_SIZE * TOKEN_ELEMS
@@ -94,20 +105,21 @@ def stream_request[
                 )
         var p = row[block](pool, pages, index)
         comptime for l in range(ROW_LINES):
-            var words = bitcast[DType.uint32, W](
-                p.unsafe_offset(l * LINE).unsafe_load[width=LINE]()
-            )
-            var even = bitcast[F32, W](words << 16)
-            var odd = bitcast[F32, W](words & 0xFFFF0000)
-            comptime if fmas == 0:
-                acc[unsafe_offset=0] += even + odd
-            comptime for f in range(fmas // 2):
-                acc[unsafe_offset=f % 8] = even.fma(
-                    odd, acc[unsafe_offset=f % 8]
+            # A line as the kernel widens it: 2W bfloat16 at a time, even
+            # and odd elements into two float32 vectors.
+            comptime for half in range(LINE // (2 * W)):
+                var words = bitcast[DType.uint32, W](
+                    p.unsafe_offset(l * LINE + half * 2 * W).unsafe_load[
+                        width=2 * W
+                    ]()
                 )
-                acc[unsafe_offset=(f + 4) % 8] = odd.fma(
-                    even, acc[unsafe_offset=(f + 4) % 8]
-                )
+                var even = bitcast[F32, W](words << 16)
+                var odd = bitcast[F32, W](words & 0xFFFF0000)
+                comptime if fmas == 0:
+                    acc[unsafe_offset=half] += even + odd
+                comptime for f in range(fmas * 2 * W // LINE):
+                    comptime a = (half * fmas * 2 * W // LINE + f) % 8
+                    acc[unsafe_offset=a] = even.fma(odd, acc[unsafe_offset=a])
     var total = acc[unsafe_offset=0]
     comptime for i in range(1, 8):
         total += acc[unsafe_offset=i]
@@ -179,29 +191,52 @@ def main() raises:
         var swap = table[unsafe_offset=i]
         table[unsafe_offset=i] = table[unsafe_offset=j]
         table[unsafe_offset=j] = swap
+    # The same reads over 4 pages (256 KiB, in L2): the arithmetic alone.
+    var hot_table = rebind[Ptr[DType.int64]](
+        unsafe_alloc[Int64](num_pages, alignment=64)
+    )
+    for i in range(num_pages):
+        hot_table[unsafe_offset=i] = Int64(i % 4)
     var cores = num_physical_cores()
 
     @always_inline
     def line[
         block: Int, distance: Int
     ](name: String) raises {
-        var pool, var table, var requests, var pages_per_request, var cores
+        var pool,
+        var table,
+        var hot_table,
+        var requests,
+        var pages_per_request,
+        var cores,
     }:
         print(
             name,
-            "GB/s with 0 / 16 FMAs per line:",
+            "GB/s from memory with none / group 4's arithmetic:",
             gbps[0, block, distance](
                 pool, table, requests, pages_per_request, cores
             ),
-            gbps[16, block, distance](
+            gbps[GROUP4_FMAS, block, distance](
                 pool, table, requests, pages_per_request, cores
+            ),
+            "; group 4's from L2:",
+            gbps[GROUP4_FMAS, block, distance](
+                pool, hot_table, requests, pages_per_request, cores
             ),
         )
 
-    print(cores, "threads, rows from memory")
+    print(
+        cores,
+        "threads;",
+        GROUP4_FMAS,
+        "FMAs of",
+        W,
+        "float32 lanes a 64-byte line at group 4",
+    )
     line[CHUNK, 16]("head by head, 4 KiB ahead:")
     line[8, 8 * KV_HEADS]("blocks of 8 tokens, a block ahead:")
     line[16, 16 * KV_HEADS]("blocks of 16 tokens, a block ahead:")
     line[1, 64]("token by token, 16 KiB ahead:")
     pool.unsafe_free()
     table.unsafe_free()
+    hot_table.unsafe_free()
