@@ -24,18 +24,19 @@ without. Head by head, a run of reads is one head's 256 B piece of each of
 many token rows; in blocks it stays within a few adjacent rows, which the
 hardware prefetchers stream. One run on a 2-core Zen 5 VM, with twice group
 4's arithmetic (16 FMAs of 16 lanes a line): 32 GB/s head by head, 42 in
-blocks of 8, 41 in blocks of 16, 44 token by token. Two runs on a 2-core
-Zen 3 VM (AVX2), with group 4's arithmetic: 15-16, 17-20, 19-20 and 22-24
-GB/s, the same as without it within the noise, and the arithmetic alone
-33-38 GB/s: there the reads hide the arithmetic in every order, while the
+blocks of 8, 41 in blocks of 16, 44 token by token. Three runs on a
+2-core Zen 3 VM (AVX2), with group 4's arithmetic: 15-20, 17-22, 16-20 and
+22-24 GB/s, in each run the same as without it within the noise, and the
+arithmetic alone 27-38 GB/s: there the reads hide the arithmetic in every
+order, while the
 kernel itself (`decode_cpu_chunk.mojo`), bfloat16 at group 4, read about
 14 GB/s, its whole task in L2 costing about 1.6x this loop's arithmetic.
 """
 
-from std.memory import bitcast, stack_allocation
+from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.random import random_ui64, seed
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import num_physical_cores
 from std.sys.intrinsics import PrefetchOptions, prefetch
 from std.time import perf_counter_ns
 
@@ -43,9 +44,8 @@ from max.algorithm import sync_parallelize
 
 from mojo_ops.key_chunks import CHUNK
 from mojo_ops.paged_kv_cache import Ptr
+from mojo_ops.widen import BLOCK, F32, W, load_block
 
-comptime W = simd_width_of[DType.float32]()
-comptime F32 = DType.float32
 comptime BF16 = DType.bfloat16
 comptime PAGE_SIZE = 16
 comptime KV_HEADS = 8
@@ -105,20 +105,15 @@ def stream_request[
                 )
         var p = row[block](pool, pages, index)
         comptime for l in range(ROW_LINES):
-            # A line as the kernel widens it: 2W bfloat16 at a time, even
-            # and odd elements into two float32 vectors.
-            comptime for half in range(LINE // (2 * W)):
-                var words = bitcast[DType.uint32, W](
-                    p.unsafe_offset(l * LINE + half * 2 * W).unsafe_load[
-                        width=2 * W
-                    ]()
-                )
-                var even = bitcast[F32, W](words << 16)
-                var odd = bitcast[F32, W](words & 0xFFFF0000)
+            # A line as the kernel widens it, BLOCK elements at a time.
+            comptime for half in range(LINE // BLOCK):
+                var kb = load_block[BF16](p, l * LINE + half * BLOCK)
+                var even = kb.slice[W, offset=0]()
+                var odd = kb.slice[W, offset=W]()
                 comptime if fmas == 0:
                     acc[unsafe_offset=half] += even + odd
-                comptime for f in range(fmas * 2 * W // LINE):
-                    comptime a = (half * fmas * 2 * W // LINE + f) % 8
+                comptime for f in range(fmas * BLOCK // LINE):
+                    comptime a = (half * fmas * BLOCK // LINE + f) % 8
                     acc[unsafe_offset=a] = even.fma(odd, acc[unsafe_offset=a])
     var total = acc[unsafe_offset=0]
     comptime for i in range(1, 8):
