@@ -28,9 +28,9 @@ blocks of 8, 41 in blocks of 16, 44 token by token. Three runs on a
 2-core Zen 3 VM (AVX2), with group 4's arithmetic: 15-20, 17-22, 16-20 and
 22-24 GB/s, in each run the same as without it within the noise, and the
 arithmetic alone 27-38 GB/s: there the reads hide the arithmetic in every
-order, while the
-kernel itself (`decode_cpu_chunk.mojo`), bfloat16 at group 4, read about
-14 GB/s, its whole task in L2 costing about 1.6x this loop's arithmetic.
+order, while the kernel itself (`decode_cpu_chunk.mojo`), bfloat16 at group
+4, read about 14 GB/s, its whole task in L2 costing about 1.6x this loop's
+arithmetic.
 """
 
 from std.memory import stack_allocation
