@@ -13,6 +13,7 @@ from .functional import (
     init_paged_kv_cache,
     release_blocks,
 )
+from .huge_pages import huge_page_zeros
 from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
 from .page import (
     append_paged_kv_cache,
@@ -39,6 +40,7 @@ __all__ = [
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "huge_page_zeros",
     "init_paged_kv_cache",
     "merge_state",
     "merge_state_in_place",

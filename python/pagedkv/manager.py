@@ -48,6 +48,7 @@ from ._attention import as_dtype
 from ._checks import layout_code
 from ._kernels import debug_enabled
 from ._tensors import Array, new_like
+from .huge_pages import huge_page_zeros
 from .page import copy_pages
 
 POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
@@ -188,7 +189,8 @@ class PagedKVCacheManager:
     wrapper. ``pools[layer]`` is a NumPy array, or a torch tensor for bfloat16
     (NumPy has none) or when use_torch is set. device: "cpu", or "cuda[:i]" /
     "gpu[:i]" for torch pools on that GPU (copy-on-write copies then run there).
-    The page tables and all metadata stay in host memory, as plan() wants them.
+    Host pools lie on 2 MiB pages (`pagedkv.huge_page_zeros`). The page tables
+    and all metadata stay in host memory, as plan() wants them.
 
     Request ids are any hashable values. A page id names the same slot in every
     layer's pool. Every call checks its arguments and the pool's capacity before
@@ -706,12 +708,13 @@ def _fail(message: str) -> None:
 
 
 def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
-    """A NumPy array, or a torch tensor on torch_device when one is named."""
-    if torch_device is not None:
+    """A NumPy array, or a torch tensor on torch_device when one is named;
+    in host memory on 2 MiB pages (see huge_pages.py)."""
+    if torch_device is not None and torch_device != "cpu":
         import torch
 
         return torch.zeros(shape, dtype=getattr(torch, dtype.name), device=torch_device)
-    return np.zeros(shape, dtype.to_numpy())
+    return huge_page_zeros(shape, dtype, use_torch=torch_device is not None)
 
 
 def _token_ids(name: str, tokens: Any) -> np.ndarray:
