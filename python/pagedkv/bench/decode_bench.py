@@ -4,6 +4,9 @@ Each shape is one decode step: B requests of L cached tokens, Hq query heads
 over Hkv KV heads of dim D, pages of P tokens in random order. Every
 implementation reads the same K/V; K and V bytes / time is the effective
 bandwidth, reported as a share of the machine's measured read bandwidth.
+On the CPU the pool, and torch's pre-gathered K/V, lie on 2 MiB pages, as
+pagedkv's page manager allocates pools and as NumPy allocates the arrays
+whose reads measure the bandwidth (see huge_pages.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._tensors import dtype_of
+from ..huge_pages import huge_page_zeros
 from .anchors import (
     Timing,
     burst_speedup,
@@ -76,7 +81,7 @@ class DecodeCase:
         table = torch.from_numpy(self.page_table.astype(np.int64))
         k = self.pool[table, 0].reshape(s.batch, -1, s.num_kv_heads, s.head_dim)[:, : s.seq_len]
         v = self.pool[table, 1].reshape(s.batch, -1, s.num_kv_heads, s.head_dim)[:, : s.seq_len]
-        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        return tuple(_like_pool(x.transpose(1, 2), self.pool) for x in (k, v))
 
 
 def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu") -> DecodeCase:
@@ -97,7 +102,18 @@ def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu"
     last = np.full(s.batch, s.seq_len - (npg - 1) * s.page_size, np.int32)
     if device != "cpu":
         pool, q = pool.to(device), q.to(device)
+    pool = _like_pool(pool, pool)
     return DecodeCase(s, q, pool, table, indptr, table.reshape(-1).copy(), last)
+
+
+def _like_pool(x, pool):
+    """A contiguous copy of tensor x in memory of the pool's kind: on a GPU,
+    x itself made contiguous; on the host, on 2 MiB pages."""
+    if pool.is_cuda:
+        return x.contiguous()
+    out = huge_page_zeros(tuple(x.shape), dtype_of(x), use_torch=True)
+    out.copy_(x)
+    return out
 
 
 def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
