@@ -562,6 +562,16 @@ def step_tokens[kv_dtype: DType](heads: Int, head_rows: Int) -> Int:
     return DOTS_PER_STEP // min(head_rows & -head_rows, 8)
 
 
+def prefetches_block[
+    kv_dtype: DType
+](tokens: Int, heads: Int, head_rows: Int, head_dim: Int) -> Bool:
+    """Whether a block of `tokens` tokens of a task's `heads` KV heads of
+    head_rows query rows each is prefetched while its predecessor is read:
+    within `prefetch_max_bytes`."""
+    var block_bytes = tokens * heads * head_dim * size_of[kv_dtype]()
+    return block_bytes <= prefetch_max_bytes(head_rows)
+
+
 def block_tokens[
     kv_dtype: DType
 ](heads: Int, head_rows: Int, head_dim: Int) -> Int:
@@ -575,7 +585,7 @@ def block_tokens[
     var token_bytes = heads * head_dim * size_of[kv_dtype]()
     var wanted = wanted_tokens(head_rows, token_bytes)
     var block = min((wanted + step - 1) // step * step, CHUNK)
-    if block * token_bytes > prefetch_max_bytes(head_rows):
+    if not prefetches_block[kv_dtype](block, heads, head_rows, head_dim):
         return STREAMED_BLOCK
     return block
 
@@ -932,11 +942,10 @@ def attention_task[
     # task's heads of a block before the next (see BlockPrefetch).
     var heads = h1 - h0
     var block = block_tokens[kv_dtype](heads, head_rows, head_dim)
-    # Past prefetch_max_bytes a block asks for nothing (count 0).
-    var ahead_max = (
-        block if block * heads * head_dim * size_of[kv_dtype]()
-        <= prefetch_max_bytes(head_rows) else 0
-    )
+    # A block too large to prefetch asks for nothing (count 0).
+    var ahead_max = block if prefetches_block[kv_dtype](
+        block, heads, head_rows, head_dim
+    ) else 0
     var nhd = layout == KVLayout.NHD
     var k0 = cache.k_pages.unsafe_offset(h0 * hs)
     var v0 = cache.v_pages.unsafe_offset(h0 * hs)

@@ -64,8 +64,20 @@ def test_zeroed_aligned_writable_arrays(dtype, use_torch):
 
 
 def test_small_arrays_are_plain_zeros():
-    x = huge_page_zeros((2, 3), DType.float16)
+    x = huge_page_zeros((2, 3), "float16")
     assert x.dtype == np.float16 and x.shape == (2, 3) and not x.any()
+    assert huge_page_zeros(4, torch.bfloat16, use_torch=True).dtype == torch.bfloat16
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="shape must be integers >= 0"):
+        huge_page_zeros((4, -1), "float32")
+    with pytest.raises(ValueError, match="shape must be integers >= 0"):
+        huge_page_zeros((4, 2.5), "float32")
+    with pytest.raises(TypeError, match="NumPy has no bfloat16: pass use_torch=True"):
+        huge_page_zeros((1 << 20,), "bfloat16")
+    with pytest.raises(TypeError, match="not a dtype"):
+        huge_page_zeros((4,), "float33")
 
 
 def test_memory_outlives_the_array_through_its_views():
