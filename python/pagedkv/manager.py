@@ -709,7 +709,7 @@ def _fail(message: str) -> None:
 
 def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
     """A NumPy array, or a torch tensor on torch_device when one is named;
-    in host memory on 2 MiB pages (see huge_pages.py)."""
+    on the host, on 2 MiB pages (see huge_pages.py)."""
     if torch_device is not None and torch_device != "cpu":
         import torch
 
