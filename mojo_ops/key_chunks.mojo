@@ -45,6 +45,17 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     """The current block's first token."""
     var block_len: Int
     """The current block's tokens."""
+    var rows_total: Int
+    """The target block's rows to ask for: count x heads (0 when disabled)."""
+    var run_first: Int
+    """Where the target block's rows are one run in memory order (NHD, the
+    task's heads a whole token row, its tokens adjacent in a page): the
+    first row's offset from base, row i lying i rows further. Else -1, and
+    each row's offset comes from the row table. The run spares each row a
+    division and a table load: in the kernel alone on a 2-core Zen 3 VM, 8
+    KV heads of group 4 ran 1.00-1.13x as fast from memory in float32 and
+    1.01-1.10x in bfloat16 (six runs each), 1.04-1.10x with the pool in
+    L2."""
 
     def __init__(
         out self,
@@ -70,6 +81,17 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
         self.visit0 = 0
         self.block_first = 0
         self.block_len = 0
+        self.rows_total = count * heads
+        self.run_first = -1
+        if count > 0 and token_major and head_stride == row_elems:
+            var first_row = Int(rows[unsafe_offset=first])
+            var token_elems = heads * row_elems
+            var adjacent = True
+            for t in range(1, count):
+                var row = Int(rows[unsafe_offset=first + t])
+                adjacent = adjacent and row == first_row + t * token_elems
+            if adjacent:
+                self.run_first = first_row
 
     def for_head(self, head: Int, block_first: Int, block_tokens: Int) -> Self:
         """The prefetcher for the task's `head`-th head (from 0) in the current
@@ -94,7 +116,7 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     def disabled(self) -> Self:
         """The same prefetcher asking for nothing (a head's later tiles)."""
         var quiet = self
-        quiet.count = 0
+        quiet.rows_total = 0
         return quiet
 
     @always_inline
@@ -104,10 +126,11 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
         self.fetch(self.visit0 + head * self.block_len + j - self.block_first)
 
     @always_inline
-    def fetch(self, i: Int):
-        """Asks for the target block's row i, in memory order."""
-        if i >= self.count * self.heads:
-            return
+    def row_offset(self, i: Int) -> Int:
+        """The offset from base of the target block's row i in memory order:
+        token by token (NHD) or head by head (HND); i < count x heads."""
+        if self.run_first >= 0:
+            return self.run_first + i * self.row_elems
         var t: Int
         var h: Int
         if self.token_major:
@@ -116,9 +139,16 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
         else:
             h = i // self.count
             t = i - h * self.count
-        var p = self.base.unsafe_offset(
+        return (
             Int(self.rows[unsafe_offset=self.first + t]) + h * self.head_stride
         )
+
+    @always_inline
+    def fetch(self, i: Int):
+        """Asks for the target block's row i, in memory order."""
+        if i >= self.rows_total:
+            return
+        var p = self.base.unsafe_offset(self.row_offset(i))
         comptime line_elems = max(64 // size_of[Self.kv_dtype](), 1)
         var e = 0
         while e < self.row_elems:
@@ -129,7 +159,7 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
 
     def fetch_all(self):
         """Asks for the whole target block at once (a task's first)."""
-        for i in range(self.count * self.heads):
+        for i in range(self.rows_total):
             self.fetch(i)
 
 
