@@ -4,8 +4,8 @@ Decode reads a pool's pages in the order of the page tables, which after a
 while of serving is no order at all. On 4 KiB pages every few tokens of a
 page are a TLB miss whose page-table walk goes to memory too. On 2 MiB pages
 one TLB entry covers hundreds of tokens. Timed on a 2-core Zen 3 VM, decode
-(caches flushed before each call, the issue's CPU shapes) ran up to 15%
-faster on a pool on 2 MiB pages than on the same pool from `torch.zeros`:
+(caches flushed before each call, the issue's CPU shapes) took up to 15%
+less time on a pool on 2 MiB pages than on the same pool from `torch.zeros`:
 (1, 4096) bfloat16 2.39 against 2.82 ms, (16, 1024) float32 8.59 against
 9.45 ms, (32, 2048) bfloat16 24.1 against 26.3 ms (medians). NumPy already
 advises its own large arrays onto huge pages. torch does not, and bfloat16
