@@ -12,6 +12,7 @@ from .model import LlamaConfig, rope_tables
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMS norm of x [..., hidden] over its last axis, scaled by weight [hidden]."""
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
@@ -24,6 +25,7 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), elementwise."""
     return x / (1 + np.exp(-x))
 
 

@@ -64,6 +64,7 @@ class RunStats:
 
 
 def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` tokens: ceil(tokens / page_size)."""
     return -(-tokens // page_size)
 
 
@@ -177,4 +178,5 @@ class Scheduler:
 
 
 def seq_id(request: Request, sample: int) -> str:
+    """The page manager's sequence id of a request's sample: "request/sample"."""
     return f"{request.request_id}/{sample}"

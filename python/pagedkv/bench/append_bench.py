@@ -146,6 +146,8 @@ def run_append_bench(
 
 
 def format_append_table(rows: list[AppendRow]) -> str:
+    """The append table: pagedkv's ms and GB/s per (shape, dtype), beside the
+    NumPy and torch scatters as GB/s and ratios."""
     lines = [
         f"{'append':24s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} {'numpy GB/s':>10s} "
         f"{'x numpy':>7s} {'torch GB/s':>10s} {'x torch':>7s}"

@@ -85,6 +85,9 @@ class DecodeCase:
 
 
 def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu") -> DecodeCase:
+    """A decode batch of `shape` in dtype: random q [B, Hq, D] and an NHD pool
+    [pages + 1, 2, P, Hkv, D] (the last page zero) whose pages each request
+    owns in a random order, with its page table, on device."""
     import torch
 
     rng = np.random.default_rng(seed)

@@ -48,6 +48,7 @@ class GpuRow:
 
 
 def peak_tbps(name: str) -> float | None:
+    """The HBM peak (TB/s) of the GPU named `name`, or None if not listed."""
     for key, value in PEAK_TBPS.items():
         if key in name:
             return value
@@ -194,6 +195,8 @@ def max_builtin_decode(case: DecodeCase):
 
 
 def decode_rows(reps: int) -> list[GpuRow]:
+    """Times decode at GPU_SHAPES (bfloat16) with each implementation that runs,
+    printing a line each: one row per (shape, implementation)."""
     import torch
 
     rows: list[GpuRow] = []
@@ -257,6 +260,8 @@ def flashinfer_append(fns: dict, shape, dtype: str) -> None:
 
 
 def append_rows(reps: int) -> list[GpuRow]:
+    """Times the appends of GPU_APPEND_SHAPES (bfloat16) beside their anchors,
+    printing a line each: one row per (shape, implementation)."""
     rows = []
     for shape in GPU_APPEND_SHAPES:
         fns, nbytes = append_fns(shape, "bfloat16", "cuda")
@@ -269,6 +274,8 @@ def append_rows(reps: int) -> list[GpuRow]:
 
 
 def run_gpu_bench(reps: int = 50) -> int:
+    """Runs the decode and append timings on the CUDA device and prints their
+    tables; raises ValueError without a visible CUDA device. Returns 0."""
     import torch
 
     if not torch.cuda.is_available():

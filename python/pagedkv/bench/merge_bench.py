@@ -114,6 +114,9 @@ def run_merge_bench(
 
 
 def format_merge_table(rows: list[MergeRow]) -> str:
+    """The merge table: pagedkv's ms and GB/s per (shape, dtype, op), beside
+    torch's as a ratio, and the share of the faster plain read of the same
+    bytes (%read)."""
     lines = [
         f"{'shape':30s} {'dtype':8s} {'op':20s} {'pagedkv ms':>10s} {'GB/s':>6s} "
         f"{'torch ms':>9s} {'x torch':>7s} {'%read':>6s}"
