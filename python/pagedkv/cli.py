@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench.decode_bench import CPU_SHAPES
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but its errors are one line and exit with status 2."""
@@ -23,25 +25,36 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve a small Llama-style model and check every token")
     demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
-    demo.add_argument("--requests", type=int, default=16)
-    demo.add_argument("--layers", type=int, default=4)
+    demo.add_argument("--requests", type=int, default=16, help="requests to serve (default 16)")
+    demo.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     demo.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    demo.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens generated per request (default 48)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts (default 0)")
     demo.add_argument("--num-pages", type=int, default=None, help="pages in each layer's pool")
-    demo.add_argument("--qo-heads", type=int, default=8)
-    demo.add_argument("--kv-heads", type=int, default=2)
+    demo.add_argument("--qo-heads", type=int, default=8, help="query heads (default 8)")
+    demo.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
 
     bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
     bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
-    bench.add_argument("--dtypes", default="float32,bfloat16")
-    bench.add_argument("--shapes", default=None, help="comma-separated shape indices")
-    bench.add_argument("--reps", type=int, default=15)
+    bench.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)"
+    )
+    shapes = ", ".join(f"{i} {s.label}" for i, s in enumerate(CPU_SHAPES))
+    bench.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated indices into the CPU shapes (B, L, Hq, Hkv): {shapes}; default all",
+    )
+    bench.add_argument("--reps", type=int, default=15, help="timed runs of each (default 15)")
     bench.add_argument("--plot", default=None, help="write GB/s against length to this PNG")
 
     gpu = sub.add_parser("check-gpu", help="compile every GPU path for NVIDIA GPUs")
-    gpu.add_argument("archs", nargs="*", default=["sm_90", "sm_80"])
+    gpu.add_argument(
+        "archs", nargs="*", default=["sm_90", "sm_80"], help="targets (default sm_90 sm_80)"
+    )
     gpu.add_argument(
         "--no-demo", action="store_true", help="leave out the demo's model graphs (minutes)"
     )
