@@ -27,13 +27,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     demo.add_argument("--requests", type=int, default=16, help="requests to serve (default 16)")
     demo.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    demo.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    demo.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     demo.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     demo.add_argument(
         "--max-new-tokens", type=int, default=48, help="tokens generated per request (default 48)"
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts (default 0)")
-    demo.add_argument("--num-pages", type=int, default=None, help="pages in each layer's pool")
+    demo.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="pages in each layer's pool (default: 4096 tokens' worth, more if the largest "
+        "request needs more)",
+    )
     demo.add_argument("--qo-heads", type=int, default=8, help="query heads (default 8)")
     demo.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
 
