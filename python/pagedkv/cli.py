@@ -25,14 +25,25 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="serve a small Llama-style model and check every token")
     demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
-    demo.add_argument("--requests", type=int, default=16, help="requests to serve (default 16)")
-    demo.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    demo.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
-    demo.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     demo.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens generated per request (default 48)"
+        "--requests", type=int, default=16, help="requests to serve (default %(default)s)"
     )
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and prompts (default 0)")
+    demo.add_argument(
+        "--layers", type=int, default=4, help="transformer layers (default %(default)s)"
+    )
+    demo.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    demo.add_argument(
+        "--page-size", type=int, default=16, help="tokens per page (default %(default)s)"
+    )
+    demo.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=48,
+        help="tokens generated per request (default %(default)s)",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seed of weights and prompts (default %(default)s)"
+    )
     demo.add_argument(
         "--num-pages",
         type=int,
@@ -40,13 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         help="pages in each layer's pool (default: 4096 tokens' worth, more if the largest "
         "request needs more)",
     )
-    demo.add_argument("--qo-heads", type=int, default=8, help="query heads (default 8)")
-    demo.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    demo.add_argument("--qo-heads", type=int, default=8, help="query heads (default %(default)s)")
+    demo.add_argument("--kv-heads", type=int, default=2, help="KV heads (default %(default)s)")
 
     bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
     bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     bench.add_argument(
-        "--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)"
+        "--dtypes", default="float32,bfloat16", help="comma-separated (default %(default)s)"
     )
     shapes = ", ".join(f"{i} {s.label}" for i, s in enumerate(CPU_SHAPES))
     bench.add_argument(
@@ -54,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated indices into the CPU shapes (B, L, Hq, Hkv): {shapes}; default all",
     )
-    bench.add_argument("--reps", type=int, default=15, help="timed runs of each (default 15)")
+    bench.add_argument(
+        "--reps", type=int, default=15, help="timed runs of each (default %(default)s)"
+    )
     bench.add_argument("--plot", default=None, help="write GB/s against length to this PNG")
 
     gpu = sub.add_parser("check-gpu", help="compile every GPU path for NVIDIA GPUs")
