@@ -21,11 +21,11 @@ prints medians, as GB/s and as a share of the plain read: the kernel's own
 efficiency, without the per-call cost of MAX and Python that
 `benchmarks/decode.py` includes. The one-core line says whether the kernel
 falls short of the plain read because the cores share the memory or because
-of how each core reads. In three runs on a 2-core Zen 3 VM (AVX2), 8 KV
-heads of group 4 read 0.51-0.57 of the plain read on all cores and
-0.49-0.51 on one in bfloat16, 0.66-0.76 and 0.59-0.63 in float32 (plain
-read: 16-18 GB/s on one core, 25-32 on both): no better alone, so each
-core's own reads set the limit, not the sharing."""
+of how each core reads. In four runs on a 2-core Zen 3 VM (AVX2), 8 KV
+heads of group 4 read 0.47-0.57 of the plain read on all cores and
+0.49-0.52 on one in bfloat16, 0.66-0.76 and 0.59-0.64 in float32 (plain
+read: 16-19.5 GB/s on one core, 25-35 on both): about the same alone, so
+each core's own reads set the limit, not the sharing."""
 
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
@@ -208,6 +208,18 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
     )
 
 
+def run_tasks[
+    FuncType: def(Int) raises -> None
+](func: FuncType, num_tasks: Int, one_core: Bool) raises:
+    """Runs func(0) ... func(num_tasks - 1): in order on this core, or on all
+    cores (`parallel_dynamic`)."""
+    if one_core:
+        for t in range(num_tasks):
+            func(t)
+    else:
+        parallel_dynamic(func, num_tasks)
+
+
 def plain_read(
     pool: Ptr[DType.uint8], nbytes: Int, one_core: Bool
 ) raises -> Float64:
@@ -238,11 +250,7 @@ def plain_read(
         sums[unsafe_offset=(i % 64) * 16] += total.reduce_add()
 
     var start = Int(perf_counter_ns())
-    if one_core:
-        for i in range(nbytes // RUN_BYTES):
-            read_run(i)
-    else:
-        parallel_dynamic(read_run, nbytes // RUN_BYTES)
+    run_tasks(read_run, nbytes // RUN_BYTES, one_core)
     var seconds = Float64(Int(perf_counter_ns()) - start) * 1e-9
     sums.unsafe_free()
     return seconds
@@ -310,11 +318,7 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
         for _ in range(MEMORY_ROUNDS):
             # 256 MiB or more, far past the L3: each pass reads from memory.
             var start = Int(perf_counter_ns())
-            if one_core:
-                for t in range(BATCH):
-                    task(t)
-            else:
-                parallel_dynamic(task, BATCH)
+            run_tasks(task, BATCH, one_core)
             kernel.append(Float64(Int(perf_counter_ns()) - start) * 1e-9)
             read.append(
                 plain_read(rebind[Ptr[DType.uint8]](pool), nbytes, one_core)
