@@ -85,12 +85,20 @@ def attention_gpu_kernel[
     var warp_id = tid // WARP_SIZE
     var rope = params.pos_encoding == POS_ROPE_LLAMA
 
-    var k_tile = stack_allocation[
-        TILE_ELEMS, F32, address_space=AddressSpace.SHARED
+    # K and V tiles side by side: the warps' merge at the end parks their
+    # outputs across both (WARPS * MAX_ROWS rows of head_dim, 8192 floats at
+    # head_dim 256, twice one tile).
+    comptime assert (
+        WARPS * MAX_ROWS * head_dim <= 2 * TILE_ELEMS
+    ), "the warps' outputs fit in the K/V tiles"
+    comptime assert (
+        2 * WARPS * MAX_ROWS <= MAX_ROWS * head_dim
+    ), "the warps' (m, l) pairs fit in the query rows"
+    var kv_tiles = stack_allocation[
+        2 * TILE_ELEMS, F32, address_space=AddressSpace.SHARED
     ]()
-    var v_tile = stack_allocation[
-        TILE_ELEMS, F32, address_space=AddressSpace.SHARED
-    ]()
+    var k_tile = kv_tiles
+    var v_tile = kv_tiles + TILE_ELEMS
     var q_rows = stack_allocation[
         MAX_ROWS * head_dim, F32, address_space=AddressSpace.SHARED
     ]()
@@ -173,9 +181,11 @@ def attention_gpu_kernel[
         t0 += n
 
     # Merge the warps' states: each warp parks its state in shared memory
-    # (the K tile's space), then the block combines them per (row, element).
-    var parked_o = k_tile
-    var parked_ml = v_tile
+    # (outputs in the K/V tiles, (m, l) pairs in the query rows, both done
+    # with), then the block combines them per (row, element).
+    var parked_o = kv_tiles
+    var parked_ml = q_rows
+    barrier()  # no thread still reads q_rows (an empty key range skips the loop)
     comptime for r in range(MAX_ROWS):
         if r < rows:
             comptime for e in range(VEC):
