@@ -117,8 +117,14 @@ PREFILL_CONFIGS = [
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compiled_ops():
-    """Compiles every op the suite runs in one MAX module (one fixed cost)."""
+def compiled_ops(request):
+    """Compiles every op the suite runs in one MAX module (one fixed cost).
+
+    Skipped when only the GPU tests run: they compile their own GPU module,
+    and minutes of CPU compiles would be wasted on a lent GPU machine.
+    """
+    if all(item.path.name == "test_gpu.py" for item in request.session.items):
+        return
     from max.dtype import DType
 
     from pagedkv._kernels import prepare

@@ -55,7 +55,7 @@ def kernel_package() -> Path:
     from mojo.run import subprocess_run_mojo
 
     source = mojo_ops_path()
-    digest = hashlib.sha256(version("mojo").encode())
+    digest = hashlib.sha256(version("mojo-compiler").encode())
     for path in sorted(source.rglob("*.mojo")):
         digest.update(str(path.relative_to(source)).encode())
         digest.update(path.read_bytes())
