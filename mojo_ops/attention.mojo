@@ -8,12 +8,16 @@ blocks, then merges the states of key-split requests.
 
 from extensibility import InputTensor, ManagedTensorSlice
 from max.algorithm import sync_parallelize
-from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import H100
 
 from .attention_cpu import MIN_HEAD_DIM, attention_task, merge_split_head
-from .attention_gpu import GPU_THREADS, attention_gpu_kernel, row_tiles
+from .attention_gpu import (
+    GPU_THREADS,
+    attention_gpu_kernel,
+    merge_split_gpu_kernel,
+    row_tiles,
+)
 from .attention_params import AttentionParams
 from .attention_work import AttentionWork
 from .decode_sm90 import launch_decode_sm90, tma_decode_applies
@@ -265,33 +269,20 @@ def enqueue_merge[
 ) raises:
     """Merges the partial states of key-split requests on the GPU: a block per
     (request, query head)."""
-
-    def merge_kernel(
-        work: AttentionWork,
-        o_ptr: Ptr[dtype],
-        lse_ptr: Ptr[DType.float32],
-        num_qo_heads: Int64,
-        head_dim: Int64,
-    ):
-        var heads = Int(num_qo_heads)
-        merge_split_head(
-            work,
-            o_ptr,
-            lse_ptr,
-            heads,
-            Int(head_dim),
-            Int(block_idx.x) // heads,
-            Int(block_idx.x) % heads,
-            Int(thread_idx.x),
-            Int(block_dim.x),
-        )
-
-    ctx.enqueue_function[merge_kernel](
-        work,
-        o_ptr,
-        lse_ptr,
-        Int64(num_qo_heads),
-        Int64(head_dim),
-        grid_dim=batch_size * num_qo_heads,
-        block_dim=GPU_THREADS,
+    comptime for i in range(len(HEAD_DIMS)):
+        comptime D = HEAD_DIMS[i]
+        if head_dim == D:
+            ctx.enqueue_function[merge_split_gpu_kernel[dtype, D]](
+                work,
+                o_ptr,
+                lse_ptr,
+                Int64(num_qo_heads),
+                grid_dim=batch_size * num_qo_heads,
+                block_dim=GPU_THREADS,
+            )
+            return
+    raise Error(
+        "pagedkv: head_dim ",
+        head_dim,
+        " is not supported on GPUs (64, 128, 256)",
     )

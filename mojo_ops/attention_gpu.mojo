@@ -328,3 +328,72 @@ def rotate_pair[
     var hi = rows[unsafe_offset=j * head_dim + half + e]
     rows[unsafe_offset=j * head_dim + e] = lo * c - hi * s
     rows[unsafe_offset=j * head_dim + half + e] = hi * c + lo * s
+
+
+def merge_split_gpu_kernel[
+    dtype: DType, head_dim: Int
+](work: AttentionWork, output: Ptr[dtype], lse: Ptr[F32], num_qo_heads: Int64,):
+    """Grid (batch * num_qo_heads), GPU_THREADS threads: merges the partial
+    states of one (request, query head) whose keys were split over items.
+
+    Warp w takes items w, w + WARPS, ..: a lane holds head_dim / 32 elements
+    of each in registers, so the partial rows stream in as independent
+    16-byte loads rather than one dependent chain per element (a request
+    split 64 ways would otherwise wait on 64 loads in a row). Every warp
+    finds the states' max and sum itself; the warps' sums meet in shared
+    memory."""
+    comptime VEC = head_dim // WARP_SIZE
+    var heads = Int(num_qo_heads)
+    var b = Int(block_idx.x) // heads
+    var qo = Int(block_idx.x) % heads
+    if not work.writes_partial(b):
+        return
+    var item0 = Int(work.request_items[unsafe_offset=b])
+    var count = work.items_of(b)
+    var tid = Int(thread_idx.x)
+    var lane = Int(lane_id())
+    var warp_id = tid // WARP_SIZE
+    var states = work.partial_lse.unsafe_offset(item0 * heads + qo)
+
+    var top = neg_inf[F32]()
+    for i in range(lane, count, WARP_SIZE):
+        top = max(top, states[unsafe_offset=i * heads])
+    top = warp.max(top)
+    var total: Float32 = 0
+    if top != neg_inf[F32]():
+        for i in range(lane, count, WARP_SIZE):
+            total += exp2(states[unsafe_offset=i * heads] - top)
+    total = warp.sum(total)
+
+    var acc = SIMD[F32, VEC](0)
+    if total > 0:
+        var rows = work.partial_o.unsafe_offset(
+            (item0 * heads + qo) * head_dim + lane * VEC
+        )
+        for i in range(warp_id, count, WARPS):
+            var weight = exp2(states[unsafe_offset=i * heads] - top)
+            acc += (
+                weight
+                * rows.unsafe_offset(i * heads * head_dim).unsafe_load[
+                    width=VEC, alignment=4 * min(VEC, 4)
+                ]()
+            )
+
+    var sums = stack_allocation[
+        WARPS * head_dim, F32, address_space=AddressSpace.SHARED
+    ]()
+    comptime for e in range(VEC):
+        sums[unsafe_offset=warp_id * head_dim + lane * VEC + e] = acc[e]
+    barrier()
+    var row = work.q_row(item0) * heads + qo
+    for d in range(tid, head_dim, GPU_THREADS):
+        var value: Float32 = 0
+        comptime for w in range(WARPS):
+            value += sums[unsafe_offset=w * head_dim + d]
+        output[unsafe_offset=row * head_dim + d] = (
+            value / total if total > 0 else Float32(0)
+        ).cast[dtype]()
+    if tid == 0:
+        lse[unsafe_offset=row] = (
+            top + log2(total) if total > 0 else neg_inf[F32]()
+        )
