@@ -30,8 +30,10 @@ comptime HEAD_DIMS = (64, 128, 256)
 
 comptime GPU_KERNEL_GENERIC = 0
 comptime GPU_KERNEL_TMA = 1
-"""Values of int_params[5], the GPU decode kernel plan() chose: backend="tma"
-picks the Hopper kernel of decode_sm90.mojo."""
+comptime GPU_KERNEL_AUTO = 2
+"""Values of int_params[5], the GPU decode kernel plan() chose: "tma" must
+run the Hopper kernel of decode_sm90.mojo, "auto" runs it where it applies
+(an sm_90 GPU, the batch's dtypes and shape) and the generic one elsewhere."""
 
 comptime KV_AS_STORED = 0
 comptime KV_FP8_E4M3 = 1
@@ -183,7 +185,8 @@ def run_attention[
                 " kernels move 16-byte vectors)"
             )
         var group = num_qo_heads // cache.num_kv_heads()
-        if kv_split and Int(int_params[5]) == GPU_KERNEL_TMA:
+        var kernel = Int(int_params[5])
+        if kv_split and kernel != GPU_KERNEL_GENERIC:
             comptime if (
                 ctx.default_device_info.compute == H100.compute
                 and cache.layout == KVLayout.NHD
@@ -212,11 +215,12 @@ def run_attention[
                             ctx,
                         )
                     return
-            raise Error(
-                "pagedkv: the TMA decode kernel needs an sm_90 GPU, an NHD"
-                " pool, page sizes that are multiples of 16, a group of at"
-                " most 8 query heads per KV head and no RoPE on the fly"
-            )
+            if kernel == GPU_KERNEL_TMA:
+                raise Error(
+                    "pagedkv: the TMA decode kernel needs an sm_90 GPU, an NHD"
+                    " pool, page sizes that are multiples of 16, a group of"
+                    " at most 8 query heads per KV head and no RoPE on the fly"
+                )
         # A GPU lane holds head_dim / 32 elements in registers: one kernel
         # per supported head dim.
         var tiles = row_tiles(Int(int_params[4]) * group)

@@ -316,6 +316,10 @@ def test_decode_bad_input():
     pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
     table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
     q = rng.standard_normal((2, 4, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fast")
+    with pytest.raises(ValueError, match="page table is on the CPU"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="tma").plan(*table, 4, 2, 64, 16)
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
     with pytest.raises(RuntimeError, match="before plan"):
         w.run(q, pool)
@@ -344,6 +348,34 @@ def test_decode_bad_input():
         w.run(q, pool[: int(batch.kv_indices.max())])
     # The same call, corrected, runs.
     assert np.isfinite(w.run(q, pool)).all()
+
+
+def test_decode_backends_choose_gpu_kernels():
+    """The kernel code plan() passes: "auto" leaves the choice to the GPU
+    kernel, "tma" insists on the Hopper kernel, the CPU has only one."""
+    from pagedkv._attention import (
+        GPU_KERNEL_AUTO,
+        GPU_KERNEL_GENERIC,
+        GPU_KERNEL_TMA,
+        decode_kernel,
+    )
+
+    def kernel(backend, is_gpu=True, layout="NHD", page_size=16, group=4, pos="NONE"):
+        return decode_kernel(backend, is_gpu, layout, page_size, group, pos)
+
+    assert kernel("auto") == GPU_KERNEL_AUTO
+    assert kernel("auto", is_gpu=False) == GPU_KERNEL_GENERIC
+    assert kernel("generic") == GPU_KERNEL_GENERIC
+    assert kernel("tma") == GPU_KERNEL_TMA
+    assert kernel("tma", page_size=None) == GPU_KERNEL_TMA  # a symbolic page size
+    for bad, why in [
+        ({"layout": "HND"}, "needs NHD"),
+        ({"page_size": 24}, "multiple of 16"),
+        ({"group": 16}, "at most 8"),
+        ({"pos": "ROPE_LLAMA"}, "RoPE"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            kernel("tma", **bad)
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])

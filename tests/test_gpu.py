@@ -3,8 +3,9 @@
 Runs only where torch sees a CUDA GPU and MAX an accelerator (skipped in CI,
 which has none; test_gpu_compile.py compiles these paths there). The append,
 decode and prefill cases are the CPU suites' own, moved to the GPU; decode
-runs each case with the generic kernel and, where it applies, the Hopper TMA
-kernel, and a second test holds the two kernels to each other on longer,
+runs each case with the generic kernel, the Hopper TMA kernel where it
+applies, and "auto" (the TMA kernel where it applies, else the generic one),
+and a second test holds the two kernels to each other on longer,
 paged sequences.
 """
 
@@ -76,9 +77,10 @@ def tma_applies(case: Case) -> bool:
     )
 
 
-@pytest.mark.parametrize("backend", ["generic", "tma"])
+@pytest.mark.parametrize("backend", ["generic", "tma", "auto"])
 @pytest.mark.parametrize("case", sampled_grid(), ids=str)
 def test_decode_on_gpu(case: Case, backend: str):
+    """Each case with each kernel; "auto" picks the TMA one where it applies."""
     if backend == "tma" and not tma_applies(case):
         pytest.skip("the TMA kernel does not serve this case")
     check_decode_case(case, device="cuda", backend=backend)

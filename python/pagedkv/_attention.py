@@ -112,9 +112,13 @@ class AttentionOptions:
 
 
 DECODE_BACKENDS = ("auto", "generic", "tma")
-"""GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/decode_sm90.mojo);
-"auto" runs the generic kernel until the TMA one has been verified on a GPU."""
+"""GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/decode_sm90.mojo),
+"generic" the kernel for every GPU; "auto" runs the Hopper kernel where it
+applies (sm_90, the batch's dtypes and shape: the kernel decides) and the
+generic one elsewhere."""
+GPU_KERNEL_GENERIC = 0
 GPU_KERNEL_TMA = 1
+GPU_KERNEL_AUTO = 2
 TMA_BOX_ROWS = 16
 TMA_MAX_GROUP = 8
 
@@ -128,12 +132,15 @@ def decode_kernel(
     pos_encoding_mode: str,
 ) -> int:
     """int_params[5] for a decode backend; raises if "tma" cannot run this
-    batch (the kernel checks its GPU and dtypes itself). page_size None: not
+    batch (the kernel checks its GPU and dtypes itself, and "auto" falls back
+    there). page_size None: not
     known yet (a symbolic graph dimension)."""
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
-    if backend != "tma":
-        return 0
+    if backend == "auto":
+        return GPU_KERNEL_AUTO if is_gpu else GPU_KERNEL_GENERIC
+    if backend == "generic":
+        return GPU_KERNEL_GENERIC
     problems = []
     if not is_gpu:
         problems.append("the page table is on the CPU (it needs an sm_90 GPU)")

@@ -49,9 +49,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
     >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
     >>> o = w.run(q, paged_kv_cache)              # per layer: q [B, 32, 128]
 
-    backend: "auto" or "generic" (the kernel for every GPU), or "tma" (the
-    Hopper kernel: sm_90, NHD, page sizes a multiple of 16, at most 8 query
-    heads per KV head, no RoPE on the fly). The CPU ignores it.
+    backend: "tma" (the Hopper kernel: sm_90, NHD, page sizes a multiple of
+    16, at most 8 query heads per KV head, no RoPE on the fly), "generic" (the
+    kernel for every GPU), or "auto": the Hopper kernel where it applies, else
+    the generic one. The CPU ignores it.
     """
 
     def __init__(
