@@ -113,6 +113,13 @@ def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int
     return config, requests, num_pages
 
 
+FLOAT32_LOGIT_TOLERANCE = {"cpu": 1e-3, "gpu": 0.25}
+"""The largest engine-vs-reference logit difference a float32 run may show,
+by device. A wrong kernel is off by O(1). Over the demo's 533 tokens the CPU
+differed by 2.5e-5, and an H100 by 4.7e-2: its float32 step graphs (MAX's
+own matmuls) compute at a lower precision than the CPU's."""
+
+
 def run_demo(options: DemoOptions) -> int:
     """Runs the demo and prints its summary; returns the exit status."""
     from pagedkv.manager import PagedKVCacheManager
@@ -172,13 +179,17 @@ def run_demo(options: DemoOptions) -> int:
     t0 = time.perf_counter()
     check = check_sequences(config, weights, sequences)
     exact = options.dtype == "float32"
-    verdict = "PASS" if check.passed or not exact else "FAIL"
+    tolerance = FLOAT32_LOGIT_TOLERANCE[options.device]
+    close = check.max_logit_diff <= tolerance
+    verdict = "PASS" if (check.passed and close) or not exact else "FAIL"
     print(
         f"self-check against the NumPy dense-cache model (float32): {check.tokens} tokens, "
         f"{check.tokens - len(check.mismatches)} equal, {check.near_ties} near-ties, "
         f"max |logit diff| {check.max_logit_diff:.2e} ({time.perf_counter() - t0:.1f} s): "
         f"{verdict}" + ("" if exact else f" ({options.dtype}: agreement reported, not required)")
     )
+    if exact and not close:
+        print(f"  max |logit diff| is over {tolerance} on the {options.device}")
     for line in check.mismatches[:5]:
         print(f"  mismatch: {line}")
     if leaked:

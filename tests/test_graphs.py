@@ -86,6 +86,35 @@ def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
     assert check.tokens == sum(len(s.tokens) for s in sequences)
 
 
+def test_self_check_forgives_a_swap_only_within_the_engines_own_error(weights):
+    """A token that differs from the reference's is a near-tie when the two
+    candidates' reference logits lie within twice that step's logit error,
+    and a mismatch otherwise."""
+    from pagedkv.graphs.scheduler import Sequence
+
+    prompt = (5, 9, 200, 31)
+    reference = DenseLlama(CONFIG, weights)
+    logits = [reference.feed(list(prompt))]
+    first = int(np.argmax(logits[0]))
+    logits.append(reference.feed([first]))
+    ranked = np.argsort(-logits[1])
+    gap = float(logits[1][ranked[0]] - logits[1][ranked[1]])
+    assert gap > 1e-3  # this seed's second step is not a tie already
+
+    def sequence(second: int, error: float) -> Sequence:
+        engine_logits = [logits[0].copy(), logits[1] + error]
+        request = Request("r", prompt, max_new_tokens=2)
+        return Sequence("r/0", request, 0, [first, second], engine_logits)
+
+    check = check_sequences(CONFIG, weights, [sequence(int(ranked[0]), 0.0)])
+    assert check.passed and check.near_ties == 0 and check.max_logit_diff == 0
+    check = check_sequences(CONFIG, weights, [sequence(int(ranked[1]), 0.0)])
+    assert not check.passed  # the runner-up, with exact logits
+    check = check_sequences(CONFIG, weights, [sequence(int(ranked[1]), 0.6 * gap)])
+    assert check.passed and check.near_ties == 1
+    assert check.max_logit_diff == pytest.approx(0.6 * gap)
+
+
 def test_a_callers_module_holds_its_specs_whatever_was_compiled_before():
     """MAX caches a module's compile on disk by what the module holds: the
     step graphs' module must carry the page-copy op even when this process
