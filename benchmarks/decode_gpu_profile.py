@@ -1,0 +1,184 @@
+"""Where a GPU decode call's time goes: each kernel's device time (torch's
+profiler, through CUPTI) beside the call's time between CUDA events, for
+pagedkv's two decode kernels and MAX's built-in decode, at the GPU bench's
+shapes (bf16, page 16, head_dim 128).
+
+    python benchmarks/decode_gpu_profile.py [--shapes 0 2] [--reps 20]
+
+A call whose kernels take much less than its event time spends the rest
+launching (graph execution, stream ordering) rather than reading memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedkv.bench.decode_bench import make_case, pagedkv_decode
+from pagedkv.bench.gpu_bench import GPU_SHAPES, max_builtin_decode, time_cuda
+
+
+def kernel_times(fn, reps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, launches per call, device µs per call) of fn(), from
+    `reps` profiled calls after one warm-up."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        rows.append((event.key, event.count / reps, event.device_time_total / reps))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def host_breakdown(reps: int = 300) -> None:
+    """Host µs per run() of a tiny decode (the GPU keeps up, so the host's
+    time is the call's), and how much of it goes to wrapping arrays as MAX
+    buffers and to MAX's execute; the rest is checks and stream ordering."""
+    import time
+
+    import torch
+
+    import pagedkv
+    import pagedkv._kernels as kernels
+    from pagedkv.bench.decode_bench import DecodeShape
+
+    shape = DecodeShape(1, 16, 32, 8)
+    case = make_case(shape, "bfloat16", device="cuda")
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    table = (case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    w.plan(
+        *(torch.from_numpy(a).cuda() for a in table),
+        shape.num_qo_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.page_size,
+        q_data_type=case.q.dtype,
+        kv_data_type=case.pool.dtype,
+    )
+
+    def fn():
+        return w.run(case.q, case.pool)
+
+    spent = {"to_buffer": 0.0, "execute": 0.0}
+
+    def timed(name, f):
+        def wrapper(*args):
+            start = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return wrapper
+
+    class TimedModel:
+        def __init__(self, model):
+            self.execute = timed("execute", model.execute)
+
+    plain_to_buffer = kernels.to_buffer
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - start) / reps * 1e6
+    w._plan.model = TimedModel(w._plan.model)
+    kernels.to_buffer = timed("to_buffer", plain_to_buffer)
+    try:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        kernels.to_buffer = plain_to_buffer
+    per_call = {k: v / reps * 1e6 for k, v in spent.items()}
+    print(
+        f"host per run() of (1, 16, 32, 8): {total:.1f} us; to_buffer {per_call['to_buffer']:.1f}"
+        f" us, execute {per_call['execute']:.1f} us",
+        flush=True,
+    )
+
+    # The pieces alone, and a bare capsule in place of torch's __dlpack__.
+    from max.driver import Buffer
+    from torch.utils.dlpack import to_dlpack
+
+    from pagedkv._tensors import Device
+
+    class CudaCapsule:
+        def __init__(self, capsule):
+            self.capsule = capsule
+
+        def __dlpack__(self, **_):
+            return self.capsule
+
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+    def each(f) -> float:
+        start = time.perf_counter()
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps * 1e6
+
+    device = Device("gpu")
+
+    def ordered():
+        with kernels.stream_ordered([case.q, case.pool], device):
+            pass
+
+    print(
+        f"  Buffer.from_dlpack(q) {each(lambda: Buffer.from_dlpack(case.q)):.1f} us, "
+        f"bare capsule {each(lambda: Buffer._from_dlpack(CudaCapsule(to_dlpack(case.q)))):.1f}"
+        f" us, stream_ordered {each(ordered):.1f} us, torch.empty_like(q) "
+        f"{each(lambda: torch.empty_like(case.q)):.1f} us",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--shapes",
+        type=int,
+        nargs="*",
+        default=list(range(len(GPU_SHAPES))),
+        help="indices into GPU_SHAPES (default: all)",
+    )
+    parser.add_argument("--reps", type=int, default=20, help="calls profiled (default %(default)s)")
+    args = parser.parse_args()
+    host_breakdown()
+    for index in args.shapes:
+        shape = GPU_SHAPES[index]
+        case = make_case(shape, "bfloat16", device="cuda")
+        nbytes = shape.kv_bytes(2)
+        impls = {
+            "pagedkv": lambda c=case: pagedkv_decode(c, "generic"),
+            "pagedkv-tma": lambda c=case: pagedkv_decode(c, "tma"),
+            "max": lambda c=case: max_builtin_decode(c),
+        }
+        for name, make in impls.items():
+            fn = make()
+            wall = time_cuda(fn, args.reps)
+            kernels = kernel_times(fn, args.reps)
+            busy = sum(us for _, _, us in kernels)
+            print(
+                f"{shape.label:22s} {name:12s} events {wall:8.1f} us, kernels {busy:8.1f} us "
+                f"({nbytes / busy / 1e6:5.2f} TB/s while they run)",
+                flush=True,
+            )
+            for kernel, count, us in kernels[:4]:
+                print(f"    {us:8.1f} us  x{count:4.1f}  {kernel[:100]}")
+
+
+if __name__ == "__main__":
+    main()
