@@ -433,25 +433,37 @@ def merge_reference(v: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return want_v, want_s
 
 
-@pytest.mark.parametrize("head_dim", [64, 300])  # 300: two slices, the second not whole vectors
-def test_merge_states_match_reference(head_dim):
+def check_merges(head_dim: int, device: str = "cpu") -> None:
+    """merge_states against the float64 reference, and merge_state and
+    merge_state_in_place against merge_states, on device ("cpu": NumPy, the
+    pairwise inputs as strided views; "cuda": torch tensors)."""
     rng = np.random.default_rng(9)
     v = rng.standard_normal((5, 3, 2, head_dim), dtype=np.float32)
     s = rng.standard_normal((5, 3, 2), dtype=np.float32) * 4
     s[0, :, 0] = -np.inf  # a row with no keys at all
     s[1, 1, :] = -np.inf  # one empty state among others
-    out_v, out_s = pagedkv.merge_states(v, s)
+
+    def on(x: np.ndarray):
+        return x if device == "cpu" else to_device(np.ascontiguousarray(x), device)
+
+    out_v, out_s = pagedkv.merge_states(on(v), on(s))
+    out_v, out_s = as_f64(out_v), as_f64(out_s)
     want_v, want_s = merge_reference(v, s)
     np.testing.assert_allclose(out_v, want_v, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out_s, want_s, rtol=1e-5, atol=1e-5)
     assert out_s[0, 0] == -np.inf and (out_v[0, 0] == 0).all()
     # Pairwise merges agree with the S-way merge.
-    a_v, a_s = pagedkv.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    a_v, a_s = pagedkv.merge_state(on(v[:, 0]), on(s[:, 0]), on(v[:, 1]), on(s[:, 1]))
     pagedkv.merge_state_in_place(
-        a_v, a_s, np.ascontiguousarray(v[:, 2]), np.ascontiguousarray(s[:, 2])
+        a_v, a_s, on(np.ascontiguousarray(v[:, 2])), on(np.ascontiguousarray(s[:, 2]))
     )
-    np.testing.assert_allclose(a_v, out_v, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(a_s[1:], out_s[1:], rtol=1e-5)
+    np.testing.assert_allclose(as_f64(a_v), out_v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_f64(a_s)[1:], out_s[1:], rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 300])  # 300: two slices, the second not whole vectors
+def test_merge_states_match_reference(head_dim):
+    check_merges(head_dim)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -20,7 +20,7 @@ import reference
 from conftest import DECODE_CONFIGS, PREFILL_CONFIGS, as_f64, cast, to_device
 from test_append import CASES as APPEND_CASES
 from test_append import check_append_case, check_mla_append
-from test_decode import Case, check_decode_case, sampled_grid
+from test_decode import Case, check_decode_case, check_merges, sampled_grid
 from test_prefill import CASES as PREFILL_CASES
 from test_prefill import check_prefill_case
 
@@ -136,6 +136,32 @@ def test_tma_and_generic_kernels_agree(shape):
         last = np.array([len(k) - 1])
         want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
         np.testing.assert_allclose(outputs["tma"][0][b], want_o[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 300])
+def test_merges_on_gpu(head_dim):
+    check_merges(head_dim, device="cuda")
+
+
+def test_index_helpers_on_gpu():
+    """get_seq_lens and get_batch_indices_positions on CUDA tensors, ragged
+    with an empty request, against the references."""
+    page_size = 16
+    lens = np.array([37, 0, 16, 1], np.int32)
+    pages = -(-lens // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    got = pagedkv.get_seq_lens(*to_device((indptr, last), "cuda"), page_size)
+    assert got.is_cuda
+    np.testing.assert_array_equal(got.cpu().numpy(), reference.seq_lens(indptr, last, page_size))
+    append_indptr = np.array([0, 5, 5, 16, 17], np.int32)
+    nnz = int(append_indptr[-1])
+    b, positions = pagedkv.get_batch_indices_positions(
+        *to_device((append_indptr, lens), "cuda"), nnz
+    )
+    want_b, want_p = reference.batch_indices_positions(append_indptr, lens, nnz)
+    np.testing.assert_array_equal(b.cpu().numpy(), want_b)
+    np.testing.assert_array_equal(positions.cpu().numpy(), want_p)
 
 
 def test_manager_copies_on_write_on_gpu():
