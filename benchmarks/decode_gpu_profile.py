@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.decode_bench import make_case, pagedkv_decode
+from pagedkv.bench.decode_bench import DecodeShape, make_case, pagedkv_decode
 from pagedkv.bench.gpu_bench import GPU_SHAPES, max_builtin_decode, time_cuda
 
 
@@ -46,27 +46,10 @@ def host_breakdown(reps: int = 300) -> None:
 
     import torch
 
-    import pagedkv
     import pagedkv._kernels as kernels
-    from pagedkv.bench.decode_bench import DecodeShape
 
-    shape = DecodeShape(1, 16, 32, 8)
-    case = make_case(shape, "bfloat16", device="cuda")
-    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
-    table = (case.kv_indptr, case.kv_indices, case.kv_last_page_len)
-    w.plan(
-        *(torch.from_numpy(a).cuda() for a in table),
-        shape.num_qo_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-        shape.page_size,
-        q_data_type=case.q.dtype,
-        kv_data_type=case.pool.dtype,
-    )
-
-    def fn():
-        return w.run(case.q, case.pool)
-
+    case = make_case(DecodeShape(1, 16, 32, 8), "bfloat16", device="cuda")
+    fn = pagedkv_decode(case, "auto")
     spent = {"to_buffer": 0.0, "execute": 0.0}
 
     def timed(name, f):
@@ -92,7 +75,8 @@ def host_breakdown(reps: int = 300) -> None:
         fn()
     torch.cuda.synchronize()
     total = (time.perf_counter() - start) / reps * 1e6
-    w._plan.model = TimedModel(w._plan.model)
+    plan = fn.wrapper._plan
+    plan.model = TimedModel(plan.model)
     kernels.to_buffer = timed("to_buffer", plain_to_buffer)
     try:
         for _ in range(reps):

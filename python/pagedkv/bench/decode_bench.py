@@ -120,7 +120,8 @@ def _like_pool(x, pool):
 
 
 def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
-    """A callable running pagedkv's decode on the case (plan outside timing)."""
+    """A callable running pagedkv's decode on the case (plan outside timing);
+    its `wrapper` attribute is the planned BatchDecodeWithPagedKVCacheWrapper."""
     import pagedkv
 
     s = case.shape
@@ -143,7 +144,12 @@ def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
         q_data_type=case.q.dtype,
         kv_data_type=case.pool.dtype,
     )
-    return lambda: w.run(case.q, case.pool)
+
+    def run():
+        return w.run(case.q, case.pool)
+
+    run.wrapper = w
+    return run
 
 
 BURST_MS = (1.0, 5.0, 20.0)
