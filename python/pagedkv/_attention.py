@@ -133,8 +133,7 @@ def decode_kernel(
 ) -> int:
     """int_params[5] for a decode backend; raises if "tma" cannot run this
     batch (the kernel checks its GPU and dtypes itself, and "auto" falls back
-    there). page_size None: not
-    known yet (a symbolic graph dimension)."""
+    there). page_size None: not known yet (a symbolic graph dimension)."""
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
     if backend == "auto":
