@@ -253,11 +253,7 @@ def run_attention[
                         ctx,
                     )
                 return
-        raise Error(
-            "pagedkv: head_dim ",
-            head_dim,
-            " is not supported on GPUs (64, 128, 256)",
-        )
+        raise unsupported_gpu_head_dim(head_dim)
 
 
 def enqueue_merge[
@@ -285,7 +281,12 @@ def enqueue_merge[
                 block_dim=GPU_THREADS,
             )
             return
-    raise Error(
+    raise unsupported_gpu_head_dim(head_dim)
+
+
+def unsupported_gpu_head_dim(head_dim: Int) -> Error:
+    """The error for a head dim outside HEAD_DIMS on a GPU."""
+    return Error(
         "pagedkv: head_dim ",
         head_dim,
         " is not supported on GPUs (64, 128, 256)",

@@ -146,20 +146,16 @@ def test_merges_on_gpu(head_dim):
 def test_index_helpers_on_gpu():
     """get_seq_lens and get_batch_indices_positions on CUDA tensors, ragged
     with an empty request, against the references."""
-    page_size = 16
-    lens = np.array([37, 0, 16, 1], np.int32)
-    pages = -(-lens // page_size)
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
-    got = pagedkv.get_seq_lens(*to_device((indptr, last), "cuda"), page_size)
+    batch = reference.paged_batch(np.random.default_rng(3), 16, [37, 0, 16, 1], [5, 0, 11, 1])
+    table = (batch.kv_indptr, batch.kv_last_page_len)
+    got = pagedkv.get_seq_lens(*to_device(table, "cuda"), batch.page_size)
     assert got.is_cuda
-    np.testing.assert_array_equal(got.cpu().numpy(), reference.seq_lens(indptr, last, page_size))
-    append_indptr = np.array([0, 5, 5, 16, 17], np.int32)
-    nnz = int(append_indptr[-1])
+    np.testing.assert_array_equal(got.cpu().numpy(), batch.seq_lens)
+    nnz = int(batch.append_indptr[-1])
     b, positions = pagedkv.get_batch_indices_positions(
-        *to_device((append_indptr, lens), "cuda"), nnz
+        *to_device((batch.append_indptr, batch.seq_lens), "cuda"), nnz
     )
-    want_b, want_p = reference.batch_indices_positions(append_indptr, lens, nnz)
+    want_b, want_p = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, nnz)
     np.testing.assert_array_equal(b.cpu().numpy(), want_b)
     np.testing.assert_array_equal(positions.cpu().numpy(), want_p)
 
