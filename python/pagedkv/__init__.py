@@ -15,6 +15,7 @@ from .functional import (
 )
 from .huge_pages import huge_page_zeros
 from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
+from .max_poller import demote_max_poller
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -37,6 +38,7 @@ __all__ = [
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "copy_pages",
+    "demote_max_poller",
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from .threads import demote_poller_for_timing
+
 _FLUSH: np.ndarray | None = None
 
 
@@ -82,11 +84,13 @@ def time_round_robin(
 
     Each function gets `reps` runs, or fewer (but at least `min_reps`) once it
     has spent `max_s` seconds: a slow anchor (seconds per call) stops early
-    without cutting the fast ones' count short.
+    without cutting the fast ones' count short. After the warm-up calls,
+    MAX's runtime poller is demoted (threads.py), for all of them alike.
     """
     names = list(fns)
     for name in names:
         fns[name]()  # warm-up: compile caches, page faults
+    demote_poller_for_timing()
     times: dict[str, list[float]] = {n: [] for n in names}
 
     def active(name: str) -> bool:

@@ -29,7 +29,7 @@ from .anchors import (
     time_round_robin,
     torch_sdpa_decode,
 )
-from .threads import workers_pinned
+from .threads import poller_demoted, workers_pinned
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,8 @@ class MachineSpeed:
     burst_speedup: dict[float, float]
     workers_pinned: bool = False
     """Whether MAX's worker threads ran pinned one per core (threads.py)."""
+    poller_demoted: bool = False
+    """Whether MAX's runtime poller ran under SCHED_IDLE (threads.py)."""
 
 
 @dataclass
@@ -241,6 +243,7 @@ def run_cpu_decode_bench(
                         flush=True,
                     )
             del case, k, v, attention, fns
+    machine.poller_demoted = poller_demoted()
     return machine, rows
 
 
@@ -248,9 +251,10 @@ def burst_line(machine: MachineSpeed) -> str:
     """The machine's burst speedups as one line of the table's header."""
     speedups = ", ".join(f"{x:.2f}x at {ms:g} ms" for ms, x in machine.burst_speedup.items())
     pinned = "pinned" if machine.workers_pinned else "not pinned"
+    poller = "demoted" if machine.poller_demoted else "not demoted"
     return (
         f"{machine.threads}-thread speedup of bursts after {BURST_IDLE_S * 1e3:g} ms idle "
-        f"(ideal {machine.threads:.2f}x): {speedups}; MAX workers {pinned}"
+        f"(ideal {machine.threads:.2f}x): {speedups}; MAX workers {pinned}, poller {poller}"
     )
 
 

@@ -1,4 +1,5 @@
-"""MAX's CPU worker threads, pinned one per core for the benchmarks.
+"""MAX's CPU threads as the benchmarks set them: the workers pinned one per
+core, the runtime's poller demoted (see the end of this docstring).
 
 On a 2-vCPU VM the kernel's scheduler sometimes wakes MAX's second worker on
 the vCPU its first worker runs on and leaves both there for the rest of a
@@ -9,13 +10,23 @@ MAX pins its workers one per core when MODULAR_ENABLE_AFFINITY=1 is set
 before the process first uses MAX, as a server on such a machine would set
 it; the benchmarks do the same, and say so. The library does not: changed
 after MAX has started, the variable makes MAX abort.
+
+MAX's runtime also keeps a poller thread that wakes about 5,000 times a
+second and preempts a worker each time (pagedkv/max_poller.py). The timing
+loop demotes it to SCHED_IDLE after its warm-up calls, for every function it
+times, anchors and plain reads included; PAGEDKV_BENCH_DEMOTE_POLLER=0 leaves
+it alone, to measure the difference.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..max_poller import demote_max_poller
+
 AFFINITY_VARIABLE = "MODULAR_ENABLE_AFFINITY"
+POLLER_VARIABLE = "PAGEDKV_BENCH_DEMOTE_POLLER"
+_poller_demoted = False
 
 
 def pin_max_workers() -> None:
@@ -27,3 +38,17 @@ def pin_max_workers() -> None:
 def workers_pinned() -> bool:
     """Whether MAX pins its CPU workers in this process (by the variable)."""
     return os.environ.get(AFFINITY_VARIABLE, "") not in ("", "0")
+
+
+def demote_poller_for_timing() -> None:
+    """Demotes MAX's runtime poller (max_poller.py) unless
+    PAGEDKV_BENCH_DEMOTE_POLLER=0. Call before timing, while the process is
+    idle and after MAX's first execute."""
+    global _poller_demoted
+    if os.environ.get(POLLER_VARIABLE, "1") != "0" and demote_max_poller():
+        _poller_demoted = True
+
+
+def poller_demoted() -> bool:
+    """Whether the timing loop demoted MAX's poller in this process."""
+    return _poller_demoted
