@@ -76,6 +76,12 @@ def test_demotes_only_the_poller_to_sched_idle():
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
+@pytest.mark.parametrize("window_s", [0, -0.1])
+def test_a_window_that_is_not_positive_is_refused(window_s):
+    with pytest.raises(ValueError, match="window_s must be a positive"):
+        pagedkv.demote_max_poller(window_s)
+
+
 def test_finds_max_runtime_poller_and_keeps_results_exact():
     """MAX 26.7 keeps a poller from its first execute: if this fails after a
     MAX upgrade, the poller may be gone and max_poller.py obsolete."""

@@ -62,6 +62,8 @@ def waking_threads(
     times a second over `window_s` seconds, the caller's thread and MAX's
     workers excepted. Linux only ([] elsewhere); call it while the process
     is otherwise idle, or busy threads count too."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
     if not sys.platform.startswith("linux"):
         return []
     before = _voluntary_switches()
