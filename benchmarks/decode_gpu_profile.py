@@ -53,10 +53,10 @@ def host_breakdown(reps: int = 300) -> None:
     spent = {"to_buffer": 0.0, "execute": 0.0}
 
     def timed(name, f):
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return f(*args)
+                return f(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
 

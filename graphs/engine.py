@@ -134,7 +134,9 @@ class LlamaEngine:
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
         names = step_input_names(kind, self.config.num_layers)
         buffers = [
-            to_buffer(inputs[n]) if n.startswith("pool.") else self._index_buffer(inputs[n])
+            to_buffer(inputs[n], stream_ordered=True)
+            if n.startswith("pool.")
+            else self._index_buffer(inputs[n])
             for n in names
         ]
         with stream_ordered(self.manager.pools, self.device):

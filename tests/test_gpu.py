@@ -138,6 +138,35 @@ def test_tma_and_generic_kernels_agree(shape):
         np.testing.assert_allclose(outputs["tma"][0][b], want_o[0], rtol=tol, atol=tol)
 
 
+def test_decode_orders_against_torchs_current_stream():
+    """run() on a side stream, its q written there behind a long matmul and
+    its o read there right after: MAX's stream waits for torch's current
+    stream and torch's for MAX's (run_model exports CUDA tensors as bare
+    DLPack capsules, which do no stream handshake of their own)."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    batch = reference.paged_batch(rng, 16, [700, 33], [0, 0])
+    pool = torch.from_numpy(
+        rng.standard_normal((batch.num_pages, 2, 16, 2, 128), np.float32)
+    ).cuda()
+    q_src = torch.from_numpy(rng.standard_normal((2, 8, 128), np.float32)).cuda()
+    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(*table, 8, 2, 128, 16)
+    want = w.run(q_src, pool).clone()
+    side = torch.cuda.Stream()
+    square = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        q = torch.zeros_like(q_src)
+        torch.mm(square, square)  # tens of ms of work ahead of q's values
+        q.copy_(q_src)
+        got = w.run(q, pool).clone()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("head_dim", [64, 300])
 def test_merges_on_gpu(head_dim):
     check_merges(head_dim, device="cuda")

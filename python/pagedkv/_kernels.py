@@ -242,7 +242,7 @@ def run_model(model: Any, arrays: Sequence[Array], device: Device) -> None:
     for array in arrays:
         buffer = wrapped.get(id(array))
         if buffer is None:
-            buffer = wrapped[id(array)] = to_buffer(array)
+            buffer = wrapped[id(array)] = to_buffer(array, stream_ordered=True)
         buffers.append(buffer)
     try:
         if device.is_gpu:
