@@ -122,6 +122,9 @@ struct Sm90Shape[kv_dtype: DType, head_dim: Int, group: Int]:
     comptime TOKEN_SPLIT = max(CONSUMERS // Self.head_dim, 1)
     """Threads sharing a column in p.v (head_dim 64: each takes half the
     tokens)."""
+    comptime CHAINS = ceildiv(4, Self.group)
+    """Independent FMA chains per head in q.k, so that a narrow group still
+    has four in flight."""
     comptime SLOTS = ceildiv(Self.group, 4)
     """Group heads per consumer warp in the softmax step."""
 
@@ -276,7 +279,7 @@ def decode_sm90_kernel[
         group * BN, F32, address_space=AddressSpace.SHARED
     ]()
     var probs = stack_allocation[
-        group * BN, F32, address_space=AddressSpace.SHARED
+        group * BN, F32, address_space=AddressSpace.SHARED, alignment=16
     ]()
     var alpha = stack_allocation[
         group, F32, address_space=AddressSpace.SHARED
@@ -366,10 +369,13 @@ def decode_sm90_kernel[
         var v_stage = k_stage.unsafe_offset(Shape.STAGE_ELEMS)
         var tok0 = base + t * BN
 
-        # 1. q.k for every head of the group.
+        # 1. q.k for every head of the group, as chains of scalar FMAs (a
+        # vector product and its reduce_add take half again as many
+        # instructions, and the consumers' instruction issue, not HBM, bounds
+        # wide groups); narrow groups keep CHAINS chains a head in flight.
         comptime for p in range(BN // Shape.ROWS_PER_PASS):
             var r = p * Shape.ROWS_PER_PASS + token_in_pass
-            var dots = SIMD[F32, group](0)
+            var chains = SIMD[F32, group * Shape.CHAINS](0)
             comptime for i in range(Shape.NPT):
                 var col = (part + Shape.TPT * i) * Shape.VEC
                 var k = (
@@ -378,12 +384,18 @@ def decode_sm90_kernel[
                     .cast[F32]()
                 )
                 comptime for g in range(group):
-                    dots[g] += (
-                        q_frag.slice[Shape.VEC, offset=g * QN + i * Shape.VEC]()
-                        * k
-                    ).reduce_add()
+                    comptime for e in range(Shape.VEC):
+                        comptime a = g * Shape.CHAINS + e % Shape.CHAINS
+                        chains[a] = q_frag[g * QN + i * Shape.VEC + e].fma(
+                            k[e], chains[a]
+                        )
+            var dots = SIMD[F32, group](0)
             comptime for g in range(group):
-                dots[g] = warp.lane_group_sum[num_lanes=Shape.TPT](dots[g])
+                dots[g] = warp.lane_group_sum[num_lanes=Shape.TPT](
+                    chains.slice[
+                        Shape.CHAINS, offset=g * Shape.CHAINS
+                    ]().reduce_add()
+                )
             comptime for g in range(group):
                 if part == g % Shape.TPT:
                     scores[unsafe_offset=g * BN + r] = dots[g]
@@ -427,22 +439,50 @@ def decode_sm90_kernel[
                     o[g * Shape.COLS + c] *= a
         var lo = max(first - tok0, 0)
         var hi = min(end - tok0, BN)
-        var r = lo + (split - lo % Shape.TOKEN_SPLIT + Shape.TOKEN_SPLIT) % (
-            Shape.TOKEN_SPLIT
-        )
-        while r < hi:
-            var v = (
-                v_stage.unsafe_offset(Shape.swizzled(r, c0))
-                .unsafe_load[
-                    width=Shape.COLS, alignment=Shape.COLS * Shape.ELEM
-                ]()
-                .cast[F32]()
-            )
-            comptime for g in range(group):
-                var pr = probs[unsafe_offset=g * BN + r]
-                comptime for c in range(Shape.COLS):
-                    o[g * Shape.COLS + c] += pr * v[c]
-            r += Shape.TOKEN_SPLIT
+        if lo == 0 and hi == BN:
+            # A full stage (all but a work item's first and last): each token
+            # split takes a contiguous run, and probabilities come four
+            # tokens to a shared-memory load.
+            comptime RUN = BN // Shape.TOKEN_SPLIT
+            var r0 = split * RUN
+            comptime for r4 in range(0, RUN, 4):
+                var v = SIMD[F32, 4 * Shape.COLS](0)
+                comptime for j in range(4):
+                    v = v.insert[offset=j * Shape.COLS](
+                        v_stage.unsafe_offset(Shape.swizzled(r0 + r4 + j, c0))
+                        .unsafe_load[
+                            width=Shape.COLS, alignment=Shape.COLS * Shape.ELEM
+                        ]()
+                        .cast[F32]()
+                    )
+                comptime for g in range(group):
+                    var pr = probs.unsafe_offset(g * BN + r0 + r4).unsafe_load[
+                        width=4, alignment=16
+                    ]()
+                    comptime for j in range(4):
+                        comptime for c in range(Shape.COLS):
+                            o[g * Shape.COLS + c] = pr[j].fma(
+                                v[j * Shape.COLS + c], o[g * Shape.COLS + c]
+                            )
+        else:
+            # Rows outside [first, end) may hold anything (a last page's
+            # unwritten slots, a stale stage): skip them, not weight them 0.
+            var r = lo + (
+                split - lo % Shape.TOKEN_SPLIT + Shape.TOKEN_SPLIT
+            ) % (Shape.TOKEN_SPLIT)
+            while r < hi:
+                var v = (
+                    v_stage.unsafe_offset(Shape.swizzled(r, c0))
+                    .unsafe_load[
+                        width=Shape.COLS, alignment=Shape.COLS * Shape.ELEM
+                    ]()
+                    .cast[F32]()
+                )
+                comptime for g in range(group):
+                    var pr = probs[unsafe_offset=g * BN + r]
+                    comptime for c in range(Shape.COLS):
+                        o[g * Shape.COLS + c] += pr * v[c]
+                r += Shape.TOKEN_SPLIT
         _ = empty[unsafe_offset=s].arrive()
 
     # ---- epilogue: normalise and write, final or partial ----------------
