@@ -24,6 +24,7 @@ kernel (attention_gpu.mojo), which serves every case this one does not:
 HND pools, RoPE on the fly, groups above 8, other GPUs.
 """
 
+from std.bit import log2_floor
 from std.math import ceildiv, exp2, log2
 from std.memory import stack_allocation
 from std.sys import size_of
@@ -391,14 +392,17 @@ def decode_sm90_kernel[
                         )
             var dots = SIMD[F32, group](0)
             comptime for g in range(group):
-                dots[g] = warp.lane_group_sum[num_lanes=Shape.TPT](
-                    chains.slice[
-                        Shape.CHAINS, offset=g * Shape.CHAINS
-                    ]().reduce_add()
-                )
-            comptime for g in range(group):
-                if part == g % Shape.TPT:
-                    scores[unsafe_offset=g * BN + r] = dots[g]
+                dots[g] = chains.slice[
+                    Shape.CHAINS, offset=g * Shape.CHAINS
+                ]().reduce_add()
+            comptime SHARE = max(group // Shape.TPT, 1)
+            comptime COPIES = max(Shape.TPT // group, 1)
+            var share = sum_across_lanes[Shape.TPT](dots, part)
+            if part % COPIES == 0:
+                comptime for j in range(SHARE):
+                    scores[
+                        unsafe_offset=((part // COPIES) * SHARE + j) * BN + r
+                    ] = share[j]
         named_barrier[Int32(CONSUMERS)](1)
 
         # 2. Online softmax: lane = token of the stage.
@@ -543,6 +547,41 @@ def decode_sm90_kernel[
                     ] = state_lse
                 else:
                     lse[unsafe_offset=q_row * qo_heads + qo] = state_lse
+
+
+@always_inline
+def sum_across_lanes[
+    width: Int, //, lanes: Int
+](values: SIMD[F32, width], part: Int) -> SIMD[F32, max(width // lanes, 1)]:
+    """Sums `values` over a group of `lanes` neighbouring lanes (powers of
+    two; `part` is this lane's index in the group) and hands each lane a
+    share: lane `part` gets the sums of elements [i * SHARE, (i + 1) * SHARE),
+    i = part // COPIES, where SHARE = max(width // lanes, 1) and
+    COPIES = max(lanes // width, 1) lanes hold each share.
+
+    A reduce-scatter: each butterfly step sends the half a lane gives up and
+    adds the half it keeps, so `width` values over `lanes` lanes take
+    about width shuffles, where a sum of each value takes width * log2(lanes).
+    """
+    comptime SCATTER_STEPS = log2_floor(min(width, lanes))
+    comptime SHARE = max(width // lanes, 1)
+    var v = values
+    comptime for s in range(SCATTER_STEPS):
+        comptime half = (width >> s) // 2
+        comptime offset = lanes >> (s + 1)
+        var lo = v.slice[half, offset=0]()
+        var hi = v.slice[half, offset=half]()
+        var upper = (part & offset) != 0
+        var keep = hi if upper else lo
+        var send = lo if upper else hi
+        # Shuffles move 32 bits: one per element.
+        comptime for e in range(half):
+            v[e] = keep[e] + warp.shuffle_xor(send[e], UInt32(offset))
+    var share = v.slice[SHARE, offset=0]()
+    comptime for s in range(SCATTER_STEPS, log2_floor(lanes)):
+        comptime for e in range(SHARE):
+            share[e] += warp.shuffle_xor(share[e], UInt32(lanes >> (s + 1)))
+    return share
 
 
 @always_inline
