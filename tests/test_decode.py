@@ -378,6 +378,35 @@ def test_decode_backends_choose_gpu_kernels():
             kernel("tma", **bad)
 
 
+@pytest.mark.parametrize(
+    "lens,window_left",
+    [([65536], -1), ([4096] * 16, -1), ([0, 1, 17, 4100], -1), ([3000, 64, 65], 700), ([5, 0], 0)],
+)
+def test_gpu_decode_work_tiles_requests_in_even_waves(lens, window_left, monkeypatch):
+    """GPU work items (planned on the CPU): each request's visible keys tiled
+    once, in order, by page-aligned chunks at most a page apart in length,
+    and a long lone request split to fill exactly one wave of thread blocks."""
+    from pagedkv import _attention
+    from pagedkv._attention import decode_work
+
+    monkeypatch.setattr(_attention, "gpu_sm_count", lambda: 132)
+    table = type("Table", (), {"seq_lens": np.array(lens), "page_size": 16})()
+    options = type("Options", (), {"window_left": window_left})()
+    items, request_items = decode_work(table, 32, 8, 1, options, is_gpu=True)
+    for b, length in enumerate(lens):
+        first, end = items[request_items[b] : request_items[b + 1], 4:6].T
+        visible_from = 0 if window_left < 0 else max(length - 1 - window_left, 0)
+        assert first[0] == visible_from and end[-1] == length
+        np.testing.assert_array_equal(first[1:], end[:-1])
+        assert (first[1:] % 16 == 0).all()
+        if len(first) > 1:
+            pages = -(-(end - first // 16 * 16) // 16)
+            assert pages.max() - pages.min() <= 1
+    if lens == [65536]:
+        # 8 KV heads x 33 chunks = 264 blocks: 2 per SM of 132.
+        assert len(items) == 33
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_decode_writes_into_out_and_lse(kind):
     """run(out=, lse=) fills the caller's arrays with what run() returns."""

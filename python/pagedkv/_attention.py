@@ -168,11 +168,17 @@ def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
     return max(1, min(num_kv_heads, CPU_MAX_TASK_ROWS // group))
 
 
+GPU_BLOCKS_PER_SM = 2
+"""Decode thread blocks an SM runs at once. The kernels ask for two
+(`nvvm.minctasm`); on an H100, planning for 2 beat 3, 4 and 6: a block past a
+whole wave waits for one."""
+
+
 def parallel_slots(is_gpu: bool) -> int:
-    """Independent work items that keep the machine busy: 4 per CPU core, or
-    4 per SM of the GPU."""
+    """Work items that run at once: 4 per CPU core (the task queue evens out
+    their lengths), or GPU_BLOCKS_PER_SM thread blocks per SM."""
     if is_gpu:
-        return 4 * gpu_sm_count()
+        return GPU_BLOCKS_PER_SM * gpu_sm_count()
     return 4 * (os.cpu_count() or 1)
 
 
@@ -229,20 +235,54 @@ def decode_work(
         head_blocks = num_kv_heads * -(-group // GPU_MAX_ROWS)
     else:
         head_blocks = -(-num_kv_heads // per_task)
-    per_block_slots = max(parallel_slots(is_gpu) // head_blocks, 1)
-    visible = seq_lens - first_visible
-    chunk = max(min_chunk, -(-int(visible.sum()) // per_block_slots))
-    chunk = -(-chunk // page_size) * page_size
     # Chunks start on page boundaries of the sequence, counted from 0.
     aligned = first_visible // page_size * page_size
-    counts = np.maximum(-(-(seq_lens - aligned) // chunk), 1)
+    span = seq_lens - aligned
+    if is_gpu:
+        chunk = gpu_chunk(span, head_blocks, page_size, min_chunk)
+    else:
+        per_block_slots = max(parallel_slots(is_gpu) // head_blocks, 1)
+        chunk = max(min_chunk, -(-int((seq_lens - first_visible).sum()) // per_block_slots))
+        chunk = -(-chunk // page_size) * page_size
+    counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
     k = np.arange(int(request_items[-1])) - request_items[request]
-    first = np.maximum(aligned[request] + k * chunk, first_visible[request])
-    end = np.maximum(np.minimum(aligned[request] + (k + 1) * chunk, seq_lens[request]), first)
+    if is_gpu:
+        # Even chunks, a page apart at most: a request's chunks run side by
+        # side on the SMs, so the longest sets the pace (1008 + 16 tokens
+        # would take as long as 1008 + 1008).
+        pages, n = -(-span[request] // page_size), counts[request]
+        start, stop = k * pages // n * page_size, (k + 1) * pages // n * page_size
+    else:
+        start, stop = k * chunk, (k + 1) * chunk
+    first = np.maximum(aligned[request] + start, first_visible[request])
+    end = np.maximum(np.minimum(aligned[request] + stop, seq_lens[request]), first)
     items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
     return items, request_items
+
+
+GPU_CHUNK_CHOICES = 64
+"""Most chunk sizes gpu_chunk weighs (splits of the longest request into 1, 2,
+.. parts), bounding plan()'s cost."""
+
+
+def gpu_chunk(span: np.ndarray, head_blocks: int, page_size: int, min_chunk: int) -> int:
+    """Keys per decode work item on a GPU (a page multiple), for requests
+    whose visible keys span `span` [B] tokens from a page boundary.
+
+    Thread blocks run in waves of parallel_slots(True), a wave lasting as long
+    as its longest chunk. Of the chunks that cut the longest request into 1,
+    2, 3, .. even parts (at least min_chunk keys), this takes the one whose
+    waves x chunk is least, and the larger of equals (fewer items to merge).
+    """
+    pages = -(-span // page_size)
+    longest = max(int(pages.max(initial=0)), 1)
+    chunks = np.unique(-(-longest // np.arange(1, GPU_CHUNK_CHOICES + 1)))[::-1]
+    chunks = chunks[(chunks >= -(-min_chunk // page_size)) | (chunks == longest)]
+    items = np.maximum(-(-pages[None, :] // chunks[:, None]), 1).sum(axis=1)
+    cost = -(-(head_blocks * items) // parallel_slots(True)) * chunks
+    return int(chunks[np.argmin(cost)]) * page_size  # argmin: the first, largest, of equals
 
 
 def prefill_tile(group: int, is_gpu: bool) -> int:
