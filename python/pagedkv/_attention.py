@@ -169,9 +169,9 @@ def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
 
 
 GPU_BLOCKS_PER_SM = 2
-"""Decode thread blocks an SM runs at once. The kernels ask for two
-(`nvvm.minctasm`); on an H100, planning for 2 beat 3, 4 and 6: a block past a
-whole wave waits for one."""
+"""Decode thread blocks planned per SM. The Hopper kernel asks for two at
+once (`nvvm.minctasm`), and on an H100 planning for 2 beat 3, 4 and 6: a
+block past a whole wave waits for one."""
 
 
 def parallel_slots(is_gpu: bool) -> int:

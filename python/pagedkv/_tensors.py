@@ -95,7 +95,7 @@ def to_buffer(x: Array, *, stream_ordered: bool = False) -> Buffer:
     `_kernels.stream_ordered`, which already orders MAX's stream after
     torch's. A CUDA tensor is then exported as a bare DLPack capsule, skipping
     the stream handshake of torch's `__dlpack__` that this ordering makes
-    redundant (4.5 vs 45 us a tensor on an H100, three or four tensors per
+    redundant (4 vs 34-45 us a tensor on an H100, three or four tensors per
     decode call). Without it, a CUDA tensor goes through `Buffer.from_dlpack`.
 
     Not cached: a MAX buffer holds a reference to its array's memory, so a
