@@ -13,7 +13,9 @@ with a plain read of the same pool on as many cores.
 
 The hot figures are the best of REPEATS runs, in ns per (token, KV head), for
 GQA groups 8 (chunk loop only), 4 and 1, head_dim 128, K/V in bfloat16 and
-float32, with the split between scoring and accumulating. Set beside the
+float32, with the split between scoring and accumulating, and beside the
+time their FMAs would take at this core's FMA peak (measured first, in the
+same run): the share of that peak the chunk loop reaches. Set beside the
 memory's time for the same bytes they say whether decode is bound by compute
 or by memory: the task's figure is the one to compare, as the chunk loop alone
 leaves out the L2 reads and the prefetch bookkeeping. The batch from memory
@@ -44,6 +46,7 @@ from mojo_ops.key_chunks import CHUNK, BlockPrefetch
 from mojo_ops.attention_params import AttentionParams
 from mojo_ops.attention_work import AttentionWork
 from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from mojo_ops.widen import W
 from mojo_ops.work_queue import parallel_dynamic
 
 comptime HEAD_DIM = 128
@@ -82,11 +85,40 @@ def index_array(values: List[Int]) -> Ptr[DType.int32]:
     return p
 
 
+@no_inline
+def fma_peak() -> Float64:
+    """Vector FMAs per ns on one core at full rate: FMA_CHAINS independent
+    chains of register operands, enough to fill both FMA ports of a Zen or
+    Intel core (latency 4-5 cycles x 2 ports). The anchor of the hot
+    figures: the FMAs a (token, KV head) takes, at this rate, are the least
+    time the arithmetic can take."""
+    comptime FMA_CHAINS = 10
+    comptime STEPS = 20_000_000
+    var acc = stack_allocation[FMA_CHAINS, SIMD[DType.float32, W]]()
+    comptime for i in range(FMA_CHAINS):
+        acc[unsafe_offset=i] = Float32(i + 2)  # Not 1: the fixed point.
+    var x = SIMD[DType.float32, W](0.999999)
+    var y = SIMD[DType.float32, W](1e-6)
+    var best = Float64.MAX
+    for _ in range(REPEATS // 3):
+        var start = Int(perf_counter_ns())
+        for _ in range(STEPS):
+            comptime for i in range(FMA_CHAINS):
+                acc[unsafe_offset=i] = acc[unsafe_offset=i].fma(x, y)
+        best = min(best, Float64(Int(perf_counter_ns()) - start))
+    var total = SIMD[DType.float32, W](0)
+    comptime for i in range(FMA_CHAINS):
+        total += acc[unsafe_offset=i]
+    if total[0] == 0:  # Keeps the chains.
+        print(total)
+    return Float64(STEPS * FMA_CHAINS) / best
+
+
 def ns_per_token(start: Int, stop: Int) -> Float64:
     return Float64(stop - start) / Float64(ITERATIONS * CHUNK)
 
 
-def bench[kv_dtype: DType, group: Int]() raises:
+def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
     # Token rows as in an NHD page: all KV heads of a token side by side.
     var token_stride = KV_HEADS * HEAD_DIM
     var k = filled[kv_dtype](CHUNK * token_stride)
@@ -136,6 +168,8 @@ def bench[kv_dtype: DType, group: Int]() raises:
         accumulating = min(
             accumulating, ns_per_token(start, Int(perf_counter_ns()))
         )
+    # q.k and p.v: group FMAs per head_dim vector of K and of V.
+    var fmas_per_token = Float64(2 * group * HEAD_DIM // W)
     print(
         kv_dtype,
         " group ",
@@ -147,7 +181,11 @@ def bench[kv_dtype: DType, group: Int]() raises:
         scoring,
         ", V ",
         accumulating,
-        ")",
+        "); at the FMA peak ",
+        fmas_per_token / peak,
+        ": ",
+        fmas_per_token / peak / total,
+        " of it",
         sep="",
     )
 
@@ -344,12 +382,14 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
 
 
 def main() raises:
-    bench[DType.bfloat16, 8]()
-    bench[DType.float32, 8]()
-    bench[DType.bfloat16, 4]()
-    bench[DType.float32, 4]()
-    bench[DType.bfloat16, 1]()
-    bench[DType.float32, 1]()
+    var peak = fma_peak()
+    print("FMA peak:", peak, "vector FMAs per ns on one core")
+    bench[DType.bfloat16, 8](peak)
+    bench[DType.float32, 8](peak)
+    bench[DType.bfloat16, 4](peak)
+    bench[DType.float32, 4](peak)
+    bench[DType.bfloat16, 1](peak)
+    bench[DType.float32, 1](peak)
     bench_task[DType.bfloat16, 4]()
     bench_task[DType.float32, 4]()
     bench_task[DType.bfloat16, 1]()

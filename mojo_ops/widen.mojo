@@ -56,8 +56,9 @@ def paired[dtype: DType]() -> Bool:
     bits taken as float32, a variant for timing only), the hot chunk loop
     of `benchmarks/decode_cpu_chunk.mojo` at group 4 took 30.2 ns per
     (token, KV head), against 32.1 with it: the best of four runs each on a
-    2-core Zen 3 VM (AVX2). bfloat16 decode there is bound by its FMAs, 128
-    of 8 lanes per (token, KV head) at group 4."""
+    2-core Zen 3 VM (AVX2). What the chunk loop's time there goes to is
+    its 128 FMAs of 8 lanes per (token, KV head) at group 4, run at about
+    0.55-0.67 of the core's FMA peak (see that benchmark)."""
     return dtype == DType.bfloat16
 
 
