@@ -260,7 +260,7 @@ def score_runs[
     blocks of 8 and 32 tokens, three runs each): GQA group 4 scored
     1.10-1.25x as fast in bfloat16 and 1.13-1.22x in float32. Steps of
     one token (group 8) or of one row (group 1) ran 0.75-0.97x as fast
-    deferred, and keep reducing step by step.
+    deferred (group 1 once 1.02x), and keep reducing step by step.
     """
     comptime R = heads * tile
     comptime tokens = max(DOTS_PER_STEP // R, 1)
