@@ -58,7 +58,7 @@ def paired[dtype: DType]() -> Bool:
     (token, KV head), against 32.1 with it: the best of four runs each on a
     2-core Zen 3 VM (AVX2). What the chunk loop's time there goes to is
     its 128 FMAs of 8 lanes per (token, KV head) at group 4, run at about
-    0.55-0.67 of the core's FMA peak (see that benchmark)."""
+    0.54-0.67 of the core's FMA peak (see that benchmark)."""
     return dtype == DType.bfloat16
 
 
