@@ -148,6 +148,28 @@ struct Sm90Shape[kv_dtype: DType, head_dim: Int, group: Int]:
             + c % Self.VEC
         )
 
+    @staticmethod
+    @always_inline
+    def load_row[
+        width: Int
+    ](
+        stage: Pointer[
+            mut=True,
+            Scalar[Self.kv_dtype],
+            address_space=AddressSpace.SHARED,
+            _,
+        ],
+        row: Int,
+        col: Int,
+    ) -> SIMD[F32, width]:
+        """Elements col .. col + width (within one 16-byte vector) of row
+        `row` of a stage's K or V, widened to float32."""
+        return (
+            stage.unsafe_offset(Self.swizzled(row, col))
+            .unsafe_load[width=width, alignment=width * Self.ELEM]()
+            .cast[F32]()
+        )
+
 
 def tma_decode_applies[
     kv_dtype: DType, layout: KVLayout
@@ -379,11 +401,7 @@ def decode_sm90_kernel[
             var chains = SIMD[F32, group * Shape.CHAINS](0)
             comptime for i in range(Shape.NPT):
                 var col = (part + Shape.TPT * i) * Shape.VEC
-                var k = (
-                    k_stage.unsafe_offset(Shape.swizzled(r, col))
-                    .unsafe_load[width=Shape.VEC, alignment=16]()
-                    .cast[F32]()
-                )
+                var k = Shape.load_row[Shape.VEC](k_stage, r, col)
                 comptime for g in range(group):
                     comptime for e in range(Shape.VEC):
                         comptime a = g * Shape.CHAINS + e % Shape.CHAINS
@@ -453,11 +471,7 @@ def decode_sm90_kernel[
                 var v = SIMD[F32, 4 * Shape.COLS](0)
                 comptime for j in range(4):
                     v = v.insert[offset=j * Shape.COLS](
-                        v_stage.unsafe_offset(Shape.swizzled(r0 + r4 + j, c0))
-                        .unsafe_load[
-                            width=Shape.COLS, alignment=Shape.COLS * Shape.ELEM
-                        ]()
-                        .cast[F32]()
+                        Shape.load_row[Shape.COLS](v_stage, r0 + r4 + j, c0)
                     )
                 comptime for g in range(group):
                     var pr = probs.unsafe_offset(g * BN + r0 + r4).unsafe_load[
@@ -475,13 +489,7 @@ def decode_sm90_kernel[
                 split - lo % Shape.TOKEN_SPLIT + Shape.TOKEN_SPLIT
             ) % (Shape.TOKEN_SPLIT)
             while r < hi:
-                var v = (
-                    v_stage.unsafe_offset(Shape.swizzled(r, c0))
-                    .unsafe_load[
-                        width=Shape.COLS, alignment=Shape.COLS * Shape.ELEM
-                    ]()
-                    .cast[F32]()
-                )
+                var v = Shape.load_row[Shape.COLS](v_stage, r, c0)
                 comptime for g in range(group):
                     var pr = probs[unsafe_offset=g * BN + r]
                     comptime for c in range(Shape.COLS):
