@@ -21,8 +21,43 @@ def load_f32[
         # bfloat16 is the top half of a float32: a shift, not a conversion.
         var bits = bitcast[DType.uint16, width](raw).cast[DType.uint32]() << 16
         return bitcast[F32, width](bits)
+    elif is_fp8[dtype]() and not is_gpu():
+        return widen_fp8(raw)
     else:
         return raw.cast[F32]()
+
+
+def is_fp8[dtype: DType]() -> Bool:
+    """Whether dtype is one of the float8 formats a pool may hold."""
+    return dtype == DType.float8_e4m3fn or dtype == DType.float8_e5m2
+
+
+@always_inline
+def widen_fp8[
+    dtype: DType, width: Int
+](raw: SIMD[dtype, width]) -> SIMD[F32, width]:
+    """Widens float8 (e4m3fn or e5m2) to float32, exactly, in vector lanes.
+
+    A CPU has no fp8 instructions, and the standard library's cast widens
+    lane by lane in a scalar routine: a kernel that inlines it at every K
+    and V load took 3x as long to compile (float8_e4m3fn decode on the CPU,
+    127 s against 41 for bfloat16) and ran at a third of the speed. Both
+    formats go through float16, which the CPU widens in vector lanes (F16C):
+    e5m2 is the top byte of a float16, infinities and NaNs included; e4m3fn's
+    fields shifted into float16's places read 2^-8 of its value, subnormals
+    included, and its one NaN (S.1111.111) is set apart.
+    """
+    var bits = bitcast[DType.uint8, width](raw).cast[DType.uint16]()
+    comptime if dtype == DType.float8_e5m2:
+        return bitcast[DType.float16, width](bits << 8).cast[F32]()
+    else:
+        comptime U16 = SIMD[DType.uint16, width]
+        var magnitude = bits & 0x7F
+        var half = (bits & 0x80) << U16(8) | magnitude << U16(7)
+        var value = bitcast[DType.float16, width](half).cast[F32]() * 256.0
+        return magnitude.eq(U16(0x7F)).select(
+            SIMD[F32, width](FloatLiteral.nan), value
+        )
 
 
 @always_inline

@@ -2,10 +2,13 @@
 BLOCK elements, bfloat16 in paired order), `load_half` (one half of it,
 chosen at run time) and `to_paired_order`, which puts q and accumulator
 rows in the order `load_block` widens K and V. Exact: widening is a copy.
+And `load_f32`'s vector widening of float8, against the standard library's
+scalar cast for every one of the 256 bit patterns of each format.
 """
 
+from std.memory import bitcast
 from std.memory.alloc import unsafe_alloc
-from std.testing import assert_equal
+from std.testing import assert_equal, assert_true
 
 from mojo_ops.paged_kv_cache import Ptr
 from mojo_ops.widen import (
@@ -13,6 +16,7 @@ from mojo_ops.widen import (
     F32,
     W,
     load_block,
+    load_f32,
     load_half,
     paired,
     to_paired_order,
@@ -47,8 +51,42 @@ def check[dtype: DType]() raises:
     want.unsafe_free()
 
 
+def check_fp8[dtype: DType]() raises:
+    """Every bit pattern of dtype, widened a vector at a time, is the
+    standard library's float32 for it: the same bits, or NaN for NaN."""
+    var row = rebind[Ptr[dtype]](unsafe_alloc[Scalar[dtype]](256, alignment=64))
+    for i in range(256):
+        row[unsafe_offset=i] = bitcast[dtype](UInt8(i))
+    for i in range(0, 256, BLOCK):
+        var got = load_f32[dtype, BLOCK](row, i)
+        for lane in range(BLOCK):
+            var want = row[unsafe_offset=i + lane].cast[F32]()
+            if want != want:
+                assert_true(
+                    got[lane] != got[lane], String(dtype, " ", i + lane)
+                )
+            else:
+                assert_equal(
+                    bitcast[DType.uint32](got[lane]),
+                    bitcast[DType.uint32](want),
+                    String(dtype, " bits ", i + lane),
+                )
+    # Spot values, independent of the standard library: the largest finite
+    # numbers and the smallest subnormals.
+    comptime if dtype == DType.float8_e4m3fn:
+        assert_equal(load_f32[dtype, 1](row, 0x7E)[0], 448.0)
+        assert_equal(load_f32[dtype, 1](row, 0x01)[0], Float32(2.0) ** -9)
+    else:
+        assert_equal(load_f32[dtype, 1](row, 0x7B)[0], 57344.0)
+        assert_equal(load_f32[dtype, 1](row, 0x01)[0], Float32(2.0) ** -16)
+        assert_equal(load_f32[dtype, 1](row, 0xFC)[0], -Float32.MAX * 2)
+    row.unsafe_free()
+
+
 def main() raises:
     check[DType.bfloat16]()
     check[DType.float16]()
     check[DType.float32]()
-    print("widen: load_block and load_half passed")
+    check_fp8[DType.float8_e4m3fn]()
+    check_fp8[DType.float8_e5m2]()
+    print("widen: load_block, load_half and float8 widening passed")
