@@ -14,31 +14,32 @@ CHUNK tokens its K rows then its V rows, in four orders:
   the next block prefetched;
 - token by token: all heads of one token, then the next, 16 KiB ahead.
 
-Each order runs with no arithmetic, with GQA group 4's: 4 float32 FMA
-lanes per element read (4 query rows score each K element and fold each V
+Each order runs with no arithmetic, with GQA group 4's: 4 float32 FMA lanes
+per element read (4 query rows score each K element and fold each V
 element), in the target's vectors (AVX2: 16 FMAs a 64-byte line, AVX-512:
 8), and with group 8's, twice that. Prints GB/s (best of 5) on all cores,
-from memory, and the arithmetic alone: the same order over 4 pages that
-stay in L2. Where the arithmetic hides behind the reads, GB/s with
-arithmetic stays near GB/s without; where the arithmetic is the slower,
-near its rate from L2. Head by head, a run of reads is one head's 256 B
-piece of each of many token rows; in blocks it stays within a few adjacent
-rows, which the hardware prefetchers stream. One run on a 2-core Zen 5 VM,
-with twice group 4's arithmetic (16 FMAs of 16 lanes a line): 32 GB/s head
-by head, 42 in blocks of 8, 41 in blocks of 16, 44 token by token. Three
-runs on a 2-core Zen 3 VM (AVX2), with group 4's arithmetic: 15-20, 17-22,
-16-20 and 22-24 GB/s, in each run the same as without it within the noise,
-and the arithmetic alone 27-38 GB/s: there the reads hide the arithmetic in
-every order. With group 8's, as slow alone (21.5-22.5 GB/s from L2) as the
-reads (16-26 GB/s), two runs there read 16.6-20.2 GB/s from memory: 0.74
-(head by head) to 0.90 (token by token) of the arithmetic's rate, where
-reading and computing in turn would give about half. The Zen 3 VM overlaps
-a core's reads with its arithmetic even where the arithmetic is the
-bottleneck, so a kernel's rate from memory is bounded by its rate with the
-pool in cache: in the same session the kernel itself
-(`decode_cpu_chunk.mojo`, bfloat16 at group 4, 8 KV heads a task) took
-45-65 ns per (token, KV head) for a whole task with its pool in L3, 16-23
-GB/s were both cores that fast, and read 13.8-16.2 GB/s from memory.
+from memory, and the arithmetic alone: the same order over 4 pages that stay
+in L2. Where the arithmetic hides behind the reads, GB/s with arithmetic
+stays near GB/s without; where the arithmetic is the slower, near its rate
+from L2. Head by head, a run of reads is one head's 256 B piece of each of
+many token rows; in blocks it stays within a few adjacent rows, which the
+hardware prefetchers stream. One run on a 2-core Zen 5 VM, with twice group
+4's arithmetic (16 FMAs of 16 lanes a line): 32 GB/s head by head, 42 in
+blocks of 8, 41 in blocks of 16, 44 token by token. Three runs on a 2-core
+Zen 3 VM (AVX2), with group 4's arithmetic: 15-20, 17-22, 16-20 and 22-24
+GB/s, in each run the same as without it within the noise, and the
+arithmetic alone 27-38 GB/s: there the reads hide the arithmetic in every
+order. With group 8's, as slow alone (21.5-22.5 GB/s from L2) as the reads
+(16-26 GB/s), two runs there read 16.6-20.2 GB/s from memory: 0.74-0.90 of
+the arithmetic's rate, where reading and computing in turn would give about
+half. The Zen 3 VM overlaps a core's reads with its arithmetic even where
+the arithmetic is the slower. The kernel itself (`decode_cpu_chunk.mojo`,
+bfloat16 at group 4, 8 KV heads a task) overlaps less: in the same session,
+three times its whole task over 512 tokens with the pool in L3 (41.7, 55-59
+ns per (token, KV head) on one core) beside its batch from memory on both
+cores (16.7, 13.6-13.9 GB/s), it read at 0.68-0.79 of the rate of two cores
+at the task's speed. With the pool in L3 its software prefetch made no
+difference (41.6 ns without it), from memory it did (10.7 GB/s without it).
 """
 
 from std.memory import stack_allocation
