@@ -201,8 +201,13 @@ def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
     )
 
 
-def bench_task[kv_dtype: DType, group: Int]() raises:
-    var pages = TASK_TOKENS // PAGE_SIZE
+def task_ns[
+    kv_dtype: DType, group: Int, tokens: Int = TASK_TOKENS
+]() raises -> Float64:
+    """The best time per (token, KV head) of a whole task over one request of
+    `tokens` tokens in pages out of order, its pool small enough to stay in
+    cache, on this core."""
+    var pages = tokens // PAGE_SIZE
     var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
     var pool = filled[kv_dtype](pages * page_elems)
     # Pages out of order, as a long-running pool holds them.
@@ -223,7 +228,7 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
         .specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
     )
     # One work item: request 0, its one query at the last position, all keys.
-    var items = index_array([0, 0, 1, TASK_TOKENS - 1, 0, TASK_TOKENS])
+    var items = index_array([0, 0, 1, tokens - 1, 0, tokens])
     var request_items = index_array([0, 1])
     var heads = KV_HEADS * group
     var partial_o = filled[DType.float32](heads * HEAD_DIM)
@@ -244,14 +249,19 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
         best = min(
             best,
             Float64(Int(perf_counter_ns()) - start)
-            / Float64(TASK_RUNS * TASK_TOKENS * KV_HEADS),
+            / Float64(TASK_RUNS * tokens * KV_HEADS),
         )
+    pool.unsafe_free()
+    return best
+
+
+def bench_task[kv_dtype: DType, group: Int]() raises:
     print(
         kv_dtype,
         " group ",
         group,
         ": ",
-        best,
+        task_ns[kv_dtype, group](),
         " ns per token and KV head (whole task, pool in L2)",
         sep="",
     )
@@ -310,7 +320,13 @@ def median(mut values: List[Float64]) -> Float64:
     return values[len(values) // 2]
 
 
-def bench_from_memory[kv_dtype: DType, group: Int]() raises:
+def memory_gbps[
+    kv_dtype: DType, group: Int
+](one_core: Bool, rounds: Int = MEMORY_ROUNDS) raises -> Tuple[
+    Float64, Float64
+]:
+    """GB/s of the batch from memory and of a plain read of its pool, timed in
+    turns: the medians of `rounds` of each, on all cores or on one."""
     var per_request = BATCH_TOKENS // PAGE_SIZE
     var pages = BATCH * per_request
     var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
@@ -358,22 +374,29 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
     ) {var cache, var q, var o, var lse, var work, var params, var heads}:
         attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, t)
 
+    var kernel = List[Float64]()
+    var read = List[Float64]()
+    for _ in range(rounds):
+        # 256 MiB or more, far past the L3: each pass reads from memory.
+        var start = Int(perf_counter_ns())
+        run_tasks(task, BATCH, one_core)
+        kernel.append(Float64(Int(perf_counter_ns()) - start) * 1e-9)
+        read.append(
+            plain_read(rebind[Ptr[DType.uint8]](pool), nbytes, one_core)
+        )
+    pool.unsafe_free()
+    return (
+        Float64(nbytes) / median(kernel) * 1e-9,
+        Float64(nbytes) / median(read) * 1e-9,
+    )
+
+
+def bench_from_memory[kv_dtype: DType, group: Int]() raises:
     # One core as well as all: where the kernel's share of the plain read
     # is the same on one core, a core's own reads are what it lacks, not
     # the memory the cores share.
     for one_core in [False, True]:
-        var kernel = List[Float64]()
-        var read = List[Float64]()
-        for _ in range(MEMORY_ROUNDS):
-            # 256 MiB or more, far past the L3: each pass reads from memory.
-            var start = Int(perf_counter_ns())
-            run_tasks(task, BATCH, one_core)
-            kernel.append(Float64(Int(perf_counter_ns()) - start) * 1e-9)
-            read.append(
-                plain_read(rebind[Ptr[DType.uint8]](pool), nbytes, one_core)
-            )
-        var kernel_gbps = Float64(nbytes) / median(kernel) * 1e-9
-        var read_gbps = Float64(nbytes) / median(read) * 1e-9
+        var kernel_gbps, read_gbps = memory_gbps[kv_dtype, group](one_core)
         print(
             kv_dtype,
             " group ",
@@ -389,7 +412,6 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
             " of it",
             sep="",
         )
-    pool.unsafe_free()
 
 
 def main() raises:
