@@ -61,6 +61,17 @@ def bench_module(package: str) -> str:
     return re.sub(r"\bmojo_ops\.", f"{package}.", text)
 
 
+def timed_calls(side: str, dtype: str, group: int) -> list[str]:
+    """One round's task and memory measurements of side (a or b) for a case,
+    as lines of the generated main."""
+    tag = f"{dtype}_{group}"
+    pad = " " * 12
+    return [
+        f"{pad}task_{side}_{tag}.append(task_{side}[DType.{dtype}, {group}, {TASK_TOKENS}]())",
+        f"{pad}memory_{side}_{tag}.append(memory_{side}[DType.{dtype}, {group}](False, 3)[0])",
+    ]
+
+
 def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
     """The generated main: rounds of A and B in alternating order, then the
     medians and the median ratio for each case."""
@@ -86,23 +97,15 @@ def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
     ]
     for dtype, group in cases:
         tag = f"{dtype}_{group}"
-        dt = f"DType.{dtype}"
         lines += [
-            f"    var task_a_{tag} = List[Float64]()",
-            f"    var task_b_{tag} = List[Float64]()",
-            f"    var memory_a_{tag} = List[Float64]()",
-            f"    var memory_b_{tag} = List[Float64]()",
-            f"    for r in range({rounds}):",
-            "        if r % 2 == 0:",
-            f"            task_a_{tag}.append(task_a[{dt}, {group}, {TASK_TOKENS}]())",
-            f"            task_b_{tag}.append(task_b[{dt}, {group}, {TASK_TOKENS}]())",
-            f"            memory_a_{tag}.append(memory_a[{dt}, {group}](False, 3)[0])",
-            f"            memory_b_{tag}.append(memory_b[{dt}, {group}](False, 3)[0])",
-            "        else:",
-            f"            task_b_{tag}.append(task_b[{dt}, {group}, {TASK_TOKENS}]())",
-            f"            task_a_{tag}.append(task_a[{dt}, {group}, {TASK_TOKENS}]())",
-            f"            memory_b_{tag}.append(memory_b[{dt}, {group}](False, 3)[0])",
-            f"            memory_a_{tag}.append(memory_a[{dt}, {group}](False, 3)[0])",
+            f"    var {m}_{side}_{tag} = List[Float64]()"
+            for m in ("task", "memory")
+            for side in "ab"
+        ]
+        a, b = timed_calls("a", dtype, group), timed_calls("b", dtype, group)
+        lines += [f"    for r in range({rounds}):", "        if r % 2 == 0:"]
+        lines += a + b + ["        else:"] + b + a
+        lines += [
             f"    report('{dtype} group {group}, task in cache, ns per (token, KV head):',"
             f" task_a_{tag}, task_b_{tag})",
             f"    report('{dtype} group {group}, from memory, GB/s:',"
