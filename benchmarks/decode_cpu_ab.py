@@ -67,7 +67,7 @@ def timed_calls(side: str, dtype: str, group: int) -> list[str]:
     tag = f"{dtype}_{group}"
     pad = " " * 12
     return [
-        f"{pad}task_{side}_{tag}.append(task_{side}[DType.{dtype}, {group}, {TASK_TOKENS}]())",
+        f"{pad}task_{side}_{tag}.append(task_{side}[DType.{dtype}, {group}, {TASK_TOKENS}](3))",
         f"{pad}memory_{side}_{tag}.append(memory_{side}[DType.{dtype}, {group}](False, 3)[0])",
     ]
 
@@ -85,12 +85,20 @@ def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
         "    return values[len(values) // 2]",
         "",
         "",
-        "def report(name: String, a: List[Float64], b: List[Float64]):",
+        "def report(name: String, a: List[Float64], b: List[Float64], best: Bool):",
         "    var ratios = List[Float64]()",
         "    for i in range(len(a)):",
         "        ratios.append(b[i] / a[i])",
-        "    print(name, 'A', median(a.copy()), 'B', median(b.copy()),",
-        "          'B/A (median of rounds)', median(ratios^))",
+        "    var a_sorted = a.copy()",
+        "    var b_sorted = b.copy()",
+        "    sort(a_sorted)",
+        "    sort(b_sorted)",
+        "    if best:",
+        "        print(name, 'best A', a_sorted[0], 'best B', b_sorted[0],",
+        "              'B/A', b_sorted[0] / a_sorted[0])",
+        "    else:",
+        "        print(name, 'median A', median(a_sorted^), 'median B', median(b_sorted^),",
+        "              'B/A (median of rounds)', median(ratios^))",
         "",
         "",
         "def main() raises:",
@@ -107,9 +115,9 @@ def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
         lines += a + b + ["        else:"] + b + a
         lines += [
             f"    report('{dtype} group {group}, task in cache, ns per (token, KV head):',"
-            f" task_a_{tag}, task_b_{tag})",
+            f" task_a_{tag}, task_b_{tag}, True)",
             f"    report('{dtype} group {group}, from memory, GB/s:',"
-            f" memory_a_{tag}, memory_b_{tag})",
+            f" memory_a_{tag}, memory_b_{tag}, False)",
         ]
     return "\n".join(lines) + "\n"
 
@@ -117,7 +125,7 @@ def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("base", help="git revision of A (B: the working tree)")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--cases", default="bfloat16:4,float32:4")
     args = parser.parse_args()
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]

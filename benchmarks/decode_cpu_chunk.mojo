@@ -203,10 +203,10 @@ def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
 
 def task_ns[
     kv_dtype: DType, group: Int, tokens: Int = TASK_TOKENS
-]() raises -> Float64:
-    """The best time per (token, KV head) of a whole task over one request of
-    `tokens` tokens in pages out of order, its pool small enough to stay in
-    cache, on this core."""
+](repeats: Int = REPEATS) raises -> Float64:
+    """The best of `repeats` timed runs, per (token, KV head), of a whole task
+    over one request of `tokens` tokens in pages out of order, its pool small
+    enough to stay in cache, on this core."""
     var pages = tokens // PAGE_SIZE
     var page_elems = 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM
     var pool = filled[kv_dtype](pages * page_elems)
@@ -242,7 +242,7 @@ def task_ns[
     var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
 
     var best = Float64.MAX
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         var start = Int(perf_counter_ns())
         for _ in range(TASK_RUNS):
             attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, 0)
