@@ -9,18 +9,20 @@ the other, differ by more than most changes do. Here both are built into one
 binary (their packages renamed `mojo_ops_a` and `mojo_ops_b`) and each round
 times A and B back to back, in alternating order, with the measurements of
 `decode_cpu_chunk.mojo`: a whole task with its pool in cache (`task_ns`, 512
-tokens: 2 MiB of bfloat16 K/V, in L3) and the batch from memory on all cores
-(`memory_gbps`). Prints, for each case (KV dtype : GQA group, 8 KV heads a
-task), the medians of A and B and the median of the rounds' B/A ratios.
+tokens: 2 MiB of bfloat16 K/V, in L3), compared by the best run of all
+rounds, as noise only adds time; and the batch from memory on all cores
+(`memory_gbps`), by the median of the rounds' B/A ratios. Prints both for
+each case (KV dtype : GQA group, 8 KV heads a task).
 
-Its noise, on a 2-core Zen 3 VM: with A and B the same code (BASE = HEAD, a
-clean tree), 6 rounds gave B/A 1.00 for both tasks in cache and 0.97
-(bfloat16) and 0.91 (float32) from memory. Read a change from memory only
-when it moves B/A past about 10%. What it settled there: broadcasting the V
-pass's probabilities once a block where a pass keeps one slice (the change
-is not in `mojo_ops/`) made that pass alone 6-17% faster on hot rows, but
-the whole task at group 8 slower, B/A 1.07 in bfloat16 and 1.11 in float32
-(6 rounds), and from memory 0.94 and 1.02.
+Its noise, on a 2-core Zen 3 VM: five null runs (BASE = HEAD on a clean tree,
+6-12 rounds, two of them with an earlier version of this script) gave B/A
+0.87-1.15 for the task in cache and 0.91-1.05 from memory, so there it
+resolves only changes of more than about 15% and 10%. What it showed there:
+broadcasting the V pass's probabilities once a block where a pass keeps one
+slice (not in `mojo_ops/`), which made that pass alone 6-17% faster on hot
+rows (groups 2 and 8, 40 alternations), moved the whole task at group 8 by B/A
+1.07 (bfloat16) and 1.11 (float32, slower) and from memory by 0.94 and 1.02 (6
+rounds, the earlier version): within the noise.
 """
 
 from __future__ import annotations
