@@ -54,9 +54,11 @@ from .widen import (
     F32,
     W,
     from_paired_order,
+    kv_load_scale,
     load_block,
     load_f32,
     load_half,
+    load_kv,
     narrow,
     paired,
     to_paired_order,
@@ -842,13 +844,13 @@ def rotated_keys[
     inv_freq: Ptr[DType.float64],
     out_rows: Ptr[F32],
 ):
-    """The chunk's K rows widened to float32 and rotated by their positions
-    (ROPE_LLAMA), into out_rows [n, head_dim]."""
+    """The chunk's K rows widened to float32 as `load_kv` widens them and
+    rotated by their positions (ROPE_LLAMA), into out_rows [n, head_dim]."""
     for j in range(n):
         var dst = out_rows.unsafe_offset(j * head_dim)
         for c in range(head_dim // W):
             dst.unsafe_offset(c * W).unsafe_store(
-                load_f32[kv_dtype, W](k, Int(rows[unsafe_offset=j]) + c * W)
+                load_kv[kv_dtype, W](k, Int(rows[unsafe_offset=j]) + c * W)
             )
         rope_rotate(dst, inv_freq, first_pos + j, head_dim)
 
@@ -949,6 +951,10 @@ def attention_task[
     var hs = cache.head_stride()
     var head_dim = cache.head_dim()
     var rope = params.pos_encoding == POS_ROPE_LLAMA
+    # The K and V loads return kv_load_scale times the values (widen.mojo):
+    # the q.k and V scales undo it.
+    var q_scale = params.q_scale_log2 / kv_load_scale[kv_dtype]()
+    var v_scale = params.v_scale / kv_load_scale[kv_dtype]()
 
     var st = TaskState((h1 - h0) * head_rows, head_dim)
     if rope:
@@ -971,9 +977,7 @@ def attention_task[
                     rope_rotate(dst, st.inv_freq, q_pos0 + t, head_dim)
                 for c in range(head_dim // W):
                     var d = dst.unsafe_offset(c * W)
-                    d.unsafe_store(
-                        d.unsafe_load[width=W]() * params.q_scale_log2
-                    )
+                    d.unsafe_store(d.unsafe_load[width=W]() * q_scale)
                     st.acc.unsafe_offset(r * head_dim + c * W).unsafe_store(
                         SIMD[F32, W](0)
                     )
@@ -1109,7 +1113,7 @@ def attention_task[
                 var r = (h - h0) * head_rows + t * group + g
                 var qo = h * group + g
                 var total = st.l[unsafe_offset=r]
-                var norm = params.v_scale / total if total > 0 else Float32(0)
+                var norm = v_scale / total if total > 0 else Float32(0)
                 var state_lse = (
                     st.m[unsafe_offset=r] + log2(total) if total
                     > 0 else neg_inf[F32]()
