@@ -6,7 +6,14 @@ import time
 import pytest
 
 from pagedkv.bench.anchors import Timing, burst_speedup, time_round_robin
-from pagedkv.bench.decode_bench import DecodeShape, MachineSpeed, Row, format_table
+from pagedkv.bench.decode_bench import (
+    DecodeShape,
+    KVDtypeRow,
+    MachineSpeed,
+    Row,
+    format_kv_dtype_table,
+    format_table,
+)
 
 
 def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
@@ -97,3 +104,21 @@ def test_decode_table_ratios_come_from_the_rows_medians():
         "4.000", f"{nbytes / 4e6:.1f}", "50%", "40.000", "10.00", "12.000", "3.00",
         "6.000", "1.50", "67%", "80%", "0.0%",
     ]  # fmt: skip
+
+
+def test_kv_dtype_table_times_each_dtype_against_bfloat16_at_its_shape():
+    small, large = DecodeShape(16, 1024, 32, 8), DecodeShape(32, 2048, 32, 8)
+
+    def row(shape: DecodeShape, kv_dtype: str, median_ms: float) -> KVDtypeRow:
+        return KVDtypeRow(shape, kv_dtype, Timing(median_ms, median_ms, 20, 0.0), 1.0)
+
+    rows = [
+        row(small, "bfloat16", 4.0),
+        row(small, "float8_e4m3fn", 5.0),
+        row(large, "float8_e4m3fn", 9.0),
+        row(large, "bfloat16", 12.0),
+    ]
+    ratios = [line.split()[-1] for line in format_kv_dtype_table(rows).splitlines()[1:]]
+    assert ratios == ["1.00", "1.25", "0.75", "1.00"]
+    # No bfloat16 row at a shape: no ratio.
+    assert format_kv_dtype_table(rows[1:2]).splitlines()[-1].split()[-1] == "-"

@@ -84,10 +84,13 @@ class DecodeCase:
         return tuple(_like_pool(x.transpose(1, 2), self.pool) for x in (k, v))
 
 
-def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu") -> DecodeCase:
-    """A decode batch of `shape` in dtype: random q [B, Hq, D] and an NHD pool
-    [pages + 1, 2, P, Hkv, D] (the last page zero) whose pages each request
-    owns in a random order, with its page table, on device."""
+def make_case(
+    shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu", q_dtype: str | None = None
+) -> DecodeCase:
+    """A decode batch of `shape` in dtype: random q [B, Hq, D] (in q_dtype if
+    given) and an NHD pool [pages + 1, 2, P, Hkv, D] (the last page zero)
+    whose pages each request owns in a random order, with its page table, on
+    device."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -99,7 +102,8 @@ def make_case(shape: DecodeShape, dtype: str, seed: int = 0, device: str = "cpu"
         (num_pages + 1, 2, s.page_size, s.num_kv_heads, s.head_dim), generator=gen
     ).to(getattr(torch, dtype))
     pool[num_pages] = 0
-    q = torch.randn((s.batch, s.num_qo_heads, s.head_dim), generator=gen).to(pool.dtype)
+    q = torch.randn((s.batch, s.num_qo_heads, s.head_dim), generator=gen)
+    q = q.to(getattr(torch, q_dtype) if q_dtype else pool.dtype)
     table = rng.permutation(num_pages).astype(np.int32).reshape(s.batch, npg)
     indptr = (np.arange(s.batch + 1) * npg).astype(np.int32)
     last = np.full(s.batch, s.seq_len - (npg - 1) * s.page_size, np.int32)
@@ -245,6 +249,51 @@ def run_cpu_decode_bench(
             del case, k, v, attention, fns
     machine.poller_demoted = poller_demoted()
     return machine, rows
+
+
+KV_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float32")
+
+
+@dataclass
+class KVDtypeRow:
+    shape: DecodeShape
+    kv_dtype: str
+    timing: Timing
+    gbps: float
+
+
+def run_kv_dtype_bench(
+    shapes=(CPU_SHAPES[1], CPU_SHAPES[3]), dtypes=KV_DTYPES, reps: int = 20
+) -> list[KVDtypeRow]:
+    """Times pagedkv's CPU decode of each shape with K/V in each of dtypes (q
+    in bfloat16, float32 for float32 K/V), interleaved: a row per dtype."""
+    rows: list[KVDtypeRow] = []
+    for shape in shapes:
+        cases = {
+            kv: make_case(shape, kv, q_dtype="float32" if kv == "float32" else "bfloat16")
+            for kv in dtypes
+        }
+        timings = time_round_robin({kv: pagedkv_decode(c) for kv, c in cases.items()}, reps=reps)
+        for kv, t in timings.items():
+            nbytes = shape.kv_bytes(cases[kv].pool.element_size())
+            rows.append(KVDtypeRow(shape, kv, t, nbytes / t.median_ms / 1e6))
+        del cases
+    return rows
+
+
+def format_kv_dtype_table(rows: list[KVDtypeRow]) -> str:
+    """pagedkv's median ms and GB/s per KV dtype, and its time as a multiple
+    of bfloat16 K/V's at the same shape (when timed with it)."""
+    lines = [
+        f"{'shape (B, L, Hq, Hkv)':22s} {'K/V dtype':14s} {'ms':>8s} {'GB/s':>6s} {'x bf16':>6s}"
+    ]
+    bf16 = {r.shape: r.timing.median_ms for r in rows if r.kv_dtype == "bfloat16"}
+    for r in rows:
+        ratio = f"{r.timing.median_ms / bf16[r.shape]:6.2f}" if r.shape in bf16 else "     -"
+        lines.append(
+            f"{r.shape.label:22s} {r.kv_dtype:14s} {r.timing.median_ms:8.3f} {r.gbps:6.1f} {ratio}"
+        )
+    return "\n".join(lines)
 
 
 def burst_line(machine: MachineSpeed) -> str:
