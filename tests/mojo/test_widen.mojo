@@ -28,10 +28,10 @@ from mojo_ops.widen import (
 
 
 def check[dtype: DType]() raises:
-    """Two blocks of distinct values, each element i = i + 1 (rounded to
-    dtype; exact but in float8), loaded as the standard library's scalar
-    cast widens them, times `kv_load_scale`; the second block checks that
-    offsets are honoured."""
+    """Two blocks of distinct values, each element i = i + 1 (exact in the
+    16- and 32-bit dtypes, rounded in float8), wanted as the standard
+    library's scalar cast widens them, times `kv_load_scale`; the second
+    block checks that offsets are honoured."""
     var n = 2 * BLOCK
     var row = rebind[Ptr[dtype]](unsafe_alloc[Scalar[dtype]](n, alignment=64))
     var want = rebind[Ptr[F32]](unsafe_alloc[Float32](n, alignment=64))
