@@ -123,8 +123,9 @@ def kv_load_scale[dtype: DType]() -> Float32:
     `load_half`) return for an element of 1.0: 2^-8 for float8_e4m3fn, so
     that its widening through float16 ends without a multiply, an op per
     vector on the FMA ports; 1 for every other dtype. The kernel divides its
-    q.k and V scales by it, a power of two: its results are those of exact
-    loads, bit for bit.
+    q.k and V scales by it, a power of two, so its results are those of exact
+    loads, bit for bit, unless a product or sum falls below float32's normal
+    range (2^-126), where rounding is coarser.
 
     With the multiply, the e4m3fn decode task (GQA group 4, 8 KV heads)
     took 70.3 ns per (token, KV head) with its pool in cache against 61.0
