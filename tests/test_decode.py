@@ -310,6 +310,26 @@ def test_single_decode_matches_reference(layout):
     assert (empty == 0).all()
 
 
+def test_flashinfer_style_construction_runs_the_same_decode():
+    """FlashInfer's positional (workspace, layout, use_cuda_graph,
+    use_tensor_cores) construction: use_tensor_cores changes nothing."""
+    rng = np.random.default_rng(9)
+    batch = reference.paged_batch(rng, 16, [40, 3], [0, 0])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    q = rng.standard_normal((2, 8, 64), dtype=np.float32)
+    outputs = []
+    for wrapper in (
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(),
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(np.empty(1 << 20, np.uint8), "NHD", False, True),
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True),
+    ):
+        wrapper.plan(*table, 8, 2, 64, 16)
+        outputs.append(wrapper.run(q, pool))
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+    np.testing.assert_array_equal(outputs[2], outputs[0])
+
+
 def test_decode_bad_input():
     rng = np.random.default_rng(5)
     batch = reference.paged_batch(rng, 16, [40, 3], [0, 0])
@@ -318,6 +338,8 @@ def test_decode_bad_input():
     q = rng.standard_normal((2, 4, 64), dtype=np.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fast")
+    with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True)
     with pytest.raises(ValueError, match="page table is on the CPU"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="tma").plan(*table, 4, 2, 64, 16)
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()

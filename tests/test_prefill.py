@@ -131,7 +131,9 @@ def test_prefill_bad_input():
     rng = np.random.default_rng(2)
     batch = reference.paged_batch(rng, 16, [10, 5], [10, 5])
     table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
-    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+    with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
+        pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", True)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False)
     with pytest.raises(ValueError, match="cached"):
         w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16)
     with pytest.raises(ValueError, match="never decrease"):

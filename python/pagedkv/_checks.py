@@ -64,6 +64,16 @@ def check_output(name: str, x: Array, shape: tuple[int, ...], dtype: DType, devi
         raise ValueError(f"{name} must be contiguous: it is written in place")
 
 
+def reject_cuda_graph(use_cuda_graph: bool) -> None:
+    """Raises for FlashInfer's use_cuda_graph=True, which pagedkv's wrappers
+    accept in its place but do not support."""
+    if use_cuda_graph:
+        raise ValueError(
+            "use_cuda_graph=True is not supported: pagedkv's run() is not captured "
+            "in CUDA graphs; plan() once per batch shape and call run() directly"
+        )
+
+
 def layout_code(kv_layout: str) -> int:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")

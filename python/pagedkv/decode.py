@@ -22,7 +22,7 @@ from ._attention import (
     heads_per_task,
 )
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import layout_code
+from ._checks import layout_code, reject_cuda_graph
 from ._kernels import OpSpec
 from ._tensors import (
     Array,
@@ -53,15 +53,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
     16, at most 8 query heads per KV head, no RoPE on the fly), "generic" (the
     kernel for every GPU), or "auto": the Hopper kernel where it applies, else
     the generic one. The CPU ignores it.
+
+    use_cuda_graph and use_tensor_cores stand where FlashInfer's do, so that
+    code written for FlashInfer builds the wrapper unchanged: pagedkv picks
+    its kernel itself (`backend`) and takes use_tensor_cores as a hint it
+    does not need; it does not support CUDA-graph capture of run(), and
+    use_cuda_graph=True raises.
     """
 
     def __init__(
         self,
         float_workspace_buffer: Array | None = None,
         kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
         *,
         backend: str = "auto",
     ) -> None:
+        reject_cuda_graph(use_cuda_graph)
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         decode_kernel(backend, True, kv_layout, None, 1, "NONE")  # validates the name

@@ -16,7 +16,7 @@ from max.dtype import DType
 
 from ._attention import AttentionOptions, as_dtype, check_heads, prefill_work
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import check_index_array, layout_code
+from ._checks import check_index_array, layout_code, reject_cuda_graph
 from ._kernels import OpSpec
 from ._tensors import Array, device_of, to_host_numpy
 
@@ -33,9 +33,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
     >>> w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
     ...        causal=True)
     >>> o = w.run(q, paged_kv_cache)          # q [qo_indptr[-1], 32, 128]
+
+    use_cuda_graph stands where FlashInfer's does; True raises, as in
+    BatchDecodeWithPagedKVCacheWrapper.
     """
 
-    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD") -> None:
+    def __init__(
+        self,
+        float_workspace_buffer: Array | None = None,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+    ) -> None:
+        reject_cuda_graph(use_cuda_graph)
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
