@@ -69,8 +69,8 @@ def reject_cuda_graph(use_cuda_graph: bool) -> None:
     accept in its place but do not support."""
     if use_cuda_graph:
         raise ValueError(
-            "use_cuda_graph=True is not supported: pagedkv's run() is not captured "
-            "in CUDA graphs; plan() once per batch shape and call run() directly"
+            "use_cuda_graph=True is not supported: pagedkv does not support capturing "
+            "run() in a CUDA graph; plan() once per batch shape and call run() directly"
         )
 
 
