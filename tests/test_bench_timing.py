@@ -14,6 +14,7 @@ from pagedkv.bench.decode_bench import (
     format_kv_dtype_table,
     format_table,
 )
+from pagedkv.bench.prefill_bench import PrefillRow, PrefillShape, format_prefill_table
 
 
 def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
@@ -122,3 +123,20 @@ def test_kv_dtype_table_times_each_dtype_against_bfloat16_at_its_shape():
     assert ratios == ["1.00", "1.25", "0.75", "1.00"]
     # No bfloat16 row at a shape: no ratio.
     assert format_kv_dtype_table(rows[1:2]).splitlines()[-1].split()[-1] == "-"
+
+
+def test_prefill_table_ratio_is_torch_time_over_pagedkv_time():
+    shape = PrefillShape(1, 2048)
+    assert shape.flops() == 4 * 128 * 32 * 2048 * 2049 / 2
+
+    def row(name: str, median_ms: float) -> PrefillRow:
+        timing = Timing(median_ms, median_ms, 8, 0.0)
+        return PrefillRow(shape, "float32", name, timing, shape.flops() / median_ms / 1e6, 1e-6)
+
+    table = format_prefill_table([row("pagedkv", 400.0), row("torch_sdpa", 300.0)])
+    cells = table.splitlines()[-1].split()  # the label is 4 cells, then the dtype
+    # pagedkv ms, GFLOP/s, torch ms, GFLOP/s, xtorch, max|diff|
+    assert cells[5:] == [
+        "400.00", f"{shape.flops() / 4e8:.1f}", "300.00", f"{shape.flops() / 3e8:.1f}",
+        "0.75", "1.00e-06",
+    ]  # fmt: skip
