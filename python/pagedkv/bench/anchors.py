@@ -54,6 +54,16 @@ class Timing:
     its cores to a neighbour reads slow for no fault of its own."""
 
 
+def rows_by_case(rows: list[Any]) -> dict[tuple[Any, str], dict[str, Any]]:
+    """A run's rows (each with shape, dtype and name) grouped by (shape,
+    dtype), in order, each group keyed by implementation name: a table's
+    lines."""
+    groups: dict[tuple[Any, str], dict[str, Any]] = {}
+    for r in rows:
+        groups.setdefault((r.shape, r.dtype), {})[r.name] = r
+    return groups
+
+
 def cpu_times() -> list[int] | None:
     """The machine-wide CPU time counters of /proc/stat (Linux), else None."""
     try:

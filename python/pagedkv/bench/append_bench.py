@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .anchors import Timing, time_round_robin
+from .anchors import Timing, rows_by_case, time_round_robin
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,7 @@ def format_append_table(rows: list[AppendRow]) -> str:
         f"{'append':24s} {'dtype':8s} {'pagedkv ms':>10s} {'GB/s':>6s} {'numpy GB/s':>10s} "
         f"{'x numpy':>7s} {'torch GB/s':>10s} {'x torch':>7s}"
     ]
-    by_key: dict[tuple, dict[str, AppendRow]] = {}
-    for r in rows:
-        by_key.setdefault((r.shape, r.dtype), {})[r.name] = r
-    for (shape, dtype), group in by_key.items():
+    for (shape, dtype), group in rows_by_case(rows).items():
         ours = group["pagedkv"]
         np_row = group.get("numpy_fancy_index")
         torch_row = group["torch_index_put"]

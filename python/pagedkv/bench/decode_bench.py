@@ -24,6 +24,7 @@ from .anchors import (
     cpu_times,
     max_builtin_decode,
     read_bandwidth_gbps,
+    rows_by_case,
     same_bytes_reads,
     steal_share,
     time_round_robin,
@@ -325,10 +326,7 @@ def format_table(machine: MachineSpeed, rows: list[Row]) -> str:
         f"{'%BW':>5s} {'MAX ms':>8s} {'xMAX':>5s} {'gqa ms':>8s} {'xgqa':>5s} "
         f"{'fold ms':>8s} {'xfold':>5s} {'%BWbest':>7s} {'%read':>5s} {'steal':>5s}",
     ]
-    by_key: dict[tuple, dict[str, Row]] = {}
-    for r in rows:
-        by_key.setdefault((r.shape, r.dtype), {})[r.name] = r
-    for (shape, dtype), group in by_key.items():
+    for (shape, dtype), group in rows_by_case(rows).items():
         ours = group["pagedkv"]
         max_ms, gqa_ms, fold_ms = (
             group[name].timing.median_ms

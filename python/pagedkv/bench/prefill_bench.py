@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .anchors import Timing, time_round_robin
+from .anchors import Timing, rows_by_case, time_round_robin
 from .decode_bench import DecodeShape, make_case
 
 
@@ -121,10 +121,7 @@ def format_prefill_table(rows: list[PrefillRow]) -> str:
         f"{'shape (B, L, Hq, Hkv)':22s} {'dtype':8s} {'pagedkv ms':>10s} {'GFLOP/s':>8s} "
         f"{'torch ms':>9s} {'GFLOP/s':>8s} {'xtorch':>6s} {'max|diff|':>9s}"
     ]
-    by_key: dict[tuple, dict[str, PrefillRow]] = {}
-    for r in rows:
-        by_key.setdefault((r.shape, r.dtype), {})[r.name] = r
-    for (shape, dtype), group in by_key.items():
+    for (shape, dtype), group in rows_by_case(rows).items():
         ours, torch_row = group["pagedkv"], group["torch_sdpa"]
         ratio = torch_row.timing.median_ms / ours.timing.median_ms
         lines.append(
