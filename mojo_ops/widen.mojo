@@ -47,14 +47,8 @@ def widen_fp8[
     formats go through float16, which the CPU widens in vector lanes:
     e5m2 is the top byte of a float16, infinities and NaNs included; e4m3fn's
     fields shifted into float16's places read 2^-8 of its value, subnormals
-    included, and its one NaN (S.1111.111) is set apart.
-
-    e4m3fn's NaN is set apart in the float16 bits: as a select on the
-    float32 result, LLVM's code widened the NaN mask to 32-bit lanes and
-    blended on the FMA ports. In integer lanes the whole e4m3fn task (GQA
-    group 4, 8 KV heads, pool in cache) took 68.5 ns per (token, KV head)
-    against 87.2, and read 1.23x as fast from memory
-    (`benchmarks/decode_cpu_ab.py`, 8 rounds, 2-core Zen 3 VM).
+    included, and its one NaN (S.1111.111) is set apart
+    (`e4m3_as_float16`).
     """
     comptime if dtype == DType.float8_e5m2:
         var bits = bitcast[DType.uint8, width](raw).cast[DType.uint16]()
@@ -69,12 +63,18 @@ def e4m3_as_float16[
 ](raw: SIMD[dtype, width]) -> SIMD[DType.float16, width]:
     """Float8_e4m3fn lanes as float16 lanes of 2^-8 of their value, exactly
     (NaN for its NaN): a bit shuffle, where float16's exponent bias (15)
-    exceeds e4m3fn's (7) by 8."""
+    exceeds e4m3fn's (7) by 8.
+
+    The NaN is set apart in integer lanes. As a select on the float32
+    result, LLVM's code widened the NaN mask to 32-bit lanes and blended on
+    the FMA ports; in integer lanes the whole e4m3fn task (GQA group 4, 8
+    KV heads, pool in cache) took 68.5 ns per (token, KV head) against
+    87.2, and read 1.23x as fast from memory (`benchmarks/decode_cpu_ab.py`,
+    8 rounds, 2-core Zen 3 VM)."""
     # S EEEE MMM sign-extended and shifted: S S EEEE MMM 0000000, bit 14 a
     # copy of the sign. With it cleared the bits are float16's for 2^-8 of
     # the value; set only for the NaN code (EEEE MMM all ones), they are
-    # float16's NaN. In integer lanes, not a select: LLVM moves a select
-    # past the widening into float32 blends, on the FMA ports.
+    # float16's NaN.
     comptime I16 = SIMD[DType.int16, width]
     var t = bitcast[DType.int8, width](raw).cast[DType.int16]() << I16(7)
     var nan = ((t & 0x3F80) + 0x80) & 0x4000
