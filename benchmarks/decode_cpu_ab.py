@@ -8,11 +8,22 @@ minute to the next, so two versions timed in separate runs, or even one after
 the other, differ by more than most changes do. Here both are built into one
 binary (their packages renamed `mojo_ops_a` and `mojo_ops_b`) and each round
 times A and B back to back, in alternating order, with the measurements of
-`decode_cpu_chunk.mojo`: a whole task with its pool in cache (`task_ns`, 512
-tokens: 2 MiB of bfloat16 K/V, in L3), compared by the best run of all
-rounds, as noise only adds time; and the batch from memory on all cores
-(`memory_gbps`), by the median of the rounds' B/A ratios. Prints both for
-each case (KV dtype : GQA group, 8 KV heads a task).
+`decode_cpu_chunk.mojo`: one head's chunk loop hot in L1 (`chunk_times`) and
+a whole task with its pool in cache (`task_ns`, 512 tokens: 2 MiB of
+bfloat16 K/V, in L3), each compared by the best run of all rounds, as noise
+only adds time; and the batch from memory on all cores (`memory_gbps`), by
+the median of the rounds' B/A ratios. Prints all three for each case (KV
+dtype : GQA group, 8 KV heads a task).
+
+The hot chunk loop is the sharpest of the three: a null run (the working
+tree's kernel compiled the same as BASE's, 8 rounds) gave B/A 0.99 and 1.01
+there, against 1.07 and 1.01 for the task in cache and 1.07 and 0.84 from
+memory. It is where a change to the inner loops' arithmetic shows first:
+multiplies kept apart from their adds (inline `vmulps`, so that the adds
+run on Zen 3's separate FADD pipes) took 2.26x (bfloat16) and 1.99x
+(float32) the time of FMAs; summing each K block's two halves into one
+product before the accumulator's add (a chain of one add per block instead
+of two FMAs) 1.45x and 1.17x (6 rounds each, 2-core Zen 3 VM).
 
 Its noise, on a 2-core Zen 3 VM: five null runs (BASE = HEAD on a clean tree,
 6-12 rounds, two of them with an earlier version of this script) gave B/A
@@ -69,6 +80,7 @@ def timed_calls(side: str, dtype: str, group: int) -> list[str]:
     tag = f"{dtype}_{group}"
     pad = " " * 12
     return [
+        f"{pad}chunk_{side}_{tag}.append(chunk_{side}[DType.{dtype}, {group}](3)[0])",
         f"{pad}task_{side}_{tag}.append(task_{side}[DType.{dtype}, {group}, {TASK_TOKENS}](3))",
         f"{pad}memory_{side}_{tag}.append(memory_{side}[DType.{dtype}, {group}](False, 3)[0])",
     ]
@@ -76,10 +88,12 @@ def timed_calls(side: str, dtype: str, group: int) -> list[str]:
 
 def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
     """The generated main: rounds of A and B in alternating order, then for
-    each case the best task times and the median of the memory rounds' B/A."""
+    each case the best chunk and task times and the median of the memory
+    rounds' B/A."""
     lines = [
-        "from chunk_a import median, task_ns as task_a, memory_gbps as memory_a",
-        "from chunk_b import task_ns as task_b, memory_gbps as memory_b",
+        "from chunk_a import median, chunk_times as chunk_a, task_ns as task_a,"
+        " memory_gbps as memory_a",
+        "from chunk_b import chunk_times as chunk_b, task_ns as task_b, memory_gbps as memory_b",
         "",
         "",
         "def report(name: String, var a: List[Float64], var b: List[Float64], best: Bool):",
@@ -101,13 +115,15 @@ def main_module(cases: list[tuple[str, int]], rounds: int) -> str:
         tag = f"{dtype}_{group}"
         lines += [
             f"    var {m}_{side}_{tag} = List[Float64]()"
-            for m in ("task", "memory")
+            for m in ("chunk", "task", "memory")
             for side in "ab"
         ]
         a, b = timed_calls("a", dtype, group), timed_calls("b", dtype, group)
         lines += [f"    for r in range({rounds}):", "        if r % 2 == 0:"]
         lines += a + b + ["        else:"] + b + a
         lines += [
+            f"    report('{dtype} group {group}, chunk loop hot in L1, ns per (token, KV head):',"
+            f" chunk_a_{tag}^, chunk_b_{tag}^, True)",
             f"    report('{dtype} group {group}, task in cache, ns per (token, KV head):',"
             f" task_a_{tag}^, task_b_{tag}^, True)",
             f"    report('{dtype} group {group}, from memory, GB/s:',"

@@ -129,7 +129,12 @@ def ns_per_token(start: Int, stop: Int) -> Float64:
     return Float64(stop - start) / Float64(ITERATIONS * CHUNK)
 
 
-def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
+def chunk_times[
+    kv_dtype: DType, group: Int
+](repeats: Int = REPEATS) raises -> Tuple[Float64, Float64, Float64]:
+    """The best of `repeats` timed runs, per (token, KV head), of one head's
+    chunk loop hot in L1 on this core: the whole loop (scores, softmax, V),
+    scoring alone and the V pass alone."""
     # Token rows as in an NHD page: all KV heads of a token side by side.
     var token_stride = KV_HEADS * HEAD_DIM
     var k = filled[kv_dtype](CHUNK * token_stride)
@@ -154,7 +159,7 @@ def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
     var total = Float64.MAX
     var scoring = Float64.MAX
     var accumulating = Float64.MAX
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         var start = Int(perf_counter_ns())
         for i in range(ITERATIONS):
             walk_heads[scoring=True](
@@ -179,6 +184,14 @@ def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
         accumulating = min(
             accumulating, ns_per_token(start, Int(perf_counter_ns()))
         )
+    k.unsafe_free()
+    v.unsafe_free()
+    rows.unsafe_free()
+    return (total, scoring, accumulating)
+
+
+def bench[kv_dtype: DType, group: Int](peak: Float64) raises:
+    var total, scoring, accumulating = chunk_times[kv_dtype, group]()
     # q.k and p.v: group FMAs per head_dim vector of K and of V.
     var fmas_per_token = Float64(2 * group * HEAD_DIM // W)
     print(
