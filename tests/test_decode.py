@@ -312,7 +312,8 @@ def test_single_decode_matches_reference(layout):
 
 def test_flashinfer_style_construction_runs_the_same_decode():
     """FlashInfer's positional (workspace, layout, use_cuda_graph,
-    use_tensor_cores) construction: use_tensor_cores changes nothing."""
+    use_tensor_cores) construction and its backend name "fa2": neither
+    changes the output."""
     rng = np.random.default_rng(9)
     batch = reference.paged_batch(rng, 16, [40, 3], [0, 0])
     pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
@@ -323,11 +324,12 @@ def test_flashinfer_style_construction_runs_the_same_decode():
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(),
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(np.empty(1 << 20, np.uint8), "NHD", False, True),
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True),
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fa2"),
     ):
         wrapper.plan(*table, 8, 2, 64, 16)
         outputs.append(wrapper.run(q, pool))
-    np.testing.assert_array_equal(outputs[1], outputs[0])
-    np.testing.assert_array_equal(outputs[2], outputs[0])
+    for output in outputs[1:]:
+        np.testing.assert_array_equal(output, outputs[0])
 
 
 def test_decode_bad_input():
@@ -338,6 +340,8 @@ def test_decode_bad_input():
     q = rng.standard_normal((2, 4, 64), dtype=np.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fast")
+    with pytest.raises(ValueError, match="no trtllm-gen kernel"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="trtllm-gen")
     with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True)
     with pytest.raises(ValueError, match="page table is on the CPU"):
@@ -388,6 +392,7 @@ def test_decode_backends_choose_gpu_kernels():
     assert kernel("auto") == GPU_KERNEL_AUTO
     assert kernel("auto", is_gpu=False) == GPU_KERNEL_GENERIC
     assert kernel("generic") == GPU_KERNEL_GENERIC
+    assert kernel("fa2") == GPU_KERNEL_GENERIC
     assert kernel("tma") == GPU_KERNEL_TMA
     assert kernel("tma", page_size=None) == GPU_KERNEL_TMA  # a symbolic page size
     for bad, why in [

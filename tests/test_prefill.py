@@ -133,7 +133,9 @@ def test_prefill_bad_input():
     table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
     with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", True)
-    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False)
+    with pytest.raises(ValueError, match="no fa3 kernel"):
+        pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, backend="fa2")
     with pytest.raises(ValueError, match="cached"):
         w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16)
     with pytest.raises(ValueError, match="never decrease"):

@@ -111,11 +111,27 @@ class AttentionOptions:
         )
 
 
-DECODE_BACKENDS = ("auto", "generic", "tma")
+DECODE_BACKENDS = ("auto", "generic", "tma", "fa2")
 """GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/decode_sm90.mojo),
 "generic" the kernel for every GPU; "auto" runs the Hopper kernel where it
 applies (sm_90, the batch's dtypes and shape: the kernel decides) and the
-generic one elsewhere."""
+generic one elsewhere. "fa2", FlashInfer's name for its kernel for every GPU,
+is the generic kernel, so FlashInfer code that names it runs unchanged."""
+PREFILL_BACKENDS = ("auto", "fa2")
+"""Prefill has one kernel a device: FlashInfer's "auto" and "fa2" name it."""
+
+
+def check_backend(backend: str, known: tuple[str, ...]) -> None:
+    """Raises for a backend name outside `known`; FlashInfer's names for
+    kernels pagedkv does not have ("fa3", "cudnn", "trtllm-gen") say so."""
+    if backend in known:
+        return
+    why = f"backend must be one of {known}, got {backend!r}"
+    if backend in ("fa3", "cudnn", "trtllm-gen"):
+        why += f": pagedkv has no {backend} kernel"
+    raise ValueError(why)
+
+
 GPU_KERNEL_GENERIC = 0
 GPU_KERNEL_TMA = 1
 GPU_KERNEL_AUTO = 2
@@ -134,11 +150,10 @@ def decode_kernel(
     """int_params[5] for a decode backend; raises if "tma" cannot run this
     batch (the kernel checks its GPU and dtypes itself, and "auto" falls back
     there). page_size None: not known yet (a symbolic graph dimension)."""
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend must be one of {DECODE_BACKENDS}, got {backend!r}")
+    check_backend(backend, DECODE_BACKENDS)
     if backend == "auto":
         return GPU_KERNEL_AUTO if is_gpu else GPU_KERNEL_GENERIC
-    if backend == "generic":
+    if backend in ("generic", "fa2"):
         return GPU_KERNEL_GENERIC
     problems = []
     if not is_gpu:

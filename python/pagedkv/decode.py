@@ -51,8 +51,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     backend: "tma" (the Hopper kernel: sm_90, NHD, page sizes a multiple of
     16, at most 8 query heads per KV head, no RoPE on the fly), "generic" (the
-    kernel for every GPU), or "auto": the Hopper kernel where it applies, else
-    the generic one. The CPU ignores it.
+    kernel for every GPU; FlashInfer's "fa2" names it too), or "auto": the
+    Hopper kernel where it applies, else the generic one. The CPU ignores it.
 
     use_cuda_graph and use_tensor_cores stand where FlashInfer's do, so that
     code written for FlashInfer builds the wrapper unchanged: pagedkv picks

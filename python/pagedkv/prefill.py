@@ -14,7 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import AttentionOptions, as_dtype, check_heads, prefill_work
+from ._attention import (
+    PREFILL_BACKENDS,
+    AttentionOptions,
+    as_dtype,
+    check_backend,
+    check_heads,
+    prefill_work,
+)
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import check_index_array, layout_code, reject_cuda_graph
 from ._kernels import OpSpec
@@ -35,7 +42,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
     >>> o = w.run(q, paged_kv_cache)          # q [qo_indptr[-1], 32, 128]
 
     use_cuda_graph stands where FlashInfer's does; True raises, as in
-    BatchDecodeWithPagedKVCacheWrapper.
+    BatchDecodeWithPagedKVCacheWrapper. backend: FlashInfer's "auto" or
+    "fa2", both pagedkv's one prefill kernel for the device.
     """
 
     def __init__(
@@ -43,8 +51,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         float_workspace_buffer: Array | None = None,
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
+        *,
+        backend: str = "auto",
     ) -> None:
         reject_cuda_graph(use_cuda_graph)
+        check_backend(backend, PREFILL_BACKENDS)
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
