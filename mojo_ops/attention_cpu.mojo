@@ -31,9 +31,13 @@ from std.math import log2
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.sys import size_of
-from std.sys.info import CompilationTarget
 from std.utils.numerics import neg_inf
 
+from .attention_products import (
+    PRODUCT_MIN_ROWS,
+    accumulate_chunk,
+    score_chunk,
+)
 from .attention_params import (
     LOG2E,
     POS_ALIBI,
@@ -52,6 +56,7 @@ from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from .widen import (
     BLOCK,
     F32,
+    VECTOR_REGISTERS,
     W,
     from_paired_order,
     kv_load_scale,
@@ -63,13 +68,6 @@ from .widen import (
     paired,
     to_paired_order,
 )
-
-comptime VECTOR_REGISTERS = (
-    16 if CompilationTarget.is_x86()
-    and not CompilationTarget.has_avx512f() else 32
-)
-"""Vector registers of the target: 16 with AVX2, 32 with AVX-512 (and
-Arm's NEON and SVE). What a step keeps in registers is sized to them."""
 
 comptime CHAINS = VECTOR_REGISTERS // 2
 """Independent FMA chains a V pass keeps in flight, half the registers:
@@ -870,6 +868,10 @@ struct TaskState(Movable):
     var scores: Ptr[F32]
     var inv_freq: Ptr[DType.float64]
     var krot: Ptr[F32]
+    """Rotated keys (ROPE_LLAMA), then, for a task of products (see
+    attention_products.mojo), V widened."""
+    var kt: Ptr[F32]
+    """K^T of a chunk, for a task of products."""
     var rows: RowOffsets
     """Offsets of this chunk's rows, then of the next chunk's, then the
     rotated keys' rows (j * head_dim)."""
@@ -894,6 +896,7 @@ struct TaskState(Movable):
         var scores_at = take(at, rows * CHUNK)
         var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
+        var kt_at = take(at, CHUNK * D)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
         self._storage = rebind[Ptr[F32]](
             unsafe_alloc[Float32](at, alignment=64)
@@ -909,6 +912,7 @@ struct TaskState(Movable):
             self._storage.unsafe_offset(freq_at)
         )
         self.krot = self._storage.unsafe_offset(krot_at)
+        self.kt = self._storage.unsafe_offset(kt_at)
         self.rows = rebind[RowOffsets](self._storage.unsafe_offset(rows_at))
 
     def __deinit__(deinit self):
@@ -1008,6 +1012,8 @@ def attention_task[
         block, heads, head_rows, head_dim
     ) else 0
     var nhd = layout == KVLayout.NHD
+    # Many rows of one KV head (prefill) take the chunk as matrix products.
+    var products = heads == 1 and head_rows >= PRODUCT_MIN_ROWS
     var k0 = cache.k_pages.unsafe_offset(h0 * hs)
     var v0 = cache.v_pages.unsafe_offset(h0 * hs)
     var tok = first
@@ -1035,6 +1041,19 @@ def attention_task[
                     st.inv_freq,
                     st.krot,
                 )
+                if products:
+                    score_chunk(
+                        head_dim,
+                        st.q,
+                        head_rows,
+                        st.krot,
+                        rot_rows,
+                        n,
+                        st.kt,
+                        st.scores,
+                        first_v,
+                    )
+                    continue
                 walk_rows[scoring=True](
                     head_dim,
                     st,
@@ -1046,9 +1065,21 @@ def attention_task[
                     n,
                     first_v.for_head(h - h0, 0, n),
                 )
+        elif products:
+            score_chunk(
+                head_dim,
+                st.q,
+                head_rows,
+                k0,
+                rows,
+                n,
+                st.kt,
+                st.scores,
+                first_v,
+            )
         # Scores block by block; the last K block asks for the first V one.
         var jb = 0
-        while jb < n and not rope:
+        while jb < n and not rope and not products:
             var je = min(jb + block, n)
             var target = (
                 BlockPrefetch[kv_dtype](
@@ -1077,16 +1108,29 @@ def attention_task[
             )
             jb = je
         softmax_rows(head_dim, params, st, heads * head_rows, n, tok)
+        var next_k = BlockPrefetch[kv_dtype](
+            k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
+        )
+        if products:
+            accumulate_chunk(
+                head_dim,
+                st.scores,
+                head_rows,
+                v0,
+                rows,
+                n,
+                st.krot,
+                st.acc,
+                next_k,
+            )
         # V, block by block; the last V block asks for the next chunk's
         # first K block.
         jb = 0
-        while jb < n:
+        while jb < n and not products:
             var je = min(jb + block, n)
             var target = BlockPrefetch[kv_dtype](
                 v0, rows, je, min(ahead_max, n - je), heads, hs, head_dim, nhd
-            ) if je < n else BlockPrefetch[kv_dtype](
-                k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
-            )
+            ) if je < n else next_k
             walk_heads[scoring=False](
                 head_dim,
                 st,

@@ -4,11 +4,19 @@ as they are loaded, results rounded back to the output dtype, and the
 
 from std.memory import bitcast
 from std.sys import is_gpu, simd_width_of
+from std.sys.info import CompilationTarget
 
 from .paged_kv_cache import Ptr
 
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
+
+comptime VECTOR_REGISTERS = (
+    16 if CompilationTarget.is_x86()
+    and not CompilationTarget.has_avx512f() else 32
+)
+"""Vector registers of the target: 16 with AVX2, 32 with AVX-512 (and
+Arm's NEON and SVE). What a step keeps in registers is sized to them."""
 
 
 @always_inline

@@ -1,0 +1,297 @@
+"""Prefill on the CPU as small matrix products: a task's many query rows of
+one KV head against a chunk of keys.
+
+Decode's steps (attention_cpu.mojo) take a dot product per (row, key), lanes
+along head_dim, and reduce it across lanes: right for the few rows of a
+decode task, which cannot repay a reordering of K. A prefill task holds up
+to 64 rows of one KV head (CPU_MAX_TASK_ROWS in _attention.py), all reading
+every key of the chunk, so the chunk is reshaped once for them all and both
+products run as register-blocked tiles, with no reductions and more
+independent FMA chains than decode's steps keep:
+
+- scores[r, j] = q[r] . k[j] multiplies q [rows, head_dim] by K^T
+  [head_dim, CHUNK], built per chunk by `transpose_keys`;
+- acc[r] += sum_j p[r, j] v[j] multiplies the probabilities [rows, CHUNK] by
+  V [CHUNK, head_dim], widened per chunk by `widen_values`.
+
+`product_tile` is the one micro-kernel of both: a tile of `rows` rows by two
+vectors, each row's element broadcast against the two vectors of a row of the
+right-hand side. With AVX2's 16 vector registers that is 6 rows (12
+accumulators, the two right-hand vectors and a broadcast); with 32, 12 rows.
+"""
+
+from std.bit import log2_floor
+from std.memory import stack_allocation
+
+from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
+from .paged_kv_cache import Ptr
+from .widen import BLOCK, F32, VECTOR_REGISTERS, W, load_block
+
+comptime PRODUCT_ROWS = 12 if VECTOR_REGISTERS >= 32 else 6
+"""Rows of a `product_tile`: two accumulators each, with room left for the
+two right-hand vectors and a broadcast."""
+
+comptime PRODUCT_MIN_ROWS = 16
+"""The fewest rows of one KV head that take the products: below, the
+reshaping of K and V costs more than the products save."""
+
+
+@always_inline
+def product_tile[
+    rows: Int, accumulate: Bool
+](
+    depth: Int,
+    a: Ptr[F32],
+    a_stride: Int,
+    b: Ptr[F32],
+    b_stride: Int,
+    c: Ptr[F32],
+    c_stride: Int,
+):
+    """c[i, :2W] = (c[i, :2W] if accumulate else 0) + sum_k a[i, k] * b[k,
+    :2W] for i < rows, k < depth; element (i, k) of a at a + i * a_stride +
+    k, and so on."""
+    var acc = stack_allocation[2 * rows, SIMD[F32, W]]()
+    comptime for i in range(rows):
+        comptime for h in range(2):
+            comptime if accumulate:
+                acc[unsafe_offset=2 * i + h] = c.unsafe_offset(
+                    i * c_stride + h * W
+                ).unsafe_load[width=W]()
+            else:
+                acc[unsafe_offset=2 * i + h] = 0
+    # A while loop, as in attention_cpu.mojo's hot loops.
+    var k = 0
+    while k < depth:
+        var right = b.unsafe_offset(k * b_stride)
+        var b0 = right.unsafe_load[width=W]()
+        var b1 = right.unsafe_offset(W).unsafe_load[width=W]()
+        comptime for i in range(rows):
+            var x = SIMD[F32, W](a[unsafe_offset=i * a_stride + k])
+            acc[unsafe_offset=2 * i] = x.fma(b0, acc[unsafe_offset=2 * i])
+            acc[unsafe_offset=2 * i + 1] = x.fma(
+                b1, acc[unsafe_offset=2 * i + 1]
+            )
+        k += 1
+    comptime for i in range(rows):
+        comptime for h in range(2):
+            c.unsafe_offset(i * c_stride + h * W).unsafe_store(
+                acc[unsafe_offset=2 * i + h]
+            )
+
+
+@always_inline
+def product_rows[
+    accumulate: Bool
+](
+    count: Int,
+    depth: Int,
+    a: Ptr[F32],
+    a_stride: Int,
+    b: Ptr[F32],
+    b_stride: Int,
+    c: Ptr[F32],
+    c_stride: Int,
+    prefetcher: BlockPrefetch,
+    mut fetched: Int,
+    fetch_per_tile: Int,
+):
+    """`product_tile` over rows 0..count of a and c, PRODUCT_ROWS at a time
+    and the rest in tiles of 8, 4, 2 and 1 rows. Before each tile it asks
+    for the next fetch_per_tile rows of the prefetcher's block, from
+    `fetched` on, so that the next reads arrive spread over the products."""
+    var r = 0
+    while r < count:
+        var left = count - r
+        for _ in range(fetch_per_tile):
+            prefetcher.fetch(fetched)
+            fetched += 1
+        if left >= PRODUCT_ROWS:
+            product_tile[PRODUCT_ROWS, accumulate](
+                depth,
+                a.unsafe_offset(r * a_stride),
+                a_stride,
+                b,
+                b_stride,
+                c.unsafe_offset(r * c_stride),
+                c_stride,
+            )
+            r += PRODUCT_ROWS
+            continue
+        var taken = False
+        comptime for i in range(4):
+            comptime rows = 8 >> i
+            comptime if rows < PRODUCT_ROWS:
+                if not taken and left >= rows:
+                    product_tile[rows, accumulate](
+                        depth,
+                        a.unsafe_offset(r * a_stride),
+                        a_stride,
+                        b,
+                        b_stride,
+                        c.unsafe_offset(r * c_stride),
+                        c_stride,
+                    )
+                    r += rows
+                    taken = True
+
+
+@always_inline
+def fetches_per_tile(prefetcher: BlockPrefetch, passes: Int, count: Int) -> Int:
+    """Rows of the prefetcher's block to ask for before each tile of
+    `passes` passes of `product_rows` over count rows, so that all are asked
+    for (at least count // PRODUCT_ROWS tiles a pass)."""
+    var tiles = passes * max(count // PRODUCT_ROWS, 1)
+    return (prefetcher.rows_total + tiles - 1) // tiles
+
+
+@always_inline
+def transpose_square(v: Pointer[mut=True, SIMD[F32, W], _]):
+    """Transposes the W x W matrix of rows v[0..W) in place: log2(W) rounds
+    of interleaving row i with row i + W/2, each of which moves a bit of the
+    row index into the lane index."""
+    comptime half = W // 2
+    var out = stack_allocation[W, SIMD[F32, W]]()
+    comptime for _ in range(log2_floor(W)):
+        comptime for i in range(half):
+            var x = v[unsafe_offset=i]
+            var y = v[unsafe_offset=i + half]
+            out[unsafe_offset=2 * i] = rebind[SIMD[F32, W]](
+                x.slice[half]().interleave(y.slice[half]())
+            )
+            out[unsafe_offset=2 * i + 1] = rebind[SIMD[F32, W]](
+                x.slice[half, offset=half]().interleave(
+                    y.slice[half, offset=half]()
+                )
+            )
+        comptime for i in range(W):
+            v[unsafe_offset=i] = out[unsafe_offset=i]
+
+
+@always_inline
+def key_columns(n: Int) -> Int:
+    """Columns of K^T the scores of n keys read: n rounded up to the two
+    vectors of a `product_tile`."""
+    return (n + 2 * W - 1) // (2 * W) * (2 * W)
+
+
+def transpose_keys[
+    kv_dtype: DType
+](head_dim: Int, k: Ptr[kv_dtype], rows: RowOffsets, n: Int, kt: Ptr[F32]):
+    """K^T of a chunk: kt[d * CHUNK + j] = element d of key row j (at k +
+    rows[j]) as `load_block` widens it, for j < n, and 0 for the rest of
+    `key_columns(n)`. Square W x W pieces go through registers."""
+    var lo = stack_allocation[W, SIMD[F32, W]]()
+    var hi = stack_allocation[W, SIMD[F32, W]]()
+    var j0 = 0
+    while j0 < key_columns(n):
+        var c = 0
+        while c < head_dim:
+            comptime for t in range(W):
+                var block = SIMD[F32, BLOCK](0)
+                if j0 + t < n:
+                    block = load_block[kv_dtype](
+                        k, Int(rows[unsafe_offset=j0 + t]) + c
+                    )
+                lo[unsafe_offset=t] = block.slice[W]()
+                hi[unsafe_offset=t] = block.slice[W, offset=W]()
+            transpose_square(lo)
+            transpose_square(hi)
+            comptime for e in range(W):
+                kt.unsafe_offset((c + e) * CHUNK + j0).unsafe_store(
+                    lo[unsafe_offset=e]
+                )
+                kt.unsafe_offset((c + W + e) * CHUNK + j0).unsafe_store(
+                    hi[unsafe_offset=e]
+                )
+            c += BLOCK
+        j0 += W
+
+
+def widen_values[
+    kv_dtype: DType
+](head_dim: Int, v: Ptr[kv_dtype], rows: RowOffsets, n: Int, vw: Ptr[F32]):
+    """V of a chunk as float32 rows: vw[j * head_dim + d] = element d of value
+    row j (at v + rows[j]) as `load_block` widens it, for j < n."""
+    for j in range(n):
+        var row = Int(rows[unsafe_offset=j])
+        var c = 0
+        while c < head_dim:
+            vw.unsafe_offset(j * head_dim + c).unsafe_store(
+                load_block[kv_dtype](v, row + c)
+            )
+            c += BLOCK
+
+
+def score_chunk[
+    kv_dtype: DType
+](
+    head_dim: Int,
+    q: Ptr[F32],
+    count: Int,
+    k: Ptr[kv_dtype],
+    rows: RowOffsets,
+    n: Int,
+    kt: Ptr[F32],
+    scores: Ptr[F32],
+    prefetcher: BlockPrefetch,
+):
+    """scores[r * CHUNK + j] = q[r] . k[row j] for the rows r < count of one
+    KV head (q [count, head_dim], in the order `load_block` widens K) and
+    keys j < n; scores of keys from n to `key_columns(n)` are 0. kt: scratch
+    of head_dim x CHUNK. Meanwhile asks for the prefetcher's block."""
+    transpose_keys[kv_dtype](head_dim, k, rows, n, kt)
+    var passes = key_columns(n) // (2 * W)
+    var per_tile = fetches_per_tile(prefetcher, passes, count)
+    var fetched = 0
+    for p in range(passes):
+        product_rows[accumulate=False](
+            count,
+            head_dim,
+            q,
+            head_dim,
+            kt.unsafe_offset(p * 2 * W),
+            CHUNK,
+            scores.unsafe_offset(p * 2 * W),
+            CHUNK,
+            prefetcher,
+            fetched,
+            per_tile,
+        )
+
+
+def accumulate_chunk[
+    kv_dtype: DType
+](
+    head_dim: Int,
+    probs: Ptr[F32],
+    count: Int,
+    v: Ptr[kv_dtype],
+    rows: RowOffsets,
+    n: Int,
+    vw: Ptr[F32],
+    acc: Ptr[F32],
+    prefetcher: BlockPrefetch,
+):
+    """acc[r] += sum_j probs[r * CHUNK + j] * v[row j] over keys j < n for the
+    rows r < count of one KV head (acc [count, head_dim], in the order
+    `load_block` widens V). vw: scratch of CHUNK x head_dim. Meanwhile asks
+    for the prefetcher's block."""
+    widen_values[kv_dtype](head_dim, v, rows, n, vw)
+    var slices = head_dim // (2 * W)
+    var per_tile = fetches_per_tile(prefetcher, slices, count)
+    var fetched = 0
+    for s in range(slices):
+        product_rows[accumulate=True](
+            count,
+            n,
+            probs,
+            CHUNK,
+            vw.unsafe_offset(s * 2 * W),
+            head_dim,
+            acc.unsafe_offset(s * 2 * W),
+            head_dim,
+            prefetcher,
+            fetched,
+            per_tile,
+        )
