@@ -59,13 +59,28 @@ def test_prefill_matches_reference(config, shape, options, causal, page_size):
     check_prefill_case(config, shape, options, causal, page_size)
 
 
-def check_prefill_case(config, shape, options, causal, page_size, device="cpu") -> None:
-    """One ragged prefill on device ("cpu" or "cuda") against the reference."""
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("options", [dict(), dict(pos_encoding_mode="ROPE_LLAMA")], ids=str)
+def test_prefill_product_tiles(config, options):
+    """GQA group 3 and head_dim 64: a CPU task's 12 to 63 rows of one KV head
+    take the matrix products (attention_products.mojo) in tiles of 6 with the
+    remainders of 2 and 1 rows, over chunks of 32 keys or fewer, and with two
+    queries (6 rows), decode's steps."""
+    shape = [(30, 5), (70, 7), (12, 4), (100, 22), (9, 2)]
+    check_prefill_case(config, shape, options, True, 5, heads=(6, 2, 64))
+
+
+def check_prefill_case(
+    config, shape, options, causal, page_size, device="cpu", heads=(8, 2, 128)
+) -> None:
+    """One ragged prefill on device ("cpu" or "cuda") against the reference:
+    shape a name in SHAPES or its list of (cached tokens, queries);
+    heads (query heads, KV heads, head_dim)."""
     q_dtype, kv_dtype, layout = config
     # A stable seed: hash() of a str changes from process to process.
     rng = np.random.default_rng(zlib.crc32(repr((shape, causal, page_size)).encode()))
-    lens, queries = zip(*SHAPES[shape], strict=True)
-    hq, hkv, d = 8, 2, 128
+    lens, queries = zip(*(SHAPES[shape] if isinstance(shape, str) else shape), strict=True)
+    hq, hkv, d = heads
     batch = reference.paged_batch(rng, page_size, list(lens), list(queries))
     page = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
     pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), kv_dtype)
