@@ -5,7 +5,9 @@ of its keys, see attention_work.mojo) over a block of KV heads. Decode tasks
 take all KV heads when their query heads fit (see `heads_per_task` in the
 plan): in an NHD page a token's heads are one contiguous row, so the task
 streams K and V through memory in order. Prefill tasks take one KV head and
-a tile of query tokens, whose rows all reuse each K and V row read.
+a tile of query tokens, whose rows all reuse each K and V row read; from
+PRODUCT_MIN_ROWS rows on they take each chunk as matrix products instead of
+the steps below (attention_products.mojo).
 
 The task walks its keys in chunks of CHUNK tokens, which may span pages
 (see key_chunks.mojo). Per chunk: scores for all its query rows, then a
@@ -1128,9 +1130,19 @@ def attention_task[
         jb = 0
         while jb < n and not products:
             var je = min(jb + block, n)
-            var target = BlockPrefetch[kv_dtype](
-                v0, rows, je, min(ahead_max, n - je), heads, hs, head_dim, nhd
-            ) if je < n else next_k
+            var target = (
+                BlockPrefetch[kv_dtype](
+                    v0,
+                    rows,
+                    je,
+                    min(ahead_max, n - je),
+                    heads,
+                    hs,
+                    head_dim,
+                    nhd,
+                ) if je
+                < n else next_k
+            )
             walk_heads[scoring=False](
                 head_dim,
                 st,
