@@ -142,6 +142,66 @@ def test_prefill_then_decode_agree_on_last_token():
     assert np.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize(
+    "causal,options",
+    [
+        (True, dict(pos_encoding_mode="ROPE_LLAMA")),
+        (False, dict(window_left=9, logits_soft_cap=30.0)),
+    ],
+    ids=["causal-rope", "full-window-cap"],
+)
+def test_single_prefill_matches_reference(config, causal, options):
+    """One request over contiguous K/V ([L, Hkv, D] or [Hkv, L, D]): its
+    23 queries are the last of 70 tokens, as FlashInfer places them."""
+    q_dtype, kv_dtype, layout = config
+    rng = np.random.default_rng(13)
+    k, v = rng.standard_normal((2, 70, 2, 64), dtype=np.float32)
+    q = cast(rng.standard_normal((23, 8, 64), dtype=np.float32), q_dtype)
+    kk, vv = (cast(x if layout == "NHD" else x.transpose(1, 0, 2).copy(), kv_dtype) for x in (k, v))
+    o, lse = pagedkv.single_prefill_with_kv_cache(
+        q, kk, vv, causal=causal, kv_layout=layout, return_lse=True, **options
+    )
+    assert tuple(o.shape) == (23, 8, 64) and tuple(lse.shape) == (23, 8)
+    want_o, want_lse = reference.attention(
+        as_f64(q),
+        *(as_f64(cast(x, kv_dtype)) for x in (k, v)),
+        np.arange(47, 70),
+        causal=causal,
+        **options,
+    )
+    tol = 1e-5 if q_dtype == "float32" else 1e-2
+    np.testing.assert_allclose(as_f64(o), want_o, rtol=tol, atol=tol)
+    np.testing.assert_allclose(as_f64(lse), want_lse, rtol=tol, atol=tol)
+
+
+def test_single_prefill_edges_and_bad_input():
+    rng = np.random.default_rng(14)
+    k, v = rng.standard_normal((2, 30, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((30, 8, 64), dtype=np.float32)
+    # A whole prompt, causal: row i is a decode of query i over keys 0..i.
+    o = pagedkv.single_prefill_with_kv_cache(q, k, v, causal=True)
+    for i in (0, 17, 29):
+        np.testing.assert_allclose(
+            o[i],
+            pagedkv.single_decode_with_kv_cache(q[i], k[: i + 1], v[: i + 1]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    none, lse = pagedkv.single_prefill_with_kv_cache(q[:0], k, v, return_lse=True)
+    assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
+    none, lse = pagedkv.single_prefill_with_kv_cache(q[:0], k[:0], v[:0], return_lse=True)
+    assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
+    with pytest.raises(ValueError, match="qo_len must not exceed kv_len"):
+        pagedkv.single_prefill_with_kv_cache(q, k[:29], v[:29])
+    with pytest.raises(ValueError, match=r"q must be \[qo_len, Hq, D\]"):
+        pagedkv.single_prefill_with_kv_cache(q[0], k, v)
+    with pytest.raises(ValueError, match="k, v the same"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v[:29])
+    with pytest.raises(NotImplementedError, match="custom masks"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=np.ones((30, 30), bool))
+
+
 def test_prefill_bad_input():
     rng = np.random.default_rng(2)
     batch = reference.paged_batch(rng, 16, [10, 5], [10, 5])

@@ -24,7 +24,7 @@ from .page import (
     get_batch_indices_positions,
     get_seq_lens,
 )
-from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
@@ -49,6 +49,7 @@ __all__ = [
     "merge_states",
     "release_blocks",
     "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
 ]
 
 __version__ = "0.1.0"

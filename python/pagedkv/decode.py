@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 from max.dtype import DType
 
 from ._attention import (
@@ -24,17 +23,8 @@ from ._attention import (
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import layout_code, reject_cuda_graph
 from ._kernels import OpSpec
-from ._tensors import (
-    Array,
-    check_array,
-    contiguous,
-    device_of,
-    dtype_of,
-    empty,
-    new_like,
-)
-
-F32 = DType.float32
+from ._one_page import attention_of_nothing, one_page_kv
+from ._tensors import Array, device_of, dtype_of
 
 
 def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -194,34 +184,20 @@ def single_decode_with_kv_cache(
     one page of L tokens and run through the batch kernel. Returns o
     [num_qo_heads, head_dim], and lse [num_qo_heads] with return_lse.
     """
-    layout_code(kv_layout)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_array(name, x)
-    if len(q.shape) != 2 or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
-        raise ValueError(
-            f"q must be [Hq, D] and k, v the same [L, Hkv, D] / [Hkv, L, D]; got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    heads, length = (k.shape[1], k.shape[0]) if kv_layout == "NHD" else k.shape[:2]
+    kv = one_page_kv(q, k, v, kv_layout, q_dims=2)
+    if kv.length == 0:
+        return attention_of_nothing(q, return_lse)
     num_qo_heads, head_dim = q.shape
-    if length == 0:
-        o = empty(q, q.shape, dtype_of(q))
-        o[...] = 0
-        lse = empty(q, (num_qo_heads,), F32)
-        lse[...] = -np.inf
-        return (o, lse) if return_lse else o
-    # One page holding all L tokens: the pair form of the pool, zero-copy.
-    cache = (contiguous(k)[None], contiguous(v)[None])
     # plan() is cheap here: the op is compiled once per process.
     wrapper = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
     wrapper.plan(
-        new_like(q, np.array([0, 1], np.int32)),
-        new_like(q, np.array([0], np.int32)),
-        new_like(q, np.array([length], np.int32)),
+        kv.indptr,
+        kv.indices,
+        kv.last_page_len,
         num_qo_heads,
-        int(heads),
+        kv.num_kv_heads,
         int(head_dim),
-        int(length),
+        kv.length,
         pos_encoding_mode=pos_encoding_mode,
         window_left=window_left,
         logits_soft_cap=logits_soft_cap,
@@ -231,7 +207,7 @@ def single_decode_with_kv_cache(
         rope_scale=rope_scale,
         rope_theta=rope_theta,
     )
-    out = wrapper.run(q[None], cache, return_lse=return_lse)
+    out = wrapper.run(q[None], kv.cache, return_lse=return_lse)
     if return_lse:
         return out[0][0], out[1][0]
     return out[0]

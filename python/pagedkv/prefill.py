@@ -25,7 +25,8 @@ from ._attention import (
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import check_index_array, layout_code, reject_cuda_graph
 from ._kernels import OpSpec
-from ._tensors import Array, device_of, to_host_numpy
+from ._one_page import attention_of_nothing, one_page_kv
+from ._tensors import Array, device_of, dtype_of, new_like, to_host_numpy
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -172,3 +173,66 @@ class BatchPrefillWithPagedKVCacheWrapper:
         return (o, lse) if return_lse else o
 
     forward = run
+
+
+def single_prefill_with_kv_cache(
+    q: Array,
+    k: Array,
+    v: Array,
+    custom_mask: Array | None = None,
+    packed_custom_mask: Array | None = None,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Attention of one request's qo_len queries over contiguous K/V.
+
+    q: [qo_len, num_qo_heads, head_dim]; k, v: [kv_len, num_kv_heads,
+    head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND), qo_len <=
+    kv_len. As in FlashInfer, the queries are the last qo_len tokens: query
+    i sits at position kv_len - qo_len + i (causal mask, window, RoPE and
+    ALiBi). The K/V are viewed, without a copy, as one page of kv_len tokens
+    and run through the batch prefill kernel. Returns o (q's shape and
+    dtype), and lse [qo_len, num_qo_heads] (float32, base 2) with return_lse.
+    Custom masks are not supported; use_fp16_qk_reduction is ignored.
+    """
+    kv = one_page_kv(q, k, v, kv_layout, q_dims=3)
+    queries, num_qo_heads, head_dim = (int(n) for n in q.shape)
+    if queries > kv.length:
+        raise ValueError(
+            f"q has {queries} queries but k, v only {kv.length} tokens: the queries are "
+            "the last qo_len tokens of the K/V, so qo_len must not exceed kv_len"
+        )
+    if queries == 0:
+        return attention_of_nothing(q, return_lse)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout)
+    wrapper.plan(
+        new_like(q, np.array([0, queries], np.int32)),
+        kv.indptr,
+        kv.indices,
+        kv.last_page_len,
+        num_qo_heads,
+        kv.num_kv_heads,
+        head_dim,
+        kv.length,
+        custom_mask=custom_mask,
+        packed_custom_mask=packed_custom_mask,
+        causal=causal,
+        pos_encoding_mode=pos_encoding_mode,
+        use_fp16_qk_reduction=use_fp16_qk_reduction,
+        sm_scale=sm_scale,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
+        q_data_type=dtype_of(q),
+        kv_data_type=dtype_of(k),
+    )
+    return wrapper.run(q, kv.cache, return_lse=return_lse)
