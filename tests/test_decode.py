@@ -310,6 +310,26 @@ def test_single_decode_matches_reference(layout):
     assert (empty == 0).all()
 
 
+def test_single_decode_takes_flashinfer_scales():
+    """float8 K/V with FlashInfer's q_scale, k_scale and v_scale, passed by
+    name as FlashInfer callers do; use_tensor_cores changes nothing."""
+    rng = np.random.default_rng(12)
+    k, v = (
+        cast(rng.standard_normal((150, 2, 128), dtype=np.float32), "float8_e4m3fn")
+        for _ in range(2)
+    )
+    q = cast(rng.standard_normal((8, 128), dtype=np.float32), "float16")
+    scales = {"q_scale": 1.5, "k_scale": 0.5, "v_scale": 2.0}
+    o, lse = pagedkv.single_decode_with_kv_cache(q, k, v, return_lse=True, **scales)
+    want_o, want_lse = reference.attention(
+        as_f64(q)[None], as_f64(k), as_f64(v), np.array([149]), qk_scale=0.75, v_scale=2.0
+    )
+    np.testing.assert_allclose(as_f64(o), want_o[0], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(as_f64(lse), want_lse[0], rtol=1e-2, atol=1e-2)
+    same = pagedkv.single_decode_with_kv_cache(q, k, v, use_tensor_cores=True, **scales)
+    np.testing.assert_array_equal(as_f64(same), as_f64(o))
+
+
 def test_flashinfer_style_construction_runs_the_same_decode():
     """FlashInfer's positional (workspace, layout, use_cuda_graph,
     use_tensor_cores) construction and its backend name "fa2": neither

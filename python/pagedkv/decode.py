@@ -176,6 +176,11 @@ def single_decode_with_kv_cache(
     rope_scale: float | None = None,
     rope_theta: float | None = None,
     return_lse: bool = False,
+    *,
+    use_tensor_cores: bool = False,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> Array | tuple[Array, Array]:
     """Decode attention of one request over contiguous K/V.
 
@@ -183,7 +188,17 @@ def single_decode_with_kv_cache(
     [num_kv_heads, L, head_dim] (HND). The K/V are viewed, without a copy, as
     one page of L tokens and run through the batch kernel. Returns o
     [num_qo_heads, head_dim], and lse [num_qo_heads] with return_lse.
+
+    The positional order is the one pagedkv has always had. FlashInfer's
+    `use_tensor_cores`, `q_scale`, `k_scale` and `v_scale` come before
+    `window_left` in its order, so here they are keyword-only: a FlashInfer
+    call that names them runs unchanged. The scales mean what they mean in
+    `BatchDecodeWithPagedKVCacheWrapper.run` (q.k scaled by q_scale *
+    k_scale, o by v_scale: float8 K/V's calibration). use_tensor_cores
+    picks a GPU kernel in FlashInfer, with the same result; it changes
+    nothing here.
     """
+    del use_tensor_cores
     kv = one_page_kv(q, k, v, kv_layout, q_dims=2)
     if kv.length == 0:
         return attention_of_nothing(q, return_lse)
@@ -207,7 +222,9 @@ def single_decode_with_kv_cache(
         rope_scale=rope_scale,
         rope_theta=rope_theta,
     )
-    out = wrapper.run(q[None], kv.cache, return_lse=return_lse)
+    out = wrapper.run(
+        q[None], kv.cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse
+    )
     if return_lse:
         return out[0][0], out[1][0]
     return out[0]
