@@ -76,6 +76,15 @@ comptime BATCH = 64
 comptime BATCH_TOKENS = 2048
 """The batch from memory: 64 requests of 2048 tokens, 256 MiB of bfloat16
 K/V (512 MiB of float32), one task per request."""
+comptime PEAK_CHAINS = 10
+comptime STEP_CHAINS = 8
+"""FMA chains a scoring step or V pass keeps with AVX2 (`CHAINS` and
+`DOTS_PER_STEP` in attention_cpu.mojo). In four runs of this benchmark on
+a 2-core Zen 3 VM, 8 chains of bare FMAs ran at 0.86-0.90 of the rate of
+10 (a C loop of the same FMAs, gcc -O2 -march=znver3: 0.76-0.87; 12
+chains as fast as 10): a chain's FMA takes over 4 cycles there, so 8
+chains cannot quite keep both FMA ports busy. The kernel's hot loops, at
+0.50-0.55 of the peak, lose the rest elsewhere."""
 comptime MEMORY_ROUNDS = 7
 """Rounds of (kernel, read) from memory; medians are printed."""
 
@@ -97,16 +106,17 @@ def index_array(values: List[Int]) -> Ptr[DType.int32]:
 
 
 @no_inline
-def fma_peak() -> Float64:
-    """Vector FMAs per ns on one core at full rate: FMA_CHAINS independent
-    chains of register operands, enough to fill both FMA ports of a Zen or
-    Intel core (latency 4-5 cycles x 2 ports). The anchor of the hot
-    figures: the FMAs a (token, KV head) takes, at this rate, are the least
-    time the arithmetic can take."""
-    comptime FMA_CHAINS = 10
+def fma_rate[chains: Int]() -> Float64:
+    """Vector FMAs per ns on one core from `chains` independent chains of
+    register operands. With PEAK_CHAINS, enough to fill both FMA ports of
+    a Zen or Intel core (latency 4-5 cycles x 2 ports), the core's peak:
+    the anchor of the hot figures, as the FMAs a (token, KV head) takes, at
+    this rate, are the least time the arithmetic can take. With
+    STEP_CHAINS, what the kernel's AVX2 steps keep in flight, the most
+    those steps' FMAs could reach."""
     comptime STEPS = 20_000_000
-    var acc = stack_allocation[FMA_CHAINS, SIMD[DType.float32, W]]()
-    comptime for i in range(FMA_CHAINS):
+    var acc = stack_allocation[chains, SIMD[DType.float32, W]]()
+    comptime for i in range(chains):
         acc[unsafe_offset=i] = Float32(i + 2)  # Not 1: the fixed point.
     var x = SIMD[DType.float32, W](0.999999)
     var y = SIMD[DType.float32, W](1e-6)
@@ -114,15 +124,15 @@ def fma_peak() -> Float64:
     for _ in range(REPEATS // 3):
         var start = Int(perf_counter_ns())
         for _ in range(STEPS):
-            comptime for i in range(FMA_CHAINS):
+            comptime for i in range(chains):
                 acc[unsafe_offset=i] = acc[unsafe_offset=i].fma(x, y)
         best = min(best, Float64(Int(perf_counter_ns()) - start))
     var total = SIMD[DType.float32, W](0)
-    comptime for i in range(FMA_CHAINS):
+    comptime for i in range(chains):
         total += acc[unsafe_offset=i]
     if total[0] == 0:  # Keeps the chains.
         print(total)
-    return Float64(STEPS * FMA_CHAINS) / best
+    return Float64(STEPS * chains) / best
 
 
 def ns_per_token(start: Int, stop: Int) -> Float64:
@@ -428,8 +438,20 @@ def bench_from_memory[kv_dtype: DType, group: Int]() raises:
 
 
 def main() raises:
-    var peak = fma_peak()
-    print("FMA peak:", peak, "vector FMAs per ns on one core")
+    var peak = fma_rate[PEAK_CHAINS]()
+    var stepped = fma_rate[STEP_CHAINS]()
+    print(
+        "FMA peak: ",
+        peak,
+        " vector FMAs per ns on one core; from ",
+        STEP_CHAINS,
+        " chains: ",
+        stepped,
+        " (",
+        stepped / peak,
+        " of it)",
+        sep="",
+    )
     bench[DType.bfloat16, 8](peak)
     bench[DType.float32, 8](peak)
     bench[DType.bfloat16, 4](peak)
