@@ -81,9 +81,9 @@ comptime STEP_CHAINS = 8
 """FMA chains a scoring step or V pass keeps with AVX2 (`CHAINS` and
 `DOTS_PER_STEP` in attention_cpu.mojo). In four runs of this benchmark on
 a 2-core Zen 3 VM, 8 chains of bare FMAs ran at 0.86-0.90 of the rate of
-10 (a C loop of the same FMAs, gcc -O2 -march=znver3: 0.76-0.87; 12
-chains as fast as 10): a chain's FMA takes over 4 cycles there, so 8
-chains cannot quite keep both FMA ports busy. The kernel's hot loops, at
+10 (a C loop of the same FMAs, gcc -O2 -march=znver3, five runs:
+0.76-0.86; 12 chains about as fast as 10): a chain's FMA takes 4.2-4.6
+cycles there, so 8 chains cannot quite keep both FMA ports busy. The kernel's hot loops, at
 0.50-0.55 of the peak, lose the rest elsewhere."""
 comptime MEMORY_ROUNDS = 7
 """Rounds of (kernel, read) from memory; medians are printed."""
