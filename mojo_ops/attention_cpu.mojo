@@ -33,7 +33,7 @@ from std.math import log2
 from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.sys import size_of
-from std.utils.numerics import neg_inf
+from std.utils.numerics import nan, neg_inf
 
 from .attention_products import (
     PRODUCT_MIN_ROWS,
@@ -50,7 +50,7 @@ from .attention_params import (
     rope_rotate,
 )
 from .attention_work import AttentionWork
-from .exp2 import exp2_f32
+from .exp2 import exp2_f32, is_nan_f32, nan_lanes
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets, chunk_rows
 from .lane_reduce import reduce_many
 from .merge_states import merge_row
@@ -441,9 +441,14 @@ def softmax_tile[
     comptime for i in range(W):
         iota[i] = Float32(i)
     var tops = stack_allocation[tile, SIMD[F32, W]]()
+    # NaN is data, not a mask: a visible NaN score (from q, k or q_scale)
+    # makes its row's l NaN for good, so the row ends NaN. One compare per
+    # vector here; the exp2 clamp below would turn NaN into a finite weight.
+    var nans = SIMD[DType.bool, tile](fill=False)
     comptime for g in range(tile):
         var row = scores.unsafe_offset(g * CHUNK)
         var top = SIMD[F32, W](neg_inf[F32]())
+        var nan_seen = SIMD[DType.bool, W](fill=False)
         comptime for c in range(vectors):
             var distance = (
                 iota + Float32(kv_pos0 + c * W) - row_pos[unsafe_offset=g]
@@ -458,7 +463,9 @@ def softmax_tile[
             )
             row.unsafe_offset(c * W).unsafe_store(s)
             top = max(top, s)
+            nan_seen = nan_seen | nan_lanes(s)
         tops[unsafe_offset=g] = top
+        nans[g] = nan_seen.reduce_or()
     var old = m.unsafe_load[width=tile]()
     var new = max(old, reduce_many[tile, is_max=True](tops))
     # A row that has seen nothing yet keeps m = -inf: exponents relative to 0
@@ -477,7 +484,10 @@ def softmax_tile[
             total += p
         totals[unsafe_offset=g] = total
     l.unsafe_store(
-        l.unsafe_load[width=tile]() * alpha + reduce_many[tile](totals)
+        nans.select(
+            SIMD[F32, tile](nan[F32]()),
+            l.unsafe_load[width=tile]() * alpha + reduce_many[tile](totals),
+        )
     )
     m.unsafe_store(new)
     comptime for g in range(tile):
@@ -1169,11 +1179,16 @@ def attention_task[
                 var r = (h - h0) * head_rows + t * group + g
                 var qo = h * group + g
                 var total = st.l[unsafe_offset=r]
-                var norm = v_scale / total if total > 0 else Float32(0)
+                # l is 0 (no key seen), positive, or NaN (a NaN seen): NaN
+                # passes through to o and lse.
+                var norm = v_scale / total if total != 0 else Float32(0)
                 var state_lse = (
                     st.m[unsafe_offset=r] + log2(total) if total
-                    > 0 else neg_inf[F32]()
+                    != 0 else neg_inf[F32]()
                 )
+                if is_nan_f32(total):
+                    norm = nan[F32]()
+                    state_lse = nan[F32]()
                 var a = st.acc.unsafe_offset(r * head_dim)
                 comptime if paired[kv_dtype]():
                     from_paired_order(a, head_dim)

@@ -17,7 +17,7 @@ this one serves every other case and GPU.
 from std.math import cos, exp2, log2, sin
 from std.sys import size_of
 from std.memory import stack_allocation
-from std.utils.numerics import neg_inf
+from std.utils.numerics import nan, neg_inf
 
 from max.gpu import WARP_SIZE, barrier, block_idx, lane_id, thread_idx
 from max.gpu.memory import AddressSpace
@@ -33,6 +33,7 @@ from .attention_params import (
     rope_inv_freq,
 )
 from .attention_work import AttentionWork
+from .exp2 import is_nan_f32
 from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 
 comptime GPU_THREADS = 128
@@ -219,8 +220,13 @@ def attention_gpu_kernel[
                     parked_o[unsafe_offset=(w * MAX_ROWS + r) * head_dim + d]
                     * scale
                 )
-        var value = acc / total * params.v_scale if total > 0 else Float32(0)
-        var state_lse = top + log2(total) if total > 0 else neg_inf[F32]()
+        # A warp whose l is NaN saw a NaN score: max() may have dropped its
+        # m, so the NaN is carried over explicitly (NaN in, NaN out).
+        comptime for w in range(WARPS):
+            if is_nan_f32(parked_ml[unsafe_offset=2 * (w * MAX_ROWS + r) + 1]):
+                total = nan[F32]()
+        var value = acc / total * params.v_scale if total != 0 else Float32(0)
+        var state_lse = top + log2(total) if total != 0 else neg_inf[F32]()
         var hr = r0 + r
         var qo = kv_head * group + hr % group
         if partial_state:
@@ -356,17 +362,23 @@ def merge_split_gpu_kernel[
     var states = work.partial_lse.unsafe_offset(item0 * heads + qo)
 
     var top = neg_inf[F32]()
+    var nans: Float32 = 0
     for i in range(lane, count, WARP_SIZE):
         top = max(top, states[unsafe_offset=i * heads])
+        if is_nan_f32(states[unsafe_offset=i * heads]):
+            nans = 1
     top = warp.max(top)
     var total: Float32 = 0
     if top != neg_inf[F32]():
         for i in range(lane, count, WARP_SIZE):
             total += exp2(states[unsafe_offset=i * heads] - top)
     total = warp.sum(total)
+    # A NaN partial state makes the merge NaN (max() may have dropped it).
+    if warp.max(nans) > 0:
+        total = nan[F32]()
 
     var acc = SIMD[F32, VEC](0)
-    if total > 0:
+    if total != 0:
         var rows = work.partial_o.unsafe_offset(
             (item0 * heads + qo) * head_dim + lane * VEC
         )
@@ -391,9 +403,9 @@ def merge_split_gpu_kernel[
         comptime for w in range(WARPS):
             value += sums[unsafe_offset=w * head_dim + d]
         output[unsafe_offset=row * head_dim + d] = (
-            value / total if total > 0 else Float32(0)
+            value / total if total != 0 else Float32(0)
         ).cast[dtype]()
     if tid == 0:
         lse[unsafe_offset=row] = (
-            top + log2(total) if total > 0 else neg_inf[F32]()
+            top + log2(total) if total != 0 else neg_inf[F32]()
         )

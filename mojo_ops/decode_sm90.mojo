@@ -55,6 +55,7 @@ from .attention_params import (
     alibi_slope,
 )
 from .attention_work import AttentionWork
+from .exp2 import is_nan_f32
 from .paged_kv_cache import (
     DYNAMIC,
     KV,
@@ -446,6 +447,10 @@ def decode_sm90_kernel[
                     a = exp2(m_state[j] - new_m)
                     if seen:
                         p = exp2(score - new_m)
+                if seen and is_nan_f32(score):
+                    # NaN is data: warp.max may drop it, so it enters l and
+                    # p.v directly and the row ends NaN.
+                    p = score
                 l_state[j] = l_state[j] * a + warp.sum(p)
                 m_state[j] = new_m
                 probs[unsafe_offset=g * BN + lane] = p
@@ -534,8 +539,9 @@ def decode_sm90_kernel[
             var m = final_ml[unsafe_offset=2 * g]
             var l = final_ml[unsafe_offset=2 * g + 1]
             var qo = kv_head * real_group + g
-            var scale = params.v_scale / l if l > 0 else Float32(0)
-            var state_lse = m + log2(l) if l > 0 else neg_inf[F32]()
+            # l is 0 (no key seen), positive, or NaN (passed through).
+            var scale = params.v_scale / l if l != 0 else Float32(0)
+            var state_lse = m + log2(l) if l != 0 else neg_inf[F32]()
             comptime for c in range(Shape.COLS):
                 var value = o[g * Shape.COLS + c] * scale
                 if partial_state:

@@ -29,3 +29,19 @@ def exp2_f32[width: Int](x: SIMD[F32, width]) -> SIMD[F32, width]:
         (n.cast[DType.int32]() + 127).cast[DType.uint32]() << 23
     )
     return p * scale
+
+
+@always_inline
+def nan_lanes[width: Int](x: SIMD[F32, width]) -> SIMD[DType.bool, width]:
+    """Which lanes of x are NaN, read from the bits: a `x != x` test may be
+    folded away by fast-math compilation, and NaN must reach the output."""
+    var magnitude = bitcast[DType.uint32, width](x) & SIMD[DType.uint32, width](
+        0x7FFFFFFF
+    )
+    return magnitude.gt(SIMD[DType.uint32, width](0x7F800000))
+
+
+@always_inline
+def is_nan_f32(x: Float32) -> Bool:
+    """Whether x is NaN, read from its bits (see `nan_lanes`)."""
+    return nan_lanes[1](x)[0]

@@ -19,9 +19,9 @@ from max.gpu.host import DeviceContext
 from std.math import log2
 from std.memory import stack_allocation
 from std.sys import simd_width_of
-from std.utils.numerics import neg_inf
+from std.utils.numerics import nan, neg_inf
 
-from .exp2 import exp2_f32
+from .exp2 import exp2_f32, is_nan_f32
 from .paged_kv_cache import Ptr
 from .tensor_access import ptr_of
 from .widen import load_f32, narrow
@@ -56,8 +56,20 @@ def merge_row[
     head (CPU: 0, 1; GPU: thread index, block size) and, when first == 0, out_s.
     """
     var top = neg_inf[DType.float32]()
+    var has_nan = False
     for i in range(count):
         top = max(top, s[unsafe_offset=i * s_stride])
+        has_nan = has_nan or is_nan_f32(s[unsafe_offset=i * s_stride])
+    if has_nan:
+        # NaN is data: max() and the exp2 clamp would drop it, so a NaN s
+        # makes the whole merged state NaN.
+        if first == 0:
+            out_s[unsafe_offset=0] = nan[DType.float32]()
+        var e = first
+        while e < head_dim:
+            out_v[unsafe_offset=e] = narrow[out_dtype, 1](nan[DType.float32]())
+            e += step
+        return
     var total: Float32 = 0
     if top != neg_inf[DType.float32]():
         for i in range(count):
@@ -144,6 +156,9 @@ struct MergeStateInPlace:
 @always_inline
 def pair_weights(sa: Float32, sb: Float32) -> Tuple[Float32, Float32, Float32]:
     """(w_a, w_b, merged s) of two states' base-2 log-sum-exps; w sum to 1."""
+    if is_nan_f32(sa) or is_nan_f32(sb):
+        var n = nan[DType.float32]()
+        return (n, n, n)
     var top = max(sa, sb)
     if top == neg_inf[DType.float32]():
         return (Float32(0), Float32(0), top)

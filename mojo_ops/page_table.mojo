@@ -271,6 +271,8 @@ struct GetSeqLens:
 struct GetBatchIndicesPositions:
     """For each appended token j of request b (append_indptr[b] <= j < append_indptr[b+1]):
     batch_indices[j] = b and positions[j] = seq_lens[b] - append_len(b) + (j - append_indptr[b]).
+    Entries from append_indptr[-1] to nnz (padding, as in FlashInfer) get
+    batch index -1 and position 0.
     """
 
     @staticmethod
@@ -289,6 +291,7 @@ struct GetBatchIndicesPositions:
         var seq_host = HostIndices.enqueue[target](seq_lens, ctx)
         host_ready[target](ctx)
         check_append_indptr(indptr_host.ptr, seq_host.ptr, batch_size, nnz)
+        var total = Int(indptr_host.ptr[unsafe_offset=batch_size])
 
         var bi = ptr_of(batch_indices)
         var pos = ptr_of(positions)
@@ -300,24 +303,51 @@ struct GetBatchIndicesPositions:
                 fill_request(bi, pos, indptr, lens, b, 0, 1)
 
             sync_parallelize(one_request, batch_size)
+            fill_padding(bi, pos, total, nnz, 0, 1)
         else:
 
             def kernel(
-                bi: IndexPtr, pos: IndexPtr, indptr: IndexPtr, lens: IndexPtr
+                bi: IndexPtr,
+                pos: IndexPtr,
+                indptr: IndexPtr,
+                lens: IndexPtr,
+                batch_size: Int32,
+                total: Int32,
+                nnz: Int32,
             ):
-                fill_request(
+                # Blocks 0 .. B - 1 take a request each; block B the padding.
+                var b = Int(block_idx.x)
+                if b < Int(batch_size):
+                    fill_request(
+                        bi,
+                        pos,
+                        indptr,
+                        lens,
+                        b,
+                        Int(thread_idx.x),
+                        Int(block_dim.x),
+                    )
+                else:
+                    fill_padding(
+                        bi,
+                        pos,
+                        Int(total),
+                        Int(nnz),
+                        Int(thread_idx.x),
+                        Int(block_dim.x),
+                    )
+
+            if nnz > 0:
+                ctx.enqueue_function[kernel](
                     bi,
                     pos,
                     indptr,
                     lens,
-                    Int(block_idx.x),
-                    Int(thread_idx.x),
-                    Int(block_dim.x),
-                )
-
-            if batch_size > 0:
-                ctx.enqueue_function[kernel](
-                    bi, pos, indptr, lens, grid_dim=batch_size, block_dim=128
+                    Int32(batch_size),
+                    Int32(total),
+                    Int32(nnz),
+                    grid_dim=batch_size + 1,
+                    block_dim=128,
                 )
 
 
@@ -344,11 +374,29 @@ def fill_request(
         j += step
 
 
+@always_inline
+def fill_padding(
+    batch_indices: IndexPtr,
+    positions: IndexPtr,
+    total: Int,
+    nnz: Int,
+    first: Int,
+    step: Int,
+):
+    """Marks entries total + first, total + first + step, ... below nnz as
+    padding: batch index -1, position 0 (FlashInfer's CUDA-graph padding)."""
+    var j = total + first
+    while j < nnz:
+        batch_indices[unsafe_offset=j] = -1
+        positions[unsafe_offset=j] = 0
+        j += step
+
+
 def check_append_indptr(
     append_indptr: IndexPtr, seq_lens: IndexPtr, batch_size: Int, nnz: Int
 ) raises:
-    """Raises unless append_indptr is a CSR offset array of nnz tokens that
-    fits inside seq_lens (host pointers)."""
+    """Raises unless append_indptr is a CSR offset array of at most nnz
+    tokens that fits inside seq_lens (host pointers)."""
     if Int(append_indptr[unsafe_offset=0]) != 0:
         raise Error("pagedkv: append_indptr[0] must be 0")
     for b in range(batch_size):
@@ -371,8 +419,10 @@ def check_append_indptr(
                 seq_lens[unsafe_offset=b],
             )
     var total = Int(append_indptr[unsafe_offset=batch_size])
-    if total != nnz:
-        raise Error("pagedkv: append_indptr[-1] = ", total, " but nnz = ", nnz)
+    if total > nnz:
+        raise Error(
+            "pagedkv: append_indptr[-1] = ", total, " exceeds nnz = ", nnz
+        )
 
 
 @extensibility.register("pagedkv_check_page_table")

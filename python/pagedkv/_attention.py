@@ -15,16 +15,42 @@ from dataclasses import dataclass
 import numpy as np
 from max.dtype import DType
 
+from ._checks import INT32_MAX, check_float, check_int
+
 POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
 HEAD_DIMS = (64, 128, 256)
 
 
-def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
-    """Raises unless the query heads split evenly over the KV heads (GQA)."""
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """FlashInfer's ALiBi slopes (Press et al.) of num_heads query heads, as
+    mojo_ops/attention_params.mojo's alibi_slope computes them."""
+    n = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    slopes += [2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(n, num_heads)]
+    return np.array(slopes, np.float64)
+
+
+def decode_alibi_lse_shift(seq_lens: np.ndarray, num_qo_heads: int) -> np.ndarray:
+    """What FlashInfer's decode kernels add to the base-2 LSE under ALiBi:
+    they bias key j by slope * j, the kernels here by slope * (j - (L - 1))
+    (as FlashInfer's prefill does), so o is the same and the decode LSE is
+    slope * (L - 1) * log2(e) higher. [B, Hq] float32; 0 for an empty request."""
+    last = np.maximum(seq_lens.astype(np.float64) - 1, 0)
+    return (last[:, None] * alibi_slopes(num_qo_heads)[None, :] * math.log2(math.e)).astype(
+        np.float32
+    )
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """Raises unless both are positive and the query heads split evenly over
+    the KV heads (GQA); returns them as ints."""
+    num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    if num_qo_heads % num_kv_heads:
         raise ValueError(
             f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
+    return num_qo_heads, num_kv_heads
 
 
 def as_dtype(x: object, name: str) -> DType:
@@ -44,7 +70,9 @@ def as_dtype(x: object, name: str) -> DType:
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """Validated scalar options of one plan()."""
+    """Validated scalar options of one plan(): integers that fit the kernels'
+    int32, floats that are finite numbers (NaN and infinities raise
+    ValueError)."""
 
     head_dim: int
     pos_encoding_mode: str = "NONE"
@@ -62,14 +90,12 @@ class AttentionOptions:
                 f"pos_encoding_mode must be one of {sorted(POS_ENCODING_MODES)}, "
                 f"got {self.pos_encoding_mode!r}"
             )
-        if int(self.window_left) < -1:
-            raise ValueError(f"window_left must be >= -1, got {self.window_left}")
-        if self.logits_soft_cap is not None and self.logits_soft_cap < 0:
-            raise ValueError(f"logits_soft_cap must be positive, got {self.logits_soft_cap}")
-        for name in ("sm_scale", "rope_scale", "rope_theta"):
+        # The kernels compare positions against -window_left in int32.
+        check_int("window_left", self.window_left, -1, INT32_MAX - 1)
+        for name in ("logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            if value is not None:
+                check_float(name, value, positive=True)
 
     def float_params(
         self, q_scale: float | None, k_scale: float | None, v_scale: float | None

@@ -16,10 +16,17 @@ from max.driver import Buffer
 from max.dtype import DType
 
 from ._attention import AttentionOptions
-from ._checks import CacheGeometry, cache_geometry, check_index_array, check_output
-from ._kernels import Operand, OpSpec, compiled_op, run_model, run_op
+from ._checks import (
+    CacheGeometry,
+    cache_geometry,
+    check_index_array,
+    check_int,
+    check_output,
+    check_writable,
+    host_index_copy,
+)
+from ._kernels import Operand, OpSpec, compiled_op, run_model
 from ._tensors import (
-    CPU,
     FP8_FORMATS,
     Array,
     Device,
@@ -33,9 +40,10 @@ from ._tensors import (
     new_like,
     storage_dtype,
     to_buffer,
-    to_host_numpy,
 )
-from .page import INDEX
+from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host
+
+__all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
 
 Q_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 FP8_DTYPES = tuple(FP8_FORMATS)
@@ -44,11 +52,6 @@ KV_DTYPES = Q_DTYPES + FP8_DTYPES
 F32 = DType.float32
 HOST_F32 = Operand(F32, 1, on_host=True)
 HOST_INDEX = Operand(DType.int32, 1, on_host=True)
-
-CHECK_PAGE_TABLE = OpSpec.of(
-    "pagedkv_check_page_table",
-    [Operand(DType.int32, 1, mutable=True, on_host=True), INDEX, INDEX, INDEX, HOST_INDEX],
-)
 
 
 def attention_spec(op: str, q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -89,32 +92,6 @@ def check_dtypes(q_dtype: DType, kv_dtype: DType) -> None:
         raise TypeError("an fp8 KV cache needs a 16-bit q (float16 or bfloat16)")
 
 
-def check_page_table_on_host(
-    kv_indptr: np.ndarray,
-    kv_indices: np.ndarray,
-    kv_last_page_len: np.ndarray,
-    page_size: int,
-    num_pages: int = 2**31 - 1,
-) -> tuple[int, int]:
-    """Runs the kernels' own page-table check on host copies (raises ValueError).
-
-    Returns (largest page id used or -1, tokens cached in the batch).
-    """
-    summary = np.zeros(2, np.int32)
-    run_op(
-        CHECK_PAGE_TABLE,
-        [
-            summary,
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
-            np.array([page_size, num_pages], np.int32),
-        ],
-        CPU,
-    )
-    return int(summary[0]), int(summary[1])
-
-
 @dataclass
 class PageTable:
     """A checked CSR page table: host copies, and what plan() derives."""
@@ -135,13 +112,22 @@ class PageTable:
     @staticmethod
     def checked(indptr: Array, indices: Array, last_page_len: Array, page_size: int) -> PageTable:
         """Checks the arrays (int32, 1-D, consistent, page ids >= 0, last
-        page lengths in range) and reads the sequence lengths."""
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page lengths in range) and reads the sequence lengths.
+
+        The table holds its own host copies, checked after copying: editing
+        the caller's arrays later changes nothing that run() reads."""
+        page_size = check_int("page_size", page_size, 1)
         check_index_array("last_page_len", last_page_len)
         check_index_array("indptr", indptr, int(last_page_len.shape[0]) + 1)
         check_index_array("indices", indices)
-        host = [np.ascontiguousarray(to_host_numpy(x)) for x in (indptr, indices, last_page_len)]
+        host = [
+            host_index_copy(name, x)
+            for name, x in (
+                ("indptr", indptr),
+                ("indices", indices),
+                ("last_page_len", last_page_len),
+            )
+        ]
         max_page_id, _ = check_page_table_on_host(*host, page_size)
         pages = np.diff(host[0].astype(np.int64))
         seq_lens = np.where(pages > 0, (pages - 1) * page_size + host[2], 0)
@@ -166,6 +152,7 @@ class AttentionPlan:
         q_dtype: DType | None,
         kv_dtype: DType | None,
         workspace: Array | None,
+        lse_shift: np.ndarray | None = None,
     ) -> None:
         self.op = op
         self.table = table
@@ -199,6 +186,9 @@ class AttentionPlan:
             "lse_scratch": to_buffer(empty(table.like, (q_rows, num_qo_heads), F32)),
             "int_params": to_buffer(int_params),
         }
+        self.lse_shift = None if lse_shift is None else new_like(table.like, lse_shift)
+        """[rows, Hq] added to a returned lse (decode under ALiBi, see
+        decode_alibi_lse_shift), on the plan's device; None: nothing."""
         self.model = None
         """The compiled op, kept so that run() skips the lookup."""
         self._scales: tuple | None = None
@@ -268,7 +258,7 @@ class AttentionPlan:
         """o [rows, Hq, D] (q's dtype), into `out` if given, and with
         return_lse lse [rows, Hq] (float32, base 2), into `lse` if given;
         else None."""
-        geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+        geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout, written=False)
         self.check_run(q, geometry)
         assert self.q_dtype is not None
         if out is None:
@@ -302,7 +292,11 @@ class AttentionPlan:
             ],
             self.device,
         )
-        return out, (lse if return_lse else None)
+        if not return_lse:
+            return out, None
+        if self.lse_shift is not None:
+            lse += self.lse_shift
+        return out, lse
 
 
 def _workspace_view(workspace: Array | None, shape: tuple[int, ...], like: Array) -> Array:
@@ -312,6 +306,7 @@ def _workspace_view(workspace: Array | None, shape: tuple[int, ...], like: Array
     if workspace is None:
         return empty(like, shape, F32)
     check_array("float_workspace_buffer", workspace)
+    check_writable("float_workspace_buffer", workspace)
     if is_torch(workspace):
         import torch
 

@@ -5,13 +5,22 @@ here, before any kernel runs; facts that depend on values (page ids, lengths,
 positions) are checked by the kernels themselves on the host before they write
 (see mojo_ops/page_table.mojo). Either way the caller's cache is untouched
 by a rejected call.
+
+Scalars are checked here too: an integer option that the kernels take as
+int32 must fit one, a float option must be a number (NaN is refused), and
+every array a call writes must be writable (MAX would copy a read-only NumPy
+array and drop the write).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from max.dtype import DType
 
 from ._tensors import (
@@ -21,7 +30,9 @@ from ._tensors import (
     device_of,
     dtype_of,
     is_contiguous,
+    is_torch,
     storage_view,
+    to_host_numpy,
 )
 
 KV_LAYOUTS = {"NHD": 0, "HND": 1}
@@ -33,6 +44,68 @@ CACHE_DTYPES = (
     DType.float8_e4m3fn,
     DType.float8_e5m2,
 )
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
+    """value as a Python int, raising unless it is an integer (not a bool or a
+    float) in [lo, hi]: the kernels take such options as int32."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if not lo <= number <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {number}")
+    return number
+
+
+def check_float(name: str, value: Any, *, positive: bool = False) -> float:
+    """value as a finite float, raising ValueError for NaN, an infinity or
+    (with positive) a value <= 0, TypeError for a non-number."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or (positive and not number > 0):
+        want = "a positive finite number" if positive else "a finite number"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return number
+
+
+def check_writable(name: str, x: Array) -> None:
+    """Raises unless x can be written in place: MAX copies a read-only NumPy
+    array, so a write into one would be lost without an error."""
+    if not is_torch(x) and not x.flags.writeable:
+        raise ValueError(f"{name} is read-only (flags.writeable is False): it is written in place")
+
+
+def host_index_copy(name: str, x: Array) -> np.ndarray:
+    """A host int32 copy of an index array that the caller's later edits cannot
+    reach: `np.ascontiguousarray` and `Tensor.numpy()` may share memory."""
+    return np.array(to_host_numpy(x), dtype=np.int32, order="C", copy=True)
+
+
+def narrow_indices(name: str, x: Any, length: int | None = None) -> np.ndarray:
+    """A 1-D integer array (any integer dtype, or a sequence) as a new int32
+    array; raises ValueError, never wraps, for a value that int32 cannot hold."""
+    values = np.asarray(to_host_numpy(x) if is_torch(x) else x)
+    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape}")
+    if length is not None and values.size != length:
+        raise ValueError(f"{name} must have {length} entries, got {values.size}")
+    if values.size and values.dtype.itemsize >= 4 and values.dtype != np.int32:
+        # Compared before the cast: astype would wrap 2**32 + 5 to 5.
+        low, high = values.min(), values.max()
+        if (values.dtype.kind == "i" and low < -INT32_MAX - 1) or high > INT32_MAX:
+            i = int(np.flatnonzero((values > INT32_MAX) | (values < -INT32_MAX - 1))[0])
+            raise ValueError(f"{name}[{i}] = {values[i]} does not fit in int32")
+    return values.astype(np.int32)
 
 
 def check_index_array(name: str, x: Array, length: int | None = None) -> None:
@@ -62,6 +135,7 @@ def check_output(name: str, x: Array, shape: tuple[int, ...], dtype: DType, devi
     check_device(name, x, device)
     if not is_contiguous(x):
         raise ValueError(f"{name} must be contiguous: it is written in place")
+    check_writable(name, x)
 
 
 def reject_cuda_graph(use_cuda_graph: bool) -> None:
@@ -114,12 +188,13 @@ class CacheGeometry:
 
 
 def cache_geometry(
-    name: str, paged_kv_cache: Array | Sequence[Array], kv_layout: str
+    name: str, paged_kv_cache: Array | Sequence[Array], kv_layout: str, *, written: bool = True
 ) -> CacheGeometry:
     """Checks a pool and reads its geometry.
 
     paged_kv_cache: [pages, 2, P, H, D] (NHD) or [pages, 2, H, P, D] (HND), or a
-    (K, V) pair of [pages, P, H, D] / [pages, H, P, D] arrays.
+    (K, V) pair of [pages, P, H, D] / [pages, H, P, D] arrays. written: the
+    call writes the pool, so it must be writable (False for reads alone).
     """
     layout = layout_code(kv_layout)
     if isinstance(paged_kv_cache, (tuple, list)):
@@ -154,6 +229,8 @@ def cache_geometry(
     for x in arrays:
         if not is_contiguous(x):
             raise ValueError(f"{name} must be contiguous: it is written in place and never copied")
+        if written:
+            check_writable(name, x)
     dtype = dtype_of(arrays[0])
     if dtype not in CACHE_DTYPES:
         raise TypeError(

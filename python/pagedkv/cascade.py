@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from max.dtype import DType
 
+from ._checks import check_writable
 from ._kernels import Operand, OpSpec, run_op
 from ._tensors import Array, check_array, contiguous, device_of, dtype_of, empty, is_torch
 
@@ -75,6 +76,9 @@ def merge_state_in_place(v: Array, s: Array, v_other: Array, s_other: Array) -> 
         raise ValueError("v and v_other are on different devices")
     if contiguous(v) is not v or contiguous(s) is not s:
         raise ValueError("v and s are written in place and must be contiguous")
+    # Both before either is written: a lost write to one would leave half a state.
+    check_writable("v", v)
+    check_writable("s", s)
     run_op(
         merge_state_spec(dtype_of(v)),
         [v, s, contiguous(v_other), contiguous(s_other)],
@@ -98,9 +102,15 @@ def _contiguous_copy(x: Array) -> Array:
 
 def merge_states(v: Array, s: Array) -> tuple[Array, Array]:
     """The merge of S states per row: v [N, S, H, D], s [N, S, H] ->
-    (v [N, H, D], s [N, H])."""
+    (v [N, H, D], s [N, H]).
+
+    As in FlashInfer, one state (S = 1) comes back unchanged, copied, also
+    where its s is -inf (a merge would give v = 0 there). A NaN in a row's
+    s or v makes that row's result NaN."""
     _check_state("v", v, "s", s, 4)
-    n, _, heads, head_dim = v.shape
+    n, states, heads, head_dim = v.shape
+    if states == 1:
+        return _contiguous_copy(v[:, 0]), _contiguous_copy(s[:, 0])
     out_v = empty(v, (n, heads, head_dim), dtype_of(v))
     out_s = empty(v, (n, heads), F32)
     run_op(

@@ -16,12 +16,13 @@ from ._attention import (
     AttentionOptions,
     as_dtype,
     check_heads,
+    decode_alibi_lse_shift,
     decode_kernel,
     decode_work,
     heads_per_task,
 )
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import layout_code, reject_cuda_graph
+from ._checks import INT32_MAX, check_int, layout_code, reject_cuda_graph
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of
@@ -92,27 +93,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_data_type / kv_data_type (torch, NumPy or MAX dtypes, or names) fix
         the dtypes and compile now; left None they are taken from the first
         run(). Options as in FlashInfer; logits_soft_cap None or 0 is off.
+        Integer options must fit int32 and float options be finite numbers
+        (ValueError otherwise).
+
+        Under ALiBi the returned lse is FlashInfer's decode kernels' (key j
+        biased by slope * j), slope * (L - 1) * log2(e) above the prefill
+        wrapper's for the same query (which biases by slope * (j - (L - 1)),
+        as FlashInfer's prefill does); o is the same either way.
         """
+        num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
+        page_size = check_int("page_size", page_size, 1)
         options = AttentionOptions(
-            head_dim=int(head_dim),
+            head_dim=check_int("head_dim", head_dim, 1),
             pos_encoding_mode=pos_encoding_mode,
-            window_left=int(window_left),
+            window_left=check_int("window_left", window_left, -1, INT32_MAX - 1),
+            # FlashInfer's 0 is off; NaN is truthy and reaches the check.
             logits_soft_cap=logits_soft_cap or None,
             sm_scale=sm_scale,
             rope_scale=rope_scale,
             rope_theta=rope_theta,
         )
-        check_heads(num_qo_heads, num_kv_heads)
         is_gpu = device_of(indptr).is_gpu
         gpu_kernel = decode_kernel(
             self._backend,
             is_gpu,
             self._kv_layout,
-            int(page_size),
+            page_size,
             num_qo_heads // num_kv_heads,
             pos_encoding_mode,
         )
-        table = PageTable.checked(indptr, indices, last_page_len, int(page_size))
+        table = PageTable.checked(indptr, indices, last_page_len, page_size)
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
             table, num_qo_heads, num_kv_heads, per_task, options, is_gpu
@@ -131,6 +141,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
             None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
             self._workspace,
+            lse_shift=(
+                decode_alibi_lse_shift(table.seq_lens, num_qo_heads)
+                if pos_encoding_mode == "ALIBI"
+                else None
+            ),
         )
 
     def run(

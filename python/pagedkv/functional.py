@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import page
+from ._checks import narrow_indices
 from ._tensors import Array
 from .manager import PAD_PAGE, PagedKVCacheManager
 
@@ -145,8 +146,8 @@ def append_kv(
     pool = _pool(cache, layer)
     size = cache.page_size
     table, seq_lens = _check_table(block_table)
-    rows = _indices("batch_indices", batch_indices)
-    pos = _indices("positions", positions, rows.size)
+    rows = narrow_indices("batch_indices", batch_indices)
+    pos = narrow_indices("positions", positions, rows.size)
     batch, width = table.shape
     if rows.size and (rows.min() < 0 or rows.max() >= batch):
         i = int(np.flatnonzero((rows < 0) | (rows >= batch))[0])
@@ -199,15 +200,6 @@ def _pool(cache: PagedKVCache, layer: int) -> Array:
     return cache.pools[layer]
 
 
-def _indices(name: str, x: Any, length: int | None = None) -> np.ndarray:
-    values = np.asarray(x)
-    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
-        raise ValueError(f"{name} must be a 1-D integer array, got shape {values.shape}")
-    if length is not None and values.size != length:
-        raise ValueError(f"{name} must have {length} entries, got {values.size}")
-    return values.astype(np.int32)
-
-
 def _check_table(block_table: BlockTable) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(block_table, BlockTable):
         raise TypeError(f"block_table must be a BlockTable, got {type(block_table).__name__}")
@@ -217,6 +209,11 @@ def _check_table(block_table: BlockTable) -> tuple[np.ndarray, np.ndarray]:
             f"block_table must be [B, max_blocks] with seq_lens [B], got {table.shape} "
             f"and {seq_lens.shape}"
         )
+    table = np.asarray(table)
+    seq_lens = np.asarray(seq_lens)
+    for name, x in (("block_table.table", table), ("block_table.seq_lens", seq_lens)):
+        # Narrowed checked: a wrapped int64 page id would name another page.
+        narrow_indices(name, x.reshape(-1))
     return table.astype(np.int32, copy=False), seq_lens.astype(np.int32, copy=False)
 
 

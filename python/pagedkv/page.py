@@ -17,11 +17,14 @@ from ._checks import (
     cache_geometry,
     check_device,
     check_index_array,
+    check_int,
     check_page_table_arrays,
     check_rows,
+    host_index_copy,
 )
 from ._kernels import Operand, OpSpec, run_op
 from ._tensors import (
+    CPU,
     Array,
     check_array,
     contiguous,
@@ -31,7 +34,6 @@ from ._tensors import (
     new_like,
     storage_dtype,
     storage_view,
-    to_host_numpy,
 )
 
 INDEX = Operand(DType.int32, 1)
@@ -42,6 +44,36 @@ SEQ_LENS = OpSpec.of("pagedkv_get_seq_lens", [INDEX_OUT, INDEX, INDEX, HOST_INDE
 BATCH_INDICES_POSITIONS = OpSpec.of(
     "pagedkv_get_batch_indices_positions", [INDEX_OUT, INDEX_OUT, INDEX, INDEX]
 )
+CHECK_PAGE_TABLE = OpSpec.of(
+    "pagedkv_check_page_table",
+    [Operand(DType.int32, 1, mutable=True, on_host=True), INDEX, INDEX, INDEX, HOST_INDEX],
+)
+
+
+def check_page_table_on_host(
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    kv_last_page_len: np.ndarray,
+    page_size: int,
+    num_pages: int = 2**31 - 1,
+) -> tuple[int, int]:
+    """Runs the kernels' own page-table check on host copies (raises ValueError).
+
+    Returns (largest page id used or -1, tokens cached in the batch).
+    """
+    summary = np.zeros(2, np.int32)
+    run_op(
+        CHECK_PAGE_TABLE,
+        [
+            summary,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            np.array([page_size, num_pages], np.int32),
+        ],
+        CPU,
+    )
+    return int(summary[0]), int(summary[1])
 
 
 def append_spec(dtype: DType, layout: int) -> OpSpec:
@@ -82,8 +114,7 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
     check_index_array("kv_indptr", kv_indptr, kv_last_page_len.shape[0] + 1)
     device = device_of(kv_indptr)
     check_device("kv_last_page_len", kv_last_page_len, device)
-    if int(page_size) < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    page_size = check_int("page_size", page_size, 1)
     seq_lens = empty(kv_last_page_len, kv_last_page_len.shape, DType.int32)
     run_op(
         SEQ_LENS,
@@ -113,8 +144,7 @@ def get_batch_indices_positions(
     check_index_array("append_indptr", append_indptr, seq_lens.shape[0] + 1)
     device = device_of(seq_lens)
     check_device("append_indptr", append_indptr, device)
-    if int(nnz) < 0:
-        raise ValueError(f"nnz must be >= 0, got {nnz}")
+    nnz = check_int("nnz", nnz, 0)
     batch_indices = empty(seq_lens, (nnz,), DType.int32)
     positions = empty(seq_lens, (nnz,), DType.int32)
     run_op(
@@ -319,12 +349,22 @@ def gather_kv(
     request alone, ``[seq_len(b), H, D]``. A debugging and reference tool: it
     reads the page table on the host.
     """
-    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout, written=False)
     batch_size = check_page_table_arrays(geometry, kv_indices, kv_indptr, kv_last_page_len)
-    indptr = to_host_numpy(kv_indptr).astype(np.int64)
-    last = to_host_numpy(kv_last_page_len).astype(np.int64)
+    host = [
+        host_index_copy(n, x)
+        for n, x in (
+            ("kv_indptr", kv_indptr),
+            ("kv_indices", kv_indices),
+            ("kv_last_page_len", kv_last_page_len),
+        )
+    ]
+    # The output's size comes from these values: check them before sizing it.
+    check_page_table_on_host(*host, geometry.page_size, geometry.num_pages)
+    indptr, last = host[0].astype(np.int64), host[2].astype(np.int64)
     if request is not None:
-        if not 0 <= request < batch_size:
+        request = check_int("request", request, 0)
+        if not request < batch_size:
             raise ValueError(f"request {request} is outside the batch of {batch_size}")
         lo, hi = int(indptr[request]), int(indptr[request + 1])
         k, v, _ = gather_kv(
@@ -374,7 +414,7 @@ def copy_pages(
     is outside the pool, a destination repeats, or a page is both read and
     written.
     """
-    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)
+    geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout)  # checks it writable
     check_index_array("src_pages", src_pages)
     check_index_array("dst_pages", dst_pages, src_pages.shape[0])
     check_device("src_pages", src_pages, geometry.device)

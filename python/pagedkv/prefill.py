@@ -23,10 +23,17 @@ from ._attention import (
     prefill_work,
 )
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import check_index_array, layout_code, reject_cuda_graph
+from ._checks import (
+    INT32_MAX,
+    check_index_array,
+    check_int,
+    host_index_copy,
+    layout_code,
+    reject_cuda_graph,
+)
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
-from ._tensors import Array, device_of, dtype_of, new_like, to_host_numpy
+from ._tensors import Array, device_of, dtype_of, new_like
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -98,21 +105,25 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise NotImplementedError("custom masks are not supported: use causal or window_left")
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
-        check_heads(num_qo_heads, num_kv_heads)
+        num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
         options = AttentionOptions(
-            head_dim=int(head_dim_qk),
+            head_dim=check_int("head_dim_qk", head_dim_qk, 1),
             pos_encoding_mode=pos_encoding_mode,
-            window_left=int(window_left),
+            window_left=check_int("window_left", window_left, -1, INT32_MAX - 1),
+            # FlashInfer's 0 is off; NaN is truthy and reaches the check.
             logits_soft_cap=logits_soft_cap or None,
             sm_scale=sm_scale,
             rope_scale=rope_scale,
             rope_theta=rope_theta,
         )
         table = PageTable.checked(
-            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, int(page_size)
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            check_int("page_size", page_size, 1),
         )
         check_index_array("qo_indptr", qo_indptr, table.batch_size + 1)
-        host_qo = np.ascontiguousarray(to_host_numpy(qo_indptr)).astype(np.int64)
+        host_qo = host_index_copy("qo_indptr", qo_indptr).astype(np.int64)
         counts = np.diff(host_qo)
         if host_qo[0] != 0 or (counts < 0).any():
             raise ValueError("qo_indptr must start at 0 and never decrease")
