@@ -175,10 +175,15 @@ def attention(
     rope_theta: float = 1e4,
     qk_scale: float = 1.0,
     v_scale: float = 1.0,
+    alibi_from_zero: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 attention of one request: q [Lq, Hq, D] at q_positions over
     k, v [L, Hkv, D] at positions 0..L-1. Returns o [Lq, Hq, D] and the base-2
-    lse [Lq, Hq] (-inf and o = 0 where no key is visible)."""
+    lse [Lq, Hq] (-inf and o = 0 where no key is visible).
+
+    ALiBi biases key j by slope * (j - q_position) (FlashInfer's prefill), or
+    with alibi_from_zero by slope * j (FlashInfer's decode kernels): the same
+    o, an lse higher by slope * q_position * log2(e)."""
     q = q.astype(np.float64)
     k = k.astype(np.float64)
     v = v.astype(np.float64)
@@ -196,7 +201,7 @@ def attention(
     if logits_soft_cap:
         s = logits_soft_cap * np.tanh(s / logits_soft_cap)
     if pos_encoding_mode == "ALIBI":
-        distance = kv_pos[None, :] - q_positions[:, None]
+        distance = kv_pos[None, :] - (0 if alibi_from_zero else q_positions[:, None])
         s = s + alibi_slopes(hq)[None, :, None] * distance[:, None, :]
     visible = np.ones((lq, length), bool)
     if causal:

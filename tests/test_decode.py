@@ -133,6 +133,7 @@ def references(case, batch, pool, q, k_scale=1.0, v_scale=1.0):
             pos_encoding_mode=case.pos_mode,
             qk_scale=k_scale,
             v_scale=v_scale,
+            alibi_from_zero=True,  # FlashInfer's decode kernels
         )
         outs.append(o[0])
         lses.append(lse[0])

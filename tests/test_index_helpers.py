@@ -74,7 +74,7 @@ def test_index_helpers_reject_bad_input():
     with pytest.raises(ValueError, match="page_size"):
         pagedkv.get_seq_lens(indptr, last, 0)
     lens = np.array([7, 1], np.int32)
-    with pytest.raises(ValueError, match="append_indptr\\[-1\\] = 3 but nnz = 4"):
-        pagedkv.get_batch_indices_positions(indptr, lens, 4)
+    with pytest.raises(ValueError, match="append_indptr\\[-1\\] = 3 exceeds nnz = 2"):
+        pagedkv.get_batch_indices_positions(indptr, lens, 2)
     with pytest.raises(ValueError, match="appends 2 tokens but seq_lens"):
         pagedkv.get_batch_indices_positions(np.array([0, 1, 3], np.int32), lens, 3)
