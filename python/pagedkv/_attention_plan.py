@@ -186,9 +186,9 @@ class AttentionPlan:
             "lse_scratch": to_buffer(empty(table.like, (q_rows, num_qo_heads), F32)),
             "int_params": to_buffer(int_params),
         }
-        self.lse_shift = None if lse_shift is None else new_like(table.like, lse_shift)
-        """[rows, Hq] added to a returned lse (decode under ALiBi, see
-        decode_alibi_lse_shift), on the plan's device; None: nothing."""
+        self.lse_shift = lse_shift
+        """[rows, Hq] (host) added to a returned lse (decode under ALiBi, see
+        decode_alibi_lse_shift); None: nothing."""
         self.model = None
         """The compiled op, kept so that run() skips the lookup."""
         self._scales: tuple | None = None
@@ -295,7 +295,8 @@ class AttentionPlan:
         if not return_lse:
             return out, None
         if self.lse_shift is not None:
-            lse += self.lse_shift
+            # As lse's kind and device: the plan's arrays may be NumPy, q torch.
+            lse += new_like(lse, self.lse_shift)
         return out, lse
 
 
