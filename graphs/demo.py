@@ -1,10 +1,11 @@
-"""`pagedkv demo`: the main job, a Llama-style model served end to end.
+"""`pagedkv demo`: the main job, a real model served end to end.
 
-A small model with random weights (fixed seed) serves a stream of requests
-that share a system prompt, with continuous batching over pagedkv's paged
-cache, prefix caching and forked samples; every generated token is then
-checked against a NumPy implementation of the same model with a dense KV
-cache.
+SmolLM2-135M-Instruct (fetched on first use) answers a stream of chat
+requests that share a system prompt, with continuous batching over pagedkv's
+paged cache, prefix caching and forked samples; every generated token is
+then checked against a NumPy implementation of the same model with a dense
+KV cache. `--model random` serves a small Llama-style model with random
+weights (fixed seed) instead: the same checks in seconds, no download.
 """
 
 from __future__ import annotations
@@ -18,29 +19,80 @@ import numpy as np
 from .model import LlamaConfig, init_weights
 from .scheduler import Request, Scheduler, pages_for
 
+RANDOM = "random"
+
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """The demo's flags. layers, qo_heads and kv_heads shape --model random
+    only (None: 4, 8 and 2)."""
+
     device: str = "cpu"
     requests: int = 16
-    layers: int = 4
+    model: str = "smollm2-135m-instruct"
+    layers: int | None = None
     dtype: str = "float32"
     page_size: int = 16
     max_new_tokens: int = 48
     seed: int = 0
     num_pages: int | None = None
-    qo_heads: int = 8
-    kv_heads: int = 2
+    qo_heads: int | None = None
+    kv_heads: int | None = None
     system_prompt: int = 64
+    """Tokens of the random model's shared system prompt."""
 
 
 class DemoError(ValueError):
     """A configuration the demo cannot run; the message says how to fix it."""
 
 
+SYSTEM_PROMPT = (
+    "You are a concise assistant for a travel and science quiz. Answer in one or two "
+    "sentences, plainly, without lists. If a question has a single word or number as its "
+    "answer, give it first and then one sentence of context."
+)
+"""The system prompt every real-model request shares (several pages of it
+are served from the prefix cache after the first request)."""
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "What is the largest planet in the solar system?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water at sea level?",
+    "Who wrote Romeo and Juliet?",
+    "What is the capital of Japan?",
+    "What gas do plants take in from the air?",
+    "How many continents are there?",
+    "What is the chemical symbol for gold?",
+    "Which ocean is the largest?",
+    "What is the speed of light?",
+    "What is the tallest mountain on Earth?",
+    "What is photosynthesis?",
+    "What is the capital of Italy?",
+    "How many days are in a leap year?",
+)
+
+
+@dataclass
+class DemoPlan:
+    """What the demo serves: the model, its weights and the requests."""
+
+    title: str
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    requests: list[Request]
+    num_pages: int
+    tokenizer: object | None = None
+    """The real model's ChatTokenizer (None for the random model)."""
+    questions: dict[str, str] | None = None
+    """Each real-model request's question, by request id."""
+
+
 def demo_requests(config: LlamaConfig, options: DemoOptions) -> list[Request]:
-    """Requests sharing a system prompt, with their own suffixes and output
-    lengths, arriving four at a time; every fifth asks for two samples."""
+    """Random-model requests sharing a system prompt, with their own suffixes
+    and output lengths, arriving four at a time; every fifth asks for two
+    samples."""
     rng = np.random.default_rng(options.seed)
     system = rng.integers(0, config.vocab_size, options.system_prompt).tolist()
     requests = []
@@ -59,6 +111,24 @@ def demo_requests(config: LlamaConfig, options: DemoOptions) -> list[Request]:
     return requests
 
 
+def chat_requests(tokenizer, options: DemoOptions) -> list[Request]:
+    """Real-model chat requests: the shared system prompt and one question
+    each, arriving four at a time, every fifth with two samples, ending at
+    EOS or the token limit."""
+    stop = frozenset({tokenizer.eos_token_id})
+    return [
+        Request(
+            request_id=f"req{i}",
+            prompt=tuple(tokenizer.chat_prompt(QUESTIONS[i % len(QUESTIONS)], SYSTEM_PROMPT)),
+            max_new_tokens=options.max_new_tokens,
+            samples=2 if i % 5 == 4 else 1,
+            arrival_step=(i // 4) * 3,
+            stop_token_ids=stop,
+        )
+        for i in range(options.requests)
+    ]
+
+
 def gpu_visible() -> bool:
     """Whether torch (which holds the GPU pools) and MAX both see a GPU."""
     try:
@@ -69,8 +139,8 @@ def gpu_visible() -> bool:
     return torch.cuda.is_available() and accelerator_count() > 0
 
 
-def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int]:
-    """The model, the requests and the pool size, or a DemoError."""
+def check_flags(options: DemoOptions) -> None:
+    """Raises DemoError for a flag the demo cannot honour (before any load)."""
     if options.device not in ("cpu", "gpu"):
         raise DemoError(f"--device must be cpu or gpu, got {options.device!r}")
     if options.device == "gpu" and not gpu_visible():
@@ -81,20 +151,39 @@ def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int
     if options.dtype not in ("float32", "bfloat16"):
         raise DemoError(f"--dtype must be float32 or bfloat16, got {options.dtype!r}")
     for name in ("requests", "layers", "page_size", "max_new_tokens", "qo_heads", "kv_heads"):
-        if getattr(options, name) < 1:
+        value = getattr(options, name)
+        if value is not None and value < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be at least 1")
-    if options.qo_heads % options.kv_heads:
+    if options.model != RANDOM:
+        from pagedkv.models import MODELS
+
+        if options.model not in MODELS:
+            raise DemoError(
+                f"unknown model {options.model!r}: use {', '.join(sorted(MODELS))} or {RANDOM}"
+            )
+        shaped = [n for n in ("layers", "qo_heads", "kv_heads") if getattr(options, n) is not None]
+        if shaped:
+            flags = ", ".join("--" + n.replace("_", "-") for n in shaped)
+            raise DemoError(f"{flags} shape the random model only: add --model {RANDOM}")
+
+
+def random_config(options: DemoOptions) -> LlamaConfig:
+    """The random model's shape from the flags."""
+    qo = options.qo_heads or 8
+    kv = options.kv_heads or 2
+    if qo % kv:
         raise DemoError(
-            f"--qo-heads {options.qo_heads} is not a multiple of --kv-heads "
-            f"{options.kv_heads}: pick kv heads that divide the query heads"
+            f"--qo-heads {qo} is not a multiple of --kv-heads {kv}: pick kv heads that divide "
+            "the query heads"
         )
-    config = LlamaConfig(
-        num_layers=options.layers,
-        num_qo_heads=options.qo_heads,
-        num_kv_heads=options.kv_heads,
-        hidden_size=64 * options.qo_heads,
+    return LlamaConfig(
+        num_layers=options.layers or 4, num_qo_heads=qo, num_kv_heads=kv, hidden_size=64 * qo
     )
-    requests = demo_requests(config, options)
+
+
+def size_pool(config: LlamaConfig, requests: list[Request], options: DemoOptions) -> int:
+    """Pages per layer: the flag, or 4096 tokens' worth (more if one request
+    needs more); a DemoError if a request cannot fit or outgrows the model."""
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     if longest > config.max_positions:
         raise DemoError(
@@ -110,7 +199,49 @@ def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int
             f"a request needs {biggest} pages but the pool holds {num_pages}: raise "
             "--num-pages or lower --max-new-tokens"
         )
-    return config, requests, num_pages
+    return num_pages
+
+
+def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int]:
+    """The random model, its requests and the pool size, or a DemoError."""
+    check_flags(options)
+    config = random_config(options)
+    requests = demo_requests(config, options)
+    return config, requests, size_pool(config, requests, options)
+
+
+def plan_demo(options: DemoOptions) -> DemoPlan:
+    """Loads what `options` asks to serve (fetching the real model on first
+    use), or raises DemoError."""
+    check_flags(options)
+    if options.model == RANDOM:
+        config, requests, num_pages = check_options(options)
+        weights = init_weights(config, options.seed)
+        title = (
+            f"{config.num_layers}-layer Llama with random weights (hidden {config.hidden_size}, "
+            f"{config.num_qo_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab "
+            f"{config.vocab_size})"
+        )
+        return DemoPlan(title, config, weights, requests, num_pages)
+    from pagedkv.models import ModelError, fetch_gguf, model_spec
+    from pagedkv.models.llm import _read
+    from pagedkv.models.tokenizer import ChatTokenizer
+
+    spec = model_spec(options.model)
+    try:
+        model = _read(fetch_gguf(spec.name).resolve())
+    except ModelError as e:
+        raise DemoError(str(e)) from None
+    tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
+    requests = chat_requests(tokenizer, options)
+    c = model.config
+    title = (
+        f"{spec.title}, {c.num_layers} layers (hidden {c.hidden_size}, "
+        f"{c.num_qo_heads}/{c.num_kv_heads} heads of {c.head_dim}, vocab {c.vocab_size})"
+    )
+    num_pages = size_pool(c, requests, options)
+    questions = {r.request_id: QUESTIONS[i % len(QUESTIONS)] for i, r in enumerate(requests)}
+    return DemoPlan(title, c, model.weights, requests, num_pages, tokenizer, questions)
 
 
 FLOAT32_LOGIT_TOLERANCE = {"cpu": 1e-3, "gpu": 0.25}
@@ -127,19 +258,17 @@ def run_demo(options: DemoOptions) -> int:
     from .engine import LlamaEngine
     from .self_check import check_sequences
 
-    config, requests, num_pages = check_options(options)
+    plan = plan_demo(options)
+    config, requests = plan.config, plan.requests
     samples = sum(r.samples for r in requests)
     print(
-        f"pagedkv demo: {len(requests)} requests ({samples} sequences), "
-        f"{config.num_layers}-layer Llama (hidden {config.hidden_size}, "
-        f"{config.num_qo_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab "
-        f"{config.vocab_size}), {options.dtype}, {options.device}, {num_pages} pages of "
-        f"{options.page_size} tokens",
+        f"pagedkv demo: {len(requests)} requests ({samples} sequences), {plan.title}, "
+        f"{options.dtype}, {options.device}, {plan.num_pages} pages of {options.page_size} "
+        "tokens",
         flush=True,
     )
-    weights = init_weights(config, options.seed)
     manager = PagedKVCacheManager(
-        num_pages,
+        plan.num_pages,
         options.page_size,
         config.num_kv_heads,
         config.head_dim,
@@ -148,13 +277,17 @@ def run_demo(options: DemoOptions) -> int:
         device="cuda" if options.device == "gpu" else "cpu",
     )
     print("compiling the prefill and decode graphs ...", flush=True)
-    engine = LlamaEngine(config, weights, manager)
+    engine = LlamaEngine(config, plan.weights, manager)
     print(
         f"compile: {engine.compile_seconds:.1f} s (cached on disk: later runs load it)", flush=True
     )
     total = sum(r.samples * r.max_new_tokens for r in requests)
-    sequences, stats = Scheduler(engine).run(requests, on_step=Progress(total).update)
+    sequences, stats = Scheduler(engine, keep_logits=True).run(
+        requests, on_step=Progress(total).update
+    )
     print(file=sys.stderr)
+    if plan.tokenizer is not None:
+        print_answers(plan.tokenizer, plan.questions, sequences)
 
     generated = sum(len(s.tokens) for s in sequences)
     decode_ms = np.array(stats.decode_step_seconds) * 1e3
@@ -169,7 +302,7 @@ def run_demo(options: DemoOptions) -> int:
     )
     leaked = manager.num_used_pages
     print(
-        f"pages: peak {stats.peak_used_pages} of {num_pages} in use, {leaked} at the end "
+        f"pages: peak {stats.peak_used_pages} of {plan.num_pages} in use, {leaked} at the end "
         f"({'none' if leaked == 0 else leaked} leaked), {manager.num_cached_pages} kept "
         "cached for prefix reuse"
     )
@@ -177,7 +310,7 @@ def run_demo(options: DemoOptions) -> int:
         f"prefix cache: {manager.stats.prefix_hits} page hits, {manager.stats.prefix_misses} misses"
     )
     t0 = time.perf_counter()
-    check = check_sequences(config, weights, sequences)
+    check = check_sequences(config, plan.weights, sequences)
     exact = options.dtype == "float32"
     tolerance = FLOAT32_LOGIT_TOLERANCE[options.device]
     close = check.max_logit_diff <= tolerance
@@ -196,6 +329,16 @@ def run_demo(options: DemoOptions) -> int:
         print("FAIL: pages leaked")
         return 1
     return 0 if verdict == "PASS" else 1
+
+
+def print_answers(tokenizer, questions: dict[str, str], sequences) -> None:
+    """Each sequence's question and answer (answers on one line, cut at 100
+    characters)."""
+    for s in sequences:
+        question = questions[s.request.request_id]
+        answer = " ".join(tokenizer.decode(s.tokens).split())
+        cut = answer if len(answer) <= 100 else answer[:99] + "\u2026"
+        print(f"  {s.seq_id:8s} {question}\n           -> {cut}")
 
 
 class Progress:

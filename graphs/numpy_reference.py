@@ -58,6 +58,11 @@ class DenseLlama:
     def feed(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (causal attention over everything so far); returns
         the logits [vocab] after the last one."""
+        return self.feed_all(tokens)[-1]
+
+    def feed_all(self, tokens: list[int]) -> np.ndarray:
+        """Appends tokens; returns the logits [len(tokens), vocab] after each
+        (teacher forcing a whole sequence in one pass)."""
         c, w = self.c, self.w
         t = len(tokens)
         pos = np.arange(self.length, self.length + t)
@@ -87,5 +92,5 @@ class DenseLlama:
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
             x = x + (silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
         self.length += t
-        x = rms_norm(x[-1:], w["final_norm"], c.rms_eps)
-        return (x @ w["lm_head"])[0]
+        x = rms_norm(x, w["final_norm"], c.rms_eps)
+        return x @ w["lm_head"]

@@ -6,9 +6,14 @@ them at their full length, prefills them in one batch (the prefix cache
 serves the pages a shared prompt already filled), then decodes one token for
 every running sequence in one batch. A request asking for n > 1 samples is
 forked after its prefill: the samples share its prompt pages and copy the
-partly filled last one on their first write. Sample k starts from the k-th
-most likely first token and continues greedily: a deterministic stand-in for
-sampling that a reference can replay.
+partly filled last one on their first write. A greedy request's sample k
+starts from the k-th most likely first token and continues greedily (a
+deterministic stand-in for sampling that a reference can replay); a sampled
+request's samples draw from their own seeded generators.
+
+A sequence ends at its token limit or after a stop token (EOS). A request
+that can never be served (empty, longer than the model's context, or larger
+than the whole pool) ends at once with an error, and the others are served.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from pagedkv.manager import OutOfPagesError
 
 from .engine import LlamaEngine
+from .sampling import GREEDY, SamplingParams, sample_token
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Request:
     max_new_tokens: int
     samples: int = 1
     arrival_step: int = 0
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -44,11 +52,34 @@ class Sequence:
     sample: int
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
-    """The logits each token was chosen from (kept for the self-check)."""
+    """The logits each token was chosen from (kept for the self-check only
+    when the scheduler is asked to keep them)."""
+    error: str | None = None
+    """Why the request could not be served (then it has no tokens)."""
+    rng: np.random.Generator | None = field(default=None, repr=False)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last token is a stop token."""
+        return bool(self.tokens) and self.tokens[-1] in self.request.stop_token_ids
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.request.max_new_tokens
+        return (
+            self.error is not None
+            or self.stopped
+            or len(self.tokens) >= self.request.max_new_tokens
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop" (a stop token), "length" (the token limit), "error", or None
+        while running."""
+        if self.error is not None:
+            return "error"
+        if self.stopped:
+            return "stop"
+        return "length" if self.done else None
 
 
 @dataclass
@@ -69,36 +100,63 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    """Drives an engine over a stream of requests (see the module docstring)."""
+    """Drives an engine over a stream of requests (see the module docstring).
 
-    def __init__(self, engine: LlamaEngine) -> None:
+    keep_logits: keep the logits row behind every token (the self-check
+    replays them; a real vocabulary makes them 200 kB a token).
+    """
+
+    def __init__(self, engine: LlamaEngine, keep_logits: bool = False) -> None:
         self.engine = engine
         self.manager = engine.manager
+        self.keep_logits = keep_logits
 
     def footprint(self, r: Request) -> int:
         """Pages a request needs at its full length (each sample its own)."""
         return r.samples * pages_for(len(r.prompt) + r.max_new_tokens, self.manager.page_size)
 
+    def rejection(self, r: Request) -> str | None:
+        """Why a request can never be served, or None."""
+        context = self.engine.config.max_positions
+        if not r.prompt:
+            return "the prompt is empty"
+        if len(r.prompt) + r.max_new_tokens > context:
+            return (
+                f"the prompt ({len(r.prompt)} tokens) and max_new_tokens ({r.max_new_tokens}) "
+                f"exceed the model's context of {context} tokens"
+            )
+        if self.footprint(r) > self.manager.num_pages:
+            return (
+                f"needs {self.footprint(r)} pages at full length but the pool holds "
+                f"{self.manager.num_pages}: raise the pool size or lower max_new_tokens"
+            )
+        return None
+
     def run(
         self,
         requests: list[Request],
         on_step: Callable[[int, int, int], None] | None = None,
+        on_token: Callable[[Sequence, int], None] | None = None,
     ) -> tuple[list[Sequence], RunStats]:
         """Serves every request to completion; returns the sequences (in
         request order, samples in order) and the run's statistics.
 
         on_step(step, tokens generated so far, running sequences) is called
-        after every step (a progress display).
+        after every step (a progress display); on_token(sequence, token)
+        after every generated token (streaming).
         """
-        for r in requests:
-            if self.footprint(r) > self.manager.num_pages:
-                raise ValueError(
-                    f"request {r.request_id} needs {self.footprint(r)} pages at full "
-                    f"length but the pool holds {self.manager.num_pages}"
-                )
-        waiting = sorted(requests, key=lambda r: r.arrival_step)
-        running: list[Sequence] = []
         finished: dict[str, Sequence] = {}
+        servable = []
+        for r in requests:
+            why = self.rejection(r)
+            if why is None:
+                servable.append(r)
+                continue
+            for k in range(r.samples):
+                finished[seq_id(r, k)] = Sequence(seq_id(r, k), r, k, error=why)
+        self._on_token = on_token
+        waiting = sorted(servable, key=lambda r: r.arrival_step)
+        running: list[Sequence] = []
         stats = RunStats()
         t_begin = time.perf_counter()
         step = 0
@@ -117,8 +175,7 @@ class Scheduler:
                 stats.decode_step_seconds.append(time.perf_counter() - t0)
                 stats.generated_tokens += len(still)
                 for s, row in zip(still, logits, strict=True):
-                    s.tokens.append(int(np.argmax(row)))
-                    s.logits.append(row)
+                    self._emit(s, sample_token(row, s.request.sampling, s.rng), row)
             stats.peak_used_pages = max(stats.peak_used_pages, self.manager.num_used_pages)
             for s in [s for s in running if s.done]:
                 self.manager.release(s.seq_id)
@@ -167,14 +224,27 @@ class Scheduler:
         stats.prefill_tokens += sum(len(s) for s in suffixes)
         sequences = []
         for r, row in zip(admitted, logits, strict=True):
-            ranked = np.argsort(-row, kind="stable")
+            ranked = np.argsort(-row, kind="stable") if r.sampling.greedy else None
             for k in range(r.samples):
                 if k > 0:
                     self.manager.fork(seq_id(r, 0), seq_id(r, k))
-                s = Sequence(seq_id(r, k), r, k, [int(ranked[k])], [row])
+                s = Sequence(seq_id(r, k), r, k)
+                if ranked is None:
+                    seed = None if r.sampling.seed is None else [r.sampling.seed, k]
+                    s.rng = np.random.default_rng(seed)
+                    self._emit(s, sample_token(row, r.sampling, s.rng), row)
+                else:
+                    self._emit(s, int(ranked[k]), row)
                 sequences.append(s)
                 stats.generated_tokens += 1
         return sequences
+
+    def _emit(self, s: Sequence, token: int, row: np.ndarray) -> None:
+        s.tokens.append(token)
+        if self.keep_logits:
+            s.logits.append(row)
+        if self._on_token is not None:
+            self._on_token(s, token)
 
 
 def seq_id(request: Request, sample: int) -> str:

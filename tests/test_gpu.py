@@ -197,7 +197,9 @@ def test_demo_serves_and_checks_itself_on_gpu(capsys):
     """The main job on the GPU: graphs, pools and copy-on-write there."""
     from pagedkv.graphs.demo import DemoOptions, run_demo
 
-    status = run_demo(DemoOptions(device="gpu", requests=5, layers=2, max_new_tokens=8))
+    status = run_demo(
+        DemoOptions(device="gpu", model="random", requests=5, layers=2, max_new_tokens=8)
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     assert "PASS" in out and "(none leaked)" in out

@@ -73,7 +73,7 @@ def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
         for i in range(4)
     ]
     steps_running: list[int] = []
-    sequences, stats = Scheduler(engine).run(
+    sequences, stats = Scheduler(engine, keep_logits=True).run(
         requests, on_step=lambda step, tokens, running: steps_running.append(running)
     )
     assert [len(s.tokens) for s in sequences] == [4, 7, 10, 10, 13]
@@ -132,7 +132,18 @@ def test_a_callers_module_holds_its_specs_whatever_was_compiled_before():
 
 def test_demo_runs_and_checks_itself():
     result = subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", "demo", "--requests", "5", "--max-new-tokens", "6"],
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "demo",
+            "--model",
+            "random",
+            "--requests",
+            "5",
+            "--max-new-tokens",
+            "6",
+        ],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -147,9 +158,14 @@ def test_demo_runs_and_checks_itself():
     "flags,message",
     [
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
-        (["demo", "--qo-heads", "6", "--kv-heads", "4"], "not a multiple of --kv-heads"),
-        (["demo", "--max-new-tokens", "5000"], "past the model's maximum"),
-        (["demo", "--num-pages", "3"], "raise --num-pages"),
+        (
+            ["demo", "--model", "random", "--qo-heads", "6", "--kv-heads", "4"],
+            "not a multiple of --kv-heads",
+        ),
+        (["demo", "--layers", "2"], "--layers shape the random model only"),
+        (["demo", "--model", "gpt5"], "unknown model 'gpt5'"),
+        (["demo", "--model", "random", "--max-new-tokens", "5000"], "past the model's maximum"),
+        (["demo", "--model", "random", "--num-pages", "3"], "raise --num-pages"),
         (["demo", "--device", "tpu"], "--device must be cpu or gpu"),
         (["demo", "--requests", "x"], "invalid int value"),
         (["bench", "--dtypes", "float64"], "--dtypes takes"),

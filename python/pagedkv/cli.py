@@ -1,4 +1,4 @@
-"""The `pagedkv` command: demo (the main job), bench and check-gpu.
+"""The `pagedkv` command: demo (the main job), generate, bench and check-gpu.
 
 Bad flags and impossible configurations end with a one-line error naming
 the problem and how to fix it, and exit status 2; no traceback.
@@ -23,13 +23,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="serve a small Llama-style model and check every token")
+    demo = sub.add_parser(
+        "demo", help="serve SmolLM2 to a stream of chat requests and check every token"
+    )
+    demo.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="smollm2-135m-instruct (default) or random (a small random-weight model)",
+    )
     demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     demo.add_argument(
         "--requests", type=int, default=16, help="requests to serve (default %(default)s)"
     )
     demo.add_argument(
-        "--layers", type=int, default=4, help="transformer layers (default %(default)s)"
+        "--layers", type=int, default=None, help="--model random: transformer layers (default 4)"
     )
     demo.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     demo.add_argument(
@@ -51,8 +58,36 @@ def _parser() -> argparse.ArgumentParser:
         help="pages in each layer's pool (default: 4096 tokens' worth, more if the largest "
         "request needs more)",
     )
-    demo.add_argument("--qo-heads", type=int, default=8, help="query heads (default %(default)s)")
-    demo.add_argument("--kv-heads", type=int, default=2, help="KV heads (default %(default)s)")
+    demo.add_argument("--qo-heads", type=int, default=None, help="--model random: query heads (8)")
+    demo.add_argument("--kv-heads", type=int, default=None, help="--model random: KV heads (2)")
+
+    gen = sub.add_parser(
+        "generate", help="answer prompts with a real model (continuous batching, streamed)"
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts, served together")
+    gen.add_argument("--model", default="smollm2-135m-instruct", help="default %(default)s")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="apply the model's chat template (default); --no-chat completes raw text",
+    )
+    gen.add_argument("--system", default=None, help="system prompt (chat; default the model's)")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=64, help="per prompt (default %(default)s)"
+    )
+    gen.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    gen.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus (default %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt, one per line, in prompt order",
+    )
 
     bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
     bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
@@ -86,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "generate":
+            from .generate_cli import run_generate
+
+            return run_generate(args)
         if args.command == "bench":
             return _bench(args)
         from .gpu_check import main as check_gpu
@@ -100,6 +139,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .graphs.demo import DemoError, DemoOptions, run_demo
 
     options = DemoOptions(
+        model=args.model,
         device=args.device,
         requests=args.requests,
         layers=args.layers,

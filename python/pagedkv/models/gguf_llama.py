@@ -1,0 +1,129 @@
+"""Reads a Llama-architecture GGUF into the step graphs' config and weights.
+
+GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32);
+the graphs multiply x @ W, so every matrix is dequantized with the `gguf`
+package and transposed to [in, out]. llama.cpp's converter permutes the rows
+of the Q and K projections so that its RoPE rotates interleaved pairs; the
+graphs rotate halves (as the original checkpoint does), so the permutation is
+undone here. A model with tied embeddings (no `output.weight`) reuses the
+token embedding as its output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.graphs.model import LlamaConfig
+
+from .errors import ModelError
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "ffn_norm": "mlp_norm",
+    "attn_output": "wo",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+}
+
+
+@dataclass
+class GGUFModel:
+    """What a GGUF holds, in pagedkv's terms."""
+
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    """float32 arrays named as `pagedkv.graphs.model.init_weights` names them."""
+    metadata: dict[str, object]
+    """Every scalar and string field, and the tokenizer's arrays."""
+
+
+def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Rows of a Q or K projection [heads * D, in] back from llama.cpp's
+    interleaved-pair order to rotate-half order.
+
+    llama.cpp's converter maps each head's rows [D] as
+    reshape(2, D/2).swapaxes: row 2i holds original row i and row 2i+1
+    original row i + D/2. This is its inverse.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Reads a Llama GGUF (Q4_0/Q4_1/Q8_0/F16/F32 tensors) from `path`.
+
+    Raises:
+        ModelError: the file is missing, not a GGUF, not a Llama model, or
+            lacks a tensor; the message names it and says to delete the file
+            (it is fetched again on next use).
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise ModelError(
+            f"{path} is not a readable GGUF ({type(e).__name__}: {e}); delete it and it will be "
+            "fetched again"
+        ) from None
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ModelError(f"{path} holds a {arch!r} model; pagedkv serves Llama-architecture GGUFs")
+    try:
+        config = _config(metadata)
+        tensors = {t.name: t for t in reader.tensors}
+
+        def matrix(name: str) -> np.ndarray:
+            t = tensors[name]
+            return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+        embed = matrix("token_embd.weight")  # [vocab, hidden]
+        weights = {"embed": embed}
+        for i in range(config.num_layers):
+            blk = f"blk.{i}."
+            q = undo_rope_permutation(matrix(blk + "attn_q.weight"), config.num_qo_heads)
+            k = undo_rope_permutation(matrix(blk + "attn_k.weight"), config.num_kv_heads)
+            v = matrix(blk + "attn_v.weight")
+            weights[f"layers.{i}.wqkv"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
+            for gguf_name, name in _LAYER_TENSORS.items():
+                w = matrix(blk + gguf_name + ".weight")
+                weights[f"layers.{i}.{name}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
+        weights["final_norm"] = matrix("output_norm.weight")
+        head = matrix("output.weight") if "output.weight" in tensors else embed
+        weights["lm_head"] = np.ascontiguousarray(head.T)
+    except KeyError as e:
+        raise ModelError(
+            f"{path} lacks tensor {e}; delete it and it will be fetched again"
+        ) from None
+    except (ValueError, NotImplementedError) as e:
+        raise ModelError(f"{path}: cannot dequantize ({e})") from None
+    return GGUFModel(config, weights, metadata)
+
+
+def _config(metadata: dict[str, object]) -> LlamaConfig:
+    """The model's shape from llama.cpp's `llama.*` metadata keys."""
+    heads = int(metadata["llama.attention.head_count"])
+    hidden = int(metadata["llama.embedding_length"])
+    vocab = metadata.get("llama.vocab_size")
+    if vocab is None:
+        vocab = len(metadata["tokenizer.ggml.tokens"])
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(metadata["llama.block_count"]),
+        num_qo_heads=heads,
+        num_kv_heads=int(metadata.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(metadata.get("llama.rope.dimension_count", hidden // heads)),
+        ffn_size=int(metadata["llama.feed_forward_length"]),
+        rope_theta=float(metadata.get("llama.rope.freq_base", 1e4)),
+        rms_eps=float(metadata["llama.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(metadata["llama.context_length"]),
+    )

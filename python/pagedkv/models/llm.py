@@ -1,0 +1,266 @@
+"""A real model served from pagedkv's paged cache: `load(name)` and
+`LLM.generate(prompts)`.
+
+`load` fetches the model's GGUF on first use (fetch.py), reads its weights
+and tokenizer (gguf_llama.py, tokenizer.py), allocates one page pool per
+layer in a `PagedKVCacheManager` and compiles the prefill and decode step
+graphs once per process (MAX keeps the compile on disk for later
+processes). `generate` serves every prompt together: continuous batching,
+the prefix cache (chat prompts share their system prompt's pages), greedy or
+seeded temperature / top-p sampling, stopping after EOS.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedkv.graphs.engine import LlamaEngine
+from pagedkv.graphs.model import LlamaConfig
+from pagedkv.graphs.sampling import SamplingParams
+from pagedkv.graphs.scheduler import Request, RunStats, Scheduler
+from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
+from pagedkv.manager import PagedKVCacheManager
+
+from .catalog import DEFAULT_MODEL, model_spec
+from .errors import ModelError
+from .fetch import fetch_gguf
+from .gguf_llama import GGUFModel, read_gguf
+from .tokenizer import ChatTokenizer, TextStream
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_KV_MEMORY = 512 << 20
+"""Bytes of KV cache (all layers) `load` allocates unless told otherwise."""
+
+
+@dataclass
+class Completion:
+    """One prompt's answer."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """The generated ids only, up to and including a stop token (EOS)."""
+    text: str
+    """The generated text, special tokens left out."""
+    finish_reason: str
+    """"stop" (EOS), "length" (max_new_tokens) or "error"."""
+    error: str | None = None
+    """Why the prompt was not served (finish_reason "error")."""
+
+    def as_json(self) -> dict:
+        """The `pagedkv generate --json` record of this completion."""
+        record = {
+            "prompt": self.prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.error is not None:
+            record["error"] = self.error
+        return record
+
+
+class LLM:
+    """A loaded model: its tokenizer, page manager and compiled step graphs.
+
+    Attributes:
+        name: the catalogue name.
+        config: the model's shape (`pagedkv.graphs.model.LlamaConfig`).
+        weights: float32 weights by name (as the step graphs name them).
+        tokenizer: `ChatTokenizer` (encode, decode, chat template).
+        manager: the `PagedKVCacheManager` owning one pool per layer.
+        engine: the `LlamaEngine` running prefill and decode steps.
+        stats: the `RunStats` of the last `generate` call.
+    """
+
+    def __init__(self, name: str, model: GGUFModel, manager: PagedKVCacheManager) -> None:
+        self.name = name
+        self.config: LlamaConfig = model.config
+        self.weights = model.weights
+        self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
+        self.manager = manager
+        t0 = time.perf_counter()
+        self.engine = LlamaEngine(model.config, model.weights, manager)
+        self.compile_seconds = time.perf_counter() - t0
+        self.stats: RunStats | None = None
+        self._next_id = 0
+
+    def prompt_ids(
+        self, prompt: str, chat: bool = True, system_prompt: str | None = None
+    ) -> list[int]:
+        """The token ids a prompt is served as: the chat template applied to
+        one user turn (after `system_prompt` when given), or the raw text."""
+        if not chat:
+            return self.tokenizer.encode(prompt)
+        return self.tokenizer.chat_prompt(prompt, system_prompt)
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int = 64,
+        chat: bool = True,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        system_prompt: str | None = None,
+        on_text: Callable[[int, str, bool], None] | None = None,
+    ) -> list[Completion]:
+        """Serves every prompt together and returns their completions in order.
+
+        Parameters
+        ----------
+        prompts : list of str
+            The user's messages (chat=True) or raw texts (chat=False).
+        max_new_tokens : int
+            At most this many generated tokens per prompt (EOS ends sooner).
+        chat : bool
+            Apply the model's chat template (its default system prompt unless
+            `system_prompt` is given).
+        temperature, top_p, seed : float, float, int or None
+            Greedy when temperature is 0 (the default); otherwise sampling
+            with nucleus `top_p`, reproducible for a given `seed`.
+        on_text : callable(index, text, finished), optional
+            Called with each prompt's newly decoded text as tokens arrive
+            (streaming; text is held back while it ends inside a UTF-8
+            character), and with finished=True once for each prompt when it
+            ends (at once for a prompt that cannot be served).
+
+        Returns
+        -------
+        list of Completion
+            One per prompt. A prompt that cannot be served (longer than the
+            context, larger than the pool) gets finish_reason "error" and a
+            message; the others are served.
+
+        Examples
+        --------
+        >>> import pagedkv.models
+        >>> llm = pagedkv.models.load("smollm2-135m-instruct")
+        >>> llm.generate(["What is the capital of France?"], max_new_tokens=16)[0].text
+        'The capital of France is Paris.'
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings, not one string")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sampling = SamplingParams(temperature, top_p, seed)
+        ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
+        stop = frozenset({self.tokenizer.eos_token_id})
+        requests = []
+        for prompt_ids in ids:
+            requests.append(
+                Request(
+                    f"gen{self._next_id}",
+                    tuple(prompt_ids),
+                    max_new_tokens,
+                    sampling=sampling,
+                    stop_token_ids=stop,
+                )
+            )
+            self._next_id += 1
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        streams = [TextStream(self.tokenizer) for _ in requests]
+
+        def on_token(s: GeneratedSequence, token: int) -> None:
+            i = index[s.request.request_id]
+            text = streams[i].push(token)
+            if on_text is not None and (text or s.done):
+                on_text(i, text, s.done)
+
+        scheduler = Scheduler(self.engine)
+        if on_text is not None:
+            for i, r in enumerate(requests):
+                if scheduler.rejection(r) is not None:
+                    on_text(i, "", True)
+        sequences, self.stats = scheduler.run(requests, on_token=on_token)
+        return [
+            Completion(
+                prompt=p,
+                prompt_token_ids=list(pi),
+                token_ids=list(s.tokens),
+                text=self.tokenizer.decode(s.tokens),
+                finish_reason=s.finish_reason or "length",
+                error=s.error,
+            )
+            for p, pi, s in zip(prompts, ids, sequences, strict=True)
+        ]
+
+
+@functools.lru_cache(maxsize=1)
+def _read(path: Path) -> GGUFModel:
+    """The GGUF's contents, kept for the process: loading the same model
+    again reuses its weights and so its compiled step graphs."""
+    return read_gguf(path)
+
+
+def load(
+    name: str = DEFAULT_MODEL,
+    dtype: str = "float32",
+    device: str = "cpu",
+    page_size: int = 16,
+    kv_memory: int = DEFAULT_KV_MEMORY,
+    gguf: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> LLM:
+    """Loads model `name` to serve from a paged cache.
+
+    Parameters
+    ----------
+    name : str
+        A name from `pagedkv.models.MODELS` (default "smollm2-135m-instruct").
+    dtype : str
+        "float32" or "bfloat16": the weights, activations and KV cache.
+    device : str
+        "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
+    page_size : int
+        Tokens per page.
+    kv_memory : int
+        Bytes of KV cache over all layers; sets the number of pages.
+    gguf : path, optional
+        Read the weights from this file instead of the cache directory.
+    progress : callable(str), optional
+        Receives one-line progress messages (fetching, compiling).
+
+    Returns
+    -------
+    LLM
+
+    Raises
+    ------
+    ModelError
+        Unknown name, failed fetch, unreadable GGUF, bad dtype or device.
+    """
+    spec = model_spec(name)
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device not in ("cpu", "gpu"):
+        raise ModelError(f"device must be cpu or gpu, got {device!r}")
+    if page_size < 1:
+        raise ModelError(f"page_size must be at least 1, got {page_size}")
+    say = progress or (lambda line: None)
+    path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
+    model = _read(path.resolve())
+    c = model.config
+    itemsize = 4 if dtype == "float32" else 2
+    page_bytes = 2 * page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
+    num_pages = kv_memory // page_bytes
+    if num_pages < 1:
+        raise ModelError(f"kv_memory {kv_memory} bytes holds no page of {page_bytes} bytes")
+    manager = PagedKVCacheManager(
+        int(num_pages),
+        page_size,
+        c.num_kv_heads,
+        c.head_dim,
+        num_layers=c.num_layers,
+        dtype=dtype,
+        device="cuda" if device == "gpu" else "cpu",
+    )
+    say(f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers) ...")
+    llm = LLM(spec.name, model, manager)
+    say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
+    return llm
