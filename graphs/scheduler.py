@@ -11,16 +11,17 @@ starts from the k-th most likely first token and continues greedily (a
 deterministic stand-in for sampling that a reference can replay); a sampled
 request's samples draw from their own seeded generators.
 
-A sequence ends at its token limit or after a stop token (EOS). A request
-that can never be served (empty, longer than the model's context, or larger
-than the whole pool) ends at once with an error, and the others are served.
+A sequence ends at its token limit, after a stop token (EOS), or where the
+model's context ends. A request that can never be served (an empty prompt,
+a prompt that fills the context, or one larger than the whole pool) ends at
+once with an error, and the others are served.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -115,15 +116,21 @@ class Scheduler:
         """Pages a request needs at its full length (each sample its own)."""
         return r.samples * pages_for(len(r.prompt) + r.max_new_tokens, self.manager.page_size)
 
+    def capped(self, r: Request) -> Request:
+        """The request with its token limit cut where the model's context ends
+        (a prompt that fits leaves room for at least one token)."""
+        room = self.engine.config.max_positions - len(r.prompt)
+        return replace(r, max_new_tokens=max(1, min(r.max_new_tokens, room)))
+
     def rejection(self, r: Request) -> str | None:
         """Why a request can never be served, or None."""
         context = self.engine.config.max_positions
         if not r.prompt:
             return "the prompt is empty"
-        if len(r.prompt) + r.max_new_tokens > context:
+        if len(r.prompt) >= context:
             return (
-                f"the prompt ({len(r.prompt)} tokens) and max_new_tokens ({r.max_new_tokens}) "
-                f"exceed the model's context of {context} tokens"
+                f"the prompt has {len(r.prompt)} tokens: the model's context holds "
+                f"{context}, so at most {context - 1} leave room for an answer"
             )
         if self.footprint(r) > self.manager.num_pages:
             return (
@@ -147,6 +154,7 @@ class Scheduler:
         """
         finished: dict[str, Sequence] = {}
         servable = []
+        requests = [self.capped(r) for r in requests]
         for r in requests:
             why = self.rejection(r)
             if why is None:

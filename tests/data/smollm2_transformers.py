@@ -34,22 +34,22 @@ MAX_NEW_TOKENS = 48
 HERE = Path(__file__).parent
 
 
-def main() -> None:
+def transformers_answers(prompts: list[str]) -> list[dict]:
+    """transformers' greedy float32 answers to `prompts` (chat template
+    applied): prompt ids, generated ids, top-two logit gaps and text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedkv.models.fetch import fetch_gguf
 
     gguf = fetch_gguf("smollm2-135m-instruct")
-    t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     model.eval()
-    print(f"transformers loaded the GGUF in {time.perf_counter() - t0:.1f} s")
     records = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )
@@ -70,19 +70,27 @@ def main() -> None:
         for step_logits in out.logits[: len(generated)]:
             top2 = torch.topk(step_logits[0].double(), 2).values
             gaps.append(float(top2[0] - top2[1]))
-        text = tokenizer.decode(generated, skip_special_tokens=True)
         records.append(
             {
                 "prompt": prompt,
                 "prompt_token_ids": [int(i) for i in ids],
                 "token_ids": generated,
                 "top2_gaps": [round(g, 6) for g in gaps],
-                "text": text,
+                "text": tokenizer.decode(generated, skip_special_tokens=True),
             }
         )
-        print(f"{prompt!r} -> {text!r}")
+    return records
+
+
+def main() -> None:
+    import torch
     import transformers
 
+    t0 = time.perf_counter()
+    records = transformers_answers(PROMPTS)
+    for r in records:
+        print(f"{r['prompt']!r} -> {r['text']!r}")
+    print(f"{len(records)} answers in {time.perf_counter() - t0:.1f} s")
     payload = {
         "model": "smollm2-135m-instruct",
         "transformers": transformers.__version__,

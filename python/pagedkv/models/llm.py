@@ -175,7 +175,7 @@ class LLM:
         scheduler = Scheduler(self.engine)
         if on_text is not None:
             for i, r in enumerate(requests):
-                if scheduler.rejection(r) is not None:
+                if scheduler.rejection(scheduler.capped(r)) is not None:
                     on_text(i, "", True)
         sequences, self.stats = scheduler.run(requests, on_token=on_token)
         return [

@@ -1,0 +1,25 @@
+"""Serving SmolLM2-135M-Instruct: pagedkv beside HF transformers in one run
+(see pagedkv/bench/serve_bench.py for what each row does).
+
+    python benchmarks/serve.py [--dtypes float32,bfloat16] [--one-at-a-time N]
+
+Needs transformers and accelerate (`pip install -e ".[test]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedkv.bench.serve_bench import main
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--one-at-a-time",
+        type=int,
+        default=8,
+        help="prompts transformers serves one at a time (its tokens/s; default 8)",
+    )
+    args = parser.parse_args()
+    main(args.dtypes.split(","), args.one_at_a_time)
