@@ -188,12 +188,27 @@ def test_live_against_transformers():
     assert_matches_reference(completions, records)
 
 
+BFLOAT16_NEAR_TIE = 0.25
+"""A gap between float32's top two logits that bfloat16's rounding (8 bits
+of mantissa in weights, activations and cache) can close."""
+
+
 @pytest.mark.slow
-def test_bfloat16_gives_the_same_text_on_most_prompts():
+def test_bfloat16_departs_from_float32_only_at_near_ties():
+    """bfloat16 serving gives transformers' float32 answer until a step where
+    float32's own top two logits lie within BFLOAT16_NEAR_TIE; the number of
+    answers equal as a whole is reported (docs/performance.md)."""
     records = REFERENCE["records"]
     completions = load("smollm2-135m-instruct", dtype="bfloat16").generate(
         [r["prompt"] for r in records], max_new_tokens=REFERENCE["max_new_tokens"]
     )
-    same = sum(c.text == r["text"] for c, r in zip(completions, records, strict=True))
-    print(f"bfloat16: {same} of {len(records)} answers equal float32 transformers' text")
-    assert same >= len(records) // 2
+    same = 0
+    for got, want in zip(completions, records, strict=True):
+        pairs = zip(got.token_ids, want["token_ids"], strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if first is None:
+            same += got.token_ids == want["token_ids"]
+            continue
+        gap = want["top2_gaps"][first]
+        assert gap < BFLOAT16_NEAR_TIE, f"{want['prompt']!r} departs at token {first}, gap {gap}"
+    print(f"bfloat16: {same} of {len(records)} answers equal transformers' float32 answer")

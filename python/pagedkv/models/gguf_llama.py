@@ -83,7 +83,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
         def matrix(name: str) -> np.ndarray:
             t = tensors[name]
-            return np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            # Owned, writable copies: nothing keeps the memory-mapped file alive.
+            return np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W", "O"])
 
         embed = matrix("token_embd.weight")  # [vocab, hidden]
         weights = {"embed": embed}
