@@ -75,13 +75,14 @@ def test_readme_commands_exist_and_ci_runs_the_readme_test_command():
         assert pixi in (test, setup.split("&&")[-1].strip())
 
 
-def test_the_readme_example_runs():
-    """The README's usage example (its python block) runs as written."""
+def test_the_readme_examples_run():
+    """The README's usage examples (its python blocks) run as written."""
     text = (ROOT / "README.md").read_text()
-    example = re.search(r"```python\n(.*?)```", text, re.S)
-    assert example, "README.md has no python example"
-    assert len(example.group(1).strip().splitlines()) <= 15
-    exec(compile(example.group(1), "README.md", "exec"), {})
+    examples = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(examples) >= 2, "README.md lacks its python examples"
+    for example in examples:
+        assert len(example.strip().splitlines()) <= 15
+        exec(compile(example, "README.md", "exec"), {})
 
 
 def test_the_package_ships_its_kernels_and_graphs():
