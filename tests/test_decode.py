@@ -374,9 +374,16 @@ def test_decode_bad_input():
         w.plan(*table, 6, 4, 64, 16)
     with pytest.raises(ValueError, match="head_dim"):
         w.plan(*table, 4, 2, 96, 16)
+    # Wider integers are narrowed (tests/test_flashinfer_api.py); floats are refused.
     with pytest.raises(TypeError, match="indices must be int32"):
         w.plan(
-            batch.kv_indptr, batch.kv_indices.astype(np.int64), batch.kv_last_page_len, 4, 2, 64, 16
+            batch.kv_indptr,
+            batch.kv_indices.astype(np.float32),
+            batch.kv_last_page_len,
+            4,
+            2,
+            64,
+            16,
         )
     bad = batch.kv_indptr.copy()
     bad[1] = bad[2] + 1

@@ -192,8 +192,9 @@ def test_single_prefill_edges_and_bad_input():
     assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
     none, lse = pagedkv.single_prefill_with_kv_cache(q[:0], k[:0], v[:0], return_lse=True)
     assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
+    # Only causal queries must be cached tokens (tests/test_flashinfer_api.py).
     with pytest.raises(ValueError, match="qo_len must not exceed kv_len"):
-        pagedkv.single_prefill_with_kv_cache(q, k[:29], v[:29])
+        pagedkv.single_prefill_with_kv_cache(q, k[:29], v[:29], causal=True)
     with pytest.raises(ValueError, match=r"q must be \[qo_len, Hq, D\]"):
         pagedkv.single_prefill_with_kv_cache(q[0], k, v)
     with pytest.raises(ValueError, match="k, v the same"):
@@ -212,7 +213,7 @@ def test_prefill_bad_input():
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, backend="fa2")
     with pytest.raises(ValueError, match="cached"):
-        w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16)
+        w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16, causal=True)
     with pytest.raises(ValueError, match="never decrease"):
         w.plan(np.array([0, 11, 10], np.int32), *table, 4, 2, 64, 16)
     with pytest.raises(NotImplementedError, match="custom masks"):

@@ -25,11 +25,13 @@ from .page import (
     get_seq_lens,
 )
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchMetadata",
     "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "CacheStateError",
     "OutOfPagesError",
     "PagedKVCacheManager",

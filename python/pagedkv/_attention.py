@@ -254,6 +254,7 @@ def decode_work(
     options: AttentionOptions,
     is_gpu: bool,
     min_chunk: int = 256,
+    fixed_chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Work items of a decode step: one query per request, its visible keys
     split into page-aligned chunks (flash-decoding) when the batch alone would
@@ -262,8 +263,9 @@ def decode_work(
     Chunks are sized so that (items x head blocks) fills about
     parallel_slots() workers; a head block is the KV heads one CPU task covers,
     or the query rows one GPU thread block covers. Every request has at least
-    one item, so an empty one gets o = 0, lse = -inf. Returns items [I, 6] and
-    request_items [B + 1].
+    one item, so an empty one gets o = 0, lse = -inf. fixed_chunk (tokens, a
+    page multiple) replaces that choice: FlashInfer's fixed_split_size and
+    disable_split_kv. Returns items [I, 6] and request_items [B + 1].
     """
     seq_lens = table.seq_lens.astype(np.int64)
     page_size = table.page_size
@@ -279,7 +281,9 @@ def decode_work(
     # Chunks start on page boundaries of the sequence, counted from 0.
     aligned = first_visible // page_size * page_size
     span = seq_lens - aligned
-    if is_gpu:
+    if fixed_chunk is not None:
+        chunk = fixed_chunk
+    elif is_gpu:
         chunk = gpu_chunk(span, head_blocks, page_size, min_chunk)
     else:
         per_block_slots = max(parallel_slots(is_gpu) // head_blocks, 1)
@@ -289,7 +293,7 @@ def decode_work(
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
     k = np.arange(int(request_items[-1])) - request_items[request]
-    if is_gpu:
+    if is_gpu and fixed_chunk is None:
         # Even chunks, a page apart at most: a request's chunks run side by
         # side on the SMs, so the longest sets the pace (1008 + 16 tokens
         # would take as long as 1008 + 1008).

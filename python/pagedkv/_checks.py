@@ -31,6 +31,7 @@ from ._tensors import (
     dtype_of,
     is_contiguous,
     is_torch,
+    new_like,
     storage_view,
     to_host_numpy,
 )
@@ -106,6 +107,27 @@ def narrow_indices(name: str, x: Any, length: int | None = None) -> np.ndarray:
             i = int(np.flatnonzero((values > INT32_MAX) | (values < -INT32_MAX - 1))[0])
             raise ValueError(f"{name}[{i}] = {values[i]} does not fit in int32")
     return values.astype(np.int32)
+
+
+WIDE_INDEX_DTYPES = (
+    DType.int64,
+    DType.uint32,
+    DType.uint64,
+    DType.int16,
+    DType.uint16,
+    DType.uint8,
+)
+
+
+def as_int32_index(name: str, x: Array) -> Array:
+    """x itself when it is int32; for another integer dtype (FlashInfer's own
+    helpers give int64: `torch.cumsum` of int32 is int64) an int32 copy of x's
+    kind and device, after checking every value fits (ValueError, never a
+    wrap). Anything else comes back as it is, for check_index_array to refuse."""
+    check_array(name, x)
+    if dtype_of(x) not in WIDE_INDEX_DTYPES or len(x.shape) != 1:
+        return x
+    return new_like(x, narrow_indices(name, x))
 
 
 def check_index_array(name: str, x: Array, length: int | None = None) -> None:

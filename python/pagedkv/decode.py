@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from max.dtype import DType
 
 from ._attention import (
@@ -22,10 +23,11 @@ from ._attention import (
     heads_per_task,
 )
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import INT32_MAX, check_int, layout_code, reject_cuda_graph
+from ._checks import INT32_MAX, as_int32_index, check_int, layout_code, reject_cuda_graph
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
-from ._tensors import Array, device_of, dtype_of
+from ._tensors import Array, device_of, dtype_of, new_like
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
 def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -45,11 +47,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     kernel for every GPU; FlashInfer's "fa2" names it too), or "auto": the
     Hopper kernel where it applies, else the generic one. The CPU ignores it.
 
-    use_cuda_graph and use_tensor_cores stand where FlashInfer's do, so that
-    code written for FlashInfer builds the wrapper unchanged: pagedkv picks
-    its kernel itself (`backend`) and takes use_tensor_cores as a hint it
-    does not need; it does not support CUDA-graph capture of run(), and
-    use_cuda_graph=True raises.
+    The constructor takes FlashInfer's arguments in FlashInfer's order.
+    use_tensor_cores picks a kernel in FlashInfer with the same result; here
+    it is kept as the `use_tensor_cores` attribute and changes nothing.
+    use_cuda_graph=True raises (pagedkv does not support CUDA-graph capture of
+    run()); the paged_kv_*_buffer arguments go with it and must be None.
+    jit_args (FlashInfer's JIT variants) must be None.
     """
 
     def __init__(
@@ -58,16 +61,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
         use_tensor_cores: bool = False,
-        *,
+        paged_kv_indptr_buffer: Array | None = None,
+        paged_kv_indices_buffer: Array | None = None,
+        paged_kv_last_page_len_buffer: Array | None = None,
         backend: str = "auto",
+        jit_args: object = None,
     ) -> None:
         reject_cuda_graph(use_cuda_graph)
+        buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        if any(b is not None for b in buffers):
+            raise ValueError("paged_kv_*_buffer go with use_cuda_graph=True, which is unsupported")
+        if jit_args is not None:
+            raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         decode_kernel(backend, True, kv_layout, None, 1, "NONE")  # validates the name
         self._backend = backend
         self._workspace = float_workspace_buffer
+        self._use_tensor_cores = bool(use_tensor_cores)
         self._plan: AttentionPlan | None = None
+        self._multi: BatchPrefillWithPagedKVCacheWrapper | None = None
+        self._planned: dict | None = None
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """What the constructor was given (FlashInfer's kernel choice)."""
+        return self._use_tensor_cores
 
     def plan(
         self,
@@ -83,24 +102,97 @@ class BatchDecodeWithPagedKVCacheWrapper:
         logits_soft_cap: float | None = None,
         q_data_type: object = None,
         kv_data_type: object = None,
+        o_data_type: object = None,
+        data_type: object = None,
         sm_scale: float | None = None,
         rope_scale: float | None = None,
         rope_theta: float | None = None,
+        non_blocking: bool = True,
+        block_tables: Array | None = None,
+        seq_lens: Array | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
+        *,
+        window_right: int = 0,
     ) -> None:
-        """Prepares the batch described by the CSR page table (int32 arrays:
-        indptr [B + 1], indices [indptr[-1]], last_page_len [B]).
+        """Prepares the batch described by the CSR page table.
 
-        q_data_type / kv_data_type (torch, NumPy or MAX dtypes, or names) fix
-        the dtypes and compile now; left None they are taken from the first
-        run(). Options as in FlashInfer; logits_soft_cap None or 0 is off.
-        Integer options must fit int32 and float options be finite numbers
+        Parameters
+        ----------
+        indptr : [B + 1], indices : [indptr[-1]], last_page_len : [B]
+            The page table: int32, or any integer dtype whose values fit int32
+            (converted after checking; FlashInfer's helpers give int64).
+        q_data_type, kv_data_type
+            torch, NumPy or MAX dtypes, or names: fix the dtypes and compile
+            now; left None they are taken from the first run(). data_type is
+            FlashInfer's deprecated name for kv_data_type; o_data_type must be
+            None or q's dtype.
+        fixed_split_size, disable_split_kv
+            FlashInfer's split-KV controls: chunks of fixed_split_size pages,
+            or one chunk per request. Results agree with the default split
+            to rounding.
+        q_len_per_req
+            Query tokens per request (speculative decoding): run() then takes
+            q [B * q_len_per_req, Hq, D], each request's tokens attending
+            causally to its cache, whose last q_len_per_req tokens are theirs.
+        non_blocking
+            Accepted and ignored: plan() copies the table to the host anyway.
+        block_tables, seq_lens, window_right
+            FlashInfer's trtllm-gen / cute-dsl inputs: must be None / 0.
+
+        Options as in FlashInfer; logits_soft_cap None or 0 is off. Integer
+        options must fit int32 and float options be finite numbers
         (ValueError otherwise).
 
         Under ALiBi the returned lse is FlashInfer's decode kernels' (key j
         biased by slope * j), slope * (L - 1) * log2(e) above the prefill
         wrapper's for the same query (which biases by slope * (j - (L - 1)),
         as FlashInfer's prefill does); o is the same either way.
+
+        Example
+        -------
+        >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
+        ...        data_type=torch.float16, disable_split_kv=True)
         """
+        del non_blocking
+        if block_tables is not None or seq_lens is not None or window_right != 0:
+            raise ValueError(
+                "block_tables, seq_lens and window_right != 0 are FlashInfer's trtllm-gen / "
+                "cute-dsl inputs; pagedkv takes the CSR page table"
+            )
+        kv_data_type = kv_data_type if kv_data_type is not None else data_type
+        q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
+        indptr = as_int32_index("indptr", indptr)
+        indices = as_int32_index("indices", indices)
+        last_page_len = as_int32_index("last_page_len", last_page_len)
+        self._planned = dict(
+            indptr=indptr,
+            indices=indices,
+            last_page_len=last_page_len,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv,
+            q_len_per_req=q_len_per_req,
+        )
+        if q_data_type is not None and o_data_type is not None:
+            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
+                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
+        self._plan = self._multi = None
+        if q_len_per_req > 1:
+            self._plan_multi_token(q_len_per_req)
+            return
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
         page_size = check_int("page_size", page_size, 1)
         options = AttentionOptions(
@@ -123,9 +215,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
             pos_encoding_mode,
         )
         table = PageTable.checked(indptr, indices, last_page_len, page_size)
+        if disable_split_kv:
+            fixed_chunk = max(int(table.seq_lens.max(initial=0)), 1)
+            fixed_chunk = -(-fixed_chunk // page_size) * page_size
+        elif fixed_split_size is not None:
+            fixed_chunk = check_int("fixed_split_size", fixed_split_size, 1) * page_size
+        else:
+            fixed_chunk = None
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
-            table, num_qo_heads, num_kv_heads, per_task, options, is_gpu
+            table,
+            num_qo_heads,
+            num_kv_heads,
+            per_task,
+            options,
+            is_gpu,
+            fixed_chunk=fixed_chunk,
         )
         self._plan = AttentionPlan(
             "pagedkv_batch_decode",
@@ -148,6 +253,38 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ),
         )
 
+    def _plan_multi_token(self, q_len: int) -> None:
+        """q_len_per_req > 1: causal prefill of each request's last q_len tokens."""
+        p = self._planned
+        assert p is not None
+        batch = int(p["last_page_len"].shape[0])
+        qo_indptr = new_like(p["indptr"], np.arange(batch + 1, dtype=np.int32) * q_len)
+        self._multi = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+        self._multi.plan(
+            qo_indptr,
+            p["indptr"],
+            p["indices"],
+            p["last_page_len"],
+            p["num_qo_heads"],
+            p["num_kv_heads"],
+            p["head_dim"],
+            p["page_size"],
+            causal=True,
+            pos_encoding_mode=p["pos_encoding_mode"],
+            sm_scale=p["sm_scale"],
+            window_left=p["window_left"],
+            logits_soft_cap=p["logits_soft_cap"],
+            rope_scale=p["rope_scale"],
+            rope_theta=p["rope_theta"],
+            q_data_type=p["q_data_type"],
+            kv_data_type=p["kv_data_type"],
+        )
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated no-op."""
+
     def run(
         self,
         q: Array,
@@ -159,6 +296,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         *,
         out: Array | None = None,
         lse: Array | None = None,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        q_len_per_req: int | None = None,
+        sinks: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [B, num_qo_heads, head_dim] over the planned batch.
 
@@ -167,16 +308,77 @@ class BatchDecodeWithPagedKVCacheWrapper:
         (float32, base 2) with return_lse. As in FlashInfer, `out` and `lse`
         (used with return_lse) take the results in place of new arrays: a
         server that keeps them across layers allocates nothing per call. They
-        must not overlap q or the cache.
+        must not overlap q or the cache. window_left and q_len_per_req, if
+        given, must be the planned ones; enable_pdl (a CUDA launch detail) is
+        ignored; sinks must be None.
+
+        Example
+        -------
+        >>> o, lse = w.run(q, paged_kv_cache, return_lse=True)
         """
-        if self._plan is None:
+        del enable_pdl
+        if self._planned is None:
             raise RuntimeError("run() called before plan()")
+        if sinks is not None:
+            raise ValueError("attention sinks are not supported")
+        for name, given in (("window_left", window_left), ("q_len_per_req", q_len_per_req)):
+            if given is not None and given != self._planned[name]:
+                raise ValueError(f"{name}={given} differs from the planned {self._planned[name]}")
+        if self._multi is not None:
+            # The prefill kernel takes q's scale folded into k's (both scale q.k).
+            qk = None
+            if q_scale is not None or k_scale is not None:
+                qk = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
+            return self._multi.run(q, paged_kv_cache, qk, v_scale, return_lse, out=out, lse=lse)
+        assert self._plan is not None
         o, lse = self._plan.run(
             q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
         )
         return (o, lse) if return_lse else o
 
-    forward = run
+    def run_return_lse(
+        self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
+    ) -> tuple[Array, Array]:
+        """run(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def forward(
+        self,
+        q: Array,
+        paged_kv_cache: Array | Sequence[Array],
+        pos_encoding_mode: str = "NONE",
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        return_lse: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """FlashInfer's deprecated run(): the attention options come with the
+        call, as in FlashInfer before plan() took them, and replace the
+        planned ones (plan() runs again when they differ)."""
+        self._replan_with(
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )
+        return self.run(q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse)
+
+    def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
+        """forward(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.forward(*args, return_lse=True, **kwargs)
+
+    def _replan_with(self, **options: object) -> None:
+        if self._planned is None:
+            raise RuntimeError("forward() called before begin_forward()")
+        if any(self._planned[k] != v for k, v in options.items()):
+            self.plan(**{**self._planned, **options})
 
 
 def single_decode_with_kv_cache(
@@ -185,33 +387,39 @@ def single_decode_with_kv_cache(
     v: Array,
     kv_layout: str = "NHD",
     pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     window_left: int = -1,
     logits_soft_cap: float | None = None,
     sm_scale: float | None = None,
     rope_scale: float | None = None,
     rope_theta: float | None = None,
     return_lse: bool = False,
-    *,
-    use_tensor_cores: bool = False,
-    q_scale: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
 ) -> Array | tuple[Array, Array]:
-    """Decode attention of one request over contiguous K/V.
+    """Decode attention of one request over contiguous K/V, in FlashInfer's
+    positional order.
 
-    q: [num_qo_heads, head_dim]; k, v: [L, num_kv_heads, head_dim] (NHD) or
-    [num_kv_heads, L, head_dim] (HND). The K/V are viewed, without a copy, as
-    one page of L tokens and run through the batch kernel. Returns o
-    [num_qo_heads, head_dim], and lse [num_qo_heads] with return_lse.
+    Parameters
+    ----------
+    q : [num_qo_heads, head_dim]
+    k, v : [L, num_kv_heads, head_dim] (NHD) or [num_kv_heads, L, head_dim] (HND)
+    q_scale, k_scale, v_scale
+        As in `BatchDecodeWithPagedKVCacheWrapper.run`: q.k scaled by
+        q_scale * k_scale, o by v_scale (float8 K/V's calibration).
+    use_tensor_cores
+        Picks a GPU kernel in FlashInfer, with the same result; ignored.
 
-    The positional order is the one pagedkv has always had. FlashInfer's
-    `use_tensor_cores`, `q_scale`, `k_scale` and `v_scale` come before
-    `window_left` in its order, so here they are keyword-only: a FlashInfer
-    call that names them runs unchanged. The scales mean what they mean in
-    `BatchDecodeWithPagedKVCacheWrapper.run` (q.k scaled by q_scale *
-    k_scale, o by v_scale: float8 K/V's calibration). use_tensor_cores
-    picks a GPU kernel in FlashInfer, with the same result; it changes
-    nothing here.
+    Returns
+    -------
+    o [num_qo_heads, head_dim] (q's dtype), and lse [num_qo_heads] (float32,
+    base 2) with return_lse. The K/V are viewed, without a copy, as one page
+    of L tokens and run through the batch kernel.
+
+    Example
+    -------
+    >>> o = single_decode_with_kv_cache(q, k, v, "NHD", "NONE", False, None, None, None, 64)
     """
     del use_tensor_cores
     kv = one_page_kv(q, k, v, kv_layout, q_dims=2)

@@ -25,6 +25,7 @@ from ._attention import (
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import (
     INT32_MAX,
+    as_int32_index,
     check_index_array,
     check_int,
     host_index_copy,
@@ -49,9 +50,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
     ...        causal=True)
     >>> o = w.run(q, paged_kv_cache)          # q [qo_indptr[-1], 32, 128]
 
-    use_cuda_graph stands where FlashInfer's does; True raises, as in
-    BatchDecodeWithPagedKVCacheWrapper. backend: FlashInfer's "auto" or
-    "fa2", both pagedkv's one prefill kernel for the device.
+    The constructor takes FlashInfer's arguments in FlashInfer's order.
+    use_cuda_graph=True raises, as in BatchDecodeWithPagedKVCacheWrapper, and
+    the *_buf arguments that go with it must be None. backend: FlashInfer's
+    "auto" or "fa2", both pagedkv's one prefill kernel for the device.
     """
 
     def __init__(
@@ -59,15 +61,36 @@ class BatchPrefillWithPagedKVCacheWrapper:
         float_workspace_buffer: Array | None = None,
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
-        *,
+        qo_indptr_buf: Array | None = None,
+        paged_kv_indptr_buf: Array | None = None,
+        paged_kv_indices_buf: Array | None = None,
+        paged_kv_last_page_len_buf: Array | None = None,
+        custom_mask_buf: Array | None = None,
+        mask_indptr_buf: Array | None = None,
         backend: str = "auto",
+        jit_args: object = None,
     ) -> None:
         reject_cuda_graph(use_cuda_graph)
+        buffers = (
+            qo_indptr_buf,
+            paged_kv_indptr_buf,
+            paged_kv_indices_buf,
+            paged_kv_last_page_len_buf,
+            custom_mask_buf,
+            mask_indptr_buf,
+        )
+        if any(b is not None for b in buffers):
+            raise ValueError(
+                "the *_buf arguments go with use_cuda_graph=True, which is unsupported"
+            )
+        if jit_args is not None:
+            raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         check_backend(backend, PREFILL_BACKENDS)
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
         self._plan: AttentionPlan | None = None
+        self._planned: dict | None = None
 
     def plan(
         self,
@@ -92,15 +115,54 @@ class BatchPrefillWithPagedKVCacheWrapper:
         rope_theta: float | None = None,
         q_data_type: object = None,
         kv_data_type: object = None,
+        o_data_type: object = None,
+        non_blocking: bool = True,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
     ) -> None:
         """Prepares the batch: qo_indptr [B + 1] (request b's queries are rows
         qo_indptr[b]:qo_indptr[b + 1] of q) and the CSR page table of the
-        cached K/V, which already includes the queries' own tokens.
+        cached K/V, which already includes the queries' own tokens. Index
+        arrays are int32, or an integer dtype whose values fit (converted).
 
         Options as in FlashInfer and decode; custom masks are not supported,
         and use_fp16_qk_reduction is accepted and ignored (scores are always
-        accumulated in float32).
+        accumulated in float32). o_data_type must be None or q_data_type;
+        non_blocking, fixed_split_size and disable_split_kv are accepted and
+        change nothing (prefill work is tiled by queries, never split by keys).
+
+        Example
+        -------
+        >>> w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
+        ...        causal=True, q_data_type=torch.float16)
         """
+        del non_blocking, fixed_split_size, disable_split_kv
+        self._planned = dict(
+            qo_indptr=qo_indptr,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk,
+            page_size=page_size,
+            causal=causal,
+            pos_encoding_mode=pos_encoding_mode,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+        )
+        if q_data_type is not None and o_data_type is not None:
+            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
+                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
+        qo_indptr = as_int32_index("qo_indptr", qo_indptr)
+        paged_kv_indptr = as_int32_index("paged_kv_indptr", paged_kv_indptr)
+        paged_kv_indices = as_int32_index("paged_kv_indices", paged_kv_indices)
+        paged_kv_last_page_len = as_int32_index("paged_kv_last_page_len", paged_kv_last_page_len)
         if custom_mask is not None or packed_custom_mask is not None:
             raise NotImplementedError("custom masks are not supported: use causal or window_left")
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
@@ -127,12 +189,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
         counts = np.diff(host_qo)
         if host_qo[0] != 0 or (counts < 0).any():
             raise ValueError("qo_indptr must start at 0 and never decrease")
-        over = np.nonzero(counts > table.seq_lens)[0]
+        # Without a causal mask every query sees every key, so more queries
+        # than keys is well defined (FlashInfer allows it); with one, the
+        # queries are the request's last tokens and must be cached.
+        over = np.nonzero(counts > table.seq_lens)[0] if causal else []
         if len(over):
             b = int(over[0])
             raise ValueError(
-                f"request {b} has {counts[b]} queries but only {table.seq_lens[b]} cached "
-                "tokens: append the queries' K/V before prefill"
+                f"request {b} has {counts[b]} causal queries but only {table.seq_lens[b]} "
+                "cached tokens: append the queries' K/V before prefill"
             )
         items, request_items, max_queries = prefill_work(
             table,
@@ -167,29 +232,95 @@ class BatchPrefillWithPagedKVCacheWrapper:
         v_scale: float | None = None,
         return_lse: bool = False,
         *,
+        q_scale: float | None = None,
         out: Array | None = None,
         lse: Array | None = None,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim] over the batch.
 
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place, as in
-        BatchDecodeWithPagedKVCacheWrapper.run.
+        BatchDecodeWithPagedKVCacheWrapper.run. window_left, if given, must
+        be the planned one; enable_pdl is ignored; sinks must be None.
+
+        Example
+        -------
+        >>> o, lse = w.run(q, paged_kv_cache, return_lse=True)
         """
+        del enable_pdl
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
+        if sinks is not None:
+            raise ValueError("attention sinks are not supported")
+        planned = self._plan.options.window_left
+        if window_left is not None and window_left != planned:
+            raise ValueError(f"window_left={window_left} differs from the planned {planned}")
         o, lse = self._plan.run(
-            q, paged_kv_cache, self._kv_layout, None, k_scale, v_scale, out, lse, return_lse
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
         )
         return (o, lse) if return_lse else o
 
-    forward = run
+    def run_return_lse(
+        self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
+    ) -> tuple[Array, Array]:
+        """run(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated no-op."""
+
+    def forward(
+        self,
+        q: Array,
+        paged_kv_cache: Array | Sequence[Array],
+        causal: bool = True,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        return_lse: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """FlashInfer's deprecated run(): the options come with the call and
+        replace the planned ones (plan() runs again when they differ)."""
+        del use_fp16_qk_reduction
+        options = dict(
+            causal=causal,
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )
+        if self._planned is None:
+            raise RuntimeError("forward() called before begin_forward()")
+        if any(self._planned[k] != v for k, v in options.items()):
+            self.plan(**{**self._planned, **options})
+        return self.run(q, paged_kv_cache, k_scale, v_scale, return_lse)
+
+    def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
+        """forward(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.forward(*args, return_lse=True, **kwargs)
 
 
 def single_prefill_with_kv_cache(
     q: Array,
     k: Array,
     v: Array,
+    scale_q: Array | None = None,
+    scale_k: Array | None = None,
+    scale_v: Array | None = None,
+    o_dtype: object = None,
     custom_mask: Array | None = None,
     packed_custom_mask: Array | None = None,
     causal: bool = False,
@@ -201,27 +332,52 @@ def single_prefill_with_kv_cache(
     logits_soft_cap: float | None = None,
     rope_scale: float | None = None,
     rope_theta: float | None = None,
+    backend: str = "auto",
     return_lse: bool = False,
+    kv_cache_sf: object = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> Array | tuple[Array, Array]:
-    """Attention of one request's qo_len queries over contiguous K/V.
+    """Attention of one request's qo_len queries over contiguous K/V, with
+    FlashInfer's arguments in FlashInfer's order.
 
-    q: [qo_len, num_qo_heads, head_dim]; k, v: [kv_len, num_kv_heads,
-    head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND), qo_len <=
-    kv_len. As in FlashInfer, the queries are the last qo_len tokens: query
-    i sits at position kv_len - qo_len + i (causal mask, window, RoPE and
-    ALiBi). The K/V are viewed, without a copy, as one page of kv_len tokens
-    and run through the batch prefill kernel. Returns o (q's shape and
-    dtype), and lse [qo_len, num_qo_heads] (float32, base 2) with return_lse.
-    Custom masks are not supported; use_fp16_qk_reduction is ignored.
+    Parameters
+    ----------
+    q : [qo_len, num_qo_heads, head_dim]
+    k, v : [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)
+    k_scale, v_scale
+        Float scales of q.k and of o (float8 K/V's calibration).
+    scale_q, scale_k, scale_v, kv_cache_sf
+        FlashInfer's per-head fp8 / NVFP4 scale tensors: must be None.
+    o_dtype
+        None or q's dtype. backend: "auto" or "fa2".
+
+    Returns
+    -------
+    o (q's shape and dtype), and lse [qo_len, num_qo_heads] (float32, base 2)
+    with return_lse. As in FlashInfer, the queries are the last qo_len tokens:
+    query i sits at position kv_len - qo_len + i (causal mask, window, RoPE
+    and ALiBi); qo_len <= kv_len. The K/V are viewed, without a copy, as one
+    page of kv_len tokens and run through the batch prefill kernel. Custom
+    masks are not supported; use_fp16_qk_reduction is ignored.
+
+    Example
+    -------
+    >>> o = single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa2")
     """
+    check_backend(backend, PREFILL_BACKENDS)
+    if any(x is not None for x in (scale_q, scale_k, scale_v, kv_cache_sf)):
+        raise ValueError("scale_q, scale_k, scale_v and kv_cache_sf are not supported")
+    if o_dtype is not None and as_dtype(o_dtype, "o_dtype") != dtype_of(q):
+        raise ValueError("o_dtype must be None or q's dtype: o is written in q's dtype")
     kv = one_page_kv(q, k, v, kv_layout, q_dims=3)
     queries, num_qo_heads, head_dim = (int(n) for n in q.shape)
-    if queries > kv.length:
+    if causal and queries > kv.length:
         raise ValueError(
-            f"q has {queries} queries but k, v only {kv.length} tokens: the queries are "
-            "the last qo_len tokens of the K/V, so qo_len must not exceed kv_len"
+            f"q has {queries} causal queries but k, v only {kv.length} tokens: the queries "
+            "are the last qo_len tokens of the K/V, so qo_len must not exceed kv_len"
         )
-    if queries == 0:
+    if queries == 0 or kv.length == 0:
         return attention_of_nothing(q, return_lse)
     wrapper = BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout)
     wrapper.plan(
@@ -246,4 +402,4 @@ def single_prefill_with_kv_cache(
         q_data_type=dtype_of(q),
         kv_data_type=dtype_of(k),
     )
-    return wrapper.run(q, kv.cache, return_lse=return_lse)
+    return wrapper.run(q, kv.cache, k_scale, v_scale, return_lse)

@@ -1,0 +1,235 @@
+"""Batch prefill over contiguous ragged K/V: FlashInfer's
+BatchPrefillWithRaggedKVCacheWrapper.
+
+Request b's keys and values are rows kv_indptr[b]:kv_indptr[b + 1] of one
+K and one V tensor [nnz_kv, Hkv, D]. Seen as a paged cache of one-token
+pages (page i is row i), they run through the paged prefill kernel without
+a copy: the page table is kv_indptr itself, pages 0..nnz_kv-1 in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import as_int32_index, check_index_array, host_index_copy
+from ._tensors import Array, check_array, contiguous, new_like
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+
+class BatchPrefillWithRaggedKVCacheWrapper:
+    """Ragged multi-token attention over contiguous K/V.
+
+    >>> w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout="NHD")
+    >>> w.plan(qo_indptr, kv_indptr, 32, 8, 128, causal=True)
+    >>> o = w.run(q, k, v)     # q [qo_indptr[-1], 32, 128], k, v [kv_indptr[-1], 8, 128]
+
+    The constructor takes FlashInfer's arguments in FlashInfer's order;
+    use_cuda_graph=True raises and the *_buf arguments must be None, as in
+    BatchPrefillWithPagedKVCacheWrapper. kv_layout "HND" takes k, v as
+    [Hkv, nnz_kv, D] and copies them to NHD on each run().
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: Array | None = None,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Array | None = None,
+        kv_indptr_buf: Array | None = None,
+        custom_mask_buf: Array | None = None,
+        mask_indptr_buf: Array | None = None,
+        backend: str = "auto",
+        jit_args: object = None,
+        jit_kwargs: object = None,
+    ) -> None:
+        if any(b is not None for b in (kv_indptr_buf, jit_kwargs)):
+            raise ValueError("kv_indptr_buf and jit_kwargs are not supported")
+        # The inner wrapper pages the ragged rows as NHD one-token pages.
+        self._paged = BatchPrefillWithPagedKVCacheWrapper(
+            float_workspace_buffer,
+            "NHD",
+            use_cuda_graph,
+            qo_indptr_buf,
+            custom_mask_buf=custom_mask_buf,
+            mask_indptr_buf=mask_indptr_buf,
+            backend=backend,
+            jit_args=jit_args,
+        )
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        self._kv_layout = kv_layout
+        self._nnz_kv: int | None = None
+
+    def plan(
+        self,
+        qo_indptr: Array,
+        kv_indptr: Array,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None = None,
+        custom_mask: Array | None = None,
+        packed_custom_mask: Array | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: object = None,
+        kv_data_type: object = None,
+        o_data_type: object = None,
+        non_blocking: bool = True,
+    ) -> None:
+        """Prepares the batch: qo_indptr [B + 1] (request b's queries are rows
+        qo_indptr[b]:qo_indptr[b + 1] of q) and kv_indptr [B + 1] (its keys
+        and values are those rows of k and v). int32, or an integer dtype
+        whose values fit (converted).
+
+        As in FlashInfer, query i of a request with n queries and L keys sits
+        at position L - n + i: with causal=True it sees keys 0..L - n + i
+        (n <= L is then required); without, every key (n > L is allowed).
+        Options otherwise as BatchPrefillWithPagedKVCacheWrapper.plan.
+
+        Example
+        -------
+        >>> w.plan(qo_indptr, kv_indptr, 32, 8, 128, causal=True, q_data_type=torch.float16)
+        """
+        kv_indptr = as_int32_index("kv_indptr", kv_indptr)
+        check_index_array("kv_indptr", kv_indptr)
+        if int(kv_indptr.shape[0]) < 1:
+            raise ValueError("kv_indptr must have batch_size + 1 >= 1 entries")
+        host = host_index_copy("kv_indptr", kv_indptr).astype(np.int64)
+        if host[0] != 0 or (np.diff(host) < 0).any():
+            raise ValueError("kv_indptr must start at 0 and never decrease")
+        nnz = int(host[-1])
+        # One-token pages: request b holds pages kv_indptr[b]..kv_indptr[b+1]-1,
+        # all full (a request without keys has a last page of 0 tokens).
+        self._paged.plan(
+            qo_indptr,
+            kv_indptr,
+            new_like(kv_indptr, np.arange(nnz, dtype=np.int32)),
+            new_like(kv_indptr, (np.diff(host) > 0).astype(np.int32)),
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            1,
+            head_dim_vo=head_dim_vo,
+            custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask,
+            causal=causal,
+            pos_encoding_mode=pos_encoding_mode,
+            use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
+            non_blocking=non_blocking,
+        )
+        self._nnz_kv = nnz
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated no-op."""
+
+    def run(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        out: Array | None = None,
+        lse: Array | None = None,
+        return_lse: bool = False,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: Array | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """Attention of q [qo_indptr[-1], Hq, D] over k, v [kv_indptr[-1], Hkv, D]
+        (NHD; [Hkv, kv_indptr[-1], D] for HND).
+
+        Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
+        with return_lse; `out` and `lse` take them in place.
+
+        Example
+        -------
+        >>> o, lse = w.run(q, k, v, return_lse=True)
+        """
+        if self._nnz_kv is None:
+            raise RuntimeError("run() called before plan()")
+        pages = []
+        for name, x in (("k", k), ("v", v)):
+            check_array(name, x)
+            if len(x.shape) != 3:
+                raise ValueError(f"{name} must be 3-D, got shape {tuple(x.shape)}")
+            rows = x.shape[0] if self._kv_layout == "NHD" else x.shape[1]
+            if rows != self._nnz_kv:
+                raise ValueError(f"{name} has {rows} rows but kv_indptr[-1] is {self._nnz_kv}")
+            if self._kv_layout == "HND":
+                x = x.transpose(1, 0) if hasattr(x, "dim") else x.transpose(1, 0, 2)
+            x = contiguous(x)
+            pages.append(x.reshape(x.shape[0], 1, *x.shape[1:]))  # one-token pages
+        return self._paged.run(
+            q,
+            tuple(pages),
+            k_scale,
+            v_scale,
+            return_lse,
+            q_scale=q_scale,
+            out=out,
+            lse=lse,
+            enable_pdl=enable_pdl,
+            window_left=window_left,
+            sinks=sinks,
+        )
+
+    def run_return_lse(self, q: Array, k: Array, v: Array, **kwargs: object) -> tuple[Array, Array]:
+        """run(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.run(q, k, v, return_lse=True, **kwargs)
+
+    def forward(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        causal: bool = True,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        return_lse: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """FlashInfer's deprecated run(): options with the call, replacing the planned ones."""
+        del use_fp16_qk_reduction
+        planned = self._paged._planned
+        if planned is None:
+            raise RuntimeError("forward() called before begin_forward()")
+        options = dict(
+            causal=causal,
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )
+        if any(planned[key] != value for key, value in options.items()):
+            self._paged.plan(**{**planned, **options})
+        return self.run(q, k, v, return_lse=return_lse)
+
+    def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
+        """forward(..., return_lse=True): FlashInfer's deprecated name."""
+        return self.forward(*args, return_lse=True, **kwargs)

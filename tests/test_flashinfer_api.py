@@ -1,0 +1,205 @@
+"""FlashInfer's calling conventions that pagedkv accepts (issue 54): the
+deprecated names, FlashInfer's positional orders, decode plan options,
+int64 page tables and several query tokens per decode request, each checked
+against the float64 reference in tests/reference.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv
+import reference
+
+
+def decode_case(seed: int = 0, lens=(70, 3, 33)):
+    rng = np.random.default_rng(seed)
+    batch = reference.paged_batch(rng, 16, list(lens), [0] * len(lens))
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((len(lens), 8, 64), dtype=np.float32)
+    return batch, pool, q
+
+
+def decode_reference(batch, pool, q, **options):
+    outs, lses = [], []
+    gathered = reference.gather(
+        pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(gathered):
+        o, lse = reference.attention(q[b : b + 1], k, v, np.array([len(k) - 1]), **options)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return np.stack(outs), np.stack(lses)
+
+
+def table(batch):
+    return batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len
+
+
+def test_int64_page_tables_are_narrowed_after_a_range_check():
+    """torch.cumsum of int32 is int64: FlashInfer's own helpers produce such tables."""
+    batch, pool, q = decode_case()
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(*(torch.from_numpy(x.astype(np.int64)) for x in table(batch)), 8, 2, 64, 16)
+    o = w.run(torch.from_numpy(q), torch.from_numpy(pool))
+    want, _ = decode_reference(batch, pool, q)
+    np.testing.assert_allclose(o.numpy(), want, rtol=1e-5, atol=1e-5)
+    too_big = batch.kv_indices.astype(np.int64)
+    too_big[1] = 2**32 + 1  # would wrap to page 1
+    with pytest.raises(ValueError, match=r"indices\[1\] = 4294967297 does not fit in int32"):
+        w.plan(batch.kv_indptr, too_big, batch.kv_last_page_len, 8, 2, 64, 16)
+
+
+def test_deprecated_decode_names():
+    """plan(data_type=), run_return_lse, begin_forward / forward (whose options
+    replace the planned ones), end_forward and the use_tensor_cores attribute."""
+    batch, pool, q = decode_case(1)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, True)
+    assert w.use_tensor_cores
+    assert not pagedkv.BatchDecodeWithPagedKVCacheWrapper().use_tensor_cores
+    w.plan(*table(batch), 8, 2, 64, 16, data_type="float32", q_data_type=np.float32)
+    o, lse = w.run_return_lse(q, pool)
+    want_o, want_lse = decode_reference(batch, pool, q)
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    w.begin_forward(*table(batch), 8, 2, 64, 16)
+    o = w.forward(q, pool, logits_soft_cap=5.0, window_left=20)
+    want_o, _ = decode_reference(batch, pool, q, logits_soft_cap=5.0, window_left=20)
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+    w.end_forward()
+    w.plan(*table(batch), 8, 2, 64, 16, data_type=torch.float16, q_data_type=torch.float32)
+    with pytest.raises(TypeError, match="the cache is float32 but the plan has float16"):
+        w.run(q, pool)
+
+
+@pytest.mark.parametrize("split", [{"disable_split_kv": True}, {"fixed_split_size": 1}])
+def test_decode_split_options_keep_the_result(split):
+    batch, pool, q = decode_case(2, lens=(300, 17, 64))
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(*table(batch), 8, 2, 64, 16, non_blocking=True, **split)
+    want_o, want_lse = decode_reference(batch, pool, q)
+    o, lse = w.run(q, pool, return_lse=True)
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    items = w._plan.buffers["request_items"].to_numpy()
+    # One work item a request, or one a page (16 tokens).
+    want_items = [1, 1, 1] if "disable_split_kv" in split else [19, 2, 4]
+    assert np.diff(items).tolist() == want_items
+
+
+def test_decode_with_several_query_tokens_per_request():
+    """q_len_per_req = 3: each request's last 3 tokens attend causally."""
+    batch, pool, _ = decode_case(3, lens=(40, 5))
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((6, 8, 64), dtype=np.float32)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True)
+    w.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=3)
+    o, lse = w.run(q, pool, return_lse=True, q_len_per_req=3)
+    gathered = reference.gather(
+        pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(gathered):
+        rows = slice(3 * b, 3 * b + 3)
+        want_o, want_lse = reference.attention(q[rows], k, v, np.arange(len(k) - 3, len(k)))
+        np.testing.assert_allclose(o[rows], want_o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[rows], want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="q_len_per_req=2 differs from the planned 3"):
+        w.run(q, pool, q_len_per_req=2)
+
+
+def test_single_decode_takes_flashinfer_positional_order():
+    """(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale,
+    k_scale, v_scale, window_left, logits_soft_cap, sm_scale, ...)."""
+    rng = np.random.default_rng(5)
+    k, v = rng.standard_normal((2, 90, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((8, 64), dtype=np.float32)
+    o = pagedkv.single_decode_with_kv_cache(
+        q, k, v, "NHD", "NONE", True, 2.0, 0.5, 3.0, 30, 7.0, 0.1
+    )
+    want, _ = reference.attention(
+        q[None],
+        k,
+        v,
+        np.array([89]),
+        window_left=30,
+        logits_soft_cap=7.0,
+        sm_scale=0.1,
+        qk_scale=1.0,
+        v_scale=3.0,
+    )
+    np.testing.assert_allclose(o, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_single_prefill_takes_flashinfer_keywords():
+    rng = np.random.default_rng(6)
+    k, v = rng.standard_normal((2, 50, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((10, 8, 64), dtype=np.float32)
+    o = pagedkv.single_prefill_with_kv_cache(
+        q, k, v, causal=True, backend="fa2", k_scale=0.5, v_scale=2.0, o_dtype=np.float32
+    )
+    want, _ = reference.attention(q, k, v, np.arange(40, 50), qk_scale=0.5, v_scale=2.0)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
+    many = rng.standard_normal((60, 8, 64), dtype=np.float32)  # more queries than keys
+    o = pagedkv.single_prefill_with_kv_cache(many, k, v, causal=False)
+    want, _ = reference.attention(many, k, v, np.arange(-10, 50), causal=False)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, backend="fa3")
+    with pytest.raises(ValueError, match="o_dtype must be None or q's dtype"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, o_dtype=torch.float16)
+
+
+def test_deprecated_prefill_names():
+    rng = np.random.default_rng(7)
+    batch = reference.paged_batch(rng, 16, [30, 20], [0, 0])
+    pool = rng.standard_normal((batch.num_pages, 2, 16, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((8, 8, 64), dtype=np.float32)
+    qo_indptr = torch.tensor([0, 5, 8]).cumsum(0) * 0 + torch.tensor([0, 5, 8])  # int64
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    w.begin_forward(qo_indptr, *(torch.from_numpy(x) for x in table(batch)), 8, 2, 64, 16)
+    o, lse = w.forward_return_lse(torch.from_numpy(q), torch.from_numpy(pool), causal=True)
+    gathered = reference.gather(
+        pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for (k, v), rows in zip(gathered, (slice(0, 5), slice(5, 8)), strict=True):
+        n = rows.stop - rows.start
+        want_o, want_lse = reference.attention(q[rows], k, v, np.arange(len(k) - n, len(k)))
+        np.testing.assert_allclose(o[rows].numpy(), want_o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[rows].numpy(), want_lse, rtol=1e-5, atol=1e-5)
+    same = w.run_return_lse(torch.from_numpy(q), torch.from_numpy(pool))[0]
+    np.testing.assert_array_equal(same.numpy(), o.numpy())
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_prefill_matches_reference(layout, causal):
+    """Contiguous ragged K/V; without a causal mask a request may have more
+    queries than keys (the second request: 9 queries, 4 keys)."""
+    rng = np.random.default_rng(8)
+    kv_lens, qo_lens = [30, 4, 0, 17], [12, 4 if causal else 9, 0, 17]
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int64)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    k, v = rng.standard_normal((2, int(kv_indptr[-1]), 2, 64), dtype=np.float32)
+    q = rng.standard_normal((int(qo_indptr[-1]), 8, 64), dtype=np.float32)
+    w = pagedkv.BatchPrefillWithRaggedKVCacheWrapper(None, layout)
+    w.plan(qo_indptr, kv_indptr, 8, 2, 64, causal=causal, logits_soft_cap=9.0)
+    kk, vv = (x if layout == "NHD" else x.transpose(1, 0, 2).copy() for x in (k, v))
+    o, lse = w.run(q, kk, vv, return_lse=True)
+    for b in range(4):
+        rows, keys = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+        n, length = qo_lens[b], kv_lens[b]
+        if n == 0:
+            continue
+        want_o, want_lse = reference.attention(
+            q[rows],
+            k[keys],
+            v[keys],
+            np.arange(length - n, length),
+            causal=causal,
+            logits_soft_cap=9.0,
+        )
+        np.testing.assert_allclose(o[rows], want_o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[rows], want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="k has 3 rows but kv_indptr"):
+        w.run(q, kk[:3] if layout == "NHD" else kk[:, :3], vv)
