@@ -203,3 +203,30 @@ def test_ragged_prefill_matches_reference(layout, causal):
         np.testing.assert_allclose(lse[rows], want_lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="k has 3 rows but kv_indptr"):
         w.run(q, kk[:3] if layout == "NHD" else kk[:, :3], vv)
+
+
+def test_fast_decode_plan_is_plan():
+    from pagedkv.fast_decode_plan import fast_decode_plan
+
+    batch, pool, q = decode_case(9)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    fast_decode_plan(w, *table(batch), 8, 2, 64, 16, window_left=10)
+    want, _ = decode_reference(batch, pool, q, window_left=10)
+    np.testing.assert_allclose(w.run(q, pool), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flashinfer_compat_serves_import_flashinfer():
+    import pagedkv.flashinfer_compat as compat
+
+    compat.install()
+    import flashinfer
+    import flashinfer.decode
+
+    assert flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper is (
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper
+    )
+    assert flashinfer.BatchPrefillWithRaggedKVCacheWrapper is (
+        pagedkv.BatchPrefillWithRaggedKVCacheWrapper
+    )
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        flashinfer.nvfp4_quantize_append_paged_kv_cache()

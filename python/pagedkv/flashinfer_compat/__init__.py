@@ -1,0 +1,69 @@
+"""FlashInfer's module layout over pagedkv: ``import flashinfer`` served by pagedkv.
+
+>>> import pagedkv.flashinfer_compat as compat
+>>> compat.install()               # from now on `import flashinfer` is this package
+>>> import flashinfer
+>>> flashinfer.BatchDecodeWithPagedKVCacheWrapper is pagedkv.BatchDecodeWithPagedKVCacheWrapper
+True
+
+The top-level names and the submodules FlashInfer's users and tests import
+(`decode`, `prefill`, `page`, `cascade`, `utils`, `jit`, `quantization`,
+`fp4_quantization`) map to pagedkv's implementations. Names that exist only
+to drive FlashInfer's CUDA JIT (`jit.*`, `gen_*_module`) are no-ops; names
+pagedkv does not implement raise NotImplementedError when called, so that
+code importing them still loads (see docs/flashinfer.md).
+"""
+
+from __future__ import annotations
+
+from ._install import install
+from .cascade import (
+    BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
+    BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+    merge_state,
+    merge_state_in_place,
+    merge_states,
+)
+from .decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    fast_decode_plan,
+    single_decode_with_kv_cache,
+)
+from .page import (
+    append_paged_kv_cache,
+    append_paged_mla_kv_cache,
+    get_batch_indices_positions,
+    get_seq_lens,
+    nvfp4_quantize_append_paged_kv_cache,
+    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+)
+from .prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+)
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
+    "append_paged_kv_cache",
+    "append_paged_mla_kv_cache",
+    "fast_decode_plan",
+    "get_batch_indices_positions",
+    "get_seq_lens",
+    "install",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "nvfp4_quantize_append_paged_kv_cache",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
+    "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
+]

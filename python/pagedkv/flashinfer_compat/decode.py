@@ -1,0 +1,31 @@
+"""``flashinfer.decode`` over pagedkv."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from ..fast_decode_plan import fast_decode_plan
+from ._missing import missing_class
+from .jit import JitSpec
+
+CUDAGraphBatchDecodeWithPagedKVCacheWrapper = missing_class(
+    "decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "use_cuda_graph=True is unsupported",
+)
+
+
+def gen_single_decode_module(*args: Any, **kwargs: Any) -> JitSpec:
+    return JitSpec()
+
+
+gen_batch_decode_module = gen_single_decode_module
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "fast_decode_plan",
+    "gen_batch_decode_module",
+    "gen_single_decode_module",
+    "single_decode_with_kv_cache",
+]

@@ -1,0 +1,24 @@
+"""``flashinfer.prefill`` over pagedkv."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
+from .jit import JitSpec
+
+
+def gen_single_prefill_module(*args: Any, **kwargs: Any) -> JitSpec:
+    return JitSpec()
+
+
+gen_batch_prefill_module = gen_single_prefill_module
+
+__all__ = [
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "gen_batch_prefill_module",
+    "gen_single_prefill_module",
+    "single_prefill_with_kv_cache",
+]

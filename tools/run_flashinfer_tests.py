@@ -1,0 +1,176 @@
+"""Runs FlashInfer's own attention tests against pagedkv on the CPU.
+
+    python tools/run_flashinfer_tests.py /path/to/flashinfer [--files ...]
+
+FLASHINFER is a FlashInfer git checkout at PINNED_COMMIT (or a bare clone
+that holds it: the tests are taken with `git archive`). Its tests are
+copied to a work directory with one change, the device: "cuda:0" / "cuda"
+become "cpu", and `.to(0)` (device 0) `.to("cpu")`.
+tools/flashinfer_conftest.py replaces FlashInfer's conftest files: it maps
+`import flashinfer` to pagedkv.flashinfer_compat and keeps,
+for each test function, a covering sample of its parameter grid (every
+value of every parameter at least once). The summary counts passes and
+failures per file and groups failures by message; failures that need CUDA
+itself (streams, CUDA graphs) are counted apart. See docs/flashinfer.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PINNED_COMMIT = "a0a6b019b9b27d49d209f85d028a1ae5a9b347d7"
+"""FlashInfer v0.6.17."""
+LEGACY_COMMIT = "v0.1.6"
+"""Its shared-prefix test exercises the older cascade API (begin_forward / forward)."""
+LEGACY_TEST = "python/tests/test_shared_prefix_kernels.py"
+
+FILES = (
+    "test_page.py",
+    "test_batch_decode_kernels.py",
+    "test_batch_prefill_kernels.py",
+    "test_single_prefill.py",
+    "test_tensor_cores_decode.py",
+    "test_non_contiguous_decode.py",
+    "test_non_contiguous_prefill.py",
+    "test_decode_prefill_lse.py",
+    "test_shared_prefix_kernels.py",
+    "test_logits_cap.py",
+    "test_sliding_window.py",
+    "test_alibi.py",
+)
+"""The issue's bar: pages, batch and single decode and prefill, tensor-core
+and non-contiguous decode, LSE, cascade / shared prefix, logits cap, sliding
+window and ALiBi (tests/attention/ at PINNED_COMMIT)."""
+
+DEVICE = re.compile(r"""(["'])cuda(:0)?\1""")
+DEVICE_INDEX = re.compile(r"\.to\(0\)")
+NEEDS_CUDA = re.compile(r"not compiled with CUDA|CUDA graph|torch\.cuda|cudaStream|CUDA driver")
+
+
+def git(repo: Path, *args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True).stdout
+
+
+def extract(repo: Path, commit: str, paths: list[str], dest: Path) -> None:
+    """The files at `commit` (checked: a checkout must be at it)."""
+    bare = git(repo, "rev-parse", "--is-bare-repository").strip() == b"true"
+    if not bare:
+        head = git(repo, "rev-parse", "HEAD").decode().strip()
+        want = git(repo, "rev-parse", f"{commit}^{{commit}}").decode().strip()
+        if head != want:
+            sys.exit(f"{repo} is at {head}, not {want}: check out the pinned commit")
+    data = git(repo, "archive", "--format=tar", commit, *paths)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def prepare(repo: Path, files: list[str], work: Path, legacy: bool) -> list[str]:
+    """Copies the tests (device rewritten) and our conftest; returns the test paths."""
+    extract(repo, PINNED_COMMIT, ["tests/__init__.py", "tests/test_helpers"], work)
+    extract(repo, PINNED_COMMIT, [f"tests/attention/{f}" for f in files], work)
+    (work / "tests/attention/__init__.py").touch()
+    targets = [f"tests/attention/{f}" for f in files]
+    if legacy:
+        try:
+            extract(repo, LEGACY_COMMIT, [LEGACY_TEST], work / "legacy")
+        except subprocess.CalledProcessError:
+            print(f"no {LEGACY_COMMIT} in {repo}: its shared-prefix test is left out")
+        else:
+            src = work / "legacy" / LEGACY_TEST
+            shutil.move(src, work / "tests/legacy_v0_1_6_test_shared_prefix_kernels.py")
+            targets.append("tests/legacy_v0_1_6_test_shared_prefix_kernels.py")
+    for path in work.rglob("*.py"):
+        path.write_text(DEVICE_INDEX.sub('.to("cpu")', DEVICE.sub('"cpu"', path.read_text())))
+    shutil.copy(Path(__file__).with_name("flashinfer_conftest.py"), work / "tests/conftest.py")
+    return targets
+
+
+def classify(message: str) -> str:
+    line = (message.strip().splitlines() or [""])[0]
+    return re.sub(r"\d+", "N", line)[:160]
+
+
+def summarize(results: list[dict]) -> dict:
+    per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    classes: collections.Counter = collections.Counter()
+    for r in results:
+        path = r["nodeid"].split("::")[0]
+        if r["outcome"] == "failed" and NEEDS_CUDA.search(r["message"]):
+            outcome = "needs_cuda"
+        else:
+            outcome = r["outcome"]
+        per_file[path][outcome] += 1
+        if outcome == "failed":
+            classes[classify(r["message"])] += 1
+    total = sum(per_file.values(), collections.Counter())
+    counted = total["passed"] + total["failed"]
+    return {
+        "per_file": {k: dict(v) for k, v in sorted(per_file.items())},
+        "total": dict(total),
+        "pass_rate": total["passed"] / counted if counted else 0.0,
+        "failure_classes": classes.most_common(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("flashinfer", type=Path, help="FlashInfer checkout or bare clone")
+    parser.add_argument("--files", nargs="*", default=list(FILES), help="tests/attention files")
+    parser.add_argument("-k", default=None, help="pytest -k expression")
+    parser.add_argument("--no-legacy", action="store_true", help=f"skip {LEGACY_COMMIT}'s test")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per test")
+    parser.add_argument("--seed", type=int, default=0, help="the covering sample's order")
+    parser.add_argument("--full-grid", action="store_true", help="every case, not a sample")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+    parser.add_argument("--keep", type=Path, default=None, help="work directory to keep")
+    args = parser.parse_args()
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="pagedkv-flashinfer-"))
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    targets = prepare(args.flashinfer.resolve(), args.files, work, not args.no_legacy)
+    results_path = work / "results.jsonl"
+    env = dict(
+        os.environ,
+        PAGEDKV_FI_RESULTS=str(results_path),
+        PAGEDKV_FI_SEED=str(args.seed),
+        PAGEDKV_FI_TIMEOUT=str(args.timeout),
+        PAGEDKV_FI_FULL_GRID="1" if args.full_grid else "0",
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", "."]
+    command += ["-o", "addopts=", "--tb=no", "-rN", *targets]
+    if args.k:
+        command += ["-k", args.k]
+    subprocess.run(command, cwd=work, env=env, check=False)
+    results_path.touch()
+    results = [json.loads(line) for line in results_path.read_text().splitlines()]
+    summary = summarize(results)
+    print(json.dumps(summary["per_file"], indent=1))
+    t = summary["total"]
+    print(
+        f"passed {t.get('passed', 0)}, failed {t.get('failed', 0)}, "
+        f"needs CUDA {t.get('needs_cuda', 0)}, skipped {t.get('skipped', 0)}: "
+        f"pass rate {summary['pass_rate']:.1%} of the cases that do not need CUDA"
+    )
+    for message, count in summary["failure_classes"]:
+        print(f"{count:5d}  {message}")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    if not args.keep:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
