@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         "--reps", type=int, default=15, help="timed runs of each (default %(default)s)"
     )
     bench.add_argument("--plot", default=None, help="write GB/s against length to this PNG")
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve SmolLM2 beside HF transformers instead (benchmarks/serve.py; needs the "
+        "test extra)",
+    )
 
     gpu = sub.add_parser("check-gpu", help="compile every GPU path for NVIDIA GPUs")
     gpu.add_argument(
@@ -161,6 +167,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.cli import run_bench
 
+    if args.serve:
+        from .bench.serve_bench import main as run_serve_bench
+
+        run_serve_bench(args.dtypes.split(","), one_at_a_time=8)
+        return 0
     try:
         return run_bench(args.device, args.dtypes.split(","), args.shapes, args.reps, args.plot)
     except ValueError as e:
