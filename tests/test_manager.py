@@ -1,10 +1,13 @@
 """PagedKVCacheManager and the functional API, through the real kernels.
 
-The state machine drives random adds, reserves + appends, forks and releases
-against a plain model (each live request's token ids) and after every step
-reads every request back with pagedkv.gather_kv: the K/V of token i is a pure
-function of the request's tokens 0..i, so a page served from the prefix cache
-or shared by a fork reads back right only if it really holds that prefix.
+The state machine drives random adds (salted or not), reserves + appends
+(token ids given, remembered from add(), or unknown), forks, releases, pins,
+unpins and prefix-cache resets against a plain model (each live request's
+token ids and tenant) and after every step reads every request back with
+pagedkv.gather_kv: the K/V of token i is a pure function of the request's
+tokens 0..i, so a page served from the prefix cache or shared by a fork reads
+back right only if it really holds that prefix. A subscriber replays the KV
+events into a router's view, which must equal the manager's cached hashes.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from pagedkv.functional import (
     init_paged_kv_cache,
     release_blocks,
 )
-from pagedkv.manager import PAD_PAGE, CacheStateError, OutOfPagesError, PagedKVCacheManager
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.manager import (
+    PAD_PAGE,
+    CacheStateError,
+    OutOfPagesError,
+    PagedKVCacheManager,
+    page_hash,
+    salt_root,
+)
 
 PAGE, HEADS, DIM, LAYERS = 4, 2, 8, 2
 BASE = [7, 3, 5, 1, 2, 8, 6, 4, 9, 0, 3, 3, 5]
@@ -121,21 +132,71 @@ def check_reads_back(manager: PagedKVCacheManager, model: dict) -> None:
             np.testing.assert_array_equal(v[rows], want[1], err_msg=f"V of {rid}, layer {layer}")
 
 
+class Router:
+    """What a KV-aware router learns from a manager's events: the hashes held."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.count = 0
+
+    def __call__(self, event) -> None:
+        self.count += 1
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            parent = event.parent_block_hash
+            # The chain is checkable: each hash is its parent's and its ids'.
+            chain = parent
+            for i, key in enumerate(event.block_hashes):
+                ids = np.array(event.token_ids[i * PAGE : (i + 1) * PAGE], np.int64)
+                if chain is not None:
+                    assert key == page_hash(chain, ids)
+                assert key not in self.held
+                self.held.add(key)
+                chain = key
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= self.held
+            self.held -= set(event.block_hashes)
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            self.held.clear()
+
+
+SALTS = [None, None, "tenant-a", b"tenant-b"]
+"""Tenants of the machine's requests (None, the unsalted cache, most often)."""
+
+
 class ManagerMachine(RuleBasedStateMachine):
-    """Random traffic on a 16-page pool; the model is each request's tokens."""
+    """Random traffic on a 16-page pool; the model is each request's tokens
+    and tenant, the pins and the router's view of the events."""
 
     layout = "NHD"
     num_pages = 16
+    eviction = "lru"
+    max_pinned_pages = 4
 
     def __init__(self) -> None:
         super().__init__()
         self.manager = PagedKVCacheManager(
-            self.num_pages, PAGE, HEADS, DIM, num_layers=LAYERS, kv_layout=self.layout
+            self.num_pages,
+            PAGE,
+            HEADS,
+            DIM,
+            num_layers=LAYERS,
+            kv_layout=self.layout,
+            eviction=self.eviction,
+            max_pinned_pages=self.max_pinned_pages,
         )
         self.model: dict[int, list[int]] = {}
+        self.salt: dict[int, str | bytes | None] = {}
+        self.pinned: dict[int, bytes] = {}
+        """Pinned page -> its hash at pin time: it must keep both."""
+        self.router = Router()
+        self.manager.subscribe(self.router)
         self.next_id = 0
         self.hits_seen = 0
         self.copies_seen = 0
+        self.remembered_seen = 0
+        self.salted_hits = 0
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -143,12 +204,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def reserve_and_append(self, ids: list[int], new_tokens: list[list[int]], hashed: bool) -> bool:
         before = state_of(self.manager)
+        events = self.router.count
         try:
             self.manager.reserve(ids, [len(t) for t in new_tokens], new_tokens if hashed else None)
         except OutOfPagesError as e:
             assert e.requested > e.available == self.manager.num_free_pages
             assert f"{e.requested} asked for, {e.available} free" in str(e)
             assert_same_state(self.manager, before)
+            assert self.router.count == events, "a failed call emitted events"
             return False
         histories = [self.model[rid] for rid in ids]
         append_tokens(self.manager, ids, new_tokens, histories)
@@ -159,20 +222,25 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(
         shared=st.integers(0, len(BASE)),
         extra=st.lists(st.integers(0, 1), max_size=6),
-        hashed=st.booleans(),
+        hashed=st.sampled_from(["given", "remembered", "unknown"]),
+        salt=st.sampled_from(SALTS),
     )
-    def add(self, shared: int, extra: list[int], hashed: bool) -> None:
+    def add(self, shared: int, extra: list[int], hashed: str, salt) -> None:
         prompt = BASE[:shared] + extra
         rid = self.new_id()
         hits_before = self.manager.stats.prefix_hits
-        cached = self.manager.add(rid, prompt if hashed else None)
+        cached = self.manager.add(rid, None if hashed == "unknown" else prompt, salt=salt)
         assert cached % PAGE == 0 and 0 <= cached <= len(prompt)
         assert self.manager.stats.prefix_hits - hits_before == cached // PAGE
-        if not hashed:
+        if hashed == "unknown":
             assert cached == 0
         self.hits_seen += cached // PAGE
+        self.salted_hits += cached // PAGE if salt is not None else 0
         self.model[rid] = prompt[:cached]
-        self.reserve_and_append([rid], [prompt[cached:]], hashed)
+        self.salt[rid] = salt
+        # "remembered": reserve() is not given the ids; add() kept them.
+        if self.reserve_and_append([rid], [prompt[cached:]], hashed == "given"):
+            self.remembered_seen += hashed == "remembered" and len(prompt) >= cached + PAGE
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), hashed=st.booleans())
@@ -192,6 +260,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager.fork(parent, child)
         assert self.manager.num_free_pages == free
         self.model[child] = list(self.model[parent])
+        self.salt[child] = self.salt[parent]
+        # Beam search writes into the child at once: copy-on-write of a
+        # shared partial page, whatever else the run's other rules do.
+        if data.draw(st.booleans()):
+            copies = self.manager.stats.cow_copies
+            tokens = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=3))
+            if self.reserve_and_append([child], [tokens], data.draw(st.booleans())):
+                self.copies_seen += self.manager.stats.cow_copies - copies
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -199,6 +275,36 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.model)))
         self.manager.release(rid)
         del self.model[rid]
+        del self.salt[rid]
+
+    @rule(data=st.data(), salt=st.sampled_from(SALTS), unpin=st.booleans())
+    def pin(self, data: st.DataObject, salt, unpin: bool) -> None:
+        tokens = data.draw(
+            st.sampled_from([BASE, *self.model.values()]) if self.model else st.just(BASE)
+        )
+        manager = self.manager
+        pages, _ = manager._lookup_prefix(np.array(tokens, np.int64), salt_root(salt))
+        keys = manager.snapshot()["hash_of_page"]
+        if unpin:
+            assert manager.unpin(tokens, salt) == PAGE * sum(p in self.pinned for p in pages)
+            for page in pages:
+                self.pinned.pop(page, None)
+            return
+        new = {p: keys[p] for p in pages if p not in self.pinned}
+        if len(self.pinned) + len(new) > self.max_pinned_pages:
+            before = state_of(manager)
+            with pytest.raises(ValueError, match="max_pinned_pages"):
+                manager.pin(tokens, salt)
+            assert_same_state(manager, before)
+            return
+        assert manager.pin(tokens, salt) == PAGE * len(pages)
+        self.pinned.update(new)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.manager.reset_prefix_cache()
+        self.pinned.clear()
+        assert self.manager.num_cached_pages == 0
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -224,9 +330,17 @@ class ManagerMachine(RuleBasedStateMachine):
             for slot, page in enumerate(pages.tolist()):
                 holders.setdefault(page, []).append((rid, slot))
         np.testing.assert_array_equal(manager.refcounts(), owners)
-        # Free + used (+ cached, counted among free) = pool: no page leaks.
-        assert manager.num_free_pages + int((owners > 0).sum()) == self.num_pages
+        # Free + used (+ cached, counted among free) + idle pinned = pool: no page leaks.
+        idle_pinned = sum(owners[p] == 0 for p in self.pinned)
+        assert manager.num_free_pages + int((owners > 0).sum()) + idle_pinned == self.num_pages
         assert manager.num_used_pages == int((owners > 0).sum())
+        # Pins hold: every pinned page keeps the hash it had when pinned.
+        snapshot = manager.snapshot()
+        assert set(snapshot["pinned"]) == set(self.pinned)
+        assert all(snapshot["hash_of_page"][p] == key for p, key in self.pinned.items())
+        assert manager.num_pinned_pages <= self.max_pinned_pages
+        # The events told the router exactly which hashes are cached.
+        assert self.router.held == set(snapshot["page_of_hash"])
         # A page held by several requests holds the same tokens for each.
         for page, held in holders.items():
             contents = {
@@ -234,12 +348,16 @@ class ManagerMachine(RuleBasedStateMachine):
             }
             prefixes = {tuple(self.model[rid][: slot * PAGE]) for rid, slot in held}
             assert len(contents) == 1 and len(prefixes) == 1, f"page {page}: {held}"
+            # Tenant isolation: only one tenant's requests share a page.
+            tenants = {self.salt[rid] for rid, _ in held}
+            assert len(tenants) == 1, f"page {page} shared by tenants {tenants}: {held}"
         check_reads_back(manager, self.model)
 
 
 class ManagerMachineHND(ManagerMachine):
     layout = "HND"
     num_pages = 12
+    eviction = "lfu"
 
 
 MACHINE_SETTINGS = settings(
@@ -251,18 +369,37 @@ MACHINE_SETTINGS = settings(
 )
 
 
-@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD", "HND"])
-def test_state_machine(machine):
-    totals = {"hits": 0, "copies": 0}
+def run_machine(machine, machine_settings) -> dict[str, int]:
+    totals = {"hits": 0, "copies": 0, "remembered": 0, "salted_hits": 0, "pins": 0, "events": 0}
 
     class Counted(machine):
         def teardown(self) -> None:
             totals["hits"] += self.hits_seen
             totals["copies"] += self.copies_seen
+            totals["remembered"] += self.remembered_seen
+            totals["salted_hits"] += self.salted_hits
+            totals["pins"] += len(self.pinned)
+            totals["events"] += self.router.count
 
-    run_state_machine_as_test(Counted, settings=MACHINE_SETTINGS)
-    # The traffic really exercised prefix hits and copy-on-write.
-    assert totals["hits"] > 0 and totals["copies"] > 0, totals
+    run_state_machine_as_test(Counted, settings=machine_settings)
+    return totals
+
+
+@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD-lru", "HND-lfu"])
+def test_state_machine(machine):
+    totals = run_machine(machine, MACHINE_SETTINGS)
+    # The traffic really exercised prefix hits (salted ones too), copy-on-write,
+    # remembered prompts, pins and events.
+    assert all(totals.values()), totals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD-lru", "HND-lfu"])
+def test_state_machine_long(machine):
+    """10^5 operations per machine (400 runs of 250 steps): minutes, so slow."""
+    long_settings = settings(MACHINE_SETTINGS, max_examples=400, stateful_step_count=250)
+    totals = run_machine(machine, long_settings)
+    assert all(totals.values()), totals
 
 
 # --------------------------------------------------------------- fixed cases
@@ -733,3 +870,137 @@ def test_metadata_drives_batch_decode(layout):
     # a and a2 forked with a partial page, then wrote different tokens.
     assert manager.stats.cow_copies == 1
     assert not np.array_equal(out[0], out[3])
+
+
+# ------------------------------------------- salts, events, policies, pins
+
+
+def test_salts_isolate_tenants_and_equal_salts_share():
+    manager = PagedKVCacheManager(16, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prompt = BASE[: 2 * PAGE + 1]
+    manager.add("a", prompt, salt="alice")
+    manager.reserve(["a"], len(prompt), [prompt])
+    append_tokens(manager, ["a"], [prompt], [[]])
+    assert manager.add("a2", prompt, salt="alice") == 2 * PAGE
+    assert manager.add("b", prompt, salt="bob") == 0
+    assert manager.add("n", prompt) == 0  # the unsalted cache is a tenant too
+    assert manager.add("b2", prompt, salt=b"bob") == 0  # bob has cached nothing
+    check_reads_back(manager, {"a": prompt, "a2": prompt[: 2 * PAGE], "b": [], "n": []})
+    before = state_of(manager)
+    with pytest.raises(TypeError, match="salt must be str, bytes or None"):
+        manager.add("x", prompt, salt=7)
+    assert_same_state(manager, before)
+
+
+def test_kv_events_follow_vllm_schema():
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM)
+    events: list = []
+    stop = manager.subscribe(events.append)
+    prompt = BASE[: 2 * PAGE + 1]
+    manager.add("a", prompt)
+    manager.reserve(["a"], len(prompt))  # ids remembered from add()
+    (stored,) = events
+    assert isinstance(stored, BlockStored)
+    assert stored.parent_block_hash is None and stored.block_size == PAGE
+    assert stored.token_ids == prompt[: 2 * PAGE] and stored.medium == "CPU"
+    first = page_hash(b"", np.array(prompt[:PAGE], np.int64))
+    assert stored.block_hashes == [first, page_hash(first, np.array(prompt[PAGE : 2 * PAGE]))]
+    # Filling page 2 later chains it on page 1.
+    manager.reserve(["a"], PAGE - 1, [[0] * (PAGE - 1)])
+    assert events[-1].parent_block_hash == stored.block_hashes[-1]
+    assert events[-1].token_ids == prompt[2 * PAGE :] + [0] * (PAGE - 1)
+    # A failed call emits nothing; an eviction emits BlockRemoved.
+    count = len(events)
+    with pytest.raises(OutOfPagesError):
+        manager.reserve(["a"], 2 * PAGE)
+    assert len(events) == count
+    manager.release("a")
+    manager.add("b")
+    manager.reserve(["b"], 2 * PAGE)  # 1 unused page + the LRU cached one
+    assert events[-1] == BlockRemoved([events[-2].block_hashes[0]], "CPU")
+    manager.reset_prefix_cache()
+    assert events[-1] == AllBlocksCleared()
+    stop()
+    manager.reset_prefix_cache()
+    assert len(events) == count + 2
+
+
+def cached_prompt(manager: PagedKVCacheManager, rid, prompt: list[int]) -> None:
+    manager.add(rid, prompt)
+    manager.reserve([rid], len(prompt) - manager.seq_len(rid))
+    manager.release(rid)
+
+
+@pytest.mark.parametrize("eviction,kept", [("lru", "cold"), ("lfu", "hot")])
+def test_lfu_keeps_a_hot_prefix_that_lru_evicts(eviction, kept):
+    manager = PagedKVCacheManager(3, PAGE, HEADS, DIM, eviction=eviction)
+    hot, cold = [1] * PAGE, [2] * PAGE
+    cached_prompt(manager, "h", hot)
+    for i in range(3):  # three hits on the hot page
+        cached_prompt(manager, f"h{i}", hot)
+    cached_prompt(manager, "c", cold)  # released after the hot page
+    manager.add("x")
+    manager.reserve(["x"], 2 * PAGE)  # 1 unused page + 1 cached
+    survivor = hot if kept == "hot" else cold
+    victim = cold if kept == "hot" else hot
+    assert manager.add("s", survivor) == PAGE
+    assert manager.add("v", victim) == 0
+    manager.validate()
+
+
+def test_a_custom_policy_plugs_in():
+    """Most recently released first: a policy is any object of the protocol."""
+
+    class MRU(pagedkv.eviction.LRUPolicy):
+        def victims(self, count: int) -> list[int]:
+            return list(reversed(list(self)))[:count]
+
+    manager = PagedKVCacheManager(3, PAGE, HEADS, DIM, eviction=MRU())
+    cached_prompt(manager, "a", [1] * PAGE)
+    cached_prompt(manager, "b", [2] * PAGE)
+    manager.add("x")
+    manager.reserve(["x"], 2 * PAGE)
+    assert manager.add("a2", [1] * PAGE) == PAGE
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        PagedKVCacheManager(3, PAGE, HEADS, DIM, eviction="fifo")
+
+
+def test_pinned_prompt_survives_eviction_and_pins_are_capped():
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM, max_pinned_pages=2)
+    system = BASE[: 2 * PAGE]
+    cached_prompt(manager, "s", system)
+    assert manager.pin(system + [1]) == 2 * PAGE
+    assert (manager.num_pinned_pages, manager.num_free_pages, manager.num_used_pages) == (2, 2, 0)
+    manager.add("x")
+    with pytest.raises(OutOfPagesError):
+        manager.reserve(["x"], 3 * PAGE)  # pinned pages are not free
+    manager.reserve(["x"], 2 * PAGE)
+    manager.release("x")
+    assert manager.add("s2", system) == 2 * PAGE  # nothing evicted it
+    manager.release("s2")  # pinned pages stay out of the evictable set
+    assert (manager.num_cached_pages, manager.num_free_pages) == (0, 2)
+    cached_prompt(manager, "o", [1] * PAGE)
+    before = state_of(manager)
+    with pytest.raises(ValueError, match="max_pinned_pages = 2"):
+        manager.pin([1] * PAGE)
+    assert_same_state(manager, before)
+    assert manager.unpin(system) == 2 * PAGE
+    assert (manager.num_pinned_pages, manager.num_cached_pages) == (0, 3)
+    manager.validate()
+
+
+def test_prompt_remembered_by_add_caches_its_pages_without_ids():
+    """Chunked prefill with no token ids: add() kept them, so every full page
+    is cached; past the prompt, unknown ids stop caching as before."""
+    manager = PagedKVCacheManager(16, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prompt = BASE[:11]
+    manager.add("a", prompt)
+    history: list[int] = []
+    for chunk in (prompt[:3], prompt[3:9], prompt[9:] + [4, 4]):  # the last runs past it
+        manager.reserve(["a"], len(chunk))
+        append_tokens(manager, ["a"], [chunk], [history])
+        history = history + chunk
+    assert manager.add("b", prompt) == 2 * PAGE
+    assert manager.add("c", history) == 2 * PAGE  # page 2 holds unknown ids
+    check_reads_back(manager, {"a": history, "b": prompt[: 2 * PAGE], "c": history[: 2 * PAGE]})
+    manager.validate()

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,17 @@ from ._attention import as_dtype
 from ._checks import layout_code
 from ._kernels import debug_enabled
 from ._tensors import Array, new_like
+from .eviction import EvictionPolicy, make_policy
 from .huge_pages import huge_page_zeros
+from .kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventHub,
+    KVCacheEvent,
+)
 from .page import copy_pages
 
 POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
@@ -133,7 +142,16 @@ class BatchMetadata:
 class _Request:
     """One live request's page list and prefix-hash state."""
 
-    __slots__ = ("pages", "num_pages", "seq_len", "reserved", "generation", "chain", "tail")
+    __slots__ = (
+        "pages",
+        "num_pages",
+        "seq_len",
+        "reserved",
+        "generation",
+        "chain",
+        "tail",
+        "pending",
+    )
 
     def __init__(self) -> None:
         self.pages = np.empty(4, np.int32)
@@ -147,6 +165,9 @@ class _Request:
         """Hash of the last full page; None once some page's tokens are unknown."""
         self.tail = np.empty(0, np.int64)
         """Token ids in the partial last page (meaningful while chain is not None)."""
+        self.pending = np.empty(0, np.int64)
+        """Prompt ids given to add() that no reserve() has counted yet: the ids
+        of the next tokens, used when reserve() is not given them."""
 
     def page_list(self) -> np.ndarray:
         return self.pages[: self.num_pages]
@@ -167,6 +188,7 @@ class _Request:
         other.seq_len = self.seq_len
         other.chain = self.chain
         other.tail = self.tail.copy()
+        other.pending = self.pending.copy()
         return other
 
 
@@ -176,6 +198,22 @@ def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
     128-bit BLAKE2b: equal keys mean equal prefixes, up to a negligible chance.
     """
     return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
+
+
+def salt_root(salt: str | bytes | None) -> bytes:
+    """The parent key of a request's first page: ROOT_HASH without a salt.
+
+    A salted root is 16 bytes, ROOT_HASH is empty, and every later parent is a
+    16-byte page key: the hashed byte strings of a salted and an unsalted
+    first page differ in length, so they never collide by construction.
+    """
+    if salt is None:
+        return ROOT_HASH
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, bytes):
+        raise TypeError(f"salt must be str, bytes or None, got {salt!r}")
+    return hashlib.blake2b(b"pagedkv salt\0" + salt, digest_size=16).digest()
 
 
 class PagedKVCacheManager:
@@ -195,6 +233,16 @@ class PagedKVCacheManager:
     Request ids are any hashable values. A page id names the same slot in every
     layer's pool. Every call checks its arguments and the pool's capacity before
     changing anything; a call that raises leaves the manager as it was.
+
+    eviction: which cached page an allocation reclaims first: "lru" (least
+    recently released, the default), "lfu" (fewest prefix hits, then least
+    recently released) or an :class:`pagedkv.eviction.EvictionPolicy`.
+    max_pinned_pages: the most pages pin() may hold (default num_pages // 2).
+
+    NOTE: every page is in exactly one of four states: unused (on the free
+    list, no hash), cached (hash, no owner, not pinned: the policy's evictable
+    set), pinned (hash, may or may not have owners, never evicted) or owned
+    (refcount > 0). validate() checks this partition.
     """
 
     def __init__(
@@ -208,6 +256,8 @@ class PagedKVCacheManager:
         kv_layout: str = "NHD",
         device: object = "cpu",
         use_torch: bool = False,
+        eviction: str | EvictionPolicy = "lru",
+        max_pinned_pages: int | None = None,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -256,8 +306,17 @@ class PagedKVCacheManager:
         self._refcount = np.zeros(self.num_pages, np.int32)
         self._hash_of_page: dict[int, bytes] = {}
         self._page_of_hash: dict[bytes, int] = {}
-        # Pages with a hash and no owner, least recently released first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        if max_pinned_pages is None:
+            max_pinned_pages = self.num_pages // 2
+        if not isinstance(max_pinned_pages, numbers.Integral) or max_pinned_pages < 0:
+            raise ValueError(f"max_pinned_pages must be an integer >= 0, got {max_pinned_pages!r}")
+        self.max_pinned_pages = int(max_pinned_pages)
+        # Pages with a hash, no owner and no pin, in the policy's eviction order.
+        self._evictable: EvictionPolicy = make_policy(eviction)
+        # Pages pin() keeps cached whatever their refcount.
+        self._pinned: set[int] = set()
+        self._events = EventHub()
+        self._medium = MEDIUM_CPU if torch_device == "cpu" else MEDIUM_GPU
         self._requests: dict[Hashable, _Request] = {}
         self._generation = 0
         self.stats = CacheStats()
@@ -271,13 +330,19 @@ class PagedKVCacheManager:
 
     @property
     def num_cached_pages(self) -> int:
-        """Pages no request owns that keep their contents for prefix hits."""
+        """Pages no request owns that keep their contents for prefix hits and
+        that an allocation may evict (pinned ones are not counted here)."""
         return len(self._evictable)
 
     @property
     def num_used_pages(self) -> int:
         """Pages owned by at least one live request."""
-        return self.num_pages - self.num_free_pages
+        return self.num_pages - self.num_free_pages - self._num_idle_pinned()
+
+    @property
+    def num_pinned_pages(self) -> int:
+        """Pages pin() keeps cached (owned by requests or not)."""
+        return len(self._pinned)
 
     @property
     def request_ids(self) -> list[Hashable]:
@@ -311,6 +376,7 @@ class PagedKVCacheManager:
                     r.generation,
                     r.chain,
                     r.tail.tolist(),
+                    r.pending.tolist(),
                 )
                 for rid, r in self._requests.items()
             },
@@ -318,34 +384,63 @@ class PagedKVCacheManager:
             "refcount": self._refcount.tolist(),
             "hash_of_page": dict(self._hash_of_page),
             "page_of_hash": dict(self._page_of_hash),
-            "evictable": list(self._evictable),
+            "evictable": self._evictable.state(),
+            "pinned": sorted(self._pinned),
             "generation": self._generation,
             "stats": CacheStats(**vars(self.stats)),
         }
 
     # ------------------------------------------------------------- requests
 
-    def add(self, request_id: Hashable, tokens: Sequence[int] | np.ndarray | None = None) -> int:
+    def add(
+        self,
+        request_id: Hashable,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        salt: str | bytes | None = None,
+    ) -> int:
         """Starts a request; returns how many leading tokens of `tokens` (its
         prompt ids, 1-D ints) were served from the prefix cache, a multiple of
         page_size. Those tokens are the request's first seq_len(request_id);
         the caller reserves and appends the rest. Allocates no pages.
+
+        The rest of the prompt is remembered: reserve() calls that are not
+        given token ids take them from it, so the pages they fill are cached.
+
+        salt: a tenant's key (str or bytes). It enters the first page's hash,
+        so requests with different salts never share a cached page (a shared
+        prefix is a timing side channel between tenants); equal salts share
+        as usual, and None is the unsalted cache of earlier versions.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> m.add("a", [1, 2, 3, 4, 5], salt="tenant-1")
+        0
+        >>> m.reserve(["a"], 5)  # the ids come from add(): page 0 is cached
+        >>> m.add("b", [1, 2, 3, 4, 9], salt="tenant-1")
+        4
+        >>> m.add("c", [1, 2, 3, 4, 9], salt="tenant-2")
+        0
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already live")
         prompt = None if tokens is None else _token_ids("tokens", tokens)
+        root = salt_root(salt)
         request = _Request()
+        request.chain = root
         if prompt is not None:
-            hits, chain = self._lookup_prefix(prompt)
+            hits, chain = self._lookup_prefix(prompt, root)
             self.stats.prefix_hits += len(hits)
             self.stats.prefix_misses += len(prompt) // self.page_size - len(hits)
             for page in hits:
-                self._evictable.pop(page, None)
+                self._evictable.remove(page)
+                self._evictable.touch(page)
             if hits:
                 self._refcount[hits] += 1
                 request.push(hits)
                 request.seq_len = len(hits) * self.page_size
                 request.chain = chain
+            request.pending = prompt[request.seq_len :].copy()
         self._requests[request_id] = request
         self._after_mutation()
         return request.seq_len
@@ -364,8 +459,9 @@ class PagedKVCacheManager:
         copy of it first (pagedkv.copy_pages on every layer's pool). tokens:
         the new token ids, for prefix-caching the pages they fill: one entry
         per request (a sequence of its num_new_tokens ids, or None), or all of
-        them concatenated in request order. Without them a request's later
-        pages are not cached.
+        them concatenated in request order. A request without them takes its
+        ids from the prompt add() remembered while it lasts; past it, the
+        request's later pages are not cached.
 
         Raises OutOfPagesError, with nothing changed, when the pool is short.
         """
@@ -429,8 +525,7 @@ class PagedKVCacheManager:
                 taken += grow
                 self._refcount[new_pages] = 1
                 request.push(new_pages)
-            self._extend_chain(request, ids)
-            request.seq_len += n
+            self._fill(request, n, ids)
         self._after_mutation()
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -449,18 +544,134 @@ class PagedKVCacheManager:
 
     def release(self, request_id: Hashable) -> None:
         """Ends a request. Its pages that no one else owns become free; those
-        with a prefix hash stay cached until the pool needs them (LRU)."""
+        with a prefix hash stay cached until the pool needs them (the eviction
+        policy picks which go first), pinned ones until unpinned."""
         request = self._request("request_id", request_id)
         del self._requests[request_id]
         pages = request.page_list()
         self._refcount[pages] -= 1
-        # The tail of a prefix is reused less often than its head: reversed,
-        # it is evicted first.
+        # The tail of a prefix is reused less often than its head: released
+        # first, LRU evicts it first.
         for page in reversed(pages[self._refcount[pages] == 0].tolist()):
+            if page in self._pinned:
+                continue
             if page in self._hash_of_page:
-                self._evictable[page] = None
+                self._evictable.insert(page)
             else:
                 self._free.append(page)
+        self._after_mutation()
+
+    # -------------------------------------------------- pins, events, reset
+
+    def pin(self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None) -> int:
+        """Keeps the cached pages holding `tokens`' leading full pages cached
+        until unpin(): no allocation evicts them. Returns the tokens pinned
+        (a multiple of page_size; pages not cached yet are not pinned, so pin
+        a system prompt after its first request has filled its pages).
+
+        Raises ValueError, with nothing changed, when the pins would exceed
+        max_pinned_pages. Pinning a pinned page again is a no-op (pins do not
+        count).
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> m.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        0
+        >>> m.reserve(["a"], 9)
+        >>> m.pin([1, 2, 3, 4, 5, 6, 7, 8, 9])
+        8
+        >>> m.release("a"); m.num_pinned_pages, m.num_free_pages
+        (2, 6)
+        """
+        pages, _ = self._lookup_prefix(_token_ids("tokens", tokens), salt_root(salt))
+        new = [p for p in pages if p not in self._pinned]
+        if len(self._pinned) + len(new) > self.max_pinned_pages:
+            raise ValueError(
+                f"pin: {len(new)} more pages would exceed max_pinned_pages = "
+                f"{self.max_pinned_pages} ({len(self._pinned)} pinned)"
+            )
+        for page in new:
+            self._evictable.remove(page)
+            self._pinned.add(page)
+        self._after_mutation()
+        return len(pages) * self.page_size
+
+    def unpin(self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None) -> int:
+        """Undoes pin() for the pinned pages holding `tokens`' leading full
+        pages; those no request owns become evictable (most recently released
+        last). Returns the tokens unpinned.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a", [1, 2, 3, 4]); m.reserve(["a"], 4)
+        >>> m.pin([1, 2, 3, 4]), m.unpin([1, 2, 3, 4]), m.num_pinned_pages
+        (4, 4, 0)
+        """
+        pages, _ = self._lookup_prefix(_token_ids("tokens", tokens), salt_root(salt))
+        pinned = [p for p in pages if p in self._pinned]
+        for page in reversed(pinned):
+            self._pinned.discard(page)
+            if self._refcount[page] == 0:
+                self._evictable.insert(page)
+        self._after_mutation()
+        return len(pinned) * self.page_size
+
+    def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
+        """Calls callback(event) with every KV event (pagedkv.kv_events:
+        BlockStored, BlockRemoved, AllBlocksCleared in vLLM's schema) from now
+        on; returns a function that unsubscribes it.
+
+        Events come after the call that caused them has committed, in order; a
+        call that raised emits none. An exception from the callback propagates
+        to the caller of that call, whose effects stand.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> seen = []
+        >>> stop = m.subscribe(seen.append)
+        >>> _ = m.add("a", [1, 2, 3, 4]); m.reserve(["a"], 4)
+        >>> [type(e).__name__ for e in seen], seen[0].token_ids
+        (['BlockStored'], [1, 2, 3, 4])
+        >>> stop()
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {callback!r}")
+        self._events.subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._events.subscribers:
+                self._events.subscribers.remove(callback)
+
+        return unsubscribe
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every prefix hash (pins included): cached pages become
+        unused, owned pages stay with their requests but serve no later prefix
+        hit. Emits AllBlocksCleared. Live requests go on caching the pages they
+        fill (their keys chain on hashes no longer held: only their own later
+        prompts could hit them).
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a", [1, 2, 3, 4]); m.reserve(["a"], 4); m.release("a")
+        >>> m.num_cached_pages, (m.reset_prefix_cache(), m.num_cached_pages)[1]
+        (1, 0)
+        """
+        idle = [p for p in self._pinned if self._refcount[p] == 0]
+        evictable = list(self._evictable)
+        for page in evictable:
+            self._evictable.remove(page)
+        for page in self._hash_of_page:
+            self._evictable.forget(page)
+        self._free.extend(sorted(evictable + idle, reverse=True))
+        self._pinned.clear()
+        self._hash_of_page.clear()
+        self._page_of_hash.clear()
+        self._events.emit(AllBlocksCleared())
         self._after_mutation()
 
     # ------------------------------------------------------------- metadata
@@ -543,8 +754,9 @@ class PagedKVCacheManager:
         the owners counted from the tables; a page with several owners sits at
         the same index in each and is filled alike in each (shared read-only:
         prefix-cache pages are full, a fork's partial page is everyone's last);
-        a page with a prefix hash is full. Pool: unused, cached-evictable and
-        owned pages partition the pool; the hash maps are mutual inverses.
+        a page with a prefix hash is full. Pool: unused, cached-evictable,
+        pinned-unowned and owned pages partition the pool; pinned pages have a
+        hash and are not evictable; the hash maps are mutual inverses.
         """
         size, total = self.page_size, self.num_pages
         ids = list(self._requests)
@@ -604,9 +816,19 @@ class PagedKVCacheManager:
             _fail("a free page keeps a prefix hash")
         if any(p not in self._hash_of_page for p in self._evictable):
             _fail("a cached page has no prefix hash")
+        if len(list(self._evictable)) != len(self._evictable):
+            _fail("the eviction policy's order and size disagree")
+        if any(p not in self._hash_of_page or p in self._evictable for p in self._pinned):
+            _fail("a pinned page has no prefix hash or is evictable")
+        if len(self._pinned) > self.max_pinned_pages:
+            _fail(f"{len(self._pinned)} pinned pages > max_pinned_pages")
+        idle = self._num_idle_pinned()
         in_use = int((self._refcount > 0).sum())
-        if unused.size + cached.size + in_use != total:
-            _fail(f"{unused.size} free + {cached.size} cached + {in_use} used != {total} pages")
+        if unused.size + cached.size + idle + in_use != total:
+            _fail(
+                f"{unused.size} free + {cached.size} cached + {idle} pinned + {in_use} used "
+                f"!= {total} pages"
+            )
         if len(self._hash_of_page) != len(self._page_of_hash) or any(
             self._page_of_hash.get(h) != p for p, h in self._hash_of_page.items()
         ):
@@ -615,8 +837,17 @@ class PagedKVCacheManager:
     # ------------------------------------------------------------ internals
 
     def _after_mutation(self) -> None:
+        """Every mutating call's last step, once its effects are committed."""
         if debug_enabled():
             self.validate()
+        if self._events.pending:
+            self._events.flush()
+
+    def _num_idle_pinned(self) -> int:
+        """Pinned pages no request owns (neither free nor used)."""
+        if not self._pinned:
+            return 0
+        return int((self._refcount[list(self._pinned)] == 0).sum())
 
     def _request(self, name: str, request_id: Hashable) -> _Request:
         try:
@@ -647,11 +878,11 @@ class PagedKVCacheManager:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
         return counts
 
-    def _lookup_prefix(self, prompt: np.ndarray) -> tuple[list[int], bytes]:
-        """The cached pages that hold the prompt's leading full pages, and the
-        hash of the last of them."""
+    def _lookup_prefix(self, prompt: np.ndarray, root: bytes) -> tuple[list[int], bytes]:
+        """The cached pages that hold the prompt's leading full pages (the
+        first chained on root), and the hash of the last of them."""
         size = self.page_size
-        chain, hits = ROOT_HASH, []
+        chain, hits = root, []
         for start in range(0, len(prompt) - size + 1, size):
             key = page_hash(chain, prompt[start : start + size])
             page = self._page_of_hash.get(key)
@@ -661,8 +892,26 @@ class PagedKVCacheManager:
             chain = key
         return hits, chain
 
+    def _fill(self, request: _Request, n: int, ids: np.ndarray | None) -> None:
+        """Counts n new tokens in request (pages already pushed), hashing the
+        pages they fill with ids, else with the remembered prompt's next ids."""
+        pending = request.pending
+        if pending.size:
+            # Given ids win; either way these n tokens use up the prompt's next n.
+            request.pending = pending[n:]
+            if ids is None:
+                known = pending[:n]
+                self._extend_chain(request, known)
+                request.seq_len += known.size
+                n -= known.size
+                if n == 0:
+                    return
+        self._extend_chain(request, ids)
+        request.seq_len += n
+
     def _extend_chain(self, request: _Request, ids: np.ndarray | None) -> None:
-        """Hashes and caches the pages that request's new tokens fill."""
+        """Hashes and caches the pages that request's new tokens fill; emits a
+        BlockStored per run of newly cached pages."""
         if request.chain is None:
             return
         if ids is None:
@@ -673,6 +922,10 @@ class PagedKVCacheManager:
         run = np.concatenate([request.tail, ids]) if request.tail.size else ids
         first = request.seq_len // size
         filled = len(run) // size
+        events = self._events.active
+        stored: list[bytes] = []
+        parent: bytes | None = None
+        start = 0
         for i in range(filled):
             key = page_hash(request.chain, run[i * size : (i + 1) * size])
             page = int(request.pages[first + i])
@@ -681,25 +934,52 @@ class PagedKVCacheManager:
             if key not in self._page_of_hash:
                 self._page_of_hash[key] = page
                 self._hash_of_page[page] = key
+                if events:
+                    if not stored:
+                        # A first page's parent is a root (salted or not): None.
+                        parent = None if first + i == 0 else request.chain
+                        start = i
+                    stored.append(key)
+            elif stored:
+                self._emit_stored(stored, parent, run[start * size : i * size])
+                stored = []
             request.chain = key
+        if stored:
+            self._emit_stored(stored, parent, run[start * size : filled * size])
         request.tail = run[filled * size :].copy()
+
+    def _emit_stored(self, hashes: list[bytes], parent: bytes | None, ids: np.ndarray) -> None:
+        self._events.emit(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=ids.tolist(),
+                block_size=self.page_size,
+                medium=self._medium,
+            )
+        )
 
     def _peek(self, count: int) -> list[int]:
         """The pages the next _claim(count) takes: unused pages first, then
-        the least recently released cached ones."""
+        cached ones in the eviction policy's order. Changes nothing."""
         take = min(count, len(self._free))
         pages = self._free[len(self._free) - take :][::-1]
         if count > take:
-            lru = iter(self._evictable)
-            pages += [next(lru) for _ in range(count - take)]
+            pages += self._evictable.victims(count - take)
         return pages
 
     def _claim(self, pages: list[int]) -> None:
         take = min(len(pages), len(self._free))
         del self._free[len(self._free) - take :]
+        removed = []
         for page in pages[take:]:
-            del self._evictable[page]
-            del self._page_of_hash[self._hash_of_page.pop(page)]
+            self._evictable.remove(page)
+            self._evictable.forget(page)
+            key = self._hash_of_page.pop(page)
+            del self._page_of_hash[key]
+            removed.append(key)
+        if removed:
+            self._events.emit(BlockRemoved(block_hashes=removed, medium=self._medium))
         self.stats.evictions += len(pages) - take
 
 
