@@ -57,9 +57,11 @@ from .merge_states import merge_row
 from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from .widen import (
     BLOCK,
+    DOT_BF16,
     F32,
     VECTOR_REGISTERS,
     W,
+    dot_bf16,
     from_paired_order,
     kv_load_scale,
     load_block,
@@ -127,6 +129,7 @@ def score_tokens[
     run: Int,
     kv_dtype: DType,
     deferred: Bool = False,
+    raw_q: Bool = False,
 ](
     head_dim: Int,
     q: Ptr[F32],
@@ -143,6 +146,8 @@ def score_tokens[
     head_stride); q rows in the order `load_block` widens K; head_dim a
     multiple of `run`. Deferred, the step leaves its lane-wise dot
     products in dots[r * tokens + t] for `store_scores` to reduce instead.
+    raw_q (see `raw_bf16_q`): q rows hold the query's bfloat16 elements in
+    order, 2 * head_dim a row, and K blocks meet them in `dot_bf16`s.
 
     Each K block is loaded once for the tile's rows and each q slice once
     for the step's tokens, so that loads do not outnumber FMAs.
@@ -163,20 +168,37 @@ def score_tokens[
             comptime for hh in range(heads):
                 var row = hh * head_stride + Int(rows[unsafe_offset=j + t])
                 comptime for b in range(run // BLOCK):
-                    var kb = load_block[kv_dtype](k, row + c + b * BLOCK)
-                    comptime for h in range(2):
+                    comptime if raw_q:
+                        var kw = rebind[SIMD[DType.bfloat16, BLOCK]](
+                            k.unsafe_offset(row + c + b * BLOCK).unsafe_load[
+                                width=BLOCK
+                            ]()
+                        )
+                        var qb = rebind[Ptr[DType.bfloat16]](q)
                         comptime for g in range(tile):
                             comptime r = hh * tile + g
-                            acc[unsafe_offset=r * tokens + t] = (
-                                q.unsafe_offset(
-                                    r * head_dim + c + b * BLOCK + h * W
-                                )
-                                .unsafe_load[width=W]()
-                                .fma(
-                                    kb.slice[W, offset=h * W](),
-                                    acc[unsafe_offset=r * tokens + t],
-                                )
+                            acc[unsafe_offset=r * tokens + t] = dot_bf16(
+                                acc[unsafe_offset=r * tokens + t],
+                                qb.unsafe_offset(
+                                    2 * r * head_dim + c + b * BLOCK
+                                ).unsafe_load[width=BLOCK](),
+                                kw,
                             )
+                    else:
+                        var kb = load_block[kv_dtype](k, row + c + b * BLOCK)
+                        comptime for h in range(2):
+                            comptime for g in range(tile):
+                                comptime r = hh * tile + g
+                                acc[unsafe_offset=r * tokens + t] = (
+                                    q.unsafe_offset(
+                                        r * head_dim + c + b * BLOCK + h * W
+                                    )
+                                    .unsafe_load[width=W]()
+                                    .fma(
+                                        kb.slice[W, offset=h * W](),
+                                        acc[unsafe_offset=r * tokens + t],
+                                    )
+                                )
         c += run
     comptime if deferred:
         comptime for i in range(R * tokens):
@@ -201,7 +223,7 @@ def store_scores[
 
 @always_inline
 def score_tile[
-    tile: Int, kv_dtype: DType, heads: Int = 1
+    tile: Int, kv_dtype: DType, heads: Int = 1, raw_q: Bool = False
 ](
     head_dim: Int,
     q: Ptr[F32],
@@ -228,18 +250,18 @@ def score_tile[
         # the compiler's code for the runs 16-24% slower (bfloat16 group 4,
         # read from memory).
         if head_dim % run != 0:
-            score_runs[tile, kv_dtype, heads, MIN_HEAD_DIM](
+            score_runs[tile, kv_dtype, heads, MIN_HEAD_DIM, raw_q](
                 head_dim, q, k, head_stride, rows, j0, j1, scores, prefetcher
             )
             return
-    score_runs[tile, kv_dtype, heads, run](
+    score_runs[tile, kv_dtype, heads, run, raw_q](
         head_dim, q, k, head_stride, rows, j0, j1, scores, prefetcher
     )
 
 
 @always_inline
 def score_runs[
-    tile: Int, kv_dtype: DType, heads: Int, run: Int
+    tile: Int, kv_dtype: DType, heads: Int, run: Int, raw_q: Bool = False
 ](
     head_dim: Int,
     q: Ptr[F32],
@@ -270,7 +292,7 @@ def score_runs[
     var dots = stack_allocation[CHUNK * R if deferred else 1, SIMD[F32, W]]()
     var j = j0
     while j + tokens <= j1:
-        score_tokens[tile, tokens, heads, run, deferred=deferred](
+        score_tokens[tile, tokens, heads, run, deferred=deferred, raw_q=raw_q](
             head_dim,
             q,
             k,
@@ -293,12 +315,12 @@ def score_runs[
     # the independent chains of single tokens.
     comptime if tokens > 2:
         while j + 2 <= j1:
-            score_tokens[tile, 2, heads, run](
+            score_tokens[tile, 2, heads, run, raw_q=raw_q](
                 head_dim, q, k, head_stride, rows, j, scores, dots, prefetcher
             )
             j += 2
     while j < j1:
-        score_tokens[tile, 1, heads, run](
+        score_tokens[tile, 1, heads, run, raw_q=raw_q](
             head_dim, q, k, head_stride, rows, j, scores, dots, prefetcher
         )
         j += 1
@@ -498,6 +520,22 @@ def softmax_tile[
 
 
 @always_inline
+def raw_bf16_q[q_dtype: DType, kv_dtype: DType]() -> Bool:
+    """Whether decode scores bfloat16 q against bfloat16 K in `dot_bf16`s
+    (AVX512_BF16): q kept as it came, unscaled, so that every product is
+    exact as with widened K, and the scale applied to the chunk's scores
+    instead (`scale_scores`). Tasks of rotated keys or of products keep
+    float32 q rows."""
+    return DOT_BF16 and q_dtype == DType.bfloat16 and kv_dtype == DType.bfloat16
+
+
+def scale_scores(scores: Ptr[F32], count: Int, scale: Float32):
+    """scores[r * CHUNK + j] *= scale for the rows r < count, all of CHUNK."""
+    for i in range(0, count * CHUNK, W):
+        var p = scores.unsafe_offset(i)
+        p.unsafe_store(p.unsafe_load[width=W]() * scale)
+
+
 def paired_heads[kv_dtype: DType]() -> Int:
     """KV heads of one query row each (GQA group 1) that a step scores
     together (V: `v_heads`; group 2: half as many, scores and V): each
@@ -661,7 +699,11 @@ def block_tokens[
 
 @always_inline
 def tile_rows[
-    kv_dtype: DType, scoring: Bool, tile: Int, heads: Int = 1
+    kv_dtype: DType,
+    scoring: Bool,
+    tile: Int,
+    heads: Int = 1,
+    raw_q: Bool = False,
 ](
     head_dim: Int,
     state: TaskState,
@@ -677,7 +719,7 @@ def tile_rows[
     `tile` rows each (head hh's rows at kv + hh * head_stride): their
     scores (scoring, kv is K) or V folded into them (kv is V)."""
     comptime if scoring:
-        score_tile[tile, kv_dtype, heads](
+        score_tile[tile, kv_dtype, heads, raw_q](
             head_dim,
             state.q.unsafe_offset(r * head_dim),
             kv,
@@ -704,7 +746,7 @@ def tile_rows[
 
 @always_inline
 def walk_rows[
-    kv_dtype: DType, scoring: Bool
+    kv_dtype: DType, scoring: Bool, raw_q: Bool = False
 ](
     head_dim: Int,
     state: TaskState,
@@ -726,7 +768,7 @@ def walk_rows[
         comptime for i in range(4):
             comptime tile = 8 >> i
             if not taken and left >= tile:
-                tile_rows[kv_dtype, scoring, tile](
+                tile_rows[kv_dtype, scoring, tile, raw_q=raw_q](
                     head_dim, state, r, kv, 0, rows, j0, j1, prefetching
                 )
                 r += tile
@@ -736,7 +778,7 @@ def walk_rows[
 
 @always_inline
 def walk_heads[
-    kv_dtype: DType, scoring: Bool
+    kv_dtype: DType, scoring: Bool, raw_q: Bool = False
 ](
     head_dim: Int,
     state: TaskState,
@@ -758,7 +800,7 @@ def walk_heads[
     if head_rows == 1:
         comptime together = P if scoring else v_heads[kv_dtype]()
         while h + together <= heads:
-            tile_rows[kv_dtype, scoring, 1, together](
+            tile_rows[kv_dtype, scoring, 1, together, raw_q](
                 head_dim,
                 state,
                 h,
@@ -772,7 +814,7 @@ def walk_heads[
             h += together
     elif head_rows == 2:
         while h + P // 2 <= heads:
-            tile_rows[kv_dtype, scoring, 2, P // 2](
+            tile_rows[kv_dtype, scoring, 2, P // 2, raw_q](
                 head_dim,
                 state,
                 2 * h,
@@ -794,7 +836,7 @@ def walk_heads[
     while s0 < j1:
         var s1 = min(s0 + sub, j1)
         for hh in range(h, heads):
-            walk_rows[kv_dtype, scoring](
+            walk_rows[kv_dtype, scoring, raw_q](
                 head_dim,
                 state,
                 hh * head_rows,
@@ -973,6 +1015,10 @@ def attention_task[
     var v_scale = params.v_scale / kv_load_scale[kv_dtype]()
 
     var st = TaskState((h1 - h0) * head_rows, head_dim)
+    # Many rows of one KV head (prefill) take the chunk as matrix products.
+    var products = h1 - h0 == 1 and head_rows >= PRODUCT_MIN_ROWS
+    comptime raw_q = raw_bf16_q[q_dtype, kv_dtype]()
+    var keep_raw_q = raw_q and not rope and not products
     if rope:
         for i in range(head_dim // 2):
             st.inv_freq[unsafe_offset=i] = rope_inv_freq(params, i, head_dim)
@@ -986,21 +1032,34 @@ def attention_task[
                 )
                 var dst = st.q.unsafe_offset(r * head_dim)
                 for c in range(head_dim // W):
-                    dst.unsafe_offset(c * W).unsafe_store(
-                        load_f32[q_dtype, W](src, c * W)
-                    )
-                if rope:
-                    rope_rotate(dst, st.inv_freq, q_pos0 + t, head_dim)
-                for c in range(head_dim // W):
-                    var d = dst.unsafe_offset(c * W)
-                    d.unsafe_store(d.unsafe_load[width=W]() * q_scale)
                     st.acc.unsafe_offset(r * head_dim + c * W).unsafe_store(
                         SIMD[F32, W](0)
                     )
-                comptime if paired[kv_dtype]():
-                    # Rotated keys are widened to float32 rows in order.
-                    if not rope:
-                        to_paired_order(dst, head_dim)
+                comptime if raw_q:
+                    if keep_raw_q:
+                        var qb = rebind[Ptr[DType.bfloat16]](dst)
+                        for c in range(0, head_dim, BLOCK):
+                            qb.unsafe_offset(c).unsafe_store(
+                                rebind[SIMD[DType.bfloat16, BLOCK]](
+                                    src.unsafe_offset(c).unsafe_load[
+                                        width=BLOCK
+                                    ]()
+                                )
+                            )
+                if not keep_raw_q:
+                    for c in range(head_dim // W):
+                        dst.unsafe_offset(c * W).unsafe_store(
+                            load_f32[q_dtype, W](src, c * W)
+                        )
+                    if rope:
+                        rope_rotate(dst, st.inv_freq, q_pos0 + t, head_dim)
+                    for c in range(head_dim // W):
+                        var d = dst.unsafe_offset(c * W)
+                        d.unsafe_store(d.unsafe_load[width=W]() * q_scale)
+                    comptime if paired[kv_dtype]():
+                        # Rotated keys are widened to float32 rows in order.
+                        if not rope:
+                            to_paired_order(dst, head_dim)
                 st.m[unsafe_offset=r] = neg_inf[F32]()
                 st.l[unsafe_offset=r] = 0
                 st.row_pos[unsafe_offset=r] = Float32(q_pos0 + t)
@@ -1024,8 +1083,6 @@ def attention_task[
         block, heads, head_rows, head_dim
     ) else 0
     var nhd = layout == KVLayout.NHD
-    # Many rows of one KV head (prefill) take the chunk as matrix products.
-    var products = heads == 1 and head_rows >= PRODUCT_MIN_ROWS
     var k0 = cache.k_pages.unsafe_offset(h0 * hs)
     var v0 = cache.v_pages.unsafe_offset(h0 * hs)
     var tok = first
@@ -1106,7 +1163,7 @@ def attention_task[
                 ) if je
                 < n else first_v
             )
-            walk_heads[scoring=True](
+            walk_heads[scoring=True, raw_q=raw_q](
                 head_dim,
                 st,
                 heads,
@@ -1119,6 +1176,8 @@ def attention_task[
                 target,
             )
             jb = je
+        if keep_raw_q:
+            scale_scores(st.scores, heads * head_rows, q_scale)
         softmax_rows(head_dim, params, st, heads * head_rows, n, tok)
         var next_k = BlockPrefetch[kv_dtype](
             k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd

@@ -3,7 +3,7 @@ as they are loaded, results rounded back to the output dtype, and the
 "paired" order in which bfloat16 blocks widen without shuffles."""
 
 from std.memory import bitcast
-from std.sys import is_gpu, simd_width_of
+from std.sys import is_gpu, llvm_intrinsic, simd_width_of
 from std.sys.info import CompilationTarget
 
 from .paged_kv_cache import Ptr
@@ -17,6 +17,26 @@ comptime VECTOR_REGISTERS = (
 )
 """Vector registers of the target: 16 with AVX2, 32 with AVX-512 (and
 Arm's NEON and SVE). What a step keeps in registers is sized to them."""
+
+comptime DOT_BF16 = CompilationTarget._has_feature["avx512bf16"]()
+"""Whether the target has AVX512_BF16's dot products (`vdpbf16ps`): 32
+bfloat16 products summed in pairs into 16 float32 lanes, one instruction
+where widening takes two and the products two FMAs."""
+
+
+@always_inline
+def dot_bf16(
+    acc: SIMD[F32, W],
+    a: SIMD[DType.bfloat16, 2 * W],
+    b: SIMD[DType.bfloat16, 2 * W],
+) -> SIMD[F32, W]:
+    """acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1], on a DOT_BF16 target.
+    Each product of two bfloat16 values is exact in float32; the sums round
+    as float32 adds do, with subnormal inputs and results taken as zero."""
+    comptime assert DOT_BF16, "vdpbf16ps needs AVX512_BF16"
+    return llvm_intrinsic[
+        "llvm.x86.avx512bf16.dpbf16ps." + String(W * 32), SIMD[F32, W]
+    ](acc, a, b)
 
 
 @always_inline

@@ -225,6 +225,46 @@ def test_task_head_mixes_match_reference(case: Case):
     check_decode_case(case)
 
 
+# bfloat16 q against bfloat16 K: every product of two bfloat16 values is
+# exact in float32, whether K is widened for FMAs or taken by AVX512_BF16's
+# dot products (q then unscaled, the scale applied to the scores), so lse,
+# in float32, holds to float32 sums, far inside the 1e-2 of the bfloat16
+# output; q rounded or scaled twice would move it by about that much. Groups
+# 1, 2, 4 and 8 take each scoring tile.
+LSE_CASES = [
+    Case("bfloat16", "bfloat16", 3, g, h, 128, 16, "NHD", "pool", "NONE", -1, None, s, 70 + g)
+    for g, h, s in [(1, 8, None), (2, 4, 0.05), (4, 8, None), (8, 2, 0.3)]
+]
+
+
+@pytest.mark.parametrize("case", LSE_CASES, ids=str)
+def test_bfloat16_scores_keep_float32_accuracy(case: Case):
+    batch, pool, cache = build(case)
+    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout)
+    wrapper.plan(
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_page_len,
+        case.group * case.kv_heads,
+        case.kv_heads,
+        case.head_dim,
+        case.page_size,
+        q_data_type=case.q_dtype,
+        kv_data_type=case.kv_dtype,
+        sm_scale=case.sm_scale,
+    )
+    rng = np.random.default_rng(case.seed)
+    shape = (batch.batch_size, case.group * case.kv_heads, case.head_dim)
+    # Scores of a few units: a relative error of q's rounding (2^-9) would
+    # show in lse as about 1e-2.
+    q = cast(3 * rng.standard_normal(shape, dtype=np.float32), case.q_dtype)
+    o, lse = wrapper.run(q, cache, return_lse=True)
+    want_o, want_lse = references(case, batch, pool, q)
+    np.testing.assert_allclose(as_f64(o), want_o, rtol=1e-2, atol=1e-2)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(as_f64(lse)[finite], want_lse[finite], rtol=2e-5, atol=2e-5)
+
+
 def test_every_task_shape_is_compiled_with_the_suite():
     """A TASK_SHAPES config outside the suite's one compiled module would
     cost a compile of its own (~30 s)."""
