@@ -187,6 +187,8 @@ class ManagerMachine(RuleBasedStateMachine):
             max_pinned_pages=self.max_pinned_pages,
         )
         self.model: dict[int, list[int]] = {}
+        self.room: dict[int, int] = {}
+        """Pages each request owns: its page table and its set-aside pages."""
         self.salt: dict[int, str | bytes | None] = {}
         self.pinned: dict[int, bytes] = {}
         """Pinned page -> its hash at pin time: it must keep both."""
@@ -196,17 +198,22 @@ class ManagerMachine(RuleBasedStateMachine):
         self.hits_seen = 0
         self.copies_seen = 0
         self.remembered_seen = 0
+        self.set_aside_seen = 0
+        self.pins_seen = 0
         self.salted_hits = 0
 
     def new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
-    def reserve_and_append(self, ids: list[int], new_tokens: list[list[int]], hashed: bool) -> bool:
+    def reserve_and_append(
+        self, ids: list[int], new_tokens: list[list[int]], hashed: bool, num_steps: int = 1
+    ) -> bool:
         before = state_of(self.manager)
         events = self.router.count
+        counts = [len(t) for t in new_tokens]
         try:
-            self.manager.reserve(ids, [len(t) for t in new_tokens], new_tokens if hashed else None)
+            self.manager.reserve(ids, counts, new_tokens if hashed else None, num_steps=num_steps)
         except OutOfPagesError as e:
             assert e.requested > e.available == self.manager.num_free_pages
             assert f"{e.requested} asked for, {e.available} free" in str(e)
@@ -216,6 +223,11 @@ class ManagerMachine(RuleBasedStateMachine):
         histories = [self.model[rid] for rid in ids]
         append_tokens(self.manager, ids, new_tokens, histories)
         for rid, tokens in zip(ids, new_tokens, strict=True):
+            if tokens:
+                # Pages owned: the table's plus those set aside for later steps.
+                steps = -(-(len(self.model[rid]) + len(tokens) * num_steps) // PAGE)
+                self.room[rid] = max(self.room[rid], steps)
+                self.set_aside_seen += len(self.manager.ahead_pages(rid))
             self.model[rid] = self.model[rid] + tokens
         return True
 
@@ -226,7 +238,25 @@ class ManagerMachine(RuleBasedStateMachine):
         salt=st.sampled_from(SALTS),
     )
     def add(self, shared: int, extra: list[int], hashed: str, salt) -> None:
-        prompt = BASE[:shared] + extra
+        self.start(BASE[:shared] + extra, hashed, salt)
+
+    @precondition(lambda self: self.model)
+    @rule(
+        data=st.data(),
+        extra=st.lists(st.integers(0, 1), max_size=3),
+        hashed=st.sampled_from(["given", "remembered"]),
+        other_tenant=st.booleans(),
+    )
+    def next_turn(self, data: st.DataObject, extra: list[int], hashed: str, other_tenant) -> None:
+        """A conversation's next turn: a live request's tokens and more, from
+        its tenant (hits) or another one (no shared page, checked below)."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        salt = self.salt[rid]
+        if other_tenant:
+            salt = data.draw(st.sampled_from([s for s in SALTS if s != salt]))
+        self.start(self.model[rid] + extra, hashed, salt)
+
+    def start(self, prompt: list[int], hashed: str, salt) -> None:
         rid = self.new_id()
         hits_before = self.manager.stats.prefix_hits
         cached = self.manager.add(rid, None if hashed == "unknown" else prompt, salt=salt)
@@ -237,18 +267,19 @@ class ManagerMachine(RuleBasedStateMachine):
         self.hits_seen += cached // PAGE
         self.salted_hits += cached // PAGE if salt is not None else 0
         self.model[rid] = prompt[:cached]
+        self.room[rid] = cached // PAGE
         self.salt[rid] = salt
         # "remembered": reserve() is not given the ids; add() kept them.
         if self.reserve_and_append([rid], [prompt[cached:]], hashed == "given"):
             self.remembered_seen += hashed == "remembered" and len(prompt) >= cached + PAGE
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), hashed=st.booleans())
-    def append(self, data: st.DataObject, hashed: bool) -> None:
+    @rule(data=st.data(), hashed=st.booleans(), num_steps=st.sampled_from([2, 1, 4]))
+    def append(self, data: st.DataObject, hashed: bool, num_steps: int) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
         new_tokens = [data.draw(st.lists(st.integers(0, 1), max_size=6)) for _ in ids]
         copies = self.manager.stats.cow_copies
-        if self.reserve_and_append(ids, new_tokens, hashed):
+        if self.reserve_and_append(ids, new_tokens, hashed, num_steps):
             self.copies_seen += self.manager.stats.cow_copies - copies
 
     @precondition(lambda self: self.model)
@@ -260,6 +291,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager.fork(parent, child)
         assert self.manager.num_free_pages == free
         self.model[child] = list(self.model[parent])
+        self.room[child] = -(-len(self.model[child]) // PAGE)  # set-aside pages stay
         self.salt[child] = self.salt[parent]
         # Beam search writes into the child at once: copy-on-write of a
         # shared partial page, whatever else the run's other rules do.
@@ -275,6 +307,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.model)))
         self.manager.release(rid)
         del self.model[rid]
+        del self.room[rid]
         del self.salt[rid]
 
     @rule(data=st.data(), salt=st.sampled_from(SALTS), unpin=st.booleans())
@@ -299,6 +332,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert manager.pin(tokens, salt) == PAGE * len(pages)
         self.pinned.update(new)
+        self.pins_seen += len(new)
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -327,6 +361,9 @@ class ManagerMachine(RuleBasedStateMachine):
             pages = manager.pages(rid)
             assert len(pages) == -(-len(tokens) // PAGE)
             owners[pages] += 1
+            ahead = manager.ahead_pages(rid)
+            assert len(pages) + len(ahead) == self.room[rid]
+            owners[ahead] += 1
             for slot, page in enumerate(pages.tolist()):
                 holders.setdefault(page, []).append((rid, slot))
         np.testing.assert_array_equal(manager.refcounts(), owners)
@@ -370,7 +407,8 @@ MACHINE_SETTINGS = settings(
 
 
 def run_machine(machine, machine_settings) -> dict[str, int]:
-    totals = {"hits": 0, "copies": 0, "remembered": 0, "salted_hits": 0, "pins": 0, "events": 0}
+    names = ("hits", "copies", "remembered", "salted_hits", "pins", "events", "set_aside")
+    totals = dict.fromkeys(names, 0)
 
     class Counted(machine):
         def teardown(self) -> None:
@@ -378,8 +416,9 @@ def run_machine(machine, machine_settings) -> dict[str, int]:
             totals["copies"] += self.copies_seen
             totals["remembered"] += self.remembered_seen
             totals["salted_hits"] += self.salted_hits
-            totals["pins"] += len(self.pinned)
+            totals["pins"] += self.pins_seen
             totals["events"] += self.router.count
+            totals["set_aside"] += self.set_aside_seen
 
     run_state_machine_as_test(Counted, settings=machine_settings)
     return totals
@@ -1003,4 +1042,32 @@ def test_prompt_remembered_by_add_caches_its_pages_without_ids():
     assert manager.add("b", prompt) == 2 * PAGE
     assert manager.add("c", history) == 2 * PAGE  # page 2 holds unknown ids
     check_reads_back(manager, {"a": history, "b": prompt[: 2 * PAGE], "c": history[: 2 * PAGE]})
+    manager.validate()
+
+
+def test_reserve_for_several_steps_sets_pages_aside():
+    manager = PagedKVCacheManager(6, PAGE, HEADS, DIM)
+    manager.add("a", [1, 2, 3])
+    manager.reserve(["a"], 3, num_steps=1)
+    manager.add("b")
+    before = state_of(manager)
+    with pytest.raises(OutOfPagesError, match="6 asked for, 5 free"):
+        manager.reserve(["a", "b"], 1, num_steps=3 * PAGE)  # a: 4 pages, b: 3 pages
+    assert_same_state(manager, before)
+    manager.reserve(["a", "b"], 1, num_steps=2 * PAGE)  # a: 2 more pages, b: 2
+    assert manager.seq_len("a") == 4 and manager.seq_len("b") == 1
+    assert (len(manager.ahead_pages("a")), len(manager.ahead_pages("b"))) == (2, 1)
+    assert manager.num_free_pages == 1
+    np.testing.assert_array_equal(np.diff(manager.metadata(["a", "b"]).append_indptr), [1, 1])
+    manager.fork("a", "c")  # the child shares the table, not the set-aside pages
+    assert manager.ahead_pages("c") == []
+    for _ in range(2 * PAGE - 1):  # the pool is never asked again
+        manager.reserve(["a", "b"], 1)
+        assert manager.num_free_pages == 1
+    assert manager.ahead_pages("a") == manager.ahead_pages("b") == []
+    manager.reserve(["b"], 1, num_steps=3)  # room for 11 tokens: a third page
+    manager.release("b")
+    assert manager.num_free_pages == 3
+    with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
+        manager.reserve(["a"], 1, num_steps=0)
     manager.validate()

@@ -151,6 +151,7 @@ class _Request:
         "chain",
         "tail",
         "pending",
+        "ahead",
     )
 
     def __init__(self) -> None:
@@ -168,6 +169,9 @@ class _Request:
         self.pending = np.empty(0, np.int64)
         """Prompt ids given to add() that no reserve() has counted yet: the ids
         of the next tokens, used when reserve() is not given them."""
+        self.ahead: list[int] = []
+        """Pages reserve(num_steps=k) took for later steps: owned (refcount 1,
+        no hash), not yet in the page table; later reserves use them first."""
 
     def page_list(self) -> np.ndarray:
         return self.pages[: self.num_pages]
@@ -360,6 +364,11 @@ class PagedKVCacheManager:
         """The request's page ids in sequence order ([pages] int32, a copy)."""
         return self._request("request_id", request_id).page_list().copy()
 
+    def ahead_pages(self, request_id: Hashable) -> list[int]:
+        """Pages reserve(num_steps=k) set aside for the request's later steps
+        (owned by it, not yet in its page table)."""
+        return list(self._request("request_id", request_id).ahead)
+
     def refcounts(self) -> np.ndarray:
         """Owners of each page ([num_pages] int32, a copy)."""
         return self._refcount.copy()
@@ -377,6 +386,7 @@ class PagedKVCacheManager:
                     r.chain,
                     r.tail.tolist(),
                     r.pending.tolist(),
+                    list(r.ahead),
                 )
                 for rid, r in self._requests.items()
             },
@@ -450,10 +460,17 @@ class PagedKVCacheManager:
         request_ids: Sequence[Hashable],
         num_new_tokens: int | Sequence[int] | np.ndarray,
         tokens: Any = None,
+        num_steps: int = 1,
     ) -> None:
         """Allocates the pages that appending num_new_tokens (an int for all, or
         one per request) to each listed request needs, all or nothing, and
         counts those tokens in the requests' lengths.
+
+        num_steps: k > 1 also sets aside, all or nothing, the pages that k - 1
+        further steps of the same num_new_tokens will need (MAX's multistep
+        reserve): those later reserve() calls take them without touching the
+        pool, so they cannot run out of pages. Only this step's tokens are
+        counted; release() returns unused set-aside pages.
 
         A request whose partial last page is shared (a fork) gets a private
         copy of it first (pagedkv.copy_pages on every layer's pool). tokens:
@@ -464,10 +481,24 @@ class PagedKVCacheManager:
         request's later pages are not cached.
 
         Raises OutOfPagesError, with nothing changed, when the pool is short.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a"); m.reserve(["a"], 4)
+        >>> m.reserve(["a"], 1, num_steps=8)  # pages for 8 decode steps
+        >>> m.seq_len("a"), len(m.pages("a")), m.num_free_pages
+        (5, 2, 5)
+        >>> for _ in range(7):
+        ...     m.reserve(["a"], 1)  # no pool traffic
+        >>> m.seq_len("a"), m.num_free_pages
+        (12, 5)
         """
         requests = self._batch(request_ids)
         counts = self._counts("num_new_tokens", num_new_tokens, len(requests))
         new_tokens = _split_tokens(tokens, counts)
+        if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
+            raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
         size = self.page_size
 
         need = 0
@@ -475,7 +506,7 @@ class PagedKVCacheManager:
         for request, n in zip(requests, counts.tolist(), strict=True):
             if n == 0:
                 continue
-            need += -(-(request.seq_len + n) // size) - request.num_pages
+            need += self._new_pages(request, n * num_steps)
             if request.seq_len % size:
                 last = int(request.pages[request.num_pages - 1])
                 if self._refcount[last] > 1:
@@ -520,11 +551,15 @@ class PagedKVCacheManager:
             if n == 0:
                 continue
             grow = -(-(request.seq_len + n) // size) - request.num_pages
+            extra = self._new_pages(request, n * num_steps)
+            if extra:
+                self._refcount[fresh[taken : taken + extra]] = 1
+            # Set-aside pages first (allocated earlier), then this call's.
+            pages = request.ahead + fresh[taken : taken + extra]
+            taken += extra
             if grow:
-                new_pages = fresh[taken : taken + grow]
-                taken += grow
-                self._refcount[new_pages] = 1
-                request.push(new_pages)
+                request.push(pages[:grow])
+            request.ahead = pages[grow:]
             self._fill(request, n, ids)
         self._after_mutation()
 
@@ -548,6 +583,8 @@ class PagedKVCacheManager:
         policy picks which go first), pinned ones until unpinned."""
         request = self._request("request_id", request_id)
         del self._requests[request_id]
+        self._refcount[request.ahead] -= 1
+        self._free.extend(reversed(request.ahead))
         pages = request.page_list()
         self._refcount[pages] -= 1
         # The tail of a prefix is reused less often than its head: released
@@ -751,7 +788,8 @@ class PagedKVCacheManager:
         CSR form: indptr monotone, page ids in the pool, last_page_len in
         [1, page_size] for requests with pages (0 without). Ownership: each
         request holds ceil(seq_len / page_size) distinct pages; refcounts equal
-        the owners counted from the tables; a page with several owners sits at
+        the owners counted from the tables and the set-aside pages of
+        reserve(num_steps=k) (which have no hash); a page with several owners sits at
         the same index in each and is filled alike in each (shared read-only:
         prefix-cache pages are full, a fork's partial page is everyone's last);
         a page with a prefix hash is full. Pool: unused, cached-evictable,
@@ -782,7 +820,10 @@ class PagedKVCacheManager:
         if ((last < 1) | (last > size))[full].any() or (last[~full] != 0).any():
             _fail(f"kv_last_page_len out of range: {last.tolist()}")
 
-        owners = np.bincount(indices, minlength=total)
+        ahead = np.array([p for r in self._requests.values() for p in r.ahead], np.int64)
+        if any(p in self._hash_of_page for p in ahead.tolist()):
+            _fail("a set-aside page has a prefix hash")
+        owners = np.bincount(np.concatenate([indices, ahead]), minlength=total)
         wrong = np.flatnonzero(owners != self._refcount)
         if wrong.size:
             p = int(wrong[0])
@@ -891,6 +932,12 @@ class PagedKVCacheManager:
             hits.append(page)
             chain = key
         return hits, chain
+
+    def _new_pages(self, request: _Request, n: int) -> int:
+        """Pool pages that room for n more tokens of request needs, beyond
+        its page table and its set-aside pages."""
+        have = request.num_pages + len(request.ahead)
+        return max(0, -(-(request.seq_len + n) // self.page_size) - have)
 
     def _fill(self, request: _Request, n: int, ids: np.ndarray | None) -> None:
         """Counts n new tokens in request (pages already pushed), hashing the
