@@ -551,15 +551,23 @@ class PagedKVCacheManager:
             if n == 0:
                 continue
             grow = -(-(request.seq_len + n) // size) - request.num_pages
-            extra = self._new_pages(request, n * num_steps)
-            if extra:
-                self._refcount[fresh[taken : taken + extra]] = 1
-            # Set-aside pages first (allocated earlier), then this call's.
-            pages = request.ahead + fresh[taken : taken + extra]
-            taken += extra
-            if grow:
-                request.push(pages[:grow])
-            request.ahead = pages[grow:]
+            if num_steps == 1 and not request.ahead:
+                # The common decode step: pages for this step only.
+                if grow:
+                    new_pages = fresh[taken : taken + grow]
+                    taken += grow
+                    self._refcount[new_pages] = 1
+                    request.push(new_pages)
+            else:
+                extra = self._new_pages(request, n * num_steps)
+                if extra:
+                    self._refcount[fresh[taken : taken + extra]] = 1
+                # Set-aside pages first (allocated earlier), then this call's.
+                pages = request.ahead + fresh[taken : taken + extra]
+                taken += extra
+                if grow:
+                    request.push(pages[:grow])
+                request.ahead = pages[grow:]
             self._fill(request, n, ids)
         self._after_mutation()
 
@@ -967,8 +975,12 @@ class PagedKVCacheManager:
             return
         size = self.page_size
         run = np.concatenate([request.tail, ids]) if request.tail.size else ids
-        first = request.seq_len // size
         filled = len(run) // size
+        if not filled:
+            # Most decode steps: the partial page grows, nothing to hash.
+            request.tail = run.copy()
+            return
+        first = request.seq_len // size
         events = self._events.active
         stored: list[bytes] = []
         parent: bytes | None = None
