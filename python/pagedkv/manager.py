@@ -20,7 +20,10 @@ Pages are shared read-only in two ways, both refcounted. Prefix caching: a
 full page whose token ids are known is keyed by a chained hash (its parent
 page's key and its own ids); add() reuses the cached pages a prompt starts
 with, and a page no request owns keeps its key until an allocation evicts it
-(least recently released first, a prompt's tail before its head). Forks: a
+(by default least recently released first, a prompt's tail before its head;
+see pagedkv.eviction) unless pin() keeps it. A salt given to add() enters the
+first page's key, so tenants never share pages; subscribe() reports cached and
+evicted pages as vLLM's KV events (pagedkv.kv_events). Forks: a
 child shares all its parent's pages; reserve() copies a shared, partially
 filled last page (pagedkv.copy_pages, every layer) before the first write
 into it. Writes only ever go to a request's partial last page or new pages.
