@@ -56,6 +56,16 @@ def reduce_many[
             return SIMD[F32, count](v[unsafe_offset=0].reduce_max())
         else:
             return SIMD[F32, count](v[unsafe_offset=0].reduce_add())
+    elif count > W:
+        # More vectors than lanes (NEON's 4 lanes against a tile of 8 rows):
+        # W at a time. x86 tiles never take this.
+        comptime assert count % W == 0, "count a multiple of W"
+        var sums = SIMD[F32, count]()
+        comptime for b in range(count // W):
+            var part = reduce_many[W, is_max](v.unsafe_offset(b * W))
+            comptime for i in range(W):
+                sums[b * W + i] = part[i]
+        return sums
     else:
         comptime levels = log2_floor(count)
         comptime for level in range(levels):
