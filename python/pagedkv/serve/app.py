@@ -1,0 +1,346 @@
+"""The HTTP layer: a FastAPI app speaking OpenAI's API over a `ServingEngine`.
+
+Handlers only check, enqueue and stream: every request becomes one engine
+request per prompt, whose events arrive on an asyncio queue (the engine
+thread puts them there with `call_soon_threadsafe`). A client that goes away
+(a closed stream, or a dropped connection while a non-streamed answer is
+computed) cancels its engine requests, which frees their pages at the next
+step.
+
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}:
+400 for malformed JSON or fields, a prompt over the context or a request
+that can never fit the pool; 401 for a wrong or missing key (with
+--api-key; /health and /metrics stay open); 404 for an unknown model; 503
+with Retry-After when the waiting queue is full or the engine is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedkv.graphs.sampling import SamplingParams
+
+from .engine import Delta, Done, Failed, GenerationRequest, QueueFullError, RequestError
+from .metrics import ServeMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.5
+"""How often a non-streamed request checks whether its client is still there."""
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str, param=None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.headers = headers
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
+    """The server's ASGI app over a started `ServingEngine`.
+
+    Parameters
+    ----------
+    engine : ServingEngine
+        Started; the app only submits to it and cancels.
+    model_name : str
+        The one model id /v1/models lists and requests must name.
+    api_key : str, optional
+        When given, /v1/* requires `Authorization: Bearer <api_key>`.
+    metrics : ServeMetrics, optional
+        The engine's observer (a new one bound to the engine when None).
+
+    Examples
+    --------
+    >>> app = create_app(engine, "smollm2-135m-instruct")  # doctest: +SKIP
+    >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+    """
+    if metrics is None:
+        metrics = ServeMetrics()
+        metrics.bind(engine)
+    app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    def reject(status: int, message: str, kind: str, **kw) -> ApiError:
+        metrics.http_rejections.labels(str(status)).inc()
+        return ApiError(status, message, kind, **kw)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        body = error_body(str(e), e.kind, e.param, e.code)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        metrics.http_rejections.labels("400").inc()
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg")
+        return JSONResponse(
+            error_body(message or "invalid request", "invalid_request_error", where or None),
+            status_code=400,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers
+        )
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise reject(401, "invalid or missing API key", "authentication_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return JSONResponse(
+            error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
+            status_code=500,
+        )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "error", "reason": engine.fatal}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @v1.get("/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv"}
+            ],
+        }
+
+    def check(body) -> SamplingParams:
+        if body.model != model_name:
+            raise reject(
+                404,
+                f"The model `{body.model}` does not exist (this server serves `{model_name}`)",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        name = body.unsupported()
+        if name is not None:
+            raise reject(
+                400, f"{name} is not supported by pagedkv", "invalid_request_error", param=name
+            )
+        return SamplingParams(body.temperature, body.top_p, body.seed)
+
+    def submit_all(prompts: list[list[int]], max_tokens, body, sampling, queue, loop) -> list[str]:
+        """Submits one engine request per prompt; returns their ids."""
+        ids = []
+        try:
+            for p, prompt in enumerate(prompts):
+                room = engine.context - len(prompt)
+                limit = max_tokens if max_tokens is not None else max(1, room)
+                rid = f"{uuid.uuid4().hex}"
+                req = GenerationRequest(
+                    rid, tuple(prompt), limit, body.n, sampling, tuple(body.stop)
+                )
+
+                def sink(event, p=p):
+                    loop.call_soon_threadsafe(queue.put_nowait, (p, event))
+
+                engine.submit(req, sink)
+                ids.append(rid)
+        except (RequestError, QueueFullError, RuntimeError) as e:
+            for rid in ids:
+                engine.cancel(rid)
+            if isinstance(e, RequestError):
+                raise reject(400, str(e), "invalid_request_error", param="messages") from None
+            raise reject(
+                503,
+                f"the server is busy: {e}",
+                "server_overloaded" if isinstance(e, QueueFullError) else "server_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        return ids
+
+    async def events(request: Request, queue: asyncio.Queue, ids: list[str], watch: bool):
+        """Yields (prompt index, event) until every request is Done; cancels
+        the rest when the consumer stops early or the client goes away."""
+        remaining = len(ids)
+        try:
+            while remaining:
+                if watch:
+                    try:
+                        p, event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                else:
+                    p, event = await queue.get()
+                if isinstance(event, Failed):
+                    raise ApiError(500, event.message, "server_error")
+                if isinstance(event, Done):
+                    remaining -= 1
+                yield p, event
+        finally:
+            if remaining:
+                for rid in ids:
+                    engine.cancel(rid)
+
+    async def serve(request: Request, body, prompts: list[list[int]], max_tokens, chat: bool):
+        sampling = check(body)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = submit_all(prompts, max_tokens, body, sampling, queue, loop)
+        prefix = "chatcmpl" if chat else "cmpl"
+        response_id = f"{prefix}-{ids[0]}"
+        common = {"id": response_id, "created": int(time.time()), "model": model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _stream(
+                events(request, queue, ids, False), common, body.n, chat, include_usage
+            )
+            return StreamingResponse(stream, media_type="text/event-stream")
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str] = {}
+        usage = [0, 0, 0]
+        async for p, event in events(request, queue, ids, True):
+            if isinstance(event, Delta):
+                index = p * body.n + event.index
+                texts.setdefault(index, []).append(event.text)
+                if event.finish_reason is not None:
+                    reasons[index] = event.finish_reason
+            else:
+                usage = [a + b for a, b in zip(usage, _counts(event), strict=True)]
+        choices = []
+        for index in range(len(prompts) * body.n):
+            text = "".join(texts.get(index, []))
+            if chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(finish_reason=reasons.get(index, "length"), logprobs=None)
+            choices.append(choice)
+        return {
+            **common,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": choices,
+            "usage": _usage(*usage),
+        }
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            for m in messages:
+                m["role"] = "system" if m["role"] == "developer" else m["role"]
+            prompt = engine.tokenizer.encode(engine.tokenizer.render_chat(messages))
+        except ValueError as e:
+            raise reject(400, str(e), "invalid_request_error", param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await serve(request, body, [prompt], max_tokens, chat=True)
+
+    @v1.post("/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        if isinstance(body.prompt, str):
+            prompts = [engine.tokenizer.encode(body.prompt)]
+        elif all(isinstance(x, int) for x in body.prompt):
+            vocab = engine.llm.config.vocab_size
+            if any(not 0 <= x < vocab for x in body.prompt):
+                raise reject(
+                    400,
+                    f"token ids must be in [0, {vocab})",
+                    "invalid_request_error",
+                    param="prompt",
+                )
+            prompts = [list(body.prompt)]
+        else:
+            prompts = [engine.tokenizer.encode(p) for p in body.prompt]
+        if any(not p for p in prompts):
+            raise reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await serve(request, body, prompts, max_tokens, chat=False)
+
+    app.include_router(v1)
+    return app
+
+
+def _counts(done: Done) -> tuple[int, int, int]:
+    return done.prompt_tokens, done.completion_tokens, done.cached_tokens
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _stream(
+    events: AsyncIterator, common: dict, n: int, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+    Chat: each choice's first chunk carries the assistant role; its last one
+    an empty delta with finish_reason. With stream_options.include_usage a
+    last chunk with no choices carries the usage.
+    """
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    started: set[int] = set()
+    usage = [0, 0, 0]
+
+    def chunk(choices: list, **extra) -> str:
+        return f"data: {json.dumps({**common, 'object': kind, 'choices': choices, **extra})}\n\n"
+
+    try:
+        async for p, event in events:
+            if isinstance(event, Done):
+                usage = [a + b for a, b in zip(usage, _counts(event), strict=True)]
+                continue
+            index = p * n + event.index
+            if chat:
+                if index not in started:
+                    started.add(index)
+                    role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                    yield chunk([{**role, "logprobs": None, "finish_reason": None}])
+                if event.text:
+                    delta = {"index": index, "delta": {"content": event.text}}
+                    yield chunk([{**delta, "logprobs": None, "finish_reason": None}])
+                if event.finish_reason is not None:
+                    end = {"index": index, "delta": {}, "logprobs": None}
+                    yield chunk([{**end, "finish_reason": event.finish_reason}])
+            else:
+                choice = {"index": index, "text": event.text, "logprobs": None}
+                yield chunk([{**choice, "finish_reason": event.finish_reason}])
+    except ApiError as e:
+        # Headers are gone: the error travels as an event, as OpenAI's does.
+        yield f"data: {json.dumps(error_body(str(e), e.kind))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        # A client gone mid-stream closes this generator: cancel at once.
+        await events.aclose()
+    if include_usage:
+        yield chunk([], usage=_usage(*usage))
+    yield "data: [DONE]\n\n"

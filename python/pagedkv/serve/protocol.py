@@ -1,0 +1,111 @@
+"""OpenAI's request bodies for /v1/completions and /v1/chat/completions, as
+pydantic models: what the server accepts, checks and refuses.
+
+Fields pagedkv does not implement (logprobs, echo, tools, penalties other
+than 0, ...) are refused with a 400 naming them rather than silently
+ignored; fields that change nothing here (user, presence_penalty=0, ...)
+are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_N = 16
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias")
+"""Fields refused when given a value that asks for something (not null / false / 0)."""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def unsupported(self) -> str | None:
+        """The first field given that pagedkv does not implement, or None."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED:
+            value = extra.get(name, getattr(self, name, None))
+            if value not in (None, False, 0, [], {}):
+                return name
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                return name
+        return None
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: `prompt` is a string, a list of strings (each its
+    own choices), or a list of token ids. max_tokens defaults to 16 (as
+    OpenAI's)."""
+
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The message's text (a list of parts must be all text parts)."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions: the model's chat template over `messages`
+    (with its default system prompt unless one is given). max_tokens
+    (or max_completion_tokens) defaults to the rest of the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None):
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
