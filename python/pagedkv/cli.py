@@ -1,4 +1,4 @@
-"""The `pagedkv` command: demo (the main job), generate, bench and check-gpu.
+"""The `pagedkv` command: demo (the main job), generate, serve, bench and check-gpu.
 
 Bad flags and impossible configurations end with a one-line error naming
 the problem and how to fix it, and exit status 2; no traceback.
@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         help="print one JSON object per prompt, one per line, in prompt order",
     )
 
+    from .serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
     bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     bench.add_argument(
@@ -131,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             from .generate_cli import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from .serve.cli import run_serve
+
+            return run_serve(args)
         if args.command == "bench":
             return _bench(args)
         from .gpu_check import main as check_gpu

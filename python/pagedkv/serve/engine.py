@@ -227,6 +227,8 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self.cancels_received = 0
+        """cancel() calls so far (tests wait on it)."""
         self.fatal: str | None = None
         """Why the engine thread ended, if it did (the server is then unhealthy)."""
 
@@ -294,6 +296,7 @@ class ServingEngine:
         the start of the next step. Unknown or finished ids are ignored."""
         with self._lock:
             self._cancels.add(request_id)
+            self.cancels_received += 1
             self._lock.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:

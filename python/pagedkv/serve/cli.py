@@ -1,0 +1,86 @@
+"""`pagedkv serve`: loads a model and serves it over HTTP until interrupted.
+
+Load failures and bad flags are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> None:
+    """Adds the `serve` subcommand to the `pagedkv` parser's subparsers."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="default %(default)s")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default %(default)s: local only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="default %(default)s")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences decoded together in one step (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests that may wait for admission; more get 503 (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=int,
+        default=None,
+        help="bytes of KV cache over all layers (default 512 MiB)",
+    )
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The `serve` subcommand; returns the exit status."""
+    from ..models import ModelError, load
+    from ..models.llm import DEFAULT_KV_MEMORY
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        from .server import serve
+    except ImportError as e:
+        say(f"pagedkv serve: error: {e.name} is missing: pip install 'pagedkv[serve]'")
+        return 2
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-waiting", args.max_waiting)):
+        if value < 1:
+            say(f"pagedkv serve: error: {flag} must be at least 1")
+            return 2
+    if not 0 <= args.port < 65536:
+        say("pagedkv serve: error: --port must be in [0, 65535]")
+        return 2
+    try:
+        llm = load(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            kv_memory=args.kv_memory or DEFAULT_KV_MEMORY,
+            progress=say,
+        )
+    except ModelError as e:
+        say(f"pagedkv serve: error: {e}")
+        return 2
+    say(
+        f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
+        f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
+    )
+    serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+    )
+    return 0

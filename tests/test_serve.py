@@ -1,0 +1,431 @@
+"""`pagedkv serve` through the official `openai` client, on a loopback port.
+
+Greedy answers equal `LLM.generate`'s on the same prompts (chat and
+completion, streamed and not); 64 concurrent streaming clients over a pool
+small enough to force preemption, 10 of them leaving midway, all get their
+full answers and leave no page in use; bad input gets OpenAI's error bodies.
+Nothing here measures time: waits are hang guards only, and races are made
+deterministic by holding the engine's decode step behind a gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.models import load
+from pagedkv.serve import ServerThread
+
+MODEL = "smollm2-135m-instruct"
+PAGE_BYTES = 2 * 16 * 3 * 64 * 4 * 30
+"""One float32 page of SmolLM2-135M (16 tokens, 3 KV heads of 64, 30 layers)."""
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a KV cache is.",
+    "Give me a tip for learning to play the guitar.",
+    "Why is the sky blue?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What is the capital of France?",
+]
+"""Prompts whose first 32 greedy tokens have no near-tie (tests/data's
+transformers gaps), so batching and recompute cannot flip them."""
+MAX_TOKENS = 32
+HANG_GUARD = 600.0
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return load(MODEL, kv_memory=256 * PAGE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """LLM.generate's greedy answers (before any server owns the manager)."""
+    chat = llm.generate(PROMPTS, max_new_tokens=MAX_TOKENS)
+    raw = llm.generate(PROMPTS, max_new_tokens=MAX_TOKENS, chat=False)
+    return {"chat": chat, "raw": raw}
+
+
+@pytest.fixture(scope="module")
+def server(llm, reference):
+    with ServerThread(llm, max_num_seqs=16) as s:
+        yield s
+    llm.manager.validate()
+
+
+def client(server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, **kw)
+
+
+def aclient(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD
+    )
+
+
+def assert_no_page_in_use(server) -> None:
+    assert server.engine.wait_idle(HANG_GUARD)
+    manager = server.engine.manager
+    manager.validate()
+    assert manager.num_used_pages == 0
+    assert manager.request_ids == []
+
+
+def finish(reason: str) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+class Gate:
+    """An engine whose decode steps wait until the gate opens."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.opened = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, *args):
+        assert self.opened.wait(HANG_GUARD)
+        return self.inner.decode(*args)
+
+
+@pytest.fixture
+def gated(server):
+    gate = Gate(server.engine.engine)
+    server.engine.engine = gate
+    yield gate
+    gate.opened.set()
+    server.engine.engine = gate.inner
+    assert_no_page_in_use(server)
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + HANG_GUARD
+    while not condition():
+        assert time.monotonic() < deadline, "hang guard"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------- answers
+
+
+def test_chat_equals_generate_streamed_and_not(server, reference):
+    async def ask_all():
+        c = aclient(server)
+
+        async def plain(prompt):
+            return await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+
+        async def streamed(prompt):
+            stream = await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, reasons, usage = [], [], None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    text.append(choice.delta.content or "")
+                    reasons.append(choice.finish_reason)
+            return "".join(text), [r for r in reasons if r], usage
+
+        return await asyncio.gather(
+            asyncio.gather(*(plain(p) for p in PROMPTS)),
+            asyncio.gather(*(streamed(p) for p in PROMPTS)),
+        )
+
+    plain, streamed = asyncio.run(ask_all())
+    for want, got, (text, reasons, usage) in zip(reference["chat"], plain, streamed, strict=True):
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].finish_reason == finish(want.finish_reason)
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert text == want.text
+        assert reasons == [finish(want.finish_reason)]
+        assert usage.completion_tokens == len(want.token_ids)
+    assert_no_page_in_use(server)
+
+
+def test_completion_equals_generate_streamed_and_not(server, reference):
+    c = client(server)
+    for prompt, want in zip(PROMPTS[:3], reference["raw"][:3], strict=True):
+        got = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == want.text
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        chunks = list(
+            c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+        )
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == finish(want.finish_reason)
+    # A batch of prompts: each prompt's choices in order.
+    got = c.completions.create(
+        model=MODEL, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [ch.text for ch in got.choices] == [w.text for w in reference["raw"][:2]]
+    assert_no_page_in_use(server)
+
+
+def test_n_samples_stop_seed_and_cached_prompt_tokens(server, reference):
+    c = client(server)
+    messages = [{"role": "user", "content": PROMPTS[5]}]
+    first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    again = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, n=3
+    )
+    # The system prompt's and the question's full pages come from the prefix cache.
+    page = server.engine.manager.page_size
+    prompt = first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // page * page
+    assert [ch.index for ch in again.choices] == [0, 1, 2]
+    # Greedy sample k starts from the k-th most likely token; sample 0 is the answer.
+    assert again.choices[0].message.content == reference["chat"][5].text
+    assert len({ch.message.content for ch in again.choices}) == 3
+    stopped = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=["Paris"]
+    )
+    assert stopped.choices[0].message.content == reference["chat"][5].text.split("Paris")[0]
+    assert stopped.choices[0].finish_reason == "stop"
+    sampled = [
+        c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=2
+        )
+        for _ in range(2)
+    ]
+    assert [ch.message.content for ch in sampled[0].choices] == [
+        ch.message.content for ch in sampled[1].choices
+    ]
+    assert_no_page_in_use(server)
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in client(server).models.list()] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "pagedkv_requests_running",
+        "pagedkv_requests_waiting",
+        "pagedkv_kv_pages_used",
+        "pagedkv_kv_pages_free",
+        "pagedkv_kv_pages_cached",
+        "pagedkv_prefix_cache_hit_rate",
+        "pagedkv_generated_tokens_total",
+        "pagedkv_time_to_first_token_seconds_bucket",
+        "pagedkv_inter_token_latency_seconds_bucket",
+    ):
+        assert name in text
+
+
+# ------------------------------------------------------- faults and overload
+
+
+def test_disconnect_frees_pages(server, gated):
+    """A client leaving mid-stream cancels its request; its pages go back."""
+    c = client(server)
+    stream = c.completions.create(
+        model=MODEL, prompt="Count to one thousand: 1, 2, 3,", max_tokens=400, stream=True
+    )
+    next(iter(stream))  # the prefill's token; the engine now waits in decode
+    before = server.engine.cancels_received
+    stream.close()
+    wait_for(lambda: server.engine.cancels_received > before)
+    gated.opened.set()
+    assert_no_page_in_use(server)
+
+
+def test_queue_full_is_503_with_retry_after(server, gated):
+    """With the engine held in a decode step and one request waiting, the
+    next one is refused at once."""
+    engine = server.engine
+    limit, engine.max_waiting = engine.max_waiting, 1
+    try:
+        c = client(server)
+        running = c.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True)
+        next(iter(running))
+        results = []
+
+        def ask():
+            try:
+                r = httpx.post(
+                    server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                    timeout=HANG_GUARD,
+                )
+                results.append(r)
+            except Exception as e:  # pragma: no cover - reported below
+                results.append(e)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(results) == 1)  # one waits, the other is refused
+        refused = results[0]
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "server_overloaded"
+        gated.opened.set()
+        for t in threads:
+            t.join(HANG_GUARD)
+        assert results[1].status_code == 200
+        list(running)
+    finally:
+        engine.max_waiting = limit
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+            400,
+            "messages",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+            400,
+            "top_p",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            400,
+            "logprobs",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "messages.0.role",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]},
+            400,
+            "stop",
+        ),
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ],
+)
+def test_bad_chat_requests(server, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+def test_bad_completion_requests(server):
+    post = server.url + "/v1/completions"
+    r = httpx.post(post, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(post, json={"model": MODEL, "prompt": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(post, json={"model": MODEL, "prompt": ""})
+    assert r.status_code == 400
+    long_prompt = "word " * 9000
+    r = httpx.post(post, json={"model": MODEL, "prompt": long_prompt}, timeout=HANG_GUARD)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="nope", prompt="hi")
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert_no_page_in_use(server)
+
+
+def test_api_key(llm, reference):
+    with ServerThread(llm, api_key="sesame") as s:
+        with pytest.raises(openai.AuthenticationError):
+            client(s).models.list()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0)
+        assert [m.id for m in good.models.list()] == [MODEL]
+        assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_request_larger_than_the_pool_is_400():
+    small = load(MODEL, kv_memory=4 * PAGE_BYTES)
+    with ServerThread(small) as s:
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 100},
+            timeout=HANG_GUARD,
+        )
+        assert r.status_code == 400
+        assert "the pool holds 4" in r.json()["error"]["message"]
+
+
+# ----------------------------------------------------------------- load test
+
+
+def test_load_with_preemption_and_disconnects(reference):
+    """64 concurrent streaming chats over 16 pages (each needs up to 5 at full
+    length): the scheduler preempts, 10 clients leave after a few chunks,
+    every other answer is whole and equal to generate's, and afterwards no
+    page is in use but the prefix cache."""
+    small = load(MODEL, kv_memory=16 * PAGE_BYTES)
+    with ServerThread(small, max_num_seqs=16) as s:
+        c = aclient(s)
+
+        async def one(i: int):
+            stream = await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": PROMPTS[i % 5]}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            text, reasons, chunks = [], [], 0
+            async for chunk in stream:
+                chunks += 1
+                for choice in chunk.choices:
+                    text.append(choice.delta.content or "")
+                    reasons.append(choice.finish_reason)
+                if i % 6 == 0 and i < 60 and chunks == 4:
+                    await stream.close()  # 10 clients leave midway
+                    return None
+            return "".join(text), [r for r in reasons if r]
+
+        async def run():
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), HANG_GUARD)
+
+        results = asyncio.run(run())
+        assert sum(r is None for r in results) == 10
+        for i, result in enumerate(results):
+            if result is not None:
+                want = reference["chat"][i % 5]
+                assert result == (want.text, [finish(want.finish_reason)]), i
+        assert s.engine.stats.preemptions > 0
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert_no_page_in_use(s)
+        assert small.manager.num_cached_pages > 0
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'pagedkv_sequences_finished_total{reason="cancelled"}' in metrics
+        assert json.loads(json.dumps(s.engine.stats.__dict__))["running"] == 0
