@@ -3,7 +3,7 @@
 a fixed set of chat prompts, each client sends its next one as soon as its
 last answer ends).
 
-    python benchmarks/serve_http.py [--clients 1,8,32] [--prompts 64] [--max-tokens 64]
+    python benchmarks/serve_http.py [--clients 8,32] [--prompts 64] [--max-tokens 64]
 
 The offline run comes first in this process; then the server runs as a
 `pagedkv serve` subprocess on a loopback port (so that clients and server do
@@ -113,7 +113,7 @@ def start_server(port: int) -> subprocess.Popen:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,8,32", help="comma-separated client counts")
+    parser.add_argument("--clients", default="8,32", help="comma-separated client counts")
     parser.add_argument("--prompts", type=int, default=64, help="requests per client count")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
