@@ -7,7 +7,9 @@ layer appends its new K/V into its pool, a graph buffer written in place,
 then attends over the pool; both take every count (batch, tokens, pages,
 work items) as a symbolic dim, so one compile serves every step of a run.
 
-Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache holds
+The layer is a subgraph that each layer calls with its own pool and its
+own weights (by name prefix), so compiling 30 layers costs about what one
+does. Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache holds
 rotated keys), append, paged attention, output projection and residual,
 RMSNorm, SwiGLU MLP and residual; then a final norm and the logits of each
 request's last token.
@@ -86,15 +88,80 @@ def _rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorValue:
 
 
 def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weight]:
+    """The weights outside the layers (the layers' come by prefix: _layer_subgraph)."""
     shapes = {
         "embed": (c.vocab_size, c.hidden_size),
         "final_norm": (c.hidden_size,),
         "lm_head": (c.hidden_size, c.vocab_size),
     }
-    for i in range(c.num_layers):
-        for name, shape in layer_weight_shapes(c).items():
-            shapes[f"layers.{i}.{name}"] = shape
     return {name: Weight(name, dtype, shape, device) for name, shape in shapes.items()}
+
+
+def _layer(
+    kind: str,
+    c: LlamaConfig,
+    w: dict[str, TensorValue],
+    x: TensorValue,
+    rope: tuple[TensorValue, TensorValue],
+    pool: BufferValue,
+    rows_index: tuple[TensorValue, TensorValue],
+    table: tuple[TensorValue, TensorValue, TensorValue],
+    work: tuple[TensorValue, TensorValue],
+) -> TensorValue:
+    """One decoder layer on x [rows, H]: attention over its pool (appending
+    the rows' K/V first), then the MLP; returns the new x."""
+    rows = x.shape[0]
+    nq = c.num_qo_heads * c.head_dim
+    nk = c.num_kv_heads * c.head_dim
+    batch_indices, positions = rows_index
+    h = ops.rms_norm(x, w["attn_norm"], c.rms_eps)
+    q, k, v = ops.split(h @ w["wqkv"], [nq, nk, nk], axis=-1)
+    q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), *rope)
+    k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
+    v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
+    graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table)
+    if kind == PREFILL:
+        attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
+    else:
+        attn, _ = graph_ops.batch_decode(q, pool, *table, *work, num_kv_heads=c.num_kv_heads)
+    x = x + ops.reshape(attn, [rows, nq]) @ w["wo"]
+    h = ops.rms_norm(x, w["mlp_norm"], c.rms_eps)
+    return x + (ops.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+
+def _layer_subgraph(
+    g: Graph, kind: str, c: LlamaConfig, dtype: DType, device: DeviceRef, args: list
+) -> Graph:
+    """The decoder layer as a subgraph of g, compiled once and called once
+    per layer: its weights are placeholders ("attn_norm", ...) that each
+    call resolves under its own prefix ("layers.{i}.")."""
+    with g.add_subgraph(
+        f"llama_{kind}_layer",
+        input_types=[a.type for a in args],
+        custom_extensions=graph_ops.custom_extensions(),
+        devices=[device],
+    ) as sub:
+        x, cos, sin, pool, batch_indices, positions, *rest = sub.inputs
+        w = {
+            name: Weight(name, dtype, shape, device, _placeholder=True)
+            for name, shape in layer_weight_shapes(c).items()
+        }
+        table = tuple(v.tensor for v in rest[:3])
+        work = tuple(v.tensor for v in rest[3:])
+        sub.output(
+            _layer(
+                kind,
+                c,
+                w,
+                x.tensor,
+                (cos.tensor, sin.tensor),
+                pool.buffer,
+                (batch_indices.tensor, positions.tensor),
+                table,
+                work,
+            )
+        )
+    return sub
 
 
 def build_step_graph(
@@ -106,6 +173,9 @@ def build_step_graph(
     module: Module | None = None,
 ) -> Graph:
     """The prefill or decode step graph; see step_input_names for its inputs.
+
+    The layer is one subgraph called once per layer, so the graph's compile
+    cost does not grow with the number of layers.
 
     Output: logits [batch, vocab] (float32) of each request's last token.
     """
@@ -128,31 +198,25 @@ def build_step_graph(
             ops.gather(ops.constant(sin_table, DType.float32, device=device), positions, 0), 1
         )
         rope_cos, rope_sin = ops.cast(rope_cos, dtype), ops.cast(rope_sin, dtype)
-        table = (t["kv_indices"], t["kv_indptr"], t["kv_last_page_len"])
-        work = (t["work_items"], t["request_items"])
+        table = [t["kv_indices"], t["kv_indptr"], t["kv_last_page_len"]]
+        work = [t["work_items"], t["request_items"]]
 
         x = ops.gather(w["embed"], t["tokens"], 0)  # [rows, H]
-        rows = x.shape[0]
-        nq = c.num_qo_heads * c.head_dim
-        nk = c.num_kv_heads * c.head_dim
+        layer = None
         for i in range(c.num_layers):
-            p = f"layers.{i}."
-            pool: BufferValue = named[f"pool.{i}"].buffer
-            h = ops.rms_norm(x, w[p + "attn_norm"], c.rms_eps)
-            q, k, v = ops.split(h @ w[p + "wqkv"], [nq, nk, nk], axis=-1)
-            q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), rope_cos, rope_sin)
-            k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), rope_cos, rope_sin)
-            v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
-            graph_ops.append_paged_kv_cache(pool, k, v, t["batch_indices"], positions, *table)
-            if kind == PREFILL:
-                attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
-            else:
-                attn, _ = graph_ops.batch_decode(
-                    q, pool, *table, *work, num_kv_heads=c.num_kv_heads
-                )
-            x = x + ops.reshape(attn, [rows, nq]) @ w[p + "wo"]
-            h = ops.rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
-            x = x + (ops.silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
+            args = [
+                x,
+                rope_cos,
+                rope_sin,
+                named[f"pool.{i}"].buffer,
+                t["batch_indices"],
+                positions,
+                *table,
+                *work,
+            ]
+            if layer is None:
+                layer = _layer_subgraph(g, kind, c, dtype, device, args)
+            x = ops.call(layer, *args, prefix=f"layers.{i}.")[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
         x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
