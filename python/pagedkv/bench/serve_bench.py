@@ -24,23 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROMPTS = (
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "What is the largest planet in the solar system?",
-    "How many legs does a spider have?",
-    "What is the boiling point of water at sea level?",
-    "Who wrote Romeo and Juliet?",
-    "What is the capital of Japan?",
-    "What gas do plants take in from the air?",
-    "How many continents are there?",
-    "What is the chemical symbol for gold?",
-    "Which ocean is the largest?",
-    "What is the speed of light?",
-    "What is the tallest mountain on Earth?",
-    "What is photosynthesis?",
-    "What is the capital of Italy?",
-    "How many days are in a leap year?",
+from ..graphs.demo import QUESTIONS
+
+PROMPTS = QUESTIONS + (
     "Write a haiku about the sea.",
     "Explain in two sentences what a KV cache is.",
     "List three primary colors.",
