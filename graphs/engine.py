@@ -10,49 +10,19 @@ logits copied back (greedy sampling happens on the host).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 from max.driver import CPU
-from max.dtype import DType
-from max.graph import DeviceRef, Module
 
 from pagedkv import graph_ops
-from pagedkv._kernels import accelerator, prepare, stream_ordered
-from pagedkv._tensors import Device, device_of, to_buffer
+from pagedkv._kernels import accelerator, stream_ordered
+from pagedkv._tensors import device_of, to_buffer
 from pagedkv.manager import PagedKVCacheManager
-from pagedkv.page import COPY_PAGES
 
-from .llama import DECODE, PREFILL, build_step_graph, step_input_names, weights_registry
+from .llama import DECODE, PREFILL, step_input_names
 from .model import LlamaConfig
-
-_compiled: dict[tuple, tuple[object, object, float]] = {}
-
-
-def compile_step_graphs(
-    config: LlamaConfig,
-    weights: dict[str, np.ndarray],
-    page_size: int,
-    dtype: DType,
-    device: Device,
-) -> tuple[object, object, float]:
-    """(prefill model, decode model, seconds spent compiling): both graphs in
-    one MAX module for `device`, compiled once per process and kept. The
-    module also carries the page manager's page-copy op (copy-on-write of
-    forked requests), so that no compile happens in the middle of serving."""
-    key = (config, page_size, dtype, device, id(weights))
-    if key not in _compiled:
-        t0 = time.perf_counter()
-        module = Module()
-        ref = DeviceRef.GPU(device.index) if device.is_gpu else DeviceRef.CPU()
-        prefill = build_step_graph(PREFILL, config, page_size, dtype, ref, module)
-        decode = build_step_graph(DECODE, config, page_size, dtype, ref, module)
-        models = prepare(
-            [COPY_PAGES], device, module=module, weights_registry=weights_registry(weights, dtype)
-        )
-        _compiled[key] = (models[prefill.name], models[decode.name], time.perf_counter() - t0)
-    return _compiled[key]
+from .step_models import compile_step_graphs
 
 
 class LlamaEngine:
@@ -71,9 +41,10 @@ class LlamaEngine:
         self.config = config
         self.manager = manager
         self.device = device_of(manager.pools[0])
-        self._prefill, self._decode, self.compile_seconds = compile_step_graphs(
+        self.models = compile_step_graphs(
             config, weights, manager.page_size, manager.dtype, self.device
         )
+        self.compile_seconds = self.models.seconds
 
     def prefill(
         self, request_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]]
@@ -98,7 +69,7 @@ class LlamaEngine:
             "last_rows": md.append_indptr[1:] - 1,
             **self._step_inputs(md, items, request_items),
         }
-        return self._run(self._prefill, PREFILL, inputs)
+        return self._run(self.models.prefill, PREFILL, inputs)
 
     def decode(self, request_ids: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Appends one token per request and returns the next logits [B, vocab]."""
@@ -117,7 +88,7 @@ class LlamaEngine:
             "tokens": np.asarray(tokens, np.int32),
             **self._step_inputs(md, items, request_items),
         }
-        return self._run(self._decode, DECODE, inputs)
+        return self._run(self.models.decode, DECODE, inputs)
 
     def _step_inputs(self, md, items: np.ndarray, request_items: np.ndarray) -> dict:
         return {

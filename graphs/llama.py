@@ -164,6 +164,11 @@ def _layer_subgraph(
     return sub
 
 
+def step_graph_name(kind: str) -> str:
+    """The name of the prefill or decode step graph in its module."""
+    return f"llama_{kind}"
+
+
 def build_step_graph(
     kind: str,
     c: LlamaConfig,
@@ -182,7 +187,7 @@ def build_step_graph(
     device = device or DeviceRef.CPU()
     cos_table, sin_table = rope_tables(c)
     with Graph(
-        f"llama_{kind}",
+        step_graph_name(kind),
         input_types=_input_types(kind, c, page_size, dtype, device),
         custom_extensions=graph_ops.custom_extensions(),
         module=module,

@@ -4,8 +4,9 @@ Each eager call runs its op as a one-op MAX graph whose every dim is symbolic,
 so one compile serves every batch, length, page count, page size and head
 count. Graphs are compiled once per process and kept, keyed by what the op
 needs at compile time (dtypes, ranks, layout, device, op parameters). A
-compile costs seconds (MAX's graph pipeline, even for one op); a cached load
-from MAX's disk cache about a second; a call some tens of microseconds.
+compile costs seconds (MAX's graph pipeline, even for one op) and is kept on
+disk (_compile_cache.py), so a later process loads it in milliseconds; a call
+costs some tens of microseconds.
 
 Ops write their results into arrays the wrapper allocated (in-place MAX ops),
 so outputs come back as the caller's kind of array with no copy.
@@ -19,15 +20,17 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from max.graph import BufferType, DeviceRef, Graph, Module, TensorType, ops
 
+from ._cache_dir import cache_root
+from ._compile_cache import load_or_compile
 from ._tensors import Array, Device, is_torch, to_buffer
 
 
@@ -47,7 +50,7 @@ def kernel_package() -> Path:
 
     MAX would otherwise re-run `mojo precompile` (seconds) for every graph that
     names the source directory; the package is cached under
-    $PAGEDKV_CACHE_DIR (default ~/.cache/pagedkv), keyed by a hash of the
+    pagedkv's cache directory (`cache_root`), keyed by a hash of the
     sources and the compiler version.
     """
     from importlib.metadata import version
@@ -59,7 +62,7 @@ def kernel_package() -> Path:
     for path in sorted(source.rglob("*.mojo")):
         digest.update(str(path.relative_to(source)).encode())
         digest.update(path.read_bytes())
-    root = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
+    root = cache_root()
     # The compiler names the package after the file's stem: keep "mojo_ops".
     package = root / digest.hexdigest()[:20] / "mojo_ops.mojoc"
     if not package.is_file():
@@ -142,9 +145,13 @@ def _graph_type(i: int, operand: Operand, device: Device) -> Any:
 _models: dict[tuple[OpSpec, Device], Any] = {}
 
 
+def _graph_name(spec: OpSpec) -> str:
+    return spec.name + "_" + _spec_tag(spec)
+
+
 def _add_graph(spec: OpSpec, device: Device, module: Any = None) -> Graph:
     with Graph(
-        spec.name + "_" + _spec_tag(spec),
+        _graph_name(spec),
         input_types=[_graph_type(i, o, device) for i, o in enumerate(spec.operands)],
         custom_extensions=[kernel_package()],
         module=module,
@@ -167,7 +174,8 @@ def _spec_tag(spec: OpSpec) -> str:
 def prepare(
     specs: Iterable[OpSpec],
     device: Device,
-    module: Any = None,
+    graphs: Callable[[Module], None] | None = None,
+    key: Hashable = None,
     weights_registry: Any = None,
 ) -> dict[str, Any]:
     """Compiles the specs that are not loaded yet, all in one MAX module.
@@ -175,30 +183,39 @@ def prepare(
     MAX's graph compile has a large fixed cost (seconds); one module of many
     one-op graphs pays it once, so a program that knows which ops it will run
     (a test suite, a server at start-up) should prepare them together. A
-    caller with graphs of its own passes their `module` (and their weights)
-    to compile everything at once; returns the module's loaded models by
-    graph name.
+    caller with graphs of its own passes `graphs`, which adds them to the
+    module, and `key`, which says what they are (it names the compiled
+    artifact on disk: see _compile_cache), with their weights; returns the
+    module's loaded models by graph name.
     """
-    from max.graph import Module
-
-    # A caller's module gets every spec, loaded before or not: MAX's disk
-    # cache is keyed by the module, so what it holds must not depend on what
-    # this process happened to compile first (the demo in a fresh process
-    # would otherwise miss the compile of the same graphs in another).
+    # A caller's module gets every spec, loaded before or not: what the
+    # module holds must not depend on what this process compiled first.
     todo = list(dict.fromkeys(specs))
-    if module is None:
-        todo = [s for s in todo if (s, device) not in _models]
-        if not todo:
-            return {}
     with _lock:
+        if graphs is None:
+            todo = [s for s in todo if (s, device) not in _models]
+            if not todo:
+                return {}
+
+        def build() -> Module:
+            module = Module()
+            if graphs is not None:
+                graphs(module)
+            for spec in todo:
+                _add_graph(spec, device, module)
+            return module
+
         t0 = time.perf_counter()
-        module = module if module is not None else Module()
-        names = [_add_graph(spec, device, module).name for spec in todo]
-        models = session(device).load_all(
-            module, custom_extensions=[kernel_package()], weights_registry=weights_registry
+        models = load_or_compile(
+            session(device),
+            ("ops", tuple(todo), key),
+            device,
+            build,
+            custom_extensions=[kernel_package()],
+            weights_registry=weights_registry,
         )
-        for spec, name in zip(todo, names, strict=True):
-            _models[(spec, device)] = models[name]
+        for spec in todo:
+            _models[(spec, device)] = models[_graph_name(spec)]
         compile_stats.graphs += len(todo)
         compile_stats.seconds += time.perf_counter() - t0
         return models
@@ -208,12 +225,8 @@ def compiled_op(spec: OpSpec, device: Device) -> Any:
     """The loaded one-op graph for this spec and device (compiled on first use)."""
     model = _models.get((spec, device))
     if model is None:
-        with _lock:
-            t0 = time.perf_counter()
-            model = session(device).load(_add_graph(spec, device))
-            _models[(spec, device)] = model
-            compile_stats.graphs += 1
-            compile_stats.seconds += time.perf_counter() - t0
+        prepare([spec], device)
+        model = _models[(spec, device)]
     return model
 
 

@@ -37,8 +37,8 @@ def compile_demo_graphs() -> None:
     from max.dtype import DType
 
     from ._tensors import Device
-    from .graphs.engine import compile_step_graphs
     from .graphs.model import LlamaConfig, init_weights
+    from .graphs.step_models import compile_step_graphs
 
     config = LlamaConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
     compile_step_graphs(config, init_weights(config, 0), 16, DType.float32, Device("gpu"))

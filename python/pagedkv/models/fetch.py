@@ -18,16 +18,14 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .._cache_dir import cache_root
 from .catalog import ModelSpec, model_spec
 from .errors import ModelError
 
 
 def cache_dir() -> Path:
     """Where fetched models live (see the module docstring)."""
-    if os.environ.get("PAGEDKV_CACHE_DIR"):
-        return Path(os.environ["PAGEDKV_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagedkv"
+    return cache_root()
 
 
 def gguf_path(spec: ModelSpec) -> Path:

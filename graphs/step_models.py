@@ -1,0 +1,76 @@
+"""The compiled prefill and decode step graphs of a model.
+
+Both graphs, and the page manager's page-copy op (copy-on-write of forked
+requests), are compiled as one MAX module: a module pays MAX's fixed compile
+cost and the code generation of the kernels it shares (the matmul above all)
+once, where two modules would pay them twice (docs/performance.md, "Cold
+start"). The module is kept in pagedkv's compile cache, so a later process
+loads it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+from max.dtype import DType
+from max.graph import Module
+
+from pagedkv._kernels import prepare
+from pagedkv._tensors import Device
+from pagedkv.page import COPY_PAGES
+
+from .llama import DECODE, PREFILL, build_step_graph, step_graph_name, weights_registry
+from .model import LlamaConfig
+
+
+@dataclass(frozen=True)
+class StepModels:
+    """The loaded step graphs of one model on one device.
+
+    Attributes:
+        prefill: runs a prefill step (any number of new tokens per request).
+        decode: runs a decode step (one new token per request).
+        seconds: what compiling (cold) or loading (warm) them took.
+    """
+
+    prefill: object
+    decode: object
+    seconds: float
+
+
+_compiled: dict[Hashable, StepModels] = {}
+
+
+def compile_step_graphs(
+    config: LlamaConfig,
+    weights: dict[str, np.ndarray],
+    page_size: int,
+    dtype: DType,
+    device: Device,
+) -> StepModels:
+    """The model's step graphs for `device`, compiled (or loaded from the
+    compile cache) once per process and kept."""
+    key = (config, page_size, dtype, device, id(weights))
+    if key not in _compiled:
+        t0 = time.perf_counter()
+
+        def graphs(module: Module) -> None:
+            for kind in (PREFILL, DECODE):
+                build_step_graph(kind, config, page_size, dtype, device.graph_ref(), module)
+
+        models = prepare(
+            [COPY_PAGES],
+            device,
+            graphs=graphs,
+            key=("llama step graphs", config, page_size, dtype, str(device)),
+            weights_registry=weights_registry(weights, dtype),
+        )
+        _compiled[key] = StepModels(
+            models[step_graph_name(PREFILL)],
+            models[step_graph_name(DECODE)],
+            time.perf_counter() - t0,
+        )
+    return _compiled[key]
