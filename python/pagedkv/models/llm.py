@@ -28,8 +28,9 @@ from pagedkv.manager import PagedKVCacheManager
 from .catalog import DEFAULT_MODEL, model_spec
 from .errors import ModelError
 from .fetch import fetch_gguf
-from .gguf_llama import GGUFModel, read_gguf
+from .gguf_llama import GGUFModel
 from .tokenizer import ChatTokenizer, TextStream
+from .unpacked import read_unpacked
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_KV_MEMORY = 512 << 20
@@ -193,9 +194,10 @@ class LLM:
 
 @functools.lru_cache(maxsize=1)
 def _read(path: Path) -> GGUFModel:
-    """The GGUF's contents, kept for the process: loading the same model
-    again reuses its weights and so its compiled step graphs."""
-    return read_gguf(path)
+    """The GGUF's contents (from its unpacked copy), kept for the process:
+    loading the same model again reuses its weights and so its compiled
+    step graphs."""
+    return read_unpacked(path)
 
 
 def load(

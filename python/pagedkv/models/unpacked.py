@@ -1,0 +1,88 @@
+"""A GGUF read once and kept unpacked: float32 weights as .npy files and the
+metadata as JSON, beside the GGUF in the cache directory.
+
+Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
+string one at a time; dequantizing is the rest); the unpacked copy loads in
+milliseconds (the weights are memory-mapped, read-only). It is named by the
+GGUF's size and modification time and by the reader's own source, so a new
+file or a fix to the reader unpacks afresh. A missing, partial or unreadable
+copy is never used: the GGUF is read again and the copy rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.graphs.model import LlamaConfig
+
+from . import gguf_llama
+from .gguf_llama import GGUFModel, read_gguf
+
+_DONE = "model.json"
+"""Written last: a folder without it is partial."""
+
+
+def unpacked_dir(path: Path) -> Path:
+    """The folder holding `path`'s unpacked copy (it may not exist yet)."""
+    stat = path.stat()
+    reader = Path(gguf_llama.__file__).read_bytes()
+    key = f"{stat.st_size}-{stat.st_mtime_ns}-{hashlib.sha256(reader).hexdigest()[:12]}"
+    return path.parent / f"{path.stem}.unpacked" / key
+
+
+def read_unpacked(path: str | Path) -> GGUFModel:
+    """The model in the GGUF at `path`, from its unpacked copy (made on first
+    use; see the module docstring). Raises ModelError as `read_gguf` does."""
+    path = Path(path)
+    folder = unpacked_dir(path)
+    if (folder / _DONE).is_file():
+        try:
+            return _load(folder)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: read the GGUF again below
+    model = read_gguf(path)
+    try:
+        _save(model, folder)
+    except OSError:
+        pass  # a read-only cache still serves this process
+    return model
+
+
+def _save(model: GGUFModel, folder: Path) -> None:
+    shutil.rmtree(folder.parent, ignore_errors=True)  # older copies of this GGUF
+    staging = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    staging.mkdir(parents=True, exist_ok=True)
+    for i, array in enumerate(model.weights.values()):
+        np.save(staging / f"{i}.npy", array)
+    record = {
+        "config": dataclasses.asdict(model.config),
+        "weights": list(model.weights),
+        "metadata": model.metadata,
+    }
+    (staging / _DONE).write_text(json.dumps(record, default=_plain))
+    os.replace(staging, folder)
+
+
+def _load(folder: Path) -> GGUFModel:
+    record = json.loads((folder / _DONE).read_text())
+    weights = {
+        name: np.load(folder / f"{i}.npy", mmap_mode="r")
+        for i, name in enumerate(record["weights"])
+    }
+    return GGUFModel(LlamaConfig(**record["config"]), weights, record["metadata"])
+
+
+def _plain(value: object) -> object:
+    """NumPy scalars and arrays in the metadata as JSON values."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot store {type(value).__name__} in the model's metadata")

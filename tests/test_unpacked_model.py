@@ -1,0 +1,108 @@
+"""The unpacked copy of a GGUF: equal to the GGUF bit for bit, loaded by a
+second process without reading the GGUF, and never used when partial or
+made from another file. A tiny GGUF written here stands in for a model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def write_tiny_gguf(path):
+    """A 1-layer Llama GGUF with random float32 tensors and a token list."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    hidden, heads, kv_heads, ffn, vocab = 128, 2, 1, 192, 8
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_context_length(256)
+    w.add_rope_freq_base(10000.0)
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_chat_template("{{ messages }}")
+    head_dim = hidden // heads
+    shapes = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (heads * head_dim, hidden),
+        "blk.0.attn_k.weight": (kv_heads * head_dim, hidden),
+        "blk.0.attn_v.weight": (kv_heads * head_dim, hidden),
+        "blk.0.attn_output.weight": (hidden, heads * head_dim),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_the_unpacked_model_equals_the_gguf_and_is_loaded_after(gguf):
+    from pagedkv.models import unpacked
+    from pagedkv.models.gguf_llama import read_gguf
+
+    direct = read_gguf(gguf)
+    first = unpacked.read_unpacked(gguf)
+    assert (unpacked.unpacked_dir(gguf) / "model.json").is_file()
+    code = f"""
+import pagedkv.models.unpacked as u
+def refuse(path):
+    raise AssertionError("read the GGUF instead of its unpacked copy")
+u.read_gguf = refuse
+m = u.read_unpacked({str(gguf)!r})
+print(repr(m.config), m.metadata["tokenizer.ggml.tokens"][-1])
+"""
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.strip() == f"{direct.config!r} t7"
+    again = unpacked.read_unpacked(gguf)
+    for model in (first, again):
+        assert model.config == direct.config
+        assert list(model.weights) == list(direct.weights)
+        for name, w in direct.weights.items():
+            assert model.weights[name].dtype == w.dtype == np.float32
+            assert np.array_equal(model.weights[name].view(np.uint32), w.view(np.uint32)), name
+        assert model.metadata == direct.metadata
+
+
+def test_a_partial_or_outdated_unpacked_copy_is_not_used(gguf, monkeypatch):
+    from pagedkv.models import unpacked
+
+    folder = unpacked.unpacked_dir(gguf)
+    folder.mkdir(parents=True)
+    np.save(folder / "0.npy", np.zeros(3, np.float32))  # weights, but no model.json
+    calls = []
+    real = unpacked.read_gguf
+    monkeypatch.setattr(unpacked, "read_gguf", lambda p: calls.append(p) or real(p))
+    model = unpacked.read_unpacked(gguf)
+    assert calls == [gguf]
+    assert model.weights["embed"].shape == (8, 128)
+    assert (folder / "model.json").is_file()
+    # A rewritten GGUF (new size and time) gets a copy of its own.
+    os.utime(gguf, ns=(0, 0))
+    assert unpacked.unpacked_dir(gguf) != folder
+    unpacked.read_unpacked(gguf)
+    assert calls == [gguf, gguf]
+    assert not folder.exists()
