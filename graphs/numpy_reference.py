@@ -58,11 +58,12 @@ class DenseLlama:
     def feed(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (causal attention over everything so far); returns
         the logits [vocab] after the last one."""
-        return self.feed_all(tokens)[-1]
+        return self.feed_all(tokens, last_only=True)[-1]
 
-    def feed_all(self, tokens: list[int]) -> np.ndarray:
+    def feed_all(self, tokens: list[int], last_only: bool = False) -> np.ndarray:
         """Appends tokens; returns the logits [len(tokens), vocab] after each
-        (teacher forcing a whole sequence in one pass)."""
+        (teacher forcing a whole sequence in one pass), or [1, vocab] after
+        the last one with `last_only`."""
         c, w = self.c, self.w
         t = len(tokens)
         pos = np.arange(self.length, self.length + t)
@@ -92,5 +93,5 @@ class DenseLlama:
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
             x = x + (silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
         self.length += t
-        x = rms_norm(x, w["final_norm"], c.rms_eps)
+        x = rms_norm(x[-1:] if last_only else x, w["final_norm"], c.rms_eps)
         return x @ w["lm_head"]
