@@ -175,7 +175,8 @@ def pytest_collection_finish(session):
         pass  # a kernel that does not compile fails in the tests themselves
     for item in checks:
         arch, flags = item.callspec.params["arch"], item.callspec.params["flags"]
-        background.start(arch, item.module.gpu_check_argv(arch, flags))
+        argv = item.module.gpu_check_argv(arch, flags)
+        background.start(" ".join(argv), argv)
 
 
 def pytest_sessionfinish(session, exitstatus):
