@@ -1,0 +1,63 @@
+"""Time to the first generated token of `pagedkv demo`, cold and warm.
+
+Cold: each run gets empty caches (MAX's and pagedkv's, through a fresh
+XDG_CACHE_HOME) holding only the already fetched GGUF, so the download is
+not timed. Warm: the runs after a cold one, with the caches it filled. The
+first token is the demo's first progress line ("step    1").
+
+    python benchmarks/cold_start.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagedkv.bench.serve_bench import cpu_model
+from pagedkv.models import fetch_gguf
+
+
+def time_demo(env: dict[str, str]) -> tuple[float, float]:
+    """(seconds to the first token, seconds to the end) of one demo run."""
+    t0 = time.perf_counter()
+    demo = [sys.executable, "-m", "pagedkv.cli", "demo"]
+    proc = subprocess.Popen(demo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    seen, first = b"", None
+    while chunk := os.read(proc.stdout.fileno(), 4096):
+        seen += chunk
+        if first is None and b"step    1 " in seen:
+            first = time.perf_counter() - t0
+    if proc.wait() or first is None:
+        raise RuntimeError(seen.decode(errors="replace")[-3000:])
+    return first, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    gguf = fetch_gguf("smollm2-135m-instruct")
+    print(f"CPU: {cpu_model()}")
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory() as home:
+            models = Path(home) / "pagedkv" / "models" / gguf.parent.name
+            models.mkdir(parents=True)
+            shutil.copy(gguf, models / gguf.name)
+            env = {**os.environ, "XDG_CACHE_HOME": home}
+            env.pop("PAGEDKV_CACHE_DIR", None)
+            first, end = time_demo(env)
+            print(f"cold run {run + 1}: first token {first:.1f} s, finished {end:.1f} s")
+            if run == args.runs - 1:
+                for warm in range(args.runs):
+                    first, end = time_demo(env)
+                    print(f"warm run {warm + 1}: first token {first:.1f} s, finished {end:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
