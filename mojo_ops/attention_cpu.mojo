@@ -76,12 +76,9 @@ from .widen import (
 comptime CHAINS = VECTOR_REGISTERS // 2
 """Independent FMA chains a V pass keeps in flight, half the registers:
 the other half hold the V block, the probabilities and the loads in flight.
-With AVX-512, twice FMA latency x ports (4 x 2), so that the widening and
-loads between a tile's FMAs leave no port idle (at GQA group 4, the V pass
-of float32 K/V took about 18% less time with 16 than with 8, hot in cache,
-Zen 5). With AVX2, 16 chains spilled to the stack: on a 2-core Zen 3 VM,
-the kernel alone from memory ran 1.5-1.7x faster with 8 for 8 bfloat16
-heads of group 4, and 1.2x for 32 float32 heads of group 1."""
+With AVX-512 that is twice FMA latency x ports (4 x 2), so the widening and
+loads between a tile's FMAs leave no port idle; with AVX2, 16 chains would
+spill to the stack (docs/design.md, "Kernel notes")."""
 
 comptime DOTS_PER_STEP = W
 """(Head, token) dot products scored together: one vector of sums, so that
@@ -96,15 +93,9 @@ comptime RUN_BYTES = 256
 """Bytes of one K or V row that a step of single-row tiles (GQA group 1)
 reads in a run before the next row. A step reads its tokens' and heads'
 rows side by side, and the L1 fills from L2 far faster from few long runs
-than from many short ones: one core reading 16 rows of an L2-resident 512
-KiB in turn ran at 85 GB/s in 128-byte runs, 116 in 256-byte runs, 146 in
-512-byte runs, 254 in order (2-core Zen 5 VM). The kernel alone from
-memory, 32 KV heads of group 1: scoring in 256-byte runs instead of one
-BLOCK (float32 128 bytes, bfloat16 64) read 7-11% faster in float32 and
-2-11% in bfloat16; V then in 256-byte runs of 2 heads instead of 64-byte
-ones of 8, another 3-6.5% in bfloat16. Larger tiles keep one BLOCK: a step's q
-slices then outnumber the registers and are reloaded for every token, and
-8 bfloat16 heads of group 4 scored 3-10% slower in runs of 256 bytes."""
+than from many short ones. Larger tiles keep one BLOCK: a step's q slices
+would outnumber the registers and be reloaded for every token
+(docs/design.md, "Kernel notes")."""
 
 
 def row_run[kv_dtype: DType]() -> Int:
@@ -246,9 +237,8 @@ def score_tile[
     comptime run = row_run[kv_dtype]() if tile == 1 else BLOCK
     comptime if run > MIN_HEAD_DIM:
         # A head_dim of an odd number of granules takes its own compiled
-        # path: a remainder loop after the runs, in the same function, made
-        # the compiler's code for the runs 16-24% slower (bfloat16 group 4,
-        # read from memory).
+        # path: a remainder loop after the runs, in the same function, slows
+        # the compiler's code for the runs (docs/design.md, "Kernel notes").
         if head_dim % run != 0:
             score_runs[tile, kv_dtype, heads, MIN_HEAD_DIM, raw_q](
                 head_dim, q, k, head_stride, rows, j0, j1, scores, prefetcher
@@ -278,13 +268,10 @@ def score_runs[
     Steps of several tokens for several rows reduce their dots to scores
     after the last step, not each after its own: such a step's FMA chains
     (8 with AVX2, 4 cycles each, 2 FMA ports) take as long as its FMAs at
-    full rate, so a reduction at its end lay on the critical path, and the
-    next step's loads, past the reorder window, could not start under it.
-    In the scoring loop alone, hot in L1, on a 2-core Zen 3 VM (AVX2;
-    blocks of 8 and 32 tokens, three runs each): GQA group 4 scored
-    1.10-1.25x as fast in bfloat16 and 1.13-1.22x in float32. Steps of
-    one token (group 8) or of one row (group 1) ran 0.75-0.97x as fast
-    deferred (group 1 once 1.02x), and keep reducing step by step.
+    full rate, so a reduction at its end would lie on the critical path, and
+    the next step's loads, past the reorder window, could not start under
+    it. Steps of one token (group 8) or of one row (group 1) lose by
+    deferring and reduce step by step (docs/design.md, "Kernel notes").
     """
     comptime R = heads * tile
     comptime tokens = max(DOTS_PER_STEP // R, 1)
@@ -388,9 +375,8 @@ def accumulate_runs[
     number (whole blocks), or one (a half block a pass)."""
     comptime assert slices == 1 or slices % 2 == 0, "whole or half blocks"
     comptime R = heads * tile
-    # While loops, as in `score_tokens`: 8 bfloat16 KV heads of group 4 ran
-    # 1.02-1.10x as fast as with `range` loops here (kernel alone, 2-core
-    # Zen 3 VM, from memory and in L2; float32 the same within noise).
+    # While loops, as in `score_tokens`: `range` loops here make slower
+    # code (docs/design.md, "Kernel notes").
     var c0 = 0
     while c0 < head_dim // W:
         var o = stack_allocation[R * slices, SIMD[F32, W]]()
@@ -530,7 +516,8 @@ def raw_bf16_q[q_dtype: DType, kv_dtype: DType]() -> Bool:
 
 
 def scale_scores(scores: Ptr[F32], count: Int, scale: Float32):
-    """scores[r * CHUNK + j] *= scale for the rows r < count, all of CHUNK."""
+    """Multiplies scores[r * CHUNK + j] by scale for the rows r < count, all
+    of CHUNK."""
     for i in range(0, count * CHUNK, W):
         var p = scores.unsafe_offset(i)
         p.unsafe_store(p.unsafe_load[width=W]() * scale)
@@ -546,25 +533,19 @@ def paired_heads[kv_dtype: DType]() -> Int:
 
 
 comptime BLOCK_BYTES = 16 << 10
-"""What a block of a task's heads and tokens should read, K or V. In the
-micro-benchmark of read orders (benchmarks/decode_cpu_overlap.mojo: 8
-bfloat16 heads, 16 FMAs a line, 2 cores), blocks of 8 tokens (16 KiB),
-of 16, and token by token all read 15-36% faster than head by head; which
-of the three led changed from run to run (by up to 8%). Small blocks keep
-the kernel's step structure (whole tiles of rows per head)."""
+"""What a block of a task's heads and tokens should read, K or V: blocks of
+a few tokens read faster than head by head (docs/design.md, "Kernel
+notes"), and small ones keep the kernel's step structure (whole tiles of
+rows per head)."""
 
 comptime GROUP_BLOCK_TOKENS = 8
 """With 16 vector registers, the fewest tokens a block of heads of three or
 more query rows each takes, where they fit GROUP_BLOCK_MAX_BYTES. Such a
 block is one sub-block (see `sub_block_tokens`): each head's q rows are
 loaded for scoring, and its accumulators loaded and stored for the V pass,
-once per slice of head_dim and block. In the kernel alone from memory on a
-2-core Zen 3 VM, 8 float32 KV heads of group 4 (4 KiB a token) in blocks of
-8 tokens ran 1.03-1.16x the speed of blocks of 4 (16 KiB), and 16 of them
-4 tokens 1.08-1.12x the speed of 2. Where 16 KiB held 8 tokens or more it
-stays: 8 bfloat16 heads in blocks of 16 tokens instead of 8 ran
-0.95-1.06x, and 4 bfloat16 heads of group 8 in blocks of 24 instead of 16
-0.68x."""
+once per slice of head_dim and block, so more tokens share those loads.
+Where BLOCK_BYTES already holds 8 tokens or more, that size stays
+(docs/design.md, "Kernel notes")."""
 
 comptime GROUP_BLOCK_MAX_BYTES = 32 << 10
 """The most a block of GROUP_BLOCK_TOKENS reads, K or V, prefetched: 32
@@ -577,22 +558,14 @@ comptime PREFETCH_MAX_BYTES = (32 << 10) if VECTOR_REGISTERS >= 32 else (
 """The largest block whose successor is prefetched while it is read. A
 larger block (the steps' tokens across many wide heads, such as 32 float32
 heads of group 1: 16 KiB a token) is read as runs of many token rows at
-once, which the hardware prefetchers stream faster alone. In the kernel
-alone from memory on a 2-core Zen 5 VM, 32 float32 heads of group 1 in
-blocks of 8 tokens read at 29-30 GB/s with the next block prefetched and
-37-38 without (a plain read: 40-44 GB/s). AVX2's smaller steps make that
-block 2 tokens (32 KiB), and on a 2-core Zen 3 VM (32 KiB of L1) it too
-read 1.12-1.28x faster streamed; there, 8 KiB made 16-bit heads 8-25%
-slower."""
+once, which the hardware prefetchers stream faster alone; with AVX2's
+smaller steps that block is 2 tokens (32 KiB). See docs/design.md, "Kernel
+notes"."""
 
 comptime STREAMED_BLOCK = 16 if VECTOR_REGISTERS >= 32 else 4
 """Tokens per block when the hardware prefetchers alone fetch it (see
-PREFETCH_MAX_BYTES): that many token rows read side by side. Same
-measurement on the Zen 5 VM, blocks of 4, 8, 16 and 32 tokens: 37, 34, 41
-and 40 GB/s (plain read 42). On the Zen 3 VM (AVX2), 32 float32 heads of
-group 1 in blocks of 4 ran 1.19-1.26x the speed of 16 (8: 1.13-1.19x, 2:
-1.10-1.16x, 32: 0.83-0.89x), and 32 of group 2 1.31x (kernel alone from
-memory, both cores)."""
+PREFETCH_MAX_BYTES): that many token rows read side by side, the fastest
+count for each register file (docs/design.md, "Kernel notes")."""
 
 
 comptime SUB_BLOCK_BYTES = (8 << 10) if VECTOR_REGISTERS >= 32 else (
@@ -624,8 +597,7 @@ def prefetch_max_bytes(head_rows: Int) -> Int:
 
     Not inlined (neither is `wanted_tokens`), though called once per task:
     inlined, their branch on head_rows changed the compiler's code for the
-    task's inner loops, and 4 bfloat16 KV heads of group 8 ran 0.58-0.62x
-    as fast (kernel alone from memory, 2-core Zen 3 VM)."""
+    task's inner loops and slowed them (docs/design.md, "Kernel notes")."""
     comptime if VECTOR_REGISTERS < 32:
         if head_rows > 2:
             return GROUP_BLOCK_MAX_BYTES
@@ -641,14 +613,9 @@ def sub_block_tokens[kv_dtype: DType](heads: Int, head_dim: Int) -> Int:
     hardware prefetchers follow; more keep more independent FMA chains and
     reuse each accumulator load. With 32 vector registers, float32 rows (4
     KiB a token at 8 heads) go token by token; narrower rows, half the
-    bytes for the same arithmetic, take SUB_BLOCK_BYTES. In the kernel
-    alone from memory on a 2-core Zen 5 VM (8 KV heads, group 4, blocks of
-    16 KiB), against whole blocks head by head: float32 token by token
-    16-20% faster (2 tokens: 5%); bfloat16 in 4 tokens 3-5% faster (2
-    tokens: 1-3% slower, 1 token: 20-35% slower). With 16 registers a V
-    pass's accumulators are loaded and stored for every sub-block, and the
-    whole block is faster: on a 2-core Zen 3 VM, float32 in blocks of 4
-    tokens ran 1.34-1.38x the speed of token by token, and 1.24x in 2."""
+    bytes for the same arithmetic, take SUB_BLOCK_BYTES. With 16 registers
+    a V pass's accumulators are loaded and stored for every sub-block, so
+    the whole block is one sub-block (docs/design.md, "Kernel notes")."""
     comptime if size_of[kv_dtype]() >= 4 and VECTOR_REGISTERS >= 32:
         return 1
     return max(SUB_BLOCK_BYTES // (heads * head_dim * size_of[kv_dtype]()), 1)

@@ -33,11 +33,8 @@ two right-hand vectors and a broadcast."""
 
 comptime PRODUCT_MIN_ROWS = 12
 """The fewest rows of one KV head (query tokens x GQA group) that take the
-products: fewer cannot repay the reshaping of K and V. A whole task over
-1024 keys, pool in cache, three runs on a 2-core Zen 3 VM (AVX2), the
-products' time against decode's steps' in float32 and bfloat16: 16 rows
-0.59-0.84x and 0.69-1.00x, 12 rows 0.73-0.99x and 0.62-0.94x, 8 rows
-0.86-0.98x and 0.95-1.07x, 4 rows 1.01-1.32x and 0.88-1.88x."""
+products: fewer cannot repay the reshaping of K and V (docs/design.md,
+"Kernel notes")."""
 
 
 @always_inline
@@ -52,9 +49,9 @@ def product_tile[
     c: Ptr[F32],
     c_stride: Int,
 ):
-    """c[i, :2W] = (c[i, :2W] if accumulate else 0) + sum_k a[i, k] * b[k,
-    :2W] for i < rows, k < depth; element (i, k) of a at a + i * a_stride +
-    k, and so on."""
+    """Computes c[i, :2W] = (c[i, :2W] if accumulate else 0) +
+    sum_k a[i, k] * b[k, :2W] for i < rows, k < depth; element (i, k) of a
+    at a + i * a_stride + k, and so on."""
     var acc = stack_allocation[2 * rows, SIMD[F32, W]]()
     comptime for i in range(rows):
         comptime for h in range(2):
@@ -240,10 +237,11 @@ def score_chunk[
     scores: Ptr[F32],
     prefetcher: BlockPrefetch,
 ):
-    """scores[r * CHUNK + j] = q[r] . k[row j] for the rows r < count of one
-    KV head (q [count, head_dim], in the order `load_block` widens K) and
-    keys j < n; scores of keys from n to `key_columns(n)` are 0. kt: scratch
-    of head_dim x CHUNK. Meanwhile asks for the prefetcher's block."""
+    """Computes scores[r * CHUNK + j] = q[r] . k[row j] for the rows r <
+    count of one KV head (q [count, head_dim], in the order `load_block`
+    widens K) and keys j < n; scores of keys from n to `key_columns(n)` are
+    0. kt: scratch of head_dim x CHUNK. Meanwhile asks for the prefetcher's
+    block."""
     transpose_keys[kv_dtype](head_dim, k, rows, n, kt)
     var passes = key_columns(n) // (2 * W)
     var per_tile = fetches_per_tile(prefetcher, passes, count)
@@ -277,8 +275,8 @@ def accumulate_chunk[
     acc: Ptr[F32],
     prefetcher: BlockPrefetch,
 ):
-    """acc[r] += sum_j probs[r * CHUNK + j] * v[row j] over keys j < n for the
-    rows r < count of one KV head (acc [count, head_dim], in the order
+    """Adds sum_j probs[r * CHUNK + j] * v[row j] over keys j < n to acc[r]
+    for the rows r < count of one KV head (acc [count, head_dim], in the order
     `load_block` widens V). vw: scratch of CHUNK x head_dim. Meanwhile asks
     for the prefetcher's block."""
     widen_values[kv_dtype](head_dim, v, rows, n, vw)

@@ -12,8 +12,8 @@ from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from .paged_kv_cache import IndexPtr, Ptr
 
 comptime ITEM_FIELDS = 6
-"""request, first query row (in q), query rows, position of the first query,
-first key, end key."""
+"""Fields of an item: request, first query row (in q), query rows, position
+of the first query, first key, end key."""
 
 
 struct AttentionWork(DevicePassable, TrivialRegisterPassable):

@@ -69,8 +69,8 @@ def check_page_copies(
 
 @extensibility.register("pagedkv_copy_pages")
 struct CopyPages:
-    """pool[dst[i], :] = pool[src[i], :] for pool [num_pages, page_bytes] (uint8).
-    """
+    """Copies pool[src[i], :] to pool[dst[i], :] for pool [num_pages,
+    page_bytes] (uint8)."""
 
     @staticmethod
     def execute[

@@ -1,4 +1,4 @@
-"""exp2 for float32 softmax weights, to about 2e-7 relative error.
+"""Base-2 exponential for float32 softmax weights, to about 2e-7 relative error.
 
 The standard library's float32 exp2 is off by up to 1.4e-5 relatively (measured
 over [-30, 0]), which alone puts float32 attention at the edge of a 1e-5

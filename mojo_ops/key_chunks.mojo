@@ -52,10 +52,7 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
     task's heads a whole token row, its tokens adjacent in a page): the
     first row's offset from base, row i lying i rows further. Else -1, and
     each row's offset comes from the row table. The run spares each row a
-    division and a table load: in the kernel alone on a 2-core Zen 3 VM, 8
-    KV heads of group 4 ran 1.00-1.13x as fast from memory in float32 and
-    1.01-1.10x in bfloat16 (six runs each), 1.04-1.10x with the pool in
-    L2."""
+    division and a table load (docs/design.md, "Kernel notes")."""
 
     def __init__(
         out self,

@@ -30,7 +30,7 @@ from .work_queue import parallel_row_blocks
 comptime SLICE = 256
 """Elements of a head merged per pass (a stack buffer of float32)."""
 comptime W = simd_width_of[DType.float32]()
-"""float32 lanes per vector: what one CPU worker merges at a time."""
+"""Float32 lanes per vector: what one CPU worker merges at a time."""
 comptime TASK_ELEMENTS = 1 << 15
 """Elements of v one CPU task reads (64-128 KiB): rows are grouped into
 tasks of about this size, so that dispatch costs little beside the work."""

@@ -30,7 +30,7 @@ def dot_bf16(
     a: SIMD[DType.bfloat16, 2 * W],
     b: SIMD[DType.bfloat16, 2 * W],
 ) -> SIMD[F32, W]:
-    """acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1], on a DOT_BF16 target.
+    """Returns acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1]; needs DOT_BF16.
     Each product of two bfloat16 values is exact in float32; the sums round
     as float32 adds do, with subnormal inputs and results taken as zero."""
     comptime assert DOT_BF16, "vdpbf16ps needs AVX512_BF16"
@@ -67,15 +67,12 @@ def widen_fp8[
     """Widens float8 (e4m3fn or e5m2) to float32, exactly, in vector lanes.
 
     A CPU has no fp8 instructions, and the standard library's cast widens
-    lane by lane in a scalar routine. A kernel that inlined it at every K
-    and V load took 3x as long to compile (decode with float8_e4m3fn K/V on
-    the CPU: 127 s against 41 for bfloat16, one spec, cold cache) and
-    decoded 3.4x (e4m3fn) and 6x (e5m2) slower than with this (16 requests
-    of 1024 tokens, 32 query and 8 KV heads, 2-core Zen 3 VM). Both
-    formats go through float16, which the CPU widens in vector lanes:
-    e5m2 is the top byte of a float16, infinities and NaNs included; e4m3fn's
-    fields shifted into float16's places read 2^-8 of its value, subnormals
-    included, and its one NaN (S.1111.111) is set apart
+    lane by lane in a scalar routine, which inlined at every K and V load
+    makes compiling and decoding several times slower (docs/design.md,
+    "Kernel notes"). Both formats go through float16, which the CPU widens
+    in vector lanes: e5m2 is the top byte of a float16, infinities and NaNs
+    included; e4m3fn's fields shifted into float16's places read 2^-8 of its
+    value, subnormals included, and its one NaN (S.1111.111) is set apart
     (`e4m3_as_float16`).
     """
     comptime if dtype == DType.float8_e5m2:
@@ -93,12 +90,10 @@ def e4m3_as_float16[
     (NaN for its NaN): a bit shuffle, where float16's exponent bias (15)
     exceeds e4m3fn's (7) by 8.
 
-    The NaN is set apart in integer lanes. As a select on the float32
-    result, LLVM's code widened the NaN mask to 32-bit lanes and blended on
-    the FMA ports; in integer lanes the whole e4m3fn task (GQA group 4, 8
-    KV heads, pool in cache) took 68.5 ns per (token, KV head) against
-    87.2, and read 1.23x as fast from memory (`benchmarks/decode_cpu_ab.py`,
-    8 rounds, 2-core Zen 3 VM)."""
+    The NaN is set apart in integer lanes: as a select on the float32
+    result, LLVM's code widens the NaN mask to 32-bit lanes and blends on
+    the FMA ports, which slows the e4m3fn task (docs/design.md, "Kernel
+    notes")."""
     # S EEEE MMM sign-extended and shifted: S S EEEE MMM 0000000, bit 14 a
     # copy of the sign. With it cleared the bits are float16's for 2^-8 of
     # the value; set only for the NaN code (EEEE MMM all ones), they are
@@ -136,13 +131,8 @@ def paired[dtype: DType]() -> Bool:
     a mask, no shuffles; the q or accumulator rows a paired block meets are
     kept in the same order (`to_paired_order`).
 
-    What is left of widening costs little. With none at all (the words'
-    bits taken as float32, a variant for timing only), the hot chunk loop
-    of `benchmarks/decode_cpu_chunk.mojo` at group 4 took 30.2 ns per
-    (token, KV head), against 32.1 with it: the best of four runs each on a
-    2-core Zen 3 VM (AVX2). What the chunk loop's time there goes to is
-    its 128 FMAs of 8 lanes per (token, KV head) at group 4, run at about
-    0.54-0.67 of the core's FMA peak (see that benchmark)."""
+    What is left of widening costs little beside the FMAs, where the chunk
+    loop's time goes (docs/design.md, "Kernel notes")."""
     return dtype == DType.bfloat16
 
 
@@ -153,12 +143,8 @@ def kv_load_scale[dtype: DType]() -> Float32:
     vector on the FMA ports; 1 for every other dtype. The kernel divides its
     q.k and V scales by it, a power of two, so its results are those of exact
     loads, bit for bit, unless a product or sum falls below float32's normal
-    range (2^-126), where rounding is coarser.
-
-    With the multiply, the e4m3fn decode task (GQA group 4, 8 KV heads)
-    took 70.3 ns per (token, KV head) with its pool in cache against 61.0
-    without, and read 0.88x as fast from memory (`benchmarks/decode_cpu_ab.py`,
-    10 rounds, 2-core Zen 3 VM)."""
+    range (2^-126), where rounding is coarser. The multiply it spares
+    measurably slows the e4m3fn task (docs/design.md, "Kernel notes")."""
     comptime if dtype == DType.float8_e4m3fn and not is_gpu():
         return 1.0 / 256.0
     return 1.0

@@ -2,9 +2,9 @@
 free.
 
 `sync_parallelize(func, n)` hands task i to worker i mod workers up front, so
-a core that runs slower (a neighbour's interrupts, a VM's stolen time, tasks
-of uneven cost) leaves the other idle at the end: in a decode step of 16
-equal requests on 2 cores that idle tail was 10-15% of the step. Here each
+a core that runs slower (a neighbour's interrupts, time stolen by a
+hypervisor, tasks of uneven cost) leaves the others idle at the end, a
+visible share of a decode step (docs/design.md, "Kernel notes"). Here each
 core pulls task numbers from a shared counter instead.
 """
 

@@ -249,7 +249,7 @@ def run_model(model: Any, arrays: Sequence[Array], device: Device) -> None:
     """Runs a loaded op (from `compiled_op`) on arrays matching its operands;
     for callers that run one op many times and keep the model."""
     # An array passed twice (a one-tensor pool is both k_cache and v_cache)
-    # is wrapped once: wrapping a torch tensor costs ~10 us.
+    # is wrapped once: wrapping a torch tensor costs microseconds.
     wrapped: dict[int, Any] = {}
     buffers = []
     for array in arrays:
@@ -263,7 +263,8 @@ def run_model(model: Any, arrays: Sequence[Array], device: Device) -> None:
                 model.execute(*buffers)
         else:
             # No context manager on the CPU: entering and leaving one costs
-            # ~40 us per call once a decode step has evicted Python's code.
+            # tens of microseconds once a decode step has evicted Python's
+            # code.
             model.execute(*buffers)
     except ValueError as e:
         error = kernel_error(e)
