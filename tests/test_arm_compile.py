@@ -1,10 +1,11 @@
 """The CPU attention kernel compiles for an Arm (NEON) target.
 
-CI runs on x86 only: an Arm build of `benchmarks/decode_cpu_chunk.mojo`,
-which instantiates `attention_task` (decode and prefill paths) for bfloat16
-and float32 K/V, catches code that assumes x86's vector widths (NEON's
-float32 vectors hold 4 lanes, against a decode tile of 8 rows). It checks
-that the code compiles, not what it computes.
+CI runs on x86 only: an Arm build of
+`benchmarks/kernel_investigations/decode_cpu_chunk.mojo`, which instantiates
+`attention_task` (decode and prefill paths) for bfloat16 and float32 K/V,
+catches code that assumes x86's vector widths (NEON's float32 vectors hold 4
+lanes, against a decode tile of 8 rows). It checks that the code compiles,
+not what it computes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_cpu_attention_compiles_for_arm(tmp_path):
             "neoverse-v2",
             "--emit",
             "asm",
-            str(ROOT / "benchmarks" / "decode_cpu_chunk.mojo"),
+            str(ROOT / "benchmarks" / "kernel_investigations" / "decode_cpu_chunk.mojo"),
             "-o",
             str(tmp_path / "chunk.s"),
         ],

@@ -13,10 +13,10 @@ import pytest
 import torch
 from max.dtype import DType
 
-import pagedkv
+import pagedkv.runtime
 from conftest import bits
-from pagedkv.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros
 from pagedkv.manager import PagedKVCacheManager
+from pagedkv.runtime.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros
 
 PAGE, HEADS, DIM = 16, 4, 64
 PAGES = 256
@@ -45,13 +45,27 @@ def transparent_huge_pages() -> str:
     return found.group(1) if found else ""
 
 
+@pytest.mark.parametrize("name", ["huge_page_zeros", "demote_max_poller"])
+def test_old_top_level_names_warn_and_are_the_runtime_ones(name):
+    """pagedkv.huge_page_zeros and pagedkv.demote_max_poller moved to
+    pagedkv.runtime; the old names still work, with a DeprecationWarning."""
+    assert name not in pagedkv.__all__
+    with pytest.warns(DeprecationWarning, match=f"pagedkv.runtime.{name}"):
+        old = getattr(pagedkv, name)
+    assert old is getattr(pagedkv.runtime, name)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from pagedkv import {name}", {})
+    with pytest.raises(AttributeError):
+        pagedkv.no_such_name  # noqa: B018
+
+
 @pytest.mark.parametrize("dtype,use_torch", [(DType.float32, False), (DType.bfloat16, True)])
 def test_zeroed_aligned_writable_arrays(dtype, use_torch):
     shape = (PAGES, 2, PAGE, HEADS, DIM)
     x = huge_page_zeros(shape, dtype, use_torch=use_torch)
     assert isinstance(x, torch.Tensor if use_torch else np.ndarray)
     assert tuple(x.shape) == shape
-    assert pagedkv.huge_page_zeros is huge_page_zeros
+    assert pagedkv.runtime.huge_page_zeros is huge_page_zeros
     if use_torch:
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and not x.any()
     else:

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-import pagedkv
-from pagedkv import max_poller
-from pagedkv.max_poller import MAX_WORKER_PREFIX, waking_threads
+import pagedkv.runtime
+from pagedkv.runtime import max_poller
+from pagedkv.runtime.max_poller import MAX_WORKER_PREFIX, waking_threads
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc and sets SCHED_IDLE"
@@ -90,7 +90,7 @@ def test_finds_the_thread_that_wakes_often_and_not_the_sleeping_ones(monkeypatch
 def test_demotes_only_the_poller_to_sched_idle(monkeypatch):
     with FakePoller() as fake:
         monkeypatch.setattr(max_poller, "_wait", fake.wait_for_wakes)
-        demoted = pagedkv.demote_max_poller(WINDOW_S, TEST_WAKES_PER_S)
+        demoted = pagedkv.runtime.demote_max_poller(WINDOW_S, TEST_WAKES_PER_S)
         policies = {name: os.sched_getscheduler(tid) for name, tid in fake.tids.items()}
     assert fake.tids["poller"] in demoted
     assert policies["poller"] == os.SCHED_IDLE
@@ -115,7 +115,7 @@ def test_no_timing_assumption_in_the_window(monkeypatch):
 @pytest.mark.parametrize("window_s", [0, -0.1])
 def test_a_window_that_is_not_positive_is_refused(window_s):
     with pytest.raises(ValueError, match="window_s must be a positive"):
-        pagedkv.demote_max_poller(window_s)
+        pagedkv.runtime.demote_max_poller(window_s)
 
 
 def test_finds_max_runtime_poller_and_keeps_results_exact(monkeypatch):
@@ -147,7 +147,7 @@ def test_finds_max_runtime_poller_and_keeps_results_exact(monkeypatch):
         pytest.fail("no thread of MAX's runtime kept waking")
 
     monkeypatch.setattr(max_poller, "_wait", until_a_thread_woke_enough)
-    demoted = pagedkv.demote_max_poller(WINDOW_S)
+    demoted = pagedkv.runtime.demote_max_poller(WINDOW_S)
     assert demoted, "no thread of MAX's runtime woke often"
     for tid in demoted:
         with open(f"/proc/self/task/{tid}/comm") as f:

@@ -13,9 +13,7 @@ from .functional import (
     init_paged_kv_cache,
     release_blocks,
 )
-from .huge_pages import huge_page_zeros
 from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
-from .max_poller import demote_max_poller
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -40,11 +38,9 @@ __all__ = [
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "copy_pages",
-    "demote_max_poller",
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",
-    "huge_page_zeros",
     "init_paged_kv_cache",
     "merge_state",
     "merge_state_in_place",
@@ -55,3 +51,22 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_MOVED_TO_RUNTIME = ("demote_max_poller", "huge_page_zeros")
+"""Names that moved to `pagedkv.runtime`; the top-level names still work,
+with a DeprecationWarning."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_RUNTIME:
+        import warnings
+
+        from . import runtime
+
+        warnings.warn(
+            f"pagedkv.{name} is deprecated: use pagedkv.runtime.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,7 +51,6 @@ from ._checks import layout_code
 from ._kernels import debug_enabled
 from ._tensors import Array, new_like
 from .eviction import EvictionPolicy, make_policy
-from .huge_pages import huge_page_zeros
 from .kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -62,6 +61,7 @@ from .kv_events import (
     KVCacheEvent,
 )
 from .page import copy_pages
+from .runtime.huge_pages import huge_page_zeros
 
 POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 PAD_PAGE = -1
@@ -234,7 +234,7 @@ class PagedKVCacheManager:
     wrapper. ``pools[layer]`` is a NumPy array, or a torch tensor for bfloat16
     (NumPy has none) or when use_torch is set. device: "cpu", or "cuda[:i]" /
     "gpu[:i]" for torch pools on that GPU (copy-on-write copies then run there).
-    Host pools lie on 2 MiB pages (`pagedkv.huge_page_zeros`). The page tables
+    Host pools lie on 2 MiB pages (`pagedkv.runtime.huge_page_zeros`). The page tables
     and all metadata stay in host memory, as plan() wants them.
 
     Request ids are any hashable values. A page id names the same slot in every
@@ -1051,7 +1051,7 @@ def _fail(message: str) -> None:
 
 def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
     """A NumPy array, or a torch tensor on torch_device when one is named;
-    on the host, on 2 MiB pages (see huge_pages.py)."""
+    on the host, on 2 MiB pages (see runtime/huge_pages.py)."""
     if torch_device is not None and torch_device != "cpu":
         import torch
 

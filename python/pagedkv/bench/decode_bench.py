@@ -6,7 +6,7 @@ implementation reads the same K/V; K and V bytes / time is the effective
 bandwidth, reported as a share of the machine's measured read bandwidth.
 On the CPU the pool, and torch's pre-gathered K/V, lie on 2 MiB pages, as
 pagedkv's page manager allocates pools and as NumPy allocates the arrays
-whose reads measure the bandwidth (see huge_pages.py).
+whose reads measure the bandwidth (see runtime/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._tensors import dtype_of
-from ..huge_pages import huge_page_zeros
+from ..runtime.huge_pages import huge_page_zeros
 from .anchors import (
     Timing,
     burst_speedup,

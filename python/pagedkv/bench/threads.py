@@ -12,7 +12,7 @@ it; the benchmarks do the same, and say so. The library does not: changed
 after MAX has started, the variable makes MAX abort.
 
 MAX's runtime also keeps a poller thread that wakes about 5,000 times a
-second and preempts a worker each time (pagedkv/max_poller.py). The timing
+second and preempts a worker each time (pagedkv/runtime/max_poller.py). The timing
 loop demotes it to SCHED_IDLE after its warm-up calls, for every function it
 times, anchors and plain reads included; PAGEDKV_BENCH_DEMOTE_POLLER=0 leaves
 it alone, to measure the difference.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ..max_poller import demote_max_poller
+from ..runtime.max_poller import demote_max_poller
 
 AFFINITY_VARIABLE = "MODULAR_ENABLE_AFFINITY"
 POLLER_VARIABLE = "PAGEDKV_BENCH_DEMOTE_POLLER"
@@ -41,7 +41,7 @@ def workers_pinned() -> bool:
 
 
 def demote_poller_for_timing() -> None:
-    """Demotes MAX's runtime poller (max_poller.py) unless
+    """Demotes MAX's runtime poller (runtime/max_poller.py) unless
     PAGEDKV_BENCH_DEMOTE_POLLER=0. Call before timing, while the process is
     idle and after MAX's first execute."""
     global _poller_demoted

@@ -3,7 +3,7 @@ profiler, through CUPTI) beside the call's time between CUDA events, for
 pagedkv's two decode kernels and MAX's built-in decode, at the GPU bench's
 shapes (bf16, page 16, head_dim 128).
 
-    python benchmarks/decode_gpu_profile.py [--shapes 0 2] [--reps 20]
+    python benchmarks/kernel_investigations/decode_gpu_profile.py [--shapes 0 2] [--reps 20]
 
 A call whose kernels take much less than its event time spends the rest
 launching (graph execution, stream ordering) rather than reading memory.

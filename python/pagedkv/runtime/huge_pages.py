@@ -3,11 +3,8 @@
 Decode reads a pool's pages in the order of the page tables, which after a
 while of serving is no order at all. On 4 KiB pages every few tokens of a
 page are a TLB miss whose page-table walk goes to memory too. On 2 MiB pages
-one TLB entry covers hundreds of tokens. Timed on a 2-core Zen 3 VM, decode
-(caches flushed before each call, the issue's CPU shapes) took up to 15%
-less time on a pool on 2 MiB pages than on the same pool from `torch.zeros`:
-(1, 4096) bfloat16 2.39 against 2.82 ms, (16, 1024) float32 8.59 against
-9.45 ms, (32, 2048) bfloat16 24.1 against 26.3 ms (medians). NumPy already
+one TLB entry covers hundreds of tokens; decode on such a pool took up to
+15% less time (docs/design.md). NumPy already
 advises its own large arrays onto huge pages. torch does not, and bfloat16
 pools are torch tensors.
 """
@@ -21,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import as_dtype
-from ._tensors import FP8_FORMATS, Array
+from .._attention import as_dtype
+from .._tensors import FP8_FORMATS, Array
 
 HUGE_PAGE_BYTES = 2 << 20
 """An x86-64 (and 4 KiB-granule Arm) transparent huge page."""

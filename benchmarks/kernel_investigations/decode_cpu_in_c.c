@@ -2,7 +2,8 @@
 // Mojo kernel's shortfall from the memory's rate on an AVX2 machine is its
 // compiler's or the algorithm's on that machine.
 //
-//     gcc -O3 -march=native -o /tmp/decode_cpu_in_c benchmarks/decode_cpu_in_c.c -lpthread -lm
+//     gcc -O3 -march=native -o /tmp/decode_cpu_in_c \
+//         benchmarks/kernel_investigations/decode_cpu_in_c.c -lpthread -lm
 //     /tmp/decode_cpu_in_c
 //
 // bfloat16 K/V, GQA group 4, 8 KV heads a task (one request), head_dim 128,
@@ -18,15 +19,15 @@
 // ns per (token, KV head) on one core with the pool in L2 (4 pages).
 //
 // On the 2-core Zen 3 VM (AVX2), three runs alternated with a build of
-// benchmarks/decode_cpu_chunk.mojo (bfloat16 at group 4, the same heads and
-// pages; its batch is 64 requests): over its 15 rounds this kernel read
-// 10.9-14.5 GB/s from memory on both cores (median 12.8), 0.36-0.66 of the
-// plain read of the same round (median 0.51), and took 44-68 ns per (token,
-// KV head) in L2 (median 62). The Mojo kernel, in the runs between (each a
-// median of its rounds): 13.8-14.6 GB/s, 0.43-0.55 of its plain read, 42-62
-// ns. The same algorithm compiled by gcc is no faster: what keeps decode
-// short of the memory's rate there is the algorithm on that core (AVX2's 16
-// registers, see the README), not Mojo's code for it.
+// benchmarks/kernel_investigations/decode_cpu_chunk.mojo (bfloat16 at group
+// 4, the same heads and pages; its batch is 64 requests): over its 15 rounds
+// this kernel read 10.9-14.5 GB/s from memory on both cores (median 12.8),
+// 0.36-0.66 of the plain read of the same round (median 0.51), and took 44-68
+// ns per (token, KV head) in L2 (median 62). The Mojo kernel, in the runs
+// between (each a median of its rounds): 13.8-14.6 GB/s, 0.43-0.55 of its
+// plain read, 42-62 ns. The same algorithm compiled by gcc is no faster: what
+// keeps decode short of the memory's rate there is the algorithm on that core
+// (AVX2's 16 registers, see the README), not Mojo's code for it.
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>

@@ -9,7 +9,7 @@ L2; last, a decode batch of BATCH requests from memory (a pool of 256 MiB
 or more, far past the L3) on all cores and then on one, each timed in turns
 with a plain read of the same pool on as many cores.
 
-    mojo run -I . benchmarks/decode_cpu_chunk.mojo
+    mojo run -I . benchmarks/kernel_investigations/decode_cpu_chunk.mojo
 
 The hot figures are the best of REPEATS runs, in ns per (token, KV head), for
 GQA groups 8 (chunk loop only), 4 and 1, head_dim 128, K/V in bfloat16 and

@@ -1,7 +1,8 @@
 """Two versions of the CPU attention kernel timed in turns in one process:
 `mojo_ops/` at a git revision (A) and in the working tree (B).
 
-    python benchmarks/decode_cpu_ab.py BASE [--rounds 12] [--cases bfloat16:4,float32:4]
+    python benchmarks/kernel_investigations/decode_cpu_ab.py BASE \
+        [--rounds 12] [--cases bfloat16:4,float32:4]
 
 On a shared VM the same binary runs up to 1.5x faster or slower from one
 minute to the next, so two versions timed in separate runs, or even one after
@@ -45,8 +46,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CHUNK_BENCH = ROOT / "benchmarks" / "decode_cpu_chunk.mojo"
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK_BENCH = Path(__file__).resolve().parent / "decode_cpu_chunk.mojo"
 TASK_TOKENS = 512
 
 

@@ -4,7 +4,7 @@ against K in `dot_bf16`s, as `attention_task` scores when `raw_bf16_q`
 holds. Timed in alternation, best of ROUNDS each, ns per (token, KV head),
 head_dim 128, one KV head of GQA group 1, 2, 4 and 8.
 
-    mojo run -I . benchmarks/decode_cpu_dots.mojo
+    mojo run -I . benchmarks/kernel_investigations/decode_cpu_dots.mojo
 """
 
 from std.memory.alloc import unsafe_alloc

@@ -4,12 +4,9 @@ From its first `execute`, MAX's CPU runtime keeps a thread that waits on a
 condition variable with a timeout of about 200 us, for the life of the
 process, busy or idle: about 5,000 wake-ups a second (counted in
 /proc/self/task on MAX 26.7). Each wake-up lands on a core that one of
-MAX's workers is computing on. On a 2-vCPU VM, every ~185 us a worker lost
-about 17 us to it (`perf sched timehist`), and with the thread under
-SCHED_IDLE, decode at the benchmark's shapes ran 1.07-1.15x as fast
-(interleaved in one process, with and without the cache flush). A
-SCHED_IDLE thread still runs, but only on a core nothing else wants, so it
-stops preempting the workers; decode calls of 0.2-1 ms took no longer.
+MAX's workers is computing on; under SCHED_IDLE the thread still runs, but
+only on a core nothing else wants, so it stops preempting the workers
+(decode ran up to 1.15x as fast on a 2-vCPU VM: docs/design.md).
 
 MAX offers no setting for this thread, so `demote_max_poller` finds it by
 what it does: the threads of this process that wake far more often than

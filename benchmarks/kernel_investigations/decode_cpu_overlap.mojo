@@ -1,7 +1,7 @@
 """How the order in which decode reads K/V rows decides how fast memory
 serves them, and how much arithmetic that hides.
 
-    mojo run -I . benchmarks/decode_cpu_overlap.mojo
+    mojo run -I . benchmarks/kernel_investigations/decode_cpu_overlap.mojo
 
 Streams the bfloat16 K/V rows of 32 requests x 2048 tokens (8 KV heads,
 head_dim 128, pages of 16 tokens in random order: 512 MiB), each chunk of
