@@ -1,7 +1,7 @@
 """Running paged attention (decode or prefill) on the CPU or a GPU.
 
 `plan()` in Python turns a batch into work items (attention_work.mojo); the
-registered ops (decode.mojo, prefill.mojo) read their tensors and call
+registered op (batch_attention.mojo) reads its tensors and calls
 `run_attention`, which runs the items on all CPU cores or as GPU thread
 blocks, then merges the states of key-split requests.
 """
@@ -18,7 +18,21 @@ from .attention_gpu import (
     merge_split_gpu_kernel,
     row_tiles,
 )
-from .attention_params import AttentionParams
+from .attention_params import (
+    F_QK_SCALE,
+    F_ROPE_SCALE,
+    F_ROPE_THETA,
+    F_SM_SCALE,
+    F_SOFT_CAP,
+    F_V_SCALE,
+    INT_CAUSAL,
+    INT_GPU_KERNEL,
+    INT_HEADS_PER_TASK,
+    INT_MAX_ROWS,
+    INT_POS_ENCODING,
+    INT_WINDOW_LEFT,
+    AttentionParams,
+)
 from .attention_work import AttentionWork
 from .decode_sm90 import launch_decode_sm90, tma_decode_applies
 from .paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
@@ -31,7 +45,7 @@ comptime HEAD_DIMS = (64, 128, 256)
 comptime GPU_KERNEL_GENERIC = 0
 comptime GPU_KERNEL_TMA = 1
 comptime GPU_KERNEL_AUTO = 2
-"""Values of int_params[5], the GPU decode kernel plan() chose: "tma" must
+"""Values of int_params[INT_GPU_KERNEL], the GPU decode kernel plan() chose: "tma" must
 run the Hopper kernel of decode_sm90.mojo, "auto" runs it where it applies
 (an sm_90 GPU, the batch's dtypes and shape) and the generic one elsewhere."""
 
@@ -57,15 +71,15 @@ def read_params(
     """AttentionParams from the op's host-side parameter tensors (layout in
     attention_params.mojo)."""
     return AttentionParams(
-        sm_scale=float_params[0],
-        soft_cap=float_params[1],
-        rope_scale=float_params[2],
-        rope_theta=float_params[3],
-        qk_scale=float_params[4],
-        v_scale=float_params[5],
-        window_left=Int(int_params[0]),
-        pos_encoding=Int(int_params[1]),
-        causal=Int(int_params[3]) != 0,
+        sm_scale=float_params[F_SM_SCALE],
+        soft_cap=float_params[F_SOFT_CAP],
+        rope_scale=float_params[F_ROPE_SCALE],
+        rope_theta=float_params[F_ROPE_THETA],
+        qk_scale=float_params[F_QK_SCALE],
+        v_scale=float_params[F_V_SCALE],
+        window_left=Int(int_params[INT_WINDOW_LEFT]),
+        pos_encoding=Int(int_params[INT_POS_ENCODING]),
+        causal=Int(int_params[INT_CAUSAL]) != 0,
     )
 
 
@@ -123,7 +137,7 @@ def run_attention[
             raise Error(
                 "pagedkv: head_dim ", head_dim, " is not a multiple of 64"
             )
-        var heads_per_task = max(Int(int_params[2]), 1)
+        var heads_per_task = max(Int(int_params[INT_HEADS_PER_TASK]), 1)
         var blocks = (
             cache.num_kv_heads() + heads_per_task - 1
         ) // heads_per_task
@@ -185,7 +199,7 @@ def run_attention[
                 " kernels move 16-byte vectors)"
             )
         var group = num_qo_heads // cache.num_kv_heads()
-        var kernel = Int(int_params[5])
+        var kernel = Int(int_params[INT_GPU_KERNEL])
         if kv_split and kernel != GPU_KERNEL_GENERIC:
             comptime if (
                 ctx.default_device_info.compute == H100.compute
@@ -223,7 +237,7 @@ def run_attention[
                 )
         # A GPU lane holds head_dim / 32 elements in registers: one kernel
         # per supported head dim.
-        var tiles = row_tiles(Int(int_params[4]) * group)
+        var tiles = row_tiles(Int(int_params[INT_MAX_ROWS]) * group)
         comptime for i in range(len(HEAD_DIMS)):
             comptime D = HEAD_DIMS[i]
             if head_dim == D:

@@ -24,11 +24,27 @@ comptime POS_NONE = 0
 comptime POS_ROPE_LLAMA = 1
 comptime POS_ALIBI = 2
 
-# The op parameter tensors (host, written by python/pagedkv/_attention.py):
-#   float_params [8]: sm_scale, logits_soft_cap, rope_scale, rope_theta,
-#                     q_scale * k_scale, v_scale, -, -
-#   int_params [8]:   window_left, pos_encoding, KV heads per CPU task,
-#                     causal, query rows per item at most, -, -, -
+# Slots of the op's host parameter tensors, float_params [8] and
+# int_params [8] (written by python/pagedkv/_attention.py; the codes' Python
+# twins are in python/pagedkv/_op_contract.py).
+comptime F_SM_SCALE = 0
+comptime F_SOFT_CAP = 1
+comptime F_ROPE_SCALE = 2
+comptime F_ROPE_THETA = 3
+comptime F_QK_SCALE = 4
+"""The product q_scale * k_scale."""
+comptime F_V_SCALE = 5
+comptime INT_WINDOW_LEFT = 0
+comptime INT_POS_ENCODING = 1
+comptime INT_HEADS_PER_TASK = 2
+"""KV heads per CPU task."""
+comptime INT_CAUSAL = 3
+comptime INT_MAX_ROWS = 4
+"""Query rows in a work item at most."""
+comptime INT_GPU_KERNEL = 5
+"""The GPU decode kernel plan() chose (GPU_KERNEL_* in attention.mojo)."""
+comptime INT_KV_SPLIT = 6
+"""Whether work items split requests' keys (decode) or queries (prefill)."""
 
 
 struct AttentionParams(DevicePassable, TrivialRegisterPassable):

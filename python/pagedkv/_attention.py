@@ -16,9 +16,29 @@ import numpy as np
 from max.dtype import DType
 
 from ._checks import INT32_MAX, check_float, check_int
-
-POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
-HEAD_DIMS = (64, 128, 256)
+from ._op_contract import (
+    F_QK_SCALE,
+    F_ROPE_SCALE,
+    F_ROPE_THETA,
+    F_SM_SCALE,
+    F_SOFT_CAP,
+    F_V_SCALE,
+    FLOAT_PARAMS,
+    GPU_KERNEL_AUTO,
+    GPU_KERNEL_GENERIC,
+    GPU_KERNEL_TMA,
+    HEAD_DIMS,
+    INT_CAUSAL,
+    INT_GPU_KERNEL,
+    INT_HEADS_PER_TASK,
+    INT_KV_SPLIT,
+    INT_MAX_ROWS,
+    INT_PARAMS,
+    INT_POS_ENCODING,
+    INT_WINDOW_LEFT,
+    ITEM_FIELDS,
+    POS_ENCODING_MODES,
+)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -102,39 +122,34 @@ class AttentionOptions:
     ) -> np.ndarray:
         sm_scale = self.sm_scale if self.sm_scale is not None else 1 / math.sqrt(self.head_dim)
         qk_scale = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
-        return np.array(
-            [
-                sm_scale,
-                self.logits_soft_cap or 0.0,
-                self.rope_scale or 1.0,
-                self.rope_theta or 1e4,
-                qk_scale,
-                1.0 if v_scale is None else v_scale,
-                0.0,
-                0.0,
-            ],
-            np.float32,
-        )
+        params = np.zeros(FLOAT_PARAMS, np.float32)
+        params[F_SM_SCALE] = sm_scale
+        params[F_SOFT_CAP] = self.logits_soft_cap or 0.0
+        params[F_ROPE_SCALE] = self.rope_scale or 1.0
+        params[F_ROPE_THETA] = self.rope_theta or 1e4
+        params[F_QK_SCALE] = qk_scale
+        params[F_V_SCALE] = 1.0 if v_scale is None else v_scale
+        return params
 
     def int_params(
-        self, heads_per_task: int, causal: bool, max_queries: int, gpu_kernel: int = 0
+        self,
+        heads_per_task: int,
+        causal: bool,
+        max_queries: int,
+        kv_split: bool,
+        gpu_kernel: int = 0,
     ) -> np.ndarray:
-        """window_left, pos_encoding, KV heads per CPU task, causal, most query
-        tokens in a work item, GPU decode kernel (see
-        mojo_ops/attention_params.mojo)."""
-        return np.array(
-            [
-                int(self.window_left),
-                POS_ENCODING_MODES[self.pos_encoding_mode],
-                heads_per_task,
-                int(causal),
-                max_queries,
-                gpu_kernel,
-                0,
-                0,
-            ],
-            np.int32,
-        )
+        """The op's int_params (slots named in _op_contract); kv_split: the
+        work items split keys (decode), not queries (prefill)."""
+        params = np.zeros(INT_PARAMS, np.int32)
+        params[INT_WINDOW_LEFT] = self.window_left
+        params[INT_POS_ENCODING] = POS_ENCODING_MODES[self.pos_encoding_mode]
+        params[INT_HEADS_PER_TASK] = heads_per_task
+        params[INT_CAUSAL] = causal
+        params[INT_MAX_ROWS] = max_queries
+        params[INT_GPU_KERNEL] = gpu_kernel
+        params[INT_KV_SPLIT] = kv_split
+        return params
 
 
 DECODE_BACKENDS = ("auto", "generic", "tma", "fa2")
@@ -158,9 +173,6 @@ def check_backend(backend: str, known: tuple[str, ...]) -> None:
     raise ValueError(why)
 
 
-GPU_KERNEL_GENERIC = 0
-GPU_KERNEL_TMA = 1
-GPU_KERNEL_AUTO = 2
 TMA_BOX_ROWS = 16
 TMA_MAX_GROUP = 8
 
@@ -173,7 +185,7 @@ def decode_kernel(
     group: int,
     pos_encoding_mode: str,
 ) -> int:
-    """int_params[5] for a decode backend; raises if "tma" cannot run this
+    """int_params[INT_GPU_KERNEL] for a decode backend; raises if "tma" cannot run this
     batch (the kernel checks its GPU and dtypes itself, and "auto" falls back
     there). page_size None: not known yet (a symbolic graph dimension)."""
     check_backend(backend, DECODE_BACKENDS)
@@ -211,8 +223,8 @@ def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
 
 GPU_BLOCKS_PER_SM = 2
 """Decode thread blocks planned per SM. The Hopper kernel asks for two at
-once (`nvvm.minctasm`), and on an H100 planning for 2 beat 3, 4 and 6: a
-block past a whole wave waits for one."""
+once (`nvvm.minctasm`), and planning for 2 beats 3, 4 and 6 (docs/design.md):
+a block past a whole wave waits for one."""
 
 
 def parallel_slots(is_gpu: bool) -> int:
@@ -241,8 +253,9 @@ GPU_MAX_ROWS = 8
 
 
 def item_array(*fields: np.ndarray) -> np.ndarray:
-    """Work items [I, 6]: request, first query row, query rows, first query's
-    position, first key, end key (mojo_ops/attention_work.mojo)."""
+    """Work items [I, ITEM_FIELDS]: request, first query row, query rows,
+    first query's position, first key, end key (mojo_ops/attention_work.mojo)."""
+    assert len(fields) == ITEM_FIELDS
     return np.ascontiguousarray(np.stack(fields, axis=1).astype(np.int32))
 
 
@@ -256,7 +269,34 @@ def decode_work(
     min_chunk: int = 256,
     fixed_chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Work items of a decode step: one query per request, its visible keys
+    """`decode_work_for` the seq_lens and page_size of a checked page table
+    (`_attention_plan.PageTable`)."""
+    return decode_work_for(
+        table.seq_lens,
+        table.page_size,
+        num_qo_heads,
+        num_kv_heads,
+        per_task,
+        options,
+        is_gpu,
+        min_chunk,
+        fixed_chunk,
+    )
+
+
+def decode_work_for(
+    seq_lens: np.ndarray,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    per_task: int,
+    options: AttentionOptions,
+    is_gpu: bool,
+    min_chunk: int = 256,
+    fixed_chunk: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Work items of a decode step over requests of seq_lens [B] tokens in
+    pages of page_size: one query per request, its visible keys
     split into page-aligned chunks (flash-decoding) when the batch alone would
     leave cores (or SMs) idle.
 
@@ -267,8 +307,7 @@ def decode_work(
     page multiple) replaces that choice: FlashInfer's fixed_split_size and
     disable_split_kv. Returns items [I, 6] and request_items [B + 1].
     """
-    seq_lens = table.seq_lens.astype(np.int64)
-    page_size = table.page_size
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
     if options.window_left < 0:
         first_visible = np.zeros_like(seq_lens)
     else:
@@ -345,7 +384,21 @@ def prefill_work(
     causal: bool,
     is_gpu: bool,
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Work items of a prefill: tiles of each request's query tokens, each
+    """`prefill_work_for` the seq_lens of a checked page table
+    (`_attention_plan.PageTable`)."""
+    return prefill_work_for(table.seq_lens, qo_indptr, group, options, causal, is_gpu)
+
+
+def prefill_work_for(
+    seq_lens: np.ndarray,
+    qo_indptr: np.ndarray,
+    group: int,
+    options: AttentionOptions,
+    causal: bool,
+    is_gpu: bool,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Work items of a prefill over requests of seq_lens [B] cached tokens
+    (queries included): tiles of each request's query tokens, each
     with every key one of its queries may see (causal and window bounds).
 
     Request b's n_b queries are its last n_b tokens: query i sits at position
@@ -354,7 +407,7 @@ def prefill_work(
     all. Returns items [I, 6], request_items [B + 1] and the most queries in a
     tile.
     """
-    seq_lens = table.seq_lens.astype(np.int64)
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
     qo_indptr = qo_indptr.astype(np.int64)
     counts = np.diff(qo_indptr)
     tile = prefill_tile(group, is_gpu)

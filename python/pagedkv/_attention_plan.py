@@ -26,6 +26,7 @@ from ._checks import (
     host_index_copy,
 )
 from ._kernels import Operand, OpSpec, compiled_op, run_model
+from ._op_contract import ATTENTION_OP
 from ._tensors import (
     FP8_FORMATS,
     Array,
@@ -41,7 +42,7 @@ from ._tensors import (
     storage_dtype,
     to_buffer,
 )
-from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host
+from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
 
 __all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
 
@@ -54,14 +55,14 @@ HOST_F32 = Operand(F32, 1, on_host=True)
 HOST_INDEX = Operand(DType.int32, 1, on_host=True)
 
 
-def attention_spec(op: str, q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
+def attention_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """out, lse, partial_o, partial_lse, q, k_cache, v_cache
     (CacheGeometry.kernel_operands), page table, work items, params: the
-    operands of pagedkv_batch_decode and pagedkv_batch_prefill. fp8 pools
+    operands of the batch attention op (decode and prefill). fp8 pools
     enter as uint8 with kv_format naming them."""
     pool = Operand(storage_dtype(kv_dtype), 5, mutable=True)
     return OpSpec.of(
-        op,
+        ATTENTION_OP,
         [
             Operand(q_dtype, 3, mutable=True),
             Operand(F32, 2, mutable=True),
@@ -129,8 +130,7 @@ class PageTable:
             )
         ]
         max_page_id, _ = check_page_table_on_host(*host, page_size)
-        pages = np.diff(host[0].astype(np.int64))
-        seq_lens = np.where(pages > 0, (pages - 1) * page_size + host[2], 0)
+        seq_lens = seq_lens_from_page_table(host[0], host[2], page_size)
         return PageTable(*host, page_size, seq_lens, max_page_id, indptr)
 
 
@@ -139,8 +139,8 @@ class AttentionPlan:
 
     def __init__(
         self,
-        op: str,
         table: PageTable,
+        *,
         items: np.ndarray,
         request_items: np.ndarray,
         num_qo_heads: int,
@@ -154,7 +154,6 @@ class AttentionPlan:
         workspace: Array | None,
         lse_shift: np.ndarray | None = None,
     ) -> None:
-        self.op = op
         self.table = table
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
@@ -198,7 +197,7 @@ class AttentionPlan:
 
     def spec(self) -> OpSpec:
         assert self.q_dtype is not None and self.kv_dtype is not None
-        return attention_spec(self.op, self.q_dtype, self.kv_dtype, self.layout)
+        return attention_spec(self.q_dtype, self.kv_dtype, self.layout)
 
     def compile(self) -> None:
         self.model = compiled_op(self.spec(), self.device)

@@ -17,6 +17,8 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import DeviceRef
 
+from ._op_contract import FP8_FORMATS
+
 Array = Any
 """A numpy.ndarray or a torch.Tensor."""
 
@@ -54,8 +56,7 @@ def check_array(name: str, x: Array) -> None:
 
 _TORCH_DTYPES: dict[Any, DType] = {}
 """torch dtype -> DType, filled as dtypes are met: run() asks several times
-per call, and a lookup is cheaper than parsing the name (27 vs 33 us cold,
-0.36 vs 0.47 us warm)."""
+per call, and a lookup is cheaper than parsing the name."""
 
 
 def dtype_of(x: Array) -> DType:
@@ -95,8 +96,9 @@ def to_buffer(x: Array, *, stream_ordered: bool = False) -> Buffer:
     `_kernels.stream_ordered`, which already orders MAX's stream after
     torch's. A CUDA tensor is then exported as a bare DLPack capsule, skipping
     the stream handshake of torch's `__dlpack__` that this ordering makes
-    redundant (4 vs 34-45 us a tensor on an H100, three or four tensors per
-    decode call). Without it, a CUDA tensor goes through `Buffer.from_dlpack`.
+    redundant and costs most of a tensor's export, three or four tensors
+    per decode call (docs/design.md, "Kernel notes"). Without it, a CUDA
+    tensor goes through `Buffer.from_dlpack`.
 
     Not cached: a MAX buffer holds a reference to its array's memory, so a
     cache of buffers would keep every array it ever saw alive (torch keeps
@@ -111,9 +113,8 @@ def to_buffer(x: Array, *, stream_ordered: bool = False) -> Buffer:
         if not x.is_contiguous():
             raise ValueError("a torch tensor passed to a kernel must be contiguous")
         # torch's __dlpack__ and MAX's from_dlpack wrap the export in layers
-        # of Python checks; the bare capsule is 2x cheaper on a cold cache
-        # (60 vs 140 us, once per run() after a step has evicted Python)
-        # and 5x warm (1.5 vs 7.7 us).
+        # of Python checks, which the bare capsule skips (several times
+        # cheaper, cold or warm: docs/design.md, "Kernel notes").
         return Buffer._from_dlpack(_Capsule(torch_to_dlpack(x), _dlpack_device(x)))
     return Buffer.from_dlpack(x)
 
@@ -150,10 +151,6 @@ def torch_to_dlpack(x: Array) -> Any:
 _to_dlpack: Any = None
 
 
-FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
-"""fp8 dtypes and the code the kernels know them by (0 = as stored)."""
-
-
 def storage_view(x: Array) -> Array:
     """x itself, or for an fp8 tensor its bytes as uint8: MAX has no fp8
     tensors on the CPU, so fp8 pools cross into the graph as bytes."""
@@ -181,8 +178,8 @@ def empty_like(x: Array) -> Array:
     """An uninitialised contiguous array of x's shape, dtype and device.
 
     For torch, `empty_like` is cheaper than `empty` with a shape, dtype and
-    device once a step has evicted torch's dispatch code (measured 78 vs
-    100 us per call, caches flushed before each).
+    device once a step has evicted torch's dispatch code (docs/design.md,
+    "Kernel notes").
     """
     if is_torch(x):
         import torch

@@ -32,7 +32,7 @@ from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """The compiled decode op for these dtypes and layout."""
-    return attention_spec("pagedkv_batch_decode", q_dtype, kv_dtype, layout)
+    return attention_spec(q_dtype, kv_dtype, layout)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -233,19 +233,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fixed_chunk=fixed_chunk,
         )
         self._plan = AttentionPlan(
-            "pagedkv_batch_decode",
             table,
-            items,
-            request_items,
-            num_qo_heads,
-            num_kv_heads,
-            self._layout,
-            options,
-            options.int_params(per_task, causal=True, max_queries=1, gpu_kernel=gpu_kernel),
-            table.batch_size,
-            None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
-            None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
-            self._workspace,
+            items=items,
+            request_items=request_items,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            layout=self._layout,
+            options=options,
+            int_params=options.int_params(
+                per_task, causal=True, max_queries=1, kv_split=True, gpu_kernel=gpu_kernel
+            ),
+            q_rows=table.batch_size,
+            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
+            kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
+            workspace=self._workspace,
             lse_shift=(
                 decode_alibi_lse_shift(table.seq_lens, num_qo_heads)
                 if pos_encoding_mode == "ALIBI"

@@ -20,8 +20,6 @@ NumPy; the page manager has the page table on the host anyway).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorValue, ops
@@ -29,6 +27,8 @@ from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorValue
 from . import _attention
 from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
+from ._op_contract import ATTENTION_OP
+from .page import seq_lens_from_page_table
 
 F32 = DType.float32
 
@@ -78,7 +78,6 @@ def append_paged_kv_cache(
 
 
 def _attention_op(
-    op: str,
     q: TensorValue,
     paged_kv_cache: BufferValue,
     kv_indices: TensorValue,
@@ -103,7 +102,7 @@ def _attention_op(
     partial_lse = ops.buffer_create(BufferType(F32, [work_items.shape[0], heads], device=device))
     host = DeviceRef.CPU()
     ops.inplace_custom(
-        op,
+        ATTENTION_OP,
         device=device,
         values=[
             o,
@@ -164,7 +163,6 @@ def batch_decode(
         pos_encoding_mode,
     )
     return _attention_op(
-        "pagedkv_batch_decode",
         q,
         paged_kv_cache,
         kv_indices,
@@ -178,6 +176,7 @@ def batch_decode(
             heads_per_task(num_qo_heads, num_kv_heads),
             causal=True,
             max_queries=1,
+            kv_split=True,
             gpu_kernel=gpu_kernel,
         ),
         None,
@@ -216,7 +215,6 @@ def batch_prefill(
     group = num_qo_heads // int(paged_kv_cache.shape[3 if kv_layout == "NHD" else 2])
     tile = _attention.prefill_tile(group, paged_kv_cache.device.is_gpu())
     return _attention_op(
-        "pagedkv_batch_prefill",
         q,
         paged_kv_cache,
         kv_indices,
@@ -227,17 +225,11 @@ def batch_prefill(
         kv_layout,
         options,
         # Queries per item are bounded by the tile size, whatever the step.
-        options.int_params(1, causal=causal, max_queries=tile),
+        options.int_params(1, causal=causal, max_queries=tile, kv_split=False),
         None,
         None,
         None,
     )
-
-
-def _table(kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int) -> object:
-    pages = np.diff(np.asarray(kv_indptr, np.int64))
-    seq_lens = np.where(pages > 0, (pages - 1) * page_size + np.asarray(kv_last_page_len), 0)
-    return SimpleNamespace(seq_lens=seq_lens, page_size=page_size)
 
 
 def decode_work(
@@ -253,8 +245,9 @@ def decode_work(
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_decode`."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    return _attention.decode_work(
-        _table(kv_indptr, kv_last_page_len, page_size),
+    return _attention.decode_work_for(
+        seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
+        page_size,
         num_qo_heads,
         num_kv_heads,
         heads_per_task(num_qo_heads, num_kv_heads),
@@ -278,8 +271,8 @@ def prefill_work(
     """The work list of a prefill step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_prefill`."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    items, request_items, _ = _attention.prefill_work(
-        _table(kv_indptr, kv_last_page_len, page_size),
+    items, request_items, _ = _attention.prefill_work_for(
+        seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
         np.asarray(qo_indptr, np.int64),
         num_qo_heads // num_kv_heads,
         options,

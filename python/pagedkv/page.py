@@ -6,7 +6,6 @@ NumPy arrays or torch tensors; caches are written in place, never copied.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,6 +101,36 @@ def gather_spec(dtype: DType, layout: int) -> OpSpec:
     return OpSpec.of("pagedkv_gather_kv", [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
 
 
+def seq_lens_from_page_table(
+    kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int
+) -> np.ndarray:
+    """Sequence lengths of a CSR page table, computed on the host in NumPy.
+
+    Parameters
+    ----------
+    kv_indptr : array_like of int, shape (B + 1,)
+        Request b holds the pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
+    kv_last_page_len : array_like of int, shape (B,)
+        Tokens in each request's last page.
+    page_size : int
+        Tokens in a page.
+
+    Returns
+    -------
+    seq_lens : np.ndarray of int64, shape (B,)
+        ``seq_lens[b] = (pages(b) - 1) * page_size + kv_last_page_len[b]`` for a
+        request with pages, ``pages(b) = kv_indptr[b + 1] - kv_indptr[b] > 0``;
+        0 for a request without pages, whatever its kv_last_page_len.
+
+    Checks nothing: check the table first where its values come from a caller
+    (`check_page_table_on_host`). `get_seq_lens` is the kernel for arrays on a
+    device.
+    """
+    pages = np.diff(np.asarray(kv_indptr, np.int64))
+    last = np.asarray(kv_last_page_len, np.int64)
+    return np.where(pages > 0, (pages - 1) * page_size + last, 0)
+
+
 def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> Array:
     """Sequence lengths of a paged batch: ``[B]`` int32.
 
@@ -155,43 +184,79 @@ def get_batch_indices_positions(
     return batch_indices, positions
 
 
-def _append_signature(
-    append_key: Array,
-    append_value: Array,
-    batch_indices: Array,
-    positions: Array,
-    paged_kv_cache: Array | Sequence[Array],
-    kv_indices: Array,
-    kv_indptr: Array,
-    kv_last_page_len: Array,
-    kv_layout: str = "NHD",
-) -> None: ...
+_APPEND_POSITIONS_FORM = (
+    "batch_indices",
+    "positions",
+    "paged_kv_cache",
+    "kv_indices",
+    "kv_indptr",
+    "kv_last_page_len",
+    "kv_layout",
+)
+"""append_paged_kv_cache's parameters after (append_key, append_value), in
+the batch_indices / positions form (FlashInfer >= 0.2)."""
 
-
-def _append_signature_indptr(
-    append_key: Array,
-    append_value: Array,
-    append_indptr: Array,
-    paged_kv_cache: Array | Sequence[Array],
-    kv_indices: Array,
-    kv_indptr: Array,
-    kv_last_page_len: Array,
-    kv_layout: str = "NHD",
-) -> None: ...
-
-
-_APPEND = inspect.signature(_append_signature)
-_APPEND_INDPTR = inspect.signature(_append_signature_indptr)
+_APPEND_INDPTR_FORM = (
+    "append_indptr",
+    "paged_kv_cache",
+    "kv_indices",
+    "kv_indptr",
+    "kv_last_page_len",
+    "kv_layout",
+)
+"""The same in the append_indptr form (FlashInfer's older docs)."""
 
 
 def _is_cache(x: object) -> bool:
     return isinstance(x, (tuple, list)) or len(getattr(x, "shape", ())) >= 4
 
 
+def _is_append_indptr_form(args: tuple, kwargs: dict) -> bool:
+    """Whether a call of append_paged_kv_cache, with args and kwargs after
+    (append_key, append_value), is in the append_indptr form.
+
+    It is if ``append_indptr`` is a keyword; otherwise, if ``batch_indices``
+    is not a keyword and the fourth argument in all (``args[1]``) is given
+    by position and is a cache (`_is_cache`: a tuple or list, or an array of
+    4 or more dims), where the other form has ``positions`` (1 dim). Any
+    other call is in the batch_indices / positions form.
+    """
+    if "append_indptr" in kwargs:
+        return True
+    return "batch_indices" not in kwargs and len(args) >= 2 and _is_cache(args[1])
+
+
+def _append_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, object]:
+    """args and kwargs named by one form's parameters (names; the last,
+    kv_layout, defaults to "NHD"), by Python's rules for a call, raising the
+    TypeErrors that ``inspect.Signature.bind`` would, in its order."""
+    bound: dict[str, object] = {}
+    for i, value in enumerate(args):
+        if i >= len(names):
+            raise TypeError("too many positional arguments")
+        if names[i] in kwargs:
+            raise TypeError(f"multiple values for argument {names[i]!r}")
+        bound[names[i]] = value
+    rest = dict(kwargs)
+    for name in names[len(args) :]:
+        if name in rest:
+            bound[name] = rest.pop(name)
+        elif name != "kv_layout":
+            raise TypeError(f"missing a required argument: {name!r}")
+    if rest:
+        raise TypeError(f"got an unexpected keyword argument {next(iter(rest))!r}")
+    bound.setdefault("kv_layout", "NHD")
+    return bound
+
+
 def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwargs) -> None:
     """Appends ragged K/V into the paged cache, in place.
 
-    Two call forms, told apart by the fourth argument:
+    Two call forms. A call is in the append_indptr form when it passes
+    ``append_indptr`` by keyword, or when it does not pass ``batch_indices``
+    by keyword and its fourth argument is positional and a cache (a tuple or
+    list, or an array of 4 or more dims); every other call is in the
+    batch_indices / positions form:
 
     - ``(append_key, append_value, batch_indices, positions, paged_kv_cache,
       kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD")``: token i goes
@@ -209,13 +274,9 @@ def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwarg
     kv_indices [kv_indptr[-1]], kv_last_page_len [B], describing the batch
     after the append.
     """
-    indptr_form = "append_indptr" in kwargs or (
-        "batch_indices" not in kwargs and len(args) >= 2 and _is_cache(args[1])
-    )
-    signature = _APPEND_INDPTR if indptr_form else _APPEND
-    bound = signature.bind(append_key, append_value, *args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
+    indptr_form = _is_append_indptr_form(args, kwargs)
+    names = _APPEND_INDPTR_FORM if indptr_form else _APPEND_POSITIONS_FORM
+    a = _append_arguments(names, args, kwargs)
     geometry = cache_geometry("paged_kv_cache", a["paged_kv_cache"], a["kv_layout"])
     batch_size = check_page_table_arrays(
         geometry, a["kv_indices"], a["kv_indptr"], a["kv_last_page_len"]
@@ -375,8 +436,7 @@ def gather_kv(
             kv_layout,
         )
         return k, v
-    pages = np.diff(indptr)
-    seq_lens = np.where(pages > 0, np.maximum(pages - 1, 0) * geometry.page_size + last, 0)
+    seq_lens = seq_lens_from_page_table(indptr, last, geometry.page_size)
     seq_indptr = new_like(kv_indptr, np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
     shape = (int(seq_lens.sum()), geometry.num_kv_heads, geometry.head_dim)
     k = empty(geometry.arrays[0], shape, geometry.dtype)

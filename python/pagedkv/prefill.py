@@ -39,7 +39,7 @@ from ._tensors import Array, device_of, dtype_of, new_like
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """The compiled prefill op for these dtypes and layout."""
-    return attention_spec("pagedkv_batch_prefill", q_dtype, kv_dtype, layout)
+    return attention_spec(q_dtype, kv_dtype, layout)
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -208,20 +208,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
             device_of(qo_indptr).is_gpu,
         )
         self._plan = AttentionPlan(
-            "pagedkv_batch_prefill",
             table,
-            items,
-            request_items,
-            num_qo_heads,
-            num_kv_heads,
-            self._layout,
-            options,
+            items=items,
+            request_items=request_items,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            layout=self._layout,
+            options=options,
             # Prefill tasks take one KV head and a tile of query tokens.
-            options.int_params(1, causal=causal, max_queries=max_queries),
-            int(host_qo[-1]),
-            None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
-            None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
-            self._workspace,
+            int_params=options.int_params(
+                1, causal=causal, max_queries=max_queries, kv_split=False
+            ),
+            q_rows=int(host_qo[-1]),
+            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
+            kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
+            workspace=self._workspace,
         )
 
     def run(

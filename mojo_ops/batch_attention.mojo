@@ -1,10 +1,18 @@
-"""Batch decode attention over the paged cache: the registered op.
+"""Batch decode and prefill attention over the paged cache: the registered op.
 
-Each of B requests has one query token with num_qo_heads heads attending to
-all K/V cached for it (the new token's K/V already appended). Output o
-[B, Hq, D] in q's dtype and the base-2 log-sum-exp lse [B, Hq]; the work
-items (one query row each, keys split across items for long requests) come
-from plan().
+One op serves both; what tells them apart is run-time data from plan(): the
+work items, and int_params[INT_KV_SPLIT] (whether items split a request's
+keys, whose partial states then get merged).
+
+- Decode: each of B requests has one query token with num_qo_heads heads
+  attending to all K/V cached for it (the new token's K/V already appended).
+  Output o [B, Hq, D] and the base-2 log-sum-exp lse [B, Hq]; an item is one
+  query row over a chunk of keys (long requests are split).
+- Prefill: request b has qo_indptr[b + 1] - qo_indptr[b] query tokens, the
+  last ones of its sequence: query i of a request of L cached tokens and n
+  queries sits at position L - n + i. Causal or not; chunked prefill and
+  speculative decoding are the same call. Output o [nnz_qo, Hq, D] and lse
+  [nnz_qo, Hq]; an item is a tile of a request's queries over all its keys.
 """
 
 import extensibility
@@ -13,13 +21,14 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
 from .attention import kv_element_type, run_attention
+from .attention_params import INT_KV_SPLIT
 from .cache_tensors import cache_from_tensors
 from .paged_kv_cache import KVLayout
 
 
-@extensibility.register("pagedkv_batch_decode")
-struct BatchDecode:
-    """Decode over a pool passed as k_cache, v_cache [pages, kv, ...page...]
+@extensibility.register("pagedkv_batch_attention")
+struct BatchAttention:
+    """Attention over a pool passed as k_cache, v_cache [pages, kv, ...page...]
     (see cache_tensors.mojo). The pool is declared mutable though only read,
     so that in a graph it is the same buffer value the appends write: MAX
     then orders this op after them and never copies the pool."""
@@ -47,6 +56,10 @@ struct BatchDecode:
         var cache = cache_from_tensors[KVLayout(layout)](
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         ).bitcast[kv_element_type[k_cache.dtype, kv_format]()]()
+        # Items that split keys (decode) leave partial states to merge;
+        # prefill items split queries only, and plan() passes one-row
+        # placeholders for partial_o and partial_lse.
+        var kv_split = Int(int_params[INT_KV_SPLIT]) != 0
         run_attention[target](
             cache,
             output,
@@ -58,6 +71,6 @@ struct BatchDecode:
             request_items,
             float_params,
             int_params,
-            True,
+            kv_split,
             ctx,
         )

@@ -1,0 +1,85 @@
+"""The codes Python and the Mojo ops share agree: each Mojo constant, parsed
+from its source, equals its twin in pagedkv._op_contract, and the Mojo ops
+read their parameter slots by the same names."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from max.dtype import DType
+
+from pagedkv import _op_contract as contract
+from pagedkv._kernels import mojo_ops_path
+
+
+def mojo_constant(name: str) -> object:
+    """The value of `comptime NAME = value` (an int, or a tuple of ints)
+    anywhere in mojo_ops/, which must define it once."""
+    pattern = re.compile(rf"^comptime {name}(?:: \w+)? = (.+)$", re.M)
+    found = [
+        m.group(1).strip()
+        for path in sorted(mojo_ops_path().rglob("*.mojo"))
+        for m in pattern.finditer(path.read_text())
+    ]
+    assert len(found) == 1, f"{name}: defined {len(found)} times in mojo_ops/"
+    text = found[0]
+    if text.startswith("("):
+        return tuple(int(v) for v in text.strip("()").split(","))
+    return int(text, 0)
+
+
+def mojo_layout(name: str) -> int:
+    text = (mojo_ops_path() / "paged_kv_cache.mojo").read_text()
+    (value,) = re.findall(rf"comptime {name} = KVLayout\((\d+)\)", text)
+    return int(value)
+
+
+PAIRS = [
+    ("KV_AS_STORED", contract.KV_AS_STORED),
+    ("KV_FP8_E4M3", contract.FP8_FORMATS[DType.float8_e4m3fn]),
+    ("KV_FP8_E5M2", contract.FP8_FORMATS[DType.float8_e5m2]),
+    ("POS_NONE", contract.POS_ENCODING_MODES["NONE"]),
+    ("POS_ROPE_LLAMA", contract.POS_ENCODING_MODES["ROPE_LLAMA"]),
+    ("POS_ALIBI", contract.POS_ENCODING_MODES["ALIBI"]),
+    ("GPU_KERNEL_GENERIC", contract.GPU_KERNEL_GENERIC),
+    ("GPU_KERNEL_TMA", contract.GPU_KERNEL_TMA),
+    ("GPU_KERNEL_AUTO", contract.GPU_KERNEL_AUTO),
+    ("HEAD_DIMS", contract.HEAD_DIMS),
+    ("ITEM_FIELDS", contract.ITEM_FIELDS),
+]
+
+
+@pytest.mark.parametrize("name,python", PAIRS, ids=[p[0] for p in PAIRS])
+def test_mojo_constant_equals_python(name, python):
+    assert mojo_constant(name) == python
+
+
+def test_layouts_agree():
+    assert {k: mojo_layout(k) for k in contract.KV_LAYOUTS} == contract.KV_LAYOUTS
+
+
+def test_the_parser_sees_a_wrong_value(tmp_path, monkeypatch):
+    """A test that cannot fail is a defect: a changed Mojo code is caught."""
+    source = (mojo_ops_path() / "attention_params.mojo").read_text()
+    assert "comptime POS_ALIBI = 2" in source
+    (tmp_path / "attention_params.mojo").write_text(
+        source.replace("POS_ALIBI = 2", "POS_ALIBI = 3")
+    )
+    monkeypatch.setattr(sys.modules[__name__], "mojo_ops_path", lambda: tmp_path)
+    assert mojo_constant("POS_ALIBI") != contract.POS_ENCODING_MODES["ALIBI"]
+
+
+def test_parameter_slots_are_read_by_name():
+    """The attention op reads int_params and float_params through named
+    slots whose values are the contract's, not through bare indices."""
+    slots = {
+        name: value
+        for name, value in vars(contract).items()
+        if re.fullmatch(r"(INT|F)_(?!PARAMS)[A-Z_]+", name) and isinstance(value, int)
+    }
+    for name, value in slots.items():
+        assert mojo_constant(name) == value, name
+    attention = (mojo_ops_path() / "attention.mojo").read_text()
+    assert not re.search(r"(int|float)_params\[\d+\]", attention)
