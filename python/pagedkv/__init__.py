@@ -6,6 +6,11 @@ tensors, writing caches in place.
 """
 
 from .cascade import merge_state, merge_state_in_place, merge_states
+from .cascade_attention import (
+    BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
+    BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
 from .functional import (
     allocate_blocks,
@@ -27,10 +32,13 @@ from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchMetadata",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CacheStateError",
+    "MultiLevelCascadeAttentionWrapper",
     "OutOfPagesError",
     "PagedKVCacheManager",
     "allocate_blocks",

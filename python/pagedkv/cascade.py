@@ -14,7 +14,16 @@ from max.dtype import DType
 
 from ._checks import check_writable
 from ._kernels import Operand, OpSpec, run_op
-from ._tensors import Array, check_array, contiguous, device_of, dtype_of, empty, is_torch
+from ._tensors import (
+    Array,
+    check_array,
+    contiguous,
+    device_of,
+    dtype_of,
+    empty,
+    is_torch,
+    to_host_numpy,
+)
 
 V_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 F32 = DType.float32
@@ -62,11 +71,16 @@ def _check_state(name_v: str, v: Array, name_s: str, s: Array, v_rank: int) -> N
         raise ValueError(f"{name_v} and {name_s} are on different devices")
 
 
-def merge_state_in_place(v: Array, s: Array, v_other: Array, s_other: Array) -> None:
+def merge_state_in_place(
+    v: Array, s: Array, v_other: Array, s_other: Array, mask: Array | None = None
+) -> None:
     """(v, s) <- merge((v, s), (v_other, s_other)), in place.
 
     v, v_other: [seq_len, num_heads, head_dim]; s, s_other: [seq_len, num_heads]
-    float32 (base-2 LSE). v and s must be contiguous.
+    float32 (base-2 LSE). v and s must be contiguous. mask: bool [seq_len],
+    on the host or v's device: only the rows where it is True are merged;
+    the others are left exactly as they were (FlashInfer's mask, for steps
+    replayed with some rows idle).
     """
     _check_state("v", v, "s", s, 3)
     _check_state("v_other", v_other, "s_other", s_other, 3)
@@ -76,14 +90,37 @@ def merge_state_in_place(v: Array, s: Array, v_other: Array, s_other: Array) -> 
         raise ValueError("v and v_other are on different devices")
     if contiguous(v) is not v or contiguous(s) is not s:
         raise ValueError("v and s are written in place and must be contiguous")
+    rows = None if mask is None else _mask_rows(mask, int(v.shape[0]))
     # Both before either is written: a lost write to one would leave half a state.
     check_writable("v", v)
     check_writable("s", s)
-    run_op(
-        merge_state_spec(dtype_of(v)),
-        [v, s, contiguous(v_other), contiguous(s_other)],
-        device_of(v),
-    )
+    if rows is None:
+        run_op(
+            merge_state_spec(dtype_of(v)),
+            [v, s, contiguous(v_other), contiguous(s_other)],
+            device_of(v),
+        )
+        return
+    if len(rows) == 0:
+        return
+    if is_torch(v):
+        import torch
+
+        index = torch.from_numpy(rows).to(v.device)
+    else:
+        index = rows
+    v_rows, s_rows = _contiguous_copy(v[index]), _contiguous_copy(s[index])
+    merge_state_in_place(v_rows, s_rows, v_other[index], s_other[index])
+    v[index] = v_rows
+    s[index] = s_rows
+
+
+def _mask_rows(mask: Array, seq_len: int) -> np.ndarray:
+    """The rows a bool mask [seq_len] selects, as host int64 indices."""
+    host = to_host_numpy(mask)
+    if host.dtype != np.bool_ or host.shape != (seq_len,):
+        raise ValueError(f"mask must be bool [{seq_len}], got {host.dtype} {list(host.shape)}")
+    return np.flatnonzero(host)
 
 
 def merge_state(v_a: Array, s_a: Array, v_b: Array, s_b: Array) -> tuple[Array, Array]:
