@@ -31,7 +31,7 @@ def mojo_constant(name: str) -> object:
 
 
 def mojo_layout(name: str) -> int:
-    text = (mojo_ops_path() / "paged_kv_cache.mojo").read_text()
+    text = (mojo_ops_path() / "cache" / "paged_kv_cache.mojo").read_text()
     (value,) = re.findall(rf"comptime {name} = KVLayout\((\d+)\)", text)
     return int(value)
 
@@ -62,11 +62,9 @@ def test_layouts_agree():
 
 def test_the_parser_sees_a_wrong_value(tmp_path, monkeypatch):
     """A test that cannot fail is a defect: a changed Mojo code is caught."""
-    source = (mojo_ops_path() / "attention_params.mojo").read_text()
+    source = (mojo_ops_path() / "attention" / "params.mojo").read_text()
     assert "comptime POS_ALIBI = 2" in source
-    (tmp_path / "attention_params.mojo").write_text(
-        source.replace("POS_ALIBI = 2", "POS_ALIBI = 3")
-    )
+    (tmp_path / "params.mojo").write_text(source.replace("POS_ALIBI = 2", "POS_ALIBI = 3"))
     monkeypatch.setattr(sys.modules[__name__], "mojo_ops_path", lambda: tmp_path)
     assert mojo_constant("POS_ALIBI") != contract.POS_ENCODING_MODES["ALIBI"]
 
@@ -81,5 +79,5 @@ def test_parameter_slots_are_read_by_name():
     }
     for name, value in slots.items():
         assert mojo_constant(name) == value, name
-    attention = (mojo_ops_path() / "attention.mojo").read_text()
-    assert not re.search(r"(int|float)_params\[\d+\]", attention)
+    for path in sorted(mojo_ops_path().rglob("*.mojo")):
+        assert not re.search(r"(int|float)_params\[\d+\]", path.read_text()), path

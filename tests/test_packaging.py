@@ -91,5 +91,14 @@ def test_the_package_ships_its_kernels_and_graphs():
     assert setuptools["package-dir"]["pagedkv.mojo_ops"] == "mojo_ops"
     assert setuptools["package-dir"]["pagedkv.graphs"] == "graphs"
     assert "*.mojo" in setuptools["package-data"]["pagedkv.mojo_ops"]
+    # The kernels lie in subpackages (attention/cpu/, cache/, ...): the globs
+    # (recursive as setuptools reads them) must reach every .mojo file.
+    kernels = ROOT / "mojo_ops"
+    shipped = {
+        path
+        for pattern in setuptools["package-data"]["pagedkv.mojo_ops"]
+        for path in kernels.glob(pattern)
+    }
+    assert set(kernels.rglob("*.mojo")) <= shipped
     deps = " ".join(manifest["project"]["optional-dependencies"]["test"])
     assert "torch==2.13.0" in deps  # a looser pin pulls CUDA wheels

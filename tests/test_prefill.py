@@ -63,7 +63,7 @@ def test_prefill_matches_reference(config, shape, options, causal, page_size):
 @pytest.mark.parametrize("options", [dict(), dict(pos_encoding_mode="ROPE_LLAMA")], ids=str)
 def test_prefill_product_tiles(config, options):
     """GQA group 3 and head_dim 64: a CPU task's 12 to 63 rows of one KV head
-    take the matrix products (attention_products.mojo) in tiles of 6 with the
+    take the matrix products (mojo_ops/attention/cpu/products.mojo) in tiles of 6 with the
     remainders of 2 and 1 rows, over chunks of 32 keys or fewer, and with two
     queries (6 rows), decode's steps."""
     shape = [(30, 5), (70, 7), (12, 4), (100, 22), (9, 2)]

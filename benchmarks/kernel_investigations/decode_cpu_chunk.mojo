@@ -45,19 +45,17 @@ from std.memory.alloc import unsafe_alloc
 from std.sys import size_of
 from std.time import perf_counter_ns
 
-from mojo_ops.attention_cpu import (
-    TaskState,
-    accumulate_tile,
-    attention_task,
-    score_tile,
-    softmax_rows,
-    walk_heads,
-)
-from mojo_ops.key_chunks import CHUNK, BlockPrefetch
-from mojo_ops.attention_params import AttentionParams
-from mojo_ops.attention_work import AttentionWork
-from mojo_ops.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
-from mojo_ops.widen import W
+from mojo_ops.attention.cpu.accumulate import accumulate_tile
+from mojo_ops.attention.cpu.key_chunks import CHUNK, BlockPrefetch
+from mojo_ops.attention.cpu.read_order import walk_heads
+from mojo_ops.attention.cpu.scores import score_tile
+from mojo_ops.attention.cpu.softmax import softmax_rows
+from mojo_ops.attention.cpu.task import attention_task
+from mojo_ops.attention.cpu.task_state import TaskState
+from mojo_ops.attention.params import AttentionParams
+from mojo_ops.attention.work import AttentionWork
+from mojo_ops.cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from mojo_ops.simd.widen import W
 from mojo_ops.work_queue import parallel_dynamic
 
 comptime HEAD_DIM = 128
@@ -79,8 +77,8 @@ K/V (512 MiB of float32), one task per request."""
 comptime PEAK_CHAINS = 10
 comptime STEP_CHAINS = 8
 """FMA chains a scoring step or V pass keeps with AVX2 (`CHAINS` and
-`DOTS_PER_STEP` in attention_cpu.mojo). In four runs of this benchmark on
-a 2-core Zen 3 VM, 8 chains of bare FMAs ran at 0.86-0.90 of the rate of
+`DOTS_PER_STEP` in mojo_ops/attention/cpu/step_sizes.mojo). In four runs
+of this benchmark on a 2-core Zen 3 VM, 8 chains of bare FMAs ran at 0.86-0.90 of the rate of
 10 (a C loop of the same FMAs, gcc -O2 -march=znver3, five runs:
 0.76-0.86; 12 chains about as fast as 10): a chain's FMA takes 4.2-4.6
 cycles there, so 8 chains cannot quite keep both FMA ports busy. The kernel's hot loops, at

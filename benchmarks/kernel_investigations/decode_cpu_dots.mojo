@@ -10,10 +10,10 @@ head_dim 128, one KV head of GQA group 1, 2, 4 and 8.
 from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
-from mojo_ops.attention_cpu import score_tile
-from mojo_ops.key_chunks import CHUNK, BlockPrefetch
-from mojo_ops.paged_kv_cache import Ptr
-from mojo_ops.widen import DOT_BF16
+from mojo_ops.attention.cpu.key_chunks import CHUNK, BlockPrefetch
+from mojo_ops.attention.cpu.scores import score_tile
+from mojo_ops.cache.paged_kv_cache import Ptr
+from mojo_ops.simd.widen import DOT_BF16
 
 comptime HEAD_DIM = 128
 comptime ITERATIONS = 4000

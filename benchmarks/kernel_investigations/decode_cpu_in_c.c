@@ -9,7 +9,7 @@
 // bfloat16 K/V, GQA group 4, 8 KV heads a task (one request), head_dim 128,
 // NHD pages of 16 tokens in random order, chunks of 32 tokens, each chunk's
 // K then V read in blocks of 8 tokens (all heads of a block's tokens) with
-// the next block prefetched (T1), as in mojo_ops/attention_cpu.mojo: scoring
+// the next block prefetched (T1), as in mojo_ops/attention/cpu/: scoring
 // in tiles of 4 rows x 2 tokens (8 FMA chains, reductions deferred to the
 // chunk's end), a base-2 online softmax in vectors, V in passes of 16
 // elements x 4 rows (8 chains), K/V widened in paired order (shift, and).

@@ -10,7 +10,8 @@ CHUNK tokens its K rows then its V rows, in four orders:
 - head by head: one head's rows of the chunk, then the next head's (the
   CPU kernel's order before blocks), rows prefetched 4 KiB ahead;
 - blocks of 8 and of 16 tokens: all heads of a block's tokens before the
-  next block (the kernel's order now, `block_tokens` in attention_cpu.mojo),
+  next block (the kernel's order now, `block_tokens` in
+  mojo_ops/attention/cpu/block_sizes.mojo),
   the next block prefetched;
 - token by token: all heads of one token, then the next, 16 KiB ahead.
 
@@ -51,9 +52,9 @@ from std.time import perf_counter_ns
 
 from max.algorithm import sync_parallelize
 
-from mojo_ops.key_chunks import CHUNK
-from mojo_ops.paged_kv_cache import Ptr
-from mojo_ops.widen import BLOCK, F32, W, load_block
+from mojo_ops.attention.cpu.key_chunks import CHUNK
+from mojo_ops.cache.paged_kv_cache import Ptr
+from mojo_ops.simd.widen import BLOCK, F32, W, load_block
 
 comptime BF16 = DType.bfloat16
 comptime PAGE_SIZE = 16

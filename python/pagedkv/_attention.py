@@ -1,6 +1,6 @@
 """Attention options shared by decode and prefill, and the work split of a batch.
 
-The options have FlashInfer's meaning (see mojo_ops/attention_params.mojo for
+The options have FlashInfer's meaning (see mojo_ops/attention/params.mojo for
 the exact formulas); they travel to the kernels as two small host tensors, so
 changing them never recompiles anything.
 """
@@ -43,7 +43,7 @@ from ._op_contract import (
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """FlashInfer's ALiBi slopes (Press et al.) of num_heads query heads, as
-    mojo_ops/attention_params.mojo's alibi_slope computes them."""
+    mojo_ops/attention/params.mojo's alibi_slope computes them."""
     n = 1 << (num_heads.bit_length() - 1)
     slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
     slopes += [2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(n, num_heads)]
@@ -153,7 +153,7 @@ class AttentionOptions:
 
 
 DECODE_BACKENDS = ("auto", "generic", "tma", "fa2")
-"""GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/decode_sm90.mojo),
+"""GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/attention/gpu/sm90.mojo),
 "generic" the kernel for every GPU; "auto" runs the Hopper kernel where it
 applies (sm_90, the batch's dtypes and shape: the kernel decides) and the
 generic one elsewhere. "fa2", FlashInfer's name for its kernel for every GPU,
@@ -249,12 +249,12 @@ def gpu_sm_count() -> int:
 
 
 GPU_MAX_ROWS = 8
-"""Query rows per GPU thread block (MAX_ROWS in mojo_ops/attention_gpu.mojo)."""
+"""Query rows per GPU thread block (MAX_ROWS in mojo_ops/attention/gpu/generic.mojo)."""
 
 
 def item_array(*fields: np.ndarray) -> np.ndarray:
     """Work items [I, ITEM_FIELDS]: request, first query row, query rows,
-    first query's position, first key, end key (mojo_ops/attention_work.mojo)."""
+    first query's position, first key, end key (mojo_ops/attention/work.mojo)."""
     assert len(fields) == ITEM_FIELDS
     return np.ascontiguousarray(np.stack(fields, axis=1).astype(np.int32))
 

@@ -3,7 +3,7 @@
 Static facts (types, dtypes, ranks, shapes, devices, contiguity) are checked
 here, before any kernel runs; facts that depend on values (page ids, lengths,
 positions) are checked by the kernels themselves on the host before they write
-(see mojo_ops/page_table.mojo). Either way the caller's cache is untouched
+(see mojo_ops/page_ops/page_table.mojo). Either way the caller's cache is untouched
 by a rejected call.
 
 Scalars are checked here too: an integer option that the kernels take as

@@ -10,29 +10,29 @@ from __future__ import annotations
 from max.dtype import DType
 
 KV_LAYOUTS = {"NHD": 0, "HND": 1}
-"""Pool layouts as op parameter `layout` (paged_kv_cache.mojo: KVLayout.NHD, .HND)."""
+"""Pool layouts as op parameter `layout` (cache/paged_kv_cache.mojo: KVLayout.NHD, .HND)."""
 
 KV_AS_STORED = 0
-"""Op parameter `kv_format` of a 16- or 32-bit pool (attention.mojo: KV_AS_STORED)."""
+"""Op parameter `kv_format` of a 16- or 32-bit pool (attention/run.mojo: KV_AS_STORED)."""
 
 FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
-"""`kv_format` of an fp8 pool, passed as uint8 (attention.mojo: KV_FP8_E4M3, KV_FP8_E5M2)."""
+"""`kv_format` of an fp8 pool, passed as uint8 (attention/run.mojo: KV_FP8_E4M3, KV_FP8_E5M2)."""
 
 POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
-"""int_params[INT_POS_ENCODING] (attention_params.mojo: POS_NONE, POS_ROPE_LLAMA, POS_ALIBI)."""
+"""int_params[INT_POS_ENCODING] (attention/params.mojo: POS_NONE, POS_ROPE_LLAMA, POS_ALIBI)."""
 
 GPU_KERNEL_GENERIC = 0
 GPU_KERNEL_TMA = 1
 GPU_KERNEL_AUTO = 2
-"""int_params[INT_GPU_KERNEL]: the GPU decode kernel plan() chose (attention.mojo)."""
+"""int_params[INT_GPU_KERNEL]: the GPU decode kernel plan() chose (attention/gpu/dispatch.mojo)."""
 
 HEAD_DIMS = (64, 128, 256)
-"""Head dims the attention kernels are compiled for (attention.mojo: HEAD_DIMS)."""
+"""Head dims the attention kernels are compiled for (attention/gpu/dispatch.mojo: HEAD_DIMS)."""
 
 ITEM_FIELDS = 6
-"""int32 fields of one attention work item (attention_work.mojo: ITEM_FIELDS)."""
+"""int32 fields of one attention work item (attention/work.mojo: ITEM_FIELDS)."""
 
-# Slots of the attention ops' host parameter tensors (attention_params.mojo).
+# Slots of the attention ops' host parameter tensors (attention/params.mojo).
 FLOAT_PARAMS = 8
 F_SM_SCALE, F_SOFT_CAP, F_ROPE_SCALE, F_ROPE_THETA, F_QK_SCALE, F_V_SCALE = range(6)
 INT_PARAMS = 8
@@ -41,5 +41,5 @@ INT_GPU_KERNEL = 5
 INT_KV_SPLIT = 6
 
 ATTENTION_OP = "pagedkv_batch_attention"
-"""The one op of batch decode and prefill (batch_attention.mojo); they differ
+"""The one op of batch decode and prefill (attention/batch_attention.mojo); they differ
 by their work items and int_params[INT_KV_SPLIT]."""

@@ -8,8 +8,8 @@ not fail any numerical test: a prefetch never faults and changes no result.
 from std.memory.alloc import unsafe_alloc
 from std.testing import assert_equal
 
-from mojo_ops.key_chunks import BlockPrefetch, RowOffsets
-from mojo_ops.paged_kv_cache import Ptr
+from mojo_ops.attention.cpu.key_chunks import BlockPrefetch, RowOffsets
+from mojo_ops.cache.paged_kv_cache import Ptr
 
 comptime HEADS = 4
 comptime HEAD_DIM = 8

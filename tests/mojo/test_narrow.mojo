@@ -11,7 +11,7 @@ AVX512_BF16 the cast is an instruction that reads them as zero.
 from std.memory import bitcast
 from std.testing import assert_equal, assert_true
 
-from mojo_ops.widen import narrow
+from mojo_ops.simd.widen import narrow
 
 
 def main() raises:

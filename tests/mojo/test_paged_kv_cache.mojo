@@ -8,7 +8,7 @@ checked against FlashInfer's pool shapes written out by hand here.
 from std.memory.alloc import unsafe_alloc
 from std.testing import assert_equal, assert_false, assert_true
 
-from mojo_ops.paged_kv_cache import (
+from mojo_ops.cache.paged_kv_cache import (
     DYNAMIC,
     KV,
     IndexPtr,

@@ -11,8 +11,8 @@ from std.memory import bitcast
 from std.memory.alloc import unsafe_alloc
 from std.testing import assert_equal, assert_true
 
-from mojo_ops.paged_kv_cache import Ptr
-from mojo_ops.widen import (
+from mojo_ops.cache.paged_kv_cache import Ptr
+from mojo_ops.simd.widen import (
     BLOCK,
     F32,
     W,

@@ -20,7 +20,7 @@ Scores use CUDA cores: a decode step reads each byte of K/V once and does
 `group` multiply-adds with it, far below what the SM computes while HBM
 delivers it. Key-split items (plan() splits long requests over SMs) write
 partial states that `merge_split_head` combines, as for the generic
-kernel (attention_gpu.mojo), which serves every case this one does not:
+kernel (generic.mojo), which serves every case this one does not:
 HND pools, RoPE on the fly, groups above 8, other GPUs.
 """
 
@@ -47,16 +47,7 @@ from max.gpu.memory import AddressSpace, external_memory, fence_mbarrier_init
 from max.gpu.primitives import warp
 from max.gpu.sync import named_barrier
 
-from .attention_params import (
-    LOG2E,
-    POS_ALIBI,
-    POS_NONE,
-    AttentionParams,
-    alibi_slope,
-)
-from .attention_work import AttentionWork
-from .exp2 import is_nan_f32
-from .paged_kv_cache import (
+from ...cache.paged_kv_cache import (
     DYNAMIC,
     KV,
     KVLayout,
@@ -65,6 +56,15 @@ from .paged_kv_cache import (
     Ptr,
     tma_element,
 )
+from ...simd.exp2 import is_nan_f32
+from ..params import (
+    LOG2E,
+    POS_ALIBI,
+    POS_NONE,
+    AttentionParams,
+    alibi_slope,
+)
+from ..work import AttentionWork
 
 comptime BN = WARP_SIZE
 """Tokens per pipeline stage: one lane per token in the softmax step."""

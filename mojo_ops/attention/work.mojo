@@ -9,7 +9,7 @@ prefill tiles its queries and gives each tile all the keys it can see.
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
-from .paged_kv_cache import IndexPtr, Ptr
+from ..cache.paged_kv_cache import IndexPtr, Ptr
 
 comptime ITEM_FIELDS = 6
 """Fields of an item: request, first query row (in q), query rows, position

@@ -20,16 +20,16 @@ from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from .attention import kv_element_type, run_attention
-from .attention_params import INT_KV_SPLIT
-from .cache_tensors import cache_from_tensors
-from .paged_kv_cache import KVLayout
+from ..cache.cache_tensors import cache_from_tensors
+from ..cache.paged_kv_cache import KVLayout
+from .params import INT_KV_SPLIT
+from .run import kv_element_type, run_attention
 
 
 @extensibility.register("pagedkv_batch_attention")
 struct BatchAttention:
     """Attention over a pool passed as k_cache, v_cache [pages, kv, ...page...]
-    (see cache_tensors.mojo). The pool is declared mutable though only read,
+    (see cache/cache_tensors.mojo). The pool is declared mutable though only read,
     so that in a graph it is the same buffer value the appends write: MAX
     then orders this op after them and never copies the pool."""
 

@@ -42,7 +42,7 @@ comptime INT_CAUSAL = 3
 comptime INT_MAX_ROWS = 4
 """Query rows in a work item at most."""
 comptime INT_GPU_KERNEL = 5
-"""The GPU decode kernel plan() chose (GPU_KERNEL_* in attention.mojo)."""
+"""The GPU decode kernel plan() chose (GPU_KERNEL_* in gpu/dispatch.mojo)."""
 comptime INT_KV_SPLIT = 6
 """Whether work items split requests' keys (decode) or queries (prefill)."""
 

@@ -12,8 +12,8 @@ from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from .paged_kv_cache import IndexPtr
-from .tensor_access import HostIndices, host_ready, ptr_of
+from ..cache.paged_kv_cache import IndexPtr
+from ..cache.tensor_access import HostIndices, host_ready, ptr_of
 
 
 @always_inline

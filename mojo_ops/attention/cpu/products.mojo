@@ -1,7 +1,7 @@
 """Prefill on the CPU as small matrix products: a task's many query rows of
 one KV head against a chunk of keys.
 
-Decode's steps (attention_cpu.mojo) take a dot product per (row, key), lanes
+Decode's steps (scores.mojo, accumulate.mojo) take a dot product per (row, key), lanes
 along head_dim, and reduce it across lanes: right for the few rows of a
 decode task, which cannot repay a reordering of K. A prefill task holds up
 to 64 rows of one KV head (CPU_MAX_TASK_ROWS in _attention.py), all reading
@@ -23,9 +23,9 @@ accumulators, the two right-hand vectors and a broadcast); with 32, 12 rows.
 from std.bit import log2_floor
 from std.memory import stack_allocation
 
+from ...cache.paged_kv_cache import Ptr
+from ...simd.widen import BLOCK, F32, VECTOR_REGISTERS, W, load_block
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
-from .paged_kv_cache import Ptr
-from .widen import BLOCK, F32, VECTOR_REGISTERS, W, load_block
 
 comptime PRODUCT_ROWS = 12 if VECTOR_REGISTERS >= 32 else 6
 """Rows of a `product_tile`: two accumulators each, with room left for the
@@ -61,7 +61,7 @@ def product_tile[
                 ).unsafe_load[width=W]()
             else:
                 acc[unsafe_offset=2 * i + h] = 0
-    # A while loop, as in attention_cpu.mojo's hot loops.
+    # A while loop, as in the hot loops of scores.mojo and accumulate.mojo.
     var k = 0
     while k < depth:
         var right = b.unsafe_offset(k * b_stride)

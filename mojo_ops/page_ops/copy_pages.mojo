@@ -13,16 +13,16 @@ from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from .paged_kv_cache import IndexPtr, Ptr
-from .tensor_access import (
+from ..cache.paged_kv_cache import IndexPtr, Ptr
+from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
     HostIndices,
     host_ready,
     ptr_of,
 )
-from .token_rows import copy_run_aligned
-from .work_queue import parallel_row_blocks
+from ..cache.token_rows import copy_run_aligned
+from ..work_queue import parallel_row_blocks
 
 comptime TASK_BYTES = 1 << 20
 """Bytes one CPU task copies, whole pages (at least one)."""

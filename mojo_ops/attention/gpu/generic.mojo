@@ -10,7 +10,7 @@ state per row, masking by each row's position (causal, window). At the end
 the warps' states are merged through shared memory and written, final or
 partial (key-split decode items are merged by `merge_split_head`).
 
-The Hopper kernel (decode_sm90.mojo) is the fast path for decode on sm_90;
+The Hopper kernel (sm90.mojo) is the fast path for decode on sm_90;
 this one serves every other case and GPU.
 """
 
@@ -23,7 +23,9 @@ from max.gpu import WARP_SIZE, barrier, block_idx, lane_id, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from .attention_params import (
+from ...cache.paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
+from ...simd.exp2 import is_nan_f32
+from ..params import (
     LOG2E,
     POS_ALIBI,
     POS_ROPE_LLAMA,
@@ -32,9 +34,7 @@ from .attention_params import (
     rope_angle,
     rope_inv_freq,
 )
-from .attention_work import AttentionWork
-from .exp2 import is_nan_f32
-from .paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
+from ..work import AttentionWork
 
 comptime GPU_THREADS = 128
 comptime WARPS = GPU_THREADS // WARP_SIZE

@@ -5,7 +5,7 @@ the prefetcher that asks for the next block while it reads one."""
 from std.sys import size_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
 
-from .paged_kv_cache import PagedKVCache, Ptr
+from ...cache.paged_kv_cache import PagedKVCache, Ptr
 
 comptime CHUNK = 32
 """Tokens per chunk: two AVX-512 vectors of scores per query head."""
@@ -20,7 +20,7 @@ struct BlockPrefetch[kv_dtype: DType](TrivialRegisterPassable):
 
     A task reads a chunk's K, then its V, in blocks of a few tokens, all the
     task's heads of each block's tokens before the next block (see
-    `block_tokens` in attention_cpu.mojo), so a run of reads stays within a few adjacent token
+    `block_tokens` in block_sizes.mojo), so a run of reads stays within a few adjacent token
     rows, which the hardware prefetchers then stream. The rows asked for
     here are the next block's (K, V, or the next chunk's K): far enough
     ahead to cover the memory's latency, and in address order.

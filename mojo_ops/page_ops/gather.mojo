@@ -12,10 +12,9 @@ from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from .cache_tensors import cache_from_tensors, check_rows
-from .page_table import HostPageTable
-from .paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
-from .tensor_access import (
+from ..cache.cache_tensors import cache_from_tensors, check_rows
+from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
+from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
     HostIndices,
@@ -23,7 +22,8 @@ from .tensor_access import (
     ptr_of,
     vector_width,
 )
-from .token_rows import move_token
+from ..cache.token_rows import move_token
+from .page_table import HostPageTable
 
 
 @always_inline

@@ -21,11 +21,11 @@ from std.memory import stack_allocation
 from std.sys import simd_width_of
 from std.utils.numerics import nan, neg_inf
 
-from .exp2 import exp2_f32, is_nan_f32
-from .paged_kv_cache import Ptr
-from .tensor_access import ptr_of
-from .widen import load_f32, narrow
-from .work_queue import parallel_row_blocks
+from ..cache.paged_kv_cache import Ptr
+from ..cache.tensor_access import ptr_of
+from ..simd.exp2 import exp2_f32, is_nan_f32
+from ..simd.widen import load_f32, narrow
+from ..work_queue import parallel_row_blocks
 
 comptime SLICE = 256
 """Elements of a head merged per pass (a stack buffer of float32)."""

@@ -6,7 +6,7 @@ from std.memory import bitcast
 from std.sys import is_gpu, llvm_intrinsic, simd_width_of
 from std.sys.info import CompilationTarget
 
-from .paged_kv_cache import Ptr
+from ..cache.paged_kv_cache import Ptr
 
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()

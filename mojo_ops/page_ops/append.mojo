@@ -21,11 +21,9 @@ from max.gpu.host import DeviceContext
 from std.math import ceildiv
 from std.sys import num_physical_cores, size_of
 
-from .cache_tensors import cache_from_tensors, check_rows
-from .page_table import HostPageTable, check_append_targets
-from .paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
-from .token_rows import move_token
-from .tensor_access import (
+from ..cache.cache_tensors import cache_from_tensors, check_rows
+from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
+from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
     HostIndices,
@@ -33,6 +31,8 @@ from .tensor_access import (
     ptr_of,
     vector_width,
 )
+from ..cache.token_rows import move_token
+from .page_table import HostPageTable, check_append_targets
 
 comptime CPU_BYTES_PER_TASK = 1 << 16
 """Appends smaller than this per core stay on fewer cores: a thread's start
@@ -212,7 +212,7 @@ def append_paged_kv[
 @extensibility.register("pagedkv_append_paged_kv_cache")
 struct AppendPagedKVCache:
     """Appends into a pool passed as k_cache, v_cache [pages, kv, ...page...]
-    (see cache_tensors.mojo: a one-tensor pool twice, or a K, V pair)."""
+    (see cache/cache_tensors.mojo: a one-tensor pool twice, or a K, V pair)."""
 
     @staticmethod
     def execute[

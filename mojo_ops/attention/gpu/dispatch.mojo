@@ -1,0 +1,165 @@
+"""Running attention's work items on a GPU: the Hopper decode kernel
+(sm90.mojo) where it applies, else the generic kernel (generic.mojo), a
+thread block per (item, KV head, tile of query rows); then the partial
+states of key-split requests merged (called by run_attention, in
+attention/run.mojo)."""
+
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import H100
+
+from ...cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from ..params import AttentionParams
+from ..work import AttentionWork
+from .generic import (
+    GPU_THREADS,
+    attention_gpu_kernel,
+    merge_split_gpu_kernel,
+    row_tiles,
+)
+from .sm90 import launch_decode_sm90, tma_decode_applies
+
+
+comptime HEAD_DIMS = (64, 128, 256)
+"""Head dims of the GPU kernel (a lane holds head_dim / 32 elements)."""
+
+comptime GPU_KERNEL_GENERIC = 0
+comptime GPU_KERNEL_TMA = 1
+comptime GPU_KERNEL_AUTO = 2
+"""Values of int_params[INT_GPU_KERNEL], the GPU decode kernel plan() chose: "tma" must
+run the Hopper kernel of sm90.mojo, "auto" runs it where it applies
+(an sm_90 GPU, the batch's dtypes and shape) and the generic one elsewhere."""
+
+
+def run_attention_gpu[
+    q_dtype: DType
+](
+    cache: PagedKVCache,
+    q_ptr: Ptr[q_dtype],
+    o_ptr: Ptr[q_dtype],
+    lse_ptr: Ptr[DType.float32],
+    work: AttentionWork,
+    params: AttentionParams,
+    num_qo_heads: Int,
+    head_dim: Int,
+    batch_size: Int,
+    kv_split: Bool,
+    any_split: Bool,
+    kernel: Int,
+    max_rows: Int,
+    ctx: DeviceContext,
+) raises:
+    """The work items on the GPU: kv_split (decode) items on the kernel that
+    `kernel` (a GPU_KERNEL_* value) names, the rest on the generic one, whose
+    blocks take tiles of at most max_rows query tokens' rows; then, where
+    any_split, the partial states of key-split requests merged."""
+    if Int(cache.k_pages) % 16 != 0 or Int(cache.v_pages) % 16 != 0:
+        raise Error(
+            "pagedkv: a GPU cache must start on a 16-byte boundary (its"
+            " kernels move 16-byte vectors)"
+        )
+    var group = num_qo_heads // cache.num_kv_heads()
+    if kv_split and kernel != GPU_KERNEL_GENERIC:
+        comptime if (
+            ctx.default_device_info.compute == H100.compute
+            and cache.layout == KVLayout.NHD
+        ):
+            if tma_decode_applies[cache.dtype, cache.layout](
+                cache, group, params
+            ):
+                launch_decode_sm90[q_dtype, cache.dtype](
+                    rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](cache),
+                    q_ptr,
+                    o_ptr,
+                    lse_ptr,
+                    work,
+                    params,
+                    num_qo_heads,
+                    ctx,
+                )
+                if any_split:
+                    enqueue_merge(
+                        work,
+                        o_ptr,
+                        lse_ptr,
+                        num_qo_heads,
+                        head_dim,
+                        batch_size,
+                        ctx,
+                    )
+                return
+        if kernel == GPU_KERNEL_TMA:
+            raise Error(
+                "pagedkv: the TMA decode kernel needs an sm_90 GPU, an NHD"
+                " pool, page sizes that are multiples of 16, a group of"
+                " at most 8 query heads per KV head and no RoPE on the fly"
+            )
+    # A GPU lane holds head_dim / 32 elements in registers: one kernel
+    # per supported head dim.
+    var tiles = row_tiles(max_rows * group)
+    comptime for i in range(len(HEAD_DIMS)):
+        comptime D = HEAD_DIMS[i]
+        if head_dim == D:
+            var fixed = cache.specialized[DYNAMIC, DYNAMIC, D]()
+            ctx.enqueue_function[
+                attention_gpu_kernel[q_dtype, cache.dtype, cache.layout, D]
+            ](
+                fixed,
+                q_ptr,
+                o_ptr,
+                lse_ptr,
+                work,
+                params,
+                Int64(num_qo_heads),
+                Int64(tiles),
+                grid_dim=(work.num_items, fixed.num_kv_heads() * tiles),
+                block_dim=GPU_THREADS,
+            )
+            if any_split:
+                enqueue_merge(
+                    work,
+                    o_ptr,
+                    lse_ptr,
+                    num_qo_heads,
+                    head_dim,
+                    batch_size,
+                    ctx,
+                )
+            return
+    raise unsupported_gpu_head_dim(head_dim)
+
+
+def enqueue_merge[
+    dtype: DType
+](
+    work: AttentionWork,
+    o_ptr: Ptr[dtype],
+    lse_ptr: Ptr[DType.float32],
+    num_qo_heads: Int,
+    head_dim: Int,
+    batch_size: Int,
+    ctx: DeviceContext,
+) raises:
+    """Merges the partial states of key-split requests on the GPU: a block per
+    (request, query head)."""
+    comptime for i in range(len(HEAD_DIMS)):
+        comptime D = HEAD_DIMS[i]
+        if head_dim == D:
+            ctx.enqueue_function[merge_split_gpu_kernel[dtype, D]](
+                work,
+                o_ptr,
+                lse_ptr,
+                Int64(num_qo_heads),
+                grid_dim=batch_size * num_qo_heads,
+                block_dim=GPU_THREADS,
+            )
+            return
+    raise unsupported_gpu_head_dim(head_dim)
+
+
+def unsupported_gpu_head_dim(head_dim: Int) -> Error:
+    """The error for a head dim outside HEAD_DIMS on a GPU."""
+    return Error(
+        "pagedkv: head_dim ",
+        head_dim,
+        " is not supported on GPUs (64, 128, 256)",
+    )
