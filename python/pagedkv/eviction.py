@@ -2,15 +2,16 @@
 reclaims first.
 
 A policy only orders the *evictable* pages: full pages with a prefix hash that
-no request owns and that are not pinned. The manager tells it when a page
-enters that set (:meth:`EvictionPolicy.insert`), leaves it because a prompt
-reused it (:meth:`EvictionPolicy.remove`), is read by a prefix hit while
-owned (:meth:`EvictionPolicy.touch`), and loses its hash for good
-(:meth:`EvictionPolicy.forget`). The manager evicts the pages
+no request owns and that are not pinned. The page pool
+(:class:`pagedkv.page_pool.PagePool`) tells it when a page enters that set
+(:meth:`EvictionPolicy.insert`), leaves it because a prompt reused it
+(:meth:`EvictionPolicy.remove`), is read by a prefix hit while owned
+(:meth:`EvictionPolicy.touch`), and loses its hash for good
+(:meth:`EvictionPolicy.forget`). The pool evicts the pages
 :meth:`EvictionPolicy.victims` names, in that order, and calls ``remove`` then
 ``forget`` on each.
 
-NOTE: ``victims`` must not change the policy: the manager peeks at victims
+NOTE: ``victims`` must not change the policy: the pool peeks at victims
 before it knows an operation will succeed (all-or-nothing operations).
 """
 
@@ -25,9 +26,9 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """The interface PagedKVCacheManager drives; see the module docstring.
+    """The interface PagePool drives; see the module docstring.
 
-    Invariants the manager relies on: ``len(policy)`` and ``page in policy``
+    Invariants the pool relies on: ``len(policy)`` and ``page in policy``
     describe exactly the evictable set; iteration yields it in eviction order;
     ``victims(n)`` is the first n pages of that order and changes nothing.
     """

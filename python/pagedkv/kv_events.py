@@ -55,7 +55,8 @@ Subscriber = Callable[[KVCacheEvent], None]
 
 @dataclass
 class EventHub:
-    """The subscribers of one manager and the events of the operation under way.
+    """The subscribers of one page pool (one manager) and the events of the
+    operation under way.
 
     Events are queued while an operation runs and delivered by flush() once it
     has committed; with no subscriber nothing is queued (no cost).

@@ -1,9 +1,19 @@
-"""A page pool and the page tables of live requests: allocation, prefix caching,
-copy-on-write forks, and the batch metadata the kernels take.
+"""The page tables of live requests over a page pool: allocation, prefix
+caching, copy-on-write forks, and the batch metadata the kernels take.
 
 FlashInfer leaves page allocation to its caller; :class:`PagedKVCacheManager`
-is that caller's half. It owns one pool per layer and hands out page ids that
-name the same slot in every layer, so one page table serves the whole model.
+is that caller's half. It hands out page ids that name the same slot in every
+layer's pool, so one page table serves the whole model.
+
+The manager is the top of three layers (as vLLM's ``KVCacheManager`` sits on
+its ``BlockPool``):
+
+- :class:`pagedkv.page_pool.PagePool`: page ids, refcounts, the free and
+  evictable lists, the prefix-hash table, pins and KV events; no tensors.
+- :class:`pagedkv.page_tensors.PageTensors`: every layer's pool and the
+  copy-on-write page copies.
+- :class:`PagedKVCacheManager` (here): the requests: their page tables,
+  prefix hashes and reservations, and the batch metadata.
 
 A step of an engine::
 
@@ -37,53 +47,43 @@ Not thread-safe: one scheduler thread owns a manager.
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from max.dtype import DType
 
-from ._attention import as_dtype
-from ._checks import layout_code
 from ._kernels import debug_enabled
-from ._tensors import Array, new_like
-from .eviction import EvictionPolicy, make_policy
-from .kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventHub,
-    KVCacheEvent,
+from ._tensors import Array
+from .eviction import EvictionPolicy
+from .kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
+from .page_pool import (
+    ROOT_HASH,
+    CacheStateError,
+    OutOfPagesError,
+    PagePool,
+    fail,
+    page_hash,
+    salt_root,
 )
-from .page import copy_pages
-from .runtime.huge_pages import huge_page_zeros
+from .page_tensors import POOL_DTYPES, PageTensors
 
-POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
+__all__ = [
+    "PAD_PAGE",
+    "POOL_DTYPES",
+    "ROOT_HASH",
+    "BatchMetadata",
+    "CacheStateError",
+    "CacheStats",
+    "OutOfPagesError",
+    "PagedKVCacheManager",
+    "page_hash",
+    "salt_root",
+]
+
 PAD_PAGE = -1
 """The block table's value past the end of a request's pages."""
-ROOT_HASH = b""
-"""The parent hash of a request's first page."""
-
-
-class OutOfPagesError(RuntimeError):
-    """The pool cannot supply the pages a call asked for; nothing was changed."""
-
-    def __init__(self, requested: int, available: int, unused: int, cached: int) -> None:
-        super().__init__(
-            f"out of KV pages: {requested} asked for, {available} free "
-            f"({unused} unused + {cached} cached and evictable)"
-        )
-        self.requested = requested
-        self.available = available
-
-
-class CacheStateError(RuntimeError):
-    """validate() found the page tables and the pool out of step (a bug)."""
 
 
 @dataclass
@@ -199,57 +199,66 @@ class _Request:
         return other
 
 
-def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
-    """The chained key of a full page: its parent page's key and its token ids.
-
-    128-bit BLAKE2b: equal keys mean equal prefixes, up to a negligible chance.
-    """
-    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
-
-
-def salt_root(salt: str | bytes | None) -> bytes:
-    """The parent key of a request's first page: ROOT_HASH without a salt.
-
-    A salted root is 16 bytes, ROOT_HASH is empty, and every later parent is a
-    16-byte page key: the hashed byte strings of a salted and an unsalted
-    first page differ in length, so they never collide by construction.
-    """
-    if salt is None:
-        return ROOT_HASH
-    if isinstance(salt, str):
-        salt = salt.encode()
-    if not isinstance(salt, bytes):
-        raise TypeError(f"salt must be str, bytes or None, got {salt!r}")
-    return hashlib.blake2b(b"pagedkv salt\0" + salt, digest_size=16).digest()
-
-
 class PagedKVCacheManager:
-    """A page pool for every layer plus the page tables of the live requests.
+    """The page tables of the live requests over a page pool for every layer.
 
-    num_pages: pages in each layer's pool. page_size: tokens per page.
-    dtype: "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
-    kv_layout: "NHD" pools are [num_pages, 2, page_size, num_kv_heads,
-    head_dim], "HND" pools [num_pages, 2, num_kv_heads, page_size, head_dim]:
-    FlashInfer's one-tensor form, ready for append_paged_kv_cache and the decode
-    wrapper. ``pools[layer]`` is a NumPy array, or a torch tensor for bfloat16
-    (NumPy has none) or when use_torch is set. device: "cpu", or "cuda[:i]" /
-    "gpu[:i]" for torch pools on that GPU (copy-on-write copies then run there).
-    Host pools lie on 2 MiB pages (`pagedkv.runtime.huge_page_zeros`). The page tables
-    and all metadata stay in host memory, as plan() wants them.
+    Parameters
+    ----------
+    num_pages : int
+        Pages in each layer's pool.
+    page_size : int
+        Tokens per page.
+    num_kv_heads, head_dim : int
+        The pools' geometry.
+    num_layers : int
+        Pools, one per layer; a page id names the same slot in each.
+    dtype : str or dtype
+        "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
+    kv_layout : str
+        "NHD" pools are [num_pages, 2, page_size, num_kv_heads, head_dim],
+        "HND" pools [num_pages, 2, num_kv_heads, page_size, head_dim]:
+        FlashInfer's one-tensor form, ready for append_paged_kv_cache and the
+        decode wrapper.
+    device : str
+        "cpu", or "cuda[:i]" / "gpu[:i]" for torch pools on that GPU
+        (copy-on-write copies then run there).
+    use_torch : bool
+        ``pools[layer]`` is a NumPy array, or a torch tensor for bfloat16
+        (NumPy has none) or when use_torch is set. Host pools lie on 2 MiB
+        pages (`pagedkv.runtime.huge_page_zeros`). The page tables and all
+        metadata stay in host memory, as plan() wants them.
+    eviction : str or EvictionPolicy
+        Which cached page an allocation reclaims first: "lru" (least
+        recently released, the default), "lfu" (fewest prefix hits, then
+        least recently released) or an :class:`pagedkv.eviction.EvictionPolicy`.
+    max_pinned_pages : int, optional
+        The most pages pin() may hold (default num_pages // 2).
 
-    Request ids are any hashable values. A page id names the same slot in every
-    layer's pool. Every call checks its arguments and the pool's capacity before
-    changing anything; a call that raises leaves the manager as it was.
+    Attributes
+    ----------
+    pools : list of arrays
+        One pool per layer, written in place by the kernels.
+    page_pool : PagePool
+        The page ids, refcounts, free and evictable pages, prefix-hash
+        table, pins and events (read it; change it through the manager).
+    page_tensors : PageTensors
+        The pools and their page copies.
+    stats : CacheStats
+        Counters since the manager was made.
 
-    eviction: which cached page an allocation reclaims first: "lru" (least
-    recently released, the default), "lfu" (fewest prefix hits, then least
-    recently released) or an :class:`pagedkv.eviction.EvictionPolicy`.
-    max_pinned_pages: the most pages pin() may hold (default num_pages // 2).
+    Notes
+    -----
+    Request ids are any hashable values. Every call checks its arguments and
+    the pool's capacity before changing anything; a call that raises leaves
+    the manager as it was (pools included) and emits no event.
 
     NOTE: every page is in exactly one of four states: unused (on the free
     list, no hash), cached (hash, no owner, not pinned: the policy's evictable
     set), pinned (hash, may or may not have owners, never evicted) or owned
-    (refcount > 0). validate() checks this partition.
+    (refcount > 0). A page's refcount is the number of page tables holding it
+    plus the requests that set it aside (reserve(num_steps=k)); a page with
+    a hash is full; a shared page is written by no one (a writer copies it
+    first). validate() checks all of this.
     """
 
     def __init__(
@@ -266,90 +275,80 @@ class PagedKVCacheManager:
         eviction: str | EvictionPolicy = "lru",
         max_pinned_pages: int | None = None,
     ) -> None:
-        for name, value in (
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("num_layers", num_layers),
-        ):
-            if not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        pool_dtype = as_dtype(dtype, "dtype")
-        if pool_dtype not in POOL_DTYPES:
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {pool_dtype.name}")
-        layout_code(kv_layout)
-        kind, _, index = str(device).partition(":")
-        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}")
-        torch_device = "cpu" if kind == "cpu" else f"cuda:{index or 0}"
-        if torch_device != "cpu":
-            import torch
-
-            if int(index or 0) >= torch.cuda.device_count():
-                raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPUs")
-        self.num_pages = int(num_pages)
-        self.page_size = int(page_size)
-        self.num_kv_heads = int(num_kv_heads)
-        self.head_dim = int(head_dim)
-        self.num_layers = int(num_layers)
-        self.dtype = pool_dtype
-        self.kv_layout = kv_layout
-        page = (
-            (self.page_size, self.num_kv_heads, self.head_dim)
-            if kv_layout == "NHD"
-            else (self.num_kv_heads, self.page_size, self.head_dim)
+        tensors = PageTensors(
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            num_layers,
+            dtype=dtype,
+            kv_layout=kv_layout,
+            device=device,
+            use_torch=use_torch,
         )
-        shape = (self.num_pages, 2, *page)
-        torch_pools = use_torch or pool_dtype == DType.bfloat16 or torch_device != "cpu"
-        self.pools: list[Array] = [
-            _zeros(shape, pool_dtype, torch_device if torch_pools else None)
-            for _ in range(num_layers)
-        ]
+        self.page_tensors = tensors
+        self.num_pages = tensors.num_pages
+        self.page_size = tensors.page_size
+        self.num_kv_heads = tensors.num_kv_heads
+        self.head_dim = tensors.head_dim
+        self.num_layers = tensors.num_layers
+        self.dtype = tensors.dtype
+        self.kv_layout = tensors.kv_layout
+        self.pools: list[Array] = tensors.pools
         """One pool per layer, written in place by the kernels."""
-
-        # pop() hands out low page ids first.
-        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
-        self._refcount = np.zeros(self.num_pages, np.int32)
-        self._hash_of_page: dict[int, bytes] = {}
-        self._page_of_hash: dict[bytes, int] = {}
-        if max_pinned_pages is None:
-            max_pinned_pages = self.num_pages // 2
-        if not isinstance(max_pinned_pages, numbers.Integral) or max_pinned_pages < 0:
-            raise ValueError(f"max_pinned_pages must be an integer >= 0, got {max_pinned_pages!r}")
-        self.max_pinned_pages = int(max_pinned_pages)
-        # Pages with a hash, no owner and no pin, in the policy's eviction order.
-        self._evictable: EvictionPolicy = make_policy(eviction)
-        # Pages pin() keeps cached whatever their refcount.
-        self._pinned: set[int] = set()
-        self._events = EventHub()
-        self._medium = MEDIUM_CPU if torch_device == "cpu" else MEDIUM_GPU
+        self.page_pool = PagePool(
+            self.num_pages,
+            self.page_size,
+            eviction=eviction,
+            max_pinned_pages=max_pinned_pages,
+            medium=MEDIUM_GPU if tensors.on_gpu else MEDIUM_CPU,
+        )
         self._requests: dict[Hashable, _Request] = {}
         self._generation = 0
         self.stats = CacheStats()
+
+    @property
+    def max_pinned_pages(self) -> int:
+        """The most pages pin() may hold."""
+        return self.page_pool.max_pinned_pages
+
+    @max_pinned_pages.setter
+    def max_pinned_pages(self, value: int) -> None:
+        self.page_pool.max_pinned_pages = value
+
+    # The pool's state under the names earlier versions kept it (tests
+    # corrupt it on purpose to exercise validate()).
+
+    @property
+    def _refcount(self) -> np.ndarray:
+        return self.page_pool.refcount
+
+    @property
+    def _free(self) -> list[int]:
+        return self.page_pool.free
 
     # ----------------------------------------------------------- inspection
 
     @property
     def num_free_pages(self) -> int:
         """Pages a reservation can take: unused ones plus cached, evictable ones."""
-        return len(self._free) + len(self._evictable)
+        return self.page_pool.num_free
 
     @property
     def num_cached_pages(self) -> int:
         """Pages no request owns that keep their contents for prefix hits and
         that an allocation may evict (pinned ones are not counted here)."""
-        return len(self._evictable)
+        return len(self.page_pool.evictable)
 
     @property
     def num_used_pages(self) -> int:
         """Pages owned by at least one live request."""
-        return self.num_pages - self.num_free_pages - self._num_idle_pinned()
+        return self.page_pool.num_used
 
     @property
     def num_pinned_pages(self) -> int:
         """Pages pin() keeps cached (owned by requests or not)."""
-        return len(self._pinned)
+        return len(self.page_pool.pinned)
 
     @property
     def request_ids(self) -> list[Hashable]:
@@ -374,7 +373,7 @@ class PagedKVCacheManager:
 
     def refcounts(self) -> np.ndarray:
         """Owners of each page ([num_pages] int32, a copy)."""
-        return self._refcount.copy()
+        return self.page_pool.refcount.copy()
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the bookkeeping (not the pools): equal snapshots mean
@@ -393,12 +392,7 @@ class PagedKVCacheManager:
                 )
                 for rid, r in self._requests.items()
             },
-            "free": list(self._free),
-            "refcount": self._refcount.tolist(),
-            "hash_of_page": dict(self._hash_of_page),
-            "page_of_hash": dict(self._page_of_hash),
-            "evictable": self._evictable.state(),
-            "pinned": sorted(self._pinned),
+            **self.page_pool.snapshot(),
             "generation": self._generation,
             "stats": CacheStats(**vars(self.stats)),
         }
@@ -442,14 +436,11 @@ class PagedKVCacheManager:
         request = _Request()
         request.chain = root
         if prompt is not None:
-            hits, chain = self._lookup_prefix(prompt, root)
+            hits, chain = self.page_pool.lookup(prompt, root)
             self.stats.prefix_hits += len(hits)
             self.stats.prefix_misses += len(prompt) // self.page_size - len(hits)
-            for page in hits:
-                self._evictable.remove(page)
-                self._evictable.touch(page)
             if hits:
-                self._refcount[hits] += 1
+                self.page_pool.reuse(hits)
                 request.push(hits)
                 request.seq_len = len(hits) * self.page_size
                 request.chain = chain
@@ -503,6 +494,8 @@ class PagedKVCacheManager:
         if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
             raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
         size = self.page_size
+        pool = self.page_pool
+        refcount = pool.refcount
 
         need = 0
         writers: dict[int, int] = {}
@@ -512,18 +505,18 @@ class PagedKVCacheManager:
             need += self._new_pages(request, n * num_steps)
             if request.seq_len % size:
                 last = int(request.pages[request.num_pages - 1])
-                if self._refcount[last] > 1:
+                if refcount[last] > 1:
                     writers[last] = writers.get(last, 0) + 1
         # Every writer into a shared page copies it, but when all its owners
         # write, the last one keeps the original.
-        need += sum(c - (c == self._refcount[p]) for p, c in writers.items())
-        if need > self.num_free_pages:
-            raise OutOfPagesError(need, self.num_free_pages, len(self._free), len(self._evictable))
+        need += sum(c - (c == refcount[p]) for p, c in writers.items())
+        pool.ensure_room(need)
 
-        fresh = self._peek(need)
+        # NOTE: the next claim(need) takes exactly these pages, copies first.
+        fresh = pool.peek(need)
         copies: list[tuple[_Request, int, int]] = []
         if writers:
-            owners = {p: int(self._refcount[p]) for p in writers}
+            owners = {p: int(refcount[p]) for p in writers}
             spare = iter(fresh)
             for request, n in zip(requests, counts.tolist(), strict=True):
                 if n == 0 or not request.seq_len % size:
@@ -533,18 +526,14 @@ class PagedKVCacheManager:
                     owners[last] -= 1
                     copies.append((request, last, next(spare)))
             if copies:
-                # The page ids go where the pools are (a GPU's copy reads them there).
-                src = new_like(self.pools[0], np.array([c[1] for c in copies], np.int32))
-                dst = new_like(self.pools[0], np.array([c[2] for c in copies], np.int32))
-                for pool in self.pools:
-                    copy_pages(pool, src, dst, self.kv_layout)
+                self.page_tensors.copy_pages([c[1] for c in copies], [c[2] for c in copies])
 
-        # Nothing below can fail: commit.
-        self._claim(fresh)
-        for request, old, new in copies:
+        # Nothing below can fail: commit. Every claimed page gets one owner.
+        self.stats.evictions += pool.claim(fresh)
+        for request, _, new in copies:
             request.pages[request.num_pages - 1] = new
-            self._refcount[old] -= 1
-            self._refcount[new] = 1
+        if copies:
+            pool.drop_shared([old for _, old, _ in copies])
         self.stats.cow_copies += len(copies)
         taken = len(copies)
         self._generation += 1
@@ -557,14 +546,10 @@ class PagedKVCacheManager:
             if num_steps == 1 and not request.ahead:
                 # The common decode step: pages for this step only.
                 if grow:
-                    new_pages = fresh[taken : taken + grow]
+                    request.push(fresh[taken : taken + grow])
                     taken += grow
-                    self._refcount[new_pages] = 1
-                    request.push(new_pages)
             else:
                 extra = self._new_pages(request, n * num_steps)
-                if extra:
-                    self._refcount[fresh[taken : taken + extra]] = 1
                 # Set-aside pages first (allocated earlier), then this call's.
                 pages = request.ahead + fresh[taken : taken + extra]
                 taken += extra
@@ -584,7 +569,7 @@ class PagedKVCacheManager:
         if child_id in self._requests:
             raise ValueError(f"child_id {child_id!r} is already live")
         child = parent.copy()
-        self._refcount[child.page_list()] += 1
+        self.page_pool.share(child.page_list())
         self._requests[child_id] = child
         self._after_mutation()
 
@@ -594,19 +579,8 @@ class PagedKVCacheManager:
         policy picks which go first), pinned ones until unpinned."""
         request = self._request("request_id", request_id)
         del self._requests[request_id]
-        self._refcount[request.ahead] -= 1
-        self._free.extend(reversed(request.ahead))
-        pages = request.page_list()
-        self._refcount[pages] -= 1
-        # The tail of a prefix is reused less often than its head: released
-        # first, LRU evicts it first.
-        for page in reversed(pages[self._refcount[pages] == 0].tolist()):
-            if page in self._pinned:
-                continue
-            if page in self._hash_of_page:
-                self._evictable.insert(page)
-            else:
-                self._free.append(page)
+        self.page_pool.release(request.ahead)
+        self.page_pool.release(request.page_list())
         self._after_mutation()
 
     # -------------------------------------------------- pins, events, reset
@@ -632,16 +606,8 @@ class PagedKVCacheManager:
         >>> m.release("a"); m.num_pinned_pages, m.num_free_pages
         (2, 6)
         """
-        pages, _ = self._lookup_prefix(_token_ids("tokens", tokens), salt_root(salt))
-        new = [p for p in pages if p not in self._pinned]
-        if len(self._pinned) + len(new) > self.max_pinned_pages:
-            raise ValueError(
-                f"pin: {len(new)} more pages would exceed max_pinned_pages = "
-                f"{self.max_pinned_pages} ({len(self._pinned)} pinned)"
-            )
-        for page in new:
-            self._evictable.remove(page)
-            self._pinned.add(page)
+        pages, _ = self.page_pool.lookup(_token_ids("tokens", tokens), salt_root(salt))
+        self.page_pool.pin(pages)
         self._after_mutation()
         return len(pages) * self.page_size
 
@@ -657,14 +623,10 @@ class PagedKVCacheManager:
         >>> m.pin([1, 2, 3, 4]), m.unpin([1, 2, 3, 4]), m.num_pinned_pages
         (4, 4, 0)
         """
-        pages, _ = self._lookup_prefix(_token_ids("tokens", tokens), salt_root(salt))
-        pinned = [p for p in pages if p in self._pinned]
-        for page in reversed(pinned):
-            self._pinned.discard(page)
-            if self._refcount[page] == 0:
-                self._evictable.insert(page)
+        pages, _ = self.page_pool.lookup(_token_ids("tokens", tokens), salt_root(salt))
+        unpinned = self.page_pool.unpin(pages)
         self._after_mutation()
-        return len(pinned) * self.page_size
+        return unpinned * self.page_size
 
     def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
         """Calls callback(event) with every KV event (pagedkv.kv_events:
@@ -685,15 +647,7 @@ class PagedKVCacheManager:
         (['BlockStored'], [1, 2, 3, 4])
         >>> stop()
         """
-        if not callable(callback):
-            raise TypeError(f"callback must be callable, got {callback!r}")
-        self._events.subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._events.subscribers:
-                self._events.subscribers.remove(callback)
-
-        return unsubscribe
+        return self.page_pool.subscribe(callback)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every prefix hash (pins included): cached pages become
@@ -709,17 +663,7 @@ class PagedKVCacheManager:
         >>> m.num_cached_pages, (m.reset_prefix_cache(), m.num_cached_pages)[1]
         (1, 0)
         """
-        idle = [p for p in self._pinned if self._refcount[p] == 0]
-        evictable = list(self._evictable)
-        for page in evictable:
-            self._evictable.remove(page)
-        for page in self._hash_of_page:
-            self._evictable.forget(page)
-        self._free.extend(sorted(evictable + idle, reverse=True))
-        self._pinned.clear()
-        self._hash_of_page.clear()
-        self._page_of_hash.clear()
-        self._events.emit(AllBlocksCleared())
+        self.page_pool.reset()
         self._after_mutation()
 
     # ------------------------------------------------------------- metadata
@@ -803,42 +747,44 @@ class PagedKVCacheManager:
         reserve(num_steps=k) (which have no hash); a page with several owners sits at
         the same index in each and is filled alike in each (shared read-only:
         prefix-cache pages are full, a fork's partial page is everyone's last);
-        a page with a prefix hash is full. Pool: unused, cached-evictable,
-        pinned-unowned and owned pages partition the pool; pinned pages have a
-        hash and are not evictable; the hash maps are mutual inverses.
+        a page with a prefix hash is full. Pool (PagePool.validate): unused,
+        cached-evictable, pinned-unowned and owned pages partition the pool;
+        pinned pages have a hash and are not evictable; the hash maps are
+        mutual inverses.
         """
         size, total = self.page_size, self.num_pages
+        pool = self.page_pool
         ids = list(self._requests)
         for rid in ids:
             r = self._requests[rid]
             if r.num_pages != -(-r.seq_len // size):
-                _fail(f"request {rid!r}: {r.num_pages} pages for {r.seq_len} tokens")
+                fail(f"request {rid!r}: {r.num_pages} pages for {r.seq_len} tokens")
             pages = r.page_list()
             if pages.size and (pages.min() < 0 or pages.max() >= total):
-                _fail(f"request {rid!r} holds a page outside the pool: {pages.tolist()}")
+                fail(f"request {rid!r} holds a page outside the pool: {pages.tolist()}")
             if np.unique(pages).size != pages.size:
-                _fail(f"request {rid!r} holds a page twice: {pages.tolist()}")
+                fail(f"request {rid!r} holds a page twice: {pages.tolist()}")
             if r.chain is not None and r.tail.size != r.seq_len % size:
-                _fail(f"request {rid!r}: {r.tail.size} token ids for its partial last page")
+                fail(f"request {rid!r}: {r.tail.size} token ids for its partial last page")
         meta = self.metadata(ids, num_new_tokens=0)
         indptr, indices, last = meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len
         counts = np.diff(indptr.astype(np.int64))
         if indptr[0] != 0 or (counts < 0).any() or indptr[-1] != indices.size:
-            _fail(f"kv_indptr is not a CSR offset array: {indptr.tolist()}")
+            fail(f"kv_indptr is not a CSR offset array: {indptr.tolist()}")
         if indices.size and (indices.min() < 0 or indices.max() >= total):
-            _fail("kv_indices leaves the pool")
+            fail("kv_indices leaves the pool")
         full = counts > 0
         if ((last < 1) | (last > size))[full].any() or (last[~full] != 0).any():
-            _fail(f"kv_last_page_len out of range: {last.tolist()}")
+            fail(f"kv_last_page_len out of range: {last.tolist()}")
 
         ahead = np.array([p for r in self._requests.values() for p in r.ahead], np.int64)
-        if any(p in self._hash_of_page for p in ahead.tolist()):
-            _fail("a set-aside page has a prefix hash")
+        if any(p in pool.hash_of_page for p in ahead.tolist()):
+            fail("a set-aside page has a prefix hash")
         owners = np.bincount(np.concatenate([indices, ahead]), minlength=total)
-        wrong = np.flatnonzero(owners != self._refcount)
+        wrong = np.flatnonzero(owners != pool.refcount)
         if wrong.size:
             p = int(wrong[0])
-            _fail(f"page {p}: refcount {self._refcount[p]} but {owners[p]} owners")
+            fail(f"page {p}: refcount {pool.refcount[p]} but {owners[p]} owners")
         slot = np.arange(indices.size) - np.repeat(indptr[:-1], counts)
         fill = np.where(slot == np.repeat(counts - 1, counts), np.repeat(last, counts), size)
         for name, value in (("index", slot), ("fill", fill)):
@@ -848,43 +794,15 @@ class PagedKVCacheManager:
             np.maximum.at(high, indices, value)
             differs = np.flatnonzero((owners > 1) & (low != high))
             if differs.size:
-                _fail(f"shared page {int(differs[0])} differs in {name} between its owners")
-        hashed = np.array(sorted(self._hash_of_page), np.int64)
+                fail(f"shared page {int(differs[0])} differs in {name} between its owners")
+        hashed = np.array(sorted(pool.hash_of_page), np.int64)
         if hashed.size:
             low_fill = np.full(total, size)
             np.minimum.at(low_fill, indices, fill)
             partial = hashed[low_fill[hashed] < size]
             if partial.size:
-                _fail(f"page {int(partial[0])} has a prefix hash but is not full")
-
-        if len(set(self._free)) != len(self._free):
-            _fail("a page is on the free list twice")
-        unused = np.array(self._free, np.int64)
-        cached = np.array(list(self._evictable), np.int64)
-        for name, group in (("free", unused), ("cached", cached)):
-            if group.size and (self._refcount[group] != 0).any():
-                _fail(f"a {name} page has owners")
-        if any(p in self._hash_of_page for p in self._free):
-            _fail("a free page keeps a prefix hash")
-        if any(p not in self._hash_of_page for p in self._evictable):
-            _fail("a cached page has no prefix hash")
-        if len(list(self._evictable)) != len(self._evictable):
-            _fail("the eviction policy's order and size disagree")
-        if any(p not in self._hash_of_page or p in self._evictable for p in self._pinned):
-            _fail("a pinned page has no prefix hash or is evictable")
-        if len(self._pinned) > self.max_pinned_pages:
-            _fail(f"{len(self._pinned)} pinned pages > max_pinned_pages")
-        idle = self._num_idle_pinned()
-        in_use = int((self._refcount > 0).sum())
-        if unused.size + cached.size + idle + in_use != total:
-            _fail(
-                f"{unused.size} free + {cached.size} cached + {idle} pinned + {in_use} used "
-                f"!= {total} pages"
-            )
-        if len(self._hash_of_page) != len(self._page_of_hash) or any(
-            self._page_of_hash.get(h) != p for p, h in self._hash_of_page.items()
-        ):
-            _fail("the page -> hash and hash -> page maps disagree")
+                fail(f"page {int(partial[0])} has a prefix hash but is not full")
+        pool.validate()
 
     # ------------------------------------------------------------ internals
 
@@ -892,14 +810,7 @@ class PagedKVCacheManager:
         """Every mutating call's last step, once its effects are committed."""
         if debug_enabled():
             self.validate()
-        if self._events.pending:
-            self._events.flush()
-
-    def _num_idle_pinned(self) -> int:
-        """Pinned pages no request owns (neither free nor used)."""
-        if not self._pinned:
-            return 0
-        return int((self._refcount[list(self._pinned)] == 0).sum())
+        self.page_pool.flush_events()
 
     def _request(self, name: str, request_id: Hashable) -> _Request:
         try:
@@ -933,16 +844,7 @@ class PagedKVCacheManager:
     def _lookup_prefix(self, prompt: np.ndarray, root: bytes) -> tuple[list[int], bytes]:
         """The cached pages that hold the prompt's leading full pages (the
         first chained on root), and the hash of the last of them."""
-        size = self.page_size
-        chain, hits = root, []
-        for start in range(0, len(prompt) - size + 1, size):
-            key = page_hash(chain, prompt[start : start + size])
-            page = self._page_of_hash.get(key)
-            if page is None:
-                break
-            hits.append(page)
-            chain = key
-        return hits, chain
+        return self.page_pool.lookup(prompt, root)
 
     def _new_pages(self, request: _Request, n: int) -> int:
         """Pool pages that room for n more tokens of request needs, beyond
@@ -968,8 +870,8 @@ class PagedKVCacheManager:
         request.seq_len += n
 
     def _extend_chain(self, request: _Request, ids: np.ndarray | None) -> None:
-        """Hashes and caches the pages that request's new tokens fill; emits a
-        BlockStored per run of newly cached pages."""
+        """Hashes and caches (in the pool) the pages that request's new tokens
+        fill; the pool emits a BlockStored per run of newly cached pages."""
         if request.chain is None:
             return
         if ids is None:
@@ -984,79 +886,13 @@ class PagedKVCacheManager:
             request.tail = run.copy()
             return
         first = request.seq_len // size
-        events = self._events.active
-        stored: list[bytes] = []
-        parent: bytes | None = None
-        start = 0
-        for i in range(filled):
-            key = page_hash(request.chain, run[i * size : (i + 1) * size])
-            page = int(request.pages[first + i])
-            # The same content may already be cached (two requests prefilled
-            # together): keep that one and leave this page private.
-            if key not in self._page_of_hash:
-                self._page_of_hash[key] = page
-                self._hash_of_page[page] = key
-                if events:
-                    if not stored:
-                        # A first page's parent is a root (salted or not): None.
-                        parent = None if first + i == 0 else request.chain
-                        start = i
-                    stored.append(key)
-            elif stored:
-                self._emit_stored(stored, parent, run[start * size : i * size])
-                stored = []
-            request.chain = key
-        if stored:
-            self._emit_stored(stored, parent, run[start * size : filled * size])
-        request.tail = run[filled * size :].copy()
-
-    def _emit_stored(self, hashes: list[bytes], parent: bytes | None, ids: np.ndarray) -> None:
-        self._events.emit(
-            BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=parent,
-                token_ids=ids.tolist(),
-                block_size=self.page_size,
-                medium=self._medium,
-            )
+        request.chain = self.page_pool.cache_full_pages(
+            request.chain,
+            request.pages[first : first + filled],
+            run[: filled * size],
+            at_start=first == 0,
         )
-
-    def _peek(self, count: int) -> list[int]:
-        """The pages the next _claim(count) takes: unused pages first, then
-        cached ones in the eviction policy's order. Changes nothing."""
-        take = min(count, len(self._free))
-        pages = self._free[len(self._free) - take :][::-1]
-        if count > take:
-            pages += self._evictable.victims(count - take)
-        return pages
-
-    def _claim(self, pages: list[int]) -> None:
-        take = min(len(pages), len(self._free))
-        del self._free[len(self._free) - take :]
-        removed = []
-        for page in pages[take:]:
-            self._evictable.remove(page)
-            self._evictable.forget(page)
-            key = self._hash_of_page.pop(page)
-            del self._page_of_hash[key]
-            removed.append(key)
-        if removed:
-            self._events.emit(BlockRemoved(block_hashes=removed, medium=self._medium))
-        self.stats.evictions += len(pages) - take
-
-
-def _fail(message: str) -> None:
-    raise CacheStateError(f"pagedkv cache state: {message}")
-
-
-def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
-    """A NumPy array, or a torch tensor on torch_device when one is named;
-    on the host, on 2 MiB pages (see runtime/huge_pages.py)."""
-    if torch_device is not None and torch_device != "cpu":
-        import torch
-
-        return torch.zeros(shape, dtype=getattr(torch, dtype.name), device=torch_device)
-    return huge_page_zeros(shape, dtype, use_torch=torch_device is not None)
+        request.tail = run[filled * size :].copy()
 
 
 def _token_ids(name: str, tokens: Any) -> np.ndarray:

@@ -1,0 +1,434 @@
+"""The page pool: page ids, reference counts and the prefix cache's hash table.
+
+:class:`PagePool` is the bottom layer of the page manager (vLLM's
+``BlockPool``). It hands out page ids and takes them back, counts the owners
+of each page, keeps the free list, the evictable pages (cached, unowned) in
+an eviction policy's order, the hash table of the prefix cache (page key ->
+page and back), the pins, and queues the KV events its changes cause. It
+knows nothing of requests or of the tensors a page id names: the request
+bookkeeping is :class:`pagedkv.manager.PagedKVCacheManager`'s, the layer
+pools and page copies are :class:`pagedkv.page_tensors.PageTensors`'.
+
+Every method either raises before changing anything or cannot fail; a caller
+composes all-or-nothing operations by checking (:meth:`PagePool.ensure_room`,
+:meth:`PagePool.peek`) before it commits (:meth:`PagePool.claim`, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .eviction import EvictionPolicy, make_policy
+from .kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventHub,
+    KVCacheEvent,
+)
+
+ROOT_HASH = b""
+"""The parent hash of a request's first page."""
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool cannot supply the pages a call asked for; nothing was changed."""
+
+    def __init__(self, requested: int, available: int, unused: int, cached: int) -> None:
+        super().__init__(
+            f"out of KV pages: {requested} asked for, {available} free "
+            f"({unused} unused + {cached} cached and evictable)"
+        )
+        self.requested = requested
+        self.available = available
+
+
+class CacheStateError(RuntimeError):
+    """validate() found the page tables and the pool out of step (a bug)."""
+
+
+def fail(message: str) -> None:
+    """Raises the CacheStateError of a failed validate() check."""
+    raise CacheStateError(f"pagedkv cache state: {message}")
+
+
+def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
+    """The chained key of a full page: its parent page's key and its token ids.
+
+    128-bit BLAKE2b: equal keys mean equal prefixes, up to a negligible chance.
+    """
+    return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
+
+
+def salt_root(salt: str | bytes | None) -> bytes:
+    """The parent key of a request's first page: ROOT_HASH without a salt.
+
+    A salted root is 16 bytes, ROOT_HASH is empty, and every later parent is a
+    16-byte page key: the hashed byte strings of a salted and an unsalted
+    first page differ in length, so they never collide by construction.
+    """
+    if salt is None:
+        return ROOT_HASH
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, bytes):
+        raise TypeError(f"salt must be str, bytes or None, got {salt!r}")
+    return hashlib.blake2b(b"pagedkv salt\0" + salt, digest_size=16).digest()
+
+
+class PagePool:
+    """Page ids ``0 .. num_pages - 1``, their owners and the prefix cache's keys.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool.
+    page_size : int
+        Tokens per page: the length of the token runs a key hashes and the
+        ``block_size`` of the events.
+    eviction : str or EvictionPolicy
+        The order in which :meth:`claim` reclaims evictable pages: "lru",
+        "lfu" or a :class:`pagedkv.eviction.EvictionPolicy` (see there).
+    max_pinned_pages : int, optional
+        The most pages :meth:`pin` may hold (default ``num_pages // 2``).
+    medium : str
+        The ``medium`` of the events ("CPU" or "GPU": where the pages are).
+
+    Notes
+    -----
+    NOTE: every page is in exactly one of four states:
+
+    - unused: on ``free``, refcount 0, no key;
+    - evictable: a key, refcount 0, not pinned: in the policy ``evictable``;
+    - idle pinned: a key, refcount 0, pinned (never evicted);
+    - in use: refcount > 0 (with or without a key, pinned or not).
+
+    NOTE: ``hash_of_page`` and ``page_of_hash`` are mutual inverses; a pinned
+    page has a key. A page with a key is full (its owners' page tables, not
+    the pool, can check that).
+
+    NOTE: ``peek(n)`` changes nothing and ``claim(peek(n))`` takes exactly
+    those pages, so a caller may decide on the pages it will get (and copy
+    into them) before it commits.
+
+    NOTE: events are queued as changes happen and delivered by
+    :meth:`flush_events`, which the caller runs once its operation has
+    committed (see pagedkv.kv_events).
+
+    The attributes are public for reading (the manager's hot paths index
+    ``refcount`` directly); only the methods change them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> pool = PagePool(4, page_size=2)
+    >>> pages = pool.peek(2); pool.claim(pages)  # unused pages first, low ids first
+    0
+    >>> key = pool.cache_full_pages(ROOT_HASH, np.array(pages), np.arange(4), at_start=True)
+    >>> pool.release(pages); pool.num_free, len(pool.evictable)  # cached, evictable
+    (4, 2)
+    >>> pool.lookup(np.arange(5), ROOT_HASH)[0]  # a prompt that starts alike
+    [0, 1]
+    >>> pool.claim(pool.peek(3)), pool.lookup(np.arange(4), ROOT_HASH)[0]  # tail evicted first
+    (1, [0])
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        eviction: str | EvictionPolicy = "lru",
+        max_pinned_pages: int | None = None,
+        medium: str = MEDIUM_CPU,
+    ) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        # pop() hands out low page ids first.
+        self.free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        """Unused pages; the next claimed is the last."""
+        self.refcount = np.zeros(self.num_pages, np.int32)
+        """Owners of each page."""
+        self.hash_of_page: dict[int, bytes] = {}
+        self.page_of_hash: dict[bytes, int] = {}
+        if max_pinned_pages is None:
+            max_pinned_pages = self.num_pages // 2
+        if not isinstance(max_pinned_pages, numbers.Integral) or max_pinned_pages < 0:
+            raise ValueError(f"max_pinned_pages must be an integer >= 0, got {max_pinned_pages!r}")
+        self.max_pinned_pages = int(max_pinned_pages)
+        self.evictable: EvictionPolicy = make_policy(eviction)
+        """Pages with a key, no owner and no pin, in the policy's eviction order."""
+        self.pinned: set[int] = set()
+        """Pages pin() keeps cached whatever their refcount."""
+        self.events = EventHub()
+        self.medium = medium
+
+    # ----------------------------------------------------------- counts
+
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take: unused plus evictable."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_idle_pinned(self) -> int:
+        """Pinned pages no one owns (neither free nor in use)."""
+        if not self.pinned:
+            return 0
+        return int((self.refcount[list(self.pinned)] == 0).sum())
+
+    @property
+    def num_used(self) -> int:
+        """Pages with at least one owner."""
+        return self.num_pages - self.num_free - self.num_idle_pinned
+
+    # ------------------------------------------------------- allocation
+
+    def ensure_room(self, count: int) -> None:
+        """Raises OutOfPagesError unless ``count`` pages can be claimed."""
+        if count > len(self.free) + len(self.evictable):
+            raise OutOfPagesError(count, self.num_free, len(self.free), len(self.evictable))
+
+    def peek(self, count: int) -> list[int]:
+        """The pages the next ``claim`` of ``count`` pages takes: unused pages
+        first, then evictable ones in the policy's order. Changes nothing;
+        ``count`` must not exceed :attr:`num_free`."""
+        take = min(count, len(self.free))
+        pages = self.free[len(self.free) - take :][::-1]
+        if count > take:
+            pages += self.evictable.victims(count - take)
+        return pages
+
+    def claim(self, pages: list[int]) -> int:
+        """Takes ``pages`` (what ``peek(len(pages))`` returned) for one owner
+        each: evicted ones lose their key (one BlockRemoved). Returns how
+        many were evicted."""
+        if not pages:
+            return 0
+        take = min(len(pages), len(self.free))
+        del self.free[len(self.free) - take :]
+        removed = []
+        for page in pages[take:]:
+            self.evictable.remove(page)
+            self.evictable.forget(page)
+            key = self.hash_of_page.pop(page)
+            del self.page_of_hash[key]
+            removed.append(key)
+        if removed:
+            self.events.emit(BlockRemoved(block_hashes=removed, medium=self.medium))
+        self.refcount[pages] = 1
+        return len(removed)
+
+    def reuse(self, pages: Sequence[int]) -> None:
+        """Takes one more owner of each cached page a prefix hit found (in
+        use, evictable or pinned); evictable ones stop being evictable."""
+        for page in pages:
+            self.evictable.remove(page)
+            self.evictable.touch(page)
+        if pages:
+            self.refcount[pages] += 1
+
+    def share(self, pages: np.ndarray) -> None:
+        """One more owner of each of ``pages`` (distinct pages, all in use)."""
+        self.refcount[pages] += 1
+
+    def drop_shared(self, pages: Sequence[int]) -> None:
+        """One owner fewer for each entry of ``pages``, which keep at least
+        one more (a copy-on-write gave the dropping owner its own copy). A
+        page may be listed once per owner that drops it."""
+        for page in pages:
+            self.refcount[page] -= 1
+
+    def release(self, pages: Sequence[int] | np.ndarray) -> None:
+        """One owner fewer for each of ``pages`` (distinct). Those left with
+        none become evictable if they have a key (in reverse order: a
+        prompt's tail is released, so evicted, before its head), stay out if
+        pinned, and are unused otherwise."""
+        pages = np.asarray(pages, np.int32)
+        refcount = self.refcount
+        refcount[pages] -= 1
+        for page in reversed(pages[refcount[pages] == 0].tolist()):
+            if page in self.pinned:
+                continue
+            if page in self.hash_of_page:
+                self.evictable.insert(page)
+            else:
+                self.free.append(page)
+
+    # ----------------------------------------------------- prefix cache
+
+    def lookup(self, tokens: np.ndarray, root: bytes) -> tuple[list[int], bytes]:
+        """The cached pages holding the leading full pages of ``tokens``
+        (int64 ids, the first page chained on ``root``), and the key of the
+        last of them (``root`` with none). Changes nothing."""
+        size = self.page_size
+        chain, hits = root, []
+        for start in range(0, len(tokens) - size + 1, size):
+            key = page_hash(chain, tokens[start : start + size])
+            page = self.page_of_hash.get(key)
+            if page is None:
+                break
+            hits.append(page)
+            chain = key
+        return hits, chain
+
+    def cache_full_pages(
+        self, parent: bytes, pages: np.ndarray, tokens: np.ndarray, at_start: bool
+    ) -> bytes:
+        """Keys the full pages ``pages`` holding ``tokens`` (``len(pages) *
+        page_size`` int64 ids), chained on ``parent``, and returns the last
+        key. A key already cached keeps its page (two requests prefilled the
+        same content together): that page of ``pages`` stays unkeyed. Emits
+        one BlockStored per run of newly keyed pages; ``at_start``:
+        ``pages[0]`` is a sequence's first page, whose event names no parent.
+        """
+        size = self.page_size
+        events = self.events.active
+        page_of_hash, hash_of_page = self.page_of_hash, self.hash_of_page
+        stored: list[bytes] = []
+        event_parent: bytes | None = None
+        start = 0
+        chain = parent
+        for i in range(len(pages)):
+            key = page_hash(chain, tokens[i * size : (i + 1) * size])
+            if key not in page_of_hash:
+                page = int(pages[i])
+                page_of_hash[key] = page
+                hash_of_page[page] = key
+                if events:
+                    if not stored:
+                        # A first page's parent is a root (salted or not): None.
+                        event_parent = None if at_start and i == 0 else chain
+                        start = i
+                    stored.append(key)
+            elif stored:
+                self._emit_stored(stored, event_parent, tokens[start * size : i * size])
+                stored = []
+            chain = key
+        if stored:
+            self._emit_stored(stored, event_parent, tokens[start * size : len(pages) * size])
+        return chain
+
+    def _emit_stored(self, hashes: list[bytes], parent: bytes | None, ids: np.ndarray) -> None:
+        self.events.emit(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=ids.tolist(),
+                block_size=self.page_size,
+                medium=self.medium,
+            )
+        )
+
+    def pin(self, pages: Sequence[int]) -> None:
+        """Pins ``pages`` (keyed pages; pinned ones stay pinned): no claim
+        evicts them. Raises ValueError, with nothing changed, past
+        max_pinned_pages."""
+        new = [p for p in pages if p not in self.pinned]
+        if len(self.pinned) + len(new) > self.max_pinned_pages:
+            raise ValueError(
+                f"pin: {len(new)} more pages would exceed max_pinned_pages = "
+                f"{self.max_pinned_pages} ({len(self.pinned)} pinned)"
+            )
+        for page in new:
+            self.evictable.remove(page)
+            self.pinned.add(page)
+
+    def unpin(self, pages: Sequence[int]) -> int:
+        """Unpins the pinned ones of ``pages``; those without owners become
+        evictable (the first listed last). Returns how many were pinned."""
+        pinned = [p for p in pages if p in self.pinned]
+        for page in reversed(pinned):
+            self.pinned.discard(page)
+            if self.refcount[page] == 0:
+                self.evictable.insert(page)
+        return len(pinned)
+
+    def reset(self) -> None:
+        """Forgets every key and pin: unowned keyed pages become unused,
+        owned ones stay owned. Emits AllBlocksCleared."""
+        idle = [p for p in self.pinned if self.refcount[p] == 0]
+        evictable = list(self.evictable)
+        for page in evictable:
+            self.evictable.remove(page)
+        for page in self.hash_of_page:
+            self.evictable.forget(page)
+        self.free.extend(sorted(evictable + idle, reverse=True))
+        self.pinned.clear()
+        self.hash_of_page.clear()
+        self.page_of_hash.clear()
+        self.events.emit(AllBlocksCleared())
+
+    # ----------------------------------------------------------- events
+
+    def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
+        """Adds a subscriber of the events; returns a function removing it."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {callback!r}")
+        subscribers = self.events.subscribers
+        subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in subscribers:
+                subscribers.remove(callback)
+
+        return unsubscribe
+
+    def flush_events(self) -> None:
+        """Delivers the queued events (once the caller's operation committed)."""
+        if self.events.pending:
+            self.events.flush()
+
+    # --------------------------------------------------------- checking
+
+    def snapshot(self) -> dict[str, Any]:
+        """A deep copy of the pool's state: equal snapshots, equal pools."""
+        return {
+            "free": list(self.free),
+            "refcount": self.refcount.tolist(),
+            "hash_of_page": dict(self.hash_of_page),
+            "page_of_hash": dict(self.page_of_hash),
+            "evictable": self.evictable.state(),
+            "pinned": sorted(self.pinned),
+        }
+
+    def validate(self) -> None:
+        """Checks the four-state partition, the pins and the hash maps;
+        raises CacheStateError. (That the refcounts count the real owners is
+        for the owners' bookkeeping to check.)"""
+        if len(set(self.free)) != len(self.free):
+            fail("a page is on the free list twice")
+        unused = np.array(self.free, np.int64)
+        cached = np.array(list(self.evictable), np.int64)
+        for name, group in (("free", unused), ("cached", cached)):
+            if group.size and (self.refcount[group] != 0).any():
+                fail(f"a {name} page has owners")
+        if any(p in self.hash_of_page for p in self.free):
+            fail("a free page keeps a prefix hash")
+        if any(p not in self.hash_of_page for p in self.evictable):
+            fail("a cached page has no prefix hash")
+        if len(list(self.evictable)) != len(self.evictable):
+            fail("the eviction policy's order and size disagree")
+        if any(p not in self.hash_of_page or p in self.evictable for p in self.pinned):
+            fail("a pinned page has no prefix hash or is evictable")
+        if len(self.pinned) > self.max_pinned_pages:
+            fail(f"{len(self.pinned)} pinned pages > max_pinned_pages")
+        idle = self.num_idle_pinned
+        in_use = int((self.refcount > 0).sum())
+        if unused.size + cached.size + idle + in_use != self.num_pages:
+            fail(
+                f"{unused.size} free + {cached.size} cached + {idle} pinned + {in_use} used "
+                f"!= {self.num_pages} pages"
+            )
+        if len(self.hash_of_page) != len(self.page_of_hash) or any(
+            self.page_of_hash.get(h) != p for p, h in self.hash_of_page.items()
+        ):
+            fail("the page -> hash and hash -> page maps disagree")

@@ -1,0 +1,133 @@
+"""The K/V tensors behind the page ids: one pool per layer, and page copies.
+
+:class:`PageTensors` is the layer of the page manager that touches memory:
+it allocates every layer's pool (host pools on 2 MiB pages through
+``pagedkv.runtime.huge_page_zeros``, torch tensors on a GPU) and launches
+``pagedkv.copy_pages`` on all of them for copy-on-write. Which page ids are
+free, shared or cached is :class:`pagedkv.page_pool.PagePool`'s business.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+from max.dtype import DType
+
+from ._attention import as_dtype
+from ._checks import layout_code
+from ._tensors import Array, new_like
+from .page import copy_pages
+from .runtime.huge_pages import huge_page_zeros
+
+POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
+"""The element types a pool may have."""
+
+
+class PageTensors:
+    """The per-layer K/V pools that page ids index, all of one shape.
+
+    Parameters
+    ----------
+    num_pages, page_size, num_kv_heads, head_dim, num_layers : int
+        The pools' geometry (each >= 1).
+    dtype : str or dtype
+        "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
+    kv_layout : str
+        "NHD": pools are [num_pages, 2, page_size, num_kv_heads, head_dim];
+        "HND": [num_pages, 2, num_kv_heads, page_size, head_dim] (FlashInfer's
+        one-tensor form).
+    device : str
+        "cpu", or "cuda[:i]" / "gpu[:i]" for torch pools on that GPU.
+    use_torch : bool
+        Host pools as torch tensors rather than NumPy arrays (bfloat16 pools
+        are torch tensors anyway: NumPy has no bfloat16).
+
+    Notes
+    -----
+    NOTE: page id p names ``pools[layer][p]`` in every layer, so one page
+    table serves the whole model; only :meth:`copy_pages` and the kernels
+    the caller runs write the pools, in place (the list and its tensors are
+    never replaced).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        dtype: object = "float32",
+        kv_layout: str = "NHD",
+        device: object = "cpu",
+        use_torch: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_layers", num_layers),
+        ):
+            if not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        pool_dtype = as_dtype(dtype, "dtype")
+        if pool_dtype not in POOL_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {pool_dtype.name}")
+        layout_code(kv_layout)
+        kind, _, index = str(device).partition(":")
+        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}")
+        torch_device = "cpu" if kind == "cpu" else f"cuda:{index or 0}"
+        if torch_device != "cpu":
+            import torch
+
+            if int(index or 0) >= torch.cuda.device_count():
+                raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPUs")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.num_layers = int(num_layers)
+        self.dtype = pool_dtype
+        self.kv_layout = kv_layout
+        self.device = torch_device
+        """"cpu" or "cuda:i": where the pools are."""
+        page = (
+            (self.page_size, self.num_kv_heads, self.head_dim)
+            if kv_layout == "NHD"
+            else (self.num_kv_heads, self.page_size, self.head_dim)
+        )
+        shape = (self.num_pages, 2, *page)
+        torch_pools = use_torch or pool_dtype == DType.bfloat16 or torch_device != "cpu"
+        self.pools: list[Array] = [
+            _zeros(shape, pool_dtype, torch_device if torch_pools else None)
+            for _ in range(self.num_layers)
+        ]
+        """One pool per layer, written in place by the kernels."""
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the pools are on a GPU."""
+        return self.device != "cpu"
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies page src[i] onto page dst[i] in every layer's pool (the
+        copy-on-write of a shared page), on the pools' device."""
+        # The page ids go where the pools are (a GPU's copy reads them there).
+        src_ids = new_like(self.pools[0], np.array(src, np.int32))
+        dst_ids = new_like(self.pools[0], np.array(dst, np.int32))
+        for pool in self.pools:
+            copy_pages(pool, src_ids, dst_ids, self.kv_layout)
+
+
+def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
+    """A NumPy array, or a torch tensor on torch_device when one is named;
+    on the host, on 2 MiB pages (see runtime/huge_pages.py)."""
+    if torch_device is not None and torch_device != "cpu":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype.name), device=torch_device)
+    return huge_page_zeros(shape, dtype, use_torch=torch_device is not None)
