@@ -233,6 +233,11 @@ def weights_registry(weights: dict[str, np.ndarray], dtype: DType) -> dict:
     """The weights as the graphs' Weight values want them (cast once)."""
     if dtype == DType.float32:
         return dict(weights)
+    import warnings
+
     import torch
 
-    return {k: torch.from_numpy(v).to(getattr(torch, dtype.name)) for k, v in weights.items()}
+    with warnings.catch_warnings():
+        # Read-only (memory-mapped) weights: the cast copies, nothing writes them.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return {k: torch.from_numpy(v).to(getattr(torch, dtype.name)) for k, v in weights.items()}
