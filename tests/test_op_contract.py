@@ -81,3 +81,17 @@ def test_parameter_slots_are_read_by_name():
         assert mojo_constant(name) == value, name
     for path in sorted(mojo_ops_path().rglob("*.mojo")):
         assert not re.search(r"(int|float)_params\[\d+\]", path.read_text()), path
+
+
+def test_attention_operands_are_the_ops_parameters_in_order():
+    """BatchAttention.execute's tensor parameters, parsed from the Mojo source,
+    are ATTENTION_OPERANDS in the same order; eager calls and graph_ops both
+    order their values by it."""
+    source = (mojo_ops_path() / "attention" / "batch_attention.mojo").read_text()
+    signature = source[source.index("def execute[") : source.index(") raises:")]
+    names = re.findall(r"^\s+(\w+): (?:Mutable)?InputTensor", signature, re.M)
+    assert tuple(names) == contract.ATTENTION_OPERANDS
+    values = {name: i for i, name in enumerate(reversed(names))}
+    assert contract.attention_operands(**values) == list(range(len(names)))[::-1]
+    with pytest.raises(TypeError, match="attention operands"):
+        contract.attention_operands(**{**values, "extra": 0})

@@ -26,7 +26,7 @@ from ._checks import (
     host_index_copy,
 )
 from ._kernels import Operand, OpSpec, compiled_op, run_model
-from ._op_contract import ATTENTION_OP
+from ._op_contract import ATTENTION_OP, attention_operands
 from ._tensors import (
     FP8_FORMATS,
     Array,
@@ -63,22 +63,22 @@ def attention_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     pool = Operand(storage_dtype(kv_dtype), 5, mutable=True)
     return OpSpec.of(
         ATTENTION_OP,
-        [
-            Operand(q_dtype, 3, mutable=True),
-            Operand(F32, 2, mutable=True),
-            Operand(F32, 3, mutable=True),
-            Operand(F32, 2, mutable=True),
-            Operand(q_dtype, 3),
-            pool,
-            pool,
-            INDEX,
-            INDEX,
-            INDEX,
-            Operand(DType.int32, 2),
-            INDEX,
-            HOST_F32,
-            HOST_INDEX,
-        ],
+        attention_operands(
+            output=Operand(q_dtype, 3, mutable=True),
+            lse=Operand(F32, 2, mutable=True),
+            partial_o=Operand(F32, 3, mutable=True),
+            partial_lse=Operand(F32, 2, mutable=True),
+            q=Operand(q_dtype, 3),
+            k_cache=pool,
+            v_cache=pool,
+            kv_indices=INDEX,
+            kv_indptr=INDEX,
+            kv_last_page_len=INDEX,
+            work_items=Operand(DType.int32, 2),
+            request_items=INDEX,
+            float_params=HOST_F32,
+            int_params=HOST_INDEX,
+        ),
         layout=layout,
         kv_format=FP8_FORMATS.get(kv_dtype, 0),
     )
@@ -272,23 +272,25 @@ class AttentionPlan:
         else:
             check_output("lse", lse, tuple(q.shape[:2]), F32, self.device)
             lse_operand = lse
+        k_cache, v_cache = geometry.kernel_operands()
         run_model(
             self.model,
-            [
-                out,
-                lse_operand,
-                b["partial_o"],
-                b["partial_lse"],
-                contiguous(q),
-                *geometry.kernel_operands(),
-                b["indices"],
-                b["indptr"],
-                b["last"],
-                b["items"],
-                b["request_items"],
-                self.float_params(q_scale, k_scale, v_scale),
-                b["int_params"],
-            ],
+            attention_operands(
+                output=out,
+                lse=lse_operand,
+                partial_o=b["partial_o"],
+                partial_lse=b["partial_lse"],
+                q=contiguous(q),
+                k_cache=k_cache,
+                v_cache=v_cache,
+                kv_indices=b["indices"],
+                kv_indptr=b["indptr"],
+                kv_last_page_len=b["last"],
+                work_items=b["items"],
+                request_items=b["request_items"],
+                float_params=self.float_params(q_scale, k_scale, v_scale),
+                int_params=b["int_params"],
+            ),
             self.device,
         )
         if not return_lse:

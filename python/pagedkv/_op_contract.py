@@ -40,6 +40,32 @@ INT_WINDOW_LEFT, INT_POS_ENCODING, INT_HEADS_PER_TASK, INT_CAUSAL, INT_MAX_ROWS 
 INT_GPU_KERNEL = 5
 INT_KV_SPLIT = 6
 
+ATTENTION_OPERANDS = (
+    "output",
+    "lse",
+    "partial_o",
+    "partial_lse",
+    "q",
+    "k_cache",
+    "v_cache",
+    "kv_indices",
+    "kv_indptr",
+    "kv_last_page_len",
+    "work_items",
+    "request_items",
+    "float_params",
+    "int_params",
+)
+"""The attention op's operands in order (BatchAttention.execute's parameters)."""
+
+
+def attention_operands(**values: object) -> list:
+    """The values named by ATTENTION_OPERANDS, in the op's order."""
+    if set(values) != set(ATTENTION_OPERANDS):
+        raise TypeError(f"attention operands {sorted(values)} are not {ATTENTION_OPERANDS}")
+    return [values[name] for name in ATTENTION_OPERANDS]
+
+
 ATTENTION_OP = "pagedkv_batch_attention"
 """The one op of batch decode and prefill (attention/batch_attention.mojo); they differ
 by their work items and int_params[INT_KV_SPLIT]."""

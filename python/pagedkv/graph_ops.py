@@ -27,7 +27,7 @@ from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorValue
 from . import _attention
 from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
-from ._op_contract import ATTENTION_OP
+from ._op_contract import ATTENTION_OP, attention_operands
 from .page import seq_lens_from_page_table
 
 F32 = DType.float32
@@ -104,22 +104,24 @@ def _attention_op(
     ops.inplace_custom(
         ATTENTION_OP,
         device=device,
-        values=[
-            o,
-            lse,
-            partial_o,
-            partial_lse,
-            q,
-            paged_kv_cache,
-            paged_kv_cache,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
-            work_items,
-            request_items,
-            ops.constant(options.float_params(q_scale, k_scale, v_scale), F32, device=host),
-            ops.constant(int_params, DType.int32, device=host),
-        ],
+        values=attention_operands(
+            output=o,
+            lse=lse,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
+            q=q,
+            k_cache=paged_kv_cache,
+            v_cache=paged_kv_cache,
+            kv_indices=kv_indices,
+            kv_indptr=kv_indptr,
+            kv_last_page_len=kv_last_page_len,
+            work_items=work_items,
+            request_items=request_items,
+            float_params=ops.constant(
+                options.float_params(q_scale, k_scale, v_scale), F32, device=host
+            ),
+            int_params=ops.constant(int_params, DType.int32, device=host),
+        ),
         parameters={"layout": layout_code(kv_layout), "kv_format": 0},
     )
     return ops.buffer_load(o), ops.buffer_load(lse)
