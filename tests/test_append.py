@@ -189,3 +189,30 @@ def test_copy_pages_copies_many_pages_bitwise(form):
         want = old.copy()
         want[dst] = old[src]
         np.testing.assert_array_equal(bits(array), want)
+
+
+def test_wider_index_arrays_are_narrowed_after_checking_they_fit():
+    """FlashInfer's helpers give int64 page tables (torch.cumsum of int32):
+    the appends take them, bit for bit as int32, and refuse a value that
+    int32 cannot hold before writing anything."""
+    rng = np.random.default_rng(3)
+    k, v = rng.standard_normal((2, 29, 2, 64), dtype=np.float32)
+    table = {
+        "kv_indices": np.array([5, 1, 7], np.int32),
+        "kv_indptr": np.array([0, 2, 3], np.int32),
+        "kv_last_page_len": np.array([4, 9], np.int32),
+    }
+    append_indptr = np.array([0, 20, 29], np.int32)
+    want = np.zeros((8, 2, 16, 2, 64), np.float32)
+    pagedkv.append_paged_kv_cache(k, v, append_indptr, want, *table.values())
+    wide = {name: x.astype(np.int64) for name, x in table.items()}
+    got = np.zeros_like(want)
+    pagedkv.append_paged_kv_cache(k, v, append_indptr.astype(np.int64), got, **wide)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    seq_lens = pagedkv.get_seq_lens(wide["kv_indptr"], wide["kv_last_page_len"], 16)
+    assert seq_lens.dtype == np.int32 and seq_lens.tolist() == [20, 9]
+    too_wide = dict(wide, kv_indices=np.array([5, 1, 2**32 + 7], np.int64))
+    untouched = np.zeros_like(want)
+    with pytest.raises(ValueError, match=r"kv_indices\[2\] = 4294967303 does not fit in int32"):
+        pagedkv.append_paged_kv_cache(k, v, append_indptr, untouched, **too_wide)
+    assert not untouched.any()

@@ -47,16 +47,16 @@ def bad_calls(batch, pool, args):
     yield "dtype", with_(args, append_value=key.astype(np.float16)), TypeError, "append_value is"
     yield "rows", with_(args, append_value=key[:1]), ValueError, "append_value has 1 rows"
     yield (
-        "int64",
-        with_(args, kv_indices=indices.astype(np.int64)),
+        "float indices",
+        with_(args, kv_indices=indices.astype(np.float32)),
         TypeError,
         "kv_indices must be int32",
     )
     yield (
-        "int64 pos",
-        with_(args, positions=pos.astype(np.int64)),
-        TypeError,
-        "positions must be int32",
+        "int64 pos past int32",
+        with_(args, positions=pos.astype(np.int64) + 2**32),
+        ValueError,
+        r"positions\[0\] = \d+ does not fit in int32",
     )
     yield "list", with_(args, kv_indptr=list(indptr)), TypeError, "kv_indptr must be a numpy"
     zero_last = last.copy()

@@ -68,7 +68,9 @@ def test_index_helpers_reject_bad_input():
     indptr = np.array([0, 2, 3], np.int32)
     last = np.array([3, 1], np.int32)
     with pytest.raises(TypeError, match="kv_indptr must be int32"):
-        pagedkv.get_seq_lens(indptr.astype(np.int64), last, 4)
+        pagedkv.get_seq_lens(indptr.astype(np.float32), last, 4)
+    with pytest.raises(ValueError, match=r"kv_indptr\[2\] = 4294967299 does not fit"):
+        pagedkv.get_seq_lens(indptr.astype(np.int64) + np.array([0, 0, 2**32]), last, 4)
     with pytest.raises(ValueError, match="kv_indptr must have 3 entries"):
         pagedkv.get_seq_lens(indptr[:2], last, 4)
     with pytest.raises(ValueError, match="page_size"):

@@ -13,6 +13,7 @@ from max.dtype import DType
 
 from ._checks import (
     CacheGeometry,
+    as_int32_index,
     cache_geometry,
     check_device,
     check_index_array,
@@ -137,8 +138,11 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
     ``seq_lens[b] = max(pages(b) - 1, 0) * page_size + kv_last_page_len[b]``
     with ``pages(b) = kv_indptr[b + 1] - kv_indptr[b]``.
 
-    kv_indptr: [B + 1] int32. kv_last_page_len: [B] int32.
+    kv_indptr: [B + 1], kv_last_page_len: [B], int32 (another integer dtype
+    is narrowed to int32 after checking every value fits).
     """
+    kv_indptr = as_int32_index("kv_indptr", kv_indptr)
+    kv_last_page_len = as_int32_index("kv_last_page_len", kv_last_page_len)
     check_index_array("kv_last_page_len", kv_last_page_len)
     check_index_array("kv_indptr", kv_indptr, kv_last_page_len.shape[0] + 1)
     device = device_of(kv_indptr)
@@ -167,8 +171,11 @@ def get_batch_indices_positions(
     ``batch_indices[j] = b`` and ``positions[j] = seq_lens[b] - append_len(b) +
     (j - append_indptr[b])``; ``seq_lens`` are lengths after the append.
 
-    append_indptr: [B + 1] int32. seq_lens: [B] int32.
+    append_indptr: [B + 1], seq_lens: [B], int32 (or narrowed to it, as in
+    :func:`get_seq_lens`).
     """
+    append_indptr = as_int32_index("append_indptr", append_indptr)
+    seq_lens = as_int32_index("seq_lens", seq_lens)
     check_index_array("seq_lens", seq_lens)
     check_index_array("append_indptr", append_indptr, seq_lens.shape[0] + 1)
     device = device_of(seq_lens)
@@ -205,6 +212,18 @@ _APPEND_INDPTR_FORM = (
     "kv_layout",
 )
 """The same in the append_indptr form (FlashInfer's older docs)."""
+
+
+_INDEX_ARGUMENTS = (
+    "append_indptr",
+    "batch_indices",
+    "positions",
+    "kv_indices",
+    "kv_indptr",
+    "kv_last_page_len",
+)
+"""The appends' index arrays: int32, or another integer dtype narrowed to it
+after checking every value fits (FlashInfer's helpers give int64)."""
 
 
 def _is_cache(x: object) -> bool:
@@ -270,13 +289,17 @@ def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwarg
     append_key, append_value: [nnz, num_kv_heads, head_dim], the cache's dtype.
     paged_kv_cache: [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size,
     D] (HND), or a (k_cache, v_cache) pair of [pages, page_size, H, D] /
-    [pages, H, page_size, D]. Page table (int32): kv_indptr [B + 1],
+    [pages, H, page_size, D]. Page table (int32, or another integer dtype
+    narrowed to it after checking): kv_indptr [B + 1],
     kv_indices [kv_indptr[-1]], kv_last_page_len [B], describing the batch
     after the append.
     """
     indptr_form = _is_append_indptr_form(args, kwargs)
     names = _APPEND_INDPTR_FORM if indptr_form else _APPEND_POSITIONS_FORM
     a = _append_arguments(names, args, kwargs)
+    for name in _INDEX_ARGUMENTS:
+        if name in a:
+            a[name] = as_int32_index(name, a[name])
     geometry = cache_geometry("paged_kv_cache", a["paged_kv_cache"], a["kv_layout"])
     batch_size = check_page_table_arrays(
         geometry, a["kv_indices"], a["kv_indptr"], a["kv_last_page_len"]
@@ -360,6 +383,14 @@ def append_paged_mla_kv_cache(
     kpe = cache_geometry("kpe_cache", (kpe_cache[:, :, None], kpe_cache[:, :, None]), "NHD")
     if ckv.dtype != kpe.dtype or ckv.device != kpe.device:
         raise TypeError("ckv_cache and kpe_cache must share dtype and device")
+    batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len = (
+        as_int32_index(name, x)
+        for name, x in zip(
+            _INDEX_ARGUMENTS[1:],
+            (batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len),
+            strict=True,
+        )
+    )
     check_page_table_arrays(ckv, kv_indices, kv_indptr, kv_last_page_len)
     check_array("append_ckv", append_ckv)
     nnz = int(append_ckv.shape[0]) if len(append_ckv.shape) == 2 else -1
