@@ -485,9 +485,8 @@ def test_gpu_decode_work_tiles_requests_in_even_waves(lens, window_left, monkeyp
     from pagedkv._attention import decode_work
 
     monkeypatch.setattr(_attention, "gpu_sm_count", lambda: 132)
-    table = type("Table", (), {"seq_lens": np.array(lens), "page_size": 16})()
     options = type("Options", (), {"window_left": window_left})()
-    items, request_items = decode_work(table, 32, 8, 1, options, is_gpu=True)
+    items, request_items = decode_work(np.array(lens), 16, 32, 8, 1, options, is_gpu=True)
     for b, length in enumerate(lens):
         first, end = items[request_items[b] : request_items[b + 1], 4:6].T
         visible_from = 0 if window_left < 0 else max(length - 1 - window_left, 0)

@@ -260,31 +260,6 @@ def item_array(*fields: np.ndarray) -> np.ndarray:
 
 
 def decode_work(
-    table: object,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    per_task: int,
-    options: AttentionOptions,
-    is_gpu: bool,
-    min_chunk: int = 256,
-    fixed_chunk: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """`decode_work_for` the seq_lens and page_size of a checked page table
-    (`_attention_plan.PageTable`)."""
-    return decode_work_for(
-        table.seq_lens,
-        table.page_size,
-        num_qo_heads,
-        num_kv_heads,
-        per_task,
-        options,
-        is_gpu,
-        min_chunk,
-        fixed_chunk,
-    )
-
-
-def decode_work_for(
     seq_lens: np.ndarray,
     page_size: int,
     num_qo_heads: int,
@@ -377,19 +352,6 @@ def prefill_tile(group: int, is_gpu: bool) -> int:
 
 
 def prefill_work(
-    table: object,
-    qo_indptr: np.ndarray,
-    group: int,
-    options: AttentionOptions,
-    causal: bool,
-    is_gpu: bool,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """`prefill_work_for` the seq_lens of a checked page table
-    (`_attention_plan.PageTable`)."""
-    return prefill_work_for(table.seq_lens, qo_indptr, group, options, causal, is_gpu)
-
-
-def prefill_work_for(
     seq_lens: np.ndarray,
     qo_indptr: np.ndarray,
     group: int,

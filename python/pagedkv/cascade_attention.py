@@ -55,12 +55,20 @@ class MultiLevelCascadeAttentionWrapper:
         float_workspace_buffer: Array | None = None,
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
-        *buffers: object,
-        **buffer_kwargs: object,
+        qo_indptr_buf_arr: Sequence[Array] | None = None,
+        paged_kv_indptr_buf_arr: Sequence[Array] | None = None,
+        paged_kv_indices_buf_arr: Sequence[Array] | None = None,
+        paged_kv_last_page_len_buf_arr: Sequence[Array] | None = None,
     ) -> None:
         if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels must be an int >= 1, got {num_levels!r}")
-        if use_cuda_graph or buffers or any(v is not None for v in buffer_kwargs.values()):
+        buffers = (
+            qo_indptr_buf_arr,
+            paged_kv_indptr_buf_arr,
+            paged_kv_indices_buf_arr,
+            paged_kv_last_page_len_buf_arr,
+        )
+        if use_cuda_graph or any(b is not None for b in buffers):
             raise ValueError("use_cuda_graph and its fixed buffers are not supported")
         self._levels = [
             BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)

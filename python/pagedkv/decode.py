@@ -224,7 +224,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fixed_chunk = None
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
-            table,
+            table.seq_lens,
+            table.page_size,
             num_qo_heads,
             num_kv_heads,
             per_task,

@@ -247,7 +247,7 @@ def decode_work(
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_decode`."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    return _attention.decode_work_for(
+    return _attention.decode_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
         page_size,
         num_qo_heads,
@@ -273,7 +273,7 @@ def prefill_work(
     """The work list of a prefill step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_prefill`."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    items, request_items, _ = _attention.prefill_work_for(
+    items, request_items, _ = _attention.prefill_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
         np.asarray(qo_indptr, np.int64),
         num_qo_heads // num_kv_heads,

@@ -6,6 +6,7 @@ NumPy arrays or torch tensors; caches are written in place, never copied.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import numpy as np
@@ -247,25 +248,18 @@ def _is_append_indptr_form(args: tuple, kwargs: dict) -> bool:
 
 def _append_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, object]:
     """args and kwargs named by one form's parameters (names; the last,
-    kv_layout, defaults to "NHD"), by Python's rules for a call, raising the
-    TypeErrors that ``inspect.Signature.bind`` would, in its order."""
-    bound: dict[str, object] = {}
-    for i, value in enumerate(args):
-        if i >= len(names):
-            raise TypeError("too many positional arguments")
-        if names[i] in kwargs:
-            raise TypeError(f"multiple values for argument {names[i]!r}")
-        bound[names[i]] = value
-    rest = dict(kwargs)
-    for name in names[len(args) :]:
-        if name in rest:
-            bound[name] = rest.pop(name)
-        elif name != "kv_layout":
-            raise TypeError(f"missing a required argument: {name!r}")
-    if rest:
-        raise TypeError(f"got an unexpected keyword argument {next(iter(rest))!r}")
-    bound.setdefault("kv_layout", "NHD")
-    return bound
+    kv_layout, defaults to "NHD"), by Python's rules for a call."""
+    parameters = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default="NHD" if name == "kv_layout" else inspect.Parameter.empty,
+        )
+        for name in names
+    ]
+    bound = inspect.Signature(parameters).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwargs) -> None:

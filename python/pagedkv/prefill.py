@@ -200,7 +200,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 "cached tokens: append the queries' K/V before prefill"
             )
         items, request_items, max_queries = prefill_work(
-            table,
+            table.seq_lens,
             host_qo,
             num_qo_heads // num_kv_heads,
             options,
