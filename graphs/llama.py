@@ -9,8 +9,11 @@ work items) as a symbolic dim, so one compile serves every step of a run.
 
 The layer is a subgraph that each layer calls with its own pool and its
 own weights (by name prefix), so compiling 30 layers costs about what one
-does. Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache holds
-rotated keys), append, paged attention, output projection and residual,
+does. The products go through graph_ops.linear: on the CPU pagedkv's op
+over weights packed in panels at load (MAX's CPU matmul would dominate a
+cold compile: docs/performance.md), on a GPU MAX's matmul. Per layer:
+RMSNorm, fused QKV projection, RoPE on q and k (the cache holds rotated
+keys), append, paged attention, output projection and residual,
 RMSNorm, SwiGLU MLP and residual; then a final norm and the logits of each
 request's last token.
 """
@@ -32,6 +35,7 @@ from max.graph import (
 )
 
 from pagedkv import graph_ops
+from pagedkv.linear_panels import linear_panels_shape, pack_linear_weight
 
 from .model import LlamaConfig, layer_weight_shapes, rope_tables
 
@@ -87,6 +91,23 @@ def _rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorValue:
     return ops.concat([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
 
 
+MATRICES = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+"""The weights multiplied through graph_ops.linear: packed in panels on the CPU."""
+
+
+def _is_matrix(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in MATRICES
+
+
+def _weight(
+    name: str, dtype: DType, shape: tuple[int, ...], device: DeviceRef, placeholder: bool = False
+) -> Weight:
+    """The graph's Weight of a [K, N] (x @ W) weight, as packed on the CPU."""
+    if _is_matrix(name) and device == DeviceRef.CPU():
+        shape = linear_panels_shape(*shape)
+    return Weight(name, dtype, shape, device, _placeholder=placeholder)
+
+
 def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weight]:
     """The weights outside the layers (the layers' come by prefix: _layer_subgraph)."""
     shapes = {
@@ -94,7 +115,7 @@ def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weigh
         "final_norm": (c.hidden_size,),
         "lm_head": (c.hidden_size, c.vocab_size),
     }
-    return {name: Weight(name, dtype, shape, device) for name, shape in shapes.items()}
+    return {name: _weight(name, dtype, shape, device) for name, shape in shapes.items()}
 
 
 def _layer(
@@ -114,8 +135,13 @@ def _layer(
     nq = c.num_qo_heads * c.head_dim
     nk = c.num_kv_heads * c.head_dim
     batch_indices, positions = rows_index
+    out_features = {name: shape[-1] for name, shape in layer_weight_shapes(c).items()}
+
+    def linear(h: TensorValue, name: str) -> TensorValue:
+        return graph_ops.linear(h, w[name], out_features[name])
+
     h = ops.rms_norm(x, w["attn_norm"], c.rms_eps)
-    q, k, v = ops.split(h @ w["wqkv"], [nq, nk, nk], axis=-1)
+    q, k, v = ops.split(linear(h, "wqkv"), [nq, nk, nk], axis=-1)
     q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), *rope)
     k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
     v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
@@ -124,9 +150,9 @@ def _layer(
         attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
     else:
         attn, _ = graph_ops.batch_decode(q, pool, *table, *work, num_kv_heads=c.num_kv_heads)
-    x = x + ops.reshape(attn, [rows, nq]) @ w["wo"]
+    x = x + linear(ops.reshape(attn, [rows, nq]), "wo")
     h = ops.rms_norm(x, w["mlp_norm"], c.rms_eps)
-    return x + (ops.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    return x + linear(ops.silu(linear(h, "w_gate")) * linear(h, "w_up"), "w_down")
 
 
 def _layer_subgraph(
@@ -143,7 +169,7 @@ def _layer_subgraph(
     ) as sub:
         x, cos, sin, pool, batch_indices, positions, *rest = sub.inputs
         w = {
-            name: Weight(name, dtype, shape, device, _placeholder=True)
+            name: _weight(name, dtype, shape, device, placeholder=True)
             for name, shape in layer_weight_shapes(c).items()
         }
         table = tuple(v.tensor for v in rest[:3])
@@ -225,19 +251,26 @@ def build_step_graph(
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
         x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
-        g.output(ops.cast(x @ w["lm_head"], DType.float32))
+        g.output(ops.cast(graph_ops.linear(x, w["lm_head"], c.vocab_size), DType.float32))
     return g
 
 
-def weights_registry(weights: dict[str, np.ndarray], dtype: DType) -> dict:
-    """The weights as the graphs' Weight values want them (cast once)."""
-    if dtype == DType.float32:
-        return dict(weights)
+def weights_registry(weights: dict[str, np.ndarray], dtype: DType, device: DeviceRef) -> dict:
+    """The weights as the graphs' Weight values want them: cast to dtype and,
+    on the CPU, the matrices packed in panels (once, at load)."""
     import warnings
 
     import torch
 
+    on_cpu = device == DeviceRef.CPU()
+    registry = {}
     with warnings.catch_warnings():
-        # Read-only (memory-mapped) weights: the cast copies, nothing writes them.
+        # Read-only (memory-mapped) weights: casts and packing copy, nothing writes them.
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return {k: torch.from_numpy(v).to(getattr(torch, dtype.name)) for k, v in weights.items()}
+        for name, array in weights.items():
+            if dtype == DType.float32 and not (on_cpu and _is_matrix(name)):
+                registry[name] = array
+                continue
+            value = torch.from_numpy(array).to(getattr(torch, dtype.name))
+            registry[name] = pack_linear_weight(value) if on_cpu and _is_matrix(name) else value
+    return registry

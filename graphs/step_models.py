@@ -2,8 +2,8 @@
 
 Both graphs, and the page manager's page-copy op (copy-on-write of forked
 requests), are compiled as one MAX module: a module pays MAX's fixed compile
-cost and the code generation of the kernels it shares (the matmul above all)
-once, where two modules would pay them twice (docs/performance.md, "Cold
+cost and the code generation of the kernels it shares once, where two modules
+would pay them twice (docs/performance.md, "Cold
 start"). The module is kept in pagedkv's compile cache, so a later process
 loads it in milliseconds.
 """
@@ -66,7 +66,7 @@ def compile_step_graphs(
             device,
             graphs=graphs,
             key=("llama step graphs", config, page_size, dtype, str(device)),
-            weights_registry=weights_registry(weights, dtype),
+            weights_registry=weights_registry(weights, dtype, device.graph_ref()),
         )
         _compiled[key] = StepModels(
             models[step_graph_name(PREFILL)],

@@ -48,6 +48,7 @@ PAIRS = [
     ("GPU_KERNEL_AUTO", contract.GPU_KERNEL_AUTO),
     ("HEAD_DIMS", contract.HEAD_DIMS),
     ("ITEM_FIELDS", contract.ITEM_FIELDS),
+    ("LINEAR_PANEL", contract.LINEAR_PANEL),
 ]
 
 
@@ -95,3 +96,13 @@ def test_attention_operands_are_the_ops_parameters_in_order():
     assert contract.attention_operands(**values) == list(range(len(names)))[::-1]
     with pytest.raises(TypeError, match="attention operands"):
         contract.attention_operands(**{**values, "extra": 0})
+
+
+@pytest.mark.parametrize("name", [contract.ATTENTION_OP, contract.LINEAR_OP])
+def test_op_names_are_registered(name):
+    registered = {
+        m.group(1)
+        for path in mojo_ops_path().rglob("*.mojo")
+        for m in re.finditer(r'@extensibility\.register\("(\w+)"\)', path.read_text())
+    }
+    assert name in registered

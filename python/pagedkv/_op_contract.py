@@ -69,3 +69,9 @@ def attention_operands(**values: object) -> list:
 ATTENTION_OP = "pagedkv_batch_attention"
 """The one op of batch decode and prefill (attention/batch_attention.mojo); they differ
 by their work items and int_params[INT_KV_SPLIT]."""
+
+LINEAR_OP = "pagedkv_linear"
+"""The CPU op of a model's linear layers, y = x @ w (linear/linear.mojo)."""
+
+LINEAR_PANEL = 64
+"""Columns of a packed weight panel (linear/linear.mojo: LINEAR_PANEL)."""

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 from max.dtype import DType
-from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorValue, ops
+from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorType, TensorValue, ops
 
 from . import _attention
 from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
-from ._op_contract import ATTENTION_OP, attention_operands
+from ._op_contract import ATTENTION_OP, LINEAR_OP, LINEAR_PANEL, attention_operands
 from .page import seq_lens_from_page_table
 
 F32 = DType.float32
@@ -39,6 +39,45 @@ def custom_extensions() -> list:
     from ._kernels import kernel_package
 
     return [kernel_package()]
+
+
+def linear(x: TensorValue, weight: TensorValue, out_features: int | None = None) -> TensorValue:
+    """``x @ w`` for a linear layer's weight w [K, N].
+
+    On the CPU, ``weight`` is w packed by
+    :func:`pagedkv.linear_panels.pack_linear_weight`
+    ([ceil(N / 64), K, 64]) and the product is pagedkv's op: float32
+    accumulation, one contiguous stream of the weight per core, and a
+    fraction of the compile time of MAX's matmul. On a GPU, ``weight`` is w
+    itself and the product is MAX's matmul (tensor cores).
+
+    Args:
+        x: [M, K] (M symbolic), the weight's dtype.
+        weight: the packed panels on the CPU, [K, N] on a GPU.
+        out_features: N; needed on the CPU (the panels hold N rounded up
+            to 64 columns).
+
+    Returns:
+        [M, N], x's dtype.
+    """
+    if weight.device != DeviceRef.CPU():
+        return x @ weight
+    if weight.rank != 3 or int(weight.shape[2]) != LINEAR_PANEL:
+        raise ValueError(
+            f"a CPU linear weight is packed panels [P, K, {LINEAR_PANEL}], got {weight.shape}"
+        )
+    panels = int(weight.shape[0])
+    if out_features is None or out_features < 1 or -(-out_features // LINEAR_PANEL) != panels:
+        raise ValueError(
+            f"linear on the CPU needs out_features, N with ceil(N / {LINEAR_PANEL}) = {panels}"
+            f" (the panels are padded); got {out_features!r}"
+        )
+    if x.rank != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(
+            f"x {x.shape} {x.dtype} does not match the weight {weight.shape} {weight.dtype}"
+        )
+    out = TensorType(x.dtype, [x.shape[0], out_features], device=x.device)
+    return ops.custom(LINEAR_OP, device=x.device, values=[x, weight], out_types=[out])[0].tensor
 
 
 def append_paged_kv_cache(
