@@ -22,20 +22,34 @@ from pathlib import Path
 from pagedkv.bench.serve_bench import cpu_model
 from pagedkv.models import fetch_gguf
 
+MARKS = {
+    b"compiling the prefill": "model read",
+    b"compile: ": "graphs compiled",
+    b"step    1 ": "first token",
+}
+"""The demo's output that ends each stage."""
 
-def time_demo(env: dict[str, str]) -> tuple[float, float]:
-    """(seconds to the first token, seconds to the end) of one demo run."""
+
+def time_demo(env: dict[str, str]) -> tuple[float, float, dict[str, float]]:
+    """(seconds to the first token, seconds to the end, seconds to each mark)
+    of one demo run."""
     t0 = time.perf_counter()
     demo = [sys.executable, "-m", "pagedkv.cli", "demo"]
     proc = subprocess.Popen(demo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    seen, first = b"", None
+    seen, marks = b"", {}
     while chunk := os.read(proc.stdout.fileno(), 4096):
         seen += chunk
-        if first is None and b"step    1 " in seen:
-            first = time.perf_counter() - t0
+        for text, stage in MARKS.items():
+            if stage not in marks and text in seen:
+                marks[stage] = time.perf_counter() - t0
+    first = marks.get("first token")
     if proc.wait() or first is None:
         raise RuntimeError(seen.decode(errors="replace")[-3000:])
-    return first, time.perf_counter() - t0
+    return first, time.perf_counter() - t0, marks
+
+
+def stages(marks: dict[str, float]) -> str:
+    return ", ".join(f"{stage} at {t:.1f} s" for stage, t in marks.items())
 
 
 def main() -> None:
@@ -51,11 +65,12 @@ def main() -> None:
             shutil.copy(gguf, models / gguf.name)
             env = {**os.environ, "XDG_CACHE_HOME": home}
             env.pop("PAGEDKV_CACHE_DIR", None)
-            first, end = time_demo(env)
+            first, end, marks = time_demo(env)
             print(f"cold run {run + 1}: first token {first:.1f} s, finished {end:.1f} s")
+            print(f"  ({stages(marks)})")
             if run == args.runs - 1:
                 for warm in range(args.runs):
-                    first, end = time_demo(env)
+                    first, end, _ = time_demo(env)
                     print(f"warm run {warm + 1}: first token {first:.1f} s, finished {end:.1f} s")
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv._kernels import build_kernel_package_in_background
+
 from .model import LlamaConfig, init_weights
 from .scheduler import Request, Scheduler, pages_for
 
@@ -258,6 +260,7 @@ def run_demo(options: DemoOptions) -> int:
     from .engine import LlamaEngine
     from .self_check import check_sequences
 
+    build_kernel_package_in_background()  # overlaps reading the model
     plan = plan_demo(options)
     config, requests = plan.config, plan.requests
     samples = sum(r.samples for r in requests)

@@ -35,7 +35,11 @@ from max.graph import (
 )
 
 from pagedkv import graph_ops
-from pagedkv.linear_panels import linear_panels_shape, pack_linear_weight
+from pagedkv.linear_panels import (
+    linear_panels_shape,
+    pack_linear_weight,
+    pack_linear_weight_cached,
+)
 
 from .model import LlamaConfig, layer_weight_shapes, rope_tables
 
@@ -256,21 +260,24 @@ def build_step_graph(
 
 
 def weights_registry(weights: dict[str, np.ndarray], dtype: DType, device: DeviceRef) -> dict:
-    """The weights as the graphs' Weight values want them: cast to dtype and,
-    on the CPU, the matrices packed in panels (once, at load)."""
+    """The weights as the graphs' Weight values want them: on the CPU the
+    matrices packed in panels (float32 ones once, on disk beside a
+    memory-mapped copy), and cast to dtype (once per load)."""
+    on_cpu = device == DeviceRef.CPU()
+    if dtype == DType.float32:
+        return {
+            name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
+            for name, w in weights.items()
+        }
     import warnings
 
     import torch
 
-    on_cpu = device == DeviceRef.CPU()
     registry = {}
     with warnings.catch_warnings():
-        # Read-only (memory-mapped) weights: casts and packing copy, nothing writes them.
+        # Read-only (memory-mapped) weights: the cast copies, nothing writes them.
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         for name, array in weights.items():
-            if dtype == DType.float32 and not (on_cpu and _is_matrix(name)):
-                registry[name] = array
-                continue
             value = torch.from_numpy(array).to(getattr(torch, dtype.name))
             registry[name] = pack_linear_weight(value) if on_cpu and _is_matrix(name) else value
     return registry

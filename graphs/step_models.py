@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from max.dtype import DType
@@ -34,11 +34,15 @@ class StepModels:
         prefill: runs a prefill step (any number of new tokens per request).
         decode: runs a decode step (one new token per request).
         seconds: what compiling (cold) or loading (warm) them took.
+        weights: the arrays the models were loaded with; MAX reads them in
+            place without holding a reference, so they live as long as the
+            models do.
     """
 
     prefill: object
     decode: object
     seconds: float
+    weights: dict = field(repr=False)
 
 
 _compiled: dict[Hashable, StepModels] = {}
@@ -61,16 +65,18 @@ def compile_step_graphs(
             for kind in (PREFILL, DECODE):
                 build_step_graph(kind, config, page_size, dtype, device.graph_ref(), module)
 
+        registry = weights_registry(weights, dtype, device.graph_ref())
         models = prepare(
             [COPY_PAGES],
             device,
             graphs=graphs,
             key=("llama step graphs", config, page_size, dtype, str(device)),
-            weights_registry=weights_registry(weights, dtype, device.graph_ref()),
+            weights_registry=registry,
         )
         _compiled[key] = StepModels(
             models[step_graph_name(PREFILL)],
             models[step_graph_name(DECODE)],
             time.perf_counter() - t0,
+            registry,
         )
     return _compiled[key]

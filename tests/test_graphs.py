@@ -25,8 +25,16 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return init_weights(CONFIG, 0)
+def weights(tmp_path_factory):
+    """The demo's random weights, memory-mapped from .npy files as a real
+    model's unpacked copy is: the step graphs then run on panels packed into
+    files beside them, which only the compiled models keep alive."""
+    folder = tmp_path_factory.mktemp("weights")
+    mapped = {}
+    for i, (name, array) in enumerate(init_weights(CONFIG, 0).items()):
+        np.save(folder / f"{i}.npy", array)
+        mapped[name] = np.load(folder / f"{i}.npy", mmap_mode="r")
+    return mapped
 
 
 def engine_with_pool(weights, num_pages: int) -> LlamaEngine:

@@ -104,3 +104,23 @@ def test_bad_linear_operands_are_refused():
             graph_ops.linear(x, plain, 100)
         with pytest.raises(ValueError, match="does not match"):
             graph_ops.linear(plain, panels, 100)
+
+
+def test_a_memory_mapped_weight_is_packed_once(tmp_path, monkeypatch):
+    import pagedkv.linear_panels as linear_panels
+
+    w = np.random.default_rng(1).standard_normal((7, 70)).astype(np.float32)
+    np.save(tmp_path / "3.npy", w)
+    mapped = np.load(tmp_path / "3.npy", mmap_mode="r")
+    first = linear_panels.pack_linear_weight_cached(mapped)
+    assert (tmp_path / "3.panels.npy").is_file()
+    assert first.tobytes() == pack_linear_weight(w).tobytes()
+
+    def refuse(_):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(linear_panels, "pack_linear_weight", refuse)
+    again = linear_panels.pack_linear_weight_cached(mapped)
+    assert isinstance(again, np.memmap) and again.tobytes() == first.tobytes()
+    with pytest.raises(AssertionError, match="packed again"):
+        linear_panels.pack_linear_weight_cached(w)  # in memory: nothing to cache beside

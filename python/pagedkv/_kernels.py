@@ -44,6 +44,16 @@ def mojo_ops_path() -> Path:
     raise RuntimeError(f"pagedkv: cannot find the mojo_ops kernel package near {here}")
 
 
+_package_lock = threading.Lock()
+
+
+def build_kernel_package_in_background() -> None:
+    """Starts building the kernel package on a thread, so that a program that
+    has other start-up work (reading a model) overlaps the build with it; the
+    first `kernel_package()` call then waits for it."""
+    threading.Thread(target=kernel_package, name="pagedkv-kernel-package", daemon=True).start()
+
+
 @functools.cache
 def kernel_package() -> Path:
     """mojo_ops compiled to a .mojoc, built once per source version.
@@ -51,8 +61,14 @@ def kernel_package() -> Path:
     MAX would otherwise re-run `mojo precompile` (seconds) for every graph that
     names the source directory; the package is cached under
     pagedkv's cache directory (`cache_root`), keyed by a hash of the
-    sources and the compiler version.
+    sources and the compiler version. Thread-safe: a second caller waits
+    for the first one's build.
     """
+    with _package_lock:
+        return _build_kernel_package()
+
+
+def _build_kernel_package() -> Path:
     from importlib.metadata import version
 
     from mojo.run import subprocess_run_mojo

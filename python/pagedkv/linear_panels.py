@@ -10,6 +10,9 @@ them in a step graph.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from ._op_contract import LINEAR_PANEL
@@ -64,3 +67,33 @@ def pack_linear_weight(weight):
         packed[full] = 0
         packed[full, :, : n - full * width] = weight[:, full * width :]
     return packed
+
+
+def pack_linear_weight_cached(weight: np.ndarray) -> np.ndarray:
+    """pack_linear_weight, kept on disk beside a memory-mapped weight.
+
+    A weight memory-mapped from an .npy file (a model's unpacked copy) is
+    packed once into ``<name>.panels.npy`` beside it and memory-mapped from
+    there afterwards, so a warm start does not pack again; any other array
+    (or a folder that cannot be written) is packed in memory.
+    """
+    source = getattr(weight, "filename", None)
+    if not isinstance(weight, np.memmap) or source is None:
+        return pack_linear_weight(weight)
+    source = Path(source)
+    cached = source.with_name(f"{source.stem}.panels.npy")
+    shape = linear_panels_shape(*weight.shape)
+    if cached.is_file():
+        panels = np.load(cached, mmap_mode="r")
+        if panels.shape == shape and panels.dtype == weight.dtype:
+            return panels
+    packed = pack_linear_weight(weight)
+    staging = cached.with_name(f".{cached.name}.{os.getpid()}")
+    try:
+        with open(staging, "wb") as f:  # a path would get ".npy" appended
+            np.save(f, packed)
+        os.replace(staging, cached)
+    except OSError:
+        staging.unlink(missing_ok=True)
+        return packed
+    return np.load(cached, mmap_mode="r")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv._kernels import build_kernel_package_in_background
 from pagedkv.graphs.engine import LlamaEngine
 from pagedkv.graphs.model import LlamaConfig
 from pagedkv.graphs.sampling import SamplingParams
@@ -245,6 +246,7 @@ def load(
     if page_size < 1:
         raise ModelError(f"page_size must be at least 1, got {page_size}")
     say = progress or (lambda line: None)
+    build_kernel_package_in_background()  # overlaps reading the model
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
     model = _read(path.resolve())
     c = model.config
