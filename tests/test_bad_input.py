@@ -142,3 +142,37 @@ def test_bad_mla_append_raises(rng):
             batch.kv_last_page_len,
         )
     assert not ckv.any() and not kpe.any()
+
+
+@pytest.mark.parametrize("head_dim", [96, 576, 32])
+def test_a_head_dim_the_kernels_do_not_take_is_refused_at_plan(head_dim):
+    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    indptr = np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match="multiple of 64 up to 512"):
+        wrapper.plan(indptr, np.zeros(1, np.int32), np.ones(1, np.int32), 4, 4, head_dim, 16)
+
+
+def test_head_dim_512_is_refused_in_a_gpu_graph():
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+    from pagedkv import graph_ops
+
+    gpu = DeviceRef.GPU(0)
+    types = [
+        TensorType(DType.bfloat16, ["batch", 4, 512], gpu),
+        BufferType(DType.bfloat16, ["pages", 2, 16, 4, 512], gpu),
+    ] + [TensorType(DType.int32, [d], gpu) for d in ("pages_used", "b1", "batch", "items")]
+    with Graph("gpu_512", input_types=types) as g:
+        q, pool, indices, indptr, last, items = g.inputs
+        with pytest.raises(ValueError, match="CPU only"):
+            graph_ops.batch_decode(
+                q.tensor,
+                pool.buffer,
+                indices.tensor,
+                indptr.tensor,
+                last.tensor,
+                items.tensor,
+                indptr.tensor,
+                num_kv_heads=4,
+            )

@@ -22,7 +22,7 @@ from conftest import COMPILED_DECODE_CONFIGS, DECODE_CONFIGS, as_f64, cast, to_d
 
 BATCHES = [1, 7, 33]
 GROUPS = [(1, 4), (4, 2), (8, 1)]  # (query heads per KV head, KV heads)
-HEAD_DIMS = [64, 128, 256]
+HEAD_DIMS = [64, 128, 256, 512]
 PAGE_SIZES = [1, 16, 64]
 POS_MODES = ["NONE", "ROPE_LLAMA", "ALIBI"]
 WINDOWS = [-1, 0, 17]

@@ -47,6 +47,7 @@ PAIRS = [
     ("GPU_KERNEL_TMA", contract.GPU_KERNEL_TMA),
     ("GPU_KERNEL_AUTO", contract.GPU_KERNEL_AUTO),
     ("HEAD_DIMS", contract.HEAD_DIMS),
+    ("MIN_HEAD_DIM", contract.MIN_HEAD_DIM),
     ("ITEM_FIELDS", contract.ITEM_FIELDS),
     ("LINEAR_PANEL", contract.LINEAR_PANEL),
 ]

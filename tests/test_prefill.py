@@ -70,6 +70,14 @@ def test_prefill_product_tiles(config, options):
     check_prefill_case(config, shape, options, True, 5, heads=(6, 2, 64))
 
 
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("head_dim", [192, 512])
+def test_prefill_large_and_odd_head_dims(config, head_dim):
+    """head_dim 512 (FlashInfer's largest) and 192 (three granules): the CPU
+    kernel's one compiled variant, with its row tiles and key chunks."""
+    check_prefill_case(config, [(40, 40), (70, 9), (5, 5)], {}, True, 16, heads=(4, 2, head_dim))
+
+
 def check_prefill_case(
     config, shape, options, causal, page_size, device="cpu", heads=(8, 2, 128)
 ) -> None:

@@ -17,6 +17,8 @@ from max.dtype import DType
 
 from ._checks import INT32_MAX, check_float, check_int
 from ._op_contract import (
+    CPU_HEAD_DIMS,
+    CPU_MAX_HEAD_DIM,
     F_QK_SCALE,
     F_ROPE_SCALE,
     F_ROPE_THETA,
@@ -37,6 +39,7 @@ from ._op_contract import (
     INT_POS_ENCODING,
     INT_WINDOW_LEFT,
     ITEM_FIELDS,
+    MIN_HEAD_DIM,
     POS_ENCODING_MODES,
 )
 
@@ -103,8 +106,11 @@ class AttentionOptions:
     rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim must be a multiple of {MIN_HEAD_DIM} up to {CPU_MAX_HEAD_DIM}"
+                f" ({', '.join(map(str, HEAD_DIMS))} on a GPU), got {self.head_dim}"
+            )
         if self.pos_encoding_mode not in POS_ENCODING_MODES:
             raise ValueError(
                 f"pos_encoding_mode must be one of {sorted(POS_ENCODING_MODES)}, "
@@ -387,3 +393,12 @@ def prefill_work(
     end = np.minimum(q_pos + queries, seq_lens[request]) if causal else seq_lens[request]
     items = item_array(request, qo_indptr[request] + q0, queries, q_pos, first, end)
     return items, request_items, int(queries.max()) if len(queries) else 1
+
+
+def check_gpu_head_dim(head_dim: int) -> None:
+    """Raises unless the GPU kernels are compiled for head_dim (the CPU
+    kernel takes every multiple of MIN_HEAD_DIM up to CPU_MAX_HEAD_DIM)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {head_dim} runs on the CPU only; on a GPU it must be one of {HEAD_DIMS}"
+        )

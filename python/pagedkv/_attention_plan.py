@@ -15,7 +15,7 @@ import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 
-from ._attention import AttentionOptions
+from ._attention import AttentionOptions, check_gpu_head_dim
 from ._checks import (
     CacheGeometry,
     cache_geometry,
@@ -161,6 +161,8 @@ class AttentionPlan:
         self.options = options
         self.q_rows = q_rows
         self.device: Device = device_of(table.like)
+        if self.device.is_gpu:
+            check_gpu_head_dim(options.head_dim)
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype or q_dtype
         if q_dtype is not None:

@@ -27,7 +27,17 @@ GPU_KERNEL_AUTO = 2
 """int_params[INT_GPU_KERNEL]: the GPU decode kernel plan() chose (attention/gpu/dispatch.mojo)."""
 
 HEAD_DIMS = (64, 128, 256)
-"""Head dims the attention kernels are compiled for (attention/gpu/dispatch.mojo: HEAD_DIMS)."""
+"""Head dims the GPU attention kernels are compiled for (attention/gpu/dispatch.mojo: HEAD_DIMS)."""
+
+MIN_HEAD_DIM = 64
+"""The CPU kernel's head_dim granule: one compiled kernel serves every multiple
+(attention/cpu/step_sizes.mojo: MIN_HEAD_DIM)."""
+
+CPU_MAX_HEAD_DIM = 512
+"""The largest head_dim the CPU kernel is tested at (FlashInfer's largest)."""
+
+CPU_HEAD_DIMS = tuple(range(MIN_HEAD_DIM, CPU_MAX_HEAD_DIM + 1, MIN_HEAD_DIM))
+"""Head dims the CPU attention kernel takes."""
 
 ITEM_FIELDS = 6
 """int32 fields of one attention work item (attention/work.mojo: ITEM_FIELDS)."""

@@ -132,6 +132,8 @@ def _attention_op(
     v_scale: float | None,
 ) -> tuple[TensorValue, TensorValue]:
     device = paged_kv_cache.device
+    if device != DeviceRef.CPU():
+        _attention.check_gpu_head_dim(options.head_dim)
     rows, heads, head_dim = q.shape
     o = ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device))
     lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
