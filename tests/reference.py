@@ -176,6 +176,7 @@ def attention(
     qk_scale: float = 1.0,
     v_scale: float = 1.0,
     alibi_from_zero: bool = False,
+    mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 attention of one request: q [Lq, Hq, D] at q_positions over
     k, v [L, Hkv, D] at positions 0..L-1. Returns o [Lq, Hq, D] and the base-2
@@ -183,7 +184,8 @@ def attention(
 
     ALiBi biases key j by slope * (j - q_position) (FlashInfer's prefill), or
     with alibi_from_zero by slope * j (FlashInfer's decode kernels): the same
-    o, an lse higher by slope * q_position * log2(e)."""
+    o, an lse higher by slope * q_position * log2(e). mask [Lq, L] (bool), if
+    given, hides the keys where it is False (FlashInfer's custom mask)."""
     q = q.astype(np.float64)
     k = k.astype(np.float64)
     v = v.astype(np.float64)
@@ -208,6 +210,8 @@ def attention(
         visible &= kv_pos[None, :] <= q_positions[:, None]
     if window_left >= 0:
         visible &= kv_pos[None, :] >= q_positions[:, None] - window_left
+    if mask is not None:
+        visible &= mask
     s = np.where(visible[:, None, :], s, -np.inf)
     top = s.max(axis=-1, keepdims=True, initial=-np.inf)
     safe_top = np.where(np.isfinite(top), top, 0)

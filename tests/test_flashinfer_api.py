@@ -106,6 +106,12 @@ def test_decode_with_several_query_tokens_per_request():
         np.testing.assert_allclose(lse[rows], want_lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="q_len_per_req=2 differs from the planned 3"):
         w.run(q, pool, q_len_per_req=2)
+    # FlashInfer's messages (its test_tensor_core_decode_rejects_mismatched_q_len).
+    with pytest.raises(ValueError, match="q_len_per_req"):
+        w.run(q[:4], pool)
+    cuda_cores = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    with pytest.raises(ValueError, match="use_tensor_cores"):
+        cuda_cores.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=3)
 
 
 def test_single_decode_takes_flashinfer_positional_order():

@@ -48,6 +48,7 @@ PAIRS = [
     ("GPU_KERNEL_AUTO", contract.GPU_KERNEL_AUTO),
     ("HEAD_DIMS", contract.HEAD_DIMS),
     ("MIN_HEAD_DIM", contract.MIN_HEAD_DIM),
+    ("BIT_READ_PADDING", contract.MASK_READ_PADDING),
     ("ITEM_FIELDS", contract.ITEM_FIELDS),
     ("LINEAR_PANEL", contract.LINEAR_PANEL),
 ]

@@ -207,8 +207,8 @@ def test_single_prefill_edges_and_bad_input():
         pagedkv.single_prefill_with_kv_cache(q[0], k, v)
     with pytest.raises(ValueError, match="k, v the same"):
         pagedkv.single_prefill_with_kv_cache(q, k, v[:29])
-    with pytest.raises(NotImplementedError, match="custom masks"):
-        pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=np.ones((30, 30), bool))
+    with pytest.raises(ValueError, match="custom_mask has 870 elements"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=np.ones((30, 29), bool))
 
 
 def test_prefill_bad_input():
@@ -224,7 +224,7 @@ def test_prefill_bad_input():
         w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16, causal=True)
     with pytest.raises(ValueError, match="never decrease"):
         w.plan(np.array([0, 11, 10], np.int32), *table, 4, 2, 64, 16)
-    with pytest.raises(NotImplementedError, match="custom masks"):
+    with pytest.raises(ValueError, match="custom_mask has 3 elements"):
         w.plan(batch.append_indptr, *table, 4, 2, 64, 16, custom_mask=np.ones(3, bool))
     with pytest.raises(RuntimeError, match="before plan"):
         w.run(np.zeros((15, 4, 64), np.float32), np.zeros((2, 2, 16, 2, 64), np.float32))

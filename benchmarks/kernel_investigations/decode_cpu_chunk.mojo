@@ -52,11 +52,22 @@ from mojo_ops.attention.cpu.scores import score_tile
 from mojo_ops.attention.cpu.softmax import softmax_rows
 from mojo_ops.attention.cpu.task import attention_task
 from mojo_ops.attention.cpu.task_state import TaskState
+from mojo_ops.attention.custom_mask import CustomMask
 from mojo_ops.attention.params import AttentionParams
 from mojo_ops.attention.work import AttentionWork
 from mojo_ops.cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from mojo_ops.simd.widen import W
 from mojo_ops.work_queue import parallel_dynamic
+
+
+def no_mask() -> CustomMask:
+    """A disabled custom mask (its pointers are never read)."""
+    return CustomMask(
+        rebind[Ptr[DType.uint8]](unsafe_alloc[UInt8](8)),
+        rebind[Ptr[DType.int32]](unsafe_alloc[Int32](1)),
+        enabled=False,
+    )
+
 
 comptime HEAD_DIM = 128
 comptime KV_HEADS = 8
@@ -153,6 +164,7 @@ def chunk_times[
     for j in range(CHUNK):
         rows[unsafe_offset=j] = Int64(j * token_stride)
     var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+    var mask = no_mask()
     var state = TaskState(group, HEAD_DIM)
     for r in range(group):
         for c in range(HEAD_DIM):
@@ -173,7 +185,7 @@ def chunk_times[
             walk_heads[scoring=True](
                 HEAD_DIM, state, 1, group, k, 0, rows, 0, CHUNK, quiet
             )
-            softmax_rows(HEAD_DIM, params, state, group, CHUNK, i * CHUNK)
+            softmax_rows(HEAD_DIM, params, mask, state, group, CHUNK, i * CHUNK)
             walk_heads[scoring=False](
                 HEAD_DIM, state, 1, group, v, 0, rows, 0, CHUNK, quiet
             )
@@ -261,12 +273,15 @@ def task_ns[
     var o = filled[kv_dtype](heads * HEAD_DIM)
     var lse = filled[DType.float32](heads)
     var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+    var mask = no_mask()
 
     var best = Float64.MAX
     for _ in range(repeats):
         var start = Int(perf_counter_ns())
         for _ in range(TASK_RUNS):
-            attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, 0)
+            attention_task(
+                cache, q, o, lse, work, params, mask, heads, KV_HEADS, 0
+            )
         best = min(
             best,
             Float64(Int(perf_counter_ns()) - start)
@@ -389,11 +404,21 @@ def memory_gbps[
     var o = filled[kv_dtype](BATCH * heads * HEAD_DIM)
     var lse = filled[DType.float32](BATCH * heads)
     var params = AttentionParams(0.088, 0, 1, 10000, 1, 1, -1, 0, True)
+    var mask = no_mask()
 
     def task(
         t: Int,
-    ) {var cache, var q, var o, var lse, var work, var params, var heads}:
-        attention_task(cache, q, o, lse, work, params, heads, KV_HEADS, t)
+    ) {
+        var cache,
+        var q,
+        var o,
+        var lse,
+        var work,
+        var params,
+        var mask,
+        var heads,
+    }:
+        attention_task(cache, q, o, lse, work, params, mask, heads, KV_HEADS, t)
 
     var kernel = List[Float64]()
     var read = List[Float64]()

@@ -13,6 +13,8 @@ keys, whose partial states then get merged).
   queries sits at position L - n + i. Causal or not; chunked prefill and
   speculative decoding are the same call. Output o [nnz_qo, Hq, D] and lse
   [nnz_qo, Hq]; an item is a tile of a request's queries over all its keys.
+  custom_mask and mask_rows carry a custom mask (custom_mask.mojo; CPU only);
+  an empty mask_rows means none.
 """
 
 import extensibility
@@ -22,6 +24,8 @@ from max.gpu.host import DeviceContext
 
 from ..cache.cache_tensors import cache_from_tensors
 from ..cache.paged_kv_cache import KVLayout
+from ..cache.tensor_access import ptr_of
+from .custom_mask import CustomMask
 from .params import INT_KV_SPLIT
 from .run import kv_element_type, run_attention
 
@@ -49,6 +53,8 @@ struct BatchAttention:
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
         work_items: InputTensor[dtype=DType.int32, rank=2, ...],
         request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+        custom_mask: InputTensor[dtype=DType.uint8, rank=1, ...],
+        mask_rows: InputTensor[dtype=DType.int32, rank=1, ...],
         float_params: InputTensor[dtype=DType.float32, rank=1, ...],
         int_params: InputTensor[dtype=DType.int32, rank=1, ...],
         ctx: DeviceContext,
@@ -60,6 +66,9 @@ struct BatchAttention:
         # prefill items split queries only, and plan() passes one-row
         # placeholders for partial_o and partial_lse.
         var kv_split = Int(int_params[INT_KV_SPLIT]) != 0
+        var mask = CustomMask(
+            ptr_of(custom_mask), ptr_of(mask_rows), mask_rows.dim_size(0) > 0
+        )
         run_attention[target](
             cache,
             output,
@@ -69,6 +78,7 @@ struct BatchAttention:
             q,
             work_items,
             request_items,
+            mask,
             float_params,
             int_params,
             kv_split,

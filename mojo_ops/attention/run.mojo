@@ -13,6 +13,7 @@ from max.gpu.host import DeviceContext
 from ..cache.paged_kv_cache import PagedKVCache
 from ..cache.tensor_access import ptr_of
 from .cpu.dispatch import run_attention_cpu
+from .custom_mask import CustomMask
 from .gpu.dispatch import run_attention_gpu
 from .params import (
     F_QK_SCALE,
@@ -77,6 +78,7 @@ def run_attention[
     q: ManagedTensorSlice[dtype=output.dtype, rank=3, ...],
     work_items: InputTensor[dtype=DType.int32, rank=2, ...],
     request_items: InputTensor[dtype=DType.int32, rank=1, ...],
+    mask: CustomMask,
     float_params: InputTensor[dtype=DType.float32, rank=1, ...],
     int_params: InputTensor[dtype=DType.int32, rank=1, ...],
     kv_split: Bool,
@@ -126,8 +128,11 @@ def run_attention[
             batch_size,
             any_split,
             max(Int(int_params[INT_HEADS_PER_TASK]), 1),
+            mask,
         )
     else:
+        if mask.enabled:
+            raise Error("pagedkv: custom masks run on the CPU only")
         run_attention_gpu(
             cache,
             q_ptr,

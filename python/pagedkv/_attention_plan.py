@@ -42,6 +42,7 @@ from ._tensors import (
     storage_dtype,
     to_buffer,
 )
+from .custom_mask import NO_MASK, CustomMaskRows
 from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
 
 __all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
@@ -76,6 +77,8 @@ def attention_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
             kv_last_page_len=INDEX,
             work_items=Operand(DType.int32, 2),
             request_items=INDEX,
+            custom_mask=Operand(DType.uint8, 1),
+            mask_rows=INDEX,
             float_params=HOST_F32,
             int_params=HOST_INDEX,
         ),
@@ -153,6 +156,7 @@ class AttentionPlan:
         kv_dtype: DType | None,
         workspace: Array | None,
         lse_shift: np.ndarray | None = None,
+        custom_mask: CustomMaskRows | None = None,
     ) -> None:
         self.table = table
         self.num_qo_heads = num_qo_heads
@@ -180,6 +184,8 @@ class AttentionPlan:
             "last": resident(table.last_page_len),
             "items": resident(items),
             "request_items": resident(request_items),
+            "custom_mask": resident((custom_mask or NO_MASK).bits),
+            "mask_rows": resident((custom_mask or NO_MASK).row_bits),
             "partial_o": to_buffer(_workspace_view(workspace, partial_shape, table.like)),
             "partial_lse": to_buffer(empty(table.like, partial_shape[:2], F32)),
             # Where lse goes when the caller does not ask for it: the kernel
@@ -290,6 +296,8 @@ class AttentionPlan:
                 kv_last_page_len=b["last"],
                 work_items=b["items"],
                 request_items=b["request_items"],
+                custom_mask=b["custom_mask"],
+                mask_rows=b["mask_rows"],
                 float_params=self.float_params(q_scale, k_scale, v_scale),
                 int_params=b["int_params"],
             ),

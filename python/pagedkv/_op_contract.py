@@ -63,6 +63,8 @@ ATTENTION_OPERANDS = (
     "kv_last_page_len",
     "work_items",
     "request_items",
+    "custom_mask",
+    "mask_rows",
     "float_params",
     "int_params",
 )
@@ -85,3 +87,6 @@ LINEAR_OP = "pagedkv_linear"
 
 LINEAR_PANEL = 64
 """Columns of a packed weight panel (linear/linear.mojo: LINEAR_PANEL)."""
+
+MASK_READ_PADDING = 8
+"""Zero bytes after a packed custom mask (attention/custom_mask.mojo: BIT_READ_PADDING)."""

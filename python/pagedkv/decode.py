@@ -163,6 +163,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
         kv_data_type = kv_data_type if kv_data_type is not None else data_type
         q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
+        if q_len_per_req > 1 and not self._use_tensor_cores:
+            # FlashInfer's contract, kept so that code written here runs there.
+            raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
         indptr = as_int32_index("indptr", indptr)
         indices = as_int32_index("indices", indices)
         last_page_len = as_int32_index("last_page_len", last_page_len)
@@ -327,6 +330,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if given is not None and given != self._planned[name]:
                 raise ValueError(f"{name}={given} differs from the planned {self._planned[name]}")
         if self._multi is not None:
+            planned = self._planned["q_len_per_req"]
+            rows = planned * int(self._planned["last_page_len"].shape[0])
+            if int(q.shape[0]) != rows:
+                raise ValueError(
+                    f"q has {int(q.shape[0])} rows; the plan's batch at q_len_per_req="
+                    f"{planned} takes {rows}"
+                )
             # The prefill kernel takes q's scale folded into k's (both scale q.k).
             qk = None
             if q_scale is not None or k_scale is not None:

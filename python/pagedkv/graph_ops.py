@@ -28,6 +28,7 @@ from . import _attention
 from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
 from ._op_contract import ATTENTION_OP, LINEAR_OP, LINEAR_PANEL, attention_operands
+from .custom_mask import NO_MASK
 from .page import seq_lens_from_page_table
 
 F32 = DType.float32
@@ -158,6 +159,9 @@ def _attention_op(
             kv_last_page_len=kv_last_page_len,
             work_items=work_items,
             request_items=request_items,
+            # No custom mask in a graph (an empty mask_rows).
+            custom_mask=ops.constant(NO_MASK.bits, DType.uint8, device=device),
+            mask_rows=ops.constant(NO_MASK.row_bits, DType.int32, device=device),
             float_params=ops.constant(
                 options.float_params(q_scale, k_scale, v_scale), F32, device=host
             ),

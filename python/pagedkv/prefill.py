@@ -35,6 +35,7 @@ from ._checks import (
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
+from .custom_mask import custom_mask_rows
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -125,11 +126,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
         cached K/V, which already includes the queries' own tokens. Index
         arrays are int32, or an integer dtype whose values fit (converted).
 
-        Options as in FlashInfer and decode; custom masks are not supported,
-        and use_fp16_qk_reduction is accepted and ignored (scores are always
-        accumulated in float32). o_data_type must be None or q_data_type;
-        non_blocking, fixed_split_size and disable_split_kv are accepted and
-        change nothing (prefill work is tiled by queries, never split by keys).
+        Options as in FlashInfer and decode. custom_mask (bool, each request's
+        [qo_len, kv_len] flattened and concatenated) or packed_custom_mask
+        (the same packed little-endian, each request from a byte boundary:
+        pagedkv.custom_mask) replaces causal, on the CPU. use_fp16_qk_reduction
+        is accepted and ignored (scores are always accumulated in float32).
+        o_data_type must be None or q_data_type; non_blocking,
+        fixed_split_size and disable_split_kv are accepted and change nothing
+        (prefill work is tiled by queries, never split by keys).
 
         Example
         -------
@@ -163,8 +167,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         paged_kv_indptr = as_int32_index("paged_kv_indptr", paged_kv_indptr)
         paged_kv_indices = as_int32_index("paged_kv_indices", paged_kv_indices)
         paged_kv_last_page_len = as_int32_index("paged_kv_last_page_len", paged_kv_last_page_len)
-        if custom_mask is not None or packed_custom_mask is not None:
-            raise NotImplementedError("custom masks are not supported: use causal or window_left")
+        masked = custom_mask is not None or packed_custom_mask is not None
+        if masked:
+            if device_of(qo_indptr).is_gpu:
+                raise ValueError("custom masks run on the CPU only")
+            causal = False  # as in FlashInfer: a custom mask replaces causal
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
@@ -189,6 +196,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         counts = np.diff(host_qo)
         if host_qo[0] != 0 or (counts < 0).any():
             raise ValueError("qo_indptr must start at 0 and never decrease")
+        mask = (
+            custom_mask_rows(counts, table.seq_lens, custom_mask, packed_custom_mask)
+            if masked
+            else None
+        )
         # Without a causal mask every query sees every key, so more queries
         # than keys is well defined (FlashInfer allows it); with one, the
         # queries are the request's last tokens and must be cached.
@@ -223,6 +235,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
             kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
             workspace=self._workspace,
+            custom_mask=mask,
         )
 
     def run(
@@ -358,9 +371,10 @@ def single_prefill_with_kv_cache(
     o (q's shape and dtype), and lse [qo_len, num_qo_heads] (float32, base 2)
     with return_lse. As in FlashInfer, the queries are the last qo_len tokens:
     query i sits at position kv_len - qo_len + i (causal mask, window, RoPE
-    and ALiBi); qo_len <= kv_len. The K/V are viewed, without a copy, as one
-    page of kv_len tokens and run through the batch prefill kernel. Custom
-    masks are not supported; use_fp16_qk_reduction is ignored.
+    and ALiBi); qo_len <= kv_len when causal. custom_mask ([qo_len, kv_len]
+    bool) or packed_custom_mask replaces causal. The K/V are viewed, without
+    a copy, as one page of kv_len tokens and run through the batch prefill
+    kernel; use_fp16_qk_reduction is ignored.
 
     Example
     -------
@@ -373,6 +387,8 @@ def single_prefill_with_kv_cache(
         raise ValueError("o_dtype must be None or q's dtype: o is written in q's dtype")
     kv = one_page_kv(q, k, v, kv_layout, q_dims=3)
     queries, num_qo_heads, head_dim = (int(n) for n in q.shape)
+    if custom_mask is not None or packed_custom_mask is not None:
+        causal = False  # a custom mask replaces causal
     if causal and queries > kv.length:
         raise ValueError(
             f"q has {queries} causal queries but k, v only {kv.length} tokens: the queries "

@@ -8,6 +8,7 @@ from ...cache.paged_kv_cache import DYNAMIC, PagedKVCache, Ptr
 from ...merge.merge_states import merge_row
 from ...simd.widen import F32
 from ...work_queue import parallel_dynamic
+from ..custom_mask import CustomMask
 from ..params import AttentionParams
 from ..work import AttentionWork
 from .step_sizes import MIN_HEAD_DIM
@@ -28,6 +29,7 @@ def run_attention_cpu[
     batch_size: Int,
     any_split: Bool,
     heads_per_task: Int,
+    mask: CustomMask,
 ) raises:
     """The work items, each over blocks of heads_per_task KV heads, as tasks
     that the cores take in turn (`attention_task`); then, where any_split,
@@ -51,6 +53,7 @@ def run_attention_cpu[
         var params,
         var num_qo_heads,
         var heads_per_task,
+        var mask,
     }:
         attention_task(
             dynamic,
@@ -59,6 +62,7 @@ def run_attention_cpu[
             lse_ptr,
             work,
             params,
+            mask,
             num_qo_heads,
             heads_per_task,
             t,

@@ -1,14 +1,15 @@
 """The CPU task's base-2 online softmax over one chunk's scores, with the
-rows' masks (causal, window) and NaN kept as data (see task.mojo for the
+rows' masks (causal, window, a custom mask) and NaN kept as data (see task.mojo for the
 task as a whole)."""
 
 from std.memory import stack_allocation
 from std.utils.numerics import nan, neg_inf
 
-from ...cache.paged_kv_cache import Ptr
+from ...cache.paged_kv_cache import IndexPtr, Ptr
 from ...simd.exp2 import exp2_f32, nan_lanes
 from ...simd.lane_reduce import reduce_many
 from ...simd.widen import F32, W
+from ..custom_mask import CustomMask
 from ..params import AttentionParams
 from .key_chunks import CHUNK
 from .task_state import TaskState
@@ -20,10 +21,12 @@ def softmax_tile[
 ](
     head_dim: Int,
     params: AttentionParams,
+    mask: CustomMask,
     scores: Ptr[F32],
     n: Int,
     kv_pos0: Int,
     row_pos: Ptr[F32],
+    mask_bit: IndexPtr,
     alibi_log2: Ptr[F32],
     m: Ptr[F32],
     l: Ptr[F32],
@@ -33,8 +36,9 @@ def softmax_tile[
     the running max m, and l and acc are rescaled when m grows.
 
     kv_pos0: position of the chunk's first key; row_pos[g]: the position of
-    row g's query. Keys a row may not see (past the chunk's end, after the
-    query when causal, before its window) get no weight. The tile's rows go
+    row g's query; mask_bit[g]: its custom mask row (when mask.enabled).
+    Keys a row may not see (past the chunk's end, after the query when
+    causal, before its window, masked out) get no weight. The tile's rows go
     through each step together, without branches, so that their reductions
     and exponentials overlap instead of forming one long chain per row.
     """
@@ -60,9 +64,12 @@ def softmax_tile[
                 alibi_log2[unsafe_offset=g],
                 distance,
             )
-            s = params.visible(distance, iota.lt(Float32(n - c * W))).select(
-                s, neg_inf[F32]()
-            )
+            var seen = params.visible(distance, iota.lt(Float32(n - c * W)))
+            if mask.enabled:
+                seen = seen & mask.lanes[W](
+                    Int(mask_bit[unsafe_offset=g]) + kv_pos0 + c * W
+                )
+            s = seen.select(s, neg_inf[F32]())
             row.unsafe_offset(c * W).unsafe_store(s)
             top = max(top, s)
             nan_seen = nan_seen | nan_lanes(s)
@@ -103,6 +110,7 @@ def softmax_tile[
 def softmax_rows(
     head_dim: Int,
     params: AttentionParams,
+    mask: CustomMask,
     state: TaskState,
     count: Int,
     n: Int,
@@ -120,10 +128,12 @@ def softmax_rows(
                 softmax_tile[tile](
                     head_dim,
                     params,
+                    mask,
                     state.scores.unsafe_offset(r * CHUNK),
                     n,
                     kv_pos0,
                     state.row_pos.unsafe_offset(r),
+                    state.mask_bit.unsafe_offset(r),
                     state.alibi_log2.unsafe_offset(r),
                     state.m.unsafe_offset(r),
                     state.l.unsafe_offset(r),

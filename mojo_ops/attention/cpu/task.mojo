@@ -12,7 +12,7 @@ the steps below (products.mojo).
 The task walks its keys in chunks of CHUNK tokens, which may span pages
 (see key_chunks.mojo). Per chunk: scores for all its query rows
 (scores.mojo), then a base-2 online softmax with per-row masks (causal,
-window; softmax.mojo), then V folded into the rows' accumulators
+window, a custom mask; softmax.mojo), then V folded into the rows' accumulators
 (accumulate.mojo). K, and then V, are read in blocks of a few tokens
 (block_sizes.mojo): all the task's heads of a block's tokens before the
 next block, so that reads stay within a few adjacent token rows, which the
@@ -47,6 +47,7 @@ from ...simd.widen import (
     paired,
     to_paired_order,
 )
+from ..custom_mask import CustomMask
 from ..params import (
     LOG2E,
     POS_ALIBI,
@@ -75,6 +76,7 @@ def attention_task[
     lse: Ptr[F32],
     work: AttentionWork,
     params: AttentionParams,
+    mask: CustomMask,
     num_qo_heads: Int,
     heads_per_task: Int,
     task: Int,
@@ -119,6 +121,7 @@ def attention_task[
         q,
         st,
         params,
+        mask,
         num_qo_heads,
         head_dim,
         h0,
@@ -205,7 +208,7 @@ def attention_task[
             )
         if keep_raw_q:
             scale_scores(st.scores, heads * head_rows, q_scale)
-        softmax_rows(head_dim, params, st, heads * head_rows, n, tok)
+        softmax_rows(head_dim, params, mask, st, heads * head_rows, n, tok)
         var next_k = BlockPrefetch[kv_dtype](
             k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
         )
@@ -269,6 +272,7 @@ def load_query_rows[
     q: Ptr[q_dtype],
     st: TaskState,
     params: AttentionParams,
+    mask: CustomMask,
     num_qo_heads: Int,
     head_dim: Int,
     h0: Int,
@@ -285,8 +289,9 @@ def load_query_rows[
     + g (KV heads h0..h1) as row r = (h - h0) * head_rows + t * group + g,
     widened, rotated (RoPE), scaled by q_scale and put in the order K widens
     in (or kept as it came, keep_raw_q: see `raw_bf16_q`); the rows'
-    accumulators and softmax states cleared, their positions and ALiBi
-    slopes set. The RoPE frequencies must be in st.inv_freq."""
+    accumulators and softmax states cleared, their positions, ALiBi
+    slopes and custom mask rows set. The RoPE frequencies must be in st.inv_freq.
+    """
     var head_rows = queries * group
     comptime raw_q = raw_bf16_q[q_dtype, kv_dtype]()
     for h in range(h0, h1):
@@ -330,6 +335,10 @@ def load_query_rows[
                 st.m[unsafe_offset=r] = neg_inf[F32]()
                 st.l[unsafe_offset=r] = 0
                 st.row_pos[unsafe_offset=r] = Float32(q_pos0 + t)
+                if mask.enabled:
+                    st.mask_bit[unsafe_offset=r] = mask.row_bits[
+                        unsafe_offset=q_row0 + t
+                    ]
                 st.alibi_log2[unsafe_offset=r] = 0
                 if params.pos_encoding == POS_ALIBI:
                     st.alibi_log2[unsafe_offset=r] = (

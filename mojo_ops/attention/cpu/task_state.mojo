@@ -2,14 +2,14 @@
 
 from std.memory.alloc import unsafe_alloc
 
-from ...cache.paged_kv_cache import Ptr
+from ...cache.paged_kv_cache import IndexPtr, Ptr
 from ...simd.widen import F32, W
 from .key_chunks import CHUNK, RowOffsets
 
 
 struct TaskState(Movable):
-    """Per-task scratch: the q vector, accumulator, softmax state, position
-    and ALiBi slope of each query row (a query token's head), the scores of
+    """Per-task scratch: the q vector, accumulator, softmax state, position,
+    ALiBi slope and custom mask row of each query row (a query token's head), the scores of
     one chunk, row offset tables. On the heap: 64 rows of dim 256 would not fit
     a worker thread's stack."""
 
@@ -19,6 +19,8 @@ struct TaskState(Movable):
     var l: Ptr[F32]
     var alibi_log2: Ptr[F32]
     var row_pos: Ptr[F32]
+    var mask_bit: IndexPtr
+    """Each row's bit offset of key 0 in the custom mask (set only with one)."""
     var scores: Ptr[F32]
     var inv_freq: Ptr[DType.float64]
     var krot: Ptr[F32]
@@ -47,6 +49,7 @@ struct TaskState(Movable):
         var l_at = take(at, rows)
         var alibi_at = take(at, rows)
         var pos_at = take(at, rows)
+        var mask_at = take(at, rows)  # int32s
         var scores_at = take(at, rows * CHUNK)
         var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
@@ -61,6 +64,7 @@ struct TaskState(Movable):
         self.l = self._storage.unsafe_offset(l_at)
         self.alibi_log2 = self._storage.unsafe_offset(alibi_at)
         self.row_pos = self._storage.unsafe_offset(pos_at)
+        self.mask_bit = rebind[IndexPtr](self._storage.unsafe_offset(mask_at))
         self.scores = self._storage.unsafe_offset(scores_at)
         self.inv_freq = rebind[Ptr[DType.float64]](
             self._storage.unsafe_offset(freq_at)

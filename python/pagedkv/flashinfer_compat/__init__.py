@@ -44,6 +44,7 @@ from .prefill import (
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
 )
+from .quantization import packbits, segment_packbits
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
@@ -63,6 +64,8 @@ __all__ = [
     "merge_state_in_place",
     "merge_states",
     "nvfp4_quantize_append_paged_kv_cache",
+    "packbits",
+    "segment_packbits",
     "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",

@@ -1,0 +1,130 @@
+"""Custom attention masks in prefill (FlashInfer's custom_mask and
+packed_custom_mask) against the float64 reference with the same mask: ragged
+requests whose masks do not fill whole bytes, rows with nothing visible
+(o = 0, lse = -inf), more queries than keys, a window on top, tasks of
+matrix products and of steps, and the packing helpers bitwise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv
+import reference
+from conftest import PREFILL_CONFIGS, as_f64, cast
+from pagedkv.custom_mask import custom_mask_rows, packbits, segment_packbits
+
+# (cached tokens, queries) per request: odd sizes, a masked row set, qo > kv.
+SHAPE = [(13, 5), (40, 40), (3, 9), (70, 17), (1, 1)]
+
+
+def masks_for(rng, shape, density):
+    masks = [rng.random((n, kv)) < density for kv, n in shape]
+    masks[0][2] = False  # a row that sees nothing
+    return masks
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("form", ["bool", "packed"])
+@pytest.mark.parametrize("heads", [(8, 2, 64), (2, 2, 128)], ids=["products", "steps"])
+@pytest.mark.parametrize("window_left", [-1, 6])
+def test_custom_mask_matches_reference(config, form, heads, window_left):
+    q_dtype, kv_dtype, layout = config
+    rng = np.random.default_rng(len(form) + heads[0] + window_left)
+    page_size = 4
+    lens, queries = zip(*SHAPE, strict=True)
+    batch = reference.paged_batch(rng, page_size, list(lens), list(queries))
+    hq, hkv, d = heads
+    page = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
+    pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), kv_dtype)
+    q = cast(rng.standard_normal((batch.nnz, hq, d), dtype=np.float32), q_dtype)
+    masks = masks_for(rng, SHAPE, 0.6)
+    flat = np.concatenate([m.reshape(-1) for m in masks])
+    if form == "bool":
+        mask_args = dict(custom_mask=torch.from_numpy(flat))
+    else:
+        sizes = np.array([m.size for m in masks])
+        packed, _ = segment_packbits(flat, np.concatenate([[0], np.cumsum(sizes)]), "little")
+        mask_args = dict(packed_custom_mask=packed)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(
+        batch.append_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_page_len,
+        hq,
+        hkv,
+        d,
+        page_size,
+        causal=True,  # ignored: the mask replaces it
+        window_left=window_left,
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+        **mask_args,
+    )
+    o, lse = w.run(q, pool, return_lse=True)
+    tol = 1e-5 if q_dtype == "float32" else 1e-2
+    refs = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout
+    )
+    for b, (k, v) in enumerate(refs):
+        lo, hi = batch.append_indptr[b], batch.append_indptr[b + 1]
+        positions = np.arange(len(k) - (hi - lo), len(k))
+        want_o, want_lse = reference.attention(
+            as_f64(q)[lo:hi], k, v, positions, causal=False, window_left=window_left, mask=masks[b]
+        )
+        np.testing.assert_allclose(as_f64(o)[lo:hi], want_o, rtol=tol, atol=tol)
+        finite = np.isfinite(want_lse)
+        assert (~finite).any() or b != 0  # request 0's masked row
+        np.testing.assert_allclose(as_f64(lse)[lo:hi][finite], want_lse[finite], rtol=tol, atol=tol)
+        assert (as_f64(lse)[lo:hi][~finite] == -np.inf).all()
+        assert (as_f64(o)[lo:hi][~finite] == 0).all()
+
+
+def test_single_prefill_takes_a_2d_mask():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((6, 4, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((11, 2, 64), dtype=np.float32) for _ in range(2))
+    mask = rng.random((6, 11)) < 0.5
+    o = pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=mask)
+    want, _ = reference.attention(q, k, v, np.arange(5, 11), causal=False, mask=mask)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_helpers_are_numpys_packbits():
+    rng = np.random.default_rng(6)
+    bits = rng.random(45) < 0.5
+    indptr = np.array([0, 3, 3, 20, 45])
+    for order in ("big", "little"):
+        packed, starts = segment_packbits(bits, indptr, order)
+        segments = zip(indptr[:-1], indptr[1:], strict=True)
+        want = [np.packbits(bits[a:b], bitorder=order) for a, b in segments]
+        assert packed.tobytes() == np.concatenate(want).tobytes()
+        assert starts.tolist() == [0, 1, 1, 4, 8]
+        assert packbits(bits, order).tobytes() == np.packbits(bits, bitorder=order).tobytes()
+    t_packed, t_starts = segment_packbits(torch.from_numpy(bits), torch.from_numpy(indptr))
+    assert isinstance(t_packed, torch.Tensor) and t_starts.dtype == torch.int32
+
+
+def test_mask_rows_point_at_each_querys_key_zero():
+    rows = custom_mask_rows(np.array([2, 3]), np.array([5, 3]), custom_mask=np.ones(19, bool))
+    # Request 0: 10 bits (2 bytes); request 1: 9 bits from byte 2, rows of 3 keys.
+    assert rows.row_bits.tolist() == [0, 5, 16, 19, 22]
+    assert rows.bits.tolist() == [255, 3, 255, 1] + [0] * 8  # then the read padding
+
+
+def test_bad_masks_are_refused_before_anything_runs():
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((4, 2, 64), dtype=np.float32)
+    k = v = rng.standard_normal((6, 2, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="custom_mask has 23 elements"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=np.ones(23, bool))
+    with pytest.raises(ValueError, match="boolean"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, custom_mask=np.full(24, 0.5))
+    with pytest.raises(ValueError, match="pack into 3"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=np.ones(4, np.uint8))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        pagedkv.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="without decreasing"):
+        segment_packbits(np.ones(4, bool), np.array([0, 3, 2, 4]))
