@@ -403,7 +403,7 @@ def test_decode_bad_input():
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fast")
     with pytest.raises(ValueError, match="no trtllm-gen kernel"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="trtllm-gen")
-    with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True)
     with pytest.raises(ValueError, match="page table is on the CPU"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="tma").plan(*table, 4, 2, 64, 16)

@@ -215,7 +215,7 @@ def test_prefill_bad_input():
     rng = np.random.default_rng(2)
     batch = reference.paged_batch(rng, 16, [10, 5], [10, 5])
     table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
-    with pytest.raises(ValueError, match="use_cuda_graph=True is not supported"):
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", True)
     with pytest.raises(ValueError, match="no fa3 kernel"):
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")

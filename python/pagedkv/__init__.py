@@ -11,7 +11,11 @@ from .cascade_attention import (
     BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
     MultiLevelCascadeAttentionWrapper,
 )
-from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from .decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
+)
 from .functional import (
     allocate_blocks,
     append_kv,
@@ -32,6 +36,7 @@ from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchMetadata",
     "BatchPrefillWithPagedKVCacheWrapper",

@@ -157,6 +157,7 @@ class AttentionPlan:
         workspace: Array | None,
         lse_shift: np.ndarray | None = None,
         custom_mask: CustomMaskRows | None = None,
+        table_views: tuple[Array, Array, Array] | None = None,
     ) -> None:
         self.table = table
         self.num_qo_heads = num_qo_heads
@@ -178,10 +179,17 @@ class AttentionPlan:
         partial_shape = (max(len(items), 1), num_qo_heads, options.head_dim)
         # run() reads the plan's own copies: later edits to the caller's arrays
         # cannot desynchronise the metadata from the page table.
+        # table_views: the caller's fixed buffers holding the table
+        # (pagedkv.fixed_buffers), which run() then reads in place.
+        indptr, indices, last = table_views or (
+            resident(table.indptr),
+            resident(table.indices),
+            resident(table.last_page_len),
+        )
         self.buffers = {
-            "indices": resident(table.indices),
-            "indptr": resident(table.indptr),
-            "last": resident(table.last_page_len),
+            "indices": to_buffer(indices),
+            "indptr": to_buffer(indptr),
+            "last": to_buffer(last),
             "items": resident(items),
             "request_items": resident(request_items),
             "custom_mask": resident((custom_mask or NO_MASK).bits),

@@ -159,13 +159,13 @@ def check_output(name: str, x: Array, shape: tuple[int, ...], dtype: DType, devi
     check_writable(name, x)
 
 
-def reject_cuda_graph(use_cuda_graph: bool) -> None:
-    """Raises for FlashInfer's use_cuda_graph=True, which pagedkv's wrappers
-    accept in its place but do not support."""
+def reject_cuda_graph(use_cuda_graph: bool, wrapper: str) -> None:
+    """Raises for FlashInfer's use_cuda_graph=True on a wrapper that does not
+    take fixed buffers (the paged decode and prefill wrappers do)."""
     if use_cuda_graph:
         raise ValueError(
-            "use_cuda_graph=True is not supported: pagedkv does not support capturing "
-            "run() in a CUDA graph; plan() once per batch shape and call run() directly"
+            f"use_cuda_graph=True is not supported by {wrapper}; the paged decode and "
+            "prefill wrappers take it with their fixed buffers"
         )
 
 

@@ -23,11 +23,19 @@ from ._attention import (
     heads_per_task,
 )
 from ._attention_plan import AttentionPlan, PageTable, attention_spec
-from ._checks import INT32_MAX, as_int32_index, check_int, layout_code, reject_cuda_graph
+from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
+from .fixed_buffers import FixedIndexBuffers
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+FIXED_DECODE_BUFFERS = (
+    "paged_kv_indptr_buffer",
+    "paged_kv_indices_buffer",
+    "paged_kv_last_page_len_buffer",
+)
+"""The constructor's fixed buffers (use_cuda_graph), in page-table order."""
 
 
 def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -50,9 +58,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
     The constructor takes FlashInfer's arguments in FlashInfer's order.
     use_tensor_cores picks a kernel in FlashInfer with the same result; here
     it is kept as the `use_tensor_cores` attribute and changes nothing.
-    use_cuda_graph=True raises (pagedkv does not support CUDA-graph capture of
-    run()); the paged_kv_*_buffer arguments go with it and must be None.
-    jit_args (FlashInfer's JIT variants) must be None.
+    use_cuda_graph=True takes the three paged_kv_*_buffer arrays (int32, the
+    caller's, kept for the wrapper's life): plan() writes each batch's page
+    table into them and run() reads it from them alone, so a captured step
+    replays with new contents; the batch size is fixed by the buffers
+    (pagedkv.fixed_buffers). jit_args (FlashInfer's JIT variants) must be None.
     """
 
     def __init__(
@@ -67,10 +77,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: object = None,
     ) -> None:
-        reject_cuda_graph(use_cuda_graph)
-        buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        if any(b is not None for b in buffers):
-            raise ValueError("paged_kv_*_buffer go with use_cuda_graph=True, which is unsupported")
+        buffers = {
+            "paged_kv_indptr_buffer": paged_kv_indptr_buffer,
+            "paged_kv_indices_buffer": paged_kv_indices_buffer,
+            "paged_kv_last_page_len_buffer": paged_kv_last_page_len_buffer,
+        }
+        self._fixed = None
+        if use_cuda_graph:
+            self._fixed = FixedIndexBuffers(
+                buffers, exact=("paged_kv_indptr_buffer", "paged_kv_last_page_len_buffer")
+            )
+        elif any(b is not None for b in buffers.values()):
+            raise ValueError("the paged_kv_*_buffer arguments go with use_cuda_graph=True")
         if jit_args is not None:
             raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         self._layout = layout_code(kv_layout)
@@ -82,6 +100,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan: AttentionPlan | None = None
         self._multi: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._planned: dict | None = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        """Whether plan() writes into the caller's fixed buffers (use_cuda_graph)."""
+        return self._fixed is not None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -194,6 +217,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         self._plan = self._multi = None
         if q_len_per_req > 1:
+            if self._fixed is not None:
+                raise ValueError("q_len_per_req > 1 is not supported with use_cuda_graph=True")
             self._plan_multi_token(q_len_per_req)
             return
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
@@ -225,6 +250,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fixed_chunk = check_int("fixed_split_size", fixed_split_size, 1) * page_size
         else:
             fixed_chunk = None
+        views = None
+        if self._fixed is not None:
+            columns = list(
+                zip(
+                    FIXED_DECODE_BUFFERS,
+                    (table.indptr, table.indices, table.last_page_len),
+                    strict=True,
+                )
+            )
+            for name, values in columns:
+                self._fixed.check(name, len(values))
+            views = tuple(self._fixed.write(name, values) for name, values in columns)
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
             table.seq_lens,
@@ -256,6 +293,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if pos_encoding_mode == "ALIBI"
                 else None
             ),
+            table_views=views,
         )
 
     def _plan_multi_token(self, q_len: int) -> None:
@@ -391,6 +429,35 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise RuntimeError("forward() called before begin_forward()")
         if any(self._planned[k] != v for k, v in options.items()):
             self.plan(**{**self._planned, **options})
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """BatchDecodeWithPagedKVCacheWrapper with use_cuda_graph=True: FlashInfer's
+    name, in its argument order.
+
+    >>> w = CUDAGraphBatchDecodeWithPagedKVCacheWrapper(None, indptr_buf, indices_buf, last_buf)
+    >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)  # writes the buffers
+    >>> o = w.run(q, paged_kv_cache)  # reads the page table from the buffers
+    """
+
+    def __init__(
+        self,
+        workspace_buffer: Array | None,
+        indptr_buffer: Array,
+        indices_buffer: Array,
+        last_page_len_buffer: Array,
+        kv_layout: str = "NHD",
+        use_tensor_cores: bool = False,
+    ) -> None:
+        super().__init__(
+            workspace_buffer,
+            kv_layout,
+            use_cuda_graph=True,
+            use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buffer,
+            paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=last_page_len_buffer,
+        )
 
 
 def single_decode_with_kv_cache(

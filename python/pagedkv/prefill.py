@@ -30,17 +30,26 @@ from ._checks import (
     check_int,
     host_index_copy,
     layout_code,
-    reject_cuda_graph,
 )
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
 from .custom_mask import custom_mask_rows
+from .fixed_buffers import FixedIndexBuffers
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """The compiled prefill op for these dtypes and layout."""
     return attention_spec(q_dtype, kv_dtype, layout)
+
+
+FIXED_PREFILL_BUFFERS = (
+    "qo_indptr_buf",
+    "paged_kv_indptr_buf",
+    "paged_kv_indices_buf",
+    "paged_kv_last_page_len_buf",
+)
+"""The constructor's fixed buffers (use_cuda_graph), in plan()'s order."""
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -52,9 +61,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
     >>> o = w.run(q, paged_kv_cache)          # q [qo_indptr[-1], 32, 128]
 
     The constructor takes FlashInfer's arguments in FlashInfer's order.
-    use_cuda_graph=True raises, as in BatchDecodeWithPagedKVCacheWrapper, and
-    the *_buf arguments that go with it must be None. backend: FlashInfer's
-    "auto" or "fa2", both pagedkv's one prefill kernel for the device.
+    use_cuda_graph=True takes qo_indptr_buf and the three paged_kv_*_buf
+    arrays, which plan() writes and run() reads, as in
+    BatchDecodeWithPagedKVCacheWrapper (pagedkv.fixed_buffers); custom masks
+    then go through plan()'s arguments (custom_mask_buf and mask_indptr_buf
+    must be None). backend: FlashInfer's "auto" or "fa2", both pagedkv's one
+    prefill kernel for the device.
     """
 
     def __init__(
@@ -71,19 +83,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: object = None,
     ) -> None:
-        reject_cuda_graph(use_cuda_graph)
-        buffers = (
-            qo_indptr_buf,
-            paged_kv_indptr_buf,
-            paged_kv_indices_buf,
-            paged_kv_last_page_len_buf,
-            custom_mask_buf,
-            mask_indptr_buf,
-        )
-        if any(b is not None for b in buffers):
+        if custom_mask_buf is not None or mask_indptr_buf is not None:
             raise ValueError(
-                "the *_buf arguments go with use_cuda_graph=True, which is unsupported"
+                "custom_mask_buf and mask_indptr_buf are not supported: pass the mask to plan()"
             )
+        given = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf)
+        given += (paged_kv_last_page_len_buf,)
+        buffers = dict(zip(FIXED_PREFILL_BUFFERS, given, strict=True))
+        self._fixed = None
+        if use_cuda_graph:
+            self._fixed = FixedIndexBuffers(
+                buffers,
+                exact=("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_last_page_len_buf"),
+            )
+        elif any(b is not None for b in buffers.values()):
+            raise ValueError("the *_buf arguments go with use_cuda_graph=True")
         if jit_args is not None:
             raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         check_backend(backend, PREFILL_BACKENDS)
@@ -92,6 +106,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._workspace = float_workspace_buffer
         self._plan: AttentionPlan | None = None
         self._planned: dict | None = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        """Whether plan() writes into the caller's fixed buffers (use_cuda_graph)."""
+        return self._fixed is not None
 
     def plan(
         self,
@@ -211,6 +230,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 f"request {b} has {counts[b]} causal queries but only {table.seq_lens[b]} "
                 "cached tokens: append the queries' K/V before prefill"
             )
+        views = None
+        if self._fixed is not None:
+            columns = list(
+                zip(
+                    FIXED_PREFILL_BUFFERS,
+                    (host_qo, table.indptr, table.indices, table.last_page_len),
+                    strict=True,
+                )
+            )
+            for name, values in columns:
+                self._fixed.check(name, len(values))
+            views = tuple(self._fixed.write(name, values) for name, values in columns)[1:]
         items, request_items, max_queries = prefill_work(
             table.seq_lens,
             host_qo,
@@ -236,6 +267,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
             workspace=self._workspace,
             custom_mask=mask,
+            table_views=views,
         )
 
     def run(

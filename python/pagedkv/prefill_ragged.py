@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_int32_index, check_index_array, host_index_copy
+from ._checks import as_int32_index, check_index_array, host_index_copy, reject_cuda_graph
 from ._tensors import Array, check_array, contiguous, new_like
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -24,8 +24,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     >>> o = w.run(q, k, v)     # q [qo_indptr[-1], 32, 128], k, v [kv_indptr[-1], 8, 128]
 
     The constructor takes FlashInfer's arguments in FlashInfer's order;
-    use_cuda_graph=True raises and the *_buf arguments must be None, as in
-    BatchPrefillWithPagedKVCacheWrapper. kv_layout "HND" takes k, v as
+    use_cuda_graph=True raises (not supported here) and the *_buf arguments
+    must be None. kv_layout "HND" takes k, v as
     [Hkv, nnz_kv, D] and copies them to NHD on each run().
     """
 
@@ -42,14 +42,13 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         jit_args: object = None,
         jit_kwargs: object = None,
     ) -> None:
-        if any(b is not None for b in (kv_indptr_buf, jit_kwargs)):
-            raise ValueError("kv_indptr_buf and jit_kwargs are not supported")
+        reject_cuda_graph(use_cuda_graph, "BatchPrefillWithRaggedKVCacheWrapper")
+        if any(b is not None for b in (qo_indptr_buf, kv_indptr_buf, jit_kwargs)):
+            raise ValueError("qo_indptr_buf, kv_indptr_buf and jit_kwargs are not supported")
         # The inner wrapper pages the ragged rows as NHD one-token pages.
         self._paged = BatchPrefillWithPagedKVCacheWrapper(
             float_workspace_buffer,
             "NHD",
-            use_cuda_graph,
-            qo_indptr_buf,
             custom_mask_buf=custom_mask_buf,
             mask_indptr_buf=mask_indptr_buf,
             backend=backend,

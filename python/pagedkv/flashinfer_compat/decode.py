@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
-from ..fast_decode_plan import fast_decode_plan
-from ._missing import missing_class
-from .jit import JitSpec
-
-CUDAGraphBatchDecodeWithPagedKVCacheWrapper = missing_class(
-    "decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-    "use_cuda_graph=True is unsupported",
+from ..decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
 )
+from ..fast_decode_plan import fast_decode_plan
+from .jit import JitSpec
 
 
 def gen_single_decode_module(*args: Any, **kwargs: Any) -> JitSpec:

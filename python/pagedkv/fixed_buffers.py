@@ -1,0 +1,69 @@
+"""Fixed index buffers: FlashInfer's ``use_cuda_graph=True`` wrappers.
+
+A wrapper constructed with the caller's index buffers (``paged_kv_indptr_buffer``
+and the rest) keeps them for its life: each plan() writes the batch's index
+arrays into them, and run() reads the page table from them and from nothing
+else, so a step captured once (a CUDA graph) replays with the contents the
+last plan() wrote. The batch size is the buffers' own (indptr has B + 1
+entries, last_page_len B); the page-index buffer is a capacity, filled from
+its start. The work list plan() decides stays in the plan, as FlashInfer's
+stays in its workspace buffer. On the CPU the same contract holds, without
+the capture.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import check_index_array, check_writable
+from ._tensors import Array, device_of, is_contiguous, is_torch
+
+
+class FixedIndexBuffers:
+    """The caller's int32 buffers by name, checked once at construction.
+
+    exact: the names whose length is fixed (a batch's B + 1 or B entries);
+    the others are capacities.
+    """
+
+    def __init__(self, buffers: dict[str, Array | None], exact: tuple[str, ...]) -> None:
+        missing = [name for name, b in buffers.items() if b is None]
+        if missing:
+            raise ValueError(f"use_cuda_graph=True needs {', '.join(missing)}")
+        devices = set()
+        for name, b in buffers.items():
+            check_index_array(name, b)
+            check_writable(name, b)
+            if not is_contiguous(b):
+                raise ValueError(f"{name} must be contiguous: plan() writes it in place")
+            devices.add(device_of(b))
+        if len(devices) != 1:
+            raise ValueError("the fixed index buffers must be on one device")
+        self.buffers: dict[str, Array] = dict(buffers)  # type: ignore[arg-type]
+        self.exact = exact
+
+    def check(self, name: str, length: int) -> None:
+        """Raises unless `length` values fit buffer `name` (exactly, for a
+        fixed-length one)."""
+        size = int(self.buffers[name].shape[0])
+        if name in self.exact and length != size:
+            raise ValueError(
+                f"{name} holds {size} entries (the batch size is fixed by the buffers "
+                f"in use_cuda_graph mode), got {length}"
+            )
+        if length > size:
+            raise ValueError(f"{name} holds {size} entries, fewer than the {length} given")
+
+    def write(self, name: str, values: np.ndarray) -> Array:
+        """Copies values (int32, host) into the front of buffer `name` and
+        returns that front, a view of the caller's buffer. Call check first:
+        a plan checks everything before it writes anything."""
+        buffer = self.buffers[name]
+        view = buffer[: len(values)]
+        if is_torch(buffer):
+            import torch
+
+            view.copy_(torch.from_numpy(np.ascontiguousarray(values, np.int32)))
+        else:
+            view[:] = values
+        return view
