@@ -756,6 +756,24 @@ def dequantize_for_attention(
     return out[0], out[1]
 
 
+def attention_cache(
+    paged_kv_cache: Array | Sequence[Array],
+    kv_cache_sf: Array | Sequence[Array],
+    kv_layout: str,
+    q: Array,
+    table: Any,
+) -> tuple[Array, Array]:
+    """The (k, v) cache a plan's kernel reads for an NVFP4 cache: the pages
+    of `table` (the plan's PageTable) dequantized into q's dtype."""
+    pages = np.unique(table.indices[: int(table.indptr[-1])]).astype(np.int64)
+    num_pages = int(_unpack("paged_kv_cache", paged_kv_cache)[0].shape[0])
+    if len(pages) and int(pages[-1]) >= num_pages:
+        raise ValueError(
+            f"the page table uses page {int(pages[-1])} but the cache holds {num_pages} pages"
+        )
+    return dequantize_for_attention(paged_kv_cache, kv_cache_sf, kv_layout, q, pages)
+
+
 def _rows_of(x: Array, pages: np.ndarray) -> np.ndarray:
     if is_torch(x):
         import torch
