@@ -716,10 +716,16 @@ def _scatter_output(out: Array, b_idx: np.ndarray, t_idx: np.ndarray, values: np
 
 def is_nvfp4_kv_dtype(kv_data_type: object) -> bool:
     """FlashInfer plans attention over an NVFP4 cache with kv_data_type=uint8."""
-    return kv_data_type is not None and str(kv_data_type).removeprefix("torch.") in (
-        "uint8",
-        "DType.uint8",
-    )
+    if kv_data_type is None:
+        return False
+    from max.dtype import DType
+
+    from ._attention import as_dtype
+
+    try:
+        return as_dtype(kv_data_type, "kv_data_type") == DType.uint8
+    except TypeError:
+        return False
 
 
 def plan_kv_dtype(kv_data_type: object, q_data_type: object) -> object:
