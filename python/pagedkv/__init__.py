@@ -23,6 +23,13 @@ from .functional import (
     release_blocks,
 )
 from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
+from .nvfp4 import (
+    nvfp4_kv_dequantize,
+    nvfp4_kv_dequantize_paged,
+    nvfp4_kv_quantize,
+    nvfp4_quantize_append_paged_kv_cache,
+    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+)
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -58,6 +65,11 @@ __all__ = [
     "merge_state",
     "merge_state_in_place",
     "merge_states",
+    "nvfp4_kv_dequantize",
+    "nvfp4_kv_dequantize_paged",
+    "nvfp4_kv_quantize",
+    "nvfp4_quantize_append_paged_kv_cache",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "release_blocks",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",

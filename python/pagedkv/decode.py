@@ -28,6 +28,7 @@ from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
 from .fixed_buffers import FixedIndexBuffers
+from .nvfp4 import attention_cache, plan_kv_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 FIXED_DECODE_BUFFERS = (
@@ -185,6 +186,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 "cute-dsl inputs; pagedkv takes the CSR page table"
             )
         kv_data_type = kv_data_type if kv_data_type is not None else data_type
+        kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
         q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
         if q_len_per_req > 1 and not self._use_tensor_cores:
             # FlashInfer's contract, kept so that code written here runs there.
@@ -343,6 +345,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         window_left: int | None = None,
         q_len_per_req: int | None = None,
         sinks: Array | None = None,
+        kv_cache_sf: Array | Sequence[Array] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [B, num_qo_heads, head_dim] over the planned batch.
 
@@ -353,7 +356,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         server that keeps them across layers allocates nothing per call. They
         must not overlap q or the cache. window_left and q_len_per_req, if
         given, must be the planned ones; enable_pdl (a CUDA launch detail) is
-        ignored; sinks must be None.
+        ignored; sinks must be None. kv_cache_sf: an NVFP4 cache's block
+        scales (pagedkv.nvfp4, planned with kv_data_type=uint8; k_scale /
+        v_scale its global scales).
 
         Example
         -------
@@ -362,6 +367,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         del enable_pdl
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
+        if kv_cache_sf is not None:
+            plan = self._plan if self._multi is None else self._multi._plan
+            assert plan is not None
+            paged_kv_cache = attention_cache(
+                paged_kv_cache, kv_cache_sf, self._kv_layout, q, plan.table
+            )
         if sinks is not None:
             raise ValueError("attention sinks are not supported")
         for name, given in (("window_left", window_left), ("q_len_per_req", q_len_per_req)):

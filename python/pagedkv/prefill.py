@@ -36,6 +36,7 @@ from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
 from .custom_mask import custom_mask_rows
 from .fixed_buffers import FixedIndexBuffers
+from .nvfp4 import attention_cache, plan_kv_dtype
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -160,6 +161,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         ...        causal=True, q_data_type=torch.float16)
         """
         del non_blocking, fixed_split_size, disable_split_kv
+        kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
         self._planned = dict(
             qo_indptr=qo_indptr,
             paged_kv_indptr=paged_kv_indptr,
@@ -284,8 +286,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         enable_pdl: bool | None = None,
         window_left: int | None = None,
         sinks: Array | None = None,
+        kv_cache_sf: Array | Sequence[Array] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim] over the batch.
+
+        kv_cache_sf: an NVFP4 cache's block scales (pagedkv.nvfp4, planned
+        with kv_data_type=uint8; k_scale / v_scale its global scales).
 
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place, as in
@@ -304,6 +310,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         planned = self._plan.options.window_left
         if window_left is not None and window_left != planned:
             raise ValueError(f"window_left={window_left} differs from the planned {planned}")
+        if kv_cache_sf is not None:
+            paged_kv_cache = attention_cache(
+                paged_kv_cache, kv_cache_sf, self._kv_layout, q, self._plan.table
+            )
         o, lse = self._plan.run(
             q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
         )

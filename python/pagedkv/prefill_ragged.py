@@ -9,10 +9,13 @@ a copy: the page table is kv_indptr itself, pages 0..nnz_kv-1 in order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ._checks import as_int32_index, check_index_array, host_index_copy, reject_cuda_graph
 from ._tensors import Array, check_array, contiguous, new_like
+from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
@@ -153,9 +156,12 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         enable_pdl: bool | None = None,
         window_left: int | None = None,
         sinks: Array | None = None,
+        kv_cache_sf: Sequence[Array] | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], Hq, D] over k, v [kv_indptr[-1], Hkv, D]
-        (NHD; [Hkv, kv_indptr[-1], D] for HND).
+        (NHD; [Hkv, kv_indptr[-1], D] for HND). For NVFP4 K/V (uint8, D // 2
+        per row), kv_cache_sf is their (k_sf, v_sf) block scales
+        (pagedkv.nvfp4).
 
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place.
@@ -166,6 +172,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         """
         if self._nnz_kv is None:
             raise RuntimeError("run() called before plan()")
+        if kv_cache_sf is not None:
+            k, v = dequantize_ragged_for_attention(k, v, kv_cache_sf, q)
         pages = []
         for name, x in (("k", k), ("v", v)):
             check_array(name, x)

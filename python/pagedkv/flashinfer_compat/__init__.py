@@ -31,6 +31,12 @@ from .decode import (
     fast_decode_plan,
     single_decode_with_kv_cache,
 )
+from .fp4_quantization import (
+    e2m1_and_ufp8sf_scale_to_float,
+    nvfp4_kv_dequantize,
+    nvfp4_kv_dequantize_paged,
+    nvfp4_kv_quantize,
+)
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -56,6 +62,7 @@ __all__ = [
     "MultiLevelCascadeAttentionWrapper",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
+    "e2m1_and_ufp8sf_scale_to_float",
     "fast_decode_plan",
     "get_batch_indices_positions",
     "get_seq_lens",
@@ -63,10 +70,13 @@ __all__ = [
     "merge_state",
     "merge_state_in_place",
     "merge_states",
+    "nvfp4_kv_dequantize",
+    "nvfp4_kv_dequantize_paged",
+    "nvfp4_kv_quantize",
     "nvfp4_quantize_append_paged_kv_cache",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "packbits",
     "segment_packbits",
-    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
 ]

@@ -1,14 +1,28 @@
-"""``flashinfer.quantization``: the bit packing of custom masks; NVFP4 is not
-supported by pagedkv."""
+"""``flashinfer.quantization``: the bit packing of custom masks and the NVFP4
+KV-cache helpers."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ...custom_mask import packbits, segment_packbits
+from ..fp4_quantization import (
+    e2m1_and_ufp8sf_scale_to_float,
+    nvfp4_kv_dequantize,
+    nvfp4_kv_dequantize_paged,
+    nvfp4_kv_quantize,
+)
 from ..jit import JitSpec
 
-__all__ = ["gen_quantization_module", "packbits", "segment_packbits"]
+__all__ = [
+    "e2m1_and_ufp8sf_scale_to_float",
+    "gen_quantization_module",
+    "nvfp4_kv_dequantize",
+    "nvfp4_kv_dequantize_paged",
+    "nvfp4_kv_quantize",
+    "packbits",
+    "segment_packbits",
+]
 
 
 def gen_quantization_module(*args: Any, **kwargs: Any) -> JitSpec:
