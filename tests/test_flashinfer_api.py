@@ -216,9 +216,37 @@ def test_fast_decode_plan_is_plan():
 
     batch, pool, q = decode_case(9)
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+    with pytest.raises(ValueError, match="prior plan"):  # as FlashInfer's
+        fast_decode_plan(w, *table(batch), 8, 2, 64, 16)
+    w.plan(*table(batch), 8, 2, 64, 16)
     fast_decode_plan(w, *table(batch), 8, 2, 64, 16, window_left=10)
     want, _ = decode_reference(batch, pool, q, window_left=10)
     np.testing.assert_allclose(w.run(q, pool), want, rtol=1e-5, atol=1e-5)
+
+
+def test_several_query_tokens_per_request_keep_flashinfers_contracts():
+    """What FlashInfer's test_tensor_core_decode_rejects_mismatched_q_len
+    holds its decode to: the Hopper backend refuses q_len_per_req > 1, a
+    request shorter than its queries is an empty KV range, and with fixed
+    buffers the first plan freezes q_len_per_req (and runs from them)."""
+    batch, pool, _ = decode_case(3, lens=(40, 5))
+    q = np.random.default_rng(8).standard_normal((4, 8, 64), dtype=np.float32)
+    hopper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True, True, backend="fa3")
+    with pytest.raises(NotImplementedError, match="fa2"):
+        hopper.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=2)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True)
+    with pytest.raises(ValueError, match="empty KV range"):
+        w.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=6)
+    buffers = [np.zeros(n, np.int32) for n in (3, 8, 2)]
+    graph = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True, True, *buffers)
+    graph.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=2)
+    assert buffers[0].tolist() == batch.kv_indptr.tolist()
+    plain = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True)
+    plain.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=2)
+    assert np.array_equal(graph.run(q, pool), plain.run(q, pool))
+    graph.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=2)  # the same value re-plans
+    with pytest.raises(ValueError, match="frozen"):
+        graph.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=3)
 
 
 def test_flashinfer_compat_serves_import_flashinfer():

@@ -158,12 +158,13 @@ class AttentionOptions:
         return params
 
 
-DECODE_BACKENDS = ("auto", "generic", "tma", "fa2")
+DECODE_BACKENDS = ("auto", "generic", "tma", "fa2", "fa3")
 """GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/attention/gpu/sm90.mojo),
 "generic" the kernel for every GPU; "auto" runs the Hopper kernel where it
 applies (sm_90, the batch's dtypes and shape: the kernel decides) and the
-generic one elsewhere. "fa2", FlashInfer's name for its kernel for every GPU,
-is the generic kernel, so FlashInfer code that names it runs unchanged."""
+generic one elsewhere. FlashInfer's names run unchanged: "fa2" (its kernel
+for every GPU) is the generic kernel, "fa3" (its Hopper kernel) the Hopper one."""
+HOPPER_BACKENDS = ("tma", "fa3")
 PREFILL_BACKENDS = ("auto", "fa2")
 """Prefill has one kernel a device: FlashInfer's "auto" and "fa2" name it."""
 
@@ -199,6 +200,7 @@ def decode_kernel(
         return GPU_KERNEL_AUTO if is_gpu else GPU_KERNEL_GENERIC
     if backend in ("generic", "fa2"):
         return GPU_KERNEL_GENERIC
+    assert backend in HOPPER_BACKENDS
     problems = []
     if not is_gpu:
         problems.append("the page table is on the CPU (it needs an sm_90 GPU)")
@@ -211,7 +213,7 @@ def decode_kernel(
     if pos_encoding_mode == "ROPE_LLAMA":
         problems.append("RoPE on the fly is not supported (rotate q and k before the cache)")
     if problems:
-        raise ValueError("backend='tma' cannot run this batch: " + "; ".join(problems))
+        raise ValueError(f"backend={backend!r} cannot run this batch: " + "; ".join(problems))
     return GPU_KERNEL_TMA
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from max.dtype import DType
 
 from ._attention import (
+    HOPPER_BACKENDS,
     AttentionOptions,
     as_dtype,
     check_heads,
@@ -101,6 +102,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan: AttentionPlan | None = None
         self._multi: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._planned: dict | None = None
+        self._frozen_q_len: int | None = None
+        """use_cuda_graph: the first plan's q_len_per_req, which later plans keep."""
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -188,9 +191,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_data_type = kv_data_type if kv_data_type is not None else data_type
         kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
         q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
+        # FlashInfer's contracts for several queries per request, kept so
+        # that code written here runs there.
         if q_len_per_req > 1 and not self._use_tensor_cores:
-            # FlashInfer's contract, kept so that code written here runs there.
             raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
+        if q_len_per_req > 1 and self._backend in HOPPER_BACKENDS:
+            raise NotImplementedError(
+                f"q_len_per_req > 1 runs on the fa2 (generic) backend, not {self._backend!r}"
+            )
+        frozen = self._frozen_q_len
+        if self._fixed is not None and frozen is not None and q_len_per_req != frozen:
+            raise ValueError(
+                f"q_len_per_req is frozen at {frozen} by the first plan() in "
+                f"use_cuda_graph mode, got {q_len_per_req}"
+            )
         indptr = as_int32_index("indptr", indptr)
         indices = as_int32_index("indices", indices)
         last_page_len = as_int32_index("last_page_len", last_page_len)
@@ -219,9 +233,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         self._plan = self._multi = None
         if q_len_per_req > 1:
-            if self._fixed is not None:
-                raise ValueError("q_len_per_req > 1 is not supported with use_cuda_graph=True")
             self._plan_multi_token(q_len_per_req)
+            self._frozen_q_len = q_len_per_req if self._fixed is not None else None
             return
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
         page_size = check_int("page_size", page_size, 1)
@@ -297,14 +310,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ),
             table_views=views,
         )
+        self._frozen_q_len = 1 if self._fixed is not None else None
 
     def _plan_multi_token(self, q_len: int) -> None:
-        """q_len_per_req > 1: causal prefill of each request's last q_len tokens."""
+        """q_len_per_req > 1: causal prefill of each request's last q_len
+        tokens (with fixed buffers, a prefill wrapper over the same ones)."""
         p = self._planned
         assert p is not None
         batch = int(p["last_page_len"].shape[0])
         qo_indptr = new_like(p["indptr"], np.arange(batch + 1, dtype=np.int32) * q_len)
-        self._multi = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout)
+        table = PageTable.checked(p["indptr"], p["indices"], p["last_page_len"], p["page_size"])
+        short = np.nonzero(table.seq_lens < q_len)[0]
+        if len(short):
+            b = int(short[0])
+            raise ValueError(
+                f"q_len_per_req={q_len} leaves an empty KV range: request {b} holds "
+                f"{int(table.seq_lens[b])} tokens (its queries must be cached)"
+            )
+        fixed = () if self._fixed is None else (True, qo_indptr, *self._fixed.buffers.values())
+        self._multi = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, *fixed)
         self._multi.plan(
             qo_indptr,
             p["indptr"],

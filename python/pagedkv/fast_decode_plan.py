@@ -37,8 +37,9 @@ def fast_decode_plan(
 ) -> None:
     """`self.plan(...)` (see BatchDecodeWithPagedKVCacheWrapper.plan).
 
-    global_override_indptr_cpu, FlashInfer's host copy of indptr, must be
-    None or equal indptr: plan() reads indptr itself.
+    global_override_indptr_cpu, FlashInfer's host copy of indptr, is not
+    read: plan() reads indptr itself. As FlashInfer's, it needs a prior
+    plan() on the wrapper (ValueError otherwise).
 
     Example
     -------
@@ -46,6 +47,9 @@ def fast_decode_plan(
     >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
     """
     del global_override_indptr_cpu
+    if getattr(self, "_planned", None) is None:
+        # FlashInfer's fast path re-plans a planned wrapper; so does this one.
+        raise ValueError("fast_decode_plan needs a prior plan() call on this wrapper")
     BatchDecodeWithPagedKVCacheWrapper.plan(
         self,
         indptr,
