@@ -231,7 +231,9 @@ def test_several_query_tokens_per_request_keep_flashinfers_contracts():
     buffers the first plan freezes q_len_per_req (and runs from them)."""
     batch, pool, _ = decode_case(3, lens=(40, 5))
     q = np.random.default_rng(8).standard_normal((4, 8, 64), dtype=np.float32)
-    hopper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True, True, backend="fa3")
+    hopper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(
+        None, "NHD", use_tensor_cores=True, backend="fa3"
+    )
     with pytest.raises(NotImplementedError, match="fa2"):
         hopper.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=2)
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True)
