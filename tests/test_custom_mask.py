@@ -128,3 +128,74 @@ def test_bad_masks_are_refused_before_anything_runs():
         pagedkv.single_prefill_with_kv_cache(q, k, v, packed_custom_mask=np.ones(3, np.int32))
     with pytest.raises(ValueError, match="without decreasing"):
         segment_packbits(np.ones(4, bool), np.array([0, 3, 2, 4]))
+
+
+def multi_item_reference(prefix: int, positions: list[int]) -> np.ndarray:
+    """The multi-item mask element by element: query i sees key j of the
+    prefix cache always; of the queries' own tokens, j <= i in i's item, or
+    j before the first delimiter when i is not; never a delimiter's row or
+    column (a delimiter is a token at position 0 of its item)."""
+    n = len(positions)
+    delim = [p == 0 for p in positions]
+    item = np.cumsum(delim)
+    first = delim.index(True) if True in delim else n
+    mask = np.zeros((n, prefix + n), bool)
+    mask[:, :prefix] = True
+    for i in range(n):
+        for j in range(n):
+            seen = (item[i] == item[j] and j <= i) or (i >= first and j < first)
+            mask[i, prefix + j] = seen and not delim[i] and not delim[j]
+    return mask
+
+
+def test_multi_item_scoring_is_its_mask():
+    """FlashInfer's multi-item scoring (prefix_len_ptr, token_pos_in_items_ptr)
+    equals the same prefill with the mask it stands for."""
+    rng = np.random.default_rng(11)
+    prefix, stride = [5, 3], 12
+    positions = [[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 0]]
+    qo = [len(p) for p in positions]
+    batch = reference.paged_batch(rng, 4, [a + b for a, b in zip(prefix, qo, strict=True)], qo)
+    pool = rng.standard_normal((batch.num_pages, 2, 4, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((batch.nnz, 4, 64), dtype=np.float32)
+    flat_positions = np.zeros(2 * stride, np.uint16)
+    for b, p in enumerate(positions):
+        flat_positions[b * stride : b * stride + len(p)] = p
+    table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+    w.plan(
+        batch.append_indptr,
+        *table,
+        4,
+        2,
+        64,
+        4,
+        causal=True,
+        prefix_len_ptr=torch.tensor(prefix, dtype=torch.uint32),
+        token_pos_in_items_ptr=torch.from_numpy(flat_positions),
+        token_pos_in_items_len=stride,
+        max_item_len_ptr=torch.tensor([4, 4], dtype=torch.uint16),
+    )
+    o = w.run(q, pool)
+    masks = [multi_item_reference(a, p) for a, p in zip(prefix, positions, strict=True)]
+    gathered = reference.gather(
+        pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(gathered):
+        lo, hi = batch.append_indptr[b], batch.append_indptr[b + 1]
+        want, _ = reference.attention(
+            q[lo:hi], k, v, np.arange(prefix[b], len(k)), causal=False, mask=masks[b]
+        )
+        np.testing.assert_allclose(o[lo:hi], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"prefix_len 4 \+ 9 queries != its 14"):
+        w.plan(
+            batch.append_indptr,
+            *table,
+            4,
+            2,
+            64,
+            4,
+            prefix_len_ptr=torch.tensor([4, 3]),
+            token_pos_in_items_ptr=torch.from_numpy(flat_positions),
+            token_pos_in_items_len=stride,
+        )

@@ -151,3 +151,51 @@ def _indptr(name: str, indptr: Array, total: int) -> np.ndarray:
 
 def _like(x: Array, values: np.ndarray) -> Array:
     return values if isinstance(x, np.ndarray) else new_like(x, values)
+
+
+def multi_item_mask(
+    qo_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    prefix_len: Array,
+    token_pos_in_items: Array,
+    token_pos_in_items_len: int,
+) -> np.ndarray:
+    """FlashInfer's multi-item scoring as a custom mask (boolean, the
+    requests' [qo_len, kv_len] matrices flattened and concatenated).
+
+    Request b's keys are prefix_len[b] cached prefix tokens, all visible,
+    then its qo_len queries' own tokens: items separated by delimiters (the
+    tokens whose position in their item, token_pos_in_items[b *
+    token_pos_in_items_len + i], is 0). A token sees the earlier tokens of
+    its own item, and tokens from the first delimiter on also see the tokens
+    before it (the shared prompt); no token sees a delimiter or is seen from
+    one. This is the mask FlashInfer's tests check its kernel against.
+    """
+    qo = np.asarray(qo_lens, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    prefix = np.asarray(to_host_numpy(prefix_len)).astype(np.int64).reshape(-1)
+    positions = np.asarray(to_host_numpy(token_pos_in_items)).astype(np.int64).reshape(-1)
+    stride = int(token_pos_in_items_len)
+    if len(prefix) != len(qo):
+        raise ValueError(f"prefix_len_ptr has {len(prefix)} entries for {len(qo)} requests")
+    if (stride < qo).any() or len(positions) < stride * (len(qo) - 1) + int(qo[-1:].sum()):
+        raise ValueError(
+            f"token_pos_in_items_ptr holds {len(positions)} positions, token_pos_in_items_len "
+            f"{stride} per request: too few for requests of {qo.tolist()} queries"
+        )
+    if (prefix + qo != kv).any():
+        b = int(np.nonzero(prefix + qo != kv)[0][0])
+        raise ValueError(
+            f"request {b}: prefix_len {prefix[b]} + {qo[b]} queries != its {kv[b]} cached tokens"
+        )
+    masks = []
+    for b, n in enumerate(qo):
+        delimiter = positions[b * stride : b * stride + n] == 0
+        pos = np.arange(n)
+        group = np.cumsum(delimiter)
+        own_item = (group[:, None] == group[None, :]) & (pos[None, :] <= pos[:, None])
+        first = int(np.argmax(delimiter)) if delimiter.any() else n
+        prompt = (pos >= first)[:, None] & (pos < first)[None, :]
+        mask = (own_item | prompt) & ~delimiter[None, :] & ~delimiter[:, None]
+        masks.append(np.concatenate([np.ones((n, prefix[b]), bool), mask], axis=1).reshape(-1))
+    return np.concatenate(masks) if masks else np.zeros(0, bool)

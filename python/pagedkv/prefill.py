@@ -34,7 +34,7 @@ from ._checks import (
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
-from .custom_mask import custom_mask_rows
+from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, plan_kv_dtype
 
@@ -140,6 +140,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         non_blocking: bool = True,
         fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
+        prefix_len_ptr: Array | None = None,
+        token_pos_in_items_ptr: Array | None = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: Array | None = None,
     ) -> None:
         """Prepares the batch: qo_indptr [B + 1] (request b's queries are rows
         qo_indptr[b]:qo_indptr[b + 1] of q) and the CSR page table of the
@@ -151,6 +155,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         (the same packed little-endian, each request from a byte boundary:
         pagedkv.custom_mask) replaces causal, on the CPU. use_fp16_qk_reduction
         is accepted and ignored (scores are always accumulated in float32).
+        Multi-item scoring (prefix_len_ptr, token_pos_in_items_ptr,
+        token_pos_in_items_len; max_item_len_ptr, a kernel hint, is not read)
+        runs as the custom mask it stands for (pagedkv.custom_mask.multi_item_mask).
         o_data_type must be None or q_data_type; non_blocking,
         fixed_split_size and disable_split_kv are accepted and change nothing
         (prefill work is tiled by queries, never split by keys).
@@ -160,7 +167,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
         >>> w.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16,
         ...        causal=True, q_data_type=torch.float16)
         """
-        del non_blocking, fixed_split_size, disable_split_kv
+        del non_blocking, fixed_split_size, disable_split_kv, max_item_len_ptr
+        multi_item = prefix_len_ptr is not None or token_pos_in_items_ptr is not None
+        if multi_item and (custom_mask is not None or packed_custom_mask is not None):
+            raise ValueError("multi-item scoring and a custom mask are exclusive")
+        if multi_item and (prefix_len_ptr is None or token_pos_in_items_ptr is None):
+            raise ValueError("multi-item scoring needs prefix_len_ptr and token_pos_in_items_ptr")
+        if multi_item and window_left >= 0:
+            raise ValueError("multi-item scoring with window_left is not supported")
         kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
         self._planned = dict(
             qo_indptr=qo_indptr,
@@ -188,7 +202,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         paged_kv_indptr = as_int32_index("paged_kv_indptr", paged_kv_indptr)
         paged_kv_indices = as_int32_index("paged_kv_indices", paged_kv_indices)
         paged_kv_last_page_len = as_int32_index("paged_kv_last_page_len", paged_kv_last_page_len)
-        masked = custom_mask is not None or packed_custom_mask is not None
+        masked = custom_mask is not None or packed_custom_mask is not None or multi_item
         if masked:
             if device_of(qo_indptr).is_gpu:
                 raise ValueError("custom masks run on the CPU only")
@@ -217,6 +231,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
         counts = np.diff(host_qo)
         if host_qo[0] != 0 or (counts < 0).any():
             raise ValueError("qo_indptr must start at 0 and never decrease")
+        if multi_item:
+            custom_mask = multi_item_mask(
+                counts,
+                table.seq_lens,
+                prefix_len_ptr,
+                token_pos_in_items_ptr,
+                token_pos_in_items_len,
+            )
         mask = (
             custom_mask_rows(counts, table.seq_lens, custom_mask, packed_custom_mask)
             if masked
