@@ -1248,3 +1248,192 @@ def test_reserve_for_several_steps_sets_pages_aside():
     with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
         manager.reserve(["a"], 1, num_steps=0)
     manager.validate()
+
+
+# ------------------------------------------- layer groups, windows, host tier
+
+
+def test_layer_groups_are_checked():
+    def make(groups, **kwargs):
+        return PagedKVCacheManager(8, PAGE, HEADS, DIM, num_layers=3, layer_groups=groups, **kwargs)
+
+    for groups, pattern in (
+        ([([0, 1], None)], "no group holds \\[2\\]"),
+        ([([0, 1], None), ([1, 2], 8)], "in two groups"),
+        ([([0, 1, 2, 2], None)], "twice"),
+        ([([0, 1, 3], None)], "layer indices in \\[0, 3\\)"),
+        ([([], None), ([0, 1, 2], 4)], "non-empty"),
+        ([([0], 0), ([1, 2], None)], "window must be None or an int >= 1"),
+        ([(0, None)], "layers must be a sequence"),
+        ([[0, 1, 2]], "a \\(layers, window\\) pair"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            make(groups)
+    with pytest.raises(ValueError, match="one per layer group"):
+        PagedKVCacheManager([8, 8, 8], PAGE, HEADS, DIM, num_layers=2)
+    with pytest.raises(ValueError, match="one EvictionPolicy object per layer group"):
+        make([([0], 8), ([1, 2], None)], eviction=pagedkv.eviction.LRUPolicy())
+    manager = make([([0, 2], 8), ([1], None)], offload=[2, 0])
+    assert manager.group_of_layer == (0, 1, 0)
+    assert manager.null_pages == (8, PAD_PAGE) and len(manager.host_pools) == 2
+    assert manager.pools[2] is manager.group_tensors[0].pools[1]
+    manager.add("a")
+    with pytest.raises(ValueError, match="name a layer group"):
+        manager.metadata(["a"])
+    with pytest.raises(ValueError, match="group must be in"):
+        manager.pages("a", 2)
+
+
+def test_window_group_gives_back_pages_and_window_left_attention_matches():
+    """Decode and chunked prefill over a window group's table (given-back
+    slots on the null page) with the wrappers' window_left = window - 1 equal
+    attention over the last `window` keys of the whole sequence."""
+    from reference import attention
+
+    window, hq, hkv, d = 6, 4, 2, 64
+    rng = np.random.default_rng(11)
+    manager = PagedKVCacheManager(
+        12, PAGE, hkv, d, num_layers=2, layer_groups=[([0], None), ([1], window)]
+    )
+    keys: list[np.ndarray] = []  # layer 1's true K/V rows, [2, Hkv, D] each
+
+    def step(n: int, prefill: bool) -> None:
+        start = manager.seq_len("a")
+        manager.reserve(["a"], n)
+        rows = rng.standard_normal((2, n, hkv, d), dtype=np.float32)
+        keys.extend(rows.transpose(1, 0, 2, 3))
+        meta = manager.metadata(["a"], group=1)
+        assert meta.window_left == window - 1
+        pagedkv.append_paged_kv_cache(
+            rows[0], rows[1], meta.batch_indices, meta.positions, manager.pools[1],
+            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len,
+        )  # fmt: skip
+        # Given back: exactly the pages wholly before this step's first query's window.
+        gone = max(0, (start - window + 1) // PAGE)
+        assert (meta.kv_indices[:gone] == manager.null_pages[1]).all()
+        assert (meta.kv_indices[gone:] != manager.null_pages[1]).all()
+        q = rng.standard_normal((n, hq, d), dtype=np.float32)
+        table = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        if prefill:
+            w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+            w.plan(meta.append_indptr, *table, hq, hkv, d, PAGE, causal=True,
+                   window_left=meta.window_left)  # fmt: skip
+        else:
+            w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+            w.plan(*table, hq, hkv, d, PAGE, window_left=meta.window_left,
+                   q_data_type="float32", kv_data_type="float32")  # fmt: skip
+        out = w.run(q, manager.pools[1])
+        k, v = np.stack(keys, axis=1)
+        want, _ = attention(q, k, v, np.arange(start, start + n), window_left=window - 1)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+    manager.add("a")
+    step(9, prefill=True)
+    step(7, prefill=True)  # starts at 9: slot 0 (tokens 0-3) is given back
+    for _ in range(6):
+        step(1, prefill=False)
+    assert manager.seq_len("a") == 22 and (manager.pages("a", 0) >= 0).all()
+    assert null_slots(manager, "a", 1) == (21 - window + 1) // PAGE == 4
+    # The full group holds 6 pages, the window group 2; the null page stays zero.
+    assert (manager.page_pools[0].num_used, manager.page_pools[1].num_used) == (6, 2)
+    assert not manager.pools[1][manager.null_pages[1]].any()
+    manager.validate()
+
+
+@pytest.mark.parametrize("offload", [0, 4])
+def test_window_prefix_hit_needs_only_the_window(offload):
+    """A hit needs every page in a full group but only the window's pages in
+    a window group; without them it stops short, unless the host tier has
+    them (then they are copied back)."""
+    manager = PagedKVCacheManager(
+        [16, 8], PAGE, HEADS, DIM, num_layers=2,
+        layer_groups=[([0], None), ([1], PAGE + 1)], offload=[0, offload],
+    )  # fmt: skip
+    prompt = BASE[: 3 * PAGE] + [1]
+    prefilled(manager, "a", prompt)
+    manager.reserve(["a"], 1, [[2]])  # starts at 13: its window is 9.., slots 0-1 go
+    append_tokens(manager, ["a"], [[2]], [prompt])
+    assert null_slots(manager, "a", 1) == 2 and manager.page_pools[1].num_used == 2
+    manager.release("a")
+    # A request without ids takes the window group's 5 unused pages and its 2
+    # least recently released cached ones: slots 0 and 1; the full group evicts none.
+    manager.add("x")
+    manager.reserve(["x"], 7 * PAGE)
+    manager.release("x")
+    assert manager.stats.evictions == 2 and manager.stats.offloads == (2 if offload else 0)
+    # 3 pages: the next query (at 12) sees 8..12: slot 2 on, still cached.
+    assert manager.add("b", prompt) == 3 * PAGE
+    assert null_slots(manager, "b", 1) == 2
+    check_reads_back(manager, {"b": prompt[: 3 * PAGE]})
+    # 2 pages need slot 1 (the query at 8 sees 4..8), 1 page slot 0: evicted.
+    reloads = manager.stats.reloads
+    cached = manager.add("c", prompt[: 2 * PAGE] + [5])
+    if offload:
+        assert cached == 2 * PAGE and manager.stats.reloads - reloads == 1
+        check_reads_back(manager, {"b": prompt[: 3 * PAGE], "c": prompt[: 2 * PAGE]})
+    else:
+        assert cached == 0
+    manager.validate()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_tier_copies_evicted_pages_out_and_back_bitwise(dtype):
+    manager = PagedKVCacheManager(
+        4, PAGE, HEADS, DIM, num_layers=LAYERS, dtype=dtype, kv_layout="HND", offload=3
+    )
+    events: list = []
+    manager.subscribe(events.append)
+    rng = np.random.default_rng(5)
+    prompt = BASE[: 2 * PAGE + 1]
+
+    def fill(rid, tokens, ids):
+        manager.add(rid, ids)
+        manager.reserve([rid], len(tokens))
+        meta = manager.metadata([rid])
+        for pool in manager.pools:
+            rows = torch.from_numpy(rng.standard_normal((2, len(tokens), HEADS, DIM), np.float32))
+            rows = rows.to(pool.dtype) if isinstance(pool, torch.Tensor) else rows.numpy()
+            pagedkv.append_paged_kv_cache(
+                rows[0], rows[1], meta.batch_indices, meta.positions, pool,
+                meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "HND",
+            )  # fmt: skip
+
+    fill("a", prompt, prompt)
+    pages = manager.pages("a")[:2]
+    saved = [bits(pool)[pages] for pool in manager.pools]
+    stored = events[-1]
+    manager.release("a")
+    # Three unknown pages: the unused one, then both cached pages, evicted
+    # to the host tier (the partial page was never cached).
+    fill("x", [0] * (3 * PAGE + 1), None)
+    assert (manager.stats.evictions, manager.stats.offloads) == (2, 2)
+    host = manager.host_page_pools[0]
+    removed, *copied = events[-3:]
+    # Tail first, as the pool evicted them; each copy names its parent.
+    tail_first = stored.block_hashes[::-1]
+    assert removed == BlockRemoved(tail_first, "CPU")
+    assert [e.medium for e in copied] == ["CPU_OFFLOAD"] * 2
+    assert [e.block_hashes[0] for e in copied] == tail_first
+    assert [e.parent_block_hash for e in copied] == [tail_first[1], None]
+    assert copied[1].token_ids + copied[0].token_ids == stored.token_ids
+    host_pages = [host.page_of_hash[k] for k in stored.block_hashes]
+    for pool, want in zip(manager.host_pools, saved, strict=True):
+        np.testing.assert_array_equal(bits(pool)[host_pages], want)
+    manager.release("x")
+    # A prefix hit copies both back into pool pages, bit for bit; the host
+    # tier keeps its copies (one key, two tiers).
+    assert manager.add("b", prompt) == 2 * PAGE
+    assert manager.stats.reloads == 2
+    back = manager.pages("b")
+    for pool, want in zip(manager.pools, saved, strict=True):
+        np.testing.assert_array_equal(bits(pool)[back], want)
+    assert [e.medium for e in events[-2:]] == ["CPU", "CPU"]
+    assert set(host.page_of_hash) == set(stored.block_hashes)
+    assert manager.page_pool.hash_of_page[int(back[1])] == stored.block_hashes[1]
+    manager.validate()
+    # A hit that no longer fits in the pool stops short instead of failing.
+    manager.release("b")
+    fill("y", [0] * (4 * PAGE), None)  # every pool page: both cached pages evicted again
+    before = manager.stats.reloads
+    assert manager.add("c", prompt) == 0 and manager.stats.reloads == before
+    manager.validate()
