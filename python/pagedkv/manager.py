@@ -796,22 +796,33 @@ class PagedKVCacheManager:
         if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
             raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
         size = self.page_size
-        active = [(r, n) for r, n in zip(requests, counts.tolist(), strict=True) if n]
+        groups = self._groups
+        count_list = counts.tolist()
 
         # Every group's table grows by as many pages; copies differ by group.
+        # (Group 0's shared last pages are counted in the same pass.)
         grow_all = 0
-        for request, n in active:
+        refcount = groups[0].pool.refcount
+        writers: dict[int, int] = {}
+        for request, n in zip(requests, count_list, strict=True):
+            if n == 0:
+                continue
             grow_all += self._new_pages(request, n * num_steps)
+            if request.seq_len % size:
+                last = int(request.pages[0, request.num_pages - 1])
+                if refcount[last] > 1:
+                    writers[last] = writers.get(last, 0) + 1
         needs: list[tuple[int, dict[int, int]]] = []
-        for group in self._groups:
+        for group in groups:
             refcount = group.pool.refcount
             g = group.index
-            writers: dict[int, int] = {}
-            for request, _ in active:
-                if request.seq_len % size:
-                    last = int(request.pages[g, request.num_pages - 1])
-                    if refcount[last] > 1:
-                        writers[last] = writers.get(last, 0) + 1
+            if g:
+                writers = {}
+                for request, n in zip(requests, count_list, strict=True):
+                    if n and request.seq_len % size:
+                        last = int(request.pages[g, request.num_pages - 1])
+                        if refcount[last] > 1:
+                            writers[last] = writers.get(last, 0) + 1
             # Every writer into a shared page copies it, but when all its
             # owners write, the last one keeps the original.
             need = grow_all + sum(c - (c == refcount[p]) for p, c in writers.items())
@@ -828,8 +839,8 @@ class PagedKVCacheManager:
                 g = group.index
                 owners = {p: int(group.pool.refcount[p]) for p in writers}
                 spare = iter(fresh)
-                for request, _ in active:
-                    if not request.seq_len % size:
+                for request, n in zip(requests, count_list, strict=True):
+                    if n == 0 or not request.seq_len % size:
                         continue
                     last = int(request.pages[g, request.num_pages - 1])
                     if owners.get(last, 1) > 1:
@@ -856,7 +867,8 @@ class PagedKVCacheManager:
             self.stats.cow_copies += len(copies)
         taken = [len(c[2]) for c in claims]
         self._generation += 1
-        for request, n, ids in zip(requests, counts.tolist(), new_tokens, strict=True):
+        windows = bool(self._windows)
+        for request, n, ids in zip(requests, count_list, new_tokens, strict=True):
             request.reserved = n
             request.generation = self._generation
             if n == 0:
@@ -880,7 +892,7 @@ class PagedKVCacheManager:
                 if grow:
                     request.push(columns)
             self._fill(request, n, ids)
-            if self._windows:
+            if windows:
                 self._drop_outside_windows(request, start)
         self._after_mutation()
 
