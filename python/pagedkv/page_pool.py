@@ -79,7 +79,14 @@ def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
 def chain_keys(parent: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]:
     """The keys of the full pages ``tokens`` (``len(tokens) // page_size``
     pages, the first chained on ``parent``), computed once for every layer
-    group and tier that stores them."""
+    group and tier that stores them.
+
+    Examples
+    --------
+    >>> keys = chain_keys(ROOT_HASH, np.arange(9), 4)
+    >>> len(keys), keys[1] == page_hash(keys[0], np.arange(4, 8))
+    (2, True)
+    """
     keys = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         parent = page_hash(parent, tokens[start : start + page_size])

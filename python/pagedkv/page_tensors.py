@@ -140,6 +140,13 @@ class PageTensors:
         wrote its source and before later kernels (MAX's launches are ordered
         against that stream), so no host synchronization is needed as long
         as the host reads host-tier pages only through such copies.
+
+        Examples
+        --------
+        >>> hot, host = PageTensors(4, 2, 1, 4), PageTensors(2, 2, 1, 4)
+        >>> hot.pools[0][3] = 1.0
+        >>> hot.copy_to(host, [3], [1]); float(host.pools[0][1].sum())
+        16.0
         """
         if not len(src):
             return
