@@ -8,6 +8,10 @@ pagedkv.gather_kv: the K/V of token i is a pure function of the request's
 tokens 0..i, so a page served from the prefix cache or shared by a fork reads
 back right only if it really holds that prefix. A subscriber replays the KV
 events into a router's view, which must equal the manager's cached hashes.
+Its window-and-offload configurations add a sliding-window layer group (the
+model predicts which slots it gave back) and a host tier: every keyed page,
+in the pools and in the host tiers, must hold its prefix's K/V bit for bit,
+so a page copied out and back is checked whenever a request reads it.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def kv_of(tokens: list[int], start: int = 0) -> np.ndarray:
 
 
 def state_of(manager: PagedKVCacheManager) -> tuple:
-    """Everything a failed call must leave alone: bookkeeping and pool bytes."""
-    return manager.snapshot(), [bits(pool) for pool in manager.pools]
+    """Everything a failed call must leave alone: bookkeeping and pool bytes
+    (host tiers included)."""
+    return manager.snapshot(), [bits(pool) for pool in manager.pools + manager.host_pools]
 
 
 def assert_same_state(manager: PagedKVCacheManager, before: tuple) -> None:
@@ -90,8 +95,10 @@ def append_tokens(
     histories: list[list[int]],
 ) -> None:
     """Appends the K/V of new_tokens[b] after histories[b] to each request,
-    on every layer, with the metadata of the latest reserve()."""
-    meta = manager.metadata(ids)
+    on every layer (with its layer group's page table), with the metadata of
+    the latest reserve()."""
+    metas = [manager.metadata(ids, group=g) for g in range(len(manager.layer_groups))]
+    meta = metas[0]
     np.testing.assert_array_equal(np.diff(meta.append_indptr), [len(t) for t in new_tokens])
     if meta.nnz == 0:
         return
@@ -99,6 +106,7 @@ def append_tokens(
         [kv_of(h + t, len(h)) for h, t in zip(histories, new_tokens, strict=True)], axis=2
     )
     for layer, pool in enumerate(manager.pools):
+        meta = metas[manager.group_of_layer[layer]]
         pagedkv.append_paged_kv_cache(
             np.ascontiguousarray(kv[layer, 0]),
             np.ascontiguousarray(kv[layer, 1]),
@@ -112,31 +120,42 @@ def append_tokens(
         )
 
 
+def null_slots(manager: PagedKVCacheManager, rid, group: int) -> int:
+    """How many leading slots of rid's table in group hold the null page."""
+    pages = manager.pages(rid, group)
+    return int(np.cumprod(pages == manager.null_pages[group]).sum()) if pages.size else 0
+
+
 def check_reads_back(manager: PagedKVCacheManager, model: dict) -> None:
     """Every request's gathered K/V, on every layer, is its model's, exactly.
 
     One gather_kv per layer reads the whole batch (request b's rows are
     seq_indptr[b]:seq_indptr[b + 1]); the fork and decode tests read single
-    requests with request=b."""
+    requests with request=b. In a window group the given-back slots read the
+    null page: zeros, whatever was written since."""
     ids = sorted(model)
-    meta = manager.metadata(ids, num_new_tokens=0)
+    metas = [manager.metadata(ids, 0, group=g) for g in range(len(manager.layer_groups))]
     for layer, pool in enumerate(manager.pools):
+        group = manager.group_of_layer[layer]
+        meta = metas[group]
         k, v, seq_indptr = pagedkv.gather_kv(
             pool, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, manager.kv_layout
         )
         np.testing.assert_array_equal(seq_indptr, np.cumsum([0] + [len(model[r]) for r in ids]))
         for b, rid in enumerate(ids):
-            want = kv_of(model[rid])[layer]
+            want = kv_of(model[rid])[layer].copy()
+            want[:, : null_slots(manager, rid, group) * PAGE] = 0
             rows = slice(int(seq_indptr[b]), int(seq_indptr[b + 1]))
             np.testing.assert_array_equal(k[rows], want[0], err_msg=f"K of {rid}, layer {layer}")
             np.testing.assert_array_equal(v[rows], want[1], err_msg=f"V of {rid}, layer {layer}")
 
 
 class Router:
-    """What a KV-aware router learns from a manager's events: the hashes held."""
+    """What a KV-aware router learns from a manager's events: the hashes held,
+    as (group_idx, medium, hash): each layer group and tier holds its own."""
 
     def __init__(self) -> None:
-        self.held: set[bytes] = set()
+        self.held: set[tuple] = set()
         self.count = 0
 
     def __call__(self, event) -> None:
@@ -150,15 +169,26 @@ class Router:
                 ids = np.array(event.token_ids[i * PAGE : (i + 1) * PAGE], np.int64)
                 if chain is not None:
                     assert key == page_hash(chain, ids)
-                assert key not in self.held
-                self.held.add(key)
+                where = (event.group_idx, event.medium, key)
+                assert where not in self.held
+                self.held.add(where)
                 chain = key
         elif isinstance(event, BlockRemoved):
-            assert set(event.block_hashes) <= self.held
-            self.held -= set(event.block_hashes)
+            removed = {(event.group_idx, event.medium, key) for key in event.block_hashes}
+            assert removed <= self.held
+            self.held -= removed
         else:
             assert isinstance(event, AllBlocksCleared)
             self.held.clear()
+
+    @staticmethod
+    def expected(manager: PagedKVCacheManager) -> set[tuple]:
+        """What the router must hold: every group's pool and host-tier keys."""
+        held = set()
+        for tier in manager.page_pools + manager.host_page_pools:
+            if tier is not None:
+                held |= {(tier.group_idx, tier.medium, key) for key in tier.page_of_hash}
+        return held
 
 
 SALTS = [None, None, "tenant-a", b"tenant-b"]
@@ -167,12 +197,15 @@ SALTS = [None, None, "tenant-a", b"tenant-b"]
 
 class ManagerMachine(RuleBasedStateMachine):
     """Random traffic on a 16-page pool; the model is each request's tokens
-    and tenant, the pins and the router's view of the events."""
+    and tenant, the pins and the router's view of the events, and with layer
+    groups the slots each window group has given back."""
 
     layout = "NHD"
     num_pages = 16
     eviction = "lru"
     max_pinned_pages = 4
+    layer_groups = None
+    offload = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -185,13 +218,22 @@ class ManagerMachine(RuleBasedStateMachine):
             kv_layout=self.layout,
             eviction=self.eviction,
             max_pinned_pages=self.max_pinned_pages,
+            layer_groups=self.layer_groups,
+            offload=self.offload,
         )
+        self.windows = [w for _, w in self.manager.layer_groups]
         self.model: dict[int, list[int]] = {}
         self.room: dict[int, int] = {}
-        """Pages each request owns: its page table and its set-aside pages."""
+        """Slots each request has: its page table and its set-aside pages."""
+        self.first: dict[int, list[int]] = {}
+        """Per request and group, the slots given back (window groups)."""
         self.salt: dict[int, str | bytes | None] = {}
-        self.pinned: dict[int, bytes] = {}
-        """Pinned page -> its hash at pin time: it must keep both."""
+        self.pending: dict[int, list[int]] = {}
+        """The prompt ids add() remembered that no reserve() has used yet."""
+        self.pinned: list[dict[int, bytes]] = [{} for _ in self.windows]
+        """Per group, pinned page -> its hash at pin time: it must keep both."""
+        self.prefix_of_key: dict[bytes, tuple[int, ...]] = {}
+        """Every page key seen -> the tokens up to the end of its page."""
         self.router = Router()
         self.manager.subscribe(self.router)
         self.next_id = 0
@@ -201,21 +243,34 @@ class ManagerMachine(RuleBasedStateMachine):
         self.set_aside_seen = 0
         self.pins_seen = 0
         self.salted_hits = 0
+        self.given_back = 0
 
     def new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
+    def first_slot(self, group: int, start: int) -> int:
+        """The model's rule: a query at start sees start - window + 1 on."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, (start - window + 1) // PAGE)
+
     def reserve_and_append(
         self, ids: list[int], new_tokens: list[list[int]], hashed: bool, num_steps: int = 1
     ) -> bool:
+        if not hashed:
+            # Without ids, reserve() takes the remembered prompt's: append those.
+            new_tokens = [
+                self.pending[rid][: len(t)] + t[len(self.pending[rid]) :]
+                for rid, t in zip(ids, new_tokens, strict=True)
+            ]
         before = state_of(self.manager)
         events = self.router.count
         counts = [len(t) for t in new_tokens]
         try:
             self.manager.reserve(ids, counts, new_tokens if hashed else None, num_steps=num_steps)
         except OutOfPagesError as e:
-            assert e.requested > e.available == self.manager.num_free_pages
+            pool = self.manager.page_pools[e.group_idx or 0]
+            assert e.requested > e.available == pool.num_free
             assert f"{e.requested} asked for, {e.available} free" in str(e)
             assert_same_state(self.manager, before)
             assert self.router.count == events, "a failed call emitted events"
@@ -227,8 +282,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 # Pages owned: the table's plus those set aside for later steps.
                 steps = -(-(len(self.model[rid]) + len(tokens) * num_steps) // PAGE)
                 self.room[rid] = max(self.room[rid], steps)
-                self.set_aside_seen += len(self.manager.ahead_pages(rid))
+                self.set_aside_seen += len(self.manager.ahead_pages(rid, 0))
+                # Window groups give back what this step's first query cannot see.
+                start = len(self.model[rid])
+                first = [max(f, self.first_slot(g, start)) for g, f in enumerate(self.first[rid])]
+                self.given_back += sum(first) - sum(self.first[rid])
+                self.first[rid] = first
             self.model[rid] = self.model[rid] + tokens
+            self.pending[rid] = self.pending[rid][len(tokens) :]
         return True
 
     @rule(
@@ -268,7 +329,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.salted_hits += cached // PAGE if salt is not None else 0
         self.model[rid] = prompt[:cached]
         self.room[rid] = cached // PAGE
+        self.first[rid] = [self.first_slot(g, cached) for g in range(len(self.windows))]
         self.salt[rid] = salt
+        self.pending[rid] = [] if hashed == "unknown" else prompt[cached:]
         # "remembered": reserve() is not given the ids; add() kept them.
         if self.reserve_and_append([rid], [prompt[cached:]], hashed == "given"):
             self.remembered_seen += hashed == "remembered" and len(prompt) >= cached + PAGE
@@ -292,7 +355,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_free_pages == free
         self.model[child] = list(self.model[parent])
         self.room[child] = -(-len(self.model[child]) // PAGE)  # set-aside pages stay
+        self.first[child] = list(self.first[parent])
         self.salt[child] = self.salt[parent]
+        self.pending[child] = list(self.pending[parent])
         # Beam search writes into the child at once: copy-on-write of a
         # shared partial page, whatever else the run's other rules do.
         if data.draw(st.booleans()):
@@ -304,11 +369,36 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.model)))
+        self.end(data.draw(st.sampled_from(sorted(self.model))))
+
+    def end(self, rid: int) -> None:
         self.manager.release(rid)
         del self.model[rid]
         del self.room[rid]
+        del self.first[rid]
         del self.salt[rid]
+        del self.pending[rid]
+
+    @precondition(lambda self: self.offload and self.model)
+    @rule(data=st.data())
+    def crowd(self, data: st.DataObject) -> None:
+        """A request ends, one without token ids takes some free pages and
+        leaves (the pools evict cached pages into the host tiers), and the
+        first one's conversation comes back: its prefix hit copies them back."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        tokens, salt = self.model[rid], self.salt[rid]
+        self.end(rid)
+        pools = self.manager.page_pools
+        free = min(pool.num_free for pool in pools)
+        unused = max(len(pool.free) for pool in pools)
+        if free:
+            # Past the unused pages, so that it evicts.
+            pages = data.draw(st.integers(min(unused + 1, free), free))
+            crowd = self.new_id()
+            self.start([0] * (pages * PAGE), "unknown", None)
+            if crowd in self.model:
+                self.end(crowd)
+        self.start(tokens + data.draw(st.lists(st.integers(0, 1), max_size=2)), "given", salt)
 
     @rule(data=st.data(), salt=st.sampled_from(SALTS), unpin=st.booleans())
     def pin(self, data: st.DataObject, salt, unpin: bool) -> None:
@@ -316,28 +406,48 @@ class ManagerMachine(RuleBasedStateMachine):
             st.sampled_from([BASE, *self.model.values()]) if self.model else st.just(BASE)
         )
         manager = self.manager
-        pages, _ = manager._lookup_prefix(np.array(tokens, np.int64), salt_root(salt))
-        keys = manager.snapshot()["hash_of_page"]
+        ids = np.array(tokens, np.int64)
+        pools = manager.page_pools
         if unpin:
-            assert manager.unpin(tokens, salt) == PAGE * sum(p in self.pinned for p in pages)
-            for page in pages:
-                self.pinned.pop(page, None)
+            # Walk the prompt's keys while any group's pool holds one.
+            walked: list[list[int]] = [[] for _ in pools]
+            chain = salt_root(salt)
+            for start in range(0, len(ids) - PAGE + 1, PAGE):
+                chain = page_hash(chain, ids[start : start + PAGE])
+                found = [pool.page_of_hash.get(chain) for pool in pools]
+                if all(p is None for p in found):
+                    break
+                for g, page in enumerate(found):
+                    if page is not None:
+                        walked[g].append(page)
+            want = max(sum(p in self.pinned[g] for p in walked[g]) for g in range(len(pools)))
+            assert manager.unpin(tokens, salt) == PAGE * want
+            for g, pages in enumerate(walked):
+                for page in pages:
+                    self.pinned[g].pop(page, None)
             return
-        new = {p: keys[p] for p in pages if p not in self.pinned}
-        if len(self.pinned) + len(new) > self.max_pinned_pages:
+        # A pin takes, in each group, the pages a prefix hit would reuse.
+        count, hit, _ = manager._find_hit(ids, salt_root(salt), reload=False)
+        new = [
+            {p: pool.hash_of_page[p] for p in hit[g][0] if p not in self.pinned[g]}
+            for g, pool in enumerate(pools)
+        ]
+        if any(len(self.pinned[g]) + len(n) > self.max_pinned_pages for g, n in enumerate(new)):
             before = state_of(manager)
             with pytest.raises(ValueError, match="max_pinned_pages"):
                 manager.pin(tokens, salt)
             assert_same_state(manager, before)
             return
-        assert manager.pin(tokens, salt) == PAGE * len(pages)
-        self.pinned.update(new)
-        self.pins_seen += len(new)
+        assert manager.pin(tokens, salt) == PAGE * count
+        for g, n in enumerate(new):
+            self.pinned[g].update(n)
+            self.pins_seen += len(n)
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self.manager.reset_prefix_cache()
-        self.pinned.clear()
+        for pinned in self.pinned:
+            pinned.clear()
         assert self.manager.num_cached_pages == 0
 
     @precondition(lambda self: self.model)
@@ -354,30 +464,47 @@ class ManagerMachine(RuleBasedStateMachine):
         manager = self.manager
         manager.validate()
         assert sorted(manager.request_ids) == sorted(self.model)
+        for rid, tokens in self.model.items():
+            assert manager.seq_len(rid) == len(tokens)
+            # Every page key of a live request names its prefix from now on.
+            chain = salt_root(self.salt[rid])
+            for start in range(0, len(tokens) - PAGE + 1, PAGE):
+                chain = page_hash(chain, np.array(tokens[start : start + PAGE], np.int64))
+                self.prefix_of_key[chain] = tuple(tokens[: start + PAGE])
+        for g, pool in enumerate(manager.page_pools):
+            self.check_group(g, pool)
+        # The events told the router exactly which hashes are cached, where.
+        assert self.router.held == Router.expected(manager)
+        check_reads_back(manager, self.model)
+        self.check_keyed_pages()
+
+    def check_group(self, g: int, pool) -> None:
+        manager = self.manager
         owners = np.zeros(self.num_pages, np.int64)
         holders: dict[int, list[tuple[int, int]]] = {}
         for rid, tokens in self.model.items():
-            assert manager.seq_len(rid) == len(tokens)
-            pages = manager.pages(rid)
+            pages = manager.pages(rid, g)
             assert len(pages) == -(-len(tokens) // PAGE)
-            owners[pages] += 1
-            ahead = manager.ahead_pages(rid)
+            first = self.first[rid][g]
+            # Given-back slots hold the null page; the window's pages are the request's.
+            assert null_slots(manager, rid, g) == first, (rid, g, pages)
+            live = pages[first:]
+            owners[live] += 1
+            ahead = manager.ahead_pages(rid, g)
             assert len(pages) + len(ahead) == self.room[rid]
             owners[ahead] += 1
-            for slot, page in enumerate(pages.tolist()):
+            for slot, page in enumerate(live.tolist(), start=first):
                 holders.setdefault(page, []).append((rid, slot))
-        np.testing.assert_array_equal(manager.refcounts(), owners)
+        np.testing.assert_array_equal(manager.refcounts(g), owners)
         # Free + used (+ cached, counted among free) + idle pinned = pool: no page leaks.
-        idle_pinned = sum(owners[p] == 0 for p in self.pinned)
-        assert manager.num_free_pages + int((owners > 0).sum()) + idle_pinned == self.num_pages
-        assert manager.num_used_pages == int((owners > 0).sum())
+        pinned = self.pinned[g]
+        idle_pinned = sum(owners[p] == 0 for p in pinned)
+        assert pool.num_free + int((owners > 0).sum()) + idle_pinned == self.num_pages
+        assert pool.num_used == int((owners > 0).sum())
         # Pins hold: every pinned page keeps the hash it had when pinned.
-        snapshot = manager.snapshot()
-        assert set(snapshot["pinned"]) == set(self.pinned)
-        assert all(snapshot["hash_of_page"][p] == key for p, key in self.pinned.items())
-        assert manager.num_pinned_pages <= self.max_pinned_pages
-        # The events told the router exactly which hashes are cached.
-        assert self.router.held == set(snapshot["page_of_hash"])
+        assert set(pool.pinned) == set(pinned)
+        assert all(pool.hash_of_page[p] == key for p, key in pinned.items())
+        assert len(pool.pinned) <= self.max_pinned_pages
         # A page held by several requests holds the same tokens for each.
         for page, held in holders.items():
             contents = {
@@ -388,13 +515,49 @@ class ManagerMachine(RuleBasedStateMachine):
             # Tenant isolation: only one tenant's requests share a page.
             tenants = {self.salt[rid] for rid, _ in held}
             assert len(tenants) == 1, f"page {page} shared by tenants {tenants}: {held}"
-        check_reads_back(manager, self.model)
+
+    def check_keyed_pages(self) -> None:
+        """Every keyed page, in each group's pool and host tier, holds the
+        K/V of its key's prefix bit for bit (copies out and back included)."""
+        manager = self.manager
+        for layer, group in enumerate(manager.group_of_layer):
+            tiers = [(manager.page_pools[group], manager.pools[layer])]
+            if manager.host_page_pools[group] is not None:
+                tiers.append((manager.host_page_pools[group], manager.host_pools[layer]))
+            for pool, tensor in tiers:
+                for page, key in pool.hash_of_page.items():
+                    prefix = self.prefix_of_key[key]
+                    want = kv_of(list(prefix), len(prefix) - PAGE)[layer]  # [2, PAGE, H, D]
+                    got = tensor[page]
+                    if self.layout == "HND":
+                        got = got.transpose(0, 2, 1, 3)
+                    np.testing.assert_array_equal(got, want, err_msg=f"page {page} of {key!r}")
 
 
 class ManagerMachineHND(ManagerMachine):
     layout = "HND"
     num_pages = 12
     eviction = "lfu"
+
+
+class ManagerMachineWindows(ManagerMachine):
+    """A window group (window 6: not a multiple of the page) beside a full
+    one, in 12-page pools with 6-page host tiers."""
+
+    num_pages = 12
+    layer_groups = [([1], 6), ([0], None)]
+    offload = 6
+
+
+class ManagerMachineWindowsHND(ManagerMachine):
+    """The same in HND pools with LFU eviction, a window of one page and a
+    smaller host tier, so that it evicts host pages too."""
+
+    layout = "HND"
+    num_pages = 12
+    eviction = "lfu"
+    layer_groups = [([0], None), ([1], PAGE)]
+    offload = 3
 
 
 MACHINE_SETTINGS = settings(
@@ -407,7 +570,11 @@ MACHINE_SETTINGS = settings(
 
 
 def run_machine(machine, machine_settings) -> dict[str, int]:
-    names = ("hits", "copies", "remembered", "salted_hits", "pins", "events", "set_aside")
+    names = ["hits", "copies", "remembered", "salted_hits", "pins", "events", "set_aside"]
+    if machine.layer_groups is not None:
+        names.append("given_back")
+    if machine.offload:
+        names += ["offloads", "reloads"]
     totals = dict.fromkeys(names, 0)
 
     class Counted(machine):
@@ -419,21 +586,31 @@ def run_machine(machine, machine_settings) -> dict[str, int]:
             totals["pins"] += self.pins_seen
             totals["events"] += self.router.count
             totals["set_aside"] += self.set_aside_seen
+            if "given_back" in totals:
+                totals["given_back"] += self.given_back
+            if "offloads" in totals:
+                totals["offloads"] += self.manager.stats.offloads
+                totals["reloads"] += self.manager.stats.reloads
 
     run_state_machine_as_test(Counted, settings=machine_settings)
     return totals
 
 
-@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD-lru", "HND-lfu"])
+MACHINES = [ManagerMachine, ManagerMachineHND, ManagerMachineWindows, ManagerMachineWindowsHND]
+MACHINE_IDS = ["NHD-lru", "HND-lfu", "windows-offload-NHD-lru", "windows-offload-HND-lfu"]
+
+
+@pytest.mark.parametrize("machine", MACHINES, ids=MACHINE_IDS)
 def test_state_machine(machine):
     totals = run_machine(machine, MACHINE_SETTINGS)
     # The traffic really exercised prefix hits (salted ones too), copy-on-write,
-    # remembered prompts, pins and events.
+    # remembered prompts, pins and events (and pages given back by a window
+    # group, copied to a host tier and back).
     assert all(totals.values()), totals
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("machine", [ManagerMachine, ManagerMachineHND], ids=["NHD-lru", "HND-lfu"])
+@pytest.mark.parametrize("machine", MACHINES, ids=MACHINE_IDS)
 def test_state_machine_long(machine):
     """10^5 operations per machine (400 runs of 250 steps): minutes, so slow."""
     long_settings = settings(MACHINE_SETTINGS, max_examples=400, stateful_step_count=250)
@@ -1070,4 +1247,193 @@ def test_reserve_for_several_steps_sets_pages_aside():
     assert manager.num_free_pages == 3
     with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
         manager.reserve(["a"], 1, num_steps=0)
+    manager.validate()
+
+
+# ------------------------------------------- layer groups, windows, host tier
+
+
+def test_layer_groups_are_checked():
+    def make(groups, **kwargs):
+        return PagedKVCacheManager(8, PAGE, HEADS, DIM, num_layers=3, layer_groups=groups, **kwargs)
+
+    for groups, pattern in (
+        ([([0, 1], None)], "no group holds \\[2\\]"),
+        ([([0, 1], None), ([1, 2], 8)], "in two groups"),
+        ([([0, 1, 2, 2], None)], "twice"),
+        ([([0, 1, 3], None)], "layer indices in \\[0, 3\\)"),
+        ([([], None), ([0, 1, 2], 4)], "non-empty"),
+        ([([0], 0), ([1, 2], None)], "window must be None or an int >= 1"),
+        ([(0, None)], "layers must be a sequence"),
+        ([[0, 1, 2]], "a \\(layers, window\\) pair"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            make(groups)
+    with pytest.raises(ValueError, match="one per layer group"):
+        PagedKVCacheManager([8, 8, 8], PAGE, HEADS, DIM, num_layers=2)
+    with pytest.raises(ValueError, match="one EvictionPolicy object per layer group"):
+        make([([0], 8), ([1, 2], None)], eviction=pagedkv.eviction.LRUPolicy())
+    manager = make([([0, 2], 8), ([1], None)], offload=[2, 0])
+    assert manager.group_of_layer == (0, 1, 0)
+    assert manager.null_pages == (8, PAD_PAGE) and len(manager.host_pools) == 2
+    assert manager.pools[2] is manager.group_tensors[0].pools[1]
+    manager.add("a")
+    with pytest.raises(ValueError, match="name a layer group"):
+        manager.metadata(["a"])
+    with pytest.raises(ValueError, match="group must be in"):
+        manager.pages("a", 2)
+
+
+def test_window_group_gives_back_pages_and_window_left_attention_matches():
+    """Decode and chunked prefill over a window group's table (given-back
+    slots on the null page) with the wrappers' window_left = window - 1 equal
+    attention over the last `window` keys of the whole sequence."""
+    from reference import attention
+
+    window, hq, hkv, d = 6, 4, 2, 64
+    rng = np.random.default_rng(11)
+    manager = PagedKVCacheManager(
+        12, PAGE, hkv, d, num_layers=2, layer_groups=[([0], None), ([1], window)]
+    )
+    keys: list[np.ndarray] = []  # layer 1's true K/V rows, [2, Hkv, D] each
+
+    def step(n: int, prefill: bool) -> None:
+        start = manager.seq_len("a")
+        manager.reserve(["a"], n)
+        rows = rng.standard_normal((2, n, hkv, d), dtype=np.float32)
+        keys.extend(rows.transpose(1, 0, 2, 3))
+        meta = manager.metadata(["a"], group=1)
+        assert meta.window_left == window - 1
+        pagedkv.append_paged_kv_cache(
+            rows[0], rows[1], meta.batch_indices, meta.positions, manager.pools[1],
+            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len,
+        )  # fmt: skip
+        # Given back: exactly the pages wholly before this step's first query's window.
+        gone = max(0, (start - window + 1) // PAGE)
+        assert (meta.kv_indices[:gone] == manager.null_pages[1]).all()
+        assert (meta.kv_indices[gone:] != manager.null_pages[1]).all()
+        q = rng.standard_normal((n, hq, d), dtype=np.float32)
+        table = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        if prefill:
+            w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+            w.plan(meta.append_indptr, *table, hq, hkv, d, PAGE, causal=True,
+                   window_left=meta.window_left)  # fmt: skip
+        else:
+            w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+            w.plan(*table, hq, hkv, d, PAGE, window_left=meta.window_left,
+                   q_data_type="float32", kv_data_type="float32")  # fmt: skip
+        out = w.run(q, manager.pools[1])
+        k, v = np.stack(keys, axis=1)
+        want, _ = attention(q, k, v, np.arange(start, start + n), window_left=window - 1)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+    manager.add("a")
+    step(9, prefill=True)
+    step(7, prefill=True)  # starts at 9: slot 0 (tokens 0-3) is given back
+    for _ in range(6):
+        step(1, prefill=False)
+    assert manager.seq_len("a") == 22 and (manager.pages("a", 0) >= 0).all()
+    assert null_slots(manager, "a", 1) == (21 - window + 1) // PAGE == 4
+    # The full group holds 6 pages, the window group 2; the null page stays zero.
+    assert (manager.page_pools[0].num_used, manager.page_pools[1].num_used) == (6, 2)
+    assert not manager.pools[1][manager.null_pages[1]].any()
+    manager.validate()
+
+
+@pytest.mark.parametrize("offload", [0, 4])
+def test_window_prefix_hit_needs_only_the_window(offload):
+    """A hit needs every page in a full group but only the window's pages in
+    a window group; without them it stops short, unless the host tier has
+    them (then they are copied back)."""
+    manager = PagedKVCacheManager(
+        [16, 8], PAGE, HEADS, DIM, num_layers=2,
+        layer_groups=[([0], None), ([1], PAGE + 1)], offload=[0, offload],
+    )  # fmt: skip
+    prompt = BASE[: 3 * PAGE] + [1]
+    prefilled(manager, "a", prompt)
+    manager.reserve(["a"], 1, [[2]])  # starts at 13: its window is 9.., slots 0-1 go
+    append_tokens(manager, ["a"], [[2]], [prompt])
+    assert null_slots(manager, "a", 1) == 2 and manager.page_pools[1].num_used == 2
+    manager.release("a")
+    # A request without ids takes the window group's 5 unused pages and its 2
+    # least recently released cached ones: slots 0 and 1; the full group evicts none.
+    manager.add("x")
+    manager.reserve(["x"], 7 * PAGE)
+    manager.release("x")
+    assert manager.stats.evictions == 2 and manager.stats.offloads == (2 if offload else 0)
+    # 3 pages: the next query (at 12) sees 8..12: slot 2 on, still cached.
+    assert manager.add("b", prompt) == 3 * PAGE
+    assert null_slots(manager, "b", 1) == 2
+    check_reads_back(manager, {"b": prompt[: 3 * PAGE]})
+    # 2 pages need slot 1 (the query at 8 sees 4..8), 1 page slot 0: evicted.
+    reloads = manager.stats.reloads
+    cached = manager.add("c", prompt[: 2 * PAGE] + [5])
+    if offload:
+        assert cached == 2 * PAGE and manager.stats.reloads - reloads == 1
+        check_reads_back(manager, {"b": prompt[: 3 * PAGE], "c": prompt[: 2 * PAGE]})
+    else:
+        assert cached == 0
+    manager.validate()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_tier_copies_evicted_pages_out_and_back_bitwise(dtype):
+    manager = PagedKVCacheManager(
+        4, PAGE, HEADS, DIM, num_layers=LAYERS, dtype=dtype, kv_layout="HND", offload=3
+    )
+    events: list = []
+    manager.subscribe(events.append)
+    rng = np.random.default_rng(5)
+    prompt = BASE[: 2 * PAGE + 1]
+
+    def fill(rid, tokens, ids):
+        manager.add(rid, ids)
+        manager.reserve([rid], len(tokens))
+        meta = manager.metadata([rid])
+        for pool in manager.pools:
+            rows = torch.from_numpy(rng.standard_normal((2, len(tokens), HEADS, DIM), np.float32))
+            rows = rows.to(pool.dtype) if isinstance(pool, torch.Tensor) else rows.numpy()
+            pagedkv.append_paged_kv_cache(
+                rows[0], rows[1], meta.batch_indices, meta.positions, pool,
+                meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "HND",
+            )  # fmt: skip
+
+    fill("a", prompt, prompt)
+    pages = manager.pages("a")[:2]
+    saved = [bits(pool)[pages] for pool in manager.pools]
+    stored = events[-1]
+    manager.release("a")
+    # Three unknown pages: the unused one, then both cached pages, evicted
+    # to the host tier (the partial page was never cached).
+    fill("x", [0] * (3 * PAGE + 1), None)
+    assert (manager.stats.evictions, manager.stats.offloads) == (2, 2)
+    host = manager.host_page_pools[0]
+    removed, *copied = events[-3:]
+    # Tail first, as the pool evicted them; each copy names its parent.
+    tail_first = stored.block_hashes[::-1]
+    assert removed == BlockRemoved(tail_first, "CPU")
+    assert [e.medium for e in copied] == ["CPU_OFFLOAD"] * 2
+    assert [e.block_hashes[0] for e in copied] == tail_first
+    assert [e.parent_block_hash for e in copied] == [tail_first[1], None]
+    assert copied[1].token_ids + copied[0].token_ids == stored.token_ids
+    host_pages = [host.page_of_hash[k] for k in stored.block_hashes]
+    for pool, want in zip(manager.host_pools, saved, strict=True):
+        np.testing.assert_array_equal(bits(pool)[host_pages], want)
+    manager.release("x")
+    # A prefix hit copies both back into pool pages, bit for bit; the host
+    # tier keeps its copies (one key, two tiers).
+    assert manager.add("b", prompt) == 2 * PAGE
+    assert manager.stats.reloads == 2
+    back = manager.pages("b")
+    for pool, want in zip(manager.pools, saved, strict=True):
+        np.testing.assert_array_equal(bits(pool)[back], want)
+    assert [e.medium for e in events[-2:]] == ["CPU", "CPU"]
+    assert set(host.page_of_hash) == set(stored.block_hashes)
+    assert manager.page_pool.hash_of_page[int(back[1])] == stored.block_hashes[1]
+    manager.validate()
+    # A hit that no longer fits in the pool stops short instead of failing.
+    manager.release("b")
+    fill("y", [0] * (4 * PAGE), None)  # every pool page: both cached pages evicted again
+    before = manager.stats.reloads
+    assert manager.add("c", prompt) == 0 and manager.stats.reloads == before
     manager.validate()

@@ -4,7 +4,11 @@ a KV-aware router can track which instance holds which prefix.
 The field names and order follow vLLM's ``BlockStored``, ``BlockRemoved`` and
 ``AllBlocksCleared``; block hashes are the manager's 16-byte chained page
 keys (vLLM's ``ExternalBlockHash`` allows bytes). ``medium`` is the tier:
-``"GPU"`` for a pool on a GPU, ``"CPU"`` for a pool in host memory.
+``"GPU"`` for a pool on a GPU, ``"CPU"`` for a pool in host memory, and
+``"CPU_OFFLOAD"`` for the host tier of a manager whose hot pool is itself in
+host memory (a CPU-only machine), so that the two tiers stay apart.
+``group_idx`` is vLLM's: the layer group whose pool holds the pages (None for
+a manager without layer groups).
 
 NOTE: a manager emits events only for operations that succeeded, in the
 order their effects happened, after its state is committed: a subscriber
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_CPU_OFFLOAD = "CPU_OFFLOAD"
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_CPU
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class BlockRemoved:
 
     block_hashes: list[bytes]
     medium: str | None = MEDIUM_CPU
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,13 @@ Reserved tokens count as written from the moment reserve() returns (their
 pages may serve a later prefix hit): the caller appends them before it runs
 attention over any request that could read them.
 
+Layer groups (``layer_groups=[(layers, window), ...]``): each group has its
+own page pool and page tables, and a group with a sliding window gives back
+the pages no later query can see (see :meth:`PagedKVCacheManager.metadata`
+for the placeholder page that keeps their slots). A host tier
+(``offload=host_pages``) keeps copies of the cached pages the pool evicts and
+copies them back on a prefix hit (see the class docstring).
+
 Not thread-safe: one scheduler thread owns a manager.
 """
 
@@ -57,12 +64,20 @@ import numpy as np
 from ._kernels import debug_enabled
 from ._tensors import Array
 from .eviction import EvictionPolicy
-from .kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
+from .kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_CPU_OFFLOAD,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    EventHub,
+    KVCacheEvent,
+)
 from .page_pool import (
     ROOT_HASH,
     CacheStateError,
     OutOfPagesError,
     PagePool,
+    chain_keys,
     fail,
     page_hash,
     salt_root,
@@ -101,7 +116,11 @@ class CacheStats:
     evictions: int = 0
     """Cached pages (refcount 0) reclaimed for new allocations."""
     cow_copies: int = 0
-    """Shared pages copied on write (each counts once, however many layers)."""
+    """Shared pages copied on write (once per layer group, however many layers)."""
+    offloads: int = 0
+    """Evicted pages copied to the host tier (once per layer group)."""
+    reloads: int = 0
+    """Pages of prefix hits copied back from the host tier (once per layer group)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,9 @@ class BatchMetadata:
     block_table: np.ndarray
     """[B, max pages of a request]: the same pages, one row per request, padded
     with PAD_PAGE (-1)."""
+    window_left: int = -1
+    """The wrappers' window_left for the layer group the page table is of:
+    window - 1 for a sliding-window group, -1 (no window) otherwise."""
 
     @property
     def batch_size(self) -> int:
@@ -143,10 +165,12 @@ class BatchMetadata:
 
 
 class _Request:
-    """One live request's page list and prefix-hash state."""
+    """One live request's page tables (one row per layer group) and
+    prefix-hash state."""
 
     __slots__ = (
         "pages",
+        "first",
         "num_pages",
         "seq_len",
         "reserved",
@@ -157,9 +181,13 @@ class _Request:
         "ahead",
     )
 
-    def __init__(self) -> None:
-        self.pages = np.empty(4, np.int32)
-        """pages[:num_pages] are the request's pages; the rest is spare capacity."""
+    def __init__(self, num_groups: int = 1) -> None:
+        self.pages = np.empty((num_groups, 4), np.int32)
+        """pages[g, :num_pages] is the request's page table in layer group g;
+        the rest is spare capacity."""
+        self.first = [0] * num_groups
+        """Per group, the first slot holding a page of the request: a window
+        group's earlier slots hold its null page."""
         self.num_pages = 0
         self.seq_len = 0
         self.reserved = 0
@@ -172,25 +200,32 @@ class _Request:
         self.pending = np.empty(0, np.int64)
         """Prompt ids given to add() that no reserve() has counted yet: the ids
         of the next tokens, used when reserve() is not given them."""
-        self.ahead: list[int] = []
-        """Pages reserve(num_steps=k) took for later steps: owned (refcount 1,
-        no hash), not yet in the page table; later reserves use them first."""
+        self.ahead: list[list[int]] = [[] for _ in range(num_groups)]
+        """Per group, pages reserve(num_steps=k) took for later steps: owned
+        (refcount 1, no hash), not yet in the page table; later reserves use
+        them first. Every group sets aside as many."""
 
-    def page_list(self) -> np.ndarray:
-        return self.pages[: self.num_pages]
+    def page_list(self, group: int = 0) -> np.ndarray:
+        return self.pages[group, : self.num_pages]
 
-    def push(self, new_pages: Sequence[int]) -> None:
-        need = self.num_pages + len(new_pages)
-        if need > len(self.pages):
-            grown = np.empty(max(need, 2 * len(self.pages)), np.int32)
-            grown[: self.num_pages] = self.page_list()
+    def live_pages(self, group: int) -> np.ndarray:
+        """The pages the request owns in group (its null slots left out)."""
+        return self.pages[group, self.first[group] : self.num_pages]
+
+    def push(self, new_pages: Sequence[Sequence[int]]) -> None:
+        """Appends new_pages[g] to group g's table (as many in each group)."""
+        need = self.num_pages + len(new_pages[0])
+        if need > self.pages.shape[1]:
+            grown = np.empty((self.pages.shape[0], max(need, 2 * self.pages.shape[1])), np.int32)
+            grown[:, : self.num_pages] = self.pages[:, : self.num_pages]
             self.pages = grown
-        self.pages[self.num_pages : need] = new_pages
+        self.pages[:, self.num_pages : need] = new_pages
         self.num_pages = need
 
     def copy(self) -> _Request:
-        other = _Request()
+        other = _Request(self.pages.shape[0])
         other.pages = self.pages.copy()
+        other.first = list(self.first)
         other.num_pages = self.num_pages
         other.seq_len = self.seq_len
         other.chain = self.chain
@@ -199,19 +234,135 @@ class _Request:
         return other
 
 
+class _Group:
+    """One layer group: its layers and window, its page pool and tensors, and
+    its host tier (pool and tensors) when the manager offloads."""
+
+    __slots__ = (
+        "index",
+        "layers",
+        "window",
+        "pool",
+        "tensors",
+        "null_page",
+        "host",
+        "host_tensors",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        layers: tuple[int, ...],
+        window: int | None,
+        pool: PagePool,
+        tensors: PageTensors,
+        host: PagePool | None,
+        host_tensors: PageTensors | None,
+    ) -> None:
+        self.index = index
+        self.layers = layers
+        self.window = window
+        self.pool = pool
+        self.tensors = tensors
+        # A window group's tensors have one page more than its pool: the null
+        # page, never handed out nor written, in the slots of dropped pages.
+        self.null_page = pool.num_pages if window is not None else PAD_PAGE
+        self.host = host
+        self.host_tensors = host_tensors
+
+    def first_slot(self, start: int, page_size: int) -> int:
+        """The first slot a query at position ``start`` or later can see:
+        the window shows a query at p the keys p - window + 1 .. p."""
+        if self.window is None:
+            return 0
+        return max(0, (start - self.window + 1) // page_size)
+
+
+class _Offload:
+    """The host-tier side of a claim that evicts keyed pages: which evicted
+    pages are copied where, and which host pages only get fresher."""
+
+    __slots__ = ("pages", "keys", "origins", "dests", "keep")
+
+    def __init__(self) -> None:
+        self.pages: list[int] = []
+        """Evicted device pages whose keys the host tier lacks: copied."""
+        self.keys: list[bytes] = []
+        self.origins: list[tuple] = []
+        self.dests: list[int] = []
+        """The host pages they go to (what host.peek_except(n, keep) names)."""
+        self.keep: list[int] = []
+        """Host pages the operation reads or refreshes: never victims."""
+
+
+def _layer_groups(layer_groups: Any, num_layers: int) -> list[tuple[tuple[int, ...], int | None]]:
+    """layer_groups as (layers, window) pairs that cover every layer once."""
+    if layer_groups is None:
+        return [(tuple(range(num_layers)), None)]
+    if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Iterable):
+        raise TypeError(
+            f"layer_groups must be a list of (layers, window) pairs, got {layer_groups!r}"
+        )
+    groups = []
+    seen: set[int] = set()
+    for g, entry in enumerate(layer_groups):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise ValueError(f"layer_groups[{g}] must be a (layers, window) pair, got {entry!r}")
+        layers, window = entry
+        if isinstance(layers, numbers.Integral) or not isinstance(layers, Iterable):
+            raise ValueError(
+                f"layer_groups[{g}]: layers must be a sequence of ints, got {layers!r}"
+            )
+        layers = tuple(layers)
+        if not layers or not all(
+            isinstance(x, numbers.Integral) and 0 <= x < num_layers for x in layers
+        ):
+            raise ValueError(
+                f"layer_groups[{g}]: layers must be a non-empty sequence of layer indices "
+                f"in [0, {num_layers}), got {layers!r}"
+            )
+        twice = seen.intersection(layers) or (len(set(layers)) != len(layers) and layers)
+        if twice:
+            raise ValueError(f"layer_groups[{g}]: a layer is in two groups or twice: {layers!r}")
+        seen.update(layers)
+        if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
+            raise ValueError(
+                f"layer_groups[{g}]: window must be None or an int >= 1, got {window!r}"
+            )
+        groups.append((tuple(int(x) for x in layers), None if window is None else int(window)))
+    if len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - seen)
+        raise ValueError(f"layer_groups must cover every layer once; no group holds {missing}")
+    return groups
+
+
+def _per_group(name: str, value: Any, num_groups: int, low: int) -> list[int]:
+    """An int for every group, or one int per group, each >= low."""
+    values = [value] * num_groups if isinstance(value, numbers.Integral) else list(value)
+    if len(values) != num_groups or not all(
+        isinstance(v, numbers.Integral) and v >= low for v in values
+    ):
+        raise ValueError(
+            f"{name} must be an integer >= {low} or one per layer group ({num_groups}), "
+            f"got {value!r}"
+        )
+    return [int(v) for v in values]
+
+
 class PagedKVCacheManager:
     """The page tables of the live requests over a page pool for every layer.
 
     Parameters
     ----------
-    num_pages : int
-        Pages in each layer's pool.
+    num_pages : int or sequence of int
+        Pages in each layer's pool (one count per layer group, or one for all).
     page_size : int
         Tokens per page.
     num_kv_heads, head_dim : int
         The pools' geometry.
     num_layers : int
-        Pools, one per layer; a page id names the same slot in each.
+        Pools, one per layer; a page id names the same slot in each pool of
+        a layer group.
     dtype : str or dtype
         "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
     kv_layout : str
@@ -227,22 +378,41 @@ class PagedKVCacheManager:
         (NumPy has none) or when use_torch is set. Host pools lie on 2 MiB
         pages (`pagedkv.runtime.huge_page_zeros`). The page tables and all
         metadata stay in host memory, as plan() wants them.
-    eviction : str or EvictionPolicy
+    eviction : str or EvictionPolicy or sequence of EvictionPolicy
         Which cached page an allocation reclaims first: "lru" (least
         recently released, the default), "lfu" (fewest prefix hits, then
-        least recently released) or an :class:`pagedkv.eviction.EvictionPolicy`.
+        least recently released) or an :class:`pagedkv.eviction.EvictionPolicy`
+        (one per layer group).
     max_pinned_pages : int, optional
-        The most pages pin() may hold (default num_pages // 2).
+        The most pages pin() may hold in each group (default num_pages // 2).
+    layer_groups : list of (layers, window), optional
+        Layer groups, each a sequence of layer indices and a sliding window
+        (an int: a query at position p sees the keys p - window + 1 .. p,
+        FlashInfer's ``window_left = window - 1``) or None (full attention);
+        every layer in exactly one group. Each group has its own page pool,
+        page tables, prefix cache and (with offload) host tier. Default: one
+        full-attention group of every layer, as before groups existed.
+    offload : int or sequence of int
+        Pages of the host tier in each group (one count per group, or one for
+        all); 0, the default, keeps none. Cached pages the pool evicts are
+        copied there (pinned host memory when the pools are on a GPU; host
+        memory as well on a CPU-only machine, where the pool itself is the
+        bounded hot tier) and copied back on a prefix hit.
 
     Attributes
     ----------
     pools : list of arrays
         One pool per layer, written in place by the kernels.
+    host_pools : list of arrays
+        With offload, the host tier's pool of each layer (else empty).
     page_pool : PagePool
-        The page ids, refcounts, free and evictable pages, prefix-hash
-        table, pins and events (read it; change it through the manager).
+        Layer group 0's page ids, refcounts, free and evictable pages,
+        prefix-hash table, pins and events (read it; change it through the
+        manager); ``page_pools[g]`` and ``host_page_pools[g]`` for each group.
     page_tensors : PageTensors
-        The pools and their page copies.
+        Group 0's pools and their page copies (``group_tensors[g]``).
+    layer_groups : list of (tuple of int, int or None)
+        The groups' layers and windows.
     stats : CacheStats
         Counters since the manager was made.
 
@@ -252,18 +422,38 @@ class PagedKVCacheManager:
     the pool's capacity before changing anything; a call that raises leaves
     the manager as it was (pools included) and emits no event.
 
-    NOTE: every page is in exactly one of four states: unused (on the free
-    list, no hash), cached (hash, no owner, not pinned: the policy's evictable
-    set), pinned (hash, may or may not have owners, never evicted) or owned
-    (refcount > 0). A page's refcount is the number of page tables holding it
-    plus the requests that set it aside (reserve(num_steps=k)); a page with
-    a hash is full; a shared page is written by no one (a writer copies it
-    first). validate() checks all of this.
+    NOTE: in each layer group every page is in exactly one of four states:
+    unused (on the free list, no hash), cached (hash, no owner, not pinned:
+    the policy's evictable set), pinned (hash, may or may not have owners,
+    never evicted) or owned (refcount > 0). A page's refcount is the number of
+    page tables holding it plus the requests that set it aside
+    (reserve(num_steps=k)); a page with a hash is full; a shared page is
+    written by no one (a writer copies it first). Host-tier pages are unused
+    or cached, never owned. validate() checks all of this.
+
+    Sliding windows: every group's table has a slot for every page of the
+    sequence; a window group puts its null page (``null_pages[g]``, one zero
+    page past the pool's, never written) in the slots of the pages it has
+    given back, so the wrappers see whole sequences and their
+    ``window_left`` (``metadata(...).window_left``) masks those slots. At
+    the end of each reserve() a window group gives back the request's pages
+    that lie wholly before ``s - window + 1``, s the request's length before
+    that call: no query of that step or later sees them, and the previous
+    step's attention has run. Prefix hits take, in a window group, only the
+    pages the hit's window needs; a hit is as long as every group can serve.
+
+    Host tier: a page the pool evicts keeps its key, token ids and parent in
+    the host tier (one key across tiers; a key may be in both), and a prefix
+    hit whose page is only there claims a pool page and copies it back. The
+    host tier evicts least recently used first; its events' medium is
+    "CPU" (or "CPU_OFFLOAD" when the pool itself is in host memory). Copies
+    to and from a GPU are asynchronous on torch's current stream, which
+    orders them against the kernels (see PageTensors.copy_to).
     """
 
     def __init__(
         self,
-        num_pages: int,
+        num_pages: int | Sequence[int],
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -272,49 +462,125 @@ class PagedKVCacheManager:
         kv_layout: str = "NHD",
         device: object = "cpu",
         use_torch: bool = False,
-        eviction: str | EvictionPolicy = "lru",
+        eviction: str | EvictionPolicy | Sequence[EvictionPolicy] = "lru",
         max_pinned_pages: int | None = None,
+        layer_groups: Sequence[tuple[Sequence[int], int | None]] | None = None,
+        offload: int | Sequence[int] = 0,
     ) -> None:
-        tensors = PageTensors(
-            num_pages,
-            page_size,
-            num_kv_heads,
-            head_dim,
-            num_layers,
-            dtype=dtype,
-            kv_layout=kv_layout,
-            device=device,
-            use_torch=use_torch,
+        if not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+        specs = _layer_groups(layer_groups, int(num_layers))
+        count = len(specs)
+        page_counts = _per_group("num_pages", num_pages, count, 1)
+        host_counts = _per_group("offload", offload, count, 0)
+        if isinstance(eviction, (str, EvictionPolicy)):
+            if count > 1 and not isinstance(eviction, str):
+                raise ValueError("eviction: give one EvictionPolicy object per layer group")
+            policies = [eviction] * count
+        else:
+            policies = list(eviction)
+            if len(policies) != count:
+                raise ValueError(f"eviction: give one policy per layer group ({count})")
+        self._events = EventHub()
+        group_idx = None if layer_groups is None else 0
+        self._groups: list[_Group] = []
+        for g, ((layers, window), pages, host_pages) in enumerate(
+            zip(specs, page_counts, host_counts, strict=True)
+        ):
+            tensors = PageTensors(
+                pages + (window is not None),
+                page_size,
+                num_kv_heads,
+                head_dim,
+                len(layers),
+                dtype=dtype,
+                kv_layout=kv_layout,
+                device=device,
+                use_torch=use_torch,
+            )
+            pool = PagePool(
+                pages,
+                tensors.page_size,
+                eviction=policies[g],
+                max_pinned_pages=max_pinned_pages,
+                medium=MEDIUM_GPU if tensors.on_gpu else MEDIUM_CPU,
+                group_idx=None if group_idx is None else g,
+                events=self._events,
+                keep_token_ids=host_pages > 0,
+            )
+            host = host_tensors = None
+            if host_pages:
+                host_tensors = PageTensors(
+                    host_pages,
+                    page_size,
+                    num_kv_heads,
+                    head_dim,
+                    len(layers),
+                    dtype=dtype,
+                    kv_layout=kv_layout,
+                    use_torch=use_torch or tensors.on_gpu,
+                    pin_memory=tensors.on_gpu,
+                )
+                host = PagePool(
+                    host_pages,
+                    page_size,
+                    max_pinned_pages=0,
+                    medium=MEDIUM_CPU if tensors.on_gpu else MEDIUM_CPU_OFFLOAD,
+                    group_idx=pool.group_idx,
+                    events=self._events,
+                    keep_token_ids=True,
+                )
+            self._groups.append(_Group(g, layers, window, pool, tensors, host, host_tensors))
+        first = self._groups[0]
+        self.page_tensors = first.tensors
+        self.group_tensors = [g.tensors for g in self._groups]
+        self.page_pool = first.pool
+        self.page_pools = [g.pool for g in self._groups]
+        self.host_page_pools = [g.host for g in self._groups]
+        self.layer_groups = specs
+        self.num_pages = page_counts[0] if len(set(page_counts)) == 1 else tuple(page_counts)
+        """Pages in each group's pool (a tuple when the groups differ)."""
+        self.page_size = first.tensors.page_size
+        self.num_kv_heads = first.tensors.num_kv_heads
+        self.head_dim = first.tensors.head_dim
+        self.num_layers = int(num_layers)
+        self.dtype = first.tensors.dtype
+        self.kv_layout = first.tensors.kv_layout
+        self.null_pages = tuple(g.null_page for g in self._groups)
+        """Each group's null page (PAD_PAGE for a full-attention group)."""
+        self.group_of_layer = tuple(
+            next(g.index for g in self._groups if layer in g.layers)
+            for layer in range(self.num_layers)
         )
-        self.page_tensors = tensors
-        self.num_pages = tensors.num_pages
-        self.page_size = tensors.page_size
-        self.num_kv_heads = tensors.num_kv_heads
-        self.head_dim = tensors.head_dim
-        self.num_layers = tensors.num_layers
-        self.dtype = tensors.dtype
-        self.kv_layout = tensors.kv_layout
-        self.pools: list[Array] = tensors.pools
+        """The layer group of each layer."""
+        self.pools: list[Array] = [
+            self._groups[g].tensors.pools[self._groups[g].layers.index(layer)]
+            for layer, g in enumerate(self.group_of_layer)
+        ]
         """One pool per layer, written in place by the kernels."""
-        self.page_pool = PagePool(
-            self.num_pages,
-            self.page_size,
-            eviction=eviction,
-            max_pinned_pages=max_pinned_pages,
-            medium=MEDIUM_GPU if tensors.on_gpu else MEDIUM_CPU,
-        )
+        self.host_pools: list[Array] = [
+            self._groups[g].host_tensors.pools[self._groups[g].layers.index(layer)]
+            for layer, g in enumerate(self.group_of_layer)
+            if self._groups[g].host_tensors is not None
+        ]
+        """With offload, the host tier's pool of each layer (else empty)."""
+        self._windows = [g for g in self._groups if g.window is not None]
+        self._offload = any(g.host is not None for g in self._groups)
+        # One group, no window, no host tier: the paths of a plain manager.
+        self._simple = count == 1 and not self._windows and not self._offload
         self._requests: dict[Hashable, _Request] = {}
         self._generation = 0
         self.stats = CacheStats()
 
     @property
     def max_pinned_pages(self) -> int:
-        """The most pages pin() may hold."""
+        """The most pages pin() may hold (in each layer group)."""
         return self.page_pool.max_pinned_pages
 
     @max_pinned_pages.setter
     def max_pinned_pages(self, value: int) -> None:
-        self.page_pool.max_pinned_pages = value
+        for group in self._groups:
+            group.pool.max_pinned_pages = value
 
     # The pool's state under the names earlier versions kept it (tests
     # corrupt it on purpose to exercise validate()).
@@ -329,26 +595,35 @@ class PagedKVCacheManager:
 
     # ----------------------------------------------------------- inspection
 
+    def _tightest(self) -> PagePool:
+        """The pool with the fewest free pages: a reservation takes as many
+        pages in every group, so this one runs out first."""
+        if len(self._groups) == 1:
+            return self.page_pool
+        return min(self.page_pools, key=lambda pool: pool.num_free)
+
     @property
     def num_free_pages(self) -> int:
-        """Pages a reservation can take: unused ones plus cached, evictable ones."""
-        return self.page_pool.num_free
+        """Pages a reservation can take: unused ones plus cached, evictable
+        ones (with layer groups, in the group with the fewest; the other
+        counts are of that group too, and page_pools[g] has each group's)."""
+        return self._tightest().num_free
 
     @property
     def num_cached_pages(self) -> int:
         """Pages no request owns that keep their contents for prefix hits and
         that an allocation may evict (pinned ones are not counted here)."""
-        return len(self.page_pool.evictable)
+        return len(self._tightest().evictable)
 
     @property
     def num_used_pages(self) -> int:
         """Pages owned by at least one live request."""
-        return self.page_pool.num_used
+        return self._tightest().num_used
 
     @property
     def num_pinned_pages(self) -> int:
         """Pages pin() keeps cached (owned by requests or not)."""
-        return len(self.page_pool.pinned)
+        return len(self._tightest().pinned)
 
     @property
     def request_ids(self) -> list[Hashable]:
@@ -362,18 +637,22 @@ class PagedKVCacheManager:
         """Tokens of the request, reserved ones included."""
         return self._request("request_id", request_id).seq_len
 
-    def pages(self, request_id: Hashable) -> np.ndarray:
-        """The request's page ids in sequence order ([pages] int32, a copy)."""
-        return self._request("request_id", request_id).page_list().copy()
+    def pages(self, request_id: Hashable, group: int | None = None) -> np.ndarray:
+        """The request's page ids in sequence order ([pages] int32, a copy),
+        in layer group `group` (needed with several groups): a window group's
+        given-back slots hold its null page."""
+        g = self._group_index(group)
+        return self._request("request_id", request_id).page_list(g).copy()
 
-    def ahead_pages(self, request_id: Hashable) -> list[int]:
+    def ahead_pages(self, request_id: Hashable, group: int | None = None) -> list[int]:
         """Pages reserve(num_steps=k) set aside for the request's later steps
-        (owned by it, not yet in its page table)."""
-        return list(self._request("request_id", request_id).ahead)
+        (owned by it, not yet in its page table), in layer group `group`."""
+        g = self._group_index(group)
+        return list(self._request("request_id", request_id).ahead[g])
 
-    def refcounts(self) -> np.ndarray:
-        """Owners of each page ([num_pages] int32, a copy)."""
-        return self.page_pool.refcount.copy()
+    def refcounts(self, group: int | None = None) -> np.ndarray:
+        """Owners of each page ([num_pages] int32, a copy), in layer group `group`."""
+        return self._groups[self._group_index(group)].pool.refcount.copy()
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the bookkeeping (not the pools): equal snapshots mean
@@ -381,18 +660,23 @@ class PagedKVCacheManager:
         return {
             "requests": {
                 rid: (
-                    r.page_list().tolist(),
+                    r.pages[:, : r.num_pages].tolist(),
+                    list(r.first),
                     r.seq_len,
                     r.reserved,
                     r.generation,
                     r.chain,
                     r.tail.tolist(),
                     r.pending.tolist(),
-                    list(r.ahead),
+                    [list(a) for a in r.ahead],
                 )
                 for rid, r in self._requests.items()
             },
             **self.page_pool.snapshot(),
+            "groups": [
+                (g.pool.snapshot(), None if g.host is None else g.host.snapshot())
+                for g in self._groups
+            ],
             "generation": self._generation,
             "stats": CacheStats(**vars(self.stats)),
         }
@@ -408,7 +692,10 @@ class PagedKVCacheManager:
         """Starts a request; returns how many leading tokens of `tokens` (its
         prompt ids, 1-D ints) were served from the prefix cache, a multiple of
         page_size. Those tokens are the request's first seq_len(request_id);
-        the caller reserves and appends the rest. Allocates no pages.
+        the caller reserves and appends the rest. Allocates no pages, except
+        in a host tier's manager, where the hit's pages found only in the host
+        tier are copied back into pool pages (as many as the pools have free:
+        a hit stops short rather than fail).
 
         The rest of the prompt is remembered: reserve() calls that are not
         given token ids take them from it, so the pages they fill are cached.
@@ -417,6 +704,11 @@ class PagedKVCacheManager:
         so requests with different salts never share a cached page (a shared
         prefix is a timing side channel between tenants); equal salts share
         as usual, and None is the unsalted cache of earlier versions.
+
+        With layer groups, a hit of h pages needs pages 0 .. h - 1 in every
+        full-attention group and, in a window group, the pages holding the
+        last `window` tokens before position h * page_size (the window of the
+        next query); the earlier slots get the group's null page.
 
         Examples
         --------
@@ -433,16 +725,21 @@ class PagedKVCacheManager:
             raise ValueError(f"request_id {request_id!r} is already live")
         prompt = None if tokens is None else _token_ids("tokens", tokens)
         root = salt_root(salt)
-        request = _Request()
+        request = _Request(len(self._groups))
         request.chain = root
         if prompt is not None:
-            hits, chain = self.page_pool.lookup(prompt, root)
-            self.stats.prefix_hits += len(hits)
-            self.stats.prefix_misses += len(prompt) // self.page_size - len(hits)
-            if hits:
-                self.page_pool.reuse(hits)
-                request.push(hits)
-                request.seq_len = len(hits) * self.page_size
+            if self._simple:
+                hits, chain = self.page_pool.lookup(prompt, root)
+                if hits:
+                    self.page_pool.reuse(hits)
+                    request.push([hits])
+                count = len(hits)
+            else:
+                count, chain = self._take_hit(request, prompt, root)
+            self.stats.prefix_hits += count
+            self.stats.prefix_misses += len(prompt) // self.page_size - count
+            if count:
+                request.seq_len = count * self.page_size
                 request.chain = chain
             request.pending = prompt[request.seq_len :].copy()
         self._requests[request_id] = request
@@ -474,7 +771,12 @@ class PagedKVCacheManager:
         ids from the prompt add() remembered while it lasts; past it, the
         request's later pages are not cached.
 
-        Raises OutOfPagesError, with nothing changed, when the pool is short.
+        With layer groups, every group allocates; a window group then gives
+        back the listed requests' pages that no query of this step or later
+        sees (see the class docstring). Evicted cached pages go to the host
+        tier, if there is one.
+
+        Raises OutOfPagesError, with nothing changed, when a pool is short.
 
         Examples
         --------
@@ -494,69 +796,104 @@ class PagedKVCacheManager:
         if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
             raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
         size = self.page_size
-        pool = self.page_pool
-        refcount = pool.refcount
+        groups = self._groups
+        count_list = counts.tolist()
 
-        need = 0
+        # Every group's table grows by as many pages; copies differ by group.
+        # (Group 0's shared last pages are counted in the same pass.)
+        grow_all = 0
+        refcount = groups[0].pool.refcount
         writers: dict[int, int] = {}
-        for request, n in zip(requests, counts.tolist(), strict=True):
+        for request, n in zip(requests, count_list, strict=True):
             if n == 0:
                 continue
-            need += self._new_pages(request, n * num_steps)
+            grow_all += self._new_pages(request, n * num_steps)
             if request.seq_len % size:
-                last = int(request.pages[request.num_pages - 1])
+                last = int(request.pages[0, request.num_pages - 1])
                 if refcount[last] > 1:
                     writers[last] = writers.get(last, 0) + 1
-        # Every writer into a shared page copies it, but when all its owners
-        # write, the last one keeps the original.
-        need += sum(c - (c == refcount[p]) for p, c in writers.items())
-        pool.ensure_room(need)
+        needs: list[tuple[int, dict[int, int]]] = []
+        for group in groups:
+            refcount = group.pool.refcount
+            g = group.index
+            if g:
+                writers = {}
+                for request, n in zip(requests, count_list, strict=True):
+                    if n and request.seq_len % size:
+                        last = int(request.pages[g, request.num_pages - 1])
+                        if refcount[last] > 1:
+                            writers[last] = writers.get(last, 0) + 1
+            # Every writer into a shared page copies it, but when all its
+            # owners write, the last one keeps the original.
+            need = grow_all + sum(c - (c == refcount[p]) for p, c in writers.items())
+            group.pool.ensure_room(need)
+            needs.append((need, writers))
 
         # NOTE: the next claim(need) takes exactly these pages, copies first.
-        fresh = pool.peek(need)
-        copies: list[tuple[_Request, int, int]] = []
-        if writers:
-            owners = {p: int(refcount[p]) for p in writers}
-            spare = iter(fresh)
-            for request, n in zip(requests, counts.tolist(), strict=True):
-                if n == 0 or not request.seq_len % size:
-                    continue
-                last = int(request.pages[request.num_pages - 1])
-                if owners.get(last, 1) > 1:
-                    owners[last] -= 1
-                    copies.append((request, last, next(spare)))
+        claims: list[tuple[list[int], _Offload | None, list[tuple[_Request, int, int]]]] = []
+        for group, (need, writers) in zip(self._groups, needs, strict=True):
+            fresh = group.pool.peek(need)
+            offload = self._plan_offload(group, fresh, ()) if group.host is not None else None
+            copies: list[tuple[_Request, int, int]] = []
+            if writers:
+                g = group.index
+                owners = {p: int(group.pool.refcount[p]) for p in writers}
+                spare = iter(fresh)
+                for request, n in zip(requests, count_list, strict=True):
+                    if n == 0 or not request.seq_len % size:
+                        continue
+                    last = int(request.pages[g, request.num_pages - 1])
+                    if owners.get(last, 1) > 1:
+                        owners[last] -= 1
+                        copies.append((request, last, next(spare)))
+            claims.append((fresh, offload, copies))
+        # Offloads first: they read the evicted pages the copies overwrite.
+        for group, (_, offload, copies) in zip(self._groups, claims, strict=True):
+            if offload is not None:
+                group.tensors.copy_to(group.host_tensors, offload.pages, offload.dests)
             if copies:
-                self.page_tensors.copy_pages([c[1] for c in copies], [c[2] for c in copies])
+                group.tensors.copy_pages([c[1] for c in copies], [c[2] for c in copies])
 
         # Nothing below can fail: commit. Every claimed page gets one owner.
-        self.stats.evictions += pool.claim(fresh)
-        for request, _, new in copies:
-            request.pages[request.num_pages - 1] = new
-        if copies:
-            pool.drop_shared([old for _, old, _ in copies])
-        self.stats.cow_copies += len(copies)
-        taken = len(copies)
+        for group, (fresh, offload, copies) in zip(self._groups, claims, strict=True):
+            self.stats.evictions += group.pool.claim(fresh)
+            if offload is not None:
+                self._commit_offload(group, offload)
+            g = group.index
+            for request, _, new in copies:
+                request.pages[g, request.num_pages - 1] = new
+            if copies:
+                group.pool.drop_shared([old for _, old, _ in copies])
+            self.stats.cow_copies += len(copies)
+        taken = [len(c[2]) for c in claims]
         self._generation += 1
-        for request, n, ids in zip(requests, counts.tolist(), new_tokens, strict=True):
+        windows = bool(self._windows)
+        for request, n, ids in zip(requests, count_list, new_tokens, strict=True):
             request.reserved = n
             request.generation = self._generation
             if n == 0:
                 continue
-            grow = -(-(request.seq_len + n) // size) - request.num_pages
-            if num_steps == 1 and not request.ahead:
+            start = request.seq_len
+            grow = -(-(start + n) // size) - request.num_pages
+            if num_steps == 1 and not request.ahead[0]:
                 # The common decode step: pages for this step only.
                 if grow:
-                    request.push(fresh[taken : taken + grow])
-                    taken += grow
+                    request.push([c[0][t : t + grow] for c, t in zip(claims, taken, strict=True)])
+                    taken = [t + grow for t in taken]
             else:
                 extra = self._new_pages(request, n * num_steps)
-                # Set-aside pages first (allocated earlier), then this call's.
-                pages = request.ahead + fresh[taken : taken + extra]
-                taken += extra
+                columns = []
+                for g, (fresh, _, _) in enumerate(claims):
+                    # Set-aside pages first (allocated earlier), then this call's.
+                    pages = request.ahead[g] + fresh[taken[g] : taken[g] + extra]
+                    taken[g] += extra
+                    columns.append(pages[:grow])
+                    request.ahead[g] = pages[grow:]
                 if grow:
-                    request.push(pages[:grow])
-                request.ahead = pages[grow:]
+                    request.push(columns)
             self._fill(request, n, ids)
+            if windows:
+                self._drop_outside_windows(request, start)
         self._after_mutation()
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -569,7 +906,8 @@ class PagedKVCacheManager:
         if child_id in self._requests:
             raise ValueError(f"child_id {child_id!r} is already live")
         child = parent.copy()
-        self.page_pool.share(child.page_list())
+        for group in self._groups:
+            group.pool.share(child.live_pages(group.index))
         self._requests[child_id] = child
         self._after_mutation()
 
@@ -579,8 +917,9 @@ class PagedKVCacheManager:
         policy picks which go first), pinned ones until unpinned."""
         request = self._request("request_id", request_id)
         del self._requests[request_id]
-        self.page_pool.release(request.ahead)
-        self.page_pool.release(request.page_list())
+        for group in self._groups:
+            group.pool.release(request.ahead[group.index])
+            group.pool.release(request.live_pages(group.index))
         self._after_mutation()
 
     # -------------------------------------------------- pins, events, reset
@@ -593,7 +932,8 @@ class PagedKVCacheManager:
 
         Raises ValueError, with nothing changed, when the pins would exceed
         max_pinned_pages. Pinning a pinned page again is a no-op (pins do not
-        count).
+        count). With layer groups, each group pins the pages that a prefix hit
+        on `tokens` would take there (pages in the host tier are not pinned).
 
         Examples
         --------
@@ -606,15 +946,27 @@ class PagedKVCacheManager:
         >>> m.release("a"); m.num_pinned_pages, m.num_free_pages
         (2, 6)
         """
-        pages, _ = self.page_pool.lookup(_token_ids("tokens", tokens), salt_root(salt))
-        self.page_pool.pin(pages)
+        prompt = _token_ids("tokens", tokens)
+        root = salt_root(salt)
+        if self._simple:
+            pages, _ = self.page_pool.lookup(prompt, root)
+            self.page_pool.pin(pages)
+            count = len(pages)
+        else:
+            count, hit, _ = self._find_hit(prompt, root, reload=False)
+            per_group = [hit[g.index][0] for g in self._groups]
+            for group, pages in zip(self._groups, per_group, strict=True):
+                group.pool.check_pin(pages)
+            for group, pages in zip(self._groups, per_group, strict=True):
+                group.pool.pin(pages)
         self._after_mutation()
-        return len(pages) * self.page_size
+        return count * self.page_size
 
     def unpin(self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None) -> int:
         """Undoes pin() for the pinned pages holding `tokens`' leading full
         pages; those no request owns become evictable (most recently released
-        last). Returns the tokens unpinned.
+        last). Returns the tokens unpinned (with layer groups, in the group
+        that unpinned the most).
 
         Examples
         --------
@@ -623,10 +975,27 @@ class PagedKVCacheManager:
         >>> m.pin([1, 2, 3, 4]), m.unpin([1, 2, 3, 4]), m.num_pinned_pages
         (4, 4, 0)
         """
-        pages, _ = self.page_pool.lookup(_token_ids("tokens", tokens), salt_root(salt))
-        unpinned = self.page_pool.unpin(pages)
+        prompt = _token_ids("tokens", tokens)
+        root = salt_root(salt)
+        size = self.page_size
+        per_group: list[list[int]] = [[] for _ in self._groups]
+        chain = root
+        # A window group may lack a prompt's early pages: walk while any group has one.
+        for start in range(0, len(prompt) - size + 1, size):
+            chain = page_hash(chain, prompt[start : start + size])
+            found = False
+            for group in self._groups:
+                page = group.pool.page_of_hash.get(chain)
+                if page is not None:
+                    per_group[group.index].append(page)
+                    found = True
+            if not found:
+                break
+        unpinned = max(
+            group.pool.unpin(pages) for group, pages in zip(self._groups, per_group, strict=True)
+        )
         self._after_mutation()
-        return unpinned * self.page_size
+        return unpinned * size
 
     def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
         """Calls callback(event) with every KV event (pagedkv.kv_events:
@@ -635,7 +1004,8 @@ class PagedKVCacheManager:
 
         Events come after the call that caused them has committed, in order; a
         call that raised emits none. An exception from the callback propagates
-        to the caller of that call, whose effects stand.
+        to the caller of that call, whose effects stand. With layer groups an
+        event's group_idx names its group; a host tier's events have its medium.
 
         Examples
         --------
@@ -650,11 +1020,11 @@ class PagedKVCacheManager:
         return self.page_pool.subscribe(callback)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every prefix hash (pins included): cached pages become
-        unused, owned pages stay with their requests but serve no later prefix
-        hit. Emits AllBlocksCleared. Live requests go on caching the pages they
-        fill (their keys chain on hashes no longer held: only their own later
-        prompts could hit them).
+        """Forgets every prefix hash (pins and host tiers included): cached
+        pages become unused, owned pages stay with their requests but serve no
+        later prefix hit. Emits AllBlocksCleared. Live requests go on caching
+        the pages they fill (their keys chain on hashes no longer held: only
+        their own later prompts could hit them).
 
         Examples
         --------
@@ -663,7 +1033,11 @@ class PagedKVCacheManager:
         >>> m.num_cached_pages, (m.reset_prefix_cache(), m.num_cached_pages)[1]
         (1, 0)
         """
-        self.page_pool.reset()
+        for group in self._groups:
+            group.pool.reset(emit=False)
+            if group.host is not None:
+                group.host.reset(emit=False)
+        self._events.emit(AllBlocksCleared())
         self._after_mutation()
 
     # ------------------------------------------------------------- metadata
@@ -672,6 +1046,7 @@ class PagedKVCacheManager:
         self,
         request_ids: Sequence[Hashable],
         num_new_tokens: int | Sequence[int] | np.ndarray | None = None,
+        group: int | None = None,
     ) -> BatchMetadata:
         """The batch's page table and append indices (see BatchMetadata).
 
@@ -680,7 +1055,21 @@ class PagedKVCacheManager:
         each request (0 for requests it did not list). 0 gives decode-only
         metadata. Only tokens that reserve() made room for may be written:
         pages before them can be shared. Changes nothing.
+
+        group: the layer group whose page table to give (needed with several
+        groups; ``group_of_layer[layer]`` names a layer's). A window group's
+        table holds its null page where it gave pages back; give the wrappers
+        ``window_left=meta.window_left`` so that they mask those slots.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8, num_layers=2,
+        ...                         layer_groups=[([0], None), ([1], 4)])
+        >>> _ = m.add("a"); m.reserve(["a"], 9); m.reserve(["a"], 1)
+        >>> m.metadata(["a"], group=1).kv_indices, m.metadata(["a"], group=1).window_left
+        (array([8, 1, 2], dtype=int32), 3)
         """
+        g = self._group_index(group)
         requests = self._batch(request_ids)
         batch = len(requests)
         seq_lens = np.fromiter((r.seq_len for r in requests), np.int64, batch)
@@ -704,7 +1093,7 @@ class PagedKVCacheManager:
         kv_indptr = np.zeros(batch + 1, np.int32)
         np.cumsum(page_counts, out=kv_indptr[1:])
         kv_indices = (
-            np.concatenate([r.pages[: r.num_pages] for r in requests])
+            np.concatenate([r.pages[g, : r.num_pages] for r in requests])
             if batch
             else np.empty(0, np.int32)
         )
@@ -724,6 +1113,7 @@ class PagedKVCacheManager:
         block_table = np.full((batch, width), PAD_PAGE, np.int32)
         # Row-major order of the mask is CSR order.
         block_table[np.arange(width) < page_counts[:, None]] = kv_indices
+        window = self._groups[g].window
         return BatchMetadata(
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
@@ -733,76 +1123,111 @@ class PagedKVCacheManager:
             batch_indices=batch_indices,
             positions=positions,
             block_table=block_table,
+            window_left=-1 if window is None else window - 1,
         )
 
     # ------------------------------------------------------------- checking
 
     def validate(self) -> None:
-        """Checks the page tables against the pool; raises CacheStateError.
+        """Checks the page tables against the pools; raises CacheStateError.
 
-        CSR form: indptr monotone, page ids in the pool, last_page_len in
-        [1, page_size] for requests with pages (0 without). Ownership: each
-        request holds ceil(seq_len / page_size) distinct pages; refcounts equal
-        the owners counted from the tables and the set-aside pages of
-        reserve(num_steps=k) (which have no hash); a page with several owners sits at
-        the same index in each and is filled alike in each (shared read-only:
-        prefix-cache pages are full, a fork's partial page is everyone's last);
-        a page with a prefix hash is full. Pool (PagePool.validate): unused,
-        cached-evictable, pinned-unowned and owned pages partition the pool;
-        pinned pages have a hash and are not evictable; the hash maps are
-        mutual inverses.
+        In every layer group: CSR form: indptr monotone, page ids in the pool,
+        last_page_len in [1, page_size] for requests with pages (0 without).
+        Ownership: each request holds ceil(seq_len / page_size) slots of
+        distinct pages (a window group's given-back slots hold its null page,
+        only before the window of the request's current step; a full group
+        has none); refcounts equal the owners counted from the tables and the
+        set-aside pages of reserve(num_steps=k) (which have no hash); a page
+        with several owners sits at the same index in each and is filled alike
+        in each (shared read-only: prefix-cache pages are full, a fork's
+        partial page is everyone's last); a page with a prefix hash is full.
+        Pool (PagePool.validate): unused, cached-evictable, pinned-unowned and
+        owned pages partition the pool; pinned pages have a hash and are not
+        evictable; the hash maps are mutual inverses (and the kept token ids
+        follow them). Host tier: the same partition with no owner and no pin.
         """
-        size, total = self.page_size, self.num_pages
-        pool = self.page_pool
+        size = self.page_size
         ids = list(self._requests)
         for rid in ids:
             r = self._requests[rid]
             if r.num_pages != -(-r.seq_len // size):
                 fail(f"request {rid!r}: {r.num_pages} pages for {r.seq_len} tokens")
-            pages = r.page_list()
-            if pages.size and (pages.min() < 0 or pages.max() >= total):
-                fail(f"request {rid!r} holds a page outside the pool: {pages.tolist()}")
-            if np.unique(pages).size != pages.size:
-                fail(f"request {rid!r} holds a page twice: {pages.tolist()}")
             if r.chain is not None and r.tail.size != r.seq_len % size:
                 fail(f"request {rid!r}: {r.tail.size} token ids for its partial last page")
-        meta = self.metadata(ids, num_new_tokens=0)
+            if len({len(a) for a in r.ahead}) != 1:
+                fail(f"request {rid!r}: its groups set aside different numbers of pages")
+        for group in self._groups:
+            self._validate_group(group, ids)
+
+    def _validate_group(self, group: _Group, ids: list[Hashable]) -> None:
+        size, g, pool = self.page_size, group.index, group.pool
+        total = pool.num_pages
+        where = "" if len(self._groups) == 1 else f" (layer group {g})"
+        firsts = []
+        for rid in ids:
+            r = self._requests[rid]
+            first = r.first[g]
+            firsts.append(first)
+            if group.window is None:
+                if first != 0:
+                    fail(f"request {rid!r} has null slots in a full-attention group{where}")
+            else:
+                # The first query of the request's current step is at `start`.
+                start = r.seq_len - (r.reserved if r.generation == self._generation else 0)
+                if not 0 <= first <= group.first_slot(start, size):
+                    fail(f"request {rid!r} gave back a page its window still sees{where}")
+                if (r.pages[g, :first] != group.null_page).any():
+                    fail(f"request {rid!r}: a given-back slot is not the null page{where}")
+            pages = r.live_pages(g)
+            if pages.size and (pages.min() < 0 or pages.max() >= total):
+                fail(f"request {rid!r} holds a page outside the pool{where}: {pages.tolist()}")
+            if np.unique(pages).size != pages.size:
+                fail(f"request {rid!r} holds a page twice{where}: {pages.tolist()}")
+        meta = self.metadata(ids, num_new_tokens=0, group=g)
         indptr, indices, last = meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len
         counts = np.diff(indptr.astype(np.int64))
         if indptr[0] != 0 or (counts < 0).any() or indptr[-1] != indices.size:
-            fail(f"kv_indptr is not a CSR offset array: {indptr.tolist()}")
-        if indices.size and (indices.min() < 0 or indices.max() >= total):
-            fail("kv_indices leaves the pool")
+            fail(f"kv_indptr is not a CSR offset array{where}: {indptr.tolist()}")
+        high = total + (group.window is not None)
+        if indices.size and (indices.min() < 0 or indices.max() >= high):
+            fail(f"kv_indices leaves the pool{where}")
         full = counts > 0
         if ((last < 1) | (last > size))[full].any() or (last[~full] != 0).any():
-            fail(f"kv_last_page_len out of range: {last.tolist()}")
+            fail(f"kv_last_page_len out of range{where}: {last.tolist()}")
 
-        ahead = np.array([p for r in self._requests.values() for p in r.ahead], np.int64)
+        ahead = np.array([p for rid in ids for p in self._requests[rid].ahead[g]], np.int64)
         if any(p in pool.hash_of_page for p in ahead.tolist()):
-            fail("a set-aside page has a prefix hash")
+            fail(f"a set-aside page has a prefix hash{where}")
+        slot = np.arange(indices.size) - np.repeat(indptr[:-1], counts)
+        fill = np.where(slot == np.repeat(counts - 1, counts), np.repeat(last, counts), size)
+        # Only the slots that hold the requests' own pages (not the null page).
+        live = slot >= np.repeat(np.array(firsts, np.int64), counts)
+        indices, slot, fill = indices[live], slot[live], fill[live]
         owners = np.bincount(np.concatenate([indices, ahead]), minlength=total)
         wrong = np.flatnonzero(owners != pool.refcount)
         if wrong.size:
             p = int(wrong[0])
-            fail(f"page {p}: refcount {pool.refcount[p]} but {owners[p]} owners")
-        slot = np.arange(indices.size) - np.repeat(indptr[:-1], counts)
-        fill = np.where(slot == np.repeat(counts - 1, counts), np.repeat(last, counts), size)
+            fail(f"page {p}: refcount {pool.refcount[p]} but {owners[p]} owners{where}")
         for name, value in (("index", slot), ("fill", fill)):
             low = np.full(total, np.iinfo(np.int64).max)
-            high = np.full(total, -1)
+            high_value = np.full(total, -1)
             np.minimum.at(low, indices, value)
-            np.maximum.at(high, indices, value)
-            differs = np.flatnonzero((owners > 1) & (low != high))
+            np.maximum.at(high_value, indices, value)
+            differs = np.flatnonzero((owners > 1) & (low != high_value))
             if differs.size:
-                fail(f"shared page {int(differs[0])} differs in {name} between its owners")
+                fail(f"shared page {int(differs[0])} differs in {name} between its owners{where}")
         hashed = np.array(sorted(pool.hash_of_page), np.int64)
         if hashed.size:
             low_fill = np.full(total, size)
             np.minimum.at(low_fill, indices, fill)
             partial = hashed[low_fill[hashed] < size]
             if partial.size:
-                fail(f"page {int(partial[0])} has a prefix hash but is not full")
+                fail(f"page {int(partial[0])} has a prefix hash but is not full{where}")
         pool.validate()
+        if group.host is not None:
+            group.host.validate()
+            if (group.host.refcount != 0).any() or group.host.pinned:
+                fail(f"a host-tier page has an owner or a pin{where}")
 
     # ------------------------------------------------------------ internals
 
@@ -811,6 +1236,18 @@ class PagedKVCacheManager:
         if debug_enabled():
             self.validate()
         self.page_pool.flush_events()
+
+    def _group_index(self, group: int | None) -> int:
+        if group is None:
+            if len(self._groups) > 1:
+                raise ValueError(
+                    f"group: name a layer group (0 .. {len(self._groups) - 1}); "
+                    "group_of_layer[layer] gives a layer's"
+                )
+            return 0
+        if not isinstance(group, numbers.Integral) or not 0 <= group < len(self._groups):
+            raise ValueError(f"group must be in [0, {len(self._groups)}), got {group!r}")
+        return int(group)
 
     def _request(self, name: str, request_id: Hashable) -> _Request:
         try:
@@ -843,13 +1280,186 @@ class PagedKVCacheManager:
 
     def _lookup_prefix(self, prompt: np.ndarray, root: bytes) -> tuple[list[int], bytes]:
         """The cached pages that hold the prompt's leading full pages (the
-        first chained on root), and the hash of the last of them."""
+        first chained on root), and the hash of the last of them (group 0)."""
         return self.page_pool.lookup(prompt, root)
+
+    def _find_hit(
+        self, prompt: np.ndarray, root: bytes, reload: bool = True
+    ) -> tuple[int, list[tuple[list[int], list[tuple[int, int, bytes]], int]], list[bytes]]:
+        """The longest prefix hit every group can serve: its length h in
+        pages; per group, (pool pages reused, (slot, host page, key) of each
+        page to copy back, first slot); the keys of the prompt's pages looked
+        at. reload=False: pool pages only.
+        A group serves h when it holds, in the pool or its host tier, the
+        pages from its first_slot(h * page_size) to h - 1, and its pool has
+        room for the copies back (the reused pages no longer free). Changes
+        nothing."""
+        size = self.page_size
+        groups = self._groups
+        keys: list[bytes] = []
+        pool_page: list[list[int]] = [[] for _ in groups]
+        host_page: list[list[int]] = [[] for _ in groups]
+        chain = root
+        for start in range(0, len(prompt) - size + 1, size):
+            key = page_hash(chain, prompt[start : start + size])
+            found = []
+            for group in groups:
+                p = group.pool.page_of_hash.get(key, -1)
+                h = group.host.page_of_hash.get(key, -1) if reload and group.host else -1
+                found.append((p, h))
+                if group.window is None and p < 0 and h < 0:
+                    break
+            else:
+                for group, (p, h) in zip(groups, found, strict=True):
+                    pool_page[group.index].append(p)
+                    host_page[group.index].append(h)
+                keys.append(key)
+                chain = key
+                continue
+            break  # a full-attention group misses: no longer hit can be served
+        n = len(keys)
+        # Per group, running counts over the slots: missing in both tiers,
+        # to copy back, and reused pool pages that are evictable now.
+        sums = []
+        for group in groups:
+            pool_ids = np.array(pool_page[group.index], np.int64)
+            host_ids = np.array(host_page[group.index], np.int64)
+            evictable = group.pool.evictable
+            kept = np.fromiter((p >= 0 and p in evictable for p in pool_ids.tolist()), bool, n)
+            sums.append(
+                tuple(
+                    np.concatenate([[0], np.cumsum(flags)])
+                    for flags in ((pool_ids < 0) & (host_ids < 0), pool_ids < 0, kept)
+                )
+            )
+        best = 0
+        for h in range(n, 0, -1):
+            for group, (missing, copies, kept) in zip(groups, sums, strict=True):
+                lo = group.first_slot(h * size, size)
+                if missing[h] - missing[lo]:
+                    break
+                back = copies[h] - copies[lo]
+                if back > group.pool.num_free - (kept[h] - kept[lo]):
+                    break
+            else:
+                best = h
+                break
+        hit = []
+        for group in groups:
+            lo = group.first_slot(best * size, size)
+            pool_ids, host_ids = pool_page[group.index], host_page[group.index]
+            reused = [p for p in pool_ids[lo:best] if p >= 0]
+            back = [(s, host_ids[s], keys[s]) for s in range(lo, best) if pool_ids[s] < 0]
+            hit.append((reused, back, lo))
+        return best, hit, keys
+
+    def _take_hit(self, request: _Request, prompt: np.ndarray, root: bytes) -> tuple[int, bytes]:
+        """Serves the longest prefix hit into request's tables: reuses pool
+        pages and copies host-tier pages back. Returns its length in pages
+        and the last page's key. Copies before it commits."""
+        count, hit, keys = self._find_hit(prompt, root)
+        if not count:
+            return 0, root
+        plans = []
+        for group, (reused, back, _) in zip(self._groups, hit, strict=True):
+            fresh = group.pool.peek_except(len(back), reused)
+            sources = [h for _, h, _ in back]
+            offload = self._plan_offload(group, fresh, sources) if back else None
+            plans.append((fresh, sources, offload))
+        for group, (fresh, sources, offload) in zip(self._groups, plans, strict=True):
+            if offload is not None:
+                group.tensors.copy_to(group.host_tensors, offload.pages, offload.dests)
+            if sources:
+                group.host_tensors.copy_to(group.tensors, sources, fresh)
+
+        # Commit: reuse, claim (offloading what that evicts), key the copies.
+        columns = []
+        for group, (reused, back, lo), (fresh, sources, offload) in zip(
+            self._groups, hit, plans, strict=True
+        ):
+            pool = group.pool
+            pool.reuse(reused)
+            if back:
+                self.stats.evictions += pool.claim(fresh)
+                if offload is not None:
+                    self._commit_offload(group, offload)
+                host = group.host
+                pool.assign(fresh, [key for _, _, key in back], [host.origin[h] for h in sources])
+                host.touch(sources)
+                self.stats.reloads += len(back)
+            row = [group.null_page] * lo
+            reused_iter, fresh_iter = iter(reused), iter(fresh)
+            copied = {s for s, _, _ in back}
+            for s in range(lo, count):
+                row.append(next(fresh_iter) if s in copied else next(reused_iter))
+            request.first[group.index] = lo
+            columns.append(row)
+        request.push(columns)
+        return count, keys[count - 1]
+
+    def _plan_offload(
+        self, group: _Group, fresh: list[int], keep: Sequence[int]
+    ) -> _Offload | None:
+        """What a claim of `fresh` does to the host tier: the evicted keyed
+        pages it lacks are copied to host pages (as many as it can take
+        without evicting the pages in `keep`, the last evicted first); those
+        it holds get fresher. Changes nothing."""
+        pool, host = group.pool, group.host
+        hash_of_page = pool.hash_of_page
+        # Unused pages come first in a claim; only the rest have keys.
+        victims = fresh[min(len(fresh), len(pool.free)) :]
+        if not victims or host is None:
+            return None
+        plan = _Offload()
+        plan.keep = list(keep)
+        moving = []
+        for page in victims:
+            key = hash_of_page[page]
+            held = host.page_of_hash.get(key)
+            if held is None:
+                moving.append((page, key))
+            else:
+                plan.keep.append(held)
+        room = host.num_free - sum(1 for p in set(plan.keep) if p in host.evictable)
+        moving = moving[max(0, len(moving) - room) :] if room > 0 else []
+        plan.pages = [p for p, _ in moving]
+        plan.keys = [k for _, k in moving]
+        plan.origins = [pool.origin[p] for p in plan.pages]
+        plan.dests = host.peek_except(len(moving), plan.keep)
+        return plan
+
+    def _commit_offload(self, group: _Group, plan: _Offload) -> None:
+        """Commits a planned offload once the pool's claim has evicted its
+        pages (and the copies ran): the host tier claims and keys the copies;
+        the kept pages come last in its eviction order."""
+        host = group.host
+        kept = [p for p in dict.fromkeys(plan.keep) if p in host.evictable]
+        host.reuse(kept)
+        if plan.dests:
+            host.claim(plan.dests)
+            host.assign(plan.dests, plan.keys, plan.origins)
+            host.release(plan.dests)
+            self.stats.offloads += len(plan.dests)
+        host.release(kept)
+
+    def _drop_outside_windows(self, request: _Request, start: int) -> None:
+        """Gives back, in each window group, the request's pages that lie
+        wholly before the window of a query at `start` (its step's first)."""
+        size = self.page_size
+        for group in self._windows:
+            g = group.index
+            first = group.first_slot(start, size)
+            old = request.first[g]
+            if first > old:
+                row = request.pages[g]
+                group.pool.release(row[old:first].copy())
+                row[old:first] = group.null_page
+                request.first[g] = first
 
     def _new_pages(self, request: _Request, n: int) -> int:
         """Pool pages that room for n more tokens of request needs, beyond
-        its page table and its set-aside pages."""
-        have = request.num_pages + len(request.ahead)
+        its page table and its set-aside pages (in each group)."""
+        have = request.num_pages + len(request.ahead[0])
         return max(0, -(-(request.seq_len + n) // self.page_size) - have)
 
     def _fill(self, request: _Request, n: int, ids: np.ndarray | None) -> None:
@@ -870,8 +1480,9 @@ class PagedKVCacheManager:
         request.seq_len += n
 
     def _extend_chain(self, request: _Request, ids: np.ndarray | None) -> None:
-        """Hashes and caches (in the pool) the pages that request's new tokens
-        fill; the pool emits a BlockStored per run of newly cached pages."""
+        """Hashes and caches (in every group's pool) the pages that request's
+        new tokens fill; a pool emits a BlockStored per run of newly cached
+        pages."""
         if request.chain is None:
             return
         if ids is None:
@@ -886,12 +1497,23 @@ class PagedKVCacheManager:
             request.tail = run.copy()
             return
         first = request.seq_len // size
-        request.chain = self.page_pool.cache_full_pages(
-            request.chain,
-            request.pages[first : first + filled],
-            run[: filled * size],
-            at_start=first == 0,
-        )
+        full = run[: filled * size]
+        if self._simple:
+            request.chain = self.page_pool.cache_full_pages(
+                request.chain, request.pages[0, first : first + filled], full, at_start=first == 0
+            )
+        else:
+            # One key per page for every group and tier.
+            keys = chain_keys(request.chain, full, size)
+            for group in self._groups:
+                group.pool.cache_keys(
+                    keys,
+                    request.chain,
+                    request.pages[group.index, first : first + filled],
+                    full,
+                    at_start=first == 0,
+                )
+            request.chain = keys[-1]
         request.tail = run[filled * size :].copy()
 
 

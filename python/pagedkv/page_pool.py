@@ -40,13 +40,23 @@ ROOT_HASH = b""
 class OutOfPagesError(RuntimeError):
     """The pool cannot supply the pages a call asked for; nothing was changed."""
 
-    def __init__(self, requested: int, available: int, unused: int, cached: int) -> None:
+    def __init__(
+        self,
+        requested: int,
+        available: int,
+        unused: int,
+        cached: int,
+        group_idx: int | None = None,
+    ) -> None:
+        where = "" if group_idx is None else f" in layer group {group_idx}"
         super().__init__(
             f"out of KV pages: {requested} asked for, {available} free "
-            f"({unused} unused + {cached} cached and evictable)"
+            f"({unused} unused + {cached} cached and evictable){where}"
         )
         self.requested = requested
         self.available = available
+        self.group_idx = group_idx
+        """The layer group whose pool is short (None without layer groups)."""
 
 
 class CacheStateError(RuntimeError):
@@ -64,6 +74,24 @@ def page_hash(parent: bytes, tokens: np.ndarray) -> bytes:
     128-bit BLAKE2b: equal keys mean equal prefixes, up to a negligible chance.
     """
     return hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
+
+
+def chain_keys(parent: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]:
+    """The keys of the full pages ``tokens`` (``len(tokens) // page_size``
+    pages, the first chained on ``parent``), computed once for every layer
+    group and tier that stores them.
+
+    Examples
+    --------
+    >>> keys = chain_keys(ROOT_HASH, np.arange(9), 4)
+    >>> len(keys), keys[1] == page_hash(keys[0], np.arange(4, 8))
+    (2, True)
+    """
+    keys = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = page_hash(parent, tokens[start : start + page_size])
+        keys.append(parent)
+    return keys
 
 
 def salt_root(salt: str | bytes | None) -> bytes:
@@ -99,6 +127,15 @@ class PagePool:
         The most pages :meth:`pin` may hold (default ``num_pages // 2``).
     medium : str
         The ``medium`` of the events ("CPU" or "GPU": where the pages are).
+    group_idx : int, optional
+        The ``group_idx`` of the events (the manager's layer group).
+    events : EventHub, optional
+        The queue of events to join (a manager's groups and tiers share one,
+        so that their events keep one order); a new one by default.
+    keep_token_ids : bool
+        Keep each keyed page's token ids and parent key (``origin``), which
+        a second tier needs to announce a copy of it (pages that move between
+        tiers keep their key, parent and ids).
 
     Notes
     -----
@@ -146,6 +183,9 @@ class PagePool:
         eviction: str | EvictionPolicy = "lru",
         max_pinned_pages: int | None = None,
         medium: str = MEDIUM_CPU,
+        group_idx: int | None = None,
+        events: EventHub | None = None,
+        keep_token_ids: bool = False,
     ) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(value, numbers.Integral) or value < 1:
@@ -168,8 +208,14 @@ class PagePool:
         """Pages with a key, no owner and no pin, in the policy's eviction order."""
         self.pinned: set[int] = set()
         """Pages pin() keeps cached whatever their refcount."""
-        self.events = EventHub()
+        self.events = EventHub() if events is None else events
         self.medium = medium
+        self.group_idx = group_idx
+        self.origin: dict[int, tuple[bytes | None, np.ndarray]] | None = (
+            {} if keep_token_ids else None
+        )
+        """With keep_token_ids: keyed page -> (its event parent: None for a
+        sequence's first page, else the previous page's key; its token ids)."""
 
     # ----------------------------------------------------------- counts
 
@@ -195,7 +241,9 @@ class PagePool:
     def ensure_room(self, count: int) -> None:
         """Raises OutOfPagesError unless ``count`` pages can be claimed."""
         if count > len(self.free) + len(self.evictable):
-            raise OutOfPagesError(count, self.num_free, len(self.free), len(self.evictable))
+            raise OutOfPagesError(
+                count, self.num_free, len(self.free), len(self.evictable), self.group_idx
+            )
 
     def peek(self, count: int) -> list[int]:
         """The pages the next ``claim`` of ``count`` pages takes: unused pages
@@ -206,6 +254,16 @@ class PagePool:
         if count > take:
             pages += self.evictable.victims(count - take)
         return pages
+
+    def peek_except(self, count: int, keep: Sequence[int]) -> list[int]:
+        """What ``peek(count)`` returns once the evictable pages ``keep`` are
+        reused (taken out of the evictable set): the caller decides on the
+        pages before it reuses ``keep`` and claims them. Changes nothing."""
+        keep_set = {p for p in keep if p in self.evictable}
+        if not keep_set:
+            return self.peek(count)
+        pages = [p for p in self.peek(count + len(keep_set)) if p not in keep_set]
+        return pages[:count]
 
     def claim(self, pages: list[int]) -> int:
         """Takes ``pages`` (what ``peek(len(pages))`` returned) for one owner
@@ -222,10 +280,27 @@ class PagePool:
             key = self.hash_of_page.pop(page)
             del self.page_of_hash[key]
             removed.append(key)
+            if self.origin is not None:
+                del self.origin[page]
         if removed:
-            self.events.emit(BlockRemoved(block_hashes=removed, medium=self.medium))
+            self.events.emit(
+                BlockRemoved(block_hashes=removed, medium=self.medium, group_idx=self.group_idx)
+            )
         self.refcount[pages] = 1
         return len(removed)
+
+    def assign(self, pages: Sequence[int], keys: Sequence[bytes], origins: Sequence[tuple]) -> None:
+        """Keys ``pages`` (claimed, unkeyed, holding copies of pages another
+        tier keyed) with ``keys``, none cached here yet; ``origins`` are the
+        (event parent, token ids) of each, as the other tier kept them. Emits
+        one BlockStored per page."""
+        for page, key, (parent, ids) in zip(pages, keys, origins, strict=True):
+            self.page_of_hash[key] = page
+            self.hash_of_page[page] = key
+            if self.origin is not None:
+                self.origin[page] = (parent, ids)
+            if self.events.active:
+                self._emit_stored([key], parent, ids)
 
     def reuse(self, pages: Sequence[int]) -> None:
         """Takes one more owner of each cached page a prefix hit found (in
@@ -265,6 +340,14 @@ class PagePool:
 
     # ----------------------------------------------------- prefix cache
 
+    def touch(self, pages: Sequence[int]) -> None:
+        """Marks evictable ``pages`` as just released (a second tier read
+        them, or already held what the first tier evicted)."""
+        for page in pages:
+            self.evictable.remove(page)
+            self.evictable.touch(page)
+            self.evictable.insert(page)
+
     def lookup(self, tokens: np.ndarray, root: bytes) -> tuple[list[int], bytes]:
         """The cached pages holding the leading full pages of ``tokens``
         (int64 ids, the first page chained on ``root``), and the key of the
@@ -290,19 +373,37 @@ class PagePool:
         one BlockStored per run of newly keyed pages; ``at_start``:
         ``pages[0]`` is a sequence's first page, whose event names no parent.
         """
+        return self.cache_keys(
+            chain_keys(parent, tokens, self.page_size), parent, pages, tokens, at_start
+        )
+
+    def cache_keys(
+        self,
+        keys: list[bytes],
+        parent: bytes,
+        pages: np.ndarray,
+        tokens: np.ndarray,
+        at_start: bool,
+    ) -> bytes:
+        """:meth:`cache_full_pages` with the pages' keys (``chain_keys`` of
+        ``parent`` and ``tokens``) already computed."""
         size = self.page_size
         events = self.events.active
         page_of_hash, hash_of_page = self.page_of_hash, self.hash_of_page
+        origin = self.origin
         stored: list[bytes] = []
         event_parent: bytes | None = None
         start = 0
         chain = parent
         for i in range(len(pages)):
-            key = page_hash(chain, tokens[i * size : (i + 1) * size])
+            key = keys[i]
             if key not in page_of_hash:
                 page = int(pages[i])
                 page_of_hash[key] = page
                 hash_of_page[page] = key
+                if origin is not None:
+                    first = at_start and i == 0
+                    origin[page] = (None if first else chain, tokens[i * size : (i + 1) * size])
                 if events:
                     if not stored:
                         # A first page's parent is a root (salted or not): None.
@@ -325,20 +426,27 @@ class PagePool:
                 token_ids=ids.tolist(),
                 block_size=self.page_size,
                 medium=self.medium,
+                group_idx=self.group_idx,
             )
         )
+
+    def check_pin(self, pages: Sequence[int]) -> list[int]:
+        """The pages of ``pages`` not pinned yet; raises ValueError, changing
+        nothing, when pinning them would exceed max_pinned_pages."""
+        new = [p for p in pages if p not in self.pinned]
+        if len(self.pinned) + len(new) > self.max_pinned_pages:
+            where = "" if self.group_idx is None else f" in layer group {self.group_idx}"
+            raise ValueError(
+                f"pin: {len(new)} more pages would exceed max_pinned_pages = "
+                f"{self.max_pinned_pages} ({len(self.pinned)} pinned){where}"
+            )
+        return new
 
     def pin(self, pages: Sequence[int]) -> None:
         """Pins ``pages`` (keyed pages; pinned ones stay pinned): no claim
         evicts them. Raises ValueError, with nothing changed, past
         max_pinned_pages."""
-        new = [p for p in pages if p not in self.pinned]
-        if len(self.pinned) + len(new) > self.max_pinned_pages:
-            raise ValueError(
-                f"pin: {len(new)} more pages would exceed max_pinned_pages = "
-                f"{self.max_pinned_pages} ({len(self.pinned)} pinned)"
-            )
-        for page in new:
+        for page in self.check_pin(pages):
             self.evictable.remove(page)
             self.pinned.add(page)
 
@@ -352,9 +460,10 @@ class PagePool:
                 self.evictable.insert(page)
         return len(pinned)
 
-    def reset(self) -> None:
+    def reset(self, emit: bool = True) -> None:
         """Forgets every key and pin: unowned keyed pages become unused,
-        owned ones stay owned. Emits AllBlocksCleared."""
+        owned ones stay owned. Emits AllBlocksCleared (unless ``emit`` is
+        False: a manager of several pools emits one for all)."""
         idle = [p for p in self.pinned if self.refcount[p] == 0]
         evictable = list(self.evictable)
         for page in evictable:
@@ -365,7 +474,10 @@ class PagePool:
         self.pinned.clear()
         self.hash_of_page.clear()
         self.page_of_hash.clear()
-        self.events.emit(AllBlocksCleared())
+        if self.origin is not None:
+            self.origin.clear()
+        if emit:
+            self.events.emit(AllBlocksCleared())
 
     # ----------------------------------------------------------- events
 
@@ -398,6 +510,9 @@ class PagePool:
             "page_of_hash": dict(self.page_of_hash),
             "evictable": self.evictable.state(),
             "pinned": sorted(self.pinned),
+            "origin": None
+            if self.origin is None
+            else {p: (parent, ids.tolist()) for p, (parent, ids) in self.origin.items()},
         }
 
     def validate(self) -> None:
@@ -432,3 +547,5 @@ class PagePool:
             self.page_of_hash.get(h) != p for p, h in self.hash_of_page.items()
         ):
             fail("the page -> hash and hash -> page maps disagree")
+        if self.origin is not None and self.origin.keys() != self.hash_of_page.keys():
+            fail("the kept token ids and the keyed pages disagree")

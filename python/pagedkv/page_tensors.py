@@ -43,6 +43,9 @@ class PageTensors:
     use_torch : bool
         Host pools as torch tensors rather than NumPy arrays (bfloat16 pools
         are torch tensors anyway: NumPy has no bfloat16).
+    pin_memory : bool
+        Host pools as torch tensors in page-locked memory: the host tier of
+        GPU pools, which asynchronous copies read and write.
 
     Notes
     -----
@@ -63,6 +66,7 @@ class PageTensors:
         kv_layout: str = "NHD",
         device: object = "cpu",
         use_torch: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -101,9 +105,13 @@ class PageTensors:
             else (self.num_kv_heads, self.page_size, self.head_dim)
         )
         shape = (self.num_pages, 2, *page)
-        torch_pools = use_torch or pool_dtype == DType.bfloat16 or torch_device != "cpu"
+        if pin_memory and torch_device != "cpu":
+            raise ValueError("pin_memory is for host pools (device 'cpu')")
+        torch_pools = (
+            use_torch or pin_memory or pool_dtype == DType.bfloat16 or torch_device != "cpu"
+        )
         self.pools: list[Array] = [
-            _zeros(shape, pool_dtype, torch_device if torch_pools else None)
+            _zeros(shape, pool_dtype, torch_device if torch_pools else None, pin_memory)
             for _ in range(self.num_layers)
         ]
         """One pool per layer, written in place by the kernels."""
@@ -122,12 +130,51 @@ class PageTensors:
         for pool in self.pools:
             copy_pages(pool, src_ids, dst_ids, self.kv_layout)
 
+    def copy_to(self, other: PageTensors, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies page src[i] of every layer's pool onto page dst[i] of the
+        same layer in ``other`` (another tier of the same geometry).
 
-def _zeros(shape: tuple[int, ...], dtype: DType, torch_device: str | None) -> Array:
+        Host to host: one gather per layer. With a GPU on either side: one
+        asynchronous copy per page and layer on torch's current stream, to or
+        from pinned memory. The stream orders each copy after the kernels that
+        wrote its source and before later kernels (MAX's launches are ordered
+        against that stream), so no host synchronization is needed as long
+        as the host reads host-tier pages only through such copies.
+
+        Examples
+        --------
+        >>> hot, host = PageTensors(4, 2, 1, 4), PageTensors(2, 2, 1, 4)
+        >>> hot.pools[0][3] = 1.0
+        >>> hot.copy_to(host, [3], [1]); float(host.pools[0][1].sum())
+        16.0
+        """
+        if not len(src):
+            return
+        if not self.on_gpu and not other.on_gpu:
+            src_ids, dst_ids = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+            for mine, theirs in zip(self.pools, other.pools, strict=True):
+                if isinstance(theirs, np.ndarray):
+                    theirs[dst_ids] = mine[src_ids]
+                else:
+                    import torch
+
+                    theirs[torch.from_numpy(dst_ids)] = mine[torch.from_numpy(src_ids)]
+            return
+        for mine, theirs in zip(self.pools, other.pools, strict=True):
+            for s, d in zip(src, dst, strict=True):
+                theirs[int(d)].copy_(mine[int(s)], non_blocking=True)
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: DType, torch_device: str | None, pin_memory: bool = False
+) -> Array:
     """A NumPy array, or a torch tensor on torch_device when one is named;
-    on the host, on 2 MiB pages (see runtime/huge_pages.py)."""
-    if torch_device is not None and torch_device != "cpu":
+    on the host, on 2 MiB pages (see runtime/huge_pages.py), or page-locked
+    with pin_memory."""
+    if (torch_device is not None and torch_device != "cpu") or pin_memory:
         import torch
 
-        return torch.zeros(shape, dtype=getattr(torch, dtype.name), device=torch_device)
+        return torch.zeros(
+            shape, dtype=getattr(torch, dtype.name), device=torch_device, pin_memory=pin_memory
+        )
     return huge_page_zeros(shape, dtype, use_torch=torch_device is not None)
