@@ -559,6 +559,14 @@ def test_decode_and_ragged_over_nvfp4() -> None:
     r.plan(qo, kvp, 2, 1, 64, q_data_type=torch.float16)
     want = r.run(q, dq[:2, 0].reshape(8, 1, 64), dq[:2, 1].reshape(8, 1, 64))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # single_prefill_with_kv_cache: the same K/V, global scales on top.
+    single = pagedkv.single_prefill_with_kv_cache(
+        q, k, v, k_scale=0.5, v_scale=2.0, kv_cache_sf=(ks, vs)
+    )
+    plain = pagedkv.single_prefill_with_kv_cache(
+        q, dq[:2, 0].reshape(8, 1, 64), dq[:2, 1].reshape(8, 1, 64), k_scale=0.5, v_scale=2.0
+    )
+    torch.testing.assert_close(single, plain, rtol=0, atol=0)
 
 
 def test_attention_refuses_strided_scales() -> None:

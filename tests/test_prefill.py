@@ -78,6 +78,13 @@ def test_prefill_large_and_odd_head_dims(config, head_dim):
     check_prefill_case(config, [(40, 40), (70, 9), (5, 5)], {}, True, 16, heads=(4, 2, head_dim))
 
 
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+def test_causal_prefill_with_more_queries_than_keys(config):
+    """FlashInfer's convention: the first qo_len - kv_len causal queries sit
+    before position 0 and see no key (o = 0, lse = -inf); the rest as usual."""
+    check_prefill_case(config, [(10, 25), (40, 40), (3, 70)], {}, True, 16, heads=(6, 2, 64))
+
+
 def check_prefill_case(
     config, shape, options, causal, page_size, device="cpu", heads=(8, 2, 128)
 ) -> None:
@@ -200,9 +207,13 @@ def test_single_prefill_edges_and_bad_input():
     assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
     none, lse = pagedkv.single_prefill_with_kv_cache(q[:0], k[:0], v[:0], return_lse=True)
     assert none.shape == (0, 8, 64) and lse.shape == (0, 8)
-    # Only causal queries must be cached tokens (tests/test_flashinfer_api.py).
-    with pytest.raises(ValueError, match="qo_len must not exceed kv_len"):
-        pagedkv.single_prefill_with_kv_cache(q, k[:29], v[:29], causal=True)
+    # More causal queries than keys, as FlashInfer allows: query i sits at
+    # kv_len - qo_len + i, so the first sees nothing (o = 0, lse = -inf).
+    o, lse = pagedkv.single_prefill_with_kv_cache(q, k[:29], v[:29], causal=True, return_lse=True)
+    want, want_lse = reference.attention(q, k[:29], v[:29], np.arange(-1, 29))
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+    assert (o[0] == 0).all() and (lse[0] == -np.inf).all()
+    np.testing.assert_allclose(lse[1:], want_lse[1:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"q must be \[qo_len, Hq, D\]"):
         pagedkv.single_prefill_with_kv_cache(q[0], k, v)
     with pytest.raises(ValueError, match="k, v the same"):
@@ -220,8 +231,6 @@ def test_prefill_bad_input():
     with pytest.raises(ValueError, match="no fa3 kernel"):
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, backend="fa2")
-    with pytest.raises(ValueError, match="cached"):
-        w.plan(np.array([0, 11, 16], np.int32), *table, 4, 2, 64, 16, causal=True)
     with pytest.raises(ValueError, match="never decrease"):
         w.plan(np.array([0, 11, 10], np.int32), *table, 4, 2, 64, 16)
     with pytest.raises(ValueError, match="custom_mask has 3 elements"):

@@ -393,6 +393,8 @@ def prefill_work(
     else:
         first = np.maximum(q_pos - options.window_left, 0)
     end = np.minimum(q_pos + queries, seq_lens[request]) if causal else seq_lens[request]
+    # A causal tile of queries before position 0 (more queries than keys) sees no key.
+    end = np.maximum(end, first)
     items = item_array(request, qo_indptr[request] + q0, queries, q_pos, first, end)
     return items, request_items, int(queries.max()) if len(queries) else 1
 

@@ -36,7 +36,7 @@ from ._one_page import attention_of_nothing, one_page_kv
 from ._tensors import Array, device_of, dtype_of, new_like
 from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
-from .nvfp4 import attention_cache, plan_kv_dtype
+from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dtype
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
@@ -244,16 +244,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
             if masked
             else None
         )
-        # Without a causal mask every query sees every key, so more queries
-        # than keys is well defined (FlashInfer allows it); with one, the
-        # queries are the request's last tokens and must be cached.
-        over = np.nonzero(counts > table.seq_lens)[0] if causal else []
-        if len(over):
-            b = int(over[0])
-            raise ValueError(
-                f"request {b} has {counts[b]} causal queries but only {table.seq_lens[b]} "
-                "cached tokens: append the queries' K/V before prefill"
-            )
+        # More queries than keys is allowed, as in FlashInfer: query i sits
+        # at position kv_len - qo_len + i, so under a causal mask the first
+        # ones see no key (o = 0, lse = -inf).
         views = None
         if self._fixed is not None:
             columns = list(
@@ -425,8 +418,12 @@ def single_prefill_with_kv_cache(
     k, v : [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)
     k_scale, v_scale
         Float scales of q.k and of o (float8 K/V's calibration).
-    scale_q, scale_k, scale_v, kv_cache_sf
-        FlashInfer's per-head fp8 / NVFP4 scale tensors: must be None.
+    scale_q, scale_k, scale_v
+        FlashInfer's per-head fp8 scale tensors: must be None.
+    kv_cache_sf
+        NVFP4 K/V's (k_sf, v_sf) block scales (pagedkv.nvfp4): k, v are then
+        uint8 [..., head_dim // 2], dequantized to q's dtype for the kernel,
+        with k_scale, v_scale their global scales.
     o_dtype
         None or q's dtype. backend: "auto" or "fa2".
 
@@ -435,7 +432,8 @@ def single_prefill_with_kv_cache(
     o (q's shape and dtype), and lse [qo_len, num_qo_heads] (float32, base 2)
     with return_lse. As in FlashInfer, the queries are the last qo_len tokens:
     query i sits at position kv_len - qo_len + i (causal mask, window, RoPE
-    and ALiBi); qo_len <= kv_len when causal. custom_mask ([qo_len, kv_len]
+    and ALiBi), so with causal and qo_len > kv_len the first queries see no
+    key (o = 0, lse = -inf). custom_mask ([qo_len, kv_len]
     bool) or packed_custom_mask replaces causal. The K/V are viewed, without
     a copy, as one page of kv_len tokens and run through the batch prefill
     kernel; use_fp16_qk_reduction is ignored.
@@ -445,19 +443,17 @@ def single_prefill_with_kv_cache(
     >>> o = single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa2")
     """
     check_backend(backend, PREFILL_BACKENDS)
-    if any(x is not None for x in (scale_q, scale_k, scale_v, kv_cache_sf)):
-        raise ValueError("scale_q, scale_k, scale_v and kv_cache_sf are not supported")
+    if any(x is not None for x in (scale_q, scale_k, scale_v)):
+        raise ValueError("scale_q, scale_k and scale_v (per-head fp8 scales) are not supported")
+    if kv_cache_sf is not None:
+        # NVFP4 K/V with their block scales; k_scale, v_scale stay the global ones.
+        k, v = dequantize_ragged_for_attention(k, v, kv_cache_sf, q)
     if o_dtype is not None and as_dtype(o_dtype, "o_dtype") != dtype_of(q):
         raise ValueError("o_dtype must be None or q's dtype: o is written in q's dtype")
     kv = one_page_kv(q, k, v, kv_layout, q_dims=3)
     queries, num_qo_heads, head_dim = (int(n) for n in q.shape)
     if custom_mask is not None or packed_custom_mask is not None:
         causal = False  # a custom mask replaces causal
-    if causal and queries > kv.length:
-        raise ValueError(
-            f"q has {queries} causal queries but k, v only {kv.length} tokens: the queries "
-            "are the last qo_len tokens of the K/V, so qo_len must not exceed kv_len"
-        )
     if queries == 0 or kv.length == 0:
         return attention_of_nothing(q, return_lse)
     wrapper = BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout)

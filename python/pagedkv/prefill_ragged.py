@@ -92,7 +92,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
         As in FlashInfer, query i of a request with n queries and L keys sits
         at position L - n + i: with causal=True it sees keys 0..L - n + i
-        (n <= L is then required); without, every key (n > L is allowed).
+        (none, o = 0 and lse = -inf, when n > L and i < n - L); without,
+        every key.
         Options otherwise as BatchPrefillWithPagedKVCacheWrapper.plan.
 
         Example
