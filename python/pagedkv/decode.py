@@ -79,11 +79,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         backend: str = "auto",
         jit_args: object = None,
     ) -> None:
-        buffers = {
-            "paged_kv_indptr_buffer": paged_kv_indptr_buffer,
-            "paged_kv_indices_buffer": paged_kv_indices_buffer,
-            "paged_kv_last_page_len_buffer": paged_kv_last_page_len_buffer,
-        }
+        given = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        buffers = dict(zip(FIXED_DECODE_BUFFERS, given, strict=True))
         self._fixed = None
         if use_cuda_graph:
             self._fixed = FixedIndexBuffers(
@@ -267,16 +264,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fixed_chunk = None
         views = None
         if self._fixed is not None:
-            columns = list(
-                zip(
-                    FIXED_DECODE_BUFFERS,
-                    (table.indptr, table.indices, table.last_page_len),
-                    strict=True,
-                )
-            )
-            for name, values in columns:
-                self._fixed.check(name, len(values))
-            views = tuple(self._fixed.write(name, values) for name, values in columns)
+            views = self._fixed.write_all(table.indptr, table.indices, table.last_page_len)
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
         items, request_items = decode_work(
             table.seq_lens,

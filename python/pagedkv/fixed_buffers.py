@@ -42,23 +42,25 @@ class FixedIndexBuffers:
         self.buffers: dict[str, Array] = dict(buffers)  # type: ignore[arg-type]
         self.exact = exact
 
-    def check(self, name: str, length: int) -> None:
-        """Raises unless `length` values fit buffer `name` (exactly, for a
-        fixed-length one)."""
-        size = int(self.buffers[name].shape[0])
-        if name in self.exact and length != size:
-            raise ValueError(
-                f"{name} holds {size} entries (the batch size is fixed by the buffers "
-                f"in use_cuda_graph mode), got {length}"
-            )
-        if length > size:
-            raise ValueError(f"{name} holds {size} entries, fewer than the {length} given")
+    def write_all(self, *columns: np.ndarray) -> tuple[Array, ...]:
+        """Copies each column (int32 values, host) into the front of its
+        buffer, in the constructor's order, after checking that every one
+        fits (exactly, for a fixed-length buffer): all or nothing. Returns
+        those fronts, views of the caller's buffers."""
+        named = list(zip(self.buffers, columns, strict=True))
+        for name, values in named:
+            size = int(self.buffers[name].shape[0])
+            if name in self.exact and len(values) != size:
+                raise ValueError(
+                    f"{name} holds {size} entries (the batch size is fixed by the buffers "
+                    f"in use_cuda_graph mode), got {len(values)}"
+                )
+            if len(values) > size:
+                raise ValueError(f"{name} holds {size} entries, fewer than the {len(values)} given")
+        return tuple(self._write(self.buffers[name], values) for name, values in named)
 
-    def write(self, name: str, values: np.ndarray) -> Array:
-        """Copies values (int32, host) into the front of buffer `name` and
-        returns that front, a view of the caller's buffer. Call check first:
-        a plan checks everything before it writes anything."""
-        buffer = self.buffers[name]
+    @staticmethod
+    def _write(buffer: Array, values: np.ndarray) -> Array:
         view = buffer[: len(values)]
         if is_torch(buffer):
             import torch

@@ -249,16 +249,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         # ones see no key (o = 0, lse = -inf).
         views = None
         if self._fixed is not None:
-            columns = list(
-                zip(
-                    FIXED_PREFILL_BUFFERS,
-                    (host_qo, table.indptr, table.indices, table.last_page_len),
-                    strict=True,
-                )
+            # qo_indptr is written for the caller; the kernel's query tiling
+            # lives in the plan's work items.
+            written = self._fixed.write_all(
+                host_qo, table.indptr, table.indices, table.last_page_len
             )
-            for name, values in columns:
-                self._fixed.check(name, len(values))
-            views = tuple(self._fixed.write(name, values) for name, values in columns)[1:]
+            views = written[1:]
         items, request_items, max_queries = prefill_work(
             table.seq_lens,
             host_qo,
