@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import background  # noqa: E402  (from this folder, put on the path above)
 
+import suite_graphs  # noqa: E402
+
 TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
@@ -118,7 +120,8 @@ PREFILL_CONFIGS = [
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_ops(request):
-    """Compiles every op the suite runs in one MAX module (one fixed cost).
+    """Compiles every op the suite runs, and the graphs its tests build
+    (suite_graphs.py), in one MAX module (one fixed cost).
 
     Skipped when only the GPU tests run: they compile their own GPU module,
     and minutes of CPU compiles would be wasted on a lent GPU machine.
@@ -154,7 +157,17 @@ def compiled_ops(request):
         for s in op_specs(("float32", "float16", "bfloat16"), pairs)
         if s.name not in attention_ops
     ]
-    prepare(page_and_merge + attention, CPU)
+    if suite_graphs.registered():
+        suite_graphs.keep(
+            prepare(
+                page_and_merge + attention,
+                CPU,
+                graphs=suite_graphs.build_all,
+                key=("tests.suite_graphs", suite_graphs.compile_key()),
+            )
+        )
+    else:
+        prepare(page_and_merge + attention, CPU)
 
 
 def pytest_collection_finish(session):

@@ -1,22 +1,24 @@
 """pagedkv's graph ops inside a user's max.graph graph: append then decode on
-one pool buffer, compiled once with symbolic batch, token and page counts."""
+one pool buffer, compiled once with symbolic batch, token and page counts
+(in the suite's module: suite_graphs.py)."""
 
 from __future__ import annotations
 
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import Buffer
 from max.dtype import DType
-from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 
 import pagedkv
 import reference
 from pagedkv import graph_ops
+from suite_graphs import suite_graph, suite_model
 
 P, HQ, HKV, D = 16, 8, 2, 64
 
 
-def build_step_graph() -> Graph:
+@suite_graph("append_then_decode")
+def build_step_graph(module: Module) -> None:
     cpu = DeviceRef.CPU()
     i32 = DType.int32
 
@@ -39,6 +41,7 @@ def build_step_graph() -> Graph:
             index("batch_plus_1"),
         ],
         custom_extensions=graph_ops.custom_extensions(),
+        module=module,
     ) as g:
         pool, k, v, bi, pos, indices, indptr, last, q, items, request_items = g.inputs
         graph_ops.append_paged_kv_cache(
@@ -63,11 +66,10 @@ def build_step_graph() -> Graph:
             logits_soft_cap=30.0,
         )
         g.output(o, lse)
-    return g
 
 
 def test_append_then_decode_in_one_graph_matches_eager():
-    model = InferenceSession(devices=[CPU()]).load(build_step_graph())
+    model = suite_model("append_then_decode")
     rng = np.random.default_rng(0)
     # Two different steps through the same compiled graph.
     for lens, new in (([30, 1, 70], [1, 1, 1]), ([5, 200], [5, 2])):

@@ -5,9 +5,6 @@ panel, odd K, many tasks), float32 and bfloat16."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,9 +13,8 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, Module, TensorType
 
 from pagedkv import graph_ops
-from pagedkv._kernels import prepare
-from pagedkv._tensors import Device
 from pagedkv.linear_panels import linear_panels_shape, pack_linear_weight
+from suite_graphs import suite_graph, suite_model
 
 # (K, N, dtype): a tail panel, whole panels, one column, and bfloat16.
 PRODUCTS = [
@@ -30,30 +26,29 @@ PRODUCTS = [
 ROWS = [1, 2, 3, 4, 5, 6, 7, 11, 13, 50, 389]
 
 
-@pytest.fixture(scope="module")
-def linear_model():
+@suite_graph("linear_products")
+def linear_products(module: Module) -> None:
     cpu = DeviceRef.CPU()
-
-    def graphs(module: Module) -> None:
-        types = [TensorType(dt, ["m", k], cpu) for k, _, dt in PRODUCTS]
-        types += [TensorType(dt, linear_panels_shape(k, n), cpu) for k, n, dt in PRODUCTS]
-        with Graph(
-            "linear_products",
-            input_types=types,
-            custom_extensions=graph_ops.custom_extensions(),
-            module=module,
-        ) as g:
-            xs, ws = g.inputs[: len(PRODUCTS)], g.inputs[len(PRODUCTS) :]
-            g.output(
-                *(
-                    graph_ops.linear(x.tensor, w.tensor, n)
-                    for x, w, (_, n, _) in zip(xs, ws, PRODUCTS, strict=True)
-                )
+    types = [TensorType(dt, ["m", k], cpu) for k, _, dt in PRODUCTS]
+    types += [TensorType(dt, linear_panels_shape(k, n), cpu) for k, n, dt in PRODUCTS]
+    with Graph(
+        "linear_products",
+        input_types=types,
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        xs, ws = g.inputs[: len(PRODUCTS)], g.inputs[len(PRODUCTS) :]
+        g.output(
+            *(
+                graph_ops.linear(x.tensor, w.tensor, n)
+                for x, w, (_, n, _) in zip(xs, ws, PRODUCTS, strict=True)
             )
+        )
 
-    # The key names this file's contents: an edited graph is compiled afresh.
-    key = ("tests.linear", hashlib.sha256(Path(__file__).read_bytes()).hexdigest())
-    return prepare([], Device("cpu"), graphs=graphs, key=key)["linear_products"]
+
+@pytest.fixture
+def linear_model():
+    return suite_model("linear_products")
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
