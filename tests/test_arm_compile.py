@@ -1,11 +1,12 @@
-"""The CPU attention kernel compiles for an Arm (NEON) target.
+"""The CPU attention and linear kernels compile for an Arm (NEON) target.
 
-CI runs on x86 only: an Arm build of
+CI runs on x86 only: Arm builds of
 `benchmarks/kernel_investigations/decode_cpu_chunk.mojo`, which instantiates
 `attention_task` (decode and prefill paths) for bfloat16 and float32 K/V,
-catches code that assumes x86's vector widths (NEON's float32 vectors hold 4
-lanes, against a decode tile of 8 rows). It checks that the code compiles,
-not what it computes.
+and of `tests/mojo/arm_linear.mojo` (`linear_cpu` in both dtypes) catch
+code that assumes x86's vector widths (NEON's float32 vectors hold 4 lanes,
+against a decode tile of 8 rows and a panel of 64 columns). They check that
+the code compiles, not what it computes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ def mojo() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mojo")
 
 
+ARM_PROGRAMS = [
+    ROOT / "benchmarks" / "kernel_investigations" / "decode_cpu_chunk.mojo",
+    # A minute or more of Arm code generation from a cold cache: CI's slow set.
+    pytest.param(ROOT / "tests" / "mojo" / "arm_linear.mojo", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.skipif(mojo() is None, reason="needs the mojo compiler")
-def test_cpu_attention_compiles_for_arm(tmp_path):
+@pytest.mark.parametrize("program", ARM_PROGRAMS, ids=["decode_cpu_chunk", "arm_linear"])
+def test_cpu_kernels_compile_for_arm(tmp_path, program):
     result = subprocess.run(
         [
             mojo(),
@@ -39,13 +48,13 @@ def test_cpu_attention_compiles_for_arm(tmp_path):
             "neoverse-v2",
             "--emit",
             "asm",
-            str(ROOT / "benchmarks" / "kernel_investigations" / "decode_cpu_chunk.mojo"),
+            str(program),
             "-o",
-            str(tmp_path / "chunk.s"),
+            str(tmp_path / "program.s"),
         ],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-8000:]
-    assert "fmla" in (tmp_path / "chunk.s").read_text()
+    assert "fmla" in (tmp_path / "program.s").read_text()

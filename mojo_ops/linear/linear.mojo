@@ -21,11 +21,9 @@ from ..work_queue import parallel_dynamic
 
 comptime LINEAR_PANEL = 64
 """Columns of a packed weight panel (pagedkv._op_contract.LINEAR_PANEL)."""
-comptime NV = LINEAR_PANEL // W if VECTOR_REGISTERS >= 32 else LINEAR_PANEL // (
-    2 * W
-)
+comptime NV = min(4, LINEAR_PANEL // W)
 """Vectors of columns in a register tile: a whole panel row with AVX-512,
-half of one with AVX2."""
+half of one with AVX2, a quarter with NEON; a tile sweeps the panel."""
 comptime MR = 6 if VECTOR_REGISTERS >= 32 else 4
 """Rows of x in a register tile: MR * NV accumulators, NV panel vectors and
 a broadcast stay within the target's vector registers."""
@@ -88,7 +86,8 @@ def panel_rows[
     while r < rows:
         var n = min(MR, rows - r)
         var xr = x.unsafe_offset(r * k_dim)
-        comptime for c in range(0, LINEAR_PANEL, NV * W):
+        # A run-time sweep: one tile per row count to compile, on any width.
+        for c in range(0, LINEAR_PANEL, NV * W):
             comptime for m in range(1, MR + 1):
                 if n == m:
                     tile[dtype, m](
