@@ -8,8 +8,8 @@ then appends of a 5000-token and an 8-token ragged batch against FlashInfer's
 append_paged_kv_cache and a torch index_put. Every implementation is timed
 with CUDA events on torch's stream; reports microseconds, TB/s of K/V read,
 the share of the GPU's peak HBM bandwidth and of a measured device-to-device
-copy, and ratios. An anchor that is not installed, or fails, says so in its
-row; its failure does not stop the run.
+copy, ratios, and the host time of pagedkv's run(). An anchor that is not
+installed, or fails, says so in its row; its failure does not stop the run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ GPU_SHAPES = (
     DecodeShape(16, 4096, 32, 8),
     DecodeShape(64, 4096, 32, 8),
     DecodeShape(64, 8192, 32, 8),
-    DecodeShape(128, 2048, 32, 32),
+    DecodeShape(8, 2048, 32, 8),
     DecodeShape(64, 1024, 64, 8),
 )
 GPU_APPEND_SHAPES = tuple(
@@ -45,6 +45,8 @@ class GpuRow:
     us: float
     tbps: float
     max_abs_diff: float | None = None
+    host_us: float | None = None
+    """Host time of one call (pagedkv's run()); None for the anchors."""
 
 
 def peak_tbps(name: str) -> float | None:
@@ -70,6 +72,23 @@ def time_cuda(fn, reps: int = 50, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+def host_time_us(fn, reps: int = 50) -> float:
+    """Median microseconds the host spends in fn() (the GPU idle before each
+    call, so no call waits for queued work): what a step's Python costs."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
     return float(np.median(times))
 
 
@@ -219,6 +238,7 @@ def decode_rows(reps: int) -> list[GpuRow]:
                 result = fn()
                 out = fn.result() if hasattr(fn, "result") else result
                 us = time_cuda(fn, reps)
+                host = host_time_us(fn, reps) if name.startswith("pagedkv") else None
             except Exception as e:  # an anchor's failure is reported, not fatal
                 print(f"  {shape.label:22s} {name:12s} failed: {str(e).splitlines()[0][:200]}")
                 continue
@@ -227,10 +247,11 @@ def decode_rows(reps: int) -> list[GpuRow]:
                 diff = 0.0
             else:
                 diff = float((out.float() - reference).abs().max())
-            rows.append(GpuRow(shape.label, name, us, nbytes / us / 1e6, diff))
+            rows.append(GpuRow(shape.label, name, us, nbytes / us / 1e6, diff, host))
+            host_note = f", host {host:.1f} us" if host is not None else ""
             print(
                 f"  {shape.label:22s} {name:12s} {us:9.1f} us {nbytes / us / 1e6:6.2f} TB/s "
-                f"max|diff| vs first {diff:.2e}",
+                f"max|diff| vs first {diff:.2e}{host_note}",
                 flush=True,
             )
         del case
@@ -289,7 +310,7 @@ def run_gpu_bench(reps: int = 50) -> int:
     print("decode, bf16, page 16, head_dim 128 (x: the anchor's time / pagedkv-tma's)")
     print(
         f"{'shape (B, L, Hq, Hkv)':22s} {'impl':12s} {'us':>9s} {'TB/s':>6s} {'%peak':>6s} "
-        f"{'%copy':>6s} {'x':>6s}"
+        f"{'%copy':>6s} {'x':>6s} {'host us':>8s}"
     )
     for label in dict.fromkeys(r.label for r in decode):
         mine = {r.name: r for r in decode if r.label == label}
@@ -297,9 +318,10 @@ def run_gpu_bench(reps: int = 50) -> int:
         for row in mine.values():
             pct = f"{100 * row.tbps / peak:5.0f}%" if peak else f"{'?':>6s}"
             ratio = row.us / ours.us if ours else float("nan")
+            host = f"{row.host_us:8.1f}" if row.host_us is not None else f"{'-':>8s}"
             print(
                 f"{label:22s} {row.name:12s} {row.us:9.1f} {row.tbps:6.2f} {pct} "
-                f"{100 * row.tbps / copy:5.0f}% {ratio:6.2f}"
+                f"{100 * row.tbps / copy:5.0f}% {ratio:6.2f} {host}"
             )
     appends = append_rows(reps)
     print()
