@@ -62,8 +62,11 @@ def tolerance(q_dtype: str) -> float:
     return 2e-5 if q_dtype == "float32" else 1e-2
 
 
-def plan_and_run(batch: MLABatch, q_dtype, kv_dtype, causal, **run_kwargs):
-    wrapper = pagedkv.BatchMLAPagedAttentionWrapper(np.empty(1 << 22, np.uint8))
+def plan_and_run(batch: MLABatch, q_dtype, kv_dtype, causal, workspace=None, **run_kwargs):
+    """Plans batch on the workspace's device (a NumPy one: the CPU) and runs it."""
+    if workspace is None:
+        workspace = np.empty(1 << 22, np.uint8)
+    wrapper = pagedkv.BatchMLAPagedAttentionWrapper(workspace)
     wrapper.plan(
         *batch.table(),
         batch.heads,
