@@ -110,6 +110,11 @@ COMPILED_DECODE_CONFIGS = list(
 )
 
 
+# (q dtype, kv dtype) of the MLA tests in the main suite; the other pairs
+# are in the slow set (each pair is a compile of its own).
+MLA_CONFIGS = [("float32", "float32"), ("bfloat16", "bfloat16")]
+
+
 # (q dtype, kv dtype, layout) the prefill tests cover.
 PREFILL_CONFIGS = [
     ("float32", "float32", "NHD"),
@@ -133,6 +138,7 @@ def compiled_ops(request):
     from pagedkv._kernels import prepare
     from pagedkv._tensors import CPU
     from pagedkv.decode import decode_spec
+    from pagedkv.mla import mla_spec
     from pagedkv.precompile import op_specs
     from pagedkv.prefill import prefill_spec
 
@@ -147,6 +153,7 @@ def compiled_ops(request):
                 prefill_spec(DType[q], DType[kv], layouts[layout])
                 for q, kv, layout in PREFILL_CONFIGS
             ]
+            + [mla_spec(DType[q], DType[kv]) for q, kv in MLA_CONFIGS]
         )
     )
     pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS})

@@ -223,3 +223,57 @@ def attention(
             total[..., 0] > 0, (np.log(total[..., 0]) + safe_top[..., 0]) / np.log(2), -np.inf
         )
     return o, lse
+
+
+def mla_gather(
+    cache: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray, b: int, length: int
+) -> np.ndarray:
+    """The first `length` token rows [length, dim] of request b in an MLA
+    cache [pages, page_size, dim], in float64."""
+    pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+    return cache[pages].reshape(-1, cache.shape[-1])[:length].astype(np.float64)
+
+
+def mla_attention(
+    q_nope: np.ndarray,
+    q_pe: np.ndarray,
+    ckv: np.ndarray,
+    kpe: np.ndarray,
+    qo_indptr: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    kv_lens: np.ndarray,
+    *,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 absorbed MLA of a batch: every head of query row t of
+    request b scores (q_nope . ckv_j + q_pe . kpe_j) * sm_scale for its
+    request's cached tokens j (causal: those at or before its position
+    L - n + i) and returns (o [rows, H, ckv_dim] = softmax-weighted ckv rows,
+    base-2 lse [rows, H]); rows that see no key get o = 0, lse = -inf."""
+    rows, heads, ckv_dim = q_nope.shape
+    o = np.zeros((rows, heads, ckv_dim))
+    lse = np.full((rows, heads), -np.inf)
+    for b in range(len(kv_lens)):
+        first, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        n, length = end - first, int(kv_lens[b])
+        c = mla_gather(ckv, kv_indptr, kv_indices, b, length)
+        k = mla_gather(kpe, kv_indptr, kv_indices, b, length)
+        s = (
+            np.einsum("thd,jd->thj", q_nope[first:end].astype(np.float64), c)
+            + np.einsum("thd,jd->thj", q_pe[first:end].astype(np.float64), k)
+        ) * sm_scale
+        if causal:
+            position = length - n + np.arange(n)
+            seen = np.arange(length)[None, :] <= position[:, None]
+            s = np.where(seen[:, None, :], s, -np.inf)
+        top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        top = np.where(np.isfinite(top), top, 0)
+        p = np.exp(s - top)
+        total = p.sum(axis=-1)
+        live = total > 0
+        safe = np.where(live, total, 1)
+        o[first:end] = np.einsum("thj,jd->thd", p / safe[..., None], c)
+        lse[first:end] = np.where(live, (np.log(safe) + top[..., 0]) / np.log(2), -np.inf)
+    return o, lse

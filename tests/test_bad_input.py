@@ -176,3 +176,94 @@ def test_head_dim_512_is_refused_in_a_gpu_graph():
                 indptr.tensor,
                 num_kv_heads=4,
             )
+
+
+def mla_plan_args(**changes):
+    """A valid MLA plan of two decode requests (20 and 5 tokens, pages of 4,
+    16 heads), with `changes` applied."""
+    args = dict(
+        qo_indptr=np.array([0, 1, 2], np.int32),
+        kv_indptr=np.array([0, 5, 7], np.int32),
+        kv_indices=np.array([6, 0, 1, 2, 3, 4, 5], np.int32),
+        kv_len_arr=np.array([20, 5], np.int32),
+        num_heads=16,
+        head_dim_ckv=512,
+        head_dim_kpe=64,
+        page_size=4,
+        causal=False,
+        sm_scale=0.1,
+        q_data_type=np.float32,
+        kv_data_type=np.float32,
+    )
+    args.update(changes)
+    return args
+
+
+BAD_MLA_PLANS = [
+    ("ckv dim", dict(head_dim_ckv=500), ValueError, "multiples of 64"),
+    ("kpe dim", dict(head_dim_kpe=32), ValueError, "multiples of 64"),
+    ("q dtype", dict(q_data_type=np.int32), TypeError, "q dtype must be"),
+    ("mixed dtypes", dict(kv_data_type=np.float16), TypeError, "q's dtype"),
+    ("fp8 with float32 q", dict(kv_data_type="float8_e4m3fn"), TypeError, "16-bit q"),
+    ("short page table", dict(kv_len_arr=np.array([21, 5], np.int32)), ValueError, "request 0"),
+    ("indptr length", dict(kv_indptr=np.array([0, 7], np.int32)), ValueError, "3 entries"),
+    ("qo_indptr order", dict(qo_indptr=np.array([0, 2, 1], np.int32)), ValueError, "never"),
+    ("negative length", dict(kv_len_arr=np.array([-1, 5], np.int32)), ValueError, "negative"),
+    (
+        "negative page",
+        dict(kv_indices=np.array([-6, 0, 1, 2, 3, 4, 5], np.int32)),
+        ValueError,
+        "negative page",
+    ),  # fmt: skip
+    ("float indices", dict(kv_indices=np.zeros(7, np.float32)), TypeError, "int32"),
+    ("sm_scale", dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    ("heads", dict(num_heads=0), ValueError, "num_heads"),
+    ("profiler", dict(use_profiler=True), ValueError, "profiler"),
+]
+
+
+@pytest.mark.parametrize(
+    "changes,error,pattern", [c[1:] for c in BAD_MLA_PLANS], ids=[c[0] for c in BAD_MLA_PLANS]
+)
+def test_bad_mla_plan_raises(changes, error, pattern):
+    wrapper = pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8))
+    with pytest.raises(error, match=pattern):
+        wrapper.plan(**mla_plan_args(**changes))
+
+
+def test_bad_mla_run_raises_before_running(rng):
+    """Inputs that do not match the plan raise before the kernel runs (out
+    stays as it was)."""
+    wrapper = pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8))
+    wrapper.plan(**mla_plan_args())
+    q_nope = np.ones((2, 16, 512), np.float32)
+    q_pe = np.ones((2, 16, 64), np.float32)
+    ckv = np.ones((7, 4, 512), np.float32)
+    kpe = np.ones((7, 4, 64), np.float32)
+    out = np.full((2, 16, 512), 7.0, np.float32)
+    bad = [
+        (dict(q_nope=q_nope[:1]), ValueError, "q_nope must be"),
+        (dict(q_pe=np.ones((2, 16, 32), np.float32)), ValueError, "q_pe must be"),
+        (dict(q_pe=q_pe.astype(np.float16)), TypeError, "q_pe is float16"),
+        (dict(ckv_cache=np.ones((7, 4, 256), np.float32)), ValueError, "ckv_cache must be"),
+        (dict(kpe_cache=np.ones((7, 8, 64), np.float32)), ValueError, "kpe_cache must be"),
+        (dict(kpe_cache=kpe[:6]), ValueError, "same number of pages"),
+        (dict(ckv_cache=ckv[:6], kpe_cache=kpe[:6]), ValueError, "uses page 6"),
+        (dict(ckv_cache=ckv.astype(np.float16)), TypeError, "ckv_cache is float16"),
+        (dict(ckv_cache=ckv[:, ::-1]), ValueError, "contiguous"),
+        (dict(ckv_scale=0.5), ValueError, "only valid with fp8"),
+        (dict(page_table=np.zeros(2, np.int32)), ValueError, "page_table is not supported"),
+        (dict(out=np.ones((2, 16, 512), np.float16)), TypeError, "out must be float32"),
+    ]
+    for changes, error, pattern in bad:
+        args = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out)
+        args.update(changes)
+        with pytest.raises(error, match=pattern):
+            wrapper.run(**args)
+        assert (out == 7.0).all()
+    with pytest.raises(RuntimeError, match="plan"):
+        pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8)).run(q_nope, q_pe, ckv, kpe)
+    with pytest.raises(ValueError, match="backend"):
+        pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8), backend="cutlass")
+    with pytest.raises(ValueError, match="use_cuda_graph"):
+        pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8), use_cuda_graph=True)

@@ -258,6 +258,7 @@ def test_flashinfer_compat_serves_import_flashinfer():
     compat.install()
     import flashinfer
     import flashinfer.decode
+    import flashinfer.mla
 
     assert flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper is (
         pagedkv.BatchDecodeWithPagedKVCacheWrapper
@@ -265,6 +266,7 @@ def test_flashinfer_compat_serves_import_flashinfer():
     assert flashinfer.BatchPrefillWithRaggedKVCacheWrapper is (
         pagedkv.BatchPrefillWithRaggedKVCacheWrapper
     )
+    assert flashinfer.mla.BatchMLAPagedAttentionWrapper is pagedkv.BatchMLAPagedAttentionWrapper
     assert flashinfer.nvfp4_quantize_append_paged_kv_cache is (
         pagedkv.nvfp4_quantize_append_paged_kv_cache
     )

@@ -108,3 +108,28 @@ def test_op_names_are_registered(name):
         for m in re.finditer(r'@extensibility\.register\("(\w+)"\)', path.read_text())
     }
     assert name in registered
+
+
+def test_mla_operands_are_the_ops_parameters_in_order():
+    """MLAAttention.execute's tensor parameters are MLA_OPERANDS in order;
+    the wrapper and graph_ops both order their values by it."""
+    source = (mojo_ops_path() / "mla" / "mla_attention.mojo").read_text()
+    signature = source[source.index("def execute[") : source.index(") raises:")]
+    names = re.findall(r"^\s+(\w+): (?:Mutable)?InputTensor", signature, re.M)
+    assert tuple(names) == contract.MLA_OPERANDS
+    assert contract.mla_operands(**{n: i for i, n in enumerate(names)}) == list(range(len(names)))
+    with pytest.raises(TypeError, match="MLA operands"):
+        contract.mla_operands(output=0)
+    assert f'@extensibility.register("{contract.MLA_OP}")' in source
+
+
+@pytest.mark.parametrize(
+    "name,python",
+    [
+        ("MLA_DIM_GRANULE", contract.MLA_DIM_GRANULE),
+        ("MLA_GPU_MAX_CKV", contract.MLA_GPU_MAX_CKV),
+        ("MLA_GPU_MAX_QK", contract.MLA_GPU_MAX_QK),
+    ],
+)
+def test_mla_constants_agree(name, python):
+    assert mojo_constant(name) == python

@@ -23,6 +23,7 @@ from .functional import (
     release_blocks,
 )
 from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
+from .mla import BatchMLAPagedAttentionWrapper
 from .nvfp4 import (
     nvfp4_kv_dequantize,
     nvfp4_kv_dequantize_paged,
@@ -45,6 +46,7 @@ __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchMLAPagedAttentionWrapper",
     "BatchMetadata",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",

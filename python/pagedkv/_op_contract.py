@@ -90,3 +90,45 @@ LINEAR_PANEL = 64
 
 MASK_READ_PADDING = 8
 """Zero bytes after a packed custom mask (attention/custom_mask.mojo: BIT_READ_PADDING)."""
+
+MLA_OP = "pagedkv_mla_attention"
+"""MLA attention over the paged latent cache, decode and prefill (mla/mla_attention.mojo)."""
+
+MLA_OPERANDS = (
+    "output",
+    "lse",
+    "partial_o",
+    "partial_lse",
+    "q_nope",
+    "q_pe",
+    "ckv_cache",
+    "kpe_cache",
+    "kv_indices",
+    "kv_indptr",
+    "work_items",
+    "request_items",
+    "float_params",
+    "int_params",
+)
+"""The MLA op's operands in order (MLAAttention.execute's parameters)."""
+
+
+def mla_operands(**values: object) -> list:
+    """The values named by MLA_OPERANDS, in the op's order."""
+    if set(values) != set(MLA_OPERANDS):
+        raise TypeError(f"MLA operands {sorted(values)} are not {MLA_OPERANDS}")
+    return [values[name] for name in MLA_OPERANDS]
+
+
+MLA_DIM_GRANULE = 64
+"""ckv and kpe dims are multiples of it, kpe may be 0 (mla/mla_attention.mojo: MLA_DIM_GRANULE)."""
+
+MLA_GPU_MAX_CKV = 512
+MLA_GPU_MAX_QK = 640
+"""The GPU kernel's bounds on ckv_dim and ckv_dim + kpe_dim (mla/gpu_kernel.mojo)."""
+
+# Slots of the MLA op's host parameter tensors (mla/mla_pages.mojo).
+MLA_FLOAT_PARAMS = 4
+F_MLA_SM_SCALE, F_MLA_CKV_SCALE, F_MLA_KPE_SCALE = range(3)
+MLA_INT_PARAMS = 4
+INT_MLA_CAUSAL, INT_MLA_KV_SPLIT, INT_MLA_MAX_QUERIES = range(3)

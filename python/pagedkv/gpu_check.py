@@ -26,7 +26,7 @@ def compile_for(arch: str, api: str = "cuda") -> int:
     from ._tensors import Device
     from .precompile import op_specs
 
-    specs = op_specs(CACHE_DTYPES, DECODE_DTYPES)
+    specs = op_specs(CACHE_DTYPES, DECODE_DTYPES, MLA_DTYPES)
     prepare(specs, Device("gpu"))
     return len(specs)
 
@@ -52,6 +52,9 @@ DECODE_DTYPES = (
     ("float16", "float8_e4m3fn"),
     ("bfloat16", "float8_e5m2"),
 )
+MLA_DTYPES = (("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))
+"""MLA dtype pairs the GPU check compiles: DeepSeek's bfloat16, and its fp8
+cache (each pair is a compile of its own)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,14 @@ from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorType,
 from . import _attention
 from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
-from ._op_contract import ATTENTION_OP, LINEAR_OP, LINEAR_PANEL, attention_operands
+from ._op_contract import (
+    ATTENTION_OP,
+    LINEAR_OP,
+    LINEAR_PANEL,
+    MLA_OP,
+    attention_operands,
+    mla_operands,
+)
 from .custom_mask import NO_MASK
 from .page import seq_lens_from_page_table
 
@@ -325,5 +332,85 @@ def prefill_work(
         options,
         causal,
         gpu,
+    )
+    return items, request_items
+
+
+def mla_attention(
+    q_nope: TensorValue,
+    q_pe: TensorValue,
+    ckv_cache: BufferValue,
+    kpe_cache: BufferValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    work_items: TensorValue,
+    request_items: TensorValue,
+    sm_scale: float,
+    causal: bool = True,
+    decode: bool = True,
+) -> tuple[TensorValue, TensorValue]:
+    """MLA attention (absorbed) of q_nope [rows, H, ckv_dim] and q_pe [rows,
+    H, kpe_dim] over the latent caches ckv [pages, page_size, ckv_dim] and
+    kpe [pages, page_size, kpe_dim]: (o [rows, H, ckv_dim], lse [rows, H]),
+    as `pagedkv.BatchMLAPagedAttentionWrapper` computes them.
+
+    work_items, request_items: from `mla_work` for this step, with the same
+    decode and causal. The caches are buffer values: an MLA append before
+    this op on the same values is ordered first.
+    """
+    from .mla import check_mla_dims, mla_float_params, mla_int_params
+
+    device = ckv_cache.device
+    rows, heads, ckv_dim = q_nope.shape
+    check_mla_dims(int(ckv_dim), int(q_pe.shape[2]), device.is_gpu())
+    o = ops.buffer_create(BufferType(q_nope.dtype, [rows, heads, ckv_dim], device=device))
+    lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
+    # Decode items (one query each) may split keys; prefill items write
+    # final rows only, so their partial states are one-row placeholders.
+    states = work_items.shape[0] if decode else 1
+    partial_o = ops.buffer_create(BufferType(F32, [states, heads, ckv_dim], device=device))
+    partial_lse = ops.buffer_create(BufferType(F32, [states, heads], device=device))
+    most = 1 if decode else _attention.prefill_tile(int(heads), device.is_gpu())
+    host = DeviceRef.CPU()
+    ops.inplace_custom(
+        MLA_OP,
+        device=device,
+        values=mla_operands(
+            output=o,
+            lse=lse,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
+            q_nope=q_nope,
+            q_pe=q_pe,
+            ckv_cache=ckv_cache,
+            kpe_cache=kpe_cache,
+            kv_indices=kv_indices,
+            kv_indptr=kv_indptr,
+            work_items=work_items,
+            request_items=request_items,
+            float_params=ops.constant(mla_float_params(sm_scale, 1.0, 1.0), F32, device=host),
+            int_params=ops.constant(mla_int_params(causal, decode, most), DType.int32, device=host),
+        ),
+        parameters={"kv_format": 0},
+    )
+    return ops.buffer_load(o), ops.buffer_load(lse)
+
+
+def mla_work(
+    qo_indptr: np.ndarray,
+    kv_len_arr: np.ndarray,
+    page_size: int,
+    num_heads: int,
+    causal: bool = True,
+    decode: bool = True,
+    gpu: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The work list of an MLA step (host NumPy): (work_items [I, 6] int32,
+    request_items [B + 1] int32), for `mla_attention` with the same decode
+    (one query per request; raises otherwise) and causal."""
+    from .mla import mla_work as plan_work
+
+    items, request_items, _, _ = plan_work(
+        np.asarray(qo_indptr), np.asarray(kv_len_arr), page_size, num_heads, causal, gpu, decode
     )
     return items, request_items

@@ -18,6 +18,7 @@ from ._kernels import OpSpec, compile_stats, prepare
 from ._tensors import Device
 from .cascade import merge_state_spec, merge_states_spec
 from .decode import decode_spec
+from .mla import check_mla_dtypes, mla_spec
 from .page import (
     BATCH_INDICES_POSITIONS,
     COPY_PAGES,
@@ -34,9 +35,11 @@ DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 def op_specs(
     dtypes: Iterable[str] = DEFAULT_DTYPES,
     decode_dtypes: Iterable[tuple[str, str]] | None = None,
+    mla_dtypes: Iterable[tuple[str, str]] | None = None,
 ) -> list[OpSpec]:
     """Every op variant for these cache dtypes and both layouts;
-    decode for the (q, kv) dtype pairs (default: each dtype with itself)."""
+    decode for the (q, kv) dtype pairs (default: each dtype with itself);
+    MLA attention for mla_dtypes (default: the decode pairs MLA takes)."""
     dtypes = list(dtypes)
     specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE, COPY_PAGES]
     pairs = [(d, d) for d in dtypes] if decode_dtypes is None else list(decode_dtypes)
@@ -51,6 +54,14 @@ def op_specs(
         for layout in KV_LAYOUTS.values():
             specs.append(decode_spec(DType[q_name], DType[kv_name], layout))
             specs.append(prefill_spec(DType[q_name], DType[kv_name], layout))
+    for q_name, kv_name in pairs if mla_dtypes is None else mla_dtypes:
+        try:
+            check_mla_dtypes(DType[q_name], DType[kv_name])
+        except TypeError:
+            if mla_dtypes is not None:
+                raise
+            continue
+        specs.append(mla_spec(DType[q_name], DType[kv_name]))
     return list(dict.fromkeys(specs))
 
 

@@ -7,7 +7,7 @@
 True
 
 The top-level names and the submodules FlashInfer's users and tests import
-(`decode`, `prefill`, `page`, `cascade`, `utils`, `jit`, `quantization`,
+(`decode`, `prefill`, `page`, `mla`, `cascade`, `utils`, `jit`, `quantization`,
 `fp4_quantization`) map to pagedkv's implementations. Names that exist only
 to drive FlashInfer's CUDA JIT (`jit.*`, `gen_*_module`) are no-ops; names
 pagedkv does not implement raise NotImplementedError when called, so that
@@ -37,6 +37,7 @@ from .fp4_quantization import (
     nvfp4_kv_dequantize_paged,
     nvfp4_kv_quantize,
 )
+from .mla import BatchMLAPagedAttentionWrapper
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -55,6 +56,7 @@ from .quantization import packbits, segment_packbits
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchMLAPagedAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",

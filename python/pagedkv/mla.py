@@ -1,0 +1,514 @@
+"""MLA (multi-head latent attention, DeepSeek-V2/V3) over the paged latent cache.
+
+Mirrors ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in its absorbed form:
+W_UK is folded into the query (``q_nope`` lives in the latent space, ckv_dim
+wide) and W_UV into the output projection, so every query head attends over
+one shared latent per token, the caches ``append_paged_mla_kv_cache`` writes:
+ckv [pages, page_size, ckv_dim] and kpe [pages, page_size, kpe_dim].
+
+For query row (token t, head h) and cached token j::
+
+    s = (q_nope[t, h] . ckv[j] + q_pe[t, h] . kpe[j]) * sm_scale
+    o[t, h] = sum_j softmax(s)_j ckv[j]                       # [ckv_dim]
+    lse[t, h] = log2(sum_j 2^(s_j log2 e))                    # base 2
+
+Query i of a request with n queries and L cached tokens sits at position
+L - n + i; causal attention sees keys up to there. fp8 caches carry
+per-tensor scales (``ckv_scale``, ``kpe_scale``: real = stored * scale).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from max.dtype import DType
+
+from ._attention import AttentionOptions, as_dtype, check_backend, decode_work, prefill_work
+from ._attention_plan import F32, FP8_DTYPES, HOST_F32, HOST_INDEX, Q_DTYPES, _workspace_view
+from ._checks import (
+    as_int32_index,
+    check_float,
+    check_index_array,
+    check_int,
+    check_output,
+    host_index_copy,
+    reject_cuda_graph,
+)
+from ._kernels import Operand, OpSpec, compiled_op, run_model
+from ._op_contract import (
+    F_MLA_CKV_SCALE,
+    F_MLA_KPE_SCALE,
+    F_MLA_SM_SCALE,
+    FP8_FORMATS,
+    INT_MLA_CAUSAL,
+    INT_MLA_KV_SPLIT,
+    INT_MLA_MAX_QUERIES,
+    MIN_HEAD_DIM,
+    MLA_DIM_GRANULE,
+    MLA_FLOAT_PARAMS,
+    MLA_GPU_MAX_CKV,
+    MLA_GPU_MAX_QK,
+    MLA_INT_PARAMS,
+    MLA_OP,
+    mla_operands,
+)
+from ._tensors import (
+    Array,
+    Device,
+    check_array,
+    contiguous,
+    device_of,
+    dtype_of,
+    empty,
+    empty_like,
+    is_contiguous,
+    new_like,
+    storage_dtype,
+    storage_view,
+    to_buffer,
+)
+
+__all__ = ["BatchMLAPagedAttentionWrapper"]
+
+MLA_BACKENDS = ("auto", "fa2")
+"""One MLA kernel per device: FlashInfer's "auto" and "fa2" name it."""
+
+MLA_MAX_CKV_DIM = 1024
+"""The largest ckv_dim the CPU kernel takes (its scratch grows with it)."""
+
+INDEX = Operand(DType.int32, 1)
+
+
+def mla_spec(q_dtype: DType, kv_dtype: DType) -> OpSpec:
+    """The MLA op's operands (see MLA_OPERANDS) for q and cache dtypes; fp8
+    caches enter as uint8 with kv_format naming them."""
+    cache = Operand(storage_dtype(kv_dtype), 3, mutable=True)
+    return OpSpec.of(
+        MLA_OP,
+        mla_operands(
+            output=Operand(q_dtype, 3, mutable=True),
+            lse=Operand(F32, 2, mutable=True),
+            partial_o=Operand(F32, 3, mutable=True),
+            partial_lse=Operand(F32, 2, mutable=True),
+            q_nope=Operand(q_dtype, 3),
+            q_pe=Operand(q_dtype, 3),
+            ckv_cache=cache,
+            kpe_cache=cache,
+            kv_indices=INDEX,
+            kv_indptr=INDEX,
+            work_items=Operand(DType.int32, 2),
+            request_items=INDEX,
+            float_params=HOST_F32,
+            int_params=HOST_INDEX,
+        ),
+        kv_format=FP8_FORMATS.get(kv_dtype, 0),
+    )
+
+
+def check_mla_dtypes(q_dtype: DType, kv_dtype: DType) -> None:
+    """Raises TypeError unless the kernels take this pair: q float32, float16
+    or bfloat16; the caches q's dtype, or fp8 beside a 16-bit q."""
+    if q_dtype not in Q_DTYPES:
+        raise TypeError(f"q dtype must be float32, float16 or bfloat16, got {q_dtype.name}")
+    if kv_dtype in FP8_DTYPES:
+        if q_dtype == DType.float32:
+            raise TypeError("an fp8 MLA cache needs a 16-bit q (float16 or bfloat16)")
+    elif kv_dtype != q_dtype:
+        raise TypeError(
+            f"the MLA caches must be q's dtype ({q_dtype.name}) or fp8, got {kv_dtype.name}"
+        )
+
+
+def check_mla_dims(head_dim_ckv: int, head_dim_kpe: int, is_gpu: bool) -> tuple[int, int]:
+    """Raises unless the kernels take these latent dims; returns them as ints."""
+    ckv = check_int("head_dim_ckv", head_dim_ckv, 1)
+    kpe = check_int("head_dim_kpe", head_dim_kpe, 0)
+    if ckv % MLA_DIM_GRANULE or kpe % MLA_DIM_GRANULE or ckv > MLA_MAX_CKV_DIM:
+        raise ValueError(
+            f"head_dim_ckv and head_dim_kpe must be multiples of {MLA_DIM_GRANULE}"
+            f" (head_dim_ckv up to {MLA_MAX_CKV_DIM}, head_dim_kpe may be 0),"
+            f" got {ckv} and {kpe}"
+        )
+    if is_gpu and (ckv > MLA_GPU_MAX_CKV or ckv + kpe > MLA_GPU_MAX_QK):
+        raise ValueError(
+            f"on a GPU head_dim_ckv is at most {MLA_GPU_MAX_CKV} and head_dim_ckv +"
+            f" head_dim_kpe at most {MLA_GPU_MAX_QK}, got {ckv} and {kpe}"
+        )
+    return ckv, kpe
+
+
+def mla_work(
+    qo_indptr: np.ndarray,
+    kv_lens: np.ndarray,
+    page_size: int,
+    num_heads: int,
+    causal: bool,
+    is_gpu: bool,
+    decode: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """Work items of an MLA call (host NumPy): (items [I, 6], request_items
+    [B + 1], whether they split keys (decode), most queries in an item).
+
+    MLA is attention with one KV head of num_heads query heads. A batch of
+    one query per request is a decode: each request's keys may split into
+    page-aligned chunks (flash-decoding), merged afterwards. Otherwise
+    (decode=False, or any request with other than one query) items are tiles
+    of a request's queries with all the keys they see.
+    """
+    qo_lens = np.diff(qo_indptr.astype(np.int64))
+    is_decode = bool(len(qo_lens)) and bool((qo_lens == 1).all()) if decode is None else decode
+    # Only window_left of the options matters to the work split: MLA has none.
+    options = AttentionOptions(MIN_HEAD_DIM)
+    if is_decode:
+        if not (qo_lens == 1).all():
+            raise ValueError("a decode has one query per request (qo_indptr = 0, 1, .., B)")
+        items, request_items = decode_work(kv_lens, page_size, num_heads, 1, 1, options, is_gpu)
+        return items, request_items, True, 1
+    items, request_items, most = prefill_work(
+        kv_lens, qo_indptr, num_heads, options, causal, is_gpu
+    )
+    return items, request_items, False, most
+
+
+def mla_int_params(causal: bool, kv_split: bool, max_queries: int) -> np.ndarray:
+    """The MLA op's int_params (slots named in _op_contract)."""
+    params = np.zeros(MLA_INT_PARAMS, np.int32)
+    params[INT_MLA_CAUSAL] = causal
+    params[INT_MLA_KV_SPLIT] = kv_split
+    params[INT_MLA_MAX_QUERIES] = max_queries
+    return params
+
+
+def mla_float_params(sm_scale: float, ckv_scale: float, kpe_scale: float) -> np.ndarray:
+    """The MLA op's float_params (slots named in _op_contract)."""
+    params = np.zeros(MLA_FLOAT_PARAMS, np.float32)
+    params[F_MLA_SM_SCALE] = sm_scale
+    params[F_MLA_CKV_SCALE] = ckv_scale
+    params[F_MLA_KPE_SCALE] = kpe_scale
+    return params
+
+
+def _host_index(name: str, x: Array, length: int | None = None) -> np.ndarray:
+    x = as_int32_index(name, x)
+    check_index_array(name, x, length)
+    return host_index_copy(name, x)
+
+
+class BatchMLAPagedAttentionWrapper:
+    """MLA attention over the paged latent cache: decode and ragged prefill.
+
+    FlashInfer's ``flashinfer.mla.BatchMLAPagedAttentionWrapper``: plan()
+    once per batch (it checks the page table and splits the work), then
+    run() once per layer. On a CPU the kernel takes each chunk of keys as two
+    register-blocked matrix products for all of a request's heads; on a GPU a
+    CUDA-core kernel runs it (no tensor cores yet).
+
+    Parameters
+    ----------
+    float_workspace_buffer : numpy.ndarray or torch.Tensor
+        Scratch for the split-K partial states (any dtype; used when large
+        enough, else plan() allocates). Its device is where run() runs.
+    use_cuda_graph : bool, optional
+        Not supported (False).
+    qo_indptr, kv_indptr, kv_indices, kv_len_arr : optional
+        FlashInfer's fixed buffers for CUDA graphs; unused.
+    backend : {"auto", "fa2"}
+        The one kernel of each device.
+
+    Examples
+    --------
+    >>> import numpy as np, pagedkv
+    >>> rng = np.random.default_rng(0)
+    >>> heads, page_size = 16, 16
+    >>> ckv = rng.standard_normal((4, page_size, 512), dtype=np.float32)
+    >>> kpe = rng.standard_normal((4, page_size, 64), dtype=np.float32)
+    >>> mla = pagedkv.BatchMLAPagedAttentionWrapper(np.empty(1 << 20, np.uint8))
+    >>> mla.plan(
+    ...     np.array([0, 1, 2], np.int32),      # qo_indptr: one query each (decode)
+    ...     np.array([0, 3, 4], np.int32),      # kv_indptr: pages 0-2, then page 3
+    ...     np.array([0, 1, 2, 3], np.int32),   # kv_indices
+    ...     np.array([40, 7], np.int32),        # kv_len_arr: tokens cached per request
+    ...     heads, 512, 64, page_size, False, 1 / np.sqrt(192), np.float32, np.float32,
+    ... )
+    >>> q_nope = rng.standard_normal((2, heads, 512), dtype=np.float32)
+    >>> q_pe = rng.standard_normal((2, heads, 64), dtype=np.float32)
+    >>> o, lse = mla.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    >>> o.shape, lse.shape
+    ((2, 16, 512), (2, 16))
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: Array,
+        use_cuda_graph: bool = False,
+        qo_indptr: Array | None = None,
+        kv_indptr: Array | None = None,
+        kv_indices: Array | None = None,
+        kv_len_arr: Array | None = None,
+        backend: str = "auto",
+    ) -> None:
+        check_array("float_workspace_buffer", float_workspace_buffer)
+        reject_cuda_graph(use_cuda_graph, "BatchMLAPagedAttentionWrapper")
+        check_backend(backend, MLA_BACKENDS)
+        self._workspace = float_workspace_buffer
+        self.device: Device = device_of(float_workspace_buffer)
+        self._planned = False
+
+    def plan(
+        self,
+        qo_indptr: Array,
+        kv_indptr: Array,
+        kv_indices: Array,
+        kv_len_arr: Array,
+        num_heads: int,
+        head_dim_ckv: int,
+        head_dim_kpe: int,
+        page_size: int,
+        causal: bool,
+        sm_scale: float,
+        q_data_type: Any,
+        kv_data_type: Any,
+        use_profiler: bool = False,
+    ) -> None:
+        """Checks a batch's page table and prepares its run.
+
+        Parameters
+        ----------
+        qo_indptr : int array, shape (B + 1,)
+            Request b's queries are rows qo_indptr[b]:qo_indptr[b + 1] of
+            q_nope and q_pe (0, 1, .., B for a decode).
+        kv_indptr : int array, shape (B + 1,)
+            Request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]].
+        kv_indices : int array
+            Page ids into the caches.
+        kv_len_arr : int array, shape (B,)
+            Tokens cached per request, its queries' included.
+        num_heads : int
+            Query heads (128 in DeepSeek-V3, 16 per GPU of an 8-way split).
+        head_dim_ckv, head_dim_kpe : int
+            Latent and rope widths (512 and 64 in DeepSeek); multiples of 64,
+            head_dim_kpe may be 0.
+        page_size : int
+            Tokens per page.
+        causal : bool
+            Whether query i of n sees only keys up to position L - n + i.
+        sm_scale : float
+            Softmax scale, usually 1 / sqrt(128 + 64) (the head dim before
+            absorption).
+        q_data_type, kv_data_type : dtype
+            float32, float16 or bfloat16 queries; caches of q's dtype, or
+            float8_e4m3fn / float8_e5m2 beside a 16-bit q.
+        use_profiler : bool, optional
+            Not supported (False).
+        """
+        if use_profiler:
+            raise ValueError("use_profiler=True is not supported: pagedkv has no kernel profiler")
+        is_gpu = self.device.is_gpu
+        num_heads = check_int("num_heads", num_heads, 1)
+        ckv_dim, kpe_dim = check_mla_dims(head_dim_ckv, head_dim_kpe, is_gpu)
+        page_size = check_int("page_size", page_size, 1)
+        sm_scale = check_float("sm_scale", sm_scale, positive=True)
+        q_dtype = as_dtype(q_data_type, "q_data_type")
+        kv_dtype = as_dtype(kv_data_type, "kv_data_type")
+        check_mla_dtypes(q_dtype, kv_dtype)
+        kv_lens = _host_index("kv_len_arr", kv_len_arr)
+        batch = len(kv_lens)
+        qo = _host_index("qo_indptr", qo_indptr, batch + 1)
+        kv_ptr = _host_index("kv_indptr", kv_indptr, batch + 1)
+        indices = _host_index("kv_indices", kv_indices)
+        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_ptr)):
+            if ptr[0] != 0 or (np.diff(ptr) < 0).any():
+                raise ValueError(f"{name} must start at 0 and never decrease")
+        if kv_ptr[-1] > len(indices):
+            raise ValueError(
+                f"kv_indptr ends at {kv_ptr[-1]} but kv_indices has {len(indices)} entries"
+            )
+        if (kv_lens < 0).any():
+            raise ValueError("kv_len_arr must not be negative")
+        pages = np.diff(kv_ptr.astype(np.int64))
+        need = -(-kv_lens.astype(np.int64) // page_size)
+        short = np.flatnonzero(need > pages)
+        if len(short):
+            b = int(short[0])
+            raise ValueError(
+                f"request {b} caches {kv_lens[b]} tokens, {need[b]} pages of {page_size},"
+                f" but kv_indptr gives it {pages[b]}"
+            )
+        used = np.concatenate(
+            [indices[s : s + n] for s, n in zip(kv_ptr[:-1], need, strict=True)] + [[]]
+        ).astype(np.int64)
+        if (used < 0).any():
+            raise ValueError("kv_indices holds a negative page id")
+        items, request_items, kv_split, most = mla_work(
+            qo, kv_lens, page_size, num_heads, bool(causal), is_gpu
+        )
+        like = self._workspace
+
+        def resident(values: np.ndarray) -> Any:
+            return to_buffer(new_like(like, np.ascontiguousarray(values)))
+
+        # Prefill items write final rows only: a one-row placeholder.
+        states = max(len(items), 1) if kv_split else 1
+        self._buffers = {
+            "kv_indices": resident(indices),
+            "kv_indptr": resident(kv_ptr),
+            "work_items": resident(items),
+            "request_items": resident(request_items),
+            "partial_o": to_buffer(
+                _workspace_view(self._workspace, (states, num_heads, ckv_dim), like)
+            ),
+            "partial_lse": to_buffer(empty(like, (states, num_heads), F32)),
+            "int_params": to_buffer(mla_int_params(bool(causal), kv_split, most)),
+        }
+        self._rows = int(qo[-1])
+        self._num_heads = num_heads
+        self._dims = (ckv_dim, kpe_dim)
+        self._page_size = page_size
+        self._max_page_id = int(used.max()) if len(used) else -1
+        self._sm_scale = sm_scale
+        self._dtypes = (q_dtype, kv_dtype)
+        self._model = compiled_op(mla_spec(q_dtype, kv_dtype), self.device)
+        self._planned = True
+
+    def run(
+        self,
+        q_nope: Array,
+        q_pe: Array,
+        ckv_cache: Array,
+        kpe_cache: Array,
+        out: Array | None = None,
+        lse: Array | None = None,
+        return_lse: bool = False,
+        profiler_buffer: Array | None = None,
+        kv_len: Array | None = None,
+        page_table: Array | None = None,
+        return_lse_base_on_e: bool = False,
+        o_scale: float | None = None,
+        *,
+        ckv_scale: float | None = None,
+        ckv_scale_arr: Array | None = None,
+        kpe_scale: float | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """MLA attention of the planned batch.
+
+        Parameters
+        ----------
+        q_nope : array, shape (nnz_qo, num_heads, head_dim_ckv)
+            Queries in the latent space (W_UK absorbed).
+        q_pe : array, shape (nnz_qo, num_heads, head_dim_kpe)
+            Their rope part.
+        ckv_cache : array, shape (pages, page_size, head_dim_ckv)
+        kpe_cache : array, shape (pages, page_size, head_dim_kpe)
+            The caches ``append_paged_mla_kv_cache`` fills.
+        out, lse : arrays, optional
+            Where to write o [nnz_qo, num_heads, head_dim_ckv] (q's dtype) and
+            lse [nnz_qo, num_heads] (float32).
+        return_lse : bool
+            Return (o, lse) rather than o.
+        return_lse_base_on_e : bool
+            The returned lse in base e rather than base 2.
+        ckv_scale, kpe_scale : float, keyword-only
+            Per-tensor scales of fp8 caches (real = stored * scale); required
+            with fp8 caches, refused otherwise.
+        profiler_buffer, kv_len, page_table, o_scale, ckv_scale_arr
+            FlashInfer's profiler, cutlass-backend and per-group fp8
+            arguments: not supported (None).
+
+        Returns
+        -------
+        o, or (o, lse) with return_lse.
+        """
+        if not self._planned:
+            raise RuntimeError("plan() must be called before run()")
+        for name, value in (
+            ("profiler_buffer", profiler_buffer),
+            ("kv_len", kv_len),
+            ("page_table", page_table),
+            ("o_scale", o_scale),
+            ("ckv_scale_arr", ckv_scale_arr),
+        ):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by pagedkv's MLA kernel")
+        q_dtype, kv_dtype = self._dtypes
+        ckv_dim, kpe_dim = self._dims
+        rows, heads = self._rows, self._num_heads
+        for name, x, width in (("q_nope", q_nope, ckv_dim), ("q_pe", q_pe, kpe_dim)):
+            check_array(name, x)
+            want = (rows, heads, width)
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must be {list(want)} as planned, got {list(x.shape)}")
+            if dtype_of(x) != q_dtype:
+                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {q_dtype.name}")
+            if device_of(x) != self.device:
+                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
+        num_pages = None
+        caches = (("ckv_cache", ckv_cache, ckv_dim), ("kpe_cache", kpe_cache, kpe_dim))
+        for name, x, width in caches:
+            check_array(name, x)
+            shape = tuple(x.shape)
+            if len(shape) != 3 or shape[1:] != (self._page_size, width):
+                raise ValueError(
+                    f"{name} must be [pages, {self._page_size}, {width}] as planned,"
+                    f" got {list(shape)}"
+                )
+            if num_pages is not None and shape[0] != num_pages:
+                raise ValueError("ckv_cache and kpe_cache must hold the same number of pages")
+            num_pages = shape[0]
+            if dtype_of(x) != kv_dtype:
+                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {kv_dtype.name}")
+            if device_of(x) != self.device:
+                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
+            if not is_contiguous(x):
+                raise ValueError(f"{name} must be contiguous (the kernel reads it in place)")
+        if self._max_page_id >= num_pages:
+            raise ValueError(
+                f"the page table uses page {self._max_page_id} but the caches hold"
+                f" {num_pages} pages"
+            )
+        if kv_dtype in FP8_DTYPES:
+            if ckv_scale is None or kpe_scale is None:
+                raise ValueError("fp8 MLA caches need ckv_scale and kpe_scale")
+            ckv_scale = check_float("ckv_scale", ckv_scale, positive=True)
+            kpe_scale = check_float("kpe_scale", kpe_scale, positive=True)
+        elif ckv_scale is not None or kpe_scale is not None:
+            raise ValueError("ckv_scale and kpe_scale are only valid with fp8 caches")
+        if out is None:
+            out = empty_like(q_nope)
+        else:
+            check_output("out", out, (rows, heads, ckv_dim), q_dtype, self.device)
+        if lse is None:
+            lse = empty(q_nope, (rows, heads), F32)
+        else:
+            check_output("lse", lse, (rows, heads), F32, self.device)
+        b = self._buffers
+        run_model(
+            self._model,
+            mla_operands(
+                output=out,
+                lse=lse,
+                partial_o=b["partial_o"],
+                partial_lse=b["partial_lse"],
+                q_nope=contiguous(q_nope),
+                q_pe=contiguous(q_pe),
+                ckv_cache=storage_view(ckv_cache),
+                kpe_cache=storage_view(kpe_cache),
+                kv_indices=b["kv_indices"],
+                kv_indptr=b["kv_indptr"],
+                work_items=b["work_items"],
+                request_items=b["request_items"],
+                float_params=mla_float_params(
+                    self._sm_scale,
+                    1.0 if ckv_scale is None else ckv_scale,
+                    1.0 if kpe_scale is None else kpe_scale,
+                ),
+                int_params=b["int_params"],
+            ),
+            self.device,
+        )
+        if not return_lse:
+            return out
+        if return_lse_base_on_e:
+            lse *= math.log(2.0)
+        return out, lse
