@@ -8,11 +8,15 @@ import math
 
 import numpy as np
 import pytest
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 
 import pagedkv
 import reference
 from conftest import MLA_CONFIGS, as_f64, cast
 from pagedkv import graph_ops
+from suite_graphs import suite_graph, suite_model
 
 CKV, KPE = 512, 64
 SM_SCALE = 1 / math.sqrt(128 + 64)  # the head dim before absorption, as DeepSeek's
@@ -180,29 +184,26 @@ def test_decode_after_mla_append_with_out_and_natural_lse(rng):
         np.testing.assert_allclose(lse[b], want_lse, rtol=2e-5, atol=2e-5)
 
 
-def test_mla_graph_op_matches_reference(rng):
-    """mla_attention inside a max.graph graph, work from mla_work: two decode
-    steps through one compiled graph (symbolic batch, pages and items)."""
-    from max.driver import CPU, Buffer
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import BufferType, DeviceRef, Graph, TensorType
+PAGE, GRAPH_HEADS = 16, 16
 
-    page, heads = 16, 16
+
+@suite_graph("mla_decode")
+def mla_decode_graph(module: Module) -> None:
     cpu, f32, i32 = DeviceRef.CPU(), DType.float32, DType.int32
     with Graph(
         "mla_decode",
         input_types=[
-            TensorType(f32, ["batch", heads, CKV], device=cpu),
-            TensorType(f32, ["batch", heads, KPE], device=cpu),
-            BufferType(f32, ["pages", page, CKV], device=cpu),
-            BufferType(f32, ["pages", page, KPE], device=cpu),
+            TensorType(f32, ["batch", GRAPH_HEADS, CKV], device=cpu),
+            TensorType(f32, ["batch", GRAPH_HEADS, KPE], device=cpu),
+            BufferType(f32, ["pages", PAGE, CKV], device=cpu),
+            BufferType(f32, ["pages", PAGE, KPE], device=cpu),
             TensorType(i32, ["used_pages"], device=cpu),
             TensorType(i32, ["batch_plus_1"], device=cpu),
             TensorType(i32, ["items", 6], device=cpu),
             TensorType(i32, ["batch_plus_1"], device=cpu),
         ],
         custom_extensions=graph_ops.custom_extensions(),
+        module=module,
     ) as g:
         q_nope, q_pe, ckv, kpe, indices, indptr, items, request_items = g.inputs
         o, lse = graph_ops.mla_attention(
@@ -217,10 +218,16 @@ def test_mla_graph_op_matches_reference(rng):
             sm_scale=SM_SCALE,
         )
         g.output(o, lse)
-    model = InferenceSession(devices=[CPU()]).load(g)
+
+
+def test_mla_graph_op_matches_reference(rng):
+    """mla_attention inside a max.graph graph (in the suite's module), work
+    from mla_work: two decode steps through one compiled graph (symbolic
+    batch, pages and items)."""
+    model = suite_model("mla_decode")
     for lens in ([30, 1, 700], [2000]):
-        batch = MLABatch(rng, [1] * len(lens), lens, heads, page, "float32", "float32")
-        work = graph_ops.mla_work(batch.qo_indptr, batch.kv_lens, page, heads)
+        batch = MLABatch(rng, [1] * len(lens), lens, GRAPH_HEADS, PAGE, "float32", "float32")
+        work = graph_ops.mla_work(batch.qo_indptr, batch.kv_lens, PAGE, GRAPH_HEADS)
         inputs = (batch.q_nope, batch.q_pe, batch.ckv, batch.kpe, batch.kv_indices,
                   batch.kv_indptr, *work)  # fmt: skip
         o, lse = model.execute(*[Buffer.from_numpy(np.ascontiguousarray(x)) for x in inputs])
