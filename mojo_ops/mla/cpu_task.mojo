@@ -27,6 +27,7 @@ from ..attention.cpu.key_chunks import CHUNK, BlockPrefetch, RowOffsets
 from ..attention.cpu.products import (
     key_columns,
     product_rows,
+    transpose_key_pairs,
     transpose_keys,
     widen_values,
 )
@@ -37,6 +38,7 @@ from ..attention.work import AttentionWork
 from ..cache.paged_kv_cache import IndexPtr, Ptr
 from ..simd.exp2 import is_nan_f32
 from ..simd.widen import (
+    DOT_BF16,
     F32,
     W,
     from_paired_order,
@@ -171,25 +173,40 @@ def mla_task[
     var unload = 1 / kv_load_scale[kv_dtype]()
     var nope_scale = scales.nope_log2 * unload
     var pe_scale = scales.pe_log2 * unload
+    # bfloat16 q and latent with AVX512_BF16: scores as dot products of the
+    # raw pairs (exact products, float32 sums), scaled afterwards, which
+    # needs one scale for both parts (ckv and kpe scales are 1 here).
+    var dots = score_dots[q_dtype, kv_dtype]() and nope_scale == pe_scale
     for r in range(count):
         var row = first_row + r
+        if dots:
+            # Raw rows, q_nope then q_pe, two bfloat16 to a float32 slot.
+            var raw = rebind[Ptr[q_dtype]](st.q).unsafe_offset(r * qk_dim)
+            for c in range(ckv_dim):
+                raw[unsafe_offset=c] = q_nope[unsafe_offset=row * ckv_dim + c]
+            for c in range(kpe_dim):
+                raw[unsafe_offset=ckv_dim + c] = q_pe[
+                    unsafe_offset=row * kpe_dim + c
+                ]
         var dst = st.q.unsafe_offset(r * qk_dim)
         var src = q_nope.unsafe_offset(row * ckv_dim)
         for c in range(ckv_dim // W):
-            dst.unsafe_offset(c * W).unsafe_store(
-                load_f32[q_dtype, W](src, c * W) * nope_scale
-            )
+            if not dots:
+                dst.unsafe_offset(c * W).unsafe_store(
+                    load_f32[q_dtype, W](src, c * W) * nope_scale
+                )
             st.acc.unsafe_offset(r * ckv_dim + c * W).unsafe_store(
                 SIMD[F32, W](0)
             )
-        var pe = q_pe.unsafe_offset(row * kpe_dim)
-        for c in range(kpe_dim // W):
-            dst.unsafe_offset(ckv_dim + c * W).unsafe_store(
-                load_f32[q_dtype, W](pe, c * W) * pe_scale
-            )
-        comptime if paired[kv_dtype]():
-            to_paired_order(dst, ckv_dim)
-            to_paired_order(dst.unsafe_offset(ckv_dim), kpe_dim)
+        if not dots:
+            var pe = q_pe.unsafe_offset(row * kpe_dim)
+            for c in range(kpe_dim // W):
+                dst.unsafe_offset(ckv_dim + c * W).unsafe_store(
+                    load_f32[q_dtype, W](pe, c * W) * pe_scale
+                )
+            comptime if paired[kv_dtype]():
+                to_paired_order(dst, ckv_dim)
+                to_paired_order(dst.unsafe_offset(ckv_dim), kpe_dim)
         st.m[unsafe_offset=r] = neg_inf[F32]()
         st.l[unsafe_offset=r] = 0
         st.row_pos[unsafe_offset=r] = Float32(
@@ -222,28 +239,32 @@ def mla_task[
     var end = work.kv_end(item)
     while tok < end:
         var n = mla_chunk_rows(pages, b, tok, end, st.ckv_rows, st.kpe_rows)
-        transpose_keys[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.kt)
-        transpose_keys[kv_dtype](
-            kpe_dim,
-            pages.kpe,
-            st.kpe_rows,
-            n,
-            st.kt.unsafe_offset(ckv_dim * CHUNK),
-        )
-        for p in range(key_columns(n) // (2 * W)):
-            product_rows[accumulate=False](
-                count,
-                qk_dim,
-                st.q,
-                qk_dim,
-                st.kt.unsafe_offset(p * 2 * W),
-                CHUNK,
-                st.scores.unsafe_offset(p * 2 * W),
-                CHUNK,
-                quiet,
-                fetched,
-                0,
+        comptime if score_dots[q_dtype, kv_dtype]():
+            if dots:
+                score_chunk_dots(pages, st, count, n, nope_scale)
+        if not dots:
+            transpose_keys[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.kt)
+            transpose_keys[kv_dtype](
+                kpe_dim,
+                pages.kpe,
+                st.kpe_rows,
+                n,
+                st.kt.unsafe_offset(ckv_dim * CHUNK),
             )
+            for p in range(key_columns(n) // (2 * W)):
+                product_rows[accumulate=False](
+                    count,
+                    qk_dim,
+                    st.q,
+                    qk_dim,
+                    st.kt.unsafe_offset(p * 2 * W),
+                    CHUNK,
+                    st.scores.unsafe_offset(p * 2 * W),
+                    CHUNK,
+                    quiet,
+                    fetched,
+                    0,
+                )
         softmax_block(ckv_dim, params, no_mask, st, count, n, tok)
         widen_values[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.vw)
         for s in range(ckv_dim // (2 * W)):
@@ -297,6 +318,62 @@ def mla_task[
                     )
                 )
             lse[unsafe_offset=first_row + r] = state_lse
+
+
+def score_dots[q_dtype: DType, kv_dtype: DType]() -> Bool:
+    """Whether the task may score in AVX512_BF16 dot products: bfloat16 q and
+    latent on a target that has them."""
+    return DOT_BF16 and q_dtype == DType.bfloat16 and kv_dtype == DType.bfloat16
+
+
+def score_chunk_dots[
+    kv_dtype: DType
+](
+    pages: MLAPages[kv_dtype],
+    st: MLATaskState,
+    count: Int,
+    n: Int,
+    scale: Float32,
+):
+    """Scores of the chunk's n keys for the task's count rows, from raw
+    bfloat16 q rows (st.q, two to a float32 slot) and K^T in pairs, times
+    scale (base 2)."""
+    var ckv_dim = pages.ckv_dim
+    var pairs = (ckv_dim + pages.kpe_dim) // 2
+    var bf16_pages = rebind[MLAPages[DType.bfloat16]](pages)
+    transpose_key_pairs(ckv_dim, bf16_pages.ckv, st.ckv_rows, n, st.kt)
+    transpose_key_pairs(
+        pages.kpe_dim,
+        bf16_pages.kpe,
+        st.kpe_rows,
+        n,
+        st.kt.unsafe_offset(ckv_dim // 2 * CHUNK),
+    )
+    var quiet = BlockPrefetch[kv_dtype](
+        pages.ckv, st.ckv_rows, 0, 0, 1, ckv_dim, ckv_dim, True
+    )
+    var fetched = 0
+    var columns = key_columns(n)
+    for p in range(columns // (2 * W)):
+        product_rows[accumulate=False, dots=True](
+            count,
+            pairs,
+            st.q,
+            pairs,
+            st.kt.unsafe_offset(p * 2 * W),
+            CHUNK,
+            st.scores.unsafe_offset(p * 2 * W),
+            CHUNK,
+            quiet,
+            fetched,
+            0,
+        )
+    for r in range(count):
+        var row = st.scores.unsafe_offset(r * CHUNK)
+        for j in range(0, columns, W):
+            row.unsafe_offset(j).unsafe_store(
+                row.unsafe_offset(j).unsafe_load[width=W]() * scale
+            )
 
 
 @always_inline

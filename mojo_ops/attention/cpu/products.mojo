@@ -21,10 +21,10 @@ accumulators, the two right-hand vectors and a broadcast); with 32, 12 rows.
 """
 
 from std.bit import log2_floor
-from std.memory import stack_allocation
+from std.memory import bitcast, stack_allocation
 
 from ...cache.paged_kv_cache import Ptr
-from ...simd.widen import BLOCK, F32, VECTOR_REGISTERS, W, load_block
+from ...simd.widen import BLOCK, F32, VECTOR_REGISTERS, W, dot_bf16, load_block
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
 
 comptime PRODUCT_ROWS = 12 if VECTOR_REGISTERS >= 32 else 6
@@ -39,7 +39,7 @@ products: fewer cannot repay the reshaping of K and V (docs/design.md,
 
 @always_inline
 def product_tile[
-    rows: Int, accumulate: Bool
+    rows: Int, accumulate: Bool, dots: Bool = False
 ](
     depth: Int,
     a: Ptr[F32],
@@ -51,7 +51,11 @@ def product_tile[
 ):
     """Computes c[i, :2W] = (c[i, :2W] if accumulate else 0) +
     sum_k a[i, k] * b[k, :2W] for i < rows, k < depth; element (i, k) of a
-    at a + i * a_stride + k, and so on."""
+    at a + i * a_stride + k, and so on.
+
+    With `dots` (AVX512_BF16), every float32 slot of a and b holds a pair of
+    bfloat16 values (`transpose_key_pairs`) and each step is one `dot_bf16`
+    of the pairs: depth counts pairs, half the FMAs of widened values."""
     var acc = stack_allocation[2 * rows, SIMD[F32, W]]()
     comptime for i in range(rows):
         comptime for h in range(2):
@@ -69,10 +73,22 @@ def product_tile[
         var b1 = right.unsafe_offset(W).unsafe_load[width=W]()
         comptime for i in range(rows):
             var x = SIMD[F32, W](a[unsafe_offset=i * a_stride + k])
-            acc[unsafe_offset=2 * i] = x.fma(b0, acc[unsafe_offset=2 * i])
-            acc[unsafe_offset=2 * i + 1] = x.fma(
-                b1, acc[unsafe_offset=2 * i + 1]
-            )
+            comptime if dots:
+                comptime BF = DType.bfloat16
+                var pairs = bitcast[BF, 2 * W](x)
+                acc[unsafe_offset=2 * i] = dot_bf16(
+                    acc[unsafe_offset=2 * i], pairs, bitcast[BF, 2 * W](b0)
+                )
+                acc[unsafe_offset=2 * i + 1] = dot_bf16(
+                    acc[unsafe_offset=2 * i + 1],
+                    pairs,
+                    bitcast[BF, 2 * W](b1),
+                )
+            else:
+                acc[unsafe_offset=2 * i] = x.fma(b0, acc[unsafe_offset=2 * i])
+                acc[unsafe_offset=2 * i + 1] = x.fma(
+                    b1, acc[unsafe_offset=2 * i + 1]
+                )
         k += 1
     comptime for i in range(rows):
         comptime for h in range(2):
@@ -83,7 +99,7 @@ def product_tile[
 
 @always_inline
 def product_rows[
-    accumulate: Bool
+    accumulate: Bool, dots: Bool = False
 ](
     count: Int,
     depth: Int,
@@ -97,7 +113,7 @@ def product_rows[
     mut fetched: Int,
     fetch_per_tile: Int,
 ):
-    """`product_tile` over rows 0..count of a and c, PRODUCT_ROWS at a time
+    """`product_tile` (with `dots`) over rows 0..count of a and c, PRODUCT_ROWS at a time
     and the rest in tiles of 8, 4, 2 and 1 rows. Before each tile it asks
     for the next fetch_per_tile rows of the prefetcher's block, from
     `fetched` on, so that the next reads arrive spread over the products."""
@@ -108,7 +124,7 @@ def product_rows[
             prefetcher.fetch(fetched)
             fetched += 1
         if left >= PRODUCT_ROWS:
-            product_tile[PRODUCT_ROWS, accumulate](
+            product_tile[PRODUCT_ROWS, accumulate, dots](
                 depth,
                 a.unsafe_offset(r * a_stride),
                 a_stride,
@@ -124,7 +140,7 @@ def product_rows[
             comptime rows = 8 >> i
             comptime if rows < PRODUCT_ROWS:
                 if not taken and left >= rows:
-                    product_tile[rows, accumulate](
+                    product_tile[rows, accumulate, dots](
                         depth,
                         a.unsafe_offset(r * a_stride),
                         a_stride,
@@ -209,6 +225,41 @@ def transpose_keys[
         j0 += W
 
 
+def transpose_key_pairs(
+    dim: Int,
+    k: Ptr[DType.bfloat16],
+    rows: RowOffsets,
+    n: Int,
+    kt: Ptr[F32],
+):
+    """K^T of a bfloat16 chunk in pairs, for `product_tile[dots=True]`: the
+    float32 slot kt[p * CHUNK + j] holds elements 2p and 2p + 1 of key row j
+    (at k + rows[j]) as they lie in memory, for j < n, and 0 for the rest of
+    `key_columns(n)`; dim a multiple of 2W. No widening: W x W squares of
+    32-bit words go through registers."""
+    var square = stack_allocation[W, SIMD[F32, W]]()
+    var j0 = 0
+    while j0 < key_columns(n):
+        var c = 0
+        while c < dim:
+            comptime for t in range(W):
+                var words = SIMD[F32, W](0)
+                if j0 + t < n:
+                    words = bitcast[F32, W](
+                        k.unsafe_offset(
+                            Int(rows[unsafe_offset=j0 + t]) + c
+                        ).unsafe_load[width=2 * W]()
+                    )
+                square[unsafe_offset=t] = words
+            transpose_square(square)
+            comptime for e in range(W):
+                kt.unsafe_offset((c // 2 + e) * CHUNK + j0).unsafe_store(
+                    square[unsafe_offset=e]
+                )
+            c += 2 * W
+        j0 += W
+
+
 def widen_values[
     kv_dtype: DType
 ](head_dim: Int, v: Ptr[kv_dtype], rows: RowOffsets, n: Int, vw: Ptr[F32]):
@@ -225,7 +276,7 @@ def widen_values[
 
 
 def score_chunk[
-    kv_dtype: DType
+    kv_dtype: DType, dots: Bool = False
 ](
     head_dim: Int,
     q: Ptr[F32],
@@ -241,15 +292,23 @@ def score_chunk[
     count of one KV head (q [count, head_dim], in the order `load_block`
     widens K) and keys j < n; scores of keys from n to `key_columns(n)` are
     0. kt: scratch of head_dim x CHUNK. Meanwhile asks for the prefetcher's
-    block."""
-    transpose_keys[kv_dtype](head_dim, k, rows, n, kt)
+    block. With `dots` (bfloat16 K, see `raw_bf16_q`) q rows hold the raw
+    bfloat16 query, two to a float32 slot (row stride still head_dim
+    slots), and the products are `dot_bf16`s of pairs."""
+    comptime if dots:
+        transpose_key_pairs(
+            head_dim, rebind[Ptr[DType.bfloat16]](k), rows, n, kt
+        )
+    else:
+        transpose_keys[kv_dtype](head_dim, k, rows, n, kt)
+    var depth = head_dim // 2 if dots else head_dim
     var passes = key_columns(n) // (2 * W)
     var per_tile = fetches_per_tile(prefetcher, passes, count)
     var fetched = 0
     for p in range(passes):
-        product_rows[accumulate=False](
+        product_rows[accumulate=False, dots=dots](
             count,
-            head_dim,
+            depth,
             q,
             head_dim,
             kt.unsafe_offset(p * 2 * W),

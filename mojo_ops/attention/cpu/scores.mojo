@@ -218,8 +218,9 @@ def raw_bf16_q[q_dtype: DType, kv_dtype: DType]() -> Bool:
     """Whether decode scores bfloat16 q against bfloat16 K in `dot_bf16`s
     (AVX512_BF16): q kept as it came, unscaled, so that every product is
     exact as with widened K, and the scale applied to the chunk's scores
-    instead (`scale_scores`). Tasks of rotated keys or of products keep
-    float32 q rows."""
+    instead (`scale_scores`); prefill's products take the same rows in
+    pairs (`score_chunk[dots=True]`). Tasks of rotated keys keep float32 q
+    rows."""
     return DOT_BF16 and q_dtype == DType.bfloat16 and kv_dtype == DType.bfloat16
 
 

@@ -113,7 +113,7 @@ def attention_task[
     # Many rows of one KV head (prefill) take the chunk as matrix products.
     var products = h1 - h0 == 1 and head_rows >= PRODUCT_MIN_ROWS
     comptime raw_q = raw_bf16_q[q_dtype, kv_dtype]()
-    var keep_raw_q = raw_q and not rope and not products
+    var keep_raw_q = raw_q and not rope
     if rope:
         for i in range(head_dim // 2):
             st.inv_freq[unsafe_offset=i] = rope_inv_freq(params, i, head_dim)
@@ -179,7 +179,8 @@ def attention_task[
                 first_v,
             )
         elif products:
-            score_chunk(
+            # Without rotation, keep_raw_q is raw_q: dot products of pairs.
+            score_chunk[dots=raw_q](
                 head_dim,
                 st.q,
                 head_rows,
