@@ -12,11 +12,11 @@ per row.
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
-from std.memory import stack_allocation
+from std.memory import bitcast, stack_allocation
 
 from ..cache.paged_kv_cache import Ptr
 from ..cache.tensor_access import ptr_of
-from ..simd.widen import F32, VECTOR_REGISTERS, W, load_f32
+from ..simd.widen import DOT_BF16, F32, VECTOR_REGISTERS, W, dot_bf16, load_f32
 from ..work_queue import parallel_dynamic
 
 comptime LINEAR_PANEL = 64
@@ -46,6 +46,36 @@ def tile[
     comptime for i in range(rows * NV):
         acc[unsafe_offset=i] = 0
     var k = 0
+    comptime if DOT_BF16 and dtype == DType.bfloat16:
+        # Two k at a time in AVX512_BF16 dot products: panel rows k and k + 1
+        # interleaved into pairs, x's pair broadcast as one 32-bit word. Each
+        # product is exact in float32, as with widening.
+        comptime BF = DType.bfloat16
+        var pairs = stack_allocation[NV, SIMD[BF, 2 * W]]()
+        while k + 1 < k_dim:
+            comptime for v in range(NV):
+                var row = panel.unsafe_offset(k * LINEAR_PANEL + v * W)
+                pairs[unsafe_offset=v] = rebind[SIMD[BF, 2 * W]](
+                    rebind[SIMD[BF, W]](row.unsafe_load[width=W]()).interleave(
+                        rebind[SIMD[BF, W]](
+                            row.unsafe_offset(LINEAR_PANEL).unsafe_load[
+                                width=W
+                            ]()
+                        )
+                    )
+                )
+            comptime for r in range(rows):
+                var word = bitcast[F32, 1](
+                    x.unsafe_offset(r * k_dim + k).unsafe_load[width=2]()
+                )
+                var xr = bitcast[BF, 2 * W](SIMD[F32, W](word[0]))
+                comptime for v in range(NV):
+                    acc[unsafe_offset=r * NV + v] = dot_bf16(
+                        acc[unsafe_offset=r * NV + v],
+                        xr,
+                        pairs[unsafe_offset=v],
+                    )
+            k += 2
     while k < k_dim:
         comptime for v in range(NV):
             wk[unsafe_offset=v] = load_f32[dtype, W](
