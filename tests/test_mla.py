@@ -184,6 +184,39 @@ def test_decode_after_mla_append_with_out_and_natural_lse(rng):
         np.testing.assert_allclose(lse[b], want_lse, rtol=2e-5, atol=2e-5)
 
 
+def test_fixed_buffers_hold_the_table_run_reads(rng):
+    """use_cuda_graph=True: plan() writes the table into the caller's
+    buffers and run() reads the pages from them alone; a kv_indptr longer
+    than B + 1 (FlashInfer reads its front) plans as its front."""
+    batch = MLABatch(rng, [1] * 3, [20, 33, 5], 8, 16, "float32", "float32")
+    qo, kv_indptr, kv_indices, kv_lens = batch.table()
+    buffers = {
+        "qo_indptr": np.zeros(4, np.int32),
+        "kv_indptr": np.zeros(4, np.int32),
+        "kv_indices": np.full(64, -1, np.int32),
+        "kv_len_arr": np.zeros(3, np.int32),
+    }
+    w = pagedkv.BatchMLAPagedAttentionWrapper(
+        np.empty(1 << 22, np.uint8), use_cuda_graph=True, **buffers
+    )
+    longer = np.concatenate([kv_indptr, [kv_indptr[-1]] * 2]).astype(np.int32)
+    w.plan(qo, longer, kv_indices, kv_lens, 8, CKV, KPE, 16, False, SM_SCALE, "float32", "float32")
+    np.testing.assert_array_equal(buffers["kv_indptr"], kv_indptr)
+    np.testing.assert_array_equal(buffers["kv_indices"][: len(kv_indices)], kv_indices)
+    np.testing.assert_array_equal(buffers["kv_len_arr"], kv_lens)
+    o = w.run(batch.q_nope, batch.q_pe, batch.ckv, batch.kpe)
+    np.testing.assert_allclose(o, batch.reference(causal=False)[0], rtol=2e-5, atol=2e-5)
+    # Request 0's pages, swapped in the buffer alone, move its output.
+    first, second = buffers["kv_indices"][0], buffers["kv_indices"][1]
+    buffers["kv_indices"][0], buffers["kv_indices"][1] = second, first
+    batch.kv_indices[0], batch.kv_indices[1] = second, first
+    o = w.run(batch.q_nope, batch.q_pe, batch.ckv, batch.kpe)
+    np.testing.assert_allclose(o, batch.reference(causal=False)[0], rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="fixed by the buffers"):
+        w.plan(qo[:3], kv_indptr[:3], kv_indices, kv_lens[:2], 8, CKV, KPE, 16, False,
+               SM_SCALE, "float32", "float32")  # fmt: skip
+
+
 PAGE, GRAPH_HEADS = 16, 16
 
 

@@ -2,7 +2,8 @@
 tools/run_flashinfer_tests.py; not a test of this repository).
 
 It maps ``import flashinfer`` to pagedkv, answers the CUDA device queries the
-tests make with FlashInfer's FA2 capability, keeps a covering sample of each
+tests make (FlashInfer's FA2 capability, the host's memory, synchronize as a
+no-op), keeps a covering sample of each
 test function's parameter grid, bounds each test's time, and writes every
 outcome to $PAGEDKV_FI_RESULTS as JSON lines.
 """
@@ -20,6 +21,20 @@ import pagedkv.flashinfer_compat as compat
 compat.install()
 # The tests gate on the GPU generation; the CPU stands in for an sm_80 GPU.
 torch.cuda.get_device_capability = lambda *args, **kwargs: compat.utils.FA2_CAPABILITY
+
+
+class _StandInProperties:
+    """What the tests' helpers read of a device (clear_cuda_cache)."""
+
+    name = "CPU stand-in"
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    multi_processor_count = os.cpu_count() or 1
+
+
+# Memory and ordering queries, answered for the CPU, where work is synchronous.
+torch.cuda.get_device_properties = lambda *args, **kwargs: _StandInProperties()
+torch.cuda.memory_reserved = lambda *args, **kwargs: 0
+torch.cuda.synchronize = lambda *args, **kwargs: None
 
 SEED = int(os.environ.get("PAGEDKV_FI_SEED", "0"))
 TIMEOUT_S = int(os.environ.get("PAGEDKV_FI_TIMEOUT", "120"))

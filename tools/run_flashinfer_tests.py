@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,11 @@ window and ALiBi (tests/attention/ at PINNED_COMMIT)."""
 DEVICE = re.compile(r"""(["'])cuda(:0)?\1""")
 DEVICE_INDEX = re.compile(r"\.to\(0\)")
 NEEDS_CUDA = re.compile(r"not compiled with CUDA|CUDA graph|torch\.cuda|cudaStream|CUDA driver")
+TOO_LARGE = re.compile(r"can't allocate memory")
+"""A test whose own reference outgrows the host (the tests are sized for a
+GPU's memory): the memory cap below turns the OOM killer into this error."""
+HOST_MEMORY_SHARE = 0.75
+"""The share of the host's memory the pytest process may map."""
 
 
 def git(repo: Path, *args: str) -> bytes:
@@ -108,6 +114,8 @@ def summarize(results: list[dict]) -> dict:
         path = r["nodeid"].split("::")[0]
         if r["outcome"] == "failed" and NEEDS_CUDA.search(r["message"]):
             outcome = "needs_cuda"
+        elif r["outcome"] == "failed" and TOO_LARGE.search(r["message"]):
+            outcome = "too_large"
         else:
             outcome = r["outcome"]
         per_file[path][outcome] += 1
@@ -121,6 +129,13 @@ def summarize(results: list[dict]) -> dict:
         "pass_rate": total["passed"] / counted if counted else 0.0,
         "failure_classes": classes.most_common(),
     }
+
+
+def cap_memory() -> None:
+    """Caps the address space of the pytest process (run in the child)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = int(HOST_MEMORY_SHARE * physical)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def main() -> None:
@@ -153,7 +168,7 @@ def main() -> None:
     command += ["-o", "addopts=", "--tb=no", "-rN", *targets]
     if args.k:
         command += ["-k", args.k]
-    subprocess.run(command, cwd=work, env=env, check=False)
+    subprocess.run(command, cwd=work, env=env, check=False, preexec_fn=cap_memory)
     results_path.touch()
     results = [json.loads(line) for line in results_path.read_text().splitlines()]
     summary = summarize(results)
@@ -161,7 +176,8 @@ def main() -> None:
     t = summary["total"]
     print(
         f"passed {t.get('passed', 0)}, failed {t.get('failed', 0)}, "
-        f"needs CUDA {t.get('needs_cuda', 0)}, skipped {t.get('skipped', 0)}: "
+        f"needs CUDA {t.get('needs_cuda', 0)}, too large for the host "
+        f"{t.get('too_large', 0)}, skipped {t.get('skipped', 0)}: "
         f"pass rate {summary['pass_rate']:.1%} of the cases that do not need CUDA"
     )
     for message, count in summary["failure_classes"]:

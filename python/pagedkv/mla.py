@@ -34,7 +34,6 @@ from ._checks import (
     check_int,
     check_output,
     host_index_copy,
-    reject_cuda_graph,
 )
 from ._kernels import Operand, OpSpec, compiled_op, run_model
 from ._op_contract import (
@@ -69,6 +68,7 @@ from ._tensors import (
     storage_view,
     to_buffer,
 )
+from .fixed_buffers import FixedIndexBuffers
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]
 
@@ -211,9 +211,13 @@ class BatchMLAPagedAttentionWrapper:
         Scratch for the split-K partial states (any dtype; used when large
         enough, else plan() allocates). Its device is where run() runs.
     use_cuda_graph : bool, optional
-        Not supported (False).
-    qo_indptr, kv_indptr, kv_indices, kv_len_arr : optional
-        FlashInfer's fixed buffers for CUDA graphs; unused.
+        With the four buffers below: each plan() writes its batch's index
+        arrays into them and run() reads the page table from them, so a
+        captured step replays with the last plan's table
+        (pagedkv.fixed_buffers). The batch size is fixed by the buffers.
+    qo_indptr, kv_indptr, kv_indices, kv_len_arr : int32 arrays, optional
+        FlashInfer's fixed buffers for use_cuda_graph (kv_indices a
+        capacity, the others [B + 1] or [B]).
     backend : {"auto", "fa2"}
         The one kernel of each device.
 
@@ -250,10 +254,22 @@ class BatchMLAPagedAttentionWrapper:
         backend: str = "auto",
     ) -> None:
         check_array("float_workspace_buffer", float_workspace_buffer)
-        reject_cuda_graph(use_cuda_graph, "BatchMLAPagedAttentionWrapper")
         check_backend(backend, MLA_BACKENDS)
         self._workspace = float_workspace_buffer
         self.device: Device = device_of(float_workspace_buffer)
+        self._fixed: FixedIndexBuffers | None = None
+        if use_cuda_graph:
+            self._fixed = FixedIndexBuffers(
+                {
+                    "qo_indptr": qo_indptr,
+                    "kv_indptr": kv_indptr,
+                    "kv_indices": kv_indices,
+                    "kv_len_arr": kv_len_arr,
+                },
+                exact=("qo_indptr", "kv_indptr", "kv_len_arr"),
+            )
+            if device_of(kv_indptr) != self.device:
+                raise ValueError("the fixed index buffers must be on the workspace's device")
         self._planned = False
 
     def plan(
@@ -279,8 +295,9 @@ class BatchMLAPagedAttentionWrapper:
         qo_indptr : int array, shape (B + 1,)
             Request b's queries are rows qo_indptr[b]:qo_indptr[b + 1] of
             q_nope and q_pe (0, 1, .., B for a decode).
-        kv_indptr : int array, shape (B + 1,)
-            Request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]].
+        kv_indptr : int array, shape (B + 1,) or longer
+            Request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]];
+            entries past B + 1 are not read (as in FlashInfer).
         kv_indices : int array
             Page ids into the caches.
         kv_len_arr : int array, shape (B,)
@@ -316,7 +333,14 @@ class BatchMLAPagedAttentionWrapper:
         kv_lens = _host_index("kv_len_arr", kv_len_arr)
         batch = len(kv_lens)
         qo = _host_index("qo_indptr", qo_indptr, batch + 1)
-        kv_ptr = _host_index("kv_indptr", kv_indptr, batch + 1)
+        # As in FlashInfer, kv_indptr's first B + 1 entries are the table.
+        kv_ptr = _host_index("kv_indptr", kv_indptr)
+        if len(kv_ptr) < batch + 1:
+            raise ValueError(
+                f"kv_indptr must have at least {batch + 1} entries (kv_len_arr has {batch}),"
+                f" got {len(kv_ptr)}"
+            )
+        kv_ptr = kv_ptr[: batch + 1]
         indices = _host_index("kv_indices", kv_indices)
         for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_ptr)):
             if ptr[0] != 0 or (np.diff(ptr) < 0).any():
@@ -351,9 +375,14 @@ class BatchMLAPagedAttentionWrapper:
 
         # Prefill items write final rows only: a one-row placeholder.
         states = max(len(items), 1) if kv_split else 1
+        if self._fixed is not None:
+            # The page table lives in the caller's buffers, which run() reads.
+            _, fixed_indptr, fixed_indices, _ = self._fixed.write_all(qo, kv_ptr, indices, kv_lens)
+            table = {"kv_indices": to_buffer(fixed_indices), "kv_indptr": to_buffer(fixed_indptr)}
+        else:
+            table = {"kv_indices": resident(indices), "kv_indptr": resident(kv_ptr)}
         self._buffers = {
-            "kv_indices": resident(indices),
-            "kv_indptr": resident(kv_ptr),
+            **table,
             "work_items": resident(items),
             "request_items": resident(request_items),
             "partial_o": to_buffer(

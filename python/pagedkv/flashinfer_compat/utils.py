@@ -56,6 +56,10 @@ def is_sm100a_supported(device: Any) -> bool:
     return _is_arch(device, 10)
 
 
+def is_sm110a_supported(device: Any) -> bool:
+    return _is_arch(device, 11)
+
+
 def is_sm120a_supported(device: Any) -> bool:
     return _is_arch(device, 12)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._missing import no_op
+from .._missing import no_op
 
 build_jit_specs = no_op
 

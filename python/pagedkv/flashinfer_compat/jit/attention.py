@@ -1,0 +1,26 @@
+"""``flashinfer.jit.attention``: FlashInfer's attention module generators.
+
+Each returns a `JitSpec` that `build_jit_specs` accepts and ignores: pagedkv
+compiles the MAX op a call needs the first time it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import JitSpec
+
+
+def _generator(name: str) -> Any:
+    def generate(*args: Any, **kwargs: Any) -> JitSpec:
+        return JitSpec(name=name)
+
+    generate.__name__ = generate.__qualname__ = name
+    return generate
+
+
+gen_single_decode_module = _generator("gen_single_decode_module")
+gen_single_prefill_module = _generator("gen_single_prefill_module")
+gen_batch_decode_module = _generator("gen_batch_decode_module")
+gen_batch_prefill_module = _generator("gen_batch_prefill_module")
+gen_batch_mla_module = _generator("gen_batch_mla_module")
