@@ -25,12 +25,12 @@ from std.utils.numerics import nan, neg_inf
 
 from ..attention.cpu.key_chunks import CHUNK, BlockPrefetch, RowOffsets
 from ..attention.cpu.products import (
-    key_columns,
     product_rows,
-    transpose_key_pairs,
-    transpose_keys,
+    score_transposed,
+    transpose_chunk,
     widen_values,
 )
+from ..attention.cpu.scores import scale_scores
 from ..attention.cpu.softmax import softmax_tile
 from ..attention.custom_mask import CustomMask
 from ..attention.params import POS_NONE, AttentionParams
@@ -239,32 +239,12 @@ def mla_task[
     var end = work.kv_end(item)
     while tok < end:
         var n = mla_chunk_rows(pages, b, tok, end, st.ckv_rows, st.kpe_rows)
-        comptime if score_dots[q_dtype, kv_dtype]():
-            if dots:
-                score_chunk_dots(pages, st, count, n, nope_scale)
-        if not dots:
-            transpose_keys[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.kt)
-            transpose_keys[kv_dtype](
-                kpe_dim,
-                pages.kpe,
-                st.kpe_rows,
-                n,
-                st.kt.unsafe_offset(ckv_dim * CHUNK),
-            )
-            for p in range(key_columns(n) // (2 * W)):
-                product_rows[accumulate=False](
-                    count,
-                    qk_dim,
-                    st.q,
-                    qk_dim,
-                    st.kt.unsafe_offset(p * 2 * W),
-                    CHUNK,
-                    st.scores.unsafe_offset(p * 2 * W),
-                    CHUNK,
-                    quiet,
-                    fetched,
-                    0,
-                )
+        if dots:
+            comptime if score_dots[q_dtype, kv_dtype]():
+                score_latent[kv_dtype, True](pages, st, count, n, quiet)
+                scale_scores(st.scores, count, nope_scale)
+        else:
+            score_latent[kv_dtype, False](pages, st, count, n, quiet)
         softmax_block(ckv_dim, params, no_mask, st, count, n, tok)
         widen_values[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.vw)
         for s in range(ckv_dim // (2 * W)):
@@ -326,54 +306,30 @@ def score_dots[q_dtype: DType, kv_dtype: DType]() -> Bool:
     return DOT_BF16 and q_dtype == DType.bfloat16 and kv_dtype == DType.bfloat16
 
 
-def score_chunk_dots[
-    kv_dtype: DType
+@always_inline
+def score_latent[
+    kv_dtype: DType, dots: Bool
 ](
     pages: MLAPages[kv_dtype],
     st: MLATaskState,
     count: Int,
     n: Int,
-    scale: Float32,
+    quiet: BlockPrefetch,
 ):
-    """Scores of the chunk's n keys for the task's count rows, from raw
-    bfloat16 q rows (st.q, two to a float32 slot) and K^T in pairs, times
-    scale (base 2)."""
+    """Scores of the chunk's n keys (ckv then kpe, one K^T) for the task's
+    count rows: widened, from scaled float32 q rows, or with dots from raw
+    bfloat16 q rows (two to a slot) and K^T in pairs, unscaled."""
     var ckv_dim = pages.ckv_dim
-    var pairs = (ckv_dim + pages.kpe_dim) // 2
-    var bf16_pages = rebind[MLAPages[DType.bfloat16]](pages)
-    transpose_key_pairs(ckv_dim, bf16_pages.ckv, st.ckv_rows, n, st.kt)
-    transpose_key_pairs(
-        pages.kpe_dim,
-        bf16_pages.kpe,
-        st.kpe_rows,
-        n,
-        st.kt.unsafe_offset(ckv_dim // 2 * CHUNK),
+    var qk_dim = ckv_dim + pages.kpe_dim
+    var slots = qk_dim // 2 if dots else qk_dim
+    var kpe_at = (ckv_dim // 2 if dots else ckv_dim) * CHUNK
+    transpose_chunk[kv_dtype, dots](ckv_dim, pages.ckv, st.ckv_rows, n, st.kt)
+    transpose_chunk[kv_dtype, dots](
+        pages.kpe_dim, pages.kpe, st.kpe_rows, n, st.kt.unsafe_offset(kpe_at)
     )
-    var quiet = BlockPrefetch[kv_dtype](
-        pages.ckv, st.ckv_rows, 0, 0, 1, ckv_dim, ckv_dim, True
+    score_transposed[dots](
+        qk_dim, st.q, slots, count, st.kt, n, st.scores, quiet
     )
-    var fetched = 0
-    var columns = key_columns(n)
-    for p in range(columns // (2 * W)):
-        product_rows[accumulate=False, dots=True](
-            count,
-            pairs,
-            st.q,
-            pairs,
-            st.kt.unsafe_offset(p * 2 * W),
-            CHUNK,
-            st.scores.unsafe_offset(p * 2 * W),
-            CHUNK,
-            quiet,
-            fetched,
-            0,
-        )
-    for r in range(count):
-        var row = st.scores.unsafe_offset(r * CHUNK)
-        for j in range(0, columns, W):
-            row.unsafe_offset(j).unsafe_store(
-                row.unsafe_offset(j).unsafe_load[width=W]() * scale
-            )
 
 
 @always_inline

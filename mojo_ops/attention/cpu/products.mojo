@@ -275,6 +275,55 @@ def widen_values[
             c += BLOCK
 
 
+def transpose_chunk[
+    kv_dtype: DType, dots: Bool
+](dim: Int, k: Ptr[kv_dtype], rows: RowOffsets, n: Int, kt: Ptr[F32]):
+    """K^T of a chunk as `score_transposed[dots]` reads it: widened to
+    float32 (`transpose_keys`, dim x CHUNK slots) or, with dots (bfloat16
+    K), in pairs (`transpose_key_pairs`, dim / 2 x CHUNK)."""
+    comptime if dots:
+        transpose_key_pairs(dim, rebind[Ptr[DType.bfloat16]](k), rows, n, kt)
+    else:
+        transpose_keys[kv_dtype](dim, k, rows, n, kt)
+
+
+def score_transposed[
+    dots: Bool
+](
+    dim: Int,
+    q: Ptr[F32],
+    q_stride: Int,
+    count: Int,
+    kt: Ptr[F32],
+    n: Int,
+    scores: Ptr[F32],
+    prefetcher: BlockPrefetch,
+):
+    """Computes scores[r * CHUNK + j] = q[r] . key j for the rows r < count
+    (q rows q_stride slots apart, dim elements each) and the keys of K^T kt
+    (`transpose_chunk[dots]`), up to `key_columns(n)`. With dots q rows hold
+    raw bfloat16, two to a slot, and the products are `dot_bf16`s of pairs.
+    Meanwhile asks for the prefetcher's block."""
+    var depth = dim // 2 if dots else dim
+    var passes = key_columns(n) // (2 * W)
+    var per_tile = fetches_per_tile(prefetcher, passes, count)
+    var fetched = 0
+    for p in range(passes):
+        product_rows[accumulate=False, dots=dots](
+            count,
+            depth,
+            q,
+            q_stride,
+            kt.unsafe_offset(p * 2 * W),
+            CHUNK,
+            scores.unsafe_offset(p * 2 * W),
+            CHUNK,
+            prefetcher,
+            fetched,
+            per_tile,
+        )
+
+
 def score_chunk[
     kv_dtype: DType, dots: Bool = False
 ](
@@ -294,31 +343,11 @@ def score_chunk[
     0. kt: scratch of head_dim x CHUNK. Meanwhile asks for the prefetcher's
     block. With `dots` (bfloat16 K, see `raw_bf16_q`) q rows hold the raw
     bfloat16 query, two to a float32 slot (row stride still head_dim
-    slots), and the products are `dot_bf16`s of pairs."""
-    comptime if dots:
-        transpose_key_pairs(
-            head_dim, rebind[Ptr[DType.bfloat16]](k), rows, n, kt
-        )
-    else:
-        transpose_keys[kv_dtype](head_dim, k, rows, n, kt)
-    var depth = head_dim // 2 if dots else head_dim
-    var passes = key_columns(n) // (2 * W)
-    var per_tile = fetches_per_tile(prefetcher, passes, count)
-    var fetched = 0
-    for p in range(passes):
-        product_rows[accumulate=False, dots=dots](
-            count,
-            depth,
-            q,
-            head_dim,
-            kt.unsafe_offset(p * 2 * W),
-            CHUNK,
-            scores.unsafe_offset(p * 2 * W),
-            CHUNK,
-            prefetcher,
-            fetched,
-            per_tile,
-        )
+    slots)."""
+    transpose_chunk[kv_dtype, dots](head_dim, k, rows, n, kt)
+    score_transposed[dots](
+        head_dim, q, head_dim, count, kt, n, scores, prefetcher
+    )
 
 
 def accumulate_chunk[
