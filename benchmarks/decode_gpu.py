@@ -1,8 +1,9 @@
-"""Decode and append on an NVIDIA GPU beside FlashInfer and MAX's built-in
-decode, in one run: µs, TB/s, share of peak and of a measured copy, ratios.
-The same as `pagedkv bench --device gpu`.
+"""Decode, MLA decode and append on an NVIDIA GPU beside FlashInfer and MAX's
+built-in decode, in one run: µs, TB/s, share of peak and of a measured copy,
+ratios, pagedkv's host time per run(). `pagedkv bench --device gpu` runs all
+three parts.
 
-    python benchmarks/decode_gpu.py [--reps 50]
+    python benchmarks/decode_gpu.py [--reps 50] [--parts decode,mla,append]
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pagedkv.bench.gpu_bench import run_gpu_bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--parts", default="decode,mla,append")
     args = parser.parse_args()
-    raise SystemExit(run_gpu_bench(reps=args.reps))
+    raise SystemExit(run_gpu_bench(reps=args.reps, parts=tuple(args.parts.split(","))))
 
 
 if __name__ == "__main__":

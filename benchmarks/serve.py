@@ -2,6 +2,7 @@
 (see pagedkv/bench/serve_bench.py for what each row does).
 
     python benchmarks/serve.py [--dtypes float32,bfloat16] [--one-at-a-time N]
+    python benchmarks/serve.py --device gpu --requests 1,64
 
 Needs transformers and accelerate (`pip install -e ".[test]"`).
 """
@@ -21,5 +22,10 @@ if __name__ == "__main__":
         default=8,
         help="prompts transformers serves one at a time (its tokens/s; default 8)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    parser.add_argument(
+        "--requests", default="32", help="request counts served at once, comma-separated"
+    )
     args = parser.parse_args()
-    main(args.dtypes.split(","), args.one_at_a_time)
+    counts = tuple(int(n) for n in args.requests.split(","))
+    main(args.dtypes.split(","), args.one_at_a_time, args.device, counts)

@@ -16,6 +16,10 @@ import suite_graphs  # noqa: E402
 
 TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
+MODEL_DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
+"""Where the real model's tests (test_smollm2, test_serve) load it: "cpu", or
+"gpu" to hold the GPU path to the same references (needs a CUDA GPU)."""
+
 
 def random_array(rng: np.random.Generator, shape, dtype: str, kind: str = "numpy"):
     """Normal values rounded to dtype, as a NumPy array or a torch tensor."""
@@ -38,8 +42,10 @@ def bits(x) -> np.ndarray:
 
 
 def to_numpy(x) -> np.ndarray:
+    """An array or a tensor (any device) as NumPy; floats as float32."""
     if isinstance(x, np.ndarray):
         return x
+    x = x.cpu()
     return x.float().numpy() if x.dtype.is_floating_point else x.numpy()
 
 
@@ -128,10 +134,14 @@ def compiled_ops(request):
     """Compiles every op the suite runs, and the graphs its tests build
     (suite_graphs.py), in one MAX module (one fixed cost).
 
-    Skipped when only the GPU tests run: they compile their own GPU module,
-    and minutes of CPU compiles would be wasted on a lent GPU machine.
+    Skipped when only GPU tests run (test_gpu.py, and the real model's tests
+    with PAGEDKV_TEST_DEVICE=gpu): they compile GPU modules of their own, and
+    minutes of CPU compiles would be wasted on a lent GPU machine.
     """
-    if all(item.path.name == "test_gpu.py" for item in request.session.items):
+    gpu_files = {"test_gpu.py"}
+    if MODEL_DEVICE == "gpu":
+        gpu_files |= {"test_smollm2.py", "test_serve.py"}
+    if all(item.path.name in gpu_files for item in request.session.items):
         return
     from max.dtype import DType
 

@@ -11,7 +11,7 @@ import pytest
 
 import pagedkv
 import reference
-from conftest import bits, like, random_array, to_device
+from conftest import bits, like, random_array, to_device, to_numpy
 
 # (dtype, kind, layout, pool form, page size, call form): a sampled grid that
 # covers each value of each axis while compiling only a few graphs.
@@ -114,20 +114,33 @@ def test_append_keyword_call_and_gather_roundtrip(rng):
 
 
 def test_gather_hnd_pair_matches_reference(rng):
+    check_gather(rng, "float32", "numpy", "HND", "pair")
+
+
+def check_gather(rng, dtype: str, kind: str, layout: str, form: str, device: str = "cpu"):
+    """gather_kv of a ragged batch (an empty request included) over shuffled
+    pages equals the reference's gather, bitwise (a copy), in `layout` and
+    pool `form` ("pool": one [pages, 2, ...] array; "pair": K and V apart)."""
     page_size, heads, head_dim = 5, 3, 8
     batch = reference.paged_batch(rng, page_size, [12, 3, 0, 5], [0, 0, 0, 0])
-    pool = random_array(rng, (batch.num_pages, 2, heads, page_size, head_dim), "float32")
-    k, v, seq_indptr = pagedkv.gather_kv(
-        (pool[:, 0].copy(), pool[:, 1].copy()),
-        batch.kv_indices,
-        batch.kv_indptr,
-        batch.kv_last_page_len,
-        kv_layout="HND",
+    inner = (heads, page_size) if layout == "HND" else (page_size, heads)
+    pool = random_array(rng, (batch.num_pages, 2, *inner, head_dim), dtype, kind)
+    pool = to_device(pool, device)
+    cache = pool
+    if form == "pair":
+        cache = tuple(
+            x.copy() if isinstance(x, np.ndarray) else x.contiguous()
+            for x in (pool[:, 0], pool[:, 1])
+        )
+    table = to_device((batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len), device)
+    k, v, seq_indptr = pagedkv.gather_kv(cache, *table, kv_layout=layout)
+    seq_indptr = to_numpy(seq_indptr)
+    refs = reference.gather(
+        bits(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout
     )
-    refs = reference.gather(pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "HND")
     for b, (rk, rv) in enumerate(refs):
-        np.testing.assert_array_equal(k[seq_indptr[b] : seq_indptr[b + 1]], rk)
-        np.testing.assert_array_equal(v[seq_indptr[b] : seq_indptr[b + 1]], rv)
+        np.testing.assert_array_equal(bits(k)[seq_indptr[b] : seq_indptr[b + 1]], rk)
+        np.testing.assert_array_equal(bits(v)[seq_indptr[b] : seq_indptr[b + 1]], rv)
 
 
 @pytest.mark.parametrize("dtype,kind", [("float32", "numpy"), ("bfloat16", "torch")])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pagedkv
+from conftest import as_f64, to_device, to_numpy
 from reference import attention
 
 HQ, HKV, D, PAGE = 8, 2, 64, 4
@@ -43,6 +44,12 @@ def table(page_lists, lengths):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_two_and_three_levels_equal_attention_over_the_whole_sequence(layout, causal):
+    check_levels(layout, causal)
+
+
+def check_levels(layout: str, causal: bool, device: str = "cpu") -> None:
+    """Two and three levels against attention over each whole sequence, with
+    every array on `device` ("cpu": NumPy; "cuda": torch)."""
     rng = np.random.default_rng(0)
     pool = pool_with(rng, 40, layout)
     # Level 0: one prefix of 9 tokens shared by all 3 requests; level 1: two
@@ -60,8 +67,9 @@ def test_two_and_three_levels_equal_attention_over_the_whole_sequence(layout, ca
     for num_levels in (2, 3):
         used = levels[:1] + levels[-1:] if num_levels == 2 else levels
         w = pagedkv.MultiLevelCascadeAttentionWrapper(num_levels, None, layout)
-        w.plan(*(list(t) for t in zip(*used, strict=True)), HQ, HKV, D, PAGE, causal=causal)
-        o = w.run(q, pool)
+        arrays = (list(to_device(t, device)) for t in zip(*used, strict=True))
+        w.plan(*arrays, HQ, HKV, D, PAGE, causal=causal)
+        o = as_f64(w.run(to_device(q, device), to_device(pool, device)))
         for r in range(3):
             pages = shared + (mid[r] if num_levels == 3 else []) + own[r]
             k, v = [], []
@@ -83,6 +91,12 @@ def test_two_and_three_levels_equal_attention_over_the_whole_sequence(layout, ca
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_shared_prefix_decode_and_prefill_equal_attention_over_prefix_and_own_keys(layout):
+    check_shared_prefix(layout)
+
+
+def check_shared_prefix(layout: str, device: str = "cpu") -> None:
+    """The shared-prefix decode and prefill wrappers against attention over
+    prefix and own keys, with every array on `device`."""
     rng = np.random.default_rng(1)
     pool = pool_with(rng, 12, layout)
     prefix = 11
@@ -93,12 +107,13 @@ def test_shared_prefix_decode_and_prefill_equal_attention_over_prefix_and_own_ke
     else:
         k_in, v_in = k_shared, v_shared
     own, own_lens = [[3, 1], [7], [0, 2, 5]], [5, 1, 12]
-    indptr, indices, last = table(own, own_lens)
+    indptr, indices, last = to_device(table(own, own_lens), device)
+    k_dev, v_dev, pool_dev = to_device((k_in, v_in, pool), device)
 
     decode = pagedkv.BatchDecodeWithSharedPrefixPagedKVCacheWrapper(None, layout)
     decode.begin_forward(indptr, indices, last, HQ, HKV, D, PAGE, data_type="float32")
     q = rng.standard_normal((3, HQ, D), dtype=np.float32)
-    o = decode.forward(q, k_in, v_in, pool)
+    o = as_f64(decode.forward(to_device(q, device), k_dev, v_dev, pool_dev))
     for r in range(3):
         k, v = tokens(pool, own[r], own_lens[r], layout)
         k, v = np.concatenate([k_shared, k]), np.concatenate([v_shared, v])
@@ -108,10 +123,10 @@ def test_shared_prefix_decode_and_prefill_equal_attention_over_prefix_and_own_ke
     qo_lens = [3, 1, 4]
     qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     prefill = pagedkv.BatchPrefillWithSharedPrefixPagedKVCacheWrapper(None, layout)
-    prefill.begin_forward(qo, indptr, indices, last, HQ, HKV, D, PAGE)
+    prefill.begin_forward(to_device(qo, device), indptr, indices, last, HQ, HKV, D, PAGE)
     q = rng.standard_normal((int(qo[-1]), HQ, D), dtype=np.float32)
     for causal in (False, True):
-        o = prefill.forward(q, k_in, v_in, pool, causal=causal)
+        o = as_f64(prefill.forward(to_device(q, device), k_dev, v_dev, pool_dev, causal=causal))
         for r in range(3):
             k, v = tokens(pool, own[r], own_lens[r], layout)
             k, v = np.concatenate([k_shared, k]), np.concatenate([v_shared, v])
@@ -122,26 +137,39 @@ def test_shared_prefix_decode_and_prefill_equal_attention_over_prefix_and_own_ke
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_masked_merge_changes_only_the_masked_rows(kind):
+    check_masked_merge(kind)
+
+
+def check_masked_merge(kind: str, device: str = "cpu") -> None:
+    """merge_state_in_place with a row mask: masked rows merged, bitwise as
+    merge_state on the same device (the same kernel on the same row), the
+    others untouched; kind "torch" puts the arrays on `device`."""
     rng = np.random.default_rng(2)
     v, v_other = rng.standard_normal((2, 6, 4, 64), dtype=np.float32)
     s, s_other = rng.standard_normal((2, 6, 4), dtype=np.float32)
     mask = np.array([True, False, False, True, True, False])
-    want_v, want_s = pagedkv.merge_state(v, s, v_other, s_other)
     if kind == "torch":
         import torch
 
-        arrays = [torch.from_numpy(x.copy()) for x in (v, s, v_other, s_other)]
-        mask_in = torch.from_numpy(mask)
+        def fresh():
+            return [torch.from_numpy(x.copy()).to(device) for x in (v, s, v_other, s_other)]
+
+        mask_in = torch.from_numpy(mask).to(device)
     else:
-        arrays = [x.copy() for x in (v, s, v_other, s_other)]
+
+        def fresh():
+            return [x.copy() for x in (v, s, v_other, s_other)]
+
         mask_in = mask
+    want_v, want_s = (to_numpy(x) for x in pagedkv.merge_state(*fresh()))
+    arrays = fresh()
     pagedkv.merge_state_in_place(*arrays, mask=mask_in)
-    got_v, got_s = (np.asarray(x) for x in arrays[:2])
+    got_v, got_s = (to_numpy(x) for x in arrays[:2])
     assert np.array_equal(got_v[~mask], v[~mask]) and np.array_equal(got_s[~mask], s[~mask])
     assert np.array_equal(got_v[mask], want_v[mask]) and np.array_equal(got_s[mask], want_s[mask])
-    none = [x.copy() for x in (v, s)]
-    pagedkv.merge_state_in_place(*none, v_other, s_other, mask=np.zeros(6, bool))
-    assert np.array_equal(none[0], v) and np.array_equal(none[1], s)
+    none = fresh()
+    pagedkv.merge_state_in_place(*none, mask=np.zeros(6, bool))
+    assert np.array_equal(to_numpy(none[0]), v) and np.array_equal(to_numpy(none[1]), s)
 
 
 def test_bad_cascade_input_raises_before_writing():

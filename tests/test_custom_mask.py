@@ -12,7 +12,7 @@ import torch
 
 import pagedkv
 import reference
-from conftest import PREFILL_CONFIGS, as_f64, cast
+from conftest import PREFILL_CONFIGS, as_f64, cast, to_device
 from pagedkv.custom_mask import custom_mask_rows, packbits, segment_packbits
 
 # (cached tokens, queries) per request: odd sizes, a masked row set, qo > kv.
@@ -30,6 +30,13 @@ def masks_for(rng, shape, density):
 @pytest.mark.parametrize("heads", [(8, 2, 64), (2, 2, 128)], ids=["products", "steps"])
 @pytest.mark.parametrize("window_left", [-1, 6])
 def test_custom_mask_matches_reference(config, form, heads, window_left):
+    check_custom_mask(config, form, heads, window_left)
+
+
+def check_custom_mask(config, form: str, heads, window_left: int, device: str = "cpu") -> None:
+    """A ragged masked prefill (a row that sees nothing, more queries than
+    keys) against the float64 reference with the same mask, every array on
+    `device` ("cpu": as made; "cuda": torch CUDA tensors)."""
     q_dtype, kv_dtype, layout = config
     rng = np.random.default_rng(len(form) + heads[0] + window_left)
     page_size = 4
@@ -42,17 +49,17 @@ def test_custom_mask_matches_reference(config, form, heads, window_left):
     masks = masks_for(rng, SHAPE, 0.6)
     flat = np.concatenate([m.reshape(-1) for m in masks])
     if form == "bool":
-        mask_args = dict(custom_mask=torch.from_numpy(flat))
+        mask_args = dict(custom_mask=to_device(torch.from_numpy(flat), device))
     else:
         sizes = np.array([m.size for m in masks])
         packed, _ = segment_packbits(flat, np.concatenate([[0], np.cumsum(sizes)]), "little")
-        mask_args = dict(packed_custom_mask=packed)
+        mask_args = dict(packed_custom_mask=to_device(packed, device))
     w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
     w.plan(
-        batch.append_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_page_len,
+        *to_device(
+            (batch.append_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len),
+            device,
+        ),
         hq,
         hkv,
         d,
@@ -63,7 +70,7 @@ def test_custom_mask_matches_reference(config, form, heads, window_left):
         kv_data_type=kv_dtype,
         **mask_args,
     )
-    o, lse = w.run(q, pool, return_lse=True)
+    o, lse = w.run(to_device(q, device), to_device(pool, device), return_lse=True)
     tol = 1e-5 if q_dtype == "float32" else 1e-2
     refs = reference.gather(
         as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout

@@ -450,6 +450,7 @@ def test_decode_backends_choose_gpu_kernels():
     from pagedkv._attention import (
         GPU_KERNEL_AUTO,
         GPU_KERNEL_GENERIC,
+        GPU_KERNEL_MMA,
         GPU_KERNEL_TMA,
         decode_kernel,
     )
@@ -463,14 +464,16 @@ def test_decode_backends_choose_gpu_kernels():
     assert kernel("fa2") == GPU_KERNEL_GENERIC
     assert kernel("tma") == GPU_KERNEL_TMA
     assert kernel("tma", page_size=None) == GPU_KERNEL_TMA  # a symbolic page size
-    for bad, why in [
-        ({"layout": "HND"}, "needs NHD"),
-        ({"page_size": 24}, "multiple of 16"),
-        ({"group": 16}, "at most 8"),
-        ({"pos": "ROPE_LLAMA"}, "RoPE"),
+    assert kernel("mma", group=16) == GPU_KERNEL_MMA
+    for backend, bad, why in [
+        ("tma", {"layout": "HND"}, "needs NHD"),
+        ("tma", {"page_size": 24}, "multiple of 16"),
+        ("tma", {"group": 16}, "at most 8"),
+        ("mma", {"group": 17}, "at most 16"),
+        ("mma", {"pos": "ROPE_LLAMA"}, "RoPE"),
     ]:
         with pytest.raises(ValueError, match=why):
-            kernel("tma", **bad)
+            kernel(backend, **bad)
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_manager import check_copy_on_write_of_torch_pools
+from test_cascade_attention import check_levels, check_masked_merge, check_shared_prefix
+from test_custom_mask import check_custom_mask
+from test_manager import check_copy_on_write_of_torch_pools, check_host_tier
 
 import pagedkv
 import reference
 from conftest import DECODE_CONFIGS, PREFILL_CONFIGS, as_f64, cast, to_device
 from test_append import CASES as APPEND_CASES
-from test_append import check_append_case, check_mla_append
+from test_append import check_append_case, check_gather, check_mla_append
 from test_decode import Case, check_decode_case, check_merges, sampled_grid
 from test_prefill import CASES as PREFILL_CASES
 from test_prefill import check_prefill_case
@@ -77,12 +79,26 @@ def tma_applies(case: Case) -> bool:
     )
 
 
-@pytest.mark.parametrize("backend", ["generic", "tma", "auto"])
+def mma_applies(case: Case) -> bool:
+    return (
+        case.layout == "NHD"
+        and case.page_size % 16 == 0
+        and case.group <= 16
+        and case.pos_mode != "ROPE_LLAMA"
+        and case.q_dtype == case.kv_dtype
+        and case.q_dtype in ("float16", "bfloat16")
+        and case.head_dim in (64, 128)
+    )
+
+
+@pytest.mark.parametrize("backend", ["generic", "tma", "mma", "auto"])
 @pytest.mark.parametrize("case", sampled_grid(), ids=str)
 def test_decode_on_gpu(case: Case, backend: str):
     """Each case with each kernel; "auto" picks the TMA one where it applies."""
     if backend == "tma" and not tma_applies(case):
         pytest.skip("the TMA kernel does not serve this case")
+    if backend == "mma" and not mma_applies(case):
+        pytest.skip("the tensor-core kernel does not serve this case")
     check_decode_case(case, device="cuda", backend=backend)
 
 
@@ -138,6 +154,78 @@ def test_tma_and_generic_kernels_agree(shape):
         np.testing.assert_allclose(outputs["tma"][0][b], want_o[0], rtol=tol, atol=tol)
 
 
+TENSOR_CORE_SHAPES = [
+    # (dtype, group, KV heads, head dim, page size, lengths, options)
+    ("bfloat16", 8, 2, 128, 16, [4100, 1, 17, 0, 63, 65], {}),
+    ("bfloat16", 4, 2, 128, 64, [3000, 64, 65, 1], {"window_left": 700}),
+    ("float16", 16, 1, 64, 16, [2049, 16, 33], {"logits_soft_cap": 30.0}),
+    ("bfloat16", 5, 2, 64, 32, [1500, 33, 2], {"pos_encoding_mode": "ALIBI"}),
+    ("bfloat16", 12, 2, 128, 16, [777, 5, 129], {}),
+    ("float16", 1, 4, 128, 16, [900, 31], {}),
+    ("bfloat16", 3, 3, 64, 16, [5000, 9], {"sm_scale": 0.05}),
+]
+
+
+@pytest.mark.parametrize(
+    "shape", TENSOR_CORE_SHAPES, ids=lambda s: f"{s[0]}-G{s[1]}-D{s[3]}-P{s[4]}"
+)
+def test_tensor_core_decode_matches_reference(shape):
+    """The tensor-core kernel ("mma") on long, split, ragged requests (an
+    empty one, partial first and last stages) over shuffled pages whose
+    unwritten slots and unused pages hold NaN: o and lse against the float64
+    reference and the generic kernel. A NaN that leaked through a masked
+    key's zero probability would poison the row."""
+    dtype, group, kv_heads, head_dim, page_size, lengths, options = shape
+    rng = np.random.default_rng(group * 100 + head_dim + page_size)
+    batch = reference.paged_batch(rng, page_size, lengths, [0] * len(lengths))
+    pool = rng.standard_normal((batch.num_pages, 2, page_size, kv_heads, head_dim), np.float32)
+    used = np.zeros((batch.num_pages, page_size), bool)
+    for b in range(len(lengths)):
+        pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
+        for i, page in enumerate(pages):
+            used[page, : batch.kv_last_page_len[b] if i == len(pages) - 1 else page_size] = True
+    pool[~used] = np.nan
+    pool = cast(pool, dtype)
+    q = cast(rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32), dtype)
+    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
+    outputs = {}
+    for backend in ("generic", "mma"):
+        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend=backend)
+        w.plan(*table, group * kv_heads, kv_heads, head_dim, page_size, **options)
+        o, lse = w.run(to_device(q, "cuda"), to_device(pool, "cuda"), return_lse=True)
+        outputs[backend] = as_f64(o), as_f64(lse)
+    tol = 1e-2
+    assert np.isfinite(outputs["mma"][0]).all()
+    np.testing.assert_allclose(outputs["mma"][0], outputs["generic"][0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(outputs["mma"][1], outputs["generic"][1], rtol=tol, atol=tol)
+    refs = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(refs):
+        if len(k) == 0:
+            assert (outputs["mma"][0][b] == 0).all() and (outputs["mma"][1][b] == -np.inf).all()
+            continue
+        last = np.array([len(k) - 1])
+        want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
+        np.testing.assert_allclose(outputs["mma"][0][b], want_o[0], rtol=tol, atol=tol)
+
+
+def test_tensor_core_decode_refuses_what_it_cannot_run():
+    """backend="mma" on a batch outside the kernel (a float32 q, HND) raises
+    a clear error instead of running another kernel."""
+    batch = reference.paged_batch(np.random.default_rng(0), 16, [40], [0])
+    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
+    pool = to_device(np.zeros((batch.num_pages, 2, 16, 2, 128), np.float32), "cuda")
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="mma")
+    w.plan(*table, 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="tensor-core decode kernel needs"):
+        w.run(to_device(np.zeros((1, 8, 128), np.float32), "cuda"), pool)
+    with pytest.raises(ValueError, match="needs NHD"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="HND", backend="mma").plan(
+            *table, 8, 2, 128, 16
+        )
+
+
 def test_decode_orders_against_torchs_current_stream():
     """run() on a side stream, its q written there behind a long matmul and
     its o read there right after: MAX's stream waits for torch's current
@@ -191,6 +279,41 @@ def test_index_helpers_on_gpu():
 
 def test_manager_copies_on_write_on_gpu():
     check_copy_on_write_of_torch_pools("cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_tier_on_gpu(dtype):
+    """Evicted GPU pages out to the host tier and back, bit for bit."""
+    check_host_tier(dtype, "cuda")
+
+
+@pytest.mark.parametrize(
+    "dtype,layout,form", [("bfloat16", "NHD", "pool"), ("float32", "HND", "pair")]
+)
+def test_gather_on_gpu(rng, dtype, layout, form):
+    check_gather(rng, dtype, "torch", layout, form, device="cuda")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cascade_levels_on_gpu(layout, causal):
+    check_levels(layout, causal, device="cuda")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_shared_prefix_wrappers_on_gpu(layout):
+    check_shared_prefix(layout, device="cuda")
+
+
+def test_masked_merge_on_gpu():
+    check_masked_merge("torch", device="cuda")
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("form", ["bool", "packed"])
+@pytest.mark.parametrize("window_left", [-1, 6])
+def test_custom_mask_on_gpu(config, form, window_left):
+    check_custom_mask(config, form, (8, 2, 64), window_left, device="cuda")
 
 
 def test_demo_serves_and_checks_itself_on_gpu(capsys):

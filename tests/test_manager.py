@@ -1378,9 +1378,16 @@ def test_window_prefix_hit_needs_only_the_window(offload):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_host_tier_copies_evicted_pages_out_and_back_bitwise(dtype):
+    check_host_tier(dtype)
+
+
+def check_host_tier(dtype: str, device: str = "cpu") -> None:
+    """Evicted cached pages go to the host tier and come back on a prefix
+    hit bit for bit, with the KV events that say so, for pools on `device`."""
     manager = PagedKVCacheManager(
-        4, PAGE, HEADS, DIM, num_layers=LAYERS, dtype=dtype, kv_layout="HND", offload=3
-    )
+        4, PAGE, HEADS, DIM, num_layers=LAYERS, dtype=dtype, kv_layout="HND", offload=3,
+        device=device,
+    )  # fmt: skip
     events: list = []
     manager.subscribe(events.append)
     rng = np.random.default_rng(5)
@@ -1392,7 +1399,10 @@ def test_host_tier_copies_evicted_pages_out_and_back_bitwise(dtype):
         meta = manager.metadata([rid])
         for pool in manager.pools:
             rows = torch.from_numpy(rng.standard_normal((2, len(tokens), HEADS, DIM), np.float32))
-            rows = rows.to(pool.dtype) if isinstance(pool, torch.Tensor) else rows.numpy()
+            if isinstance(pool, torch.Tensor):
+                rows = rows.to(dtype=pool.dtype, device=pool.device)
+            else:
+                rows = rows.numpy()
             pagedkv.append_paged_kv_cache(
                 rows[0], rows[1], meta.batch_indices, meta.positions, pool,
                 meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "HND",

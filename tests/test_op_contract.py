@@ -46,6 +46,7 @@ PAIRS = [
     ("GPU_KERNEL_GENERIC", contract.GPU_KERNEL_GENERIC),
     ("GPU_KERNEL_TMA", contract.GPU_KERNEL_TMA),
     ("GPU_KERNEL_AUTO", contract.GPU_KERNEL_AUTO),
+    ("GPU_KERNEL_MMA", contract.GPU_KERNEL_MMA),
     ("HEAD_DIMS", contract.HEAD_DIMS),
     ("MIN_HEAD_DIM", contract.MIN_HEAD_DIM),
     ("BIT_READ_PADDING", contract.MASK_READ_PADDING),

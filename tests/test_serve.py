@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import MODEL_DEVICE
 from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
@@ -41,7 +42,7 @@ HANG_GUARD = 600.0
 
 @pytest.fixture(scope="module")
 def llm():
-    return load(MODEL, kv_memory=256 * PAGE_BYTES)
+    return load(MODEL, kv_memory=256 * PAGE_BYTES, device=MODEL_DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +372,7 @@ def test_api_key(llm, reference):
 
 
 def test_request_larger_than_the_pool_is_400():
-    small = load(MODEL, kv_memory=4 * PAGE_BYTES)
+    small = load(MODEL, kv_memory=4 * PAGE_BYTES, device=MODEL_DEVICE)
     with ServerThread(small) as s:
         r = httpx.post(
             s.url + "/v1/completions",
@@ -390,7 +391,7 @@ def test_load_with_preemption_and_disconnects(reference):
     length): the scheduler preempts, 10 clients leave after a few chunks,
     every other answer is whole and equal to generate's, and afterwards no
     page is in use but the prefix cache."""
-    small = load(MODEL, kv_memory=16 * PAGE_BYTES)
+    small = load(MODEL, kv_memory=16 * PAGE_BYTES, device=MODEL_DEVICE)
     with ServerThread(small, max_num_seqs=16) as s:
         c = aclient(s)
 

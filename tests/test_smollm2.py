@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MODEL_DEVICE
 from pagedkv.models import ModelError, fetch_gguf, load
 from pagedkv.models.gguf_llama import read_gguf, undo_rope_permutation
 from pagedkv.models.tokenizer import ChatTokenizer
@@ -54,7 +55,7 @@ def assert_matches_reference(completions, records) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return load("smollm2-135m-instruct", dtype="float32")
+    return load("smollm2-135m-instruct", dtype="float32", device=MODEL_DEVICE)
 
 
 def test_tokenizer_and_chat_template_equal_transformers():
@@ -182,7 +183,7 @@ def test_live_against_transformers():
     from smollm2_transformers import PROMPTS, transformers_answers
 
     records = transformers_answers(PROMPTS[:4])
-    completions = load("smollm2-135m-instruct").generate(
+    completions = load("smollm2-135m-instruct", device=MODEL_DEVICE).generate(
         [r["prompt"] for r in records], max_new_tokens=REFERENCE["max_new_tokens"]
     )
     assert_matches_reference(completions, records)
@@ -199,7 +200,7 @@ def test_bfloat16_departs_from_float32_only_at_near_ties():
     float32's own top two logits lie within BFLOAT16_NEAR_TIE; the number of
     answers equal as a whole is reported (docs/performance.md)."""
     records = REFERENCE["records"]
-    completions = load("smollm2-135m-instruct", dtype="bfloat16").generate(
+    completions = load("smollm2-135m-instruct", dtype="bfloat16", device=MODEL_DEVICE).generate(
         [r["prompt"] for r in records], max_new_tokens=REFERENCE["max_new_tokens"]
     )
     same = 0

@@ -148,12 +148,17 @@ def main() -> None:
         impls = {
             "pagedkv": lambda c=case: pagedkv_decode(c, "generic"),
             "pagedkv-tma": lambda c=case: pagedkv_decode(c, "tma"),
+            "pagedkv-mma": lambda c=case: pagedkv_decode(c, "mma"),
             "max": lambda c=case: max_builtin_decode(c),
         }
         for name, make in impls.items():
-            fn = make()
-            wall = time_cuda(fn, args.reps)
-            kernels = kernel_times(fn, args.reps)
+            try:
+                fn = make()
+                wall = time_cuda(fn, args.reps)
+                kernels = kernel_times(fn, args.reps)
+            except Exception as e:  # one kernel's failure does not end the run
+                print(f"{shape.label:22s} {name:12s} failed: {str(e).splitlines()[0][:200]}")
+                continue
             busy = sum(us for _, _, us in kernels)
             print(
                 f"{shape.label:22s} {name:12s} events {wall:8.1f} us, kernels {busy:8.1f} us "

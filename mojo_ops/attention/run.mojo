@@ -131,8 +131,6 @@ def run_attention[
             mask,
         )
     else:
-        if mask.enabled:
-            raise Error("pagedkv: custom masks run on the CPU only")
         run_attention_gpu(
             cache,
             q_ptr,
@@ -140,6 +138,7 @@ def run_attention[
             lse_ptr,
             work,
             params,
+            mask,
             num_qo_heads,
             head_dim,
             batch_size,

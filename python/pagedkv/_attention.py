@@ -28,6 +28,7 @@ from ._op_contract import (
     FLOAT_PARAMS,
     GPU_KERNEL_AUTO,
     GPU_KERNEL_GENERIC,
+    GPU_KERNEL_MMA,
     GPU_KERNEL_TMA,
     HEAD_DIMS,
     INT_CAUSAL,
@@ -158,13 +159,17 @@ class AttentionOptions:
         return params
 
 
-DECODE_BACKENDS = ("auto", "generic", "tma", "fa2", "fa3")
+DECODE_BACKENDS = ("auto", "generic", "tma", "mma", "fa2", "fa3")
 """GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/attention/gpu/sm90.mojo),
-"generic" the kernel for every GPU; "auto" runs the Hopper kernel where it
-applies (sm_90, the batch's dtypes and shape: the kernel decides) and the
-generic one elsewhere. FlashInfer's names run unchanged: "fa2" (its kernel
-for every GPU) is the generic kernel, "fa3" (its Hopper kernel) the Hopper one."""
-HOPPER_BACKENDS = ("tma", "fa3")
+"mma" its tensor-core form (gpu/tensor_core.mojo: q.K and p.V as mma.sync,
+16-bit q and cache of one dtype, head dims 64 and 128, up to 16 query heads
+per KV head), "generic" the kernel for every GPU; "auto" runs the Hopper
+kernel where it applies (sm_90, the batch's dtypes and shape: the kernel
+decides) and the generic one elsewhere. FlashInfer's names run unchanged:
+"fa2" (its kernel for every GPU) is the generic kernel, "fa3" (its Hopper
+kernel) the Hopper one."""
+HOPPER_BACKENDS = ("tma", "mma", "fa3")
+MMA_MAX_GROUP = 16
 PREFILL_BACKENDS = ("auto", "fa2")
 """Prefill has one kernel a device: FlashInfer's "auto" and "fa2" name it."""
 
@@ -208,13 +213,14 @@ def decode_kernel(
         problems.append(f"kv_layout is {kv_layout} (it needs NHD)")
     if page_size is not None and page_size % TMA_BOX_ROWS:
         problems.append(f"page_size {page_size} is not a multiple of {TMA_BOX_ROWS}")
-    if group > TMA_MAX_GROUP:
-        problems.append(f"{group} query heads per KV head (at most {TMA_MAX_GROUP})")
+    max_group = MMA_MAX_GROUP if backend == "mma" else TMA_MAX_GROUP
+    if group > max_group:
+        problems.append(f"{group} query heads per KV head (at most {max_group})")
     if pos_encoding_mode == "ROPE_LLAMA":
         problems.append("RoPE on the fly is not supported (rotate q and k before the cache)")
     if problems:
         raise ValueError(f"backend={backend!r} cannot run this batch: " + "; ".join(problems))
-    return GPU_KERNEL_TMA
+    return GPU_KERNEL_MMA if backend == "mma" else GPU_KERNEL_TMA
 
 
 CPU_MAX_TASK_ROWS = 64

@@ -24,6 +24,7 @@ POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
 GPU_KERNEL_GENERIC = 0
 GPU_KERNEL_TMA = 1
 GPU_KERNEL_AUTO = 2
+GPU_KERNEL_MMA = 3
 """int_params[INT_GPU_KERNEL]: the GPU decode kernel plan() chose (attention/gpu/dispatch.mojo)."""
 
 HEAD_DIMS = (64, 128, 256)

@@ -153,8 +153,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         Options as in FlashInfer and decode. custom_mask (bool, each request's
         [qo_len, kv_len] flattened and concatenated) or packed_custom_mask
         (the same packed little-endian, each request from a byte boundary:
-        pagedkv.custom_mask) replaces causal, on the CPU. use_fp16_qk_reduction
-        is accepted and ignored (scores are always accumulated in float32).
+        pagedkv.custom_mask) replaces causal (on a GPU, the generic kernel
+        runs it). use_fp16_qk_reduction is accepted and ignored (scores are
+        always accumulated in float32).
         Multi-item scoring (prefix_len_ptr, token_pos_in_items_ptr,
         token_pos_in_items_len; max_item_len_ptr, a kernel hint, is not read)
         runs as the custom mask it stands for (pagedkv.custom_mask.multi_item_mask).
@@ -204,8 +205,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
         paged_kv_last_page_len = as_int32_index("paged_kv_last_page_len", paged_kv_last_page_len)
         masked = custom_mask is not None or packed_custom_mask is not None or multi_item
         if masked:
-            if device_of(qo_indptr).is_gpu:
-                raise ValueError("custom masks run on the CPU only")
             causal = False  # as in FlashInfer: a custom mask replaces causal
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")

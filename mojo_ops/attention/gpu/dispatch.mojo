@@ -8,6 +8,7 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import H100
 
 from ...cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from ..custom_mask import CustomMask
 from ..params import AttentionParams
 from ..work import AttentionWork
 from .generic import (
@@ -17,6 +18,11 @@ from .generic import (
     row_tiles,
 )
 from .sm90 import launch_decode_sm90, tma_decode_applies
+from .tensor_core import (
+    launch_decode_tensor_core,
+    tensor_core_decode_applies,
+    tensor_core_dtypes,
+)
 
 
 comptime HEAD_DIMS = (64, 128, 256)
@@ -25,9 +31,11 @@ comptime HEAD_DIMS = (64, 128, 256)
 comptime GPU_KERNEL_GENERIC = 0
 comptime GPU_KERNEL_TMA = 1
 comptime GPU_KERNEL_AUTO = 2
+comptime GPU_KERNEL_MMA = 3
 """Values of int_params[INT_GPU_KERNEL], the GPU decode kernel plan() chose: "tma" must
-run the Hopper kernel of sm90.mojo, "auto" runs it where it applies
-(an sm_90 GPU, the batch's dtypes and shape) and the generic one elsewhere."""
+run the Hopper kernel of sm90.mojo, "mma" its tensor-core form
+(tensor_core.mojo), "auto" runs the Hopper kernel where it applies (an sm_90
+GPU, the batch's dtypes and shape) and the generic one elsewhere."""
 
 
 def run_attention_gpu[
@@ -39,6 +47,7 @@ def run_attention_gpu[
     lse_ptr: Ptr[DType.float32],
     work: AttentionWork,
     params: AttentionParams,
+    mask: CustomMask,
     num_qo_heads: Int,
     head_dim: Int,
     batch_size: Int,
@@ -49,20 +58,56 @@ def run_attention_gpu[
     ctx: DeviceContext,
 ) raises:
     """The work items on the GPU: kv_split (decode) items on the kernel that
-    `kernel` (a GPU_KERNEL_* value) names, the rest on the generic one, whose
-    blocks take tiles of at most max_rows query tokens' rows; then, where
-    any_split, the partial states of key-split requests merged."""
+    `kernel` (a GPU_KERNEL_* value) names, the rest (and any batch with a
+    custom mask) on the generic one, whose blocks take tiles of at most
+    max_rows query tokens' rows; then, where any_split, the partial states of
+    key-split requests merged."""
     if Int(cache.k_pages) % 16 != 0 or Int(cache.v_pages) % 16 != 0:
         raise Error(
             "pagedkv: a GPU cache must start on a 16-byte boundary (its"
             " kernels move 16-byte vectors)"
         )
     var group = num_qo_heads // cache.num_kv_heads()
-    if kv_split and kernel != GPU_KERNEL_GENERIC:
+    if kv_split and kernel != GPU_KERNEL_GENERIC and not mask.enabled:
         comptime if (
             ctx.default_device_info.compute == H100.compute
             and cache.layout == KVLayout.NHD
         ):
+            if kernel == GPU_KERNEL_MMA:
+                comptime if tensor_core_dtypes[q_dtype, cache.dtype]():
+                    if tensor_core_decode_applies[
+                        q_dtype, cache.dtype, cache.layout
+                    ](cache, group, params):
+                        launch_decode_tensor_core[q_dtype, cache.dtype](
+                            rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](
+                                cache
+                            ),
+                            q_ptr,
+                            o_ptr,
+                            lse_ptr,
+                            work,
+                            params,
+                            num_qo_heads,
+                            ctx,
+                        )
+                        if any_split:
+                            enqueue_merge(
+                                work,
+                                o_ptr,
+                                lse_ptr,
+                                num_qo_heads,
+                                head_dim,
+                                batch_size,
+                                ctx,
+                            )
+                        return
+                raise Error(
+                    "pagedkv: the tensor-core decode kernel needs an sm_90"
+                    " GPU, an NHD pool of q's dtype (bfloat16 or float16),"
+                    " page sizes that are multiples of 16, head_dim 64 or"
+                    " 128, at most 16 query heads per KV head and no RoPE on"
+                    " the fly"
+                )
             if tma_decode_applies[cache.dtype, cache.layout](
                 cache, group, params
             ):
@@ -87,11 +132,12 @@ def run_attention_gpu[
                         ctx,
                     )
                 return
-        if kernel == GPU_KERNEL_TMA:
+        if kernel == GPU_KERNEL_TMA or kernel == GPU_KERNEL_MMA:
             raise Error(
-                "pagedkv: the TMA decode kernel needs an sm_90 GPU, an NHD"
-                " pool, page sizes that are multiples of 16, a group of"
-                " at most 8 query heads per KV head and no RoPE on the fly"
+                "pagedkv: the TMA and tensor-core decode kernels need an"
+                " sm_90 GPU, an NHD pool, page sizes that are multiples of"
+                " 16, a group of at most 8 (TMA) or 16 (tensor cores) query"
+                " heads per KV head and no RoPE on the fly"
             )
     # A GPU lane holds head_dim / 32 elements in registers: one kernel
     # per supported head dim.
@@ -109,6 +155,7 @@ def run_attention_gpu[
                 lse_ptr,
                 work,
                 params,
+                mask,
                 Int64(num_qo_heads),
                 Int64(tiles),
                 grid_dim=(work.num_items, fixed.num_kv_heads() * tiles),

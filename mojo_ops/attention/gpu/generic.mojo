@@ -25,6 +25,7 @@ from max.gpu.primitives import warp
 
 from ...cache.paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 from ...simd.exp2 import is_nan_f32
+from ..custom_mask import CustomMask
 from ..params import (
     LOG2E,
     POS_ALIBI,
@@ -60,11 +61,13 @@ def attention_gpu_kernel[
     lse: Ptr[F32],
     work: AttentionWork,
     params: AttentionParams,
+    mask: CustomMask,
     num_qo_heads: Int64,
     tiles: Int64,
 ):
     """Grid (num_items, num_kv_heads * tiles), GPU_THREADS threads; tiles =
-    row_tiles(most query rows per head of any item)."""
+    row_tiles(most query rows per head of any item). A key is seen where
+    the row's position (causal, window) and its custom mask bit allow."""
     comptime VEC = head_dim // WARP_SIZE
     comptime TILE = TILE_ELEMS // head_dim
     var qo_heads = Int(num_qo_heads)
@@ -157,8 +160,10 @@ def attention_gpu_kernel[
             comptime for r in range(MAX_ROWS):
                 if r < rows:
                     var distance = Float32(t0 + j) - row_pos[r]
+                    var q_row = q_row0 + (r0 + r) // group
                     if params.visible[1](
-                        SIMD[F32, 1](distance), SIMD[DType.bool, 1](True)
+                        SIMD[F32, 1](distance),
+                        SIMD[DType.bool, 1](mask.visible(q_row, t0 + j)),
                     )[0]:
                         var partial = (
                             q_frag.slice[VEC, offset=r * VEC]() * k_frag

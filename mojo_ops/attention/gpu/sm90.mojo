@@ -97,8 +97,12 @@ def padded_group(group: Int) -> Int:
     return 0
 
 
-struct Sm90Shape[kv_dtype: DType, head_dim: Int, group: Int]:
-    """The kernel's compile-time geometry for one (dtype, head dim, group)."""
+struct Sm90Shape[
+    kv_dtype: DType, head_dim: Int, group: Int, stage_tokens: Int = BN
+]:
+    """The kernel's compile-time geometry for one (dtype, head dim, group);
+    stage_tokens: tokens per pipeline stage (a multiple of BOX_ROWS; the
+    tensor-core kernel of tensor_core.mojo takes 64)."""
 
     comptime ELEM = size_of[Self.kv_dtype]()
     comptime CHUNK = SWIZZLE_BYTES // Self.ELEM
@@ -113,7 +117,7 @@ struct Sm90Shape[kv_dtype: DType, head_dim: Int, group: Int]:
     comptime NPT = Self.VECS // Self.TPT
     """16-byte vectors per thread per token."""
     comptime ROWS_PER_PASS = CONSUMERS // Self.TPT
-    comptime STAGE_ELEMS = BN * Self.head_dim
+    comptime STAGE_ELEMS = Self.stage_tokens * Self.head_dim
     """Elements of K (and of V) in a stage."""
     comptime STAGE_BYTES = 2 * Self.STAGE_ELEMS * Self.ELEM
     comptime STAGES = min(max(STAGE_RING_BYTES // Self.STAGE_BYTES, 2), 4)
@@ -138,12 +142,12 @@ struct Sm90Shape[kv_dtype: DType, head_dim: Int, group: Int]:
     @always_inline
     def swizzled(row: Int, col: Int) -> Int:
         """Offset of element (row, col) of a stage's K or V, stored as NCHUNK
-        column blocks [BN, CHUNK] as the TMA's 128-byte swizzle wrote them:
-        16-byte vector v of row r sits at v ^ (r % 8)."""
+        column blocks [stage_tokens, CHUNK] as the TMA's 128-byte swizzle
+        wrote them: 16-byte vector v of row r sits at v ^ (r % 8)."""
         var block = col // Self.CHUNK
         var c = col % Self.CHUNK
         return (
-            block * BN * Self.CHUNK
+            block * Self.stage_tokens * Self.CHUNK
             + row * Self.CHUNK
             + (((c // Self.VEC) ^ (row & 7)) * Self.VEC)
             + c % Self.VEC
@@ -600,7 +604,7 @@ def sum_across_lanes[
 
 @always_inline
 def produce_stages[
-    kv_dtype: DType, head_dim: Int, group: Int
+    kv_dtype: DType, head_dim: Int, group: Int, stage_tokens: Int = BN
 ](
     k_tma: KVTile[
         kv_dtype, BOX_ROWS, Sm90Shape[kv_dtype, head_dim, group].CHUNK
@@ -625,13 +629,13 @@ def produce_stages[
     end: Int,
     num_stages: Int,
 ):
-    """The producer warp: fills stage t % STAGES with tokens base + t * BN ..
-    of K and V. The warp's lanes look up the pool rows of 32 boxes at a time
-    (one page-table read each, in parallel, the next 32 already in flight);
-    lane 0 issues the copies."""
-    comptime Shape = Sm90Shape[kv_dtype, head_dim, group]
+    """The producer warp: fills stage t % STAGES with tokens
+    base + t * stage_tokens .. of K and V. The warp's lanes look up the pool
+    rows of 32 boxes at a time (one page-table read each, in parallel, the
+    next 32 already in flight); lane 0 issues the copies."""
+    comptime Shape = Sm90Shape[kv_dtype, head_dim, group, stage_tokens]
     comptime STAGES = Shape.STAGES
-    comptime BOXES = BN // BOX_ROWS
+    comptime BOXES = stage_tokens // BOX_ROWS
     comptime Box = LayoutTensor[
         tma_element[kv_dtype](),
         Layout.row_major(BOX_ROWS, Shape.CHUNK),
@@ -675,7 +679,8 @@ def produce_stages[
             if lane == 0 and x < boxes:
                 comptime for j in range(Shape.NCHUNK):
                     var offset = (
-                        j * BN * Shape.CHUNK + x * BOX_ROWS * Shape.CHUNK
+                        j * stage_tokens * Shape.CHUNK
+                        + x * BOX_ROWS * Shape.CHUNK
                     )
                     var col = kv_head * head_dim + j * Shape.CHUNK
                     k_tma.async_copy(

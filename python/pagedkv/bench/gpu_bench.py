@@ -1,15 +1,19 @@
-"""Decode and append on an NVIDIA GPU beside FlashInfer and MAX, one run.
+"""Decode, MLA and append on an NVIDIA GPU beside FlashInfer and MAX, one run.
 
-Decode at bf16, page size 16, head_dim 128 over the shapes of the GPU issue,
-with both pagedkv kernels (the generic one and the Hopper TMA one), against
-FlashInfer's BatchDecodeWithPagedKVCacheWrapper (fa2, tensor cores for GQA)
-and MAX's built-in paged decode (`flash_attention_ragged`) on the same pool;
-then appends of a 5000-token and an 8-token ragged batch against FlashInfer's
-append_paged_kv_cache and a torch index_put. Every implementation is timed
-with CUDA events on torch's stream; reports microseconds, TB/s of K/V read,
-the share of the GPU's peak HBM bandwidth and of a measured device-to-device
-copy, ratios, and the host time of pagedkv's run(). An anchor that is not
-installed, or fails, says so in its row; its failure does not stop the run.
+Decode at bf16, page size 16, head_dim 128 over the shapes of the GPU issue:
+pagedkv's "auto" choice and each of its kernels (generic, Hopper TMA,
+tensor cores),
+FlashInfer's BatchDecodeWithPagedKVCacheWrapper with and without tensor
+cores (its faster form is the bar), and MAX's built-in paged decode
+(`flash_attention_ragged`), all on the same pool. MLA decode (DeepSeek's
+512 + 64 latent, 128 heads, page 64) beside FlashInfer's
+BatchMLAPagedAttentionWrapper. Appends of a 5000-token and an 8-token ragged
+batch beside FlashInfer's append_paged_kv_cache and a torch index_put.
+Every implementation is timed with CUDA events on torch's stream; reports
+microseconds, TB/s of K/V (or latents) read, the share of the GPU's peak HBM
+bandwidth and of a measured device-to-device copy, ratios, and the host time
+of pagedkv's run(). An anchor that is not installed, or fails, says so in
+its row; its failure does not stop the run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 from .append_bench import APPEND_SHAPES, append_fns
 from .decode_bench import DecodeCase, DecodeShape, make_case, pagedkv_decode
+from .mla_bench import CKV, KPE, MLAShape
 
 GPU_SHAPES = (
     DecodeShape(1, 65536, 32, 8),
@@ -102,8 +107,9 @@ def copy_tbps(nbytes: int = 2 << 30) -> float:
     return 2 * a.numel() / us / 1e6
 
 
-def flashinfer_decode(case: DecodeCase):
-    """FlashInfer's decode wrapper on the same pool, or None if not installed."""
+def flashinfer_decode(case: DecodeCase, tensor_cores: bool):
+    """FlashInfer's decode wrapper on the same pool (its CUDA-core kernel, or
+    with tensor_cores its prefill-class one), or None if not installed."""
     try:
         import flashinfer
     except ImportError:
@@ -112,9 +118,9 @@ def flashinfer_decode(case: DecodeCase):
 
     s = case.shape
     dev = case.q.device
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=s.num_qo_heads // s.num_kv_heads >= 4
+        workspace, "NHD", use_tensor_cores=tensor_cores
     )
     w.plan(
         torch.from_numpy(case.kv_indptr).to(dev),
@@ -224,9 +230,12 @@ def decode_rows(reps: int) -> list[GpuRow]:
         nbytes = shape.kv_bytes(2)
         reference = None
         impls = {
-            "pagedkv": lambda c=case: pagedkv_decode(c, "generic"),
+            "pagedkv": lambda c=case: pagedkv_decode(c, "auto"),
+            "pagedkv-generic": lambda c=case: pagedkv_decode(c, "generic"),
             "pagedkv-tma": lambda c=case: pagedkv_decode(c, "tma"),
-            "flashinfer": lambda c=case: flashinfer_decode(c),
+            "pagedkv-mma": lambda c=case: pagedkv_decode(c, "mma"),
+            "flashinfer": lambda c=case: flashinfer_decode(c, False),
+            "flashinfer-tc": lambda c=case: flashinfer_decode(c, True),
             "max": lambda c=case: max_builtin_decode(c),
         }
         for name, make in impls.items():
@@ -294,9 +303,166 @@ def append_rows(reps: int) -> list[GpuRow]:
     return rows
 
 
-def run_gpu_bench(reps: int = 50) -> int:
-    """Runs the decode and append timings on the CUDA device and prints their
-    tables; raises ValueError without a visible CUDA device. Returns 0."""
+MLA_SHAPES = tuple(
+    MLAShape(batch, seq_len, 128, page_size=64)
+    for batch in (1, 32, 128)
+    for seq_len in (1024, 8192)
+)
+"""MLA decode shapes of the GPU issue: B = 1, 32, 128; L = 1k, 8k; 128 heads."""
+
+
+def flashinfer_mla(case: dict):
+    """FlashInfer's MLA decode on the same latent pages, or None if not installed."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    import torch
+
+    shape = case["shape"]
+    dev = case["q_nope"].device
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchMLAPagedAttentionWrapper(workspace)
+    w.plan(*case["table"], shape.heads, CKV, KPE, shape.page_size, False, case["scale"],
+           case["q_nope"].dtype, case["ckv"].dtype)  # fmt: skip
+    out = torch.empty_like(case["q_nope"])
+
+    def run():
+        return w.run(case["q_nope"], case["q_pe"], case["ckv"], case["kpe"], out=out)
+
+    return run
+
+
+def pagedkv_mla(case: dict):
+    """pagedkv's MLA decode (plan outside timing)."""
+    import torch
+
+    import pagedkv
+
+    shape = case["shape"]
+    dev = case["q_nope"].device
+    w = pagedkv.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev))
+    w.plan(*case["table"], shape.heads, CKV, KPE, shape.page_size, False, case["scale"],
+           case["q_nope"].dtype, case["ckv"].dtype)  # fmt: skip
+    out = torch.empty_like(case["q_nope"])
+
+    def run():
+        return w.run(case["q_nope"], case["q_pe"], case["ckv"], case["kpe"], out=out)
+
+    return run
+
+
+def mla_gpu_case(shape: MLAShape, dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """Latent pages in shuffled order and decode queries, on the GPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tdtype = getattr(torch, dtype)
+    pages = -(-shape.seq_len // shape.page_size)
+    num_pages = shape.batch * pages
+
+    def rand(*dims):
+        return torch.randn(*dims, generator=gen).to(tdtype).cuda()
+
+    table = (
+        torch.arange(shape.batch + 1, dtype=torch.int32),  # qo_indptr: one query each
+        torch.arange(shape.batch + 1, dtype=torch.int32) * pages,
+        torch.randperm(num_pages, generator=gen).to(torch.int32),
+        torch.full((shape.batch,), shape.seq_len, dtype=torch.int32),
+    )
+    return {
+        "shape": shape,
+        "ckv": rand(num_pages, shape.page_size, CKV),
+        "kpe": rand(num_pages, shape.page_size, KPE),
+        "q_nope": rand(shape.batch, shape.heads, CKV),
+        "q_pe": rand(shape.batch, shape.heads, KPE),
+        "table": tuple(x.cuda() for x in table),
+        "scale": 1 / math.sqrt(128 + KPE),
+    }
+
+
+def mla_rows(reps: int) -> list[GpuRow]:
+    """Times MLA decode at MLA_SHAPES (bfloat16), a row per (shape, implementation)."""
+    import torch
+
+    rows: list[GpuRow] = []
+    for shape in MLA_SHAPES:
+        case = mla_gpu_case(shape)
+        nbytes = shape.latent_bytes(2)
+        reference = None
+        for name, make in (("pagedkv", pagedkv_mla), ("flashinfer", flashinfer_mla)):
+            try:
+                fn = make(case)
+                if fn is None:
+                    print(f"  {shape.label:16s} {name:12s} not installed", flush=True)
+                    continue
+                out = fn().float()
+                us = time_cuda(fn, reps)
+                host = host_time_us(fn, reps) if name == "pagedkv" else None
+            except Exception as e:  # an anchor's failure is reported, not fatal
+                print(f"  {shape.label:16s} {name:12s} failed: {str(e).splitlines()[0][:200]}")
+                continue
+            diff = 0.0 if reference is None else float((out - reference).abs().max())
+            reference = out if reference is None else reference
+            rows.append(GpuRow(shape.label, name, us, nbytes / us / 1e6, diff, host))
+            print(
+                f"  {shape.label:16s} {name:12s} {us:9.1f} us {nbytes / us / 1e6:6.2f} TB/s "
+                f"{shape.flops() / us / 1e6:7.1f} TFLOP/s max|diff| vs first {diff:.2e}",
+                flush=True,
+            )
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_rows(
+    title: str, rows: list[GpuRow], peak: float | None, copy: float, ours_name: str
+) -> str:
+    """A table of rows grouped by shape: us, TB/s, share of peak and of the
+    measured copy, the row's time over ours_name's, host us."""
+    lines = [
+        title,
+        f"{'shape':22s} {'impl':16s} {'us':>9s} {'TB/s':>6s} {'%peak':>6s} "
+        f"{'%copy':>6s} {'x ours':>6s} {'host us':>8s}",
+    ]
+    for label in dict.fromkeys(r.label for r in rows):
+        mine = {r.name: r for r in rows if r.label == label}
+        ours = mine.get(ours_name)
+        for row in mine.values():
+            pct = f"{100 * row.tbps / peak:5.0f}%" if peak else f"{'?':>6s}"
+            ratio = row.us / ours.us if ours else float("nan")
+            host = f"{row.host_us:8.1f}" if row.host_us is not None else f"{'-':>8s}"
+            lines.append(
+                f"{label:22s} {row.name:16s} {row.us:9.1f} {row.tbps:6.2f} {pct} "
+                f"{100 * row.tbps / copy:5.0f}% {ratio:6.2f} {host}"
+            )
+    return "\n".join(lines)
+
+
+def summary(
+    rows: list[GpuRow], anchors: dict[str, tuple[str, ...]], ours_name: str = "pagedkv"
+) -> str:
+    """Per shape: each anchor's best time over ours_name's ("x MAX 1.10"
+    means it takes 1/1.10 of MAX's time)."""
+    lines = []
+    for label in dict.fromkeys(r.label for r in rows):
+        mine = {r.name: r for r in rows if r.label == label}
+        ours = mine.get(ours_name)
+        if ours is None:
+            continue
+        parts = []
+        for anchor, names in anchors.items():
+            times = [mine[n].us for n in names if n in mine]
+            if times:
+                parts.append(f"x {anchor} {min(times) / ours.us:.2f}")
+        lines.append(f"  {label:22s} " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def run_gpu_bench(reps: int = 50, parts: tuple[str, ...] = ("decode", "mla", "append")) -> int:
+    """Runs the decode, MLA and append timings (those in `parts`) on the CUDA
+    device and prints their tables; raises ValueError without a visible CUDA
+    device. Returns 0."""
     import torch
 
     if not torch.cuda.is_available():
@@ -305,33 +471,48 @@ def run_gpu_bench(reps: int = 50) -> int:
     peak = peak_tbps(name)
     copy = copy_tbps()
     print(f"{name}: peak {peak or '?'} TB/s, measured device-to-device copy {copy:.2f} TB/s")
-    decode = decode_rows(reps)
-    print()
-    print("decode, bf16, page 16, head_dim 128 (x: the anchor's time / pagedkv-tma's)")
-    print(
-        f"{'shape (B, L, Hq, Hkv)':22s} {'impl':12s} {'us':>9s} {'TB/s':>6s} {'%peak':>6s} "
-        f"{'%copy':>6s} {'x':>6s} {'host us':>8s}"
-    )
-    for label in dict.fromkeys(r.label for r in decode):
-        mine = {r.name: r for r in decode if r.label == label}
-        ours = mine.get("pagedkv-tma") or mine.get("pagedkv")
-        for row in mine.values():
-            pct = f"{100 * row.tbps / peak:5.0f}%" if peak else f"{'?':>6s}"
-            ratio = row.us / ours.us if ours else float("nan")
-            host = f"{row.host_us:8.1f}" if row.host_us is not None else f"{'-':>8s}"
-            print(
-                f"{label:22s} {row.name:12s} {row.us:9.1f} {row.tbps:6.2f} {pct} "
-                f"{100 * row.tbps / copy:5.0f}% {ratio:6.2f} {host}"
-            )
-    appends = append_rows(reps)
-    print()
-    print("append, bf16 (GB/s moved: the appended K and V read once and written once)")
-    for label in dict.fromkeys(r.label for r in appends):
-        mine = {r.name: r for r in appends if r.label == label}
-        ours = mine["pagedkv"]
-        for row in mine.values():
-            print(
-                f"{label:22s} {row.name:16s} {row.us:9.1f} us {row.tbps * 1e3:8.1f} GB/s "
-                f"x{row.us / ours.us:5.2f}"
-            )
+    tables = []
+    if "decode" in parts:
+        decode = decode_rows(reps)
+        tables.append(
+            format_rows(
+                "decode, bf16, page 16, head_dim 128 (x ours: the row's time / pagedkv's)",
+                decode,
+                peak,
+                copy,
+                "pagedkv",
+            )  # fmt: skip
+        )
+        anchors = {"MAX": ("max",), "FlashInfer": ("flashinfer", "flashinfer-tc")}
+        for ours in ("pagedkv", "pagedkv-mma"):
+            tables.append(f"decode: anchor time / {ours} time\n" + summary(decode, anchors, ours))
+    if "mla" in parts:
+        mla = mla_rows(reps)
+        tables.append(
+            format_rows(
+                "MLA decode, bf16, 512 + 64 latent, page 64 (shape: B, L, heads)",
+                mla,
+                peak,
+                copy,
+                "pagedkv",
+            )  # fmt: skip
+        )
+        tables.append(
+            "MLA: anchor time / pagedkv time\n" + summary(mla, {"FlashInfer": ("flashinfer",)})
+        )
+    for table in tables:
+        print()
+        print(table)
+    if "append" in parts:
+        appends = append_rows(reps)
+        print()
+        print("append, bf16 (GB/s moved: the appended K and V read once and written once)")
+        for label in dict.fromkeys(r.label for r in appends):
+            mine = {r.name: r for r in appends if r.label == label}
+            ours = mine["pagedkv"]
+            for row in mine.values():
+                print(
+                    f"{label:22s} {row.name:16s} {row.us:9.1f} us {row.tbps * 1e3:8.1f} GB/s "
+                    f"x{row.us / ours.us:5.2f}"
+                )
     return 0

@@ -77,12 +77,13 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(isa) or 'no AVX'})"
 
 
-def run_pagedkv(dtype: str, prompts: tuple[str, ...]) -> ServeRow:
-    """pagedkv's continuous batching over the paged cache."""
+def run_pagedkv(dtype: str, prompts: tuple[str, ...], device: str = "cpu", llm=None) -> ServeRow:
+    """pagedkv's continuous batching over the paged cache (`llm`: a loaded
+    model to reuse, else one loaded on `device`)."""
     from pagedkv.graphs.scheduler import Request, Scheduler
     from pagedkv.models import load
 
-    llm = load(dtype=dtype)
+    llm = llm or load(dtype=dtype, device=device)
     ids = [tuple(llm.prompt_ids(p)) for p in prompts]
     # First executes (allocations, caches) on another prompt: only the chat
     # template's system prompt is left in the prefix cache, as on a server.
@@ -103,7 +104,7 @@ def run_pagedkv(dtype: str, prompts: tuple[str, ...]) -> ServeRow:
     page_bytes = 2 * llm.manager.page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
     served = sum(len(p) for p in ids) + tokens
     return ServeRow(
-        "pagedkv, continuous batching",
+        f"pagedkv, continuous batching, {len(prompts)} requests",
         dtype,
         tokens,
         seconds,
@@ -112,7 +113,7 @@ def run_pagedkv(dtype: str, prompts: tuple[str, ...]) -> ServeRow:
     )
 
 
-def _hf_model(dtype: str):
+def _hf_model(dtype: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,6 +126,8 @@ def _hf_model(dtype: str):
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     )
     model.eval()
+    if device == "gpu":
+        model.to("cuda")
     return tokenizer, model
 
 
@@ -149,6 +152,7 @@ def run_hf_batched(dtype: str, cache: str, prompts: tuple[str, ...], model=None)
     tokenizer, model = model or _hf_model(dtype)
     texts = [_chat(tokenizer, p) for p in prompts]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = batch.to(model.device)
     kwargs = dict(
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
@@ -166,7 +170,7 @@ def run_hf_batched(dtype: str, cache: str, prompts: tuple[str, ...], model=None)
     served = int(batch["attention_mask"].sum()) + tokens
     ttft = _hf_prefill_seconds(model, batch)
     return ServeRow(
-        f"transformers, batched ({cache} cache)",
+        f"transformers, batched ({cache} cache), {len(prompts)} requests",
         dtype,
         tokens,
         seconds,
@@ -180,9 +184,19 @@ def _hf_prefill_seconds(model, batch) -> float:
     import torch
 
     with torch.inference_mode():
+        _synchronize(model)
         t0 = time.perf_counter()
         model(**batch)
+        _synchronize(model)
         return time.perf_counter() - t0
+
+
+def _synchronize(model) -> None:
+    """Waits for the model's GPU work (a no-op on the CPU)."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_hf_one_at_a_time(dtype: str, prompts: tuple[str, ...], model=None) -> ServeRow:
@@ -217,8 +231,7 @@ def run_hf_one_at_a_time(dtype: str, prompts: tuple[str, ...], model=None) -> Se
 def format_serve_table(machine: str, rows: list[ServeRow]) -> str:
     base = next((r for r in rows if r.name.startswith("pagedkv") and r.dtype == "float32"), None)
     lines = [
-        f"SmolLM2-135M-Instruct, {len(PROMPTS)} chat requests x {NEW_TOKENS} new tokens, "
-        f"greedy; {machine}",
+        f"SmolLM2-135M-Instruct, chat requests x {NEW_TOKENS} new tokens, greedy; {machine}",
         "| server | dtype | tokens/s | pagedkv f32 / this | TTFT p50 s | TTFT p99 s "
         "| KV bytes/token |",
         "|---|---|---|---|---|---|---|",
@@ -233,24 +246,44 @@ def format_serve_table(machine: str, rows: list[ServeRow]) -> str:
     return "\n".join(lines)
 
 
-def main(dtypes: list[str], one_at_a_time: int) -> None:
-    """Runs every row and prints the table (markdown)."""
+def prompts_for(count: int) -> tuple[str, ...]:
+    """`count` chat prompts: PROMPTS, cycled."""
+    return tuple(PROMPTS[i % len(PROMPTS)] for i in range(count))
+
+
+def main(
+    dtypes: list[str],
+    one_at_a_time: int,
+    device: str = "cpu",
+    counts: tuple[int, ...] = (len(PROMPTS),),
+) -> None:
+    """Runs every row and prints the table (markdown): pagedkv and
+    transformers batched at each request count in `counts`, on `device`."""
     import torch
 
     from .threads import pin_max_workers
 
     pin_max_workers()
-    machine = f"{cpu_model()}, torch {torch.__version__} on {torch.get_num_threads()} threads"
+    if device == "gpu":
+        machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    else:
+        machine = f"{cpu_model()}, torch {torch.__version__} on {torch.get_num_threads()} threads"
     rows = []
     for dtype in dtypes:
-        rows.append(run_pagedkv(dtype, PROMPTS))
-        print(f"pagedkv {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
-    for dtype in dtypes:
-        model = _hf_model(dtype)
-        for cache in ("dynamic", "static"):
-            rows.append(run_hf_batched(dtype, cache, PROMPTS, model))
+        from pagedkv.models import load
+
+        llm = load(dtype=dtype, device=device)
+        for count in counts:
+            rows.append(run_pagedkv(dtype, prompts_for(count), device, llm))
             print(f"{rows[-1].name} {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
-        if dtype == "float32" and one_at_a_time:
+        del llm
+    for dtype in dtypes:
+        model = _hf_model(dtype, device)
+        for count in counts:
+            for cache in ("dynamic", "static"):
+                rows.append(run_hf_batched(dtype, cache, prompts_for(count), model))
+                print(f"{rows[-1].name} {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
+        if dtype == "float32" and one_at_a_time and device == "cpu":
             rows.append(run_hf_one_at_a_time(dtype, PROMPTS[:one_at_a_time], model))
             print(f"{rows[-1].name}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
     print()
