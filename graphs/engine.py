@@ -63,6 +63,7 @@ class LlamaEngine:
             c.num_qo_heads,
             c.num_kv_heads,
             c.head_dim,
+            gpu=self.device.is_gpu,
         )
         inputs = {
             "tokens": np.concatenate([np.asarray(t, np.int32) for t in tokens]),
@@ -83,6 +84,7 @@ class LlamaEngine:
             c.num_qo_heads,
             c.num_kv_heads,
             c.head_dim,
+            gpu=self.device.is_gpu,
         )
         inputs = {
             "tokens": np.asarray(tokens, np.int32),

@@ -39,6 +39,12 @@ def cuda_available() -> bool:
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(autouse=True)
+def experimental_kernels(monkeypatch):
+    """The GPU tests hold the experimental kernels to the same references."""
+    monkeypatch.setenv("PAGEDKV_EXPERIMENTAL_KERNELS", "1")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def compiled_gpu_ops():
     """Compiles the GPU ops of this module in one MAX module."""
@@ -94,7 +100,14 @@ def mma_applies(case: Case) -> bool:
 @pytest.mark.parametrize("backend", ["generic", "tma", "mma", "auto"])
 @pytest.mark.parametrize("case", sampled_grid(), ids=str)
 def test_decode_on_gpu(case: Case, backend: str):
-    """Each case with each kernel; "auto" picks the TMA one where it applies."""
+    """Each case with each kernel; "auto" picks the TMA one where it applies.
+    A head dim the GPU kernels are not built for is refused at plan()."""
+    if case.head_dim not in (64, 128, 256):
+        if backend != "auto":
+            pytest.skip("a CPU-only head dim: the 'auto' case checks its refusal")
+        with pytest.raises(ValueError, match="runs on the CPU only"):
+            check_decode_case(case, device="cuda", backend=backend)
+        return
     if backend == "tma" and not tma_applies(case):
         pytest.skip("the TMA kernel does not serve this case")
     if backend == "mma" and not mma_applies(case):
@@ -184,7 +197,8 @@ def test_tensor_core_decode_matches_reference(shape):
         pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
         for i, page in enumerate(pages):
             used[page, : batch.kv_last_page_len[b] if i == len(pages) - 1 else page_size] = True
-    pool[~used] = np.nan
+    pages, slots = np.nonzero(~used)
+    pool[pages, :, slots] = np.nan  # K and V of every slot no request holds
     pool = cast(pool, dtype)
     q = cast(rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32), dtype)
     table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")

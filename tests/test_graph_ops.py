@@ -81,7 +81,7 @@ def test_append_then_decode_in_one_graph_matches_eager():
         bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
         q = rng.standard_normal((batch.batch_size, HQ, D), dtype=np.float32)
         items, request_items = graph_ops.decode_work(
-            batch.kv_indptr, batch.kv_last_page_len, P, HQ, HKV, D
+            batch.kv_indptr, batch.kv_last_page_len, P, HQ, HKV, D, gpu=False
         )
         table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
         o, lse = model.execute(

@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 
 import pagedkv
-from conftest import bits
+from conftest import bits, to_device
 from pagedkv.functional import (
     BlockTable,
     allocate_blocks,
@@ -1397,15 +1397,18 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
         manager.add(rid, ids)
         manager.reserve([rid], len(tokens))
         meta = manager.metadata([rid])
+        table = (meta.batch_indices, meta.positions, meta.kv_indices, meta.kv_indptr)
+        table = to_device((*table, meta.kv_last_page_len), device)
         for pool in manager.pools:
             rows = torch.from_numpy(rng.standard_normal((2, len(tokens), HEADS, DIM), np.float32))
             if isinstance(pool, torch.Tensor):
                 rows = rows.to(dtype=pool.dtype, device=pool.device)
             else:
                 rows = rows.numpy()
+            batch_indices, positions, kv_indices, kv_indptr, last = table
             pagedkv.append_paged_kv_cache(
-                rows[0], rows[1], meta.batch_indices, meta.positions, pool,
-                meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "HND",
+                rows[0], rows[1], batch_indices, positions, pool, kv_indices, kv_indptr, last,
+                "HND",
             )  # fmt: skip
 
     fill("a", prompt, prompt)

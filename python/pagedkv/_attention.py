@@ -170,6 +170,9 @@ decides) and the generic one elsewhere. FlashInfer's names run unchanged:
 kernel) the Hopper one."""
 HOPPER_BACKENDS = ("tma", "mma", "fa3")
 MMA_MAX_GROUP = 16
+EXPERIMENTAL_KERNELS = "PAGEDKV_EXPERIMENTAL_KERNELS"
+"""Set to 1 to run kernels not yet verified on a GPU: "mma" (built and
+compiled for sm_90, its correctness and speed not yet measured)."""
 PREFILL_BACKENDS = ("auto", "fa2")
 """Prefill has one kernel a device: FlashInfer's "auto" and "fa2" name it."""
 
@@ -206,6 +209,11 @@ def decode_kernel(
     if backend in ("generic", "fa2"):
         return GPU_KERNEL_GENERIC
     assert backend in HOPPER_BACKENDS
+    if backend == "mma" and os.environ.get(EXPERIMENTAL_KERNELS) != "1":
+        raise ValueError(
+            "backend='mma' (the tensor-core decode kernel) is not yet verified on a GPU; "
+            f"set {EXPERIMENTAL_KERNELS}=1 to run it"
+        )
     problems = []
     if not is_gpu:
         problems.append("the page table is on the CPU (it needs an sm_90 GPU)")

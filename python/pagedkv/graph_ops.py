@@ -294,10 +294,12 @@ def decode_work(
     num_kv_heads: int,
     head_dim: int,
     window_left: int = -1,
-    gpu: bool = False,
+    *,
+    gpu: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
-    request_items [B + 1] int32), for `batch_decode`."""
+    request_items [B + 1] int32), for `batch_decode` in a graph on a GPU
+    (`gpu`) or on the CPU: the two split keys differently."""
     options = AttentionOptions(head_dim, window_left=window_left)
     return _attention.decode_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
@@ -320,10 +322,14 @@ def prefill_work(
     head_dim: int,
     causal: bool = True,
     window_left: int = -1,
-    gpu: bool = False,
+    *,
+    gpu: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a prefill step (host NumPy): (work_items [I, 6] int32,
-    request_items [B + 1] int32), for `batch_prefill`."""
+    request_items [B + 1] int32), for `batch_prefill` in a graph on a GPU
+    (`gpu`) or on the CPU. It must be the graph's device: the op runs as many
+    query tokens per item as that device's tile (`prefill_tile`) and no
+    more, so a CPU plan on a GPU would leave query rows unwritten."""
     options = AttentionOptions(head_dim, window_left=window_left)
     items, request_items, _ = _attention.prefill_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),

@@ -98,11 +98,17 @@ def padded_group(group: Int) -> Int:
 
 
 struct Sm90Shape[
-    kv_dtype: DType, head_dim: Int, group: Int, stage_tokens: Int = BN
+    kv_dtype: DType,
+    head_dim: Int,
+    group: Int,
+    stage_tokens: Int = BN,
+    ring_bytes: Int = STAGE_RING_BYTES,
 ]:
     """The kernel's compile-time geometry for one (dtype, head dim, group);
-    stage_tokens: tokens per pipeline stage (a multiple of BOX_ROWS; the
-    tensor-core kernel of tensor_core.mojo takes 64)."""
+    stage_tokens: tokens per pipeline stage (a multiple of BOX_ROWS), and
+    ring_bytes the shared memory of the stage ring (the tensor-core kernel of
+    tensor_core.mojo takes 64 and 96 KiB). Producer and consumers derive the
+    ring's stage count from the same Shape."""
 
     comptime ELEM = size_of[Self.kv_dtype]()
     comptime CHUNK = SWIZZLE_BYTES // Self.ELEM
@@ -120,7 +126,7 @@ struct Sm90Shape[
     comptime STAGE_ELEMS = Self.stage_tokens * Self.head_dim
     """Elements of K (and of V) in a stage."""
     comptime STAGE_BYTES = 2 * Self.STAGE_ELEMS * Self.ELEM
-    comptime STAGES = min(max(STAGE_RING_BYTES // Self.STAGE_BYTES, 2), 4)
+    comptime STAGES = min(max(Self.ring_bytes // Self.STAGE_BYTES, 2), 4)
     comptime SMEM_BYTES = Self.STAGES * Self.STAGE_BYTES
     comptime BOX_BYTES = BOX_ROWS * SWIZZLE_BYTES
     comptime COLS = max(Self.head_dim // CONSUMERS, 1)
@@ -604,7 +610,11 @@ def sum_across_lanes[
 
 @always_inline
 def produce_stages[
-    kv_dtype: DType, head_dim: Int, group: Int, stage_tokens: Int = BN
+    kv_dtype: DType,
+    head_dim: Int,
+    group: Int,
+    stage_tokens: Int = BN,
+    ring_bytes: Int = STAGE_RING_BYTES,
 ](
     k_tma: KVTile[
         kv_dtype, BOX_ROWS, Sm90Shape[kv_dtype, head_dim, group].CHUNK
@@ -633,7 +643,9 @@ def produce_stages[
     base + t * stage_tokens .. of K and V. The warp's lanes look up the pool
     rows of 32 boxes at a time (one page-table read each, in parallel, the
     next 32 already in flight); lane 0 issues the copies."""
-    comptime Shape = Sm90Shape[kv_dtype, head_dim, group, stage_tokens]
+    comptime Shape = Sm90Shape[
+        kv_dtype, head_dim, group, stage_tokens, ring_bytes
+    ]
     comptime STAGES = Shape.STAGES
     comptime BOXES = stage_tokens // BOX_ROWS
     comptime Box = LayoutTensor[

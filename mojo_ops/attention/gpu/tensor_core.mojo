@@ -300,7 +300,7 @@ def decode_tensor_core_kernel[
     barrier()
 
     if tid >= CONSUMERS:
-        produce_stages[dtype, head_dim, 8, STAGE_TOKENS](
+        produce_stages[dtype, head_dim, 8, STAGE_TOKENS, RING_BYTES](
             k_tma,
             v_tma,
             cache,

@@ -122,6 +122,9 @@ def _hf_model(dtype: str, device: str = "cpu"):
     gguf = fetch_gguf("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.padding_side = "left"
+    # Some transformers versions read no pad token from the GGUF; padded
+    # positions are masked, so any token does.
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     )
