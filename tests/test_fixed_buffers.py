@@ -82,6 +82,77 @@ def test_decode_reads_the_page_table_from_the_fixed_buffers(cls):
         )
 
 
+def kernel_operand_addresses(w) -> dict[str, int]:
+    """Where each array run() hands the decode kernel lives (the plan's own
+    and the fixed ones; q, out and the pool are the caller's)."""
+    return {name: b._data_ptr() for name, b in w._plan.buffers.items() if name != "int_params"}
+
+
+def check_decode_replans_in_place(device: str, capture: bool = False) -> None:
+    """A use_cuda_graph decode wrapper's plans write one set of arrays: a
+    second plan with longer requests (more key splits) and an empty one
+    reads its work list from the addresses the first plan's step read, with
+    the unused capacity padded. With capture (CUDA), a step captured in a
+    torch CUDA graph after the first plan replays the second plan's batch."""
+    bufs = [x.to(device) for x in buffers(capacity=96)]
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(
+        None, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+        paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+    )  # fmt: skip
+    rng = np.random.default_rng(12)
+    pool = torch.from_numpy(rng.standard_normal((120, 2, P, HKV, D), dtype=np.float32))
+    pool = pool.to(device)
+    q = torch.from_numpy(rng.standard_normal((B, HQ, D), dtype=np.float32)).to(device)
+    out = torch.empty_like(q)
+    first = reference.paged_batch(rng, P, [40, 3, 17], [0] * B)
+    w.plan(*(torch.from_numpy(x).to(device) for x in first_table(first)), HQ, HKV, D, P)
+    addresses = kernel_operand_addresses(w)
+    step = lambda: w.run(q, pool, out=out)  # noqa: E731
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        step()  # the op compiled and loaded before the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            step()
+        step = graph.replay  # noqa: E731
+    for lens in ([40, 3, 17], [600, 0, 900]):
+        batch = reference.paged_batch(rng, P, lens, [0] * B)
+        w.plan(*(torch.from_numpy(x).to(device) for x in first_table(batch)), HQ, HKV, D, P)
+        assert kernel_operand_addresses(w) == addresses
+        items = w._fixed_work.items.cpu().numpy()
+        used = int(w._fixed_work.request_items.cpu()[-1])
+        assert (items[used:, 2] == 0).all()  # the padding has no queries
+        step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        want = reference_decode(q.cpu().numpy(), pool.cpu().numpy(), batch)
+        np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+    assert used > B  # the long requests were split
+
+
+def first_table(batch):
+    return batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len
+
+
+def test_decode_replans_its_work_list_in_place():
+    check_decode_replans_in_place("cpu")
+
+
+def test_fixed_work_list_refuses_a_plan_it_cannot_hold():
+    bufs = buffers(capacity=96)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(
+        None, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+        paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+    )  # fmt: skip
+    rng = np.random.default_rng(13)
+    batch = reference.paged_batch(rng, P, [40, 3, 17], [0] * B)
+    w.plan(*first_table(batch), HQ, HKV, D, P)
+    capacity = w._fixed_work.capacity
+    long = reference.paged_batch(rng, P, [P * capacity] * B, [0] * B)
+    with pytest.raises(ValueError, match="fixed work list holds"):
+        w.plan(*first_table(long), HQ, HKV, D, P, fixed_split_size=1)
+
+
 def test_prefill_writes_every_fixed_buffer():
     indptr_buf, indices_buf, last_buf = buffers()
     qo_buf = torch.zeros(B + 1, dtype=torch.int32)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from test_cascade_attention import check_levels, check_masked_merge, check_shared_prefix
 from test_custom_mask import check_custom_mask
+from test_fixed_buffers import check_decode_replans_in_place
 from test_manager import check_copy_on_write_of_torch_pools, check_host_tier
 
 import pagedkv
@@ -238,6 +239,13 @@ def test_tensor_core_decode_refuses_what_it_cannot_run():
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="HND", backend="mma").plan(
             *table, 8, 2, 128, 16
         )
+
+
+def test_captured_decode_replays_each_plan():
+    """use_cuda_graph: a decode step captured in a torch CUDA graph after one
+    plan() replays the next plans' batches (longer, split, an empty request)
+    right: every array the kernels read stays where the capture saw it."""
+    check_decode_replans_in_place("cuda", capture=True)
 
 
 def test_decode_orders_against_torchs_current_stream():

@@ -4,7 +4,9 @@ A work item is a tile of one request's query rows (consecutive tokens, each
 with all its heads) against a run of that request's keys [kv_first, kv_end).
 Decode has one query per request and may split its keys across several items
 (split-K, flash-decoding), whose partial states are merged afterwards;
-prefill tiles its queries and gives each tile all the keys it can see.
+prefill tiles its queries and gives each tile all the keys it can see. An
+item of no queries is padding (a fixed work list's unused capacity, outside
+every request's range in request_items): the kernels skip it.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder

@@ -291,6 +291,7 @@ def decode_work(
     is_gpu: bool,
     min_chunk: int = 256,
     fixed_chunk: int | None = None,
+    max_splits: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Work items of a decode step over requests of seq_lens [B] tokens in
     pages of page_size: one query per request, its visible keys
@@ -302,7 +303,9 @@ def decode_work(
     or the query rows one GPU thread block covers. Every request has at least
     one item, so an empty one gets o = 0, lse = -inf. fixed_chunk (tokens, a
     page multiple) replaces that choice: FlashInfer's fixed_split_size and
-    disable_split_kv. Returns items [I, 6] and request_items [B + 1].
+    disable_split_kv. max_splits, if given, lengthens the chunks until no
+    request has more items than that (a captured step's fixed work list,
+    `decode_split_cap`). Returns items [I, 6] and request_items [B + 1].
     """
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     if options.window_left < 0:
@@ -325,6 +328,9 @@ def decode_work(
         per_block_slots = max(parallel_slots(is_gpu) // head_blocks, 1)
         chunk = max(min_chunk, -(-int((seq_lens - first_visible).sum()) // per_block_slots))
         chunk = -(-chunk // page_size) * page_size
+    if max_splits is not None:
+        longest_pages = -(-int(span.max(initial=0)) // page_size)
+        chunk = max(chunk, -(-longest_pages // max_splits) * page_size)
     counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
@@ -346,6 +352,21 @@ def decode_work(
 GPU_CHUNK_CHOICES = 64
 """Most chunk sizes gpu_chunk weighs (splits of the longest request into 1, 2,
 .. parts), bounding plan()'s cost."""
+
+
+def decode_split_cap(
+    batch_size: int, num_qo_heads: int, num_kv_heads: int, per_task: int, is_gpu: bool
+) -> int:
+    """Work items per request that a batch of batch_size decodes needs at most
+    to fill the machine: the parallel slots over the batch's head blocks (see
+    decode_work), at least 1. A use_cuda_graph decode wrapper fixes its work
+    list at batch_size times this many items."""
+    group = num_qo_heads // num_kv_heads
+    if is_gpu:
+        head_blocks = num_kv_heads * -(-group // GPU_MAX_ROWS)
+    else:
+        head_blocks = -(-num_kv_heads // per_task)
+    return max(1, -(-parallel_slots(is_gpu) // (max(batch_size, 1) * head_blocks)))
 
 
 def gpu_chunk(span: np.ndarray, head_blocks: int, page_size: int, min_chunk: int) -> int:

@@ -26,7 +26,7 @@ from ._checks import (
     host_index_copy,
 )
 from ._kernels import Operand, OpSpec, compiled_op, run_model
-from ._op_contract import ATTENTION_OP, attention_operands
+from ._op_contract import ATTENTION_OP, ITEM_FIELDS, attention_operands
 from ._tensors import (
     FP8_FORMATS,
     Array,
@@ -41,6 +41,7 @@ from ._tensors import (
     new_like,
     storage_dtype,
     to_buffer,
+    write_front,
 )
 from .custom_mask import NO_MASK, CustomMaskRows
 from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
@@ -137,6 +138,63 @@ class PageTable:
         return PageTable(*host, page_size, seq_lens, max_page_id, indptr)
 
 
+class FixedWork:
+    """The work list and scratch a use_cuda_graph decode wrapper keeps for its
+    life, so that every array a step's kernels read (with the caller's fixed
+    index buffers, pagedkv.fixed_buffers) stays at one address across plans:
+    a step captured in a CUDA graph after one plan() replays right after the
+    next. plan() writes each batch's work items into the front of `items`
+    and fills the rest with items of no queries, which the kernels skip, so
+    the captured grid (one block row per item) never changes; the partial
+    states, the lse scratch and the ALiBi lse shift are sized for the
+    capacity and the batch once.
+
+    A plan of another batch size, head count or head dim needs another
+    FixedWork (`sized_for`), and another capture.
+    """
+
+    def __init__(
+        self,
+        like: Array,
+        batch_size: int,
+        capacity: int,
+        num_qo_heads: int,
+        head_dim: int,
+        workspace: Array | None,
+    ) -> None:
+        self.shape = (batch_size, num_qo_heads, head_dim)
+        self.capacity = capacity
+        self.items = empty(like, (capacity, ITEM_FIELDS), DType.int32)
+        self.request_items = empty(like, (batch_size + 1,), DType.int32)
+        self.partial_o = _workspace_view(workspace, (capacity, num_qo_heads, head_dim), like)
+        self.partial_lse = empty(like, (capacity, num_qo_heads), F32)
+        self.lse_scratch = empty(like, (batch_size, num_qo_heads), F32)
+        self.lse_shift = empty(like, (batch_size, num_qo_heads), F32)
+        self.custom_mask = new_like(like, NO_MASK.bits)
+        self.mask_rows = new_like(like, NO_MASK.row_bits)
+
+    def sized_for(self, batch_size: int, num_qo_heads: int, head_dim: int) -> bool:
+        return self.shape == (batch_size, num_qo_heads, head_dim)
+
+    def write(
+        self, items: np.ndarray, request_items: np.ndarray, lse_shift: np.ndarray | None
+    ) -> None:
+        """Writes a plan's work list (and ALiBi lse shift) in place, after
+        checking that it fits."""
+        if len(items) > self.capacity:
+            raise ValueError(
+                f"this batch needs {len(items)} decode work items; the wrapper's fixed "
+                f"work list holds {self.capacity} (use_cuda_graph fixes it at the first "
+                "plan): plan the batch needing the most splits first, or use another wrapper"
+            )
+        padded = np.zeros((self.capacity, ITEM_FIELDS), np.int32)  # padding: no queries
+        padded[: len(items)] = items
+        write_front(self.items, padded)
+        write_front(self.request_items, request_items)
+        if lse_shift is not None:
+            write_front(self.lse_shift, lse_shift)
+
+
 class AttentionPlan:
     """Everything run() needs: metadata buffers, options, the compiled op."""
 
@@ -158,6 +216,7 @@ class AttentionPlan:
         lse_shift: np.ndarray | None = None,
         custom_mask: CustomMaskRows | None = None,
         table_views: tuple[Array, Array, Array] | None = None,
+        fixed_work: FixedWork | None = None,
     ) -> None:
         self.table = table
         self.num_qo_heads = num_qo_heads
@@ -186,21 +245,39 @@ class AttentionPlan:
             resident(table.indices),
             resident(table.last_page_len),
         )
+        if fixed_work is None:
+            work = {
+                "items": resident(items),
+                "request_items": resident(request_items),
+                "custom_mask": resident((custom_mask or NO_MASK).bits),
+                "mask_rows": resident((custom_mask or NO_MASK).row_bits),
+                "partial_o": _workspace_view(workspace, partial_shape, table.like),
+                "partial_lse": empty(table.like, partial_shape[:2], F32),
+                # Where lse goes when the caller does not ask for it: the kernel
+                # always writes one, and this spares run() an allocation.
+                "lse_scratch": empty(table.like, (q_rows, num_qo_heads), F32),
+            }
+            shift = None if lse_shift is None else new_like(table.like, lse_shift)
+        else:
+            assert custom_mask is None, "a fixed work list is decode's"
+            fixed_work.write(items, request_items, lse_shift)
+            work = {
+                name: getattr(fixed_work, name)
+                for name in (
+                    "items", "request_items", "custom_mask", "mask_rows", "partial_o",
+                    "partial_lse", "lse_scratch",
+                )
+            }  # fmt: skip
+            shift = None if lse_shift is None else fixed_work.lse_shift
         self.buffers = {
             "indices": to_buffer(indices),
             "indptr": to_buffer(indptr),
             "last": to_buffer(last),
-            "items": resident(items),
-            "request_items": resident(request_items),
-            "custom_mask": resident((custom_mask or NO_MASK).bits),
-            "mask_rows": resident((custom_mask or NO_MASK).row_bits),
-            "partial_o": to_buffer(_workspace_view(workspace, partial_shape, table.like)),
-            "partial_lse": to_buffer(empty(table.like, partial_shape[:2], F32)),
-            # Where lse goes when the caller does not ask for it: the kernel
-            # always writes one, and this spares run() an allocation.
-            "lse_scratch": to_buffer(empty(table.like, (q_rows, num_qo_heads), F32)),
+            **{name: to_buffer(array) for name, array in work.items()},
             "int_params": to_buffer(int_params),
         }
+        self.lse_shift_resident = shift
+        """lse_shift on the table's device and kind (None without it)."""
         self.lse_shift = lse_shift
         """[rows, Hq] (host) added to a returned lse (decode under ALiBi, see
         decode_alibi_lse_shift); None: nothing."""
@@ -313,9 +390,12 @@ class AttentionPlan:
         )
         if not return_lse:
             return out, None
-        if self.lse_shift is not None:
-            # As lse's kind and device: the plan's arrays may be NumPy, q torch.
-            lse += new_like(lse, self.lse_shift)
+        shift = self.lse_shift_resident
+        if shift is not None:
+            # The plan's arrays may be NumPy and q torch: then a copy of lse's kind.
+            if is_torch(shift) != is_torch(lse) or device_of(shift) != device_of(lse):
+                shift = new_like(lse, self.lse_shift)
+            lse += shift
         return out, lse
 
 

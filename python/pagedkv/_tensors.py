@@ -202,3 +202,16 @@ def new_like(like: Array, values: np.ndarray) -> Array:
 
         return torch.from_numpy(values).to(like.device)
     return values
+
+
+def write_front(buffer: Array, values: np.ndarray) -> Array:
+    """Copies values (host NumPy) into the front of buffer, in place (a torch
+    tensor on any device, or a NumPy array); returns that front, a view."""
+    view = buffer[: len(values)]
+    if is_torch(buffer):
+        import torch
+
+        view.copy_(torch.from_numpy(np.ascontiguousarray(values)))  # converts the dtype
+    else:
+        view[:] = values
+    return view

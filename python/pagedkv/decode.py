@@ -20,10 +20,11 @@ from ._attention import (
     check_heads,
     decode_alibi_lse_shift,
     decode_kernel,
+    decode_split_cap,
     decode_work,
     heads_per_task,
 )
-from ._attention_plan import AttentionPlan, PageTable, attention_spec
+from ._attention_plan import AttentionPlan, FixedWork, PageTable, attention_spec
 from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
 from ._kernels import OpSpec
 from ._one_page import attention_of_nothing, one_page_kv
@@ -64,7 +65,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     caller's, kept for the wrapper's life): plan() writes each batch's page
     table into them and run() reads it from them alone, so a captured step
     replays with new contents; the batch size is fixed by the buffers
-    (pagedkv.fixed_buffers). jit_args (FlashInfer's JIT variants) must be None.
+    (pagedkv.fixed_buffers). The work list and scratch are the wrapper's own,
+    sized at the first plan and rewritten in place by each plan (at most as
+    many key splits per request as fill the device), so a step captured once
+    stays right across plans; a plan needing more items (a small
+    fixed_split_size) raises. Options and scales are captured with the step.
+    jit_args (FlashInfer's JIT variants) must be None.
     """
 
     def __init__(
@@ -101,6 +107,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._planned: dict | None = None
         self._frozen_q_len: int | None = None
         """use_cuda_graph: the first plan's q_len_per_req, which later plans keep."""
+        self._fixed_work: FixedWork | None = None
+        """use_cuda_graph: the work list and scratch every plan writes in place."""
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -266,6 +274,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._fixed is not None:
             views = self._fixed.write_all(table.indptr, table.indices, table.last_page_len)
         per_task = heads_per_task(num_qo_heads, num_kv_heads)
+        split_cap = None
+        if self._fixed is not None:
+            split_cap = decode_split_cap(
+                table.batch_size, num_qo_heads, num_kv_heads, per_task, is_gpu
+            )
         items, request_items = decode_work(
             table.seq_lens,
             table.page_size,
@@ -275,7 +288,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
             options,
             is_gpu,
             fixed_chunk=fixed_chunk,
+            max_splits=split_cap if fixed_chunk is None else None,
         )
+        fixed_work = None
+        if split_cap is not None:
+            # Sized once, at the first plan (the captured grid): the split cap
+            # bounds every later default plan of this batch size.
+            fixed_work = self._fixed_work
+            shape = (table.batch_size, num_qo_heads, options.head_dim)
+            if fixed_work is None or not fixed_work.sized_for(*shape):
+                capacity = max(table.batch_size * split_cap, len(items))
+                fixed_work = FixedWork(
+                    table.like, table.batch_size, capacity, num_qo_heads, options.head_dim,
+                    self._workspace,
+                )  # fmt: skip
+                self._fixed_work = fixed_work
         self._plan = AttentionPlan(
             table,
             items=items,
@@ -297,6 +324,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 else None
             ),
             table_views=views,
+            fixed_work=fixed_work,
         )
         self._frozen_q_len = 1 if self._fixed is not None else None
 

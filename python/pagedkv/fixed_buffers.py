@@ -6,9 +6,10 @@ arrays into them, and run() reads the page table from them and from nothing
 else, so a step captured once (a CUDA graph) replays with the contents the
 last plan() wrote. The batch size is the buffers' own (indptr has B + 1
 entries, last_page_len B); the page-index buffer is a capacity, filled from
-its start. The work list plan() decides stays in the plan, as FlashInfer's
-stays in its workspace buffer. On the CPU the same contract holds, without
-the capture.
+its start. A decode wrapper keeps its work list at fixed addresses too
+(_attention_plan.FixedWork), as FlashInfer keeps its in the workspace: the
+captured step reads each plan's items. On the CPU the same contract holds,
+without the capture.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_index_array, check_writable
-from ._tensors import Array, device_of, is_contiguous, is_torch
+from ._tensors import Array, device_of, is_contiguous, write_front
 
 
 class FixedIndexBuffers:
@@ -57,15 +58,6 @@ class FixedIndexBuffers:
                 )
             if len(values) > size:
                 raise ValueError(f"{name} holds {size} entries, fewer than the {len(values)} given")
-        return tuple(self._write(self.buffers[name], values) for name, values in named)
-
-    @staticmethod
-    def _write(buffer: Array, values: np.ndarray) -> Array:
-        view = buffer[: len(values)]
-        if is_torch(buffer):
-            import torch
-
-            view.copy_(torch.from_numpy(np.ascontiguousarray(values, np.int32)))
-        else:
-            view[:] = values
-        return view
+        return tuple(
+            write_front(self.buffers[name], np.asarray(values, np.int32)) for name, values in named
+        )

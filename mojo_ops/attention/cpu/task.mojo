@@ -95,6 +95,8 @@ def attention_task[
     var h1 = min(h0 + heads_per_task, kv_heads)
     var group = num_qo_heads // kv_heads
     var queries = work.q_count(item)
+    if queries == 0:
+        return  # capacity padding of a fixed work list: nothing to do
     var q_row0 = work.q_row(item)
     var q_pos0 = work.q_pos(item)
     var head_rows = queries * group

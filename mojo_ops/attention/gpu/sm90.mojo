@@ -289,6 +289,8 @@ def decode_sm90_kernel[
     var kv_head = Int(block_idx.y)
     var real_group = qo_heads // cache.num_kv_heads()
     var item = Int(block_idx.x)
+    if work.q_count(item) == 0:
+        return  # capacity padding of a fixed work list: nothing to do
     var first = work.kv_first(item)
     var end = work.kv_end(item)
     # Stages start on a box boundary at or before `first`; rows outside

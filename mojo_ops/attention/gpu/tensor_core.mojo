@@ -249,6 +249,8 @@ def decode_tensor_core_kernel[
     var kv_head = Int(block_idx.y)
     var group = qo_heads // cache.num_kv_heads()
     var item = Int(block_idx.x)
+    if work.q_count(item) == 0:
+        return  # capacity padding of a fixed work list: nothing to do
     var first = work.kv_first(item)
     var end = work.kv_end(item)
     var base = first - first % BOX_ROWS
