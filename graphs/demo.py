@@ -18,7 +18,7 @@ import numpy as np
 
 from pagedkv._kernels import build_kernel_package_in_background
 
-from .model import LlamaConfig, init_weights
+from .model import LlamaConfig, init_weights, quantize_weights
 from .scheduler import Request, Scheduler, pages_for
 
 RANDOM = "random"
@@ -33,7 +33,10 @@ class DemoOptions:
     requests: int = 16
     model: str = "smollm2-135m-instruct"
     layers: int | None = None
-    dtype: str = "float32"
+    weights: str | None = None
+    """gguf, f32 or bf16 (pagedkv.models.forms); None: the device's default."""
+    kv_dtype: str | None = None
+    """The cache's dtype; None: the weights' default."""
     page_size: int = 16
     max_new_tokens: int = 48
     seed: int = 0
@@ -83,6 +86,10 @@ class DemoPlan:
     title: str
     config: LlamaConfig
     weights: dict[str, np.ndarray]
+    """float32 weights: what the float graphs and the NumPy reference use
+    (with quantized weights, their dequantized blocks)."""
+    quantized: dict | None
+    """The packed GGUF blocks the quantized graphs multiply, or None."""
     requests: list[Request]
     num_pages: int
     tokenizer: object | None = None
@@ -150,8 +157,13 @@ def check_flags(options: DemoOptions) -> None:
             "--device gpu: no CUDA GPU visible to both torch and MAX; use --device cpu "
             "(`pagedkv check-gpu` compiles the GPU kernels without a GPU)"
         )
-    if options.dtype not in ("float32", "bfloat16"):
-        raise DemoError(f"--dtype must be float32 or bfloat16, got {options.dtype!r}")
+    from pagedkv.models import ModelError
+    from pagedkv.models.forms import check_forms
+
+    try:
+        check_forms(weights_of(options), options.kv_dtype, options.device)
+    except ModelError as e:
+        raise DemoError(str(e)) from None
     for name in ("requests", "layers", "page_size", "max_new_tokens", "qo_heads", "kv_heads"):
         value = getattr(options, name)
         if value is not None and value < 1:
@@ -167,6 +179,17 @@ def check_flags(options: DemoOptions) -> None:
         if shaped:
             flags = ", ".join("--" + n.replace("_", "-") for n in shaped)
             raise DemoError(f"{flags} shape the random model only: add --model {RANDOM}")
+
+
+def weights_of(options: DemoOptions) -> str:
+    """The demo's weight form: --weights, or the device's default."""
+    from pagedkv.models.forms import default_weights
+
+    return options.weights or default_weights(options.device)
+
+
+RANDOM_MODEL_FORMAT = "Q4_0"
+"""The GGUF format of the random model's matrices under --weights gguf."""
 
 
 def random_config(options: DemoOptions) -> LlamaConfig:
@@ -218,13 +241,15 @@ def plan_demo(options: DemoOptions) -> DemoPlan:
     check_flags(options)
     if options.model == RANDOM:
         config, requests, num_pages = check_options(options)
-        weights = init_weights(config, options.seed)
+        weights, quantized = init_weights(config, options.seed), None
+        if weights_of(options) == "gguf":
+            weights, quantized = quantize_weights(config, weights, RANDOM_MODEL_FORMAT)
         title = (
             f"{config.num_layers}-layer Llama with random weights (hidden {config.hidden_size}, "
             f"{config.num_qo_heads}/{config.num_kv_heads} heads of {config.head_dim}, vocab "
             f"{config.vocab_size})"
         )
-        return DemoPlan(title, config, weights, requests, num_pages)
+        return DemoPlan(title, config, weights, quantized, requests, num_pages)
     from pagedkv.models import ModelError, fetch_gguf, model_spec
     from pagedkv.models.llm import _read
     from pagedkv.models.tokenizer import ChatTokenizer
@@ -243,14 +268,23 @@ def plan_demo(options: DemoOptions) -> DemoPlan:
     )
     num_pages = size_pool(c, requests, options)
     questions = {r.request_id: QUESTIONS[i % len(QUESTIONS)] for i, r in enumerate(requests)}
-    return DemoPlan(title, c, model.weights, requests, num_pages, tokenizer, questions)
+    quantized = model.quantized if weights_of(options) == "gguf" else None
+    if weights_of(options) == "gguf" and not quantized:
+        raise DemoError(f"{spec.title}: its formats are not all quantized-product formats")
+    return DemoPlan(
+        title, c, model.weights, quantized, requests, num_pages, tokenizer, questions
+    )
 
 
-FLOAT32_LOGIT_TOLERANCE = {"cpu": 1e-3, "gpu": 0.25}
-"""The largest engine-vs-reference logit difference a float32 run may show,
-by device. A wrong kernel is off by O(1); a GPU's float32 step graphs (MAX's
-own matmuls) compute at a lower precision than the CPU's, hence its looser
-bound (observed differences: docs/design.md, "Kernel notes")."""
+LOGIT_TOLERANCE = {("f32", "cpu"): 1e-3, ("f32", "gpu"): 0.25, ("gguf", "cpu"): 0.05}
+"""The largest engine-vs-reference logit difference a run may show, by
+weights and device (bfloat16 is reported, not checked). A wrong kernel is
+off by O(1). A GPU's float32 step graphs (MAX's own matmuls) compute at a
+lower precision than the CPU's; the quantized graphs keep float32
+intermediates that the reference keeps in float64, and each product
+quantizes its activations again, where a value a rounding away from a code
+boundary can land one code apart (observed differences: docs/design.md,
+"Kernel notes")."""
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -264,10 +298,14 @@ def run_demo(options: DemoOptions) -> int:
     plan = plan_demo(options)
     config, requests = plan.config, plan.requests
     samples = sum(r.samples for r in requests)
+    from pagedkv.models.forms import check_forms
+
+    weights = weights_of(options)
+    kv_dtype = check_forms(weights, options.kv_dtype, options.device)
     print(
         f"pagedkv demo: {len(requests)} requests ({samples} sequences), {plan.title}, "
-        f"{options.dtype}, {options.device}, {plan.num_pages} pages of {options.page_size} "
-        "tokens",
+        f"{weights} weights, {kv_dtype} cache, {options.device}, {plan.num_pages} pages of "
+        f"{options.page_size} tokens",
         flush=True,
     )
     manager = PagedKVCacheManager(
@@ -276,11 +314,11 @@ def run_demo(options: DemoOptions) -> int:
         config.num_kv_heads,
         config.head_dim,
         num_layers=config.num_layers,
-        dtype=options.dtype,
+        dtype=kv_dtype,
         device="cuda" if options.device == "gpu" else "cpu",
     )
     print("compiling the prefill and decode graphs ...", flush=True)
-    engine = LlamaEngine(config, plan.weights, manager)
+    engine = LlamaEngine(config, plan.weights, manager, plan.quantized)
     print(
         f"compile: {engine.compile_seconds:.1f} s (cached on disk: later runs load it)", flush=True
     )
@@ -313,18 +351,20 @@ def run_demo(options: DemoOptions) -> int:
         f"prefix cache: {manager.stats.prefix_hits} page hits, {manager.stats.prefix_misses} misses"
     )
     t0 = time.perf_counter()
-    check = check_sequences(config, plan.weights, sequences)
-    exact = options.dtype == "float32"
-    tolerance = FLOAT32_LOGIT_TOLERANCE[options.device]
-    close = check.max_logit_diff <= tolerance
-    verdict = "PASS" if (check.passed and close) or not exact else "FAIL"
+    check = check_sequences(config, plan.weights, sequences, quantized=plan.quantized is not None)
+    tolerance = LOGIT_TOLERANCE.get((weights, options.device))
+    checked = tolerance is not None and kv_dtype == "float32"
+    close = tolerance is None or check.max_logit_diff <= tolerance
+    verdict = "PASS" if (check.passed and close) or not checked else "FAIL"
+    form = "quantized activations, " if plan.quantized is not None else ""
     print(
-        f"self-check against the NumPy dense-cache model (float32): {check.tokens} tokens, "
-        f"{check.tokens - len(check.mismatches)} equal, {check.near_ties} near-ties, "
+        f"self-check against the NumPy dense-cache model ({form}float64): {check.tokens} "
+        f"tokens, {check.tokens - len(check.mismatches)} equal, {check.near_ties} near-ties, "
         f"max |logit diff| {check.max_logit_diff:.2e} ({time.perf_counter() - t0:.1f} s): "
-        f"{verdict}" + ("" if exact else f" ({options.dtype}: agreement reported, not required)")
+        f"{verdict}"
+        + ("" if checked else f" ({weights}, {kv_dtype} cache: agreement reported, not required)")
     )
-    if exact and not close:
+    if checked and not close:
         print(f"  max |logit diff| is over {tolerance} on the {options.device}")
     for line in check.mismatches[:5]:
         print(f"  mismatch: {line}")

@@ -26,13 +26,18 @@ from .step_models import compile_step_graphs
 
 
 class LlamaEngine:
-    """The model on a paged cache: prefill() and decode() steps of a batch."""
+    """The model on a paged cache: prefill() and decode() steps of a batch.
+
+    `quantized` (the packed GGUF matrices by name, see
+    `pagedkv.models.gguf_llama`) runs the quantized step graphs; otherwise
+    the float ones in the manager's dtype."""
 
     def __init__(
         self,
         config: LlamaConfig,
         weights: dict[str, np.ndarray],
         manager: PagedKVCacheManager,
+        quantized: dict | None = None,
     ) -> None:
         if manager.num_layers != config.num_layers or manager.head_dim != config.head_dim:
             raise ValueError("the manager's pools do not match the model's layers and head_dim")
@@ -42,7 +47,7 @@ class LlamaEngine:
         self.manager = manager
         self.device = device_of(manager.pools[0])
         self.models = compile_step_graphs(
-            config, weights, manager.page_size, manager.dtype, self.device
+            config, weights, manager.page_size, manager.dtype, self.device, quantized
         )
         self.compile_seconds = self.models.seconds
 

@@ -9,16 +9,28 @@ work items) as a symbolic dim, so one compile serves every step of a run.
 
 The layer is a subgraph that each layer calls with its own pool and its
 own weights (by name prefix), so compiling 30 layers costs about what one
-does. The products go through graph_ops.linear: on the CPU pagedkv's op
-over weights packed in panels at load (MAX's CPU matmul would dominate a
-cold compile: docs/performance.md), on a GPU MAX's matmul. Per layer:
-RMSNorm, fused QKV projection, RoPE on q and k (the cache holds rotated
-keys), append, paged attention, output projection and residual,
-RMSNorm, SwiGLU MLP and residual; then a final norm and the logits of each
-request's last token.
+does. Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache
+holds rotated keys), append, paged attention, output projection and
+residual, RMSNorm, SwiGLU MLP and residual; then a final norm and the
+logits of each request's last token.
+
+The weights come in one of two forms:
+
+- float (`quantized=None`): float32 or bfloat16 weights, activations and
+  cache in one dtype; the products go through graph_ops.linear (on the CPU
+  pagedkv's op over weights packed in panels at load, on a GPU MAX's
+  matmul). The exact path: it matches transformers token for token.
+- quantized (a `QuantizedFormats`): the GGUF's own 4- and 8-bit blocks,
+  multiplied by graph_ops.qlinear (CPU) with float32 activations quantized
+  per block; each norm is the prologue of the product after it, SwiGLU
+  the prologue of the down projection and each residual add an epilogue,
+  so a layer is five ops besides RoPE and append. The cache keeps its own
+  dtype (`dtype`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from max.dtype import DType
@@ -40,11 +52,50 @@ from pagedkv.linear_panels import (
     pack_linear_weight,
     pack_linear_weight_cached,
 )
+from pagedkv.quantized_panels import quantized_panels_shape
 
 from .model import LlamaConfig, layer_weight_shapes, rope_tables
 
 PREFILL = "prefill"
 DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class QuantizedFormats:
+    """The GGUF block format of each product of a quantized graph (the same
+    in every layer): the fused Q|K|V projection, the output projection, the
+    fused gate|up projection, the down projection and the output head."""
+
+    wqkv: str
+    wo: str
+    w_gate_up: str
+    w_down: str
+    lm_head: str
+
+
+def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
+    """The formats of a model's packed matrices (`QuantizedWeight`s by the
+    names of `pagedkv.models.gguf_llama.quantized_weight_names`); raises
+    ValueError unless every layer has the same."""
+    layer = ("wqkv", "wo", "w_gate_up", "w_down")
+    first = {name: quantized[f"layers.0.{name}"].format for name in layer}
+    for i in range(1, num_layers):
+        found = {name: quantized[f"layers.{i}.{name}"].format for name in layer}
+        if found != first:
+            raise ValueError(f"layer {i}'s weight formats {found} differ from layer 0's {first}")
+    return QuantizedFormats(**first, lm_head=quantized["lm_head"].format)
+
+
+def quantized_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """[out_features, in_features] of a quantized graph's matrices (GGUF's
+    order); a layer's are named without their "layers.{i}." prefix."""
+    return {
+        "wqkv": (c.qkv_size, c.hidden_size),
+        "wo": (c.hidden_size, c.num_qo_heads * c.head_dim),
+        "w_gate_up": (2 * c.ffn_size, c.hidden_size),
+        "w_down": (c.hidden_size, c.ffn_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+    }
 
 
 def step_input_names(kind: str, num_layers: int) -> tuple[str, ...]:
@@ -112,14 +163,86 @@ def _weight(
     return Weight(name, dtype, shape, device, _placeholder=placeholder)
 
 
-def _weights(c: LlamaConfig, dtype: DType, device: DeviceRef) -> dict[str, Weight]:
+def _layer_weights(
+    c: LlamaConfig,
+    dtype: DType,
+    device: DeviceRef,
+    quantized: QuantizedFormats | None,
+    placeholder: bool = True,
+) -> dict[str, Weight]:
+    """A layer's weights (placeholders, resolved by each layer's prefix)."""
+    if quantized is None:
+        return {
+            name: _weight(name, dtype, shape, device, placeholder)
+            for name, shape in layer_weight_shapes(c).items()
+        }
+    shapes = quantized_weight_shapes(c)
+    w = {
+        name: Weight(name, DType.float32, (c.hidden_size,), device, _placeholder=placeholder)
+        for name in ("attn_norm", "mlp_norm")
+    }
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        fmt = getattr(quantized, name)
+        packed = quantized_panels_shape(fmt, *shapes[name])
+        w[name] = Weight(name, DType.uint8, packed, device, _placeholder=placeholder)
+    return w
+
+
+def _weights(
+    c: LlamaConfig, dtype: DType, device: DeviceRef, quantized: QuantizedFormats | None
+) -> dict[str, Weight]:
     """The weights outside the layers (the layers' come by prefix: _layer_subgraph)."""
+    if quantized is not None:
+        head = quantized_panels_shape(quantized.lm_head, *quantized_weight_shapes(c)["lm_head"])
+        return {
+            "embed": Weight("embed", DType.float32, (c.vocab_size, c.hidden_size), device),
+            "final_norm": Weight("final_norm", DType.float32, (c.hidden_size,), device),
+            "lm_head": Weight("lm_head", DType.uint8, head, device),
+        }
     shapes = {
         "embed": (c.vocab_size, c.hidden_size),
         "final_norm": (c.hidden_size,),
         "lm_head": (c.hidden_size, c.vocab_size),
     }
     return {name: _weight(name, dtype, shape, device) for name, shape in shapes.items()}
+
+
+def _attention(
+    kind: str,
+    c: LlamaConfig,
+    qkv: TensorValue,
+    rope: tuple[TensorValue, TensorValue],
+    pool: BufferValue,
+    rows_index: tuple[TensorValue, TensorValue],
+    table: tuple[TensorValue, TensorValue, TensorValue],
+    work: tuple[TensorValue, TensorValue],
+) -> TensorValue:
+    """Attention of the rows' fused projections qkv [rows, (Hq + 2 Hkv) D]
+    over their pool, after appending their rotated keys and values (in the
+    pool's dtype); returns [rows, Hq D] in qkv's dtype.
+
+    rope: on the CPU the whole cos and sin tables [max_positions, D/2]
+    (float32), which one op applies while it appends; on a GPU the rows'
+    own [rows, 1, D/2] in qkv's dtype, applied by MAX's ops."""
+    rows = qkv.shape[0]
+    nq = c.num_qo_heads * c.head_dim
+    nk = c.num_kv_heads * c.head_dim
+    batch_indices, positions = rows_index
+    if pool.device == DeviceRef.CPU():
+        q = graph_ops.rope_append_paged_kv_cache(
+            pool, qkv, *rope, c.num_qo_heads, batch_indices, positions, *table
+        )
+    else:
+        q, k, v = ops.split(qkv, [nq, nk, nk], axis=-1)
+        q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), *rope)
+        k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
+        v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
+        graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table)
+    if kind == PREFILL:
+        attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
+    else:
+        attn, _ = graph_ops.batch_decode(q, pool, *table, *work, num_kv_heads=c.num_kv_heads)
+    return ops.reshape(attn, [rows, nq])
 
 
 def _layer(
@@ -132,35 +255,49 @@ def _layer(
     rows_index: tuple[TensorValue, TensorValue],
     table: tuple[TensorValue, TensorValue, TensorValue],
     work: tuple[TensorValue, TensorValue],
+    quantized: QuantizedFormats | None,
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    rows = x.shape[0]
-    nq = c.num_qo_heads * c.head_dim
-    nk = c.num_kv_heads * c.head_dim
-    batch_indices, positions = rows_index
+    if quantized is not None:
+        layer = graph_ops.QuantizedLayerWeights(
+            *(w[name] for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")),
+            formats=(quantized.wqkv, quantized.wo, quantized.w_gate_up, quantized.w_down),
+        )
+        return graph_ops.quantized_decoder_layer(
+            x,
+            pool,
+            layer,
+            *rope,
+            c.num_qo_heads,
+            c.ffn_size,
+            c.rms_eps,
+            *rows_index,
+            *table,
+            *work,
+            decode=kind == DECODE,
+        )
+
     out_features = {name: shape[-1] for name, shape in layer_weight_shapes(c).items()}
 
     def linear(h: TensorValue, name: str) -> TensorValue:
         return graph_ops.linear(h, w[name], out_features[name])
 
     h = ops.rms_norm(x, w["attn_norm"], c.rms_eps)
-    q, k, v = ops.split(linear(h, "wqkv"), [nq, nk, nk], axis=-1)
-    q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), *rope)
-    k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
-    v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
-    graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table)
-    if kind == PREFILL:
-        attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
-    else:
-        attn, _ = graph_ops.batch_decode(q, pool, *table, *work, num_kv_heads=c.num_kv_heads)
-    x = x + linear(ops.reshape(attn, [rows, nq]), "wo")
+    attn = _attention(kind, c, linear(h, "wqkv"), rope, pool, rows_index, table, work)
+    x = x + linear(attn, "wo")
     h = ops.rms_norm(x, w["mlp_norm"], c.rms_eps)
     return x + linear(ops.silu(linear(h, "w_gate")) * linear(h, "w_up"), "w_down")
 
 
 def _layer_subgraph(
-    g: Graph, kind: str, c: LlamaConfig, dtype: DType, device: DeviceRef, args: list
+    g: Graph,
+    kind: str,
+    c: LlamaConfig,
+    dtype: DType,
+    device: DeviceRef,
+    args: list,
+    quantized: QuantizedFormats | None,
 ) -> Graph:
     """The decoder layer as a subgraph of g, compiled once and called once
     per layer: its weights are placeholders ("attn_norm", ...) that each
@@ -172,10 +309,7 @@ def _layer_subgraph(
         devices=[device],
     ) as sub:
         x, cos, sin, pool, batch_indices, positions, *rest = sub.inputs
-        w = {
-            name: _weight(name, dtype, shape, device, placeholder=True)
-            for name, shape in layer_weight_shapes(c).items()
-        }
+        w = _layer_weights(c, dtype, device, quantized)
         table = tuple(v.tensor for v in rest[:3])
         work = tuple(v.tensor for v in rest[3:])
         sub.output(
@@ -189,6 +323,7 @@ def _layer_subgraph(
                 (batch_indices.tensor, positions.tensor),
                 table,
                 work,
+                quantized,
             )
         )
     return sub
@@ -206,14 +341,19 @@ def build_step_graph(
     dtype: DType = DType.float32,
     device: DeviceRef | None = None,
     module: Module | None = None,
+    quantized: QuantizedFormats | None = None,
 ) -> Graph:
     """The prefill or decode step graph; see step_input_names for its inputs.
 
     The layer is one subgraph called once per layer, so the graph's compile
-    cost does not grow with the number of layers.
+    cost does not grow with the number of layers. dtype is the pools' (and
+    in the float form the weights' and activations') dtype; `quantized`
+    selects the quantized form (CPU only).
 
     Output: logits [batch, vocab] (float32) of each request's last token.
     """
+    if quantized is not None and device not in (None, DeviceRef.CPU()):
+        raise ValueError("quantized step graphs run on the CPU")
     device = device or DeviceRef.CPU()
     cos_table, sin_table = rope_tables(c)
     with Graph(
@@ -223,16 +363,15 @@ def build_step_graph(
         module=module,
     ) as g:
         named = dict(zip(step_input_names(kind, c.num_layers), g.inputs, strict=True))
-        w = _weights(c, dtype, device)
+        w = _weights(c, dtype, device, quantized)
+        act = DType.float32 if quantized is not None else dtype
         t = {k: v.tensor for k, v in named.items() if not k.startswith("pool.")}
         positions = t["positions"]
-        rope_cos = ops.unsqueeze(
-            ops.gather(ops.constant(cos_table, DType.float32, device=device), positions, 0), 1
-        )
-        rope_sin = ops.unsqueeze(
-            ops.gather(ops.constant(sin_table, DType.float32, device=device), positions, 0), 1
-        )
-        rope_cos, rope_sin = ops.cast(rope_cos, dtype), ops.cast(rope_sin, dtype)
+        rope_cos = ops.constant(cos_table, DType.float32, device=device)
+        rope_sin = ops.constant(sin_table, DType.float32, device=device)
+        if device != DeviceRef.CPU():
+            rope_cos = ops.cast(ops.unsqueeze(ops.gather(rope_cos, positions, 0), 1), act)
+            rope_sin = ops.cast(ops.unsqueeze(ops.gather(rope_sin, positions, 0), 1), act)
         table = [t["kv_indices"], t["kv_indptr"], t["kv_last_page_len"]]
         work = [t["work_items"], t["request_items"]]
 
@@ -250,19 +389,41 @@ def build_step_graph(
                 *work,
             ]
             if layer is None:
-                layer = _layer_subgraph(g, kind, c, dtype, device, args)
+                layer = _layer_subgraph(g, kind, c, dtype, device, args, quantized)
             x = ops.call(layer, *args, prefix=f"layers.{i}.")[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
-        x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
-        g.output(ops.cast(graph_ops.linear(x, w["lm_head"], c.vocab_size), DType.float32))
+        if quantized is not None:
+            norm = (w["final_norm"], c.rms_eps)
+            logits = graph_ops.qlinear(
+                x, w["lm_head"], quantized.lm_head, c.vocab_size, rms_norm=norm
+            )
+        else:
+            x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
+            logits = ops.cast(graph_ops.linear(x, w["lm_head"], c.vocab_size), DType.float32)
+        g.output(logits)
     return g
 
 
-def weights_registry(weights: dict[str, np.ndarray], dtype: DType, device: DeviceRef) -> dict:
-    """The weights as the graphs' Weight values want them: on the CPU the
-    matrices packed in panels (float32 ones once, on disk beside a
+def weights_registry(
+    weights: dict[str, np.ndarray],
+    dtype: DType,
+    device: DeviceRef,
+    quantized: dict | None = None,
+) -> dict:
+    """The weights as the graphs' Weight values want them.
+
+    The quantized form takes the packed matrices of `quantized` and, from
+    `weights`, the float32 norms and token embedding. The float form: on the
+    CPU the matrices packed in panels (float32 ones once, on disk beside a
     memory-mapped copy), and cast to dtype (once per load)."""
+    if quantized is not None:
+        floats = {
+            name: w
+            for name, w in weights.items()
+            if name in ("embed", "final_norm") or name.endswith("_norm")
+        }
+        return {**floats, **{name: q.panels for name, q in quantized.items()}}
     on_cpu = device == DeviceRef.CPU()
     if dtype == DType.float32:
         return {

@@ -82,3 +82,43 @@ def rope_tables(c: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
     inv_freq = c.rope_theta ** (-np.arange(0, c.head_dim // 2, dtype=np.float64) * 2 / c.head_dim)
     angle = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
+def quantize_weights(
+    c: LlamaConfig, weights: dict[str, np.ndarray], fmt: str = "Q8_0"
+) -> tuple[dict[str, np.ndarray], dict]:
+    """The model with its matrices in a GGUF block format: (the weights with
+    each matrix replaced by its dequantized blocks, the packed blocks under
+    the quantized step graphs' names). Both serve the same model, so the
+    float and quantized graphs of it can be compared.
+
+    Names of the packed matrices: per layer "wqkv", "wo", "w_gate_up" (gate
+    then up) and "w_down", then "lm_head" (pagedkv.models.gguf_llama).
+    """
+    from gguf import GGMLQuantizationType, quants
+
+    from pagedkv.quantized_panels import pack_quantized_weight
+
+    kind = GGMLQuantizationType[fmt]
+    dense = dict(weights)
+    packed = {}
+
+    def quantize(name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """w [K, N] (x @ w) as GGUF blocks of w^T and as its dequantized self."""
+        raw = quants.quantize(np.ascontiguousarray(w.T, np.float32), kind)
+        dense[name] = np.ascontiguousarray(quants.dequantize(raw, kind).T)
+        return raw, dense[name]
+
+    fused = {"wqkv": ("wqkv",), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up")}
+    fused["w_down"] = ("w_down",)
+    for i in range(c.num_layers):
+        for target, parts in fused.items():
+            raws = [quantize(f"layers.{i}.{p}", weights[f"layers.{i}.{p}"])[0] for p in parts]
+            k = weights[f"layers.{i}.{parts[0]}"].shape[0]
+            rows = sum(weights[f"layers.{i}.{p}"].shape[1] for p in parts)
+            packed[f"layers.{i}.{target}"] = pack_quantized_weight(
+                np.concatenate([r.reshape(-1) for r in raws]), fmt, rows, k
+            )
+    raw, _ = quantize("lm_head", weights["lm_head"])
+    packed["lm_head"] = pack_quantized_weight(raw, fmt, c.vocab_size, c.hidden_size)
+    return dense, packed

@@ -1,7 +1,11 @@
 """The model in plain NumPy, with a dense (non-paged) KV cache per request.
 
 Independent of pagedkv's kernels and of MAX: the demo's self-check runs the
-same weights through it and compares every generated token.
+same weights through it and compares every generated token. For the
+quantized step graphs it quantizes each product's activations as they do
+(`quantize_activations`: per block of 32, to int8 with a float32 scale) and
+multiplies them by the dequantized weights in float64, so that it computes
+what they compute up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -29,12 +33,31 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + np.exp(-x))
 
 
-class DenseLlama:
-    """One request at a time: feed() tokens, get the last token's logits."""
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x [..., K] (K a multiple of 32) as the quantized products see it: each
+    block of 32 rounded in float32 to d * q with d = max|x| / 127 and q an
+    integer in [-127, 127] (round half to even), returned in float64."""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    codes = np.rint(blocks * inverse)
+    return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]) -> None:
+
+class DenseLlama:
+    """One request at a time: feed() tokens, get the last token's logits.
+
+    `quantized`: quantize each product's activations (the quantized step
+    graphs' arithmetic; the weights are then the GGUF's, dequantized)."""
+
+    def __init__(
+        self, config: LlamaConfig, weights: dict[str, np.ndarray], quantized: bool = False
+    ) -> None:
         self.c = config
         self.w = weights
+        self.quantized = quantized
         self.cos, self.sin = rope_tables(config)
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
@@ -52,8 +75,13 @@ class DenseLlama:
         """A copy sharing nothing mutable (the reference of a forked request)."""
         other = DenseLlama.__new__(DenseLlama)
         other.c, other.w, other.cos, other.sin = self.c, self.w, self.cos, self.sin
+        other.quantized = self.quantized
         other.k, other.v, other.length = list(self.k), list(self.v), self.length
         return other
+
+    def product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ w[name], after quantizing x when the model is quantized."""
+        return (quantize_activations(x) if self.quantized else x) @ self.w[name]
 
     def feed(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (causal attention over everything so far); returns
@@ -73,7 +101,7 @@ class DenseLlama:
         for i in range(c.num_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
-            qkv = h @ w[p + "wqkv"]
+            qkv = self.product(h, p + "wqkv")
             nq, nk = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
             q = rotate(qkv[:, :nq].reshape(t, c.num_qo_heads, c.head_dim), cos, sin)
             k = rotate(qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
@@ -89,9 +117,10 @@ class DenseLlama:
             p_attn = np.exp(scores)
             p_attn /= p_attn.sum(axis=-1, keepdims=True)
             attn = np.einsum("htl,lhd->thd", p_attn, values).reshape(t, nq)
-            x = x + attn @ w[p + "wo"]
+            x = x + self.product(attn, p + "wo")
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
-            x = x + (silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
+            gate, up = self.product(h, p + "w_gate"), self.product(h, p + "w_up")
+            x = x + self.product(silu(gate) * up, p + "w_down")
         self.length += t
         x = rms_norm(x[-1:] if last_only else x, w["final_norm"], c.rms_eps)
-        return x @ w["lm_head"]
+        return self.product(x, "lm_head")

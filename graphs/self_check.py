@@ -38,8 +38,10 @@ def check_sequences(
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float = 1e-3,
+    quantized: bool = False,
 ) -> CheckResult:
-    """Compares every token (and the logits behind it) with the reference.
+    """Compares every token (and the logits behind it) with the reference
+    (`DenseLlama`, quantizing its activations when `quantized`).
 
     NumPy's BLAS runs on one thread here: the reference's matrices are small,
     and a BLAS thread pool that waits on a busy core runs them many times
@@ -48,7 +50,7 @@ def check_sequences(
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=1, user_api="blas"):
-        return _check(config, weights, sequences, tie_tolerance)
+        return _check(config, weights, sequences, tie_tolerance, quantized)
 
 
 def _check(
@@ -56,6 +58,7 @@ def _check(
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float,
+    quantized: bool,
 ) -> CheckResult:
     result = CheckResult()
     by_request: dict[str, list[Sequence]] = {}
@@ -63,7 +66,7 @@ def _check(
         by_request.setdefault(s.request.request_id, []).append(s)
     for group in by_request.values():
         prompt = list(group[0].request.prompt)
-        prompt_ref = DenseLlama(config, weights)
+        prompt_ref = DenseLlama(config, weights, quantized)
         first_logits = prompt_ref.feed(prompt)
         ranked = np.argsort(-first_logits, kind="stable")
         for s in group:

@@ -22,7 +22,14 @@ from pagedkv._kernels import prepare
 from pagedkv._tensors import Device
 from pagedkv.page import COPY_PAGES
 
-from .llama import DECODE, PREFILL, build_step_graph, step_graph_name, weights_registry
+from .llama import (
+    DECODE,
+    PREFILL,
+    build_step_graph,
+    quantized_formats,
+    step_graph_name,
+    weights_registry,
+)
 from .model import LlamaConfig
 
 
@@ -54,23 +61,29 @@ def compile_step_graphs(
     page_size: int,
     dtype: DType,
     device: Device,
+    quantized: dict | None = None,
 ) -> StepModels:
     """The model's step graphs for `device`, compiled (or loaded from the
-    compile cache) once per process and kept."""
-    key = (config, page_size, dtype, device, id(weights))
+    compile cache) once per process and kept. With `quantized` (packed
+    matrices by name) the graphs multiply them in their GGUF formats and
+    dtype is the pools' alone (llama.py)."""
+    formats = quantized_formats(quantized, config.num_layers) if quantized is not None else None
+    key = (config, page_size, dtype, device, id(weights), id(quantized))
     if key not in _compiled:
         t0 = time.perf_counter()
 
         def graphs(module: Module) -> None:
             for kind in (PREFILL, DECODE):
-                build_step_graph(kind, config, page_size, dtype, device.graph_ref(), module)
+                build_step_graph(
+                    kind, config, page_size, dtype, device.graph_ref(), module, formats
+                )
 
-        registry = weights_registry(weights, dtype, device.graph_ref())
+        registry = weights_registry(weights, dtype, device.graph_ref(), quantized)
         models = prepare(
             [COPY_PAGES],
             device,
             graphs=graphs,
-            key=("llama step graphs", config, page_size, dtype, str(device)),
+            key=("llama step graphs", config, page_size, dtype, str(device), formats),
             weights_registry=registry,
         )
         _compiled[key] = StepModels(

@@ -216,6 +216,47 @@ def test_n_samples_stop_seed_and_cached_prompt_tokens(server, reference):
     assert_no_page_in_use(server)
 
 
+def test_ignore_eos_generates_max_tokens(server, reference):
+    """With ignore_eos an answer that ends at EOS goes on to exactly
+    max_tokens tokens (finish_reason "length"), on both endpoints, streamed
+    and not; without it the same request stops at EOS."""
+    early = [(p, w) for p, w in zip(PROMPTS, reference["chat"], strict=True)]
+    early = [(p, w) for p, w in early if w.finish_reason == "stop"]
+    assert early, "no reference answer ends at EOS before max_tokens"
+    prompt, want = early[0]
+    assert len(want.token_ids) < MAX_TOKENS
+    assert want.token_ids[-1] == server.engine.tokenizer.eos_token_id
+    c = client(server)
+    messages = [{"role": "user", "content": prompt}]
+    common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0}
+    ignore = {"extra_body": {"ignore_eos": True}}
+    got = c.chat.completions.create(messages=messages, **common, **ignore)
+    assert got.usage.completion_tokens == MAX_TOKENS
+    assert got.choices[0].finish_reason == "length"
+    assert got.choices[0].message.content.startswith(want.text)
+    chunks = list(
+        c.chat.completions.create(
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **common,
+            **ignore,
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    reasons = [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason]
+    assert reasons == ["length"]
+    text = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+    assert text == got.choices[0].message.content
+    raw = c.completions.create(prompt=want.prompt_token_ids, **common, **ignore)
+    assert raw.usage.completion_tokens == MAX_TOKENS
+    assert raw.choices[0].finish_reason == "length"
+    plain = c.completions.create(prompt=want.prompt_token_ids, **common)
+    assert plain.usage.completion_tokens == len(want.token_ids)
+    assert plain.choices[0].finish_reason == "stop"
+    assert_no_page_in_use(server)
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in client(server).models.list()] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}

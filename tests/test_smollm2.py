@@ -55,7 +55,7 @@ def assert_matches_reference(completions, records) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return load("smollm2-135m-instruct", dtype="float32", device=MODEL_DEVICE)
+    return load("smollm2-135m-instruct", weights="f32", device=MODEL_DEVICE)
 
 
 def test_tokenizer_and_chat_template_equal_transformers():
@@ -145,7 +145,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_generate_cli_prints_one_json_object_per_prompt_in_order():
     records = REFERENCE["records"][:3]
-    result = run_cli("generate", "--json", "--max-new-tokens", "8", *[r["prompt"] for r in records])
+    prompts = [r["prompt"] for r in records]
+    result = run_cli("generate", "--json", "--weights", "f32", "--max-new-tokens", "8", *prompts)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 3
@@ -163,7 +164,10 @@ def test_generate_cli_prints_one_json_object_per_prompt_in_order():
     [
         (["generate", "--model", "nope", "hi"], "unknown model 'nope'"),
         (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens must be at least 1"),
-        (["generate", "--dtype", "float64", "hi"], "dtype must be one of"),
+        (["generate", "--weights", "f64", "hi"], "weights must be one of"),
+        (["generate", "--kv-dtype", "int4", "hi"], "kv_dtype must be one of"),
+        (["generate", "--weights", "f32", "--kv-dtype", "float16", "hi"], "keeps its cache"),
+        (["generate", "--weights", "gguf", "--device", "gpu", "hi"], "runs on the CPU"),
     ],
 )
 def test_generate_cli_errors_are_one_line_with_status_2(args, message):
@@ -183,7 +187,7 @@ def test_live_against_transformers():
     from smollm2_transformers import PROMPTS, transformers_answers
 
     records = transformers_answers(PROMPTS[:4])
-    completions = load("smollm2-135m-instruct", device=MODEL_DEVICE).generate(
+    completions = load("smollm2-135m-instruct", weights="f32", device=MODEL_DEVICE).generate(
         [r["prompt"] for r in records], max_new_tokens=REFERENCE["max_new_tokens"]
     )
     assert_matches_reference(completions, records)
@@ -200,7 +204,7 @@ def test_bfloat16_departs_from_float32_only_at_near_ties():
     float32's own top two logits lie within BFLOAT16_NEAR_TIE; the number of
     answers equal as a whole is reported (docs/performance.md)."""
     records = REFERENCE["records"]
-    completions = load("smollm2-135m-instruct", dtype="bfloat16", device=MODEL_DEVICE).generate(
+    completions = load("smollm2-135m-instruct", weights="bf16", device=MODEL_DEVICE).generate(
         [r["prompt"] for r in records], max_new_tokens=REFERENCE["max_new_tokens"]
     )
     same = 0

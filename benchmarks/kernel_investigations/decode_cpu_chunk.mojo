@@ -304,7 +304,7 @@ def bench_task[kv_dtype: DType, group: Int]() raises:
 
 
 def run_tasks[
-    FuncType: def(Int) raises -> None
+    FuncType: def(Int) -> None
 ](func: FuncType, num_tasks: Int, one_core: Bool) raises:
     """Runs func(0) ... func(num_tasks - 1): in order on this core, or on all
     cores (`parallel_dynamic`)."""

@@ -164,7 +164,7 @@ def linear_cpu[
 
     def task(
         t: Int,
-    ) raises {
+    ) {
         var x,
         var panels,
         var y,

@@ -89,6 +89,30 @@ LINEAR_OP = "pagedkv_linear"
 LINEAR_PANEL = 64
 """Columns of a packed weight panel (linear/linear.mojo: LINEAR_PANEL)."""
 
+DECODER_LAYER_OP = "pagedkv_decoder_layer"
+"""A Llama decoder layer with quantized weights in one CPU op (decoder/decoder_layer.mojo)."""
+
+ROPE_APPEND_OP = "pagedkv_rope_append"
+"""RoPE on a layer's fused Q|K|V rows with the append of K and V (page_ops/rope_append.mojo)."""
+
+QLINEAR_OP = "pagedkv_qlinear"
+"""The CPU op of linear layers with GGUF-quantized weights (quantized/qlinear.mojo)."""
+
+QUANT_PANEL = 16
+"""Output columns of a packed quantized panel (quantized/block_formats.mojo: PANEL)."""
+
+QUANT_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+"""GGUF block formats the quantized product takes, as its `format` parameter:
+GGML's type ids (quantized/block_formats.mojo: Q4_0, Q4_1, Q8_0)."""
+
+QLINEAR_PROLOGUES = {"none": 0, "rms_norm": 1, "swiglu": 2}
+"""The quantized product's `prologue` parameter (quantized/activations.mojo:
+NO_PROLOGUE, RMS_NORM, SWIGLU)."""
+
+QLINEAR_EPILOGUES = {"none": 0, "add": 1}
+"""The quantized product's `epilogue` parameter (quantized/qlinear.mojo:
+NO_EPILOGUE, ADD_RESIDUAL)."""
+
 MASK_READ_PADDING = 8
 """Zero bytes after a packed custom mask (attention/custom_mask.mojo: BIT_READ_PADDING)."""
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .bench.decode_bench import CPU_SHAPES
+from .models.forms import add_weights_arguments
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--layers", type=int, default=None, help="--model random: transformer layers (default 4)"
     )
-    demo.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    add_weights_arguments(demo)
     demo.add_argument(
         "--page-size", type=int, default=16, help="tokens per page (default %(default)s)"
     )
@@ -76,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--max-new-tokens", type=int, default=64, help="per prompt (default %(default)s)"
     )
-    gen.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     gen.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    add_weights_arguments(gen)
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)"
     )
@@ -157,7 +158,8 @@ def _demo(args: argparse.Namespace) -> int:
         device=args.device,
         requests=args.requests,
         layers=args.layers,
-        dtype=args.dtype,
+        weights=args.weights,
+        kv_dtype=args.kv_dtype,
         page_size=args.page_size,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,

@@ -59,7 +59,13 @@ def run_generate(args: argparse.Namespace) -> int:
         say("pagedkv generate: error: --max-new-tokens must be at least 1")
         return 2
     try:
-        llm = load(args.model, dtype=args.dtype, device=args.device, progress=say)
+        llm = load(
+            args.model,
+            weights=args.weights,
+            kv_dtype=args.kv_dtype,
+            device=args.device,
+            progress=say,
+        )
     except ModelError as e:
         say(f"pagedkv generate: error: {e}")
         return 2

@@ -20,6 +20,8 @@ NumPy; the page manager has the page table on the host anyway).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorType, TensorValue, ops
@@ -29,9 +31,16 @@ from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
 from ._op_contract import (
     ATTENTION_OP,
+    DECODER_LAYER_OP,
     LINEAR_OP,
     LINEAR_PANEL,
     MLA_OP,
+    QLINEAR_EPILOGUES,
+    QLINEAR_OP,
+    QLINEAR_PROLOGUES,
+    QUANT_FORMATS,
+    QUANT_PANEL,
+    ROPE_APPEND_OP,
     attention_operands,
     mla_operands,
 )
@@ -88,6 +97,76 @@ def linear(x: TensorValue, weight: TensorValue, out_features: int | None = None)
     return ops.custom(LINEAR_OP, device=x.device, values=[x, weight], out_types=[out])[0].tensor
 
 
+def qlinear(
+    x: TensorValue,
+    weight: TensorValue,
+    fmt: str,
+    out_features: int,
+    *,
+    rms_norm: tuple[TensorValue, float] | None = None,
+    swiglu: bool = False,
+    residual: TensorValue | None = None,
+) -> TensorValue:
+    """``prologue(x) @ w^T (+ residual)`` for a GGUF-quantized weight w [N, K].
+
+    The activations are quantized per block of 32 inputs to int8 and
+    multiplied in byte dot products by the weight's own 4- or 8-bit codes
+    (CPU only), after an optional prologue: an RMSNorm of x, or SwiGLU's
+    ``silu(x[:, :K]) * x[:, K:]``; an optional epilogue adds a residual.
+
+    Args:
+        x: [M, K] (M symbolic; [M, 2K] with ``swiglu``), float32 or bfloat16.
+        weight: w packed by
+            :func:`pagedkv.quantized_panels.pack_quantized_weight`,
+            uint8 [ceil(N / 16), quantized_panel_bytes(fmt, K)].
+        fmt: w's GGUF type ("Q4_0", "Q4_1", "Q8_0").
+        out_features: N.
+        rms_norm: (gamma [K] float32, eps): normalize x first.
+        swiglu: x holds gate and up side by side.
+        residual: [M, N] float32, added to the product.
+
+    Returns:
+        [M, N] float32.
+    """
+    from .quantized_panels import quantized_panel_bytes
+
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"qlinear takes {', '.join(QUANT_FORMATS)} weights, not {fmt!r}")
+    if rms_norm is not None and swiglu:
+        raise ValueError("qlinear takes one prologue: rms_norm or swiglu")
+    if x.rank != 2 or not isinstance(x.shape[1], StaticDim):
+        raise ValueError(f"qlinear's x is [M, K] with a static K, got {x.shape}")
+    k = int(x.shape[1]) // (2 if swiglu else 1)
+    shape = (-(-out_features // QUANT_PANEL), quantized_panel_bytes(fmt, k))
+    if weight.dtype != DType.uint8 or tuple(int(d) for d in weight.shape) != shape:
+        raise ValueError(
+            f"a {fmt} weight [{out_features}, {k}] is packed as uint8 {list(shape)}, "
+            f"got {weight.dtype} {weight.shape}"
+        )
+    cpu = x.device
+    gamma, eps = rms_norm if rms_norm is not None else (None, 0.0)
+    if gamma is None:
+        gamma = ops.constant(np.zeros(0, np.float32), F32, device=cpu)
+    elif tuple(int(d) for d in gamma.shape) != (k,):
+        raise ValueError(f"qlinear's rms_norm weight is [{k}], got {gamma.shape}")
+    if residual is None:
+        residual = ops.constant(np.zeros((0, 0), np.float32), F32, device=cpu)
+    out = TensorType(F32, [x.shape[0], out_features], device=cpu)
+    prologue = "rms_norm" if rms_norm is not None else "swiglu" if swiglu else "none"
+    epilogue = "add" if residual.shape[0] != 0 else "none"
+    return ops.custom(
+        QLINEAR_OP,
+        device=cpu,
+        values=[x, weight, gamma, residual, ops.constant(np.array([eps], np.float32), F32, cpu)],
+        out_types=[out],
+        parameters={
+            "format": QUANT_FORMATS[fmt],
+            "prologue": QLINEAR_PROLOGUES[prologue],
+            "epilogue": QLINEAR_EPILOGUES[epilogue],
+        },
+    )[0].tensor
+
+
 def append_paged_kv_cache(
     paged_kv_cache: BufferValue,
     append_key: TensorValue,
@@ -122,6 +201,183 @@ def append_paged_kv_cache(
         ],
         parameters={"layout": layout_code(kv_layout)},
     )
+
+
+@dataclass(frozen=True)
+class QuantizedLayerWeights:
+    """A Llama decoder layer's weights for `quantized_decoder_layer`: the two
+    RMSNorm weights [H] float32 and the four products' packed GGUF weights
+    (uint8 panels) with their formats."""
+
+    attn_norm: TensorValue
+    wqkv: TensorValue
+    wo: TensorValue
+    mlp_norm: TensorValue
+    w_gate_up: TensorValue
+    w_down: TensorValue
+    formats: tuple[str, str, str, str]
+    """GGUF types of wqkv, wo, w_gate_up and w_down."""
+
+
+def quantized_decoder_layer(
+    x: TensorValue,
+    paged_kv_cache: BufferValue,
+    weights: QuantizedLayerWeights,
+    rope_cos: TensorValue,
+    rope_sin: TensorValue,
+    num_qo_heads: int,
+    ffn_size: int,
+    rms_eps: float,
+    batch_indices: TensorValue,
+    positions: TensorValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    work_items: TensorValue,
+    request_items: TensorValue,
+    decode: bool,
+    kv_layout: str = "NHD",
+) -> TensorValue:
+    """A Llama decoder layer with GGUF-quantized weights, as one CPU op.
+
+    ``h = x + wo(attention(rope(wqkv(rms_norm(x)))))``, then
+    ``h + w_down(silu(gate) * up)`` with ``gate|up = w_gate_up(rms_norm(h))``,
+    over the step's rows: the products of `qlinear`, the RoPE and append of
+    `rope_append_paged_kv_cache` and the attention of `batch_decode` (or
+    causal `batch_prefill`) in one op, whose steps share one dispatch to the
+    cores (mojo_ops/decoder/decoder_layer.mojo). The rows' keys and values
+    are appended to the pool first; everything is checked before anything
+    is written.
+
+    Args:
+        x: [rows, H] float32 (rows symbolic).
+        paged_kv_cache: the layer's pool [pages, 2, ...page...], written in
+            place.
+        weights: the layer's weights.
+        rope_cos, rope_sin: [max_positions, D / 2] float32 tables.
+        num_qo_heads, ffn_size: Hq and the MLP's width F.
+        rms_eps: the RMSNorms' epsilon.
+        batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len:
+            int32, as for `append_paged_kv_cache`.
+        work_items, request_items: from `decode_work` (decode) or
+            `prefill_work` (causal) for this step.
+        decode: one query row per request (key-split work items).
+
+    Returns:
+        [rows, H] float32.
+    """
+    page_dim = 3 if kv_layout == "NHD" else 2
+    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
+    options = AttentionOptions(head_dim)
+    if decode:
+        int_params = options.int_params(
+            heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True
+        )
+    else:
+        tile = _attention.prefill_tile(num_qo_heads // heads, False)
+        int_params = options.int_params(1, causal=True, max_queries=tile, kv_split=False)
+    for fmt in weights.formats:
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"quantized_decoder_layer takes {', '.join(QUANT_FORMATS)} weights")
+    qkv, wo, gate_up, down = (QUANT_FORMATS[f] for f in weights.formats)
+    cpu = x.device
+    return ops.inplace_custom(
+        DECODER_LAYER_OP,
+        device=cpu,
+        values=[
+            paged_kv_cache,
+            paged_kv_cache,
+            x,
+            weights.attn_norm,
+            weights.wqkv,
+            weights.wo,
+            weights.mlp_norm,
+            weights.w_gate_up,
+            weights.w_down,
+            rope_cos,
+            rope_sin,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            work_items,
+            request_items,
+            ops.constant(options.float_params(None, None, None), F32, device=cpu),
+            ops.constant(int_params, DType.int32, device=cpu),
+            ops.constant(np.array([rms_eps], np.float32), F32, device=cpu),
+        ],
+        out_types=[TensorType(F32, x.shape, device=cpu)],
+        parameters={
+            "layout": layout_code(kv_layout),
+            "kv_format": 0,
+            "qkv_format": qkv,
+            "wo_format": wo,
+            "gate_up_format": gate_up,
+            "down_format": down,
+            "num_qo_heads": num_qo_heads,
+            "ffn_size": ffn_size,
+        },
+    )[0].tensor
+
+
+def rope_append_paged_kv_cache(
+    paged_kv_cache: BufferValue,
+    qkv: TensorValue,
+    rope_cos: TensorValue,
+    rope_sin: TensorValue,
+    num_qo_heads: int,
+    batch_indices: TensorValue,
+    positions: TensorValue,
+    kv_indices: TensorValue,
+    kv_indptr: TensorValue,
+    kv_last_page_len: TensorValue,
+    kv_layout: str = "NHD",
+) -> TensorValue:
+    """RoPE on a layer's fused projections, keys and values appended: one op.
+
+    qkv [nnz, (Hq + Hkv + Hkv) * D] holds each new token's query, key and
+    value heads side by side. Its queries and keys are rotated (rotate-half
+    RoPE, in float32) by the token's position, the keys and values written
+    into the pool in the pool's dtype as `append_paged_kv_cache` writes
+    them, and the rotated queries returned. Checks the page table and the
+    positions (each below the tables' rows) before writing anything. CPU
+    only.
+
+    Args:
+        paged_kv_cache: the pool [pages, 2, ...page...], written in place.
+        qkv: [nnz, (num_qo_heads + 2 Hkv) * D], float32 or bfloat16.
+        rope_cos, rope_sin: [max_positions, D / 2] float32 tables.
+        num_qo_heads: Hq.
+        batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len:
+            int32, as for `append_paged_kv_cache`.
+
+    Returns:
+        q [nnz, Hq, D], qkv's dtype.
+    """
+    page_dim = 3 if kv_layout == "NHD" else 2
+    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
+    if int(qkv.shape[1]) != (num_qo_heads + 2 * heads) * head_dim:
+        raise ValueError(f"qkv {qkv.shape} is not [nnz, (num_qo_heads + 2 * {heads}) * {head_dim}]")
+    q = TensorType(qkv.dtype, [qkv.shape[0], num_qo_heads, head_dim], device=qkv.device)
+    return ops.inplace_custom(
+        ROPE_APPEND_OP,
+        device=paged_kv_cache.device,
+        values=[
+            paged_kv_cache,
+            paged_kv_cache,
+            qkv,
+            rope_cos,
+            rope_sin,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+        ],
+        out_types=[q],
+        parameters={"layout": layout_code(kv_layout)},
+    )[0].tensor
 
 
 def _attention_op(

@@ -1,15 +1,23 @@
 """Unit test of `parallel_dynamic`: every task runs exactly once, whatever the
 number of tasks against the number of cores (none, one, fewer, many), and
-tasks of very uneven cost still all run; and of `parallel_row_blocks`: every
+tasks of very uneven cost still all run; of `parallel_row_blocks`: every
 row falls in exactly one block, whatever the block size (including 0, taken
-as 1, and more than the rows).
+as 1, and more than the rows); and of `parallel_phases`: every task of every
+phase runs once, and each starts only after every task of the phases before
+it has finished (a slow task early in a phase holds the next phase back),
+with empty phases between.
 """
 
 from std.atomic import Atomic
 from std.memory.alloc import unsafe_alloc
 from std.testing import assert_equal
 
-from mojo_ops.work_queue import parallel_dynamic, parallel_row_blocks
+from mojo_ops.work_queue import (
+    Phases,
+    parallel_dynamic,
+    parallel_phases,
+    parallel_row_blocks,
+)
 
 
 def main() raises:
@@ -61,3 +69,54 @@ def main() raises:
                 checked += 1
             covered.unsafe_free()
     print("parallel_row_blocks:", checked, "rows passed")
+
+    checked = 0
+    var counts = [3, 0, 1, 40, 0, 7, 1000]
+    var phases = Phases()
+    var total = 0
+    for n in counts:
+        _ = phases.add(n)
+        total += n
+    # Per phase: tasks finished; per task: how many tasks of the phases
+    # before had finished when it started (all of them, or it ran early).
+    var finished = unsafe_alloc[Scalar[DType.int64]](len(counts))
+    var seen = unsafe_alloc[Scalar[DType.int64]](total)
+    var runs = unsafe_alloc[Scalar[DType.int64]](total)
+    for p in range(len(counts)):
+        finished[unsafe_offset=p] = 0
+    for t in range(total):
+        seen[unsafe_offset=t] = 0
+        runs[unsafe_offset=t] = 0
+    var first = unsafe_alloc[Int](len(counts))
+    var at = 0
+    for p in range(len(counts)):
+        first[unsafe_offset=p] = at
+        at += counts[p]
+
+    def phase_task(p: Int, t: Int) {var finished, var seen, var runs, var first}:
+        var before = Int64(0)
+        for q in range(p):
+            before += Atomic.fetch_add(finished.unsafe_offset(q), Int64(0))
+        var slot = first[unsafe_offset=p] + t
+        seen[unsafe_offset=slot] = before
+        var spin = 200_000 if t == 0 else 10
+        var x = Float64(t)
+        for _ in range(spin):
+            x = x * 0.999 + 1.0
+        _ = Atomic.fetch_add(runs.unsafe_offset(slot), Int64(1 + Int(x < 0)))
+        _ = Atomic.fetch_add(finished.unsafe_offset(p), Int64(1))
+
+    parallel_phases(phase_task, phases)
+    var done_before = 0
+    for p in range(len(counts)):
+        for t in range(counts[p]):
+            var slot = first[unsafe_offset=p] + t
+            assert_equal(runs[unsafe_offset=slot], 1, String("phase ", p, " task ", t))
+            assert_equal(
+                Int(seen[unsafe_offset=slot]),
+                done_before,
+                String("phase ", p, " task ", t, " started early"),
+            )
+            checked += 1
+        done_before += counts[p]
+    print("parallel_phases:", checked, "tasks passed")

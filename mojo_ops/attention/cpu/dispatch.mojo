@@ -2,17 +2,106 @@
 partial states of key-split requests (called by run_attention, in
 attention/run.mojo)."""
 
-from max.algorithm import sync_parallelize
-
-from ...cache.paged_kv_cache import DYNAMIC, PagedKVCache, Ptr
+from ...cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from ...merge.merge_states import merge_row
 from ...simd.widen import F32
-from ...work_queue import parallel_dynamic
+from ...work_queue import Phases, parallel_phases
 from ..custom_mask import CustomMask
 from ..params import AttentionParams
 from ..work import AttentionWork
 from .step_sizes import MIN_HEAD_DIM
 from .task import attention_task
+
+
+struct AttentionPhases[q_dtype: DType, kv_dtype: DType, layout: KVLayout](
+    TrivialRegisterPassable
+):
+    """Attention on the CPU as two phases of tasks: the work items, each over
+    a block of heads_per_task KV heads (`attention_task`); then, where any
+    request's keys were split across items, one merge per request of their
+    partial states into its output rows."""
+
+    var cache: PagedKVCache[
+        Self.kv_dtype, Self.layout, DYNAMIC, DYNAMIC, DYNAMIC
+    ]
+    var q: Ptr[Self.q_dtype]
+    var o: Ptr[Self.q_dtype]
+    var lse: Ptr[F32]
+    var work: AttentionWork
+    var params: AttentionParams
+    var mask: CustomMask
+    var num_qo_heads: Int
+    var heads_per_task: Int
+    var batch_size: Int
+    var any_split: Bool
+
+    def __init__(
+        out self,
+        cache: PagedKVCache[Self.kv_dtype, Self.layout, ...],
+        q: Ptr[Self.q_dtype],
+        o: Ptr[Self.q_dtype],
+        lse: Ptr[F32],
+        work: AttentionWork,
+        params: AttentionParams,
+        mask: CustomMask,
+        num_qo_heads: Int,
+        heads_per_task: Int,
+        batch_size: Int,
+        any_split: Bool,
+    ) raises:
+        # One compiled kernel for every head dim (a multiple of 64): the
+        # vector loops over head_dim run at run time.
+        if cache.head_dim() % MIN_HEAD_DIM != 0:
+            raise Error(
+                "pagedkv: head_dim ", cache.head_dim(), " is not a multiple of 64"
+            )
+        self.cache = cache.specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
+        self.q = q
+        self.o = o
+        self.lse = lse
+        self.work = work
+        self.params = params
+        self.mask = mask
+        self.num_qo_heads = num_qo_heads
+        self.heads_per_task = heads_per_task
+        self.batch_size = batch_size
+        self.any_split = any_split
+
+    def item_tasks(self) -> Int:
+        var kv_heads = self.cache.num_kv_heads()
+        var blocks = (kv_heads + self.heads_per_task - 1) // self.heads_per_task
+        return self.work.num_items * blocks
+
+    def run_item(self, t: Int):
+        attention_task(
+            self.cache,
+            self.q,
+            self.o,
+            self.lse,
+            self.work,
+            self.params,
+            self.mask,
+            self.num_qo_heads,
+            self.heads_per_task,
+            t,
+        )
+
+    def merge_tasks(self) -> Int:
+        return self.batch_size if self.any_split else 0
+
+    def run_merge(self, b: Int):
+        for qo in range(self.num_qo_heads):
+            merge_split_head(
+                self.work,
+                self.o,
+                self.lse,
+                self.num_qo_heads,
+                self.cache.head_dim(),
+                b,
+                qo,
+                0,
+                1,
+            )
 
 
 def run_attention_cpu[
@@ -31,65 +120,32 @@ def run_attention_cpu[
     heads_per_task: Int,
     mask: CustomMask,
 ) raises:
-    """The work items, each over blocks of heads_per_task KV heads, as tasks
-    that the cores take in turn (`attention_task`); then, where any_split,
-    the partial states of key-split requests merged into their output
-    rows."""
-    # One compiled kernel for every head dim (a multiple of 64): the
-    # vector loops over head_dim run at run time.
-    if head_dim % MIN_HEAD_DIM != 0:
-        raise Error("pagedkv: head_dim ", head_dim, " is not a multiple of 64")
-    var blocks = (cache.num_kv_heads() + heads_per_task - 1) // heads_per_task
-    var dynamic = cache.specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
+    """Runs the work items and then the merges (`AttentionPhases`) on all
+    cores, in one dispatch."""
+    var phases = AttentionPhases[q_dtype, cache.dtype, cache.layout](
+        cache,
+        q_ptr,
+        o_ptr,
+        lse_ptr,
+        work,
+        params,
+        mask,
+        num_qo_heads,
+        heads_per_task,
+        batch_size,
+        any_split,
+    )
 
-    def run_task(
-        t: Int,
-    ) {
-        var dynamic,
-        var q_ptr,
-        var o_ptr,
-        var lse_ptr,
-        var work,
-        var params,
-        var num_qo_heads,
-        var heads_per_task,
-        var mask,
-    }:
-        attention_task(
-            dynamic,
-            q_ptr,
-            o_ptr,
-            lse_ptr,
-            work,
-            params,
-            mask,
-            num_qo_heads,
-            heads_per_task,
-            t,
-        )
+    def task(p: Int, t: Int) {var phases}:
+        if p == 0:
+            phases.run_item(t)
+        else:
+            phases.run_merge(t)
 
-    parallel_dynamic(run_task, work.num_items * blocks)
-    if any_split:
-        # A task per request: a batch of one merges inline, on the
-        # calling thread (spreading its heads over the cores costs more
-        # in wake-ups than the merge itself).
-        def merge_task(
-            b: Int,
-        ) {var work, var o_ptr, var lse_ptr, var num_qo_heads, var head_dim}:
-            for qo in range(num_qo_heads):
-                merge_split_head(
-                    work,
-                    o_ptr,
-                    lse_ptr,
-                    num_qo_heads,
-                    head_dim,
-                    b,
-                    qo,
-                    0,
-                    1,
-                )
-
-        sync_parallelize(merge_task, batch_size)
+    var counts = Phases()
+    _ = counts.add(phases.item_tasks())
+    _ = counts.add(phases.merge_tasks())
+    parallel_phases(task, counts)
 
 
 def merge_split_head[

@@ -1,12 +1,15 @@
 """Reads a Llama-architecture GGUF into the step graphs' config and weights.
 
-GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32);
-the graphs multiply x @ W, so every matrix is dequantized with the `gguf`
-package and transposed to [in, out]. llama.cpp's converter permutes the rows
-of the Q and K projections so that its RoPE rotates interleaved pairs; the
-graphs rotate halves (as the original checkpoint does), so the permutation is
-undone here. A model with tied embeddings (no `output.weight`) reuses the
-token embedding as its output head.
+GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
+The weights come two ways: dequantized with the `gguf` package and
+transposed to [in, out] float32 (the float graphs multiply x @ W), and, for
+the quantized graphs, the GGUF's own blocks packed for pagedkv's quantized
+product (`pagedkv.quantized_panels`), bit for bit. llama.cpp's converter
+permutes the rows of the Q and K projections so that its RoPE rotates
+interleaved pairs; the graphs rotate halves (as the original checkpoint
+does), so the permutation is undone here, on the rows of either form. A
+model with tied embeddings (no `output.weight`) reuses the token embedding
+as its output head.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedkv._op_contract import QUANT_FORMATS, QUANT_PANEL
 from pagedkv.graphs.model import LlamaConfig
+from pagedkv.quantized_panels import QuantizedWeight, pack_quantized_weight
 
 from .errors import ModelError
 
@@ -39,6 +44,10 @@ class GGUFModel:
     """float32 arrays named as `pagedkv.graphs.model.init_weights` names them."""
     metadata: dict[str, object]
     """Every scalar and string field, and the tokenizer's arrays."""
+    quantized: dict[str, QuantizedWeight]
+    """The matrices in their GGUF block formats, packed, by the quantized
+    graphs' names (`quantized_weight_names`); empty unless every matrix is
+    in a format the quantized product takes."""
 
 
 def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -52,6 +61,14 @@ def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     half = rows // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantized_weight_names(num_layers: int) -> list[str]:
+    """The quantized graphs' matrices: per layer the fused Q|K|V projection,
+    the output projection, the fused gate|up projection and the down
+    projection; then the output head."""
+    per_layer = ("wqkv", "wo", "w_gate_up", "w_down")
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer] + ["lm_head"]
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -98,15 +115,67 @@ def read_gguf(path: str | Path) -> GGUFModel:
                 w = matrix(blk + gguf_name + ".weight")
                 weights[f"layers.{i}.{name}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
         weights["final_norm"] = matrix("output_norm.weight")
-        head = matrix("output.weight") if "output.weight" in tensors else embed
+        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        head = matrix(head_name) if head_name == "output.weight" else embed
         weights["lm_head"] = np.ascontiguousarray(head.T)
+        quantized = _quantized(config, tensors, head_name)
     except KeyError as e:
         raise ModelError(
             f"{path} lacks tensor {e}; delete it and it will be fetched again"
         ) from None
     except (ValueError, NotImplementedError) as e:
         raise ModelError(f"{path}: cannot dequantize ({e})") from None
-    return GGUFModel(config, weights, metadata)
+    return GGUFModel(config, weights, metadata, quantized)
+
+
+def _quantized(config: LlamaConfig, tensors: dict, head_name: str) -> dict[str, QuantizedWeight]:
+    """The matrices packed in their own block formats, the Q, K and V
+    projections fused into one product and the gate and up projections into
+    another (their panels side by side); empty when a matrix's format is one
+    the quantized product does not take or the fusions do not line up."""
+    names = {t.tensor_type.name for t in tensors.values() if len(t.shape) == 2}
+    if not names <= set(QUANT_FORMATS):
+        return {}
+
+    def packed(name: str, heads: int | None = None) -> QuantizedWeight:
+        t = tensors[name]
+        k, n = (int(d) for d in t.shape)  # GGUF lists the inputs first
+        data = np.asarray(t.data).reshape(n, -1)
+        if heads is not None:
+            data = undo_rope_permutation(data, heads)
+        return pack_quantized_weight(data, t.tensor_type.name, n, k)
+
+    def fused(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        if len({p.format for p in parts}) != 1 or any(
+            p.out_features % QUANT_PANEL for p in parts[:-1]
+        ):
+            return None
+        return QuantizedWeight(
+            parts[0].format,
+            sum(p.out_features for p in parts),
+            parts[0].in_features,
+            np.concatenate([p.panels for p in parts]),
+        )
+
+    out = {}
+    for i in range(config.num_layers):
+        blk = f"blk.{i}."
+        qkv = fused(
+            [
+                packed(blk + "attn_q.weight", config.num_qo_heads),
+                packed(blk + "attn_k.weight", config.num_kv_heads),
+                packed(blk + "attn_v.weight"),
+            ]
+        )
+        gate_up = fused([packed(blk + "ffn_gate.weight"), packed(blk + "ffn_up.weight")])
+        if qkv is None or gate_up is None:
+            return {}
+        out[f"layers.{i}.wqkv"] = qkv
+        out[f"layers.{i}.wo"] = packed(blk + "attn_output.weight")
+        out[f"layers.{i}.w_gate_up"] = gate_up
+        out[f"layers.{i}.w_down"] = packed(blk + "ffn_down.weight")
+    out["lm_head"] = packed(head_name)
+    return out
 
 
 def _config(metadata: dict[str, object]) -> LlamaConfig:

@@ -29,11 +29,11 @@ from pagedkv.manager import PagedKVCacheManager
 from .catalog import DEFAULT_MODEL, model_spec
 from .errors import ModelError
 from .fetch import fetch_gguf
+from .forms import check_forms, default_weights
 from .gguf_llama import GGUFModel
 from .tokenizer import ChatTokenizer, TextStream
 from .unpacked import read_unpacked
 
-DTYPES = ("float32", "bfloat16")
 DEFAULT_KV_MEMORY = 512 << 20
 """Bytes of KV cache (all layers) `load` allocates unless told otherwise."""
 
@@ -74,20 +74,29 @@ class LLM:
         name: the catalogue name.
         config: the model's shape (`pagedkv.graphs.model.LlamaConfig`).
         weights: float32 weights by name (as the step graphs name them).
+        quantized: the packed GGUF matrices the step graphs multiply
+            (weights="gguf"), or None.
         tokenizer: `ChatTokenizer` (encode, decode, chat template).
         manager: the `PagedKVCacheManager` owning one pool per layer.
         engine: the `LlamaEngine` running prefill and decode steps.
         stats: the `RunStats` of the last `generate` call.
     """
 
-    def __init__(self, name: str, model: GGUFModel, manager: PagedKVCacheManager) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: GGUFModel,
+        manager: PagedKVCacheManager,
+        quantized: bool = False,
+    ) -> None:
         self.name = name
         self.config: LlamaConfig = model.config
         self.weights = model.weights
+        self.quantized = model.quantized if quantized else None
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
         self.manager = manager
         t0 = time.perf_counter()
-        self.engine = LlamaEngine(model.config, model.weights, manager)
+        self.engine = LlamaEngine(model.config, model.weights, manager, self.quantized)
         self.compile_seconds = time.perf_counter() - t0
         self.stats: RunStats | None = None
         self._next_id = 0
@@ -203,7 +212,8 @@ def _read(path: Path) -> GGUFModel:
 
 def load(
     name: str = DEFAULT_MODEL,
-    dtype: str = "float32",
+    weights: str | None = None,
+    kv_dtype: str | None = None,
     device: str = "cpu",
     page_size: int = 16,
     kv_memory: int = DEFAULT_KV_MEMORY,
@@ -216,8 +226,13 @@ def load(
     ----------
     name : str
         A name from `pagedkv.models.MODELS` (default "smollm2-135m-instruct").
-    dtype : str
-        "float32" or "bfloat16": the weights, activations and KV cache.
+    weights : str, optional
+        "gguf": the GGUF's own quantized blocks, multiplied in place (CPU;
+        the default there); "f32" or "bf16": dequantized, with activations
+        in the same dtype ("bf16" is the default on a GPU). See `WEIGHTS`.
+    kv_dtype : str, optional
+        The KV cache's dtype: "float32", "float16" or "bfloat16" with
+        "gguf" weights (default "float16"); the weights' dtype otherwise.
     device : str
         "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
     page_size : int
@@ -236,21 +251,27 @@ def load(
     Raises
     ------
     ModelError
-        Unknown name, failed fetch, unreadable GGUF, bad dtype or device.
+        Unknown name, failed fetch, unreadable GGUF, bad weights, kv_dtype
+        or device.
     """
     spec = model_spec(name)
-    if dtype not in DTYPES:
-        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device not in ("cpu", "gpu"):
         raise ModelError(f"device must be cpu or gpu, got {device!r}")
+    weights = weights or default_weights(device)
+    kv_dtype = check_forms(weights, kv_dtype, device)
     if page_size < 1:
         raise ModelError(f"page_size must be at least 1, got {page_size}")
     say = progress or (lambda line: None)
     build_kernel_package_in_background()  # overlaps reading the model
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
     model = _read(path.resolve())
+    if weights == "gguf" and not model.quantized:
+        raise ModelError(
+            f"{path.name} holds matrices in formats the quantized product does not take "
+            "(Q4_0, Q4_1, Q8_0); use weights='f32' or 'bf16'"
+        )
     c = model.config
-    itemsize = 4 if dtype == "float32" else 2
+    itemsize = 4 if kv_dtype == "float32" else 2
     page_bytes = 2 * page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
     num_pages = kv_memory // page_bytes
     if num_pages < 1:
@@ -261,10 +282,13 @@ def load(
         c.num_kv_heads,
         c.head_dim,
         num_layers=c.num_layers,
-        dtype=dtype,
+        dtype=kv_dtype,
         device="cuda" if device == "gpu" else "cpu",
     )
-    say(f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers) ...")
-    llm = LLM(spec.name, model, manager)
+    say(
+        f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers, "
+        f"{weights} weights, {kv_dtype} cache) ..."
+    )
+    llm = LLM(spec.name, model, manager, quantized=weights == "gguf")
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
     return llm

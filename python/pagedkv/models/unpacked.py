@@ -1,12 +1,14 @@
-"""A GGUF read once and kept unpacked: float32 weights as .npy files and the
-metadata as JSON, beside the GGUF in the cache directory.
+"""A GGUF read once and kept unpacked: float32 weights and the packed
+quantized matrices as .npy files and the metadata as JSON, beside the GGUF in
+the cache directory.
 
 Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
-string one at a time; dequantizing is the rest); the unpacked copy loads in
-milliseconds (the weights are memory-mapped, read-only). It is named by the
-GGUF's size and modification time and by the reader's own source, so a new
-file or a fix to the reader unpacks afresh. A missing, partial or unreadable
-copy is never used: the GGUF is read again and the copy rewritten.
+string one at a time; dequantizing and packing are the rest); the unpacked
+copy loads in milliseconds (the weights are memory-mapped, read-only). It is
+named by the GGUF's size and modification time and by the source of the
+reader and of the packer, so a new file or a fix to either unpacks afresh.
+A missing, partial or unreadable copy is never used: the GGUF is read again
+and the copy rewritten.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedkv import quantized_panels
 from pagedkv.graphs.model import LlamaConfig
+from pagedkv.quantized_panels import QuantizedWeight
 
 from . import gguf_llama
 from .gguf_llama import GGUFModel, read_gguf
@@ -32,8 +36,10 @@ _DONE = "model.json"
 def unpacked_dir(path: Path) -> Path:
     """The folder holding `path`'s unpacked copy (it may not exist yet)."""
     stat = path.stat()
-    reader = Path(gguf_llama.__file__).read_bytes()
-    key = f"{stat.st_size}-{stat.st_mtime_ns}-{hashlib.sha256(reader).hexdigest()[:12]}"
+    digest = hashlib.sha256()
+    for module in (gguf_llama, quantized_panels):
+        digest.update(Path(module.__file__).read_bytes())
+    key = f"{stat.st_size}-{stat.st_mtime_ns}-{digest.hexdigest()[:12]}"
     return path.parent / f"{path.stem}.unpacked" / key
 
 
@@ -61,9 +67,14 @@ def _save(model: GGUFModel, folder: Path) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     for i, array in enumerate(model.weights.values()):
         np.save(staging / f"{i}.npy", array)
+    for i, q in enumerate(model.quantized.values()):
+        np.save(staging / f"q{i}.npy", q.panels)
     record = {
         "config": dataclasses.asdict(model.config),
         "weights": list(model.weights),
+        "quantized": [
+            [name, q.format, q.out_features, q.in_features] for name, q in model.quantized.items()
+        ],
         "metadata": model.metadata,
     }
     (staging / _DONE).write_text(json.dumps(record, default=_plain))
@@ -76,7 +87,11 @@ def _load(folder: Path) -> GGUFModel:
         name: np.load(folder / f"{i}.npy", mmap_mode="r")
         for i, name in enumerate(record["weights"])
     }
-    return GGUFModel(LlamaConfig(**record["config"]), weights, record["metadata"])
+    quantized = {
+        name: QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
+        for i, (name, fmt, n, k) in enumerate(record["quantized"])
+    }
+    return GGUFModel(LlamaConfig(**record["config"]), weights, record["metadata"], quantized)
 
 
 def _plain(value: object) -> object:

@@ -160,7 +160,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
                 limit = max_tokens if max_tokens is not None else max(1, room)
                 rid = f"{uuid.uuid4().hex}"
                 req = GenerationRequest(
-                    rid, tuple(prompt), limit, body.n, sampling, tuple(body.stop)
+                    rid, tuple(prompt), limit, body.n, sampling, tuple(body.stop), body.ignore_eos
                 )
 
                 def sink(event, p=p):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..models.forms import add_weights_arguments
+
 
 def add_parser(sub) -> None:
     """Adds the `serve` subcommand to the `pagedkv` parser's subparsers."""
@@ -36,8 +38,8 @@ def add_parser(sub) -> None:
         help="bytes of KV cache over all layers (default 512 MiB)",
     )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
-    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    add_weights_arguments(p)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -63,7 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         llm = load(
             args.model,
-            dtype=args.dtype,
+            weights=args.weights,
+            kv_dtype=args.kv_dtype,
             device=args.device,
             kv_memory=args.kv_memory or DEFAULT_KV_MEMORY,
             progress=say,

@@ -65,7 +65,8 @@ class GenerationRequest:
 
     prompt: token ids (at least one). max_tokens: generated tokens per sample,
     at most the context left after the prompt. n: samples sharing the prompt.
-    stop: strings that end a sample (left out of its text).
+    stop: strings that end a sample (left out of its text). ignore_eos: the
+    model's EOS does not end a sample (it is generated as any token).
     """
 
     request_id: str
@@ -74,6 +75,7 @@ class GenerationRequest:
     n: int = 1
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ class _Live:
     sink: Sink
     order: int
     arrival: float
+    stop_token_ids: frozenset[int]
+    """Tokens that end a sample: the model's EOS, none with ignore_eos."""
     samples: list[_Sample] = field(default_factory=list)
     started: bool = False
     cached_tokens: int = 0
@@ -287,7 +291,8 @@ class ServingEngine:
                 raise RuntimeError(f"the engine is not running: {self.fatal or 'stopped'}")
             if len(self._inbox) + self._waiting_count >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are waiting already")
-            self._inbox.append(_Live(req, sink, next(self._order), time.perf_counter()))
+            stops = frozenset() if req.ignore_eos else self.stop_token_ids
+            self._inbox.append(_Live(req, sink, next(self._order), time.perf_counter(), stops))
             self._idle.clear()
             self._lock.notify_all()
 
@@ -532,7 +537,7 @@ class ServingEngine:
         s.tokens.append(token)
         self.stats.generated_tokens += 1
         text = s.stops.push(s.text.push(token))
-        if s.stops.stopped or token in self.stop_token_ids:
+        if s.stops.stopped or token in live.stop_token_ids:
             s.finish_reason = "stop"
         elif len(s.tokens) >= live.req.max_tokens:
             s.finish_reason = "length"

@@ -40,6 +40,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    """vLLM's and llama.cpp's extension: EOS does not end a sample (max_tokens
+    or a stop string does)."""
 
     @field_validator("stop")
     @classmethod

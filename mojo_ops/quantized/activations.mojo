@@ -1,0 +1,183 @@
+"""Activations quantized per block for the quantized products, after an
+optional prologue (RMSNorm, or SwiGLU's silu(gate) * up).
+
+Row r's block b (inputs [32b, 32b + 32)) becomes 32 signed bytes q and a
+scale d with x ~ d * q: d = max |x| / 127 and q = round(x / d) (ties to
+even; 0 when the block is all zeros), as llama.cpp's Q8_0 and Q8_1 do, so
+every q is in [-127, 127]. Each block also keeps sum(q), which the
+products' zero points and mins need.
+"""
+
+from std.math import exp, sqrt
+from std.sys import llvm_intrinsic
+
+from std.memory.alloc import unsafe_alloc
+
+from ..cache.paged_kv_cache import Ptr
+from ..simd.widen import F32, load_f32
+from ..work_queue import row_block, row_blocks
+from .block_formats import QK
+
+comptime NO_PROLOGUE = 0
+"""The activations as they are (pagedkv._op_contract.QLINEAR_PROLOGUES)."""
+comptime RMS_NORM = 1
+"""RMSNorm: x * gamma / sqrt(mean(x^2) + eps), gamma the op's norm weight."""
+comptime SWIGLU = 2
+"""SwiGLU: silu(x[:, :K]) * x[:, K:], x twice the weight's inputs wide."""
+
+
+@always_inline
+def quantize_row[
+    dtype: DType, prologue: Int
+](
+    x: Ptr[dtype],
+    k_dim: Int,
+    gamma: Ptr[F32],
+    eps: Float32,
+    q: Ptr[DType.int8],
+    d: Ptr[F32],
+    sums: Ptr[DType.int32],
+):
+    """Quantizes one row of k_dim inputs (after the prologue) into q [k_dim],
+    d [k_dim / QK] and sums [k_dim / QK]."""
+    var scale = Float32(1)
+    comptime if prologue == RMS_NORM:
+        var squares = SIMD[F32, QK](0)
+        for k in range(0, k_dim, QK):
+            var v = load_f32[dtype, QK](x, k)
+            squares = v.fma(v, squares)
+        scale = 1 / sqrt(squares.reduce_add() / Float32(k_dim) + eps)
+    for b in range(k_dim // QK):
+        var v: SIMD[F32, QK]
+        comptime if prologue == SWIGLU:
+            var gate = load_f32[dtype, QK](x, b * QK)
+            var up = load_f32[dtype, QK](x, k_dim + b * QK)
+            v = gate / (1 + exp(-gate)) * up
+        else:
+            v = load_f32[dtype, QK](x, b * QK)
+            comptime if prologue == RMS_NORM:
+                v = v * scale * gamma.unsafe_offset(b * QK).unsafe_load[
+                    width=QK
+                ]()
+        var amax = abs(v).reduce_max()
+        var inverse = Float32(127) / amax if amax > 0 else Float32(0)
+        var codes = llvm_intrinsic["llvm.roundeven", SIMD[F32, QK]](
+            v * inverse
+        ).cast[DType.int32]()
+        q.unsafe_offset(b * QK).unsafe_store(codes.cast[DType.int8]())
+        d[unsafe_offset=b] = amax / 127
+        sums[unsafe_offset=b] = codes.reduce_add()
+
+
+comptime ROWS_PER_QUANTIZE_TASK = 8
+"""Rows a quantize task takes: a few microseconds of work."""
+
+
+struct ScratchArena(Movable):
+    """One 64-byte-aligned allocation an op carves its scratch buffers from.
+
+    Its buffers are raw pointers, which do not keep it alive: Mojo ends a
+    value after its last use, so the op frees it explicitly (`free`) after
+    the phases that use its buffers."""
+
+    var base: Ptr[DType.uint8]
+    var size: Int
+    var used: Int
+
+    def __init__(out self, size: Int):
+        self.size = size
+        self.used = 0
+        self.base = rebind[Ptr[DType.uint8]](
+            unsafe_alloc[UInt8](max(size, 64), alignment=64)
+        )
+
+    def take(mut self, size: Int) -> Ptr[DType.uint8]:
+        """The next `size` bytes, 64-byte aligned (the arena was sized for
+        every take, each rounded up to 64)."""
+        var at = self.base.unsafe_offset(self.used)
+        self.used += (size + 63) // 64 * 64
+        return at
+
+    def free(deinit self):
+        self.base.unsafe_free()
+
+
+struct QuantizedRows(TrivialRegisterPassable):
+    """Rows of activations quantized per block: codes q [M, K] int8, scales
+    d [M, K / QK] float32 and code sums [M, K / QK] int32, in one buffer."""
+
+    var q: Ptr[DType.int8]
+    var d: Ptr[F32]
+    var sums: Ptr[DType.int32]
+    var k_dim: Int
+    var blocks: Int
+
+    @staticmethod
+    def bytes(m_dim: Int, k_dim: Int) -> Int:
+        """The buffer's size for m_dim rows of k_dim inputs, rounded to 64."""
+        var size = m_dim * k_dim + 8 * m_dim * (k_dim // QK)
+        return (size + 63) // 64 * 64
+
+    def __init__(out self, buffer: Ptr[DType.uint8], m_dim: Int, k_dim: Int):
+        """Views `buffer` (at least `bytes(m_dim, k_dim)`) as the rows."""
+        self.k_dim = k_dim
+        self.blocks = k_dim // QK
+        self.q = rebind[Ptr[DType.int8]](buffer)
+        # k_dim is a multiple of QK, so the scales start 4-byte aligned.
+        self.d = rebind[Ptr[F32]](buffer.unsafe_offset(m_dim * k_dim))
+        self.sums = rebind[Ptr[DType.int32]](
+            self.d.unsafe_offset(m_dim * self.blocks)
+        )
+
+    @always_inline
+    def row(self, r: Int) -> Self:
+        """The same view from row r on."""
+        var out = self
+        out.q = self.q.unsafe_offset(r * self.k_dim)
+        out.d = self.d.unsafe_offset(r * self.blocks)
+        out.sums = self.sums.unsafe_offset(r * self.blocks)
+        return out
+
+
+struct RowQuantizer[dtype: DType, prologue: Int](TrivialRegisterPassable):
+    """The tasks of a quantize phase: blocks of rows of x [M, K] (or
+    [M, 2K] under SWIGLU) quantized into `rows` after the prologue."""
+
+    var x: Ptr[Self.dtype]
+    var gamma: Ptr[F32]
+    var eps: Float32
+    var rows: QuantizedRows
+    var m_dim: Int
+
+    def __init__(
+        out self,
+        x: Ptr[Self.dtype],
+        gamma: Ptr[F32],
+        eps: Float32,
+        rows: QuantizedRows,
+        m_dim: Int,
+    ):
+        self.x = x
+        self.gamma = gamma
+        self.eps = eps
+        self.rows = rows
+        self.m_dim = m_dim
+
+    def tasks(self) -> Int:
+        return row_blocks(self.m_dim, ROWS_PER_QUANTIZE_TASK)
+
+    def run(self, t: Int):
+        var k_dim = self.rows.k_dim
+        var stride = 2 * k_dim if Self.prologue == SWIGLU else k_dim
+        var rows = row_block(t, self.m_dim, ROWS_PER_QUANTIZE_TASK)
+        for r in range(rows[0], rows[1]):
+            var out = self.rows.row(r)
+            quantize_row[Self.dtype, Self.prologue](
+                self.x.unsafe_offset(r * stride),
+                k_dim,
+                self.gamma,
+                self.eps,
+                out.q,
+                out.d,
+                out.sums,
+            )

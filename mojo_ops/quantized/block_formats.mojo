@@ -1,0 +1,86 @@
+"""GGUF's block formats as the quantized products read them: weight codes and
+per-block scales, repacked into panels of columns.
+
+A GGUF weight [N, K] (N output features, K inputs) is stored as blocks of
+QK = 32 consecutive inputs of one output row; a block holds a scale d (and,
+in the "_1" formats, a min m) and 32 codes q, and element i is
+
+    Q4_0: d * (q_i - 8)      q 4-bit        Q8_0: d * q_i   q signed 8-bit
+    Q4_1: d * q_i + m        q 4-bit
+
+pagedkv repacks the blocks (`pagedkv.quantized_panels`) into panels of
+PANEL = 16 output columns, [ceil(N / 16), panel_bytes(format, K)] bytes. A
+panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
+their scales, then (formats with a min) all their mins:
+
+    codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
+    scales: K/32 x 16 float16     d of each column's block
+    mins:   K/32 x 16 float16     m of each column's block (Q4_1)
+
+padded to a multiple of 64 bytes. A block's codes come in groups of 64
+bytes, 4 bytes per column (column c at bytes 4c .. 4c + 3), so that one
+vector register of bytes holds 4 consecutive inputs of 16 (AVX-512), 8
+(AVX2) or 4 (NEON) columns, as a byte dot product wants them:
+
+    4-bit: group g (of 4) byte 4c + j = q[c][8g + j] | q[c][8g + 4 + j] << 4
+    8-bit: group g (of 8) byte 4c + j = q[c][4g + j]
+
+Columns past N in the last panel have zero codes and zero scales.
+"""
+
+comptime QK = 32
+"""Inputs per quantization block."""
+comptime PANEL = 16
+"""Output columns per panel (pagedkv._op_contract.QUANT_PANEL)."""
+comptime GROUP_BYTES = 64
+"""Bytes of a group of codes: 4 bytes of each of a panel's 16 columns."""
+comptime PANEL_ALIGN = 64
+"""Bytes a panel's size is rounded up to, so every panel starts aligned."""
+
+# The formats, by GGML's type ids (pagedkv._op_contract.QUANT_FORMATS).
+comptime Q4_0 = 2
+comptime Q4_1 = 3
+comptime Q8_0 = 8
+
+
+def is_supported(fmt: Int) -> Bool:
+    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0
+
+
+def code_bits(fmt: Int) -> Int:
+    """Bits of one weight code."""
+    return 8 if fmt == Q8_0 else 4
+
+
+def has_min(fmt: Int) -> Bool:
+    """Whether blocks carry a min m (w = d * q + m) rather than a zero point."""
+    return fmt == Q4_1
+
+
+def zero_point(fmt: Int, signed_codes: Bool) -> Int:
+    """The code z with w = d * (q - z), as the product reads the codes: Q4_0's
+    8; Q8_0's codes are stored signed, and read either as they are (z = 0)
+    or, where the dot product takes unsigned bytes, flipped to q + 128."""
+    if fmt == Q4_0:
+        return 8
+    if fmt == Q8_0 and not signed_codes:
+        return 128
+    return 0
+
+
+def code_groups(fmt: Int) -> Int:
+    """Groups of GROUP_BYTES in one block's codes."""
+    return QK * PANEL * code_bits(fmt) // 8 // GROUP_BYTES
+
+
+def code_bytes(fmt: Int) -> Int:
+    """Bytes of one block's codes in a panel."""
+    return code_groups(fmt) * GROUP_BYTES
+
+
+def panel_bytes(fmt: Int, k_dim: Int) -> Int:
+    """Bytes of one panel of a weight with k_dim inputs."""
+    var blocks = k_dim // QK
+    var scale_bytes = 2 * PANEL * (2 if has_min(fmt) else 1)
+    var size = blocks * (code_bytes(fmt) + scale_bytes)
+    return (size + PANEL_ALIGN - 1) // PANEL_ALIGN * PANEL_ALIGN

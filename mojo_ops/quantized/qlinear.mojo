@@ -1,0 +1,405 @@
+"""Products of a model's linear layers with GGUF-quantized weights on the
+CPU: y = prologue(x) @ w^T (+ residual).
+
+x [M, K] (or [M, 2K] for SwiGLU's prologue) is quantized per block of 32
+inputs to signed bytes (activations.mojo); w [N, K] stays in its GGUF block
+format, repacked in panels of 16 columns (block_formats.mojo), so a step
+reads 4 or 8 bits per weight plus the block scales. Each block's product is
+a byte dot product summed exactly in int32 lanes (simd/int8_dot.mojo),
+corrected for the weight's zero point and scaled by both block scales into
+float32 accumulators:
+
+    y[r, c] += d_w * d_x * (sum_i q_w q_x - z sum_i q_x)       zero point z
+    y[r, c] += d_w * d_x * sum_i q_w q_x + m_w * d_x sum_i q_x  min m
+
+The op runs in two passes over all cores: the rows of x are quantized, then
+tasks of one panel by a block of rows each stream their panel once, a
+register tile of rows at a time.
+"""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from max.gpu.host import DeviceContext
+from std.memory import bitcast, stack_allocation
+
+from ..cache.paged_kv_cache import Ptr
+from ..cache.tensor_access import ptr_of
+from ..simd.int8_dot import (
+    BYTES,
+    SIGNED_CODES,
+    WI,
+    Acc,
+    Bytes,
+    broadcast_word,
+    dot_s8s8,
+    dot_u8s8,
+)
+from ..simd.widen import F32, VECTOR_REGISTERS
+from ..work_queue import Phases, parallel_phases, row_block, row_blocks
+from .activations import (
+    NO_PROLOGUE,
+    RMS_NORM,
+    SWIGLU,
+    QuantizedRows,
+    RowQuantizer,
+    ScratchArena,
+)
+from .block_formats import (
+    GROUP_BYTES,
+    PANEL,
+    QK,
+    code_bits,
+    code_bytes,
+    code_groups,
+    has_min,
+    is_supported,
+    panel_bytes,
+    zero_point,
+)
+
+comptime NO_EPILOGUE = 0
+"""The product as computed (pagedkv._op_contract.QLINEAR_EPILOGUES)."""
+comptime ADD_RESIDUAL = 1
+"""The product plus residual, [M, N] float32."""
+
+comptime NV = PANEL // WI
+"""Vectors of 32-bit lanes across a panel's columns."""
+comptime MR = 6 if VECTOR_REGISTERS >= 32 else 2
+"""Rows of x in a register tile: 2 * MR * NV accumulators (int32 for the
+block, float32 across blocks), the codes and the scales stay within the
+target's vector registers."""
+comptime MAX_TILES_PER_TASK = 8
+"""Register tiles of rows a task runs over its panel at most (the panel
+stays in L1 across them)."""
+comptime MIN_TASKS = 32
+"""Tasks a product is split into when it has that many tiles."""
+
+
+@always_inline
+def tile[
+    fmt: Int, rows: Int
+](
+    panel: Ptr[DType.uint8],
+    blocks: Int,
+    xq: Ptr[DType.int8],
+    xd: Ptr[F32],
+    xsum: Ptr[DType.int32],
+    k_dim: Int,
+    dst: Ptr[F32],
+):
+    """Computes dst[r, :PANEL] = x[r] . w[c] for the panel's columns c and
+    rows r < rows of the quantized activations (xq's row stride k_dim, xd's
+    and xsum's blocks); dst's row stride is PANEL."""
+    comptime BITS = code_bits(fmt)
+    comptime GROUPS = code_groups(fmt)
+    comptime CODE_BYTES = code_bytes(fmt)
+    comptime Z = zero_point(fmt, SIGNED_CODES)
+    comptime MIN = has_min(fmt)
+    comptime SIGNED = BITS == 8 and SIGNED_CODES
+    var scales = panel.unsafe_offset(blocks * CODE_BYTES)
+    var mins = scales.unsafe_offset(blocks * PANEL * 2)
+    var acc = stack_allocation[rows * NV, SIMD[F32, WI]]()
+    comptime for i in range(rows * NV):
+        acc[unsafe_offset=i] = 0
+    for b in range(blocks):
+        var isum = stack_allocation[rows * NV, Acc]()
+        comptime for i in range(rows * NV):
+            isum[unsafe_offset=i] = 0
+        var codes = panel.unsafe_offset(b * CODE_BYTES)
+        var xb = xq.unsafe_offset(b * QK)
+        comptime for g in range(GROUPS):
+            comptime for v in range(NV):
+                var raw = codes.unsafe_offset(
+                    g * GROUP_BYTES + v * BYTES
+                ).unsafe_load[width=BYTES]()
+                comptime if BITS == 4:
+                    var lo = raw & 0x0F
+                    var hi = raw >> 4
+                    comptime for r in range(rows):
+                        var xr = xb.unsafe_offset(r * k_dim + 8 * g)
+                        var i = r * NV + v
+                        isum[unsafe_offset=i] = dot_u8s8(
+                            isum[unsafe_offset=i], lo, broadcast_word(xr)
+                        )
+                        isum[unsafe_offset=i] = dot_u8s8(
+                            isum[unsafe_offset=i],
+                            hi,
+                            broadcast_word(xr.unsafe_offset(4)),
+                        )
+                else:
+                    comptime for r in range(rows):
+                        var xr = xb.unsafe_offset(r * k_dim + 4 * g)
+                        var i = r * NV + v
+                        comptime if SIGNED:
+                            isum[unsafe_offset=i] = dot_s8s8(
+                                isum[unsafe_offset=i],
+                                bitcast[DType.int8, BYTES](raw),
+                                broadcast_word(xr),
+                            )
+                        else:
+                            isum[unsafe_offset=i] = dot_u8s8(
+                                isum[unsafe_offset=i],
+                                raw ^ 0x80,
+                                broadcast_word(xr),
+                            )
+        comptime for v in range(NV):
+            var d = (
+                scales.unsafe_offset((b * PANEL + v * WI) * 2)
+                .unsafe_bitcast[Float16]()
+                .unsafe_load[width=WI]()
+                .cast[F32]()
+            )
+            var m = SIMD[F32, WI](0)
+            comptime if MIN:
+                m = (
+                    mins.unsafe_offset((b * PANEL + v * WI) * 2)
+                    .unsafe_bitcast[Float16]()
+                    .unsafe_load[width=WI]()
+                    .cast[F32]()
+                )
+            comptime for r in range(rows):
+                var i = r * NV + v
+                var block_d = xd[unsafe_offset=r * blocks + b]
+                var block_sum = xsum[unsafe_offset=r * blocks + b]
+                var dot = isum[unsafe_offset=i]
+                comptime if Z != 0:
+                    dot -= Acc(Int32(Z) * block_sum)
+                acc[unsafe_offset=i] = dot.cast[F32]().fma(
+                    d * block_d, acc[unsafe_offset=i]
+                )
+                comptime if MIN:
+                    acc[unsafe_offset=i] = m.fma(
+                        SIMD[F32, WI](block_d * Float32(block_sum)),
+                        acc[unsafe_offset=i],
+                    )
+    comptime for r in range(rows):
+        comptime for v in range(NV):
+            dst.unsafe_offset(r * PANEL + v * WI).unsafe_store(
+                acc[unsafe_offset=r * NV + v]
+            )
+
+
+@always_inline
+def panel_rows[
+    fmt: Int, epilogue: Int
+](
+    panel: Ptr[DType.uint8],
+    blocks: Int,
+    xq: Ptr[DType.int8],
+    xd: Ptr[F32],
+    xsum: Ptr[DType.int32],
+    k_dim: Int,
+    y: Ptr[F32],
+    residual: Ptr[F32],
+    rows: Int,
+    cols: Int,
+    n_dim: Int,
+):
+    """Computes y[r, :cols] for r < rows from one panel, MR rows at a time
+    (y's and residual's row stride n_dim)."""
+    var tile_out = stack_allocation[MR * PANEL, Scalar[F32]]()
+    var r = 0
+    while r < rows:
+        var n = min(MR, rows - r)
+        comptime for m in range(1, MR + 1):
+            if n == m:
+                tile[fmt, m](
+                    panel,
+                    blocks,
+                    xq.unsafe_offset(r * k_dim),
+                    xd.unsafe_offset(r * blocks),
+                    xsum.unsafe_offset(r * blocks),
+                    k_dim,
+                    tile_out,
+                )
+        for i in range(n):
+            var dst = y.unsafe_offset((r + i) * n_dim)
+            var add = residual.unsafe_offset((r + i) * n_dim)
+            var src = tile_out.unsafe_offset(i * PANEL)
+            if cols == PANEL:
+                comptime for v in range(NV):
+                    var value = src.unsafe_offset(v * WI).unsafe_load[
+                        width=WI
+                    ]()
+                    comptime if epilogue == ADD_RESIDUAL:
+                        value += add.unsafe_offset(v * WI).unsafe_load[
+                            width=WI
+                        ]()
+                    dst.unsafe_offset(v * WI).unsafe_store(value)
+            else:
+                for c in range(cols):
+                    var value = src[unsafe_offset=c]
+                    comptime if epilogue == ADD_RESIDUAL:
+                        value += add[unsafe_offset=c]
+                    dst[unsafe_offset=c] = value
+        r += MR
+
+
+struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
+    """y [M, N] = x @ w^T (+ residual) for quantized activations x: the
+    tasks of one product phase, each a panel by a block of rows."""
+
+    var weight: Ptr[DType.uint8]
+    var x: QuantizedRows
+    var y: Ptr[F32]
+    var residual: Ptr[F32]
+    var m_dim: Int
+    var n_dim: Int
+    var panels: Int
+    var stride: Int
+    var rows_per_task: Int
+
+    def __init__(
+        out self,
+        weight: Ptr[DType.uint8],
+        x: QuantizedRows,
+        y: Ptr[F32],
+        residual: Ptr[F32],
+        m_dim: Int,
+        n_dim: Int,
+    ):
+        """Splits the product into tasks: every panel, in blocks of rows of
+        at most MAX_TILES_PER_TASK register tiles, enough of them to keep
+        every core busy (MIN_TASKS)."""
+        self.weight = weight
+        self.x = x
+        self.y = y
+        self.residual = residual
+        self.m_dim = m_dim
+        self.n_dim = n_dim
+        self.panels = (n_dim + PANEL - 1) // PANEL
+        self.stride = panel_bytes(Self.fmt, x.k_dim)
+        var row_tiles = (m_dim + MR - 1) // MR
+        var tiles_per_task = min(
+            max(row_tiles * self.panels // MIN_TASKS, 1), MAX_TILES_PER_TASK
+        )
+        self.rows_per_task = tiles_per_task * MR
+
+    def tasks(self) -> Int:
+        return self.panels * row_blocks(self.m_dim, self.rows_per_task)
+
+    def run(self, t: Int):
+        """Task t: panel t % panels, rows block t // panels."""
+        var p = t % self.panels
+        var rows = row_block(t // self.panels, self.m_dim, self.rows_per_task)
+        var r0 = rows[0]
+        var k_dim = self.x.k_dim
+        var blocks = self.x.blocks
+        panel_rows[Self.fmt, Self.epilogue](
+            self.weight.unsafe_offset(p * self.stride),
+            blocks,
+            self.x.q.unsafe_offset(r0 * k_dim),
+            self.x.d.unsafe_offset(r0 * blocks),
+            self.x.sums.unsafe_offset(r0 * blocks),
+            k_dim,
+            self.y.unsafe_offset(r0 * self.n_dim + p * PANEL),
+            self.residual.unsafe_offset(r0 * self.n_dim + p * PANEL),
+            rows[1] - r0,
+            min(PANEL, self.n_dim - p * PANEL),
+            self.n_dim,
+        )
+
+
+def qlinear_cpu[
+    fmt: Int, prologue: Int, epilogue: Int, dtype: DType
+](
+    x: Ptr[dtype],
+    weight: Ptr[DType.uint8],
+    gamma: Ptr[F32],
+    eps: Float32,
+    residual: Ptr[F32],
+    y: Ptr[F32],
+    m_dim: Int,
+    k_dim: Int,
+    n_dim: Int,
+) raises:
+    """Computes y = prologue(x) @ w^T (+ residual) on all cores, in two
+    phases of one dispatch: the rows of x quantized, then the product; see
+    the module docstring. k_dim is the weight's inputs (x has 2 * k_dim
+    columns under SWIGLU)."""
+    var scratch = ScratchArena(QuantizedRows.bytes(m_dim, k_dim))
+    var rows = QuantizedRows(
+        scratch.take(QuantizedRows.bytes(m_dim, k_dim)), m_dim, k_dim
+    )
+    var quantizer = RowQuantizer[dtype, prologue](x, gamma, eps, rows, m_dim)
+    var product = QuantizedProduct[fmt, epilogue](
+        weight, rows, y, residual, m_dim, n_dim
+    )
+
+    def task(p: Int, t: Int) {var quantizer, var product}:
+        if p == 0:
+            quantizer.run(t)
+        else:
+            product.run(t)
+
+    var phases = Phases()
+    _ = phases.add(quantizer.tasks())
+    _ = phases.add(product.tasks())
+    parallel_phases(task, phases)
+    scratch^.free()
+
+
+@extensibility.register("pagedkv_qlinear")
+struct QLinear:
+    """Computes y [M, N] = prologue(x) @ w^T (+ residual) for w [N, K] in a
+    GGUF block format packed in panels [ceil(N / 16), panel_bytes];
+    float32 output; CPU only.
+
+    Parameters: `format` (GGML's type id), `prologue` (activations.mojo:
+    NO_PROLOGUE, RMS_NORM with `norm` [K] and eps = params[0], SWIGLU with
+    x [M, 2K]) and `epilogue` (NO_EPILOGUE, ADD_RESIDUAL with residual
+    [M, N]). Unused operands may be empty.
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString, format: Int, prologue: Int, epilogue: Int
+    ](
+        y: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[rank=2, ...],
+        weight: InputTensor[dtype=DType.uint8, rank=2, ...],
+        norm: InputTensor[dtype=DType.float32, rank=1, ...],
+        residual: InputTensor[dtype=DType.float32, rank=2, ...],
+        params: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime assert is_supported(format), "pagedkv: unsupported format"
+        comptime if target != "cpu":
+            raise Error("pagedkv: pagedkv_qlinear runs on the CPU")
+        var m_dim = x.dim_size(0)
+        var n_dim = y.dim_size(1)
+        var k_dim = x.dim_size(1) // 2 if prologue == SWIGLU else x.dim_size(
+            1
+        )
+        var panels = (n_dim + PANEL - 1) // PANEL
+        if (
+            y.dim_size(0) != m_dim
+            or k_dim % QK != 0
+            or (prologue == SWIGLU and x.dim_size(1) != 2 * k_dim)
+            or weight.dim_size(0) != panels
+            or weight.dim_size(1) != panel_bytes(format, k_dim)
+        ):
+            raise Error("pagedkv: qlinear operand shapes do not match")
+        if prologue == RMS_NORM and (
+            norm.dim_size(0) != k_dim or params.dim_size(0) < 1
+        ):
+            raise Error("pagedkv: qlinear's RMSNorm needs norm [K] and eps")
+        if epilogue == ADD_RESIDUAL and (
+            residual.dim_size(0) != m_dim or residual.dim_size(1) != n_dim
+        ):
+            raise Error("pagedkv: qlinear's residual is not [M, N]")
+        if m_dim == 0 or n_dim == 0:
+            return
+        var eps = ptr_of(params)[unsafe_offset=0] if prologue == RMS_NORM else Float32(0)
+        comptime if target == "cpu":
+            qlinear_cpu[format, prologue, epilogue, x.dtype](
+                ptr_of(x),
+                ptr_of(weight),
+                ptr_of(norm),
+                eps,
+                ptr_of(residual),
+                ptr_of(y),
+                m_dim,
+                k_dim,
+                n_dim,
+            )

@@ -1,0 +1,145 @@
+"""Integer dot products of bytes: four byte products summed into each 32-bit
+lane, the step of every quantized product.
+
+`dot_u8s8(acc, a, b)` returns acc[i] + sum_j a[4i + j] * b[4i + j] with a's
+bytes unsigned and b's signed, exactly, on every target:
+
+- AVX512_VNNI or AVX-VNNI: one `vpdpbusd`.
+- AVX2 (and AVX-512 without VNNI): `vpmaddubsw` then `vpmaddwd` by ones and
+  an add. `vpmaddubsw` saturates pairs of products to int16, so it is exact
+  only while 2 * a * |b| fits: a < 128 with b in [-127, 127] (4-, 5- and
+  6-bit codes). 8-bit codes take `dot_s8s8` there instead.
+- NEON with the dot-product extension: `sdot`, signed by signed, exact for
+  a < 128.
+- Anything else: the bytes widened to int32 lanes and multiplied.
+
+`SIGNED_CODES` says which form a target multiplies 8-bit weight codes in:
+unsigned codes with a zero point of 128 (`vpdpbusd` takes a full byte) or
+signed codes (`dot_s8s8`, exact for all of them).
+"""
+
+from std.memory import bitcast
+from std.sys import llvm_intrinsic, simd_width_of
+from std.sys.info import CompilationTarget
+
+from ..cache.paged_kv_cache import Ptr
+
+comptime I32 = DType.int32
+comptime WI = simd_width_of[I32]()
+"""32-bit lanes of a vector register: 16 with AVX-512, 8 with AVX2, 4 with
+NEON."""
+comptime BYTES = 4 * WI
+"""Bytes in a vector register: the bytes one dot product step takes."""
+
+comptime VNNI_512 = CompilationTarget._has_feature["avx512vnni"]() and WI == 16
+comptime VNNI_256 = (
+    CompilationTarget._has_feature["avxvnni"]()
+    or CompilationTarget._has_feature["avx512vnni"]()
+) and WI == 8
+comptime VNNI = VNNI_512 or VNNI_256
+"""Whether `vpdpbusd` multiplies a register of bytes in one instruction."""
+comptime MADDUBS = (
+    CompilationTarget.is_x86() and CompilationTarget.has_avx2() and not VNNI
+)
+"""Whether the x86 target pairs `vpmaddubsw` with `vpmaddwd` instead."""
+comptime SDOT = (
+    CompilationTarget.has_neon()
+    and CompilationTarget._has_feature["dotprod"]()
+    and WI == 4
+)
+"""Whether the Arm target has `sdot`."""
+
+comptime SIGNED_CODES = not VNNI
+"""Whether 8-bit weight codes are multiplied as signed bytes (`dot_s8s8`)
+rather than as unsigned bytes offset by 128 (`dot_u8s8`)."""
+
+comptime Bytes = SIMD[DType.uint8, BYTES]
+comptime SBytes = SIMD[DType.int8, BYTES]
+comptime Acc = SIMD[I32, WI]
+
+
+@always_inline
+def _maddubs(a: Bytes, b: SBytes) -> SIMD[DType.int16, 2 * WI]:
+    """Pairs of products a * b summed into int16 lanes (saturating)."""
+    comptime if WI == 16:
+        return llvm_intrinsic[
+            "llvm.x86.avx512.pmaddubs.w.512", SIMD[DType.int16, 2 * WI]
+        ](a, b)
+    else:
+        return llvm_intrinsic[
+            "llvm.x86.avx2.pmadd.ub.sw", SIMD[DType.int16, 2 * WI]
+        ](a, b)
+
+
+@always_inline
+def _madd_ones(p: SIMD[DType.int16, 2 * WI]) -> Acc:
+    """Pairs of int16 lanes summed into int32 lanes."""
+    comptime if WI == 16:
+        return llvm_intrinsic["llvm.x86.avx512.pmaddw.d.512", Acc](
+            p, SIMD[DType.int16, 2 * WI](1)
+        )
+    else:
+        return llvm_intrinsic["llvm.x86.avx2.pmadd.wd", Acc](
+            p, SIMD[DType.int16, 2 * WI](1)
+        )
+
+
+@always_inline
+def dot_u8s8(acc: Acc, a: Bytes, b: SBytes) -> Acc:
+    """Returns acc[i] + sum_j a[4i + j] * b[4i + j], a unsigned, b signed.
+
+    Exact for every a where VNNI is true; elsewhere for a < 128 and b in
+    [-127, 127] (see the module docstring)."""
+    comptime if VNNI_512:
+        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", Acc](
+            acc, a, b
+        )
+    elif VNNI_256:
+        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.256", Acc](
+            acc, a, b
+        )
+    elif MADDUBS:
+        return acc + _madd_ones(_maddubs(a, b))
+    elif SDOT:
+        return llvm_intrinsic["llvm.aarch64.neon.sdot.v4i32.v16i8", Acc](
+            acc, bitcast[DType.int8, BYTES](a), b
+        )
+    else:
+        return acc + _widened_dot(a.cast[I32](), b.cast[I32]())
+
+
+@always_inline
+def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
+    """Returns acc[i] + sum_j a[4i + j] * b[4i + j], both signed, for b in
+    [-127, 127]; exact on every target."""
+    comptime if MADDUBS:
+        # |a| is at most 128, which vpmaddubsw takes as unsigned; the sign
+        # moves to b (vpsignb), so that pairs of products stay within int16.
+        var negative = a.lt(0)
+        var magnitude = bitcast[DType.uint8, BYTES](negative.select(-a, a))
+        return acc + _madd_ones(_maddubs(magnitude, negative.select(-b, b)))
+    elif SDOT:
+        return llvm_intrinsic["llvm.aarch64.neon.sdot.v4i32.v16i8", Acc](
+            acc, a, b
+        )
+    else:
+        return acc + _widened_dot(a.cast[I32](), b.cast[I32]())
+
+
+@always_inline
+def _widened_dot(
+    a: SIMD[I32, BYTES], b: SIMD[I32, BYTES]
+) -> Acc:
+    """The portable form: products in int32 lanes, summed by fours."""
+    var p = a * b
+    var out = Acc(0)
+    comptime for i in range(WI):
+        out[i] = p[4 * i] + p[4 * i + 1] + p[4 * i + 2] + p[4 * i + 3]
+    return out
+
+
+@always_inline
+def broadcast_word(p: Ptr[DType.int8]) -> SBytes:
+    """The four bytes at p repeated across a register."""
+    var word = bitcast[I32, 1](p.unsafe_load[width=4]())
+    return bitcast[DType.int8, BYTES](Acc(word[0]))

@@ -1,0 +1,67 @@
+"""The forms a model's weights and KV cache take when `load` serves it.
+
+- "gguf": the GGUF's own quantized blocks, multiplied in place with float32
+  activations quantized per block (CPU only): a decode step reads 4 to 8
+  bits per weight. The fastest form on the CPU, and the default there.
+- "f32": dequantized to float32, activations in float32: the exact form,
+  which matches transformers token for token.
+- "bf16": dequantized to bfloat16, activations in bfloat16 (the default on
+  a GPU, where the quantized products do not run).
+
+The cache's dtype is free beside GGUF weights and the weights' own dtype
+beside float ones (the float step graphs keep one dtype throughout).
+"""
+
+from __future__ import annotations
+
+from .errors import ModelError
+
+WEIGHTS = ("gguf", "f32", "bf16")
+"""How `load` keeps a model's weights: "gguf", the GGUF's own quantized
+blocks multiplied in place with float32 activations (CPU); "f32" and
+"bf16", dequantized to float32 or bfloat16, activations in the same dtype
+(the float32 form matches transformers token for token)."""
+KV_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_KV_DTYPE = {"gguf": "float16", "f32": "float32", "bf16": "bfloat16"}
+"""The cache's dtype unless told otherwise: llama.cpp's default (float16)
+beside GGUF weights, the weights' own dtype beside float ones."""
+
+
+def default_weights(device: str) -> str:
+    """The fastest correct form on a device: the GGUF's own blocks on the
+    CPU, bfloat16 on a GPU (the quantized products run on the CPU)."""
+    return "gguf" if device == "cpu" else "bf16"
+
+
+def add_weights_arguments(parser) -> None:
+    """Adds --weights and --kv-dtype (for `load`) to an argparse parser."""
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="gguf (the GGUF's own quantized blocks: the default on the cpu), f32 (exact "
+        "against transformers) or bf16 (the default on a gpu)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="KV cache dtype with --weights gguf: float16 (default), bfloat16 or float32",
+    )
+
+
+def check_forms(weights: str, kv_dtype: str | None, device: str) -> str:
+    """The cache dtype for these weights (kv_dtype or the default); raises
+    ModelError for a combination `load` cannot serve."""
+    if weights not in WEIGHTS:
+        raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "gguf" and device != "cpu":
+        raise ModelError("weights='gguf' runs on the CPU; use weights='bf16' on a GPU")
+    kv_dtype = kv_dtype or DEFAULT_KV_DTYPE[weights]
+    if kv_dtype not in KV_DTYPES:
+        raise ModelError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    float_dtype = {"f32": "float32", "bf16": "bfloat16"}.get(weights)
+    if float_dtype is not None and kv_dtype != float_dtype:
+        raise ModelError(
+            f"weights={weights!r} keeps its cache in {float_dtype}; other cache dtypes "
+            "need weights='gguf'"
+        )
+    return kv_dtype

@@ -1,0 +1,154 @@
+"""GGUF-quantized weights packed for pagedkv's quantized product op.
+
+A GGUF weight [N, K] (N output features, K inputs) is rows of blocks of 32
+inputs, each block a scale (and a min) and 32 codes of 4 or 8 bits. The op
+reads them repacked into panels of QUANT_PANEL = 16 output columns,
+``[ceil(N / 16), quantized_panel_bytes(format, K)]`` bytes: per panel, the
+codes of its blocks arranged for byte dot products, then their float16
+scales, then their float16 mins (formats with a min). The codes and scales
+are the GGUF's own, bit for bit; only their order changes
+(mojo_ops/quantized/block_formats.mojo describes the layout). A model packs
+its weights once, when it loads them, and ``graph_ops.qlinear`` multiplies
+by them in a step graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._op_contract import QUANT_FORMATS, QUANT_PANEL
+
+QK = 32
+"""Inputs per quantization block."""
+PANEL_ALIGN = 64
+
+_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+_HAS_MIN = {"Q4_1"}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight in a GGUF block format, packed in panels.
+
+    Attributes:
+        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0").
+        out_features: N.
+        in_features: K, a multiple of 32.
+        panels: uint8 [ceil(N / 16), quantized_panel_bytes(format, K)].
+    """
+
+    format: str
+    out_features: int
+    in_features: int
+    panels: np.ndarray
+
+    @property
+    def format_code(self) -> int:
+        """The op's `format` parameter: GGML's type id."""
+        return QUANT_FORMATS[self.format]
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quantized products take {', '.join(QUANT_FORMATS)} weights, not {fmt!r}")
+
+
+def quantized_panel_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one packed panel of a weight with `in_features` inputs."""
+    check_format(fmt)
+    blocks = in_features // QK
+    code_bytes = QK * QUANT_PANEL * _CODE_BITS[fmt] // 8
+    scale_bytes = 2 * QUANT_PANEL * (2 if fmt in _HAS_MIN else 1)
+    return -(-blocks * (code_bytes + scale_bytes) // PANEL_ALIGN) * PANEL_ALIGN
+
+
+def quantized_panels_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, int]:
+    """The packed shape of a weight [out_features, in_features]."""
+    return (-(-out_features // QUANT_PANEL), quantized_panel_bytes(fmt, in_features))
+
+
+def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
+    """The scale, min and codes [n, k / 32, ...] of the GGUF blocks in raw."""
+    size = _BLOCK_BYTES[fmt]
+    if k % QK or raw.size != n * (k // QK) * size:
+        raise ValueError(
+            f"a {fmt} weight [{n}, {k}] is {n * (k // QK) * size} bytes in blocks of {QK} "
+            f"inputs, got {raw.size} bytes"
+        )
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK, size)
+    parts = {"d": blocks[..., 0:2].copy().view(np.float16)[..., 0]}
+    if fmt == "Q8_0":
+        parts["codes"] = blocks[..., 2:34].view(np.int8)
+        return parts
+    qs = blocks[..., 4:20] if fmt in _HAS_MIN else blocks[..., 2:18]
+    if fmt in _HAS_MIN:
+        parts["m"] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    # A 4-bit block's byte j holds input j (low nibble) and input j + 16.
+    parts["codes"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return parts
+
+
+def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_features: int):
+    """Packs a GGUF weight's blocks into the product op's panels.
+
+    Parameters
+    ----------
+    raw : numpy.ndarray
+        The weight's GGUF data, uint8, ``out_features`` rows of
+        ``in_features / 32`` blocks (any shape with that many bytes, e.g.
+        what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
+        modified.
+    fmt : str
+        Its GGUF type: "Q4_0", "Q4_1" or "Q8_0".
+    out_features, in_features : int
+        N and K of the weight [N, K]; K a multiple of 32.
+
+    Returns
+    -------
+    QuantizedWeight
+        The panels, uint8 ``[ceil(N / 16), quantized_panel_bytes(fmt, K)]``;
+        columns past N are zero.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gguf import GGMLQuantizationType, quants
+    >>> from pagedkv.quantized_panels import pack_quantized_weight
+    >>> w = np.random.default_rng(0).standard_normal((20, 64)).astype(np.float32)
+    >>> raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
+    >>> packed = pack_quantized_weight(raw, "Q4_1", 20, 64)
+    >>> packed.panels.shape
+    (2, 640)
+    """
+    check_format(fmt)
+    n, k = int(out_features), int(in_features)
+    parts = _blocks(raw, fmt, n, k)
+    panels = -(-n // QUANT_PANEL)
+    blocks = k // QK
+
+    def by_panel(a: np.ndarray) -> np.ndarray:
+        """a [n, ...] zero-padded to [panels, 16, ...]."""
+        padded = np.zeros((panels * QUANT_PANEL, *a.shape[1:]), a.dtype)
+        padded[:n] = a
+        return padded.reshape(panels, QUANT_PANEL, *a.shape[1:])
+
+    codes = by_panel(parts["codes"].view(np.uint8))  # [P, 16, B, 32]
+    if _CODE_BITS[fmt] == 4:
+        # Input 8g + 4h + j of column c: group g, byte 4c + j, nibble h.
+        c = codes.reshape(panels, QUANT_PANEL, blocks, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)
+        packed_codes = c[..., 0] | (c[..., 1] << 4)
+    else:
+        # Input 4g + j of column c: group g, byte 4c + j.
+        packed_codes = codes.reshape(panels, QUANT_PANEL, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    sections = [packed_codes.reshape(panels, -1)]
+    for name in ("d", "m") if fmt in _HAS_MIN else ("d",):
+        scales = by_panel(parts[name]).transpose(0, 2, 1)  # [P, B, 16]
+        sections.append(np.ascontiguousarray(scales).view(np.uint8).reshape(panels, -1))
+    width = quantized_panel_bytes(fmt, k)
+    out = np.zeros((panels, width), np.uint8)
+    used = sum(s.shape[1] for s in sections)
+    out[:, :used] = np.concatenate(sections, axis=1)
+    return QuantizedWeight(fmt, n, k, out)

@@ -1,0 +1,333 @@
+"""graph_ops.quantized_decoder_layer (one op: a Llama layer with GGUF weights)
+and graph_ops.rope_append_paged_kv_cache against float64 NumPy.
+
+The layer's reference is a plain Llama layer written here: RMSNorms, rotate-
+half RoPE, causal attention over the request's cached and new keys
+(reference.attention), SwiGLU; weights dequantized by the `gguf` package,
+activations quantized before each product as the op documents (the NumPy
+model's `quantize_activations`). The op keeps its intermediate rows in
+float32 and quantizes them again before the next product, where a value a
+rounding away from a code boundary may land one code apart from the
+reference's: the tolerance allows a few such steps, far below what any
+wrong index, layout or formula gives. Decode (one token per request, keys
+split across work items) and prefill (ragged, causal) both run, over a
+shuffled pool whose other pages must stay as they were.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
+
+import reference
+from pagedkv import graph_ops
+from pagedkv.graphs.model import LlamaConfig, rope_tables
+from pagedkv.graphs.numpy_reference import quantize_activations
+from pagedkv.quantized_panels import pack_quantized_weight, quantized_panels_shape
+from suite_graphs import suite_graph, suite_model
+
+P = 16
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=128,
+    num_layers=1,
+    num_qo_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn_size=96,
+    max_positions=512,
+)
+FORMATS = ("Q4_1", "Q8_0", "Q4_0", "Q4_1")
+"""wqkv, wo, w_gate_up, w_down: every format the product takes."""
+SHAPES = {
+    "wqkv": (CONFIG.qkv_size, CONFIG.hidden_size),
+    "wo": (CONFIG.hidden_size, CONFIG.num_qo_heads * CONFIG.head_dim),
+    "w_gate_up": (2 * CONFIG.ffn_size, CONFIG.hidden_size),
+    "w_down": (CONFIG.hidden_size, CONFIG.ffn_size),
+}
+EPS = 1e-5
+
+
+def graph_inputs() -> list:
+    cpu = DeviceRef.CPU()
+    c = CONFIG
+
+    def index(name):
+        return TensorType(DType.int32, [name], device=cpu)
+
+    weights = [
+        TensorType(DType.uint8, quantized_panels_shape(fmt, *shape), cpu)
+        for fmt, shape in zip(FORMATS, SHAPES.values(), strict=True)
+    ]
+    return [
+        BufferType(DType.float32, ["pages", 2, P, c.num_kv_heads, c.head_dim], cpu),
+        TensorType(DType.float32, ["rows", c.hidden_size], cpu),
+        TensorType(DType.float32, [c.hidden_size], cpu),
+        TensorType(DType.float32, [c.hidden_size], cpu),
+        *weights,
+        TensorType(DType.float32, [c.max_positions, c.head_dim // 2], cpu),
+        TensorType(DType.float32, [c.max_positions, c.head_dim // 2], cpu),
+        index("rows"),
+        index("rows"),
+        index("used_pages"),
+        index("batch_plus_1"),
+        index("batch"),
+        TensorType(DType.int32, ["items", 6], cpu),
+        index("batch_plus_1"),
+    ]
+
+
+def build(module: Module, name: str, decode: bool) -> None:
+    c = CONFIG
+    with Graph(
+        name,
+        input_types=graph_inputs(),
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        pool, x, attn_norm, mlp_norm, wqkv, wo, wgu, wdown, cos, sin, *index = g.inputs
+        weights = graph_ops.QuantizedLayerWeights(
+            attn_norm.tensor,
+            wqkv.tensor,
+            wo.tensor,
+            mlp_norm.tensor,
+            wgu.tensor,
+            wdown.tensor,
+            FORMATS,
+        )
+        g.output(
+            graph_ops.quantized_decoder_layer(
+                x.tensor,
+                pool.buffer,
+                weights,
+                cos.tensor,
+                sin.tensor,
+                c.num_qo_heads,
+                c.ffn_size,
+                EPS,
+                *(v.tensor for v in index),
+                decode=decode,
+            )
+        )
+
+
+@suite_graph("decoder_layer_decode")
+def decoder_layer_decode(module: Module) -> None:
+    build(module, "decoder_layer_decode", decode=True)
+
+
+@suite_graph("decoder_layer_prefill")
+def decoder_layer_prefill(module: Module) -> None:
+    build(module, "decoder_layer_prefill", decode=False)
+
+
+@suite_graph("rope_append")
+def rope_append_graph(module: Module) -> None:
+    c = CONFIG
+    cpu = DeviceRef.CPU()
+    types = graph_inputs()
+    types[1] = TensorType(DType.float32, ["rows", c.qkv_size], cpu)
+    with Graph(
+        "rope_append",
+        input_types=[types[0], types[1], *types[8:15]],
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        pool, qkv, cos, sin, *index = g.inputs
+        g.output(
+            graph_ops.rope_append_paged_kv_cache(
+                pool.buffer,
+                qkv.tensor,
+                cos.tensor,
+                sin.tensor,
+                c.num_qo_heads,
+                *(v.tensor for v in index),
+            )
+        )
+
+
+class Layer:
+    """Random quantized weights and their float64 reference layer."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        c = CONFIG
+        self.attn_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
+        self.mlp_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
+        self.raw, self.dense, self.panels = {}, {}, {}
+        for fmt, (name, (n, k)) in zip(FORMATS, SHAPES.items(), strict=True):
+            w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+            raw = quants.quantize(w, GGMLQuantizationType[fmt])
+            self.dense[name] = quants.dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+            self.panels[name] = pack_quantized_weight(raw, fmt, n, k).panels
+        self.cos, self.sin = rope_tables(CONFIG)
+
+    def product(self, rows: np.ndarray, name: str) -> np.ndarray:
+        return quantize_activations(rows) @ self.dense[name].T
+
+    @staticmethod
+    def norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * weight
+
+    def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate-half RoPE of x [T, H, D] with the float32 tables."""
+        half = x.shape[-1] // 2
+        c = self.cos[positions][:, None, :].astype(np.float64)
+        s = self.sin[positions][:, None, :].astype(np.float64)
+        lo, hi = x[..., :half], x[..., half:]
+        return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+    def qkv(self, x: np.ndarray) -> np.ndarray:
+        return self.product(self.norm(x, self.attn_norm), "wqkv")
+
+    def forward(self, x, positions, cached_k, cached_v):
+        """The layer on one request's new rows x [T, H] at positions [T],
+        after keys and values cached [L, Hkv, D]; returns (out, k, v)."""
+        c = CONFIG
+        t, d = x.shape[0], c.head_dim
+        nq, nk = c.num_qo_heads * d, c.num_kv_heads * d
+        qkv = self.qkv(x)
+        q = self.rotate(qkv[:, :nq].reshape(t, c.num_qo_heads, d), positions)
+        k = self.rotate(qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, d), positions)
+        v = qkv[:, nq + nk :].reshape(t, c.num_kv_heads, d)
+        keys, values = np.concatenate([cached_k, k]), np.concatenate([cached_v, v])
+        o, _ = reference.attention(q, keys, values, positions)
+        h = x + self.product(o.reshape(t, nq), "wo")
+        gu = self.product(self.norm(h, self.mlp_norm), "w_gate_up")
+        gate, up = gu[:, : c.ffn_size], gu[:, c.ffn_size :]
+        act = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+        return h + self.product(act, "w_down"), k, v
+
+
+def step(rng, cached: list[int], new: list[int], decode: bool):
+    """A batch's inputs: page table, random cached K/V in the pool, new rows."""
+    c = CONFIG
+    after = [a + b for a, b in zip(cached, new, strict=True)]
+    batch = reference.paged_batch(rng, P, after, new)
+    pool = rng.standard_normal((batch.num_pages, 2, P, c.num_kv_heads, c.head_dim))
+    pool = pool.astype(np.float32)
+    bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    work = (
+        graph_ops.decode_work(
+            batch.kv_indptr, batch.kv_last_page_len, P, c.num_qo_heads, c.num_kv_heads, c.head_dim
+        )
+        if decode
+        else graph_ops.prefill_work(
+            batch.append_indptr,
+            batch.kv_indptr,
+            batch.kv_last_page_len,
+            P,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        )
+    )
+    x = rng.standard_normal((batch.nnz, c.hidden_size)).astype(np.float32)
+    return batch, pool, x, bi.astype(np.int32), pos.astype(np.int32), work
+
+
+def cached_kv(pool: np.ndarray, batch, b: int, length: int):
+    """Request b's first `length` tokens' K and V [length, Hkv, D] in the pool."""
+    pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
+    k = pool[pages, 0].reshape(-1, *pool.shape[3:])[:length]
+    v = pool[pages, 1].reshape(-1, *pool.shape[3:])[:length]
+    return k.astype(np.float64), v.astype(np.float64)
+
+
+def run_layer(model, layer: Layer, pool, x, batch, bi, pos, work):
+    args = [
+        pool,
+        x,
+        layer.attn_norm,
+        layer.mlp_norm,
+        *layer.panels.values(),
+        layer.cos,
+        layer.sin,
+        bi,
+        pos,
+        batch.kv_indices,
+        batch.kv_indptr,
+        batch.kv_last_page_len,
+        *work,
+    ]
+    return model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in args))[0].to_numpy()
+
+
+CASES = [
+    # (cached tokens before the step, new tokens): long enough that decode
+    # splits keys into several items, a request starting empty, a page edge.
+    pytest.param([300, 17, 0], [1, 1, 1], True, id="decode"),
+    pytest.param([5], [1], True, id="decode-one"),
+    pytest.param([0, 20, 31], [9, 3, 1], False, id="prefill"),
+    pytest.param([0], [40], False, id="prefill-one"),
+]
+
+
+@pytest.mark.parametrize("cached,new,decode", CASES)
+def test_decoder_layer_matches_float64(cached, new, decode):
+    rng = np.random.default_rng(sum(cached) + len(new))
+    layer = Layer(rng)
+    batch, pool, x, bi, pos, work = step(rng, cached, new, decode)
+    if decode:
+        assert len(work[0]) > len(cached) or len(cached) == 1  # keys split
+    before = pool.copy()
+    model = suite_model("decoder_layer_decode" if decode else "decoder_layer_prefill")
+    got = run_layer(model, layer, pool, x, batch, bi, pos, work)
+    c = CONFIG
+    touched = np.zeros(pool.shape[0], bool)
+    for b in range(batch.batch_size):
+        rows = slice(batch.append_indptr[b], batch.append_indptr[b + 1])
+        k0, v0 = cached_kv(before, batch, b, cached[b])
+        want, k, v = layer.forward(x[rows], pos[rows], k0, v0)
+        scale = np.sqrt(np.mean(want**2))
+        err = np.abs(got[rows] - want)
+        assert (err <= 5e-3 * scale + 1e-3 * np.abs(want)).all(), f"request {b}: {err.max()}"
+        k_new, v_new = cached_kv(pool, batch, b, cached[b] + new[b])
+        np.testing.assert_array_equal(k_new[: cached[b]], k0)
+        np.testing.assert_allclose(k_new[cached[b] :], k, rtol=0, atol=2e-3 * np.abs(k).max())
+        np.testing.assert_allclose(v_new[cached[b] :], v, rtol=0, atol=2e-3 * np.abs(v).max())
+        touched[batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]] = True
+    assert pool[~touched].tobytes() == before[~touched].tobytes()
+    assert got.shape == (batch.nnz, c.hidden_size)
+
+
+def test_rope_append_rotates_and_appends():
+    """Queries and keys rotated as the reference rotates them (float32 on
+    both sides: within an ulp or two); values copied bit for bit."""
+    rng = np.random.default_rng(5)
+    c = CONFIG
+    layer = Layer(rng)
+    batch, pool, _, bi, pos, _ = step(rng, [3, 40], [5, 2], False)
+    qkv = rng.standard_normal((batch.nnz, c.qkv_size)).astype(np.float32)
+    before = pool.copy()
+    args = [pool, qkv, layer.cos, layer.sin, bi, pos, batch.kv_indices, batch.kv_indptr]
+    args.append(batch.kv_last_page_len)
+    q = suite_model("rope_append").execute(*(Buffer.from_numpy(a) for a in args))[0].to_numpy()
+    d, nq, nk = c.head_dim, c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    want_q = layer.rotate(qkv[:, :nq].reshape(-1, c.num_qo_heads, d).astype(np.float64), pos)
+    np.testing.assert_allclose(q, want_q, rtol=1e-6, atol=1e-6)
+    want_k = layer.rotate(qkv[:, nq : nq + nk].reshape(-1, c.num_kv_heads, d), pos)
+    for b, start in enumerate((3, 40)):
+        rows = slice(batch.append_indptr[b], batch.append_indptr[b + 1])
+        k_all, v_all = cached_kv(pool, batch, b, start + batch.append_lens[b])
+        np.testing.assert_allclose(k_all[start:], want_k[rows], rtol=1e-6, atol=1e-6)
+        values = qkv[rows, nq + nk :].reshape(-1, c.num_kv_heads, d)
+        assert v_all[start:].astype(np.float32).tobytes() == values.tobytes()
+        k0, v0 = cached_kv(before, batch, b, start)
+        assert k_all[:start].tobytes() == k0.tobytes() and v_all[:start].tobytes() == v0.tobytes()
+
+
+def test_positions_past_the_tables_write_nothing():
+    rng = np.random.default_rng(9)
+    c = CONFIG
+    layer = Layer(rng)
+    batch, pool, x, bi, pos, work = step(rng, [c.max_positions], [1], True)
+    assert pos[-1] == c.max_positions
+    before = pool.copy()
+    with pytest.raises(ValueError, match="past the RoPE tables"):
+        run_layer(suite_model("decoder_layer_decode"), layer, pool, x, batch, bi, pos, work)
+    assert pool.tobytes() == before.tobytes()

@@ -1,0 +1,243 @@
+"""graph_ops.qlinear: products with GGUF-quantized weights against float64.
+
+The reference is written independently of the kernel: the weights are
+dequantized by the `gguf` package (the GGUF format's own reference code),
+and the activations are quantized per block of 32 as the op documents
+(d = max|x| / 127, q = round-half-even(x * 127 / max|x|), in float32) by
+the NumPy model's `quantize_activations`. The op's only other rounding is
+float32 accumulation over the blocks, so the tolerance is tight; a prologue
+computed in a different order may move one code of a block by one step,
+which the tolerance allows.
+Packing is checked bitwise: the panels hold the GGUF's codes and scales.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, Module, TensorType
+
+from pagedkv import graph_ops
+from pagedkv.graphs.numpy_reference import quantize_activations
+from pagedkv.quantized_panels import (
+    pack_quantized_weight,
+    quantized_panel_bytes,
+    quantized_panels_shape,
+)
+from suite_graphs import suite_graph, suite_model
+
+FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# (format, N, K, prologue, residual, x dtype): a partial panel, several
+# panels, K of many blocks, each prologue, the epilogue and bfloat16 x.
+PRODUCTS = [
+    ("Q4_0", 40, 96, "none", False, DType.float32),
+    ("Q4_1", 50, 64, "rms_norm", True, DType.float32),
+    ("Q8_0", 33, 160, "none", True, DType.float32),
+    ("Q4_1", 64, 64, "swiglu", True, DType.float32),
+    ("Q8_0", 16, 32, "rms_norm", False, DType.float32),
+    ("Q4_0", 24, 64, "none", False, DType.bfloat16),
+]
+ROWS = [1, 2, 5, 6, 7, 13, 50, 97]
+EPS = 1e-5
+
+
+def x_width(k: int, prologue: str) -> int:
+    return 2 * k if prologue == "swiglu" else k
+
+
+@suite_graph("qlinear_products")
+def qlinear_products(module: Module) -> None:
+    cpu = DeviceRef.CPU()
+    types = []
+    for fmt, n, k, prologue, _, dt in PRODUCTS:
+        types += [
+            TensorType(dt, ["m", x_width(k, prologue)], cpu),
+            TensorType(DType.uint8, quantized_panels_shape(fmt, n, k), cpu),
+            TensorType(DType.float32, [k], cpu),
+            TensorType(DType.float32, ["m", n], cpu),
+        ]
+    with Graph(
+        "qlinear_products",
+        input_types=types,
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        outs = []
+        for i, (fmt, n, _, prologue, residual, _) in enumerate(PRODUCTS):
+            x, w, gamma, res = (v.tensor for v in g.inputs[4 * i : 4 * i + 4])
+            outs.append(
+                graph_ops.qlinear(
+                    x,
+                    w,
+                    fmt,
+                    n,
+                    rms_norm=(gamma, EPS) if prologue == "rms_norm" else None,
+                    swiglu=prologue == "swiglu",
+                    residual=res if residual else None,
+                )
+            )
+        g.output(*outs)
+
+
+@pytest.fixture
+def qlinear_model():
+    return suite_model("qlinear_products")
+
+
+def prologue_rows(x: np.ndarray, prologue: str, gamma: np.ndarray) -> np.ndarray:
+    """What the op quantizes, in float32: x, RMSNorm(x) * gamma, or SwiGLU."""
+    x = x.astype(np.float32)
+    if prologue == "rms_norm":
+        scale = 1 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + EPS)
+        return (x * scale.astype(np.float32) * gamma).astype(np.float32)
+    if prologue == "swiglu":
+        k = x.shape[1] // 2
+        gate, up = x[:, :k], x[:, k:]
+        return (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+    return x
+
+
+def reference(x, raw, fmt, prologue, gamma, residual):
+    """(y, tolerance) of the product in float64 (see the module docstring)."""
+    w = quants.dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    rows = prologue_rows(x, prologue, gamma)
+    xq = quantize_activations(rows)
+    scales = np.abs(rows).reshape(len(rows), -1, 32).max(axis=-1) / 127
+    y = xq @ w.T
+    magnitude = np.abs(xq) @ np.abs(w.T)
+    one_step = np.abs(w).max() * scales.max(axis=1, keepdims=True)
+    if residual is not None:
+        y = y + residual
+    return y, 1e-5 * magnitude + 1.01 * one_step + 1e-6
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_qlinear_matches_float64(qlinear_model, rows):
+    rng = np.random.default_rng(rows)
+    args, cases = [], []
+    for fmt, n, k, prologue, residual, dt in PRODUCTS:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        raw = quants.quantize(w, GGMLQuantizationType[fmt])
+        x = rng.standard_normal((rows, x_width(k, prologue))).astype(np.float32)
+        if dt == DType.bfloat16:
+            x_arg = torch.from_numpy(x).to(torch.bfloat16)
+            x = x_arg.float().numpy()
+        else:
+            x_arg = x
+        gamma = (1 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+        res = rng.standard_normal((rows, n)).astype(np.float32)
+        args += [x_arg, pack_quantized_weight(raw, fmt, n, k).panels, gamma, res]
+        cases.append(reference(x, raw, fmt, prologue, gamma, res if residual else None))
+    outs = qlinear_model.execute(*(Buffer.from_dlpack(a) for a in args))
+    for out, (want, tol), product in zip(outs, cases, PRODUCTS, strict=True):
+        got = out.to_numpy()
+        assert got.shape == want.shape and got.dtype == np.float32, product
+        err = np.abs(got.astype(np.float64) - want)
+        assert (err <= tol).all(), f"{product}: error {err.max()} (tolerance {tol.min()})"
+
+
+def test_quantized_activations_stay_close_to_float(qlinear_model):
+    """Against the unquantized product, the error is what 8-bit activations
+    allow: each input rounded by up to half a step of max|x| / 127 (about
+    0.6% of its spread as an RMS), summed at random over K, so the output's
+    error is about 0.6% of its own RMS and rarely past 5 times that."""
+    rng = np.random.default_rng(7)
+    fmt, n, k = "Q4_1", 50, 64
+    args = []
+    for f, nn, kk, prologue, _, dt in PRODUCTS:
+        raw = quants.quantize(
+            rng.standard_normal((nn, kk)).astype(np.float32), GGMLQuantizationType[f]
+        )
+        x = rng.standard_normal((64, x_width(kk, prologue))).astype(np.float32)
+        x_arg = torch.from_numpy(x).to(torch.bfloat16) if dt == DType.bfloat16 else x
+        args += [x_arg, pack_quantized_weight(raw, f, nn, kk).panels]
+        args += [np.ones(kk, np.float32), np.zeros((64, nn), np.float32)]
+        if (f, nn, kk) == (fmt, n, k):
+            w = quants.dequantize(raw, GGMLQuantizationType[f]).astype(np.float64)
+            want = prologue_rows(x, prologue, np.ones(kk, np.float32)).astype(np.float64) @ w.T
+    got = qlinear_model.execute(*(Buffer.from_dlpack(a) for a in args))[1].to_numpy()
+    rel = np.abs(got - want) / np.sqrt((want**2).mean())
+    assert np.sqrt((rel**2).mean()) < 0.01
+    assert rel.max() < 0.05
+
+
+def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
+    """The codes [n, k] and scales [n, k/32] (and mins) read back from the
+    panels by the layout block_formats.mojo documents."""
+    blocks = k // 32
+    bits = 8 if fmt == "Q8_0" else 4
+    code_bytes = 32 * 16 * bits // 8
+    p = panels.shape[0]
+    codes_raw = panels[:, : blocks * code_bytes].reshape(p, blocks, -1, 16, 4)
+    if bits == 4:
+        lo, hi = codes_raw & 0x0F, codes_raw >> 4
+        codes = np.stack([lo, hi], axis=-2)  # [P, B, g, c, h, j]
+        codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(p * 16, k)
+    else:
+        codes = codes_raw.transpose(0, 3, 1, 2, 4).reshape(p * 16, k).view(np.int8)
+    at = blocks * code_bytes
+    scales = panels[:, at : at + blocks * 32].copy().view(np.float16).reshape(p, blocks, 16)
+    scales = scales.transpose(0, 2, 1).reshape(p * 16, blocks)
+    mins = None
+    if fmt == "Q4_1":
+        at += blocks * 32
+        mins = panels[:, at : at + blocks * 32].copy().view(np.float16).reshape(p, blocks, 16)
+        mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)[:n]
+    return codes[:n], scales[:n], mins, codes[n:], scales[n:]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_keeps_the_gguf_blocks_bit_for_bit(fmt):
+    rng = np.random.default_rng(3)
+    n, k = 37, 96
+    raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[fmt])
+    packed = pack_quantized_weight(raw, fmt, n, k)
+    assert packed.panels.shape == quantized_panels_shape(fmt, n, k)
+    assert packed.panels.shape[1] % 64 == 0
+    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]
+    blocks = raw.reshape(n, k // 32, size)
+    assert scales.tobytes() == blocks[..., 0:2].copy().view(np.float16)[..., 0].tobytes()
+    if fmt == "Q8_0":
+        assert codes.tobytes() == blocks[..., 2:].copy().view(np.int8).reshape(n, k).tobytes()
+    else:
+        qs = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
+        want = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        assert codes.tobytes() == want.tobytes()
+    if mins is not None:
+        assert mins.tobytes() == blocks[..., 2:4].copy().view(np.float16)[..., 0].tobytes()
+    assert not pad_codes.any() and not pad_scales.view(np.uint16).any()
+
+
+def test_bad_quantized_operands_are_refused():
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+        quantized_panel_bytes("Q6_K", 64)
+    with pytest.raises(ValueError, match="bytes in blocks"):
+        pack_quantized_weight(np.zeros(10, np.uint8), "Q4_1", 2, 64)
+    with pytest.raises(ValueError, match="bytes in blocks"):
+        pack_quantized_weight(np.zeros(40, np.uint8), "Q4_1", 2, 48)  # K not a multiple of 32
+    cpu = DeviceRef.CPU()
+    types = [
+        TensorType(DType.float32, ["m", 64], cpu),
+        TensorType(DType.uint8, quantized_panels_shape("Q4_1", 20, 64), cpu),
+        TensorType(DType.float32, [32], cpu),
+        TensorType(DType.float32, ["m", "k"], cpu),
+    ]
+    with Graph("bad_qlinear", input_types=types) as g:
+        x, w, gamma, dynamic = (v.tensor for v in g.inputs)
+        with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+            graph_ops.qlinear(x, w, "Q5_K", 20)
+        with pytest.raises(ValueError, match="packed as uint8"):
+            graph_ops.qlinear(x, w, "Q4_1", 40)
+        with pytest.raises(ValueError, match="packed as uint8"):
+            graph_ops.qlinear(x, w, "Q8_0", 20)
+        with pytest.raises(ValueError, match="rms_norm weight"):
+            graph_ops.qlinear(x, w, "Q4_1", 20, rms_norm=(gamma, EPS))
+        with pytest.raises(ValueError, match="one prologue"):
+            graph_ops.qlinear(x, w, "Q4_1", 20, rms_norm=(gamma, EPS), swiglu=True)
+        with pytest.raises(ValueError, match="static K"):
+            graph_ops.qlinear(dynamic, w, "Q4_1", 20)
