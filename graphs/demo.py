@@ -271,9 +271,7 @@ def plan_demo(options: DemoOptions) -> DemoPlan:
     quantized = model.quantized if weights_of(options) == "gguf" else None
     if weights_of(options) == "gguf" and not quantized:
         raise DemoError(f"{spec.title}: its formats are not all quantized-product formats")
-    return DemoPlan(
-        title, c, model.weights, quantized, requests, num_pages, tokenizer, questions
-    )
+    return DemoPlan(title, c, model.weights, quantized, requests, num_pages, tokenizer, questions)
 
 
 LOGIT_TOLERANCE = {("f32", "cpu"): 1e-3, ("f32", "gpu"): 0.25, ("gguf", "cpu"): 0.05}

@@ -213,8 +213,14 @@ def step(rng, cached: list[int], new: list[int], decode: bool):
     bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
     work = (
         graph_ops.decode_work(
-            batch.kv_indptr, batch.kv_last_page_len, P, c.num_qo_heads, c.num_kv_heads, c.head_dim
-        )
+            batch.kv_indptr,
+            batch.kv_last_page_len,
+            P,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            gpu=False,
+        )  # fmt: skip
         if decode
         else graph_ops.prefill_work(
             batch.append_indptr,
@@ -224,6 +230,7 @@ def step(rng, cached: list[int], new: list[int], decode: bool):
             c.num_qo_heads,
             c.num_kv_heads,
             c.head_dim,
+            gpu=False,
         )
     )
     x = rng.standard_normal((batch.nnz, c.hidden_size)).astype(np.float32)
