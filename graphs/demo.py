@@ -112,8 +112,8 @@ def demo_requests(config: LlamaConfig, options: DemoOptions) -> list[Request]:
             Request(
                 request_id=f"req{i}",
                 prompt=tuple(system + suffix),
-                max_new_tokens=int(rng.integers(lo, options.max_new_tokens + 1)),
-                samples=2 if i % 5 == 4 else 1,
+                max_tokens=int(rng.integers(lo, options.max_new_tokens + 1)),
+                n=2 if i % 5 == 4 else 1,
                 arrival_step=(i // 4) * 3,
             )
         )
@@ -129,8 +129,8 @@ def chat_requests(tokenizer, options: DemoOptions) -> list[Request]:
         Request(
             request_id=f"req{i}",
             prompt=tuple(tokenizer.chat_prompt(QUESTIONS[i % len(QUESTIONS)], SYSTEM_PROMPT)),
-            max_new_tokens=options.max_new_tokens,
-            samples=2 if i % 5 == 4 else 1,
+            max_tokens=options.max_new_tokens,
+            n=2 if i % 5 == 4 else 1,
             arrival_step=(i // 4) * 3,
             stop_token_ids=stop,
         )
@@ -209,14 +209,14 @@ def random_config(options: DemoOptions) -> LlamaConfig:
 def size_pool(config: LlamaConfig, requests: list[Request], options: DemoOptions) -> int:
     """Pages per layer: the flag, or 4096 tokens' worth (more if one request
     needs more); a DemoError if a request cannot fit or outgrows the model."""
-    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
     if longest > config.max_positions:
         raise DemoError(
             f"a request would reach {longest} tokens, past the model's maximum of "
             f"{config.max_positions}: lower --max-new-tokens"
         )
     biggest = max(
-        r.samples * pages_for(len(r.prompt) + r.max_new_tokens, options.page_size) for r in requests
+        r.n * pages_for(len(r.prompt) + r.max_tokens, options.page_size) for r in requests
     )
     num_pages = options.num_pages or max(biggest, 256 * 16 // options.page_size)
     if biggest > num_pages:
@@ -295,7 +295,7 @@ def run_demo(options: DemoOptions) -> int:
     build_kernel_package_in_background()  # overlaps reading the model
     plan = plan_demo(options)
     config, requests = plan.config, plan.requests
-    samples = sum(r.samples for r in requests)
+    samples = sum(r.n for r in requests)
     from pagedkv.models.forms import check_forms
 
     weights = weights_of(options)
@@ -320,10 +320,9 @@ def run_demo(options: DemoOptions) -> int:
     print(
         f"compile: {engine.compile_seconds:.1f} s (cached on disk: later runs load it)", flush=True
     )
-    total = sum(r.samples * r.max_new_tokens for r in requests)
-    sequences, stats = Scheduler(engine, keep_logits=True).run(
-        requests, on_step=Progress(total).update
-    )
+    total = sum(r.n * r.max_tokens for r in requests)
+    scheduler = Scheduler(engine, keep_logits=True, max_num_seqs=samples)
+    sequences, stats = scheduler.run(requests, on_step=Progress(total).update)
     print(file=sys.stderr)
     if plan.tokenizer is not None:
         print_answers(plan.tokenizer, plan.questions, sequences)

@@ -1,24 +1,47 @@
-"""Continuous batching: requests arrive, prefill, decode and finish at
-different steps, and new ones take the freed places.
+"""Continuous batching: the one scheduler behind `LLM.generate`, `pagedkv
+demo` and `pagedkv serve`.
 
-Every step admits the requests that have arrived while the pool can hold
-them at their full length, prefills them in one batch (the prefix cache
-serves the pages a shared prompt already filled), then decodes one token for
-every running sequence in one batch. A request asking for n > 1 samples is
-forked after its prefill: the samples share its prompt pages and copy the
-partly filled last one on their first write. A greedy request's sample k
+Requests arrive, prefill, decode and finish at different steps, and new ones
+take the freed places. Every `step()` (1) preempts the last requests in
+queue order while the coming decode step would need more pages than the
+pool can give, (2) admits waiting requests, first in queue order, while the
+pool, `max_num_seqs` and `max_prefill_tokens` have room, prefilling them in
+one batch (the prefix cache serves the pages a shared prompt already
+filled), (3) decodes one token for every running sequence in one batch,
+handing each token to the request's sink as it is chosen.
+
+The queue order is the policy: "fcfs" serves requests in the order they
+were submitted, "priority" by `Request.priority` (lower first, as vLLM's),
+then in submission order. Preemption takes the request that comes last in
+the same order.
+
+Admission is optimistic: a request is admitted when its prompt (not its full
+length) fits, so more requests share the pool than their worst cases allow.
+When a decode step would run out, a request is preempted by recompute: its
+pages are released (full pages stay in the prefix cache), it goes back to
+the waiting queue, and when readmitted its samples are prefilled again from
+prompt + tokens generated so far, continuing where they stopped (sampling
+generators keep their state). Output already handed out is never taken
+back. A request whose full length cannot fit the whole pool is refused at
+submission, so the first request in queue order always makes progress.
+
+`n` samples of a request are forked after its prefill and share the prompt's
+pages (copy-on-write on the last, partial one). A greedy request's sample k
 starts from the k-th most likely first token and continues greedily (a
-deterministic stand-in for sampling that a reference can replay); a sampled
-request's samples draw from their own seeded generators.
+deterministic stand-in for sampling that a reference can replay); sampled
+ones draw from generators seeded with (seed, k).
 
-A sequence ends at its token limit, after a stop token (EOS), or where the
-model's context ends. A request that can never be served (an empty prompt,
-a prompt that fills the context, or one larger than the whole pool) ends at
-once with an error, and the others are served.
+A sample ends at its token limit, on one of the request's stop tokens (the
+model's EOS unless `ignore_eos`), or on a stop string; its pages are
+released at once. The scheduler is not thread-safe: one thread owns it, its
+engine and its page manager (`pagedkv.serve.engine` runs it on one).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,62 +52,152 @@ from pagedkv.manager import OutOfPagesError
 
 from .engine import LlamaEngine
 from .sampling import GREEDY, SamplingParams, sample_token
+from .stop_strings import StopMatcher
+
+log = logging.getLogger("pagedkv.scheduler")
+
+POLICIES = ("fcfs", "priority")
+"""Queue orders a `Scheduler` takes."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_waiting` requests: try again later."""
+
+
+class RequestError(ValueError):
+    """A request that can never be served (its message names the limit)."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """What a client asks for."""
+    """What a client asks for.
+
+    prompt: token ids (at least one). max_tokens: generated tokens per
+    sample, at most the context left after the prompt. n: samples sharing
+    the prompt. stop: strings that end a sample (left out of its text; needs
+    a scheduler with a detokenizer). stop_token_ids: tokens that end a
+    sample besides the model's EOS; ignore_eos: EOS does not end one.
+    priority: the queue key under the "priority" policy (lower first).
+    arrival_step: the step `Scheduler.run` submits it at.
+    """
 
     request_id: str
     prompt: tuple[int, ...]
-    max_new_tokens: int
-    samples: int = 1
-    arrival_step: int = 0
+    max_tokens: int
+    n: int = 1
     sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_step: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text and tokens of sample `index`; finish_reason is set on its
+    last delta ("stop": a stop token or string, "length": max_tokens)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request's last event: token counts for `usage`."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended without an answer (a fault, or the engine stopped)."""
+
+    message: str
+
+
+Event = Delta | Done | Failed
+Sink = Callable[[Event], None]
 
 
 @dataclass
 class Sequence:
-    """One generated stream: a request's sample."""
+    """One generated stream: sample `sample` of `request`."""
 
     seq_id: str
     request: Request
     sample: int
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
-    """The logits each token was chosen from (kept for the self-check only
-    when the scheduler is asked to keep them)."""
+    """The logits each token was chosen from (kept only when the scheduler
+    is asked to: the self-check replays them; a real vocabulary makes them
+    200 kB a token)."""
     error: str | None = None
-    """Why the request could not be served (then it has no tokens)."""
+    """Why the request could not be served or failed."""
     rng: np.random.Generator | None = field(default=None, repr=False)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the last token is a stop token."""
-        return bool(self.tokens) and self.tokens[-1] in self.request.stop_token_ids
+    finish_reason: str | None = None
+    """"stop", "length" or "error"; None while it runs."""
+    stops: StopMatcher | None = field(default=None, repr=False)
+    text: Callable[[int], str] | None = field(default=None, repr=False)
+    """The sample's incremental detokenizer (token -> new text)."""
+    last_time: float = 0.0
 
     @property
     def done(self) -> bool:
-        return (
-            self.error is not None
-            or self.stopped
-            or len(self.tokens) >= self.request.max_new_tokens
-        )
+        return self.finish_reason is not None
 
-    @property
-    def finish_reason(self) -> str | None:
-        """ "stop" (a stop token), "length" (the token limit), "error", or None
-        while running."""
-        if self.error is not None:
-            return "error"
-        if self.stopped:
-            return "stop"
-        return "length" if self.done else None
+
+@dataclass
+class _Live:
+    """A submitted request's state."""
+
+    req: Request
+    sink: Sink
+    order: int
+    arrival: float
+    stop_token_ids: frozenset[int]
+    samples: list[Sequence] = field(default_factory=list)
+    started: bool = False
+    cached_tokens: int = 0
+    holds_pages: bool = False
+
+    def live_samples(self) -> list[Sequence]:
+        return [s for s in self.samples if s.finish_reason is None]
+
+    def contexts(self) -> list[tuple[Sequence | None, list[int]]]:
+        """What a (re)admission prefills: the prompt once (a new request, its
+        samples forked after), or each live sample's prompt + tokens."""
+        if not self.started:
+            return [(None, list(self.req.prompt))]
+        return [(s, list(self.req.prompt) + s.tokens) for s in self.live_samples()]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler was made."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    prefill_tokens: int = 0
+    """Prompt (and recomputed) tokens computed: those the prefix cache did not serve."""
+    generated_tokens: int = 0
+    preemptions: int = 0
+    step_faults: int = 0
+    last_prefill_seconds: float | None = None
+    """The last step's prefill time (None: it prefilled nothing)."""
+    last_decode_seconds: float | None = None
+    """The last step's decode time (None: it decoded nothing)."""
 
 
 @dataclass
 class RunStats:
+    """What `Scheduler.run` measured."""
+
     steps: int = 0
     prefill_tokens: int = 0
     """Prompt tokens computed (those the prefix cache did not serve)."""
@@ -92,6 +205,7 @@ class RunStats:
     decode_step_seconds: list[float] = field(default_factory=list)
     prefill_step_seconds: list[float] = field(default_factory=list)
     peak_used_pages: int = 0
+    preemptions: int = 0
     seconds: float = 0.0
 
 
@@ -100,44 +214,407 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-class Scheduler:
-    """Drives an engine over a stream of requests (see the module docstring).
+def seq_id(request: Request, sample: int) -> str:
+    """The page manager's sequence id of a request's sample: "request/sample"."""
+    return f"{request.request_id}/{sample}"
 
-    keep_logits: keep the logits row behind every token (the self-check
-    replays them; a real vocabulary makes them 200 kB a token).
+
+class Scheduler:
+    """Drives an engine over submitted requests (see the module docstring).
+
+    Parameters
+    ----------
+    engine : LlamaEngine
+        The step graphs and the page manager they run over; the scheduler
+        becomes their only user.
+    eos_token_ids : frozenset of int
+        Tokens that end every sample unless its request has `ignore_eos`.
+    detokenizer : callable() -> callable(int) -> str, optional
+        Makes one sample's incremental decoder (text each new token
+        completes); without one, deltas carry no text and stop strings are
+        refused.
+    max_num_seqs : int
+        At most this many sequences (samples) decode in one step.
+    max_waiting : int, optional
+        At most this many requests wait; `submit` raises `QueueFullError`
+        beyond (None: unbounded).
+    max_prefill_tokens : int
+        Prompt tokens prefilled in one step beyond the first request, so
+        that a burst of long prompts does not stall running streams for long.
+    policy : str
+        The queue order: "fcfs" or "priority".
+    keep_logits : bool
+        Keep the logits row behind every token in its `Sequence`.
+    observer : object, optional
+        Gets `first_token(seconds)`, `token_gap(seconds)` and
+        `finished(reason)` calls (metrics).
+
+    Examples
+    --------
+    >>> scheduler = Scheduler(llm.engine, frozenset({2}))  # doctest: +SKIP
+    >>> scheduler.submit(Request("r1", (1, 2, 3), 8), print)  # doctest: +SKIP
+    >>> while scheduler.has_work:  # doctest: +SKIP
+    ...     scheduler.step()
     """
 
-    def __init__(self, engine: LlamaEngine, keep_logits: bool = False) -> None:
+    def __init__(
+        self,
+        engine: LlamaEngine,
+        eos_token_ids: frozenset[int] = frozenset(),
+        detokenizer: Callable[[], Callable[[int], str]] | None = None,
+        max_num_seqs: int = 64,
+        max_waiting: int | None = None,
+        max_prefill_tokens: int = 4096,
+        policy: str = "fcfs",
+        keep_logits: bool = False,
+        observer=None,
+    ) -> None:
+        if max_num_seqs < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_num_seqs and max_prefill_tokens must be >= 1")
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.engine = engine
         self.manager = engine.manager
+        self.context = engine.config.max_positions
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenizer = detokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
+        self.policy = policy
         self.keep_logits = keep_logits
+        self.observer = observer
+        self.stats = SchedulerStats()
+        self._order = itertools.count()
+        self._waiting: list[_Live] = []
+        self._running: dict[str, _Live] = {}
 
-    def footprint(self, r: Request) -> int:
+    # -------------------------------------------------------------- queue
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_running_sequences(self) -> int:
+        return sum(len(x.live_samples()) for x in self._running.values())
+
+    def rejection(self, req: Request) -> str | None:
+        """Why `req` can never be served, or None."""
+        prompt = len(req.prompt)
+        if prompt == 0:
+            return "the prompt is empty"
+        if req.max_tokens < 1 or req.n < 1:
+            return "max_tokens and n must be at least 1"
+        if prompt + req.max_tokens > self.context:
+            return (
+                f"this model's maximum context length is {self.context} tokens; the request "
+                f"asks for {prompt + req.max_tokens} ({prompt} in the prompt, "
+                f"{req.max_tokens} in the completion): shorten the prompt or lower max_tokens"
+            )
+        if req.n > self.max_num_seqs:
+            return f"n is {req.n} but the scheduler decodes at most {self.max_num_seqs} sequences"
+        if req.stop and self.detokenizer is None:
+            return "stop strings need a scheduler with a detokenizer"
+        need = self.footprint(req)
+        if need > self.manager.num_pages:
+            return (
+                f"the request needs {need} KV pages at its full length ({req.n} x "
+                f"{prompt + req.max_tokens} tokens) but the pool holds "
+                f"{self.manager.num_pages}: lower max_tokens or n, or give the cache "
+                "more memory"
+            )
+        return None
+
+    def footprint(self, req: Request) -> int:
         """Pages a request needs at its full length (each sample its own)."""
-        return r.samples * pages_for(len(r.prompt) + r.max_new_tokens, self.manager.page_size)
+        return req.n * pages_for(len(req.prompt) + req.max_tokens, self.manager.page_size)
+
+    def submit(self, req: Request, sink: Sink, arrival: float | None = None) -> None:
+        """Queues `req`; its events go to `sink` (called from `step`).
+        Raises RequestError when the request can never be served,
+        QueueFullError when `max_waiting` requests wait already.
+        `arrival` (a `time.perf_counter()` reading) dates its first token."""
+        why = self.rejection(req)
+        if why is not None:
+            raise RequestError(why)
+        if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are waiting already")
+        stops = req.stop_token_ids | (frozenset() if req.ignore_eos else self.eos_token_ids)
+        live = _Live(
+            req, sink, next(self._order), time.perf_counter() if arrival is None else arrival, stops
+        )
+        bisect.insort(self._waiting, live, key=self._key)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ends a request at once, releasing its pages; no event is sent.
+        Returns whether it was waiting or running."""
+        live = self._running.pop(request_id, None)
+        if live is not None:
+            self._release(live)
+            if self.observer is not None:
+                for _ in live.live_samples():
+                    self.observer.finished("cancelled")
+        before = len(self._waiting)
+        self._waiting = [w for w in self._waiting if w.req.request_id != request_id]
+        return live is not None or len(self._waiting) < before
+
+    def fail_running(self, message: str) -> None:
+        """Fails every running request (after a fault in a step)."""
+        for live in list(self._running.values()):
+            self._fail(live, message)
+
+    def fail_all(self, message: str) -> None:
+        """Fails every waiting and running request (the engine stops)."""
+        self.fail_running(message)
+        while self._waiting:
+            self._fail(self._waiting.pop(0), message)
+
+    def _key(self, live: _Live) -> tuple[int, int]:
+        if self.policy == "priority":
+            return (live.req.priority, live.order)
+        return (0, live.order)
+
+    # --------------------------------------------------------------- step
+
+    def step(self) -> None:
+        """One step: preemption, admission and prefill, one decode."""
+        self.stats.steps += 1
+        self.stats.last_prefill_seconds = self.stats.last_decode_seconds = None
+        self._preempt_for_decode()
+        admitted = self._admit()
+        if admitted:
+            t0 = time.perf_counter()
+            self._prefill(admitted)
+            self.stats.last_prefill_seconds = time.perf_counter() - t0
+        for live in [x for x in self._running.values() if not x.live_samples()]:
+            self._finish(live)
+        while self._running:
+            batch = [(x, s) for x in self._running.values() for s in x.live_samples()]
+            t0 = time.perf_counter()
+            try:
+                logits = self.engine.decode(
+                    [s.seq_id for _, s in batch], [s.tokens[-1] for _, s in batch]
+                )
+            except OutOfPagesError:
+                # reserve() changed nothing: make room the way step (1) does.
+                self._preempt_last()
+                continue
+            self.stats.last_decode_seconds = time.perf_counter() - t0
+            for (live, s), row in zip(batch, logits, strict=True):
+                self._emit(live, s, sample_token(row, live.req.sampling, s.rng), row)
+            break
+        for live in [x for x in self._running.values() if not x.live_samples()]:
+            self._finish(live)
+
+    def _decode_need(self, lives) -> int:
+        """Pages the next decode step of these requests' samples may take:
+        one per sample whose last page is full or shared (copy-on-write)."""
+        m, refcounts = self.manager, self.manager.refcounts()
+        need = 0
+        for live in lives:
+            for s in live.live_samples():
+                n = m.seq_len(s.seq_id)
+                if n % m.page_size == 0 or refcounts[m.pages(s.seq_id)[-1]] > 1:
+                    need += 1
+        return need
+
+    def _preempt_for_decode(self) -> None:
+        """Preempts the last requests in queue order until the running ones'
+        next decode fits."""
+        while self._running and self._decode_need(self._running.values()) > (
+            self.manager.num_free_pages
+        ):
+            self._preempt_last()
+
+    def _preempt_last(self) -> None:
+        """Releases the running request last in queue order and requeues it
+        for recompute; the only running request is failed instead (it
+        cannot fit)."""
+        last = max(self._running.values(), key=self._key)
+        if len(self._running) == 1:
+            self._fail(last, "the KV pool cannot hold this request")
+            return
+        self._running.pop(last.req.request_id)
+        self._release(last)
+        bisect.insort(self._waiting, last, key=self._key)
+        self.stats.preemptions += 1
+
+    def _admit(self) -> list[_Live]:
+        """Takes waiting requests, first in queue order, while their prefill
+        and the coming decode step fit the pool and the sequence limit."""
+        size = self.manager.page_size
+        budget = self.manager.num_free_pages - self._decode_need(self._running.values())
+        seqs = self.num_running_sequences
+        tokens = 0
+        admitted = []
+        while self._waiting:
+            live = self._waiting[0]
+            contexts = live.contexts()
+            # Each sample's first decode may open a page or copy the shared
+            # one; never more than the request's full length.
+            need = min(
+                sum(pages_for(len(c), size) for _, c in contexts) + live.req.n,
+                self.footprint(live.req),
+            )
+            new_seqs = len(live.live_samples()) if live.started else live.req.n
+            new_tokens = sum(len(c) for _, c in contexts)
+            if need > budget or seqs + new_seqs > self.max_num_seqs:
+                break
+            if admitted and tokens + new_tokens > self.max_prefill_tokens:
+                break
+            budget -= need
+            seqs += new_seqs
+            tokens += new_tokens
+            admitted.append(self._waiting.pop(0))
+        if not admitted and not self._running and self._waiting:
+            # Nothing else holds pages, so it can never fit (submit() refuses
+            # such requests; this keeps the loop from spinning on one).
+            self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
+        return admitted
+
+    def _prefill(self, admitted: list[_Live]) -> None:
+        """Prefills the admitted requests in one batch; each gets its next
+        token (a new request's samples are forked first)."""
+        entries = []  # (live, the resumed sample or None for a new request)
+        ids, suffixes = [], []
+        for live in admitted:
+            self._running[live.req.request_id] = live
+        try:
+            for live in admitted:
+                for sample, context in live.contexts():
+                    sid = sample.seq_id if sample is not None else seq_id(live.req, 0)
+                    # The last token is always computed: its logits give the next one.
+                    cached = self.manager.add(sid, context[:-1])
+                    live.holds_pages = True
+                    if sample is None:
+                        live.cached_tokens = cached
+                        self.stats.prompt_tokens += len(context)
+                        self.stats.prompt_tokens_cached += cached
+                    entries.append((live, sample))
+                    ids.append(sid)
+                    suffixes.append(context[cached:])
+            logits = self.engine.prefill(ids, suffixes)
+        except OutOfPagesError:
+            # The admission estimate was short: put them back, whole (the
+            # next step admits fewer, down to the first alone).
+            for live in admitted:
+                self._running.pop(live.req.request_id)
+                self._release(live)
+                bisect.insort(self._waiting, live, key=self._key)
+            if not self._running:
+                self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
+            return
+        except Exception as e:
+            for live in admitted:
+                self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
+            return
+        self.stats.prefill_tokens += sum(len(s) for s in suffixes)
+        for (live, sample), row in zip(entries, logits, strict=True):
+            if sample is not None:  # a resumed sample continues where it stopped
+                self._emit(live, sample, sample_token(row, live.req.sampling, sample.rng), row)
+                continue
+            live.started = True
+            req = live.req
+            ranked = np.argsort(-row, kind="stable") if req.sampling.greedy else None
+            for k in range(req.n):
+                sid = seq_id(req, k)
+                if k > 0:
+                    self.manager.fork(seq_id(req, 0), sid)
+                seed = None if req.sampling.seed is None else [req.sampling.seed, k]
+                s = Sequence(
+                    sid,
+                    req,
+                    k,
+                    rng=None if ranked is not None else np.random.default_rng(seed),
+                    stops=StopMatcher(req.stop),
+                    text=self.detokenizer() if self.detokenizer is not None else None,
+                )
+                live.samples.append(s)
+                token = (
+                    int(ranked[k]) if ranked is not None else sample_token(row, req.sampling, s.rng)
+                )
+                self._emit(live, s, token, row)
+
+    def _emit(self, live: _Live, s: Sequence, token: int, row: np.ndarray) -> None:
+        """Appends a chosen token to a sample and hands out its text; a
+        sample that ends releases its pages at once."""
+        now = time.perf_counter()
+        if self.observer is not None:
+            if s.tokens:
+                self.observer.token_gap(now - s.last_time)
+            elif s.sample == 0:
+                self.observer.first_token(now - live.arrival)
+        s.last_time = now
+        s.tokens.append(token)
+        if self.keep_logits:
+            s.logits.append(row)
+        self.stats.generated_tokens += 1
+        text = s.stops.push(s.text(token)) if s.text is not None else ""
+        if s.stops.stopped or token in live.stop_token_ids:
+            s.finish_reason = "stop"
+        elif len(s.tokens) >= live.req.max_tokens:
+            s.finish_reason = "length"
+        if s.finish_reason is not None:
+            text += s.stops.flush()
+            if s.seq_id in self.manager:
+                self.manager.release(s.seq_id)
+        self._send(live, Delta(s.sample, text, (token,), s.finish_reason))
+
+    def _finish(self, live: _Live) -> None:
+        del self._running[live.req.request_id]
+        self._release(live)
+        done = Done(
+            len(live.req.prompt), sum(len(s.tokens) for s in live.samples), live.cached_tokens
+        )
+        self._send(live, done)
+        if self.observer is not None:
+            for s in live.samples:
+                self.observer.finished(s.finish_reason or "length")
+
+    def _fail(self, live: _Live, message: str) -> None:
+        self._running.pop(live.req.request_id, None)
+        self._release(live)
+        for s in live.samples:
+            if s.finish_reason is None:
+                s.finish_reason, s.error = "error", message
+        self._send(live, Failed(message))
+        if self.observer is not None:
+            self.observer.finished("error")
+
+    def _release(self, live: _Live) -> None:
+        """Releases every page the request's samples hold."""
+        if not live.holds_pages:
+            return
+        for sid in [seq_id(live.req, k) for k in range(live.req.n)]:
+            if sid in self.manager:
+                self.manager.release(sid)
+        live.holds_pages = False
+
+    @staticmethod
+    def _send(live: _Live, event: Event) -> None:
+        try:
+            live.sink(event)
+        except Exception:  # a consumer that went away must not stop the scheduler
+            log.debug("dropped an event of %s", live.req.request_id, exc_info=True)
+
+    # ---------------------------------------------------------------- run
 
     def capped(self, r: Request) -> Request:
         """The request with its token limit cut where the model's context ends
         (a prompt that fits leaves room for at least one token)."""
-        room = self.engine.config.max_positions - len(r.prompt)
-        return replace(r, max_new_tokens=max(1, min(r.max_new_tokens, room)))
-
-    def rejection(self, r: Request) -> str | None:
-        """Why a request can never be served, or None."""
-        context = self.engine.config.max_positions
-        if not r.prompt:
-            return "the prompt is empty"
-        if len(r.prompt) >= context:
-            return (
-                f"the prompt has {len(r.prompt)} tokens: the model's context holds "
-                f"{context}, so at most {context - 1} leave room for an answer"
-            )
-        if self.footprint(r) > self.manager.num_pages:
-            return (
-                f"needs {self.footprint(r)} pages at full length but the pool holds "
-                f"{self.manager.num_pages}: raise the pool size or lower max_new_tokens"
-            )
-        return None
+        room = self.context - len(r.prompt)
+        return replace(r, max_tokens=max(1, min(r.max_tokens, room)))
 
     def run(
         self,
@@ -145,116 +622,73 @@ class Scheduler:
         on_step: Callable[[int, int, int], None] | None = None,
         on_token: Callable[[Sequence, int], None] | None = None,
     ) -> tuple[list[Sequence], RunStats]:
-        """Serves every request to completion; returns the sequences (in
-        request order, samples in order) and the run's statistics.
+        """Serves every request to completion, each submitted at its
+        `arrival_step` with its token limit capped at the context; returns
+        the sequences (in request order, samples in order) and the run's
+        statistics. A request that can never be served gets sequences with
+        `error` set and no tokens; the others are served.
 
         on_step(step, tokens generated so far, running sequences) is called
         after every step (a progress display); on_token(sequence, token)
         after every generated token (streaming).
         """
-        finished: dict[str, Sequence] = {}
-        servable = []
         requests = [self.capped(r) for r in requests]
-        for r in requests:
-            why = self.rejection(r)
-            if why is None:
-                servable.append(r)
-                continue
-            for k in range(r.samples):
-                finished[seq_id(r, k)] = Sequence(seq_id(r, k), r, k, error=why)
-        self._on_token = on_token
-        waiting = sorted(servable, key=lambda r: r.arrival_step)
-        running: list[Sequence] = []
-        stats = RunStats()
+        results: dict[str, list[Sequence]] = {}
+        pending = sorted(requests, key=lambda r: r.arrival_step)
+        run = RunStats()
+        start = (self.stats.prefill_tokens, self.stats.generated_tokens, self.stats.preemptions)
         t_begin = time.perf_counter()
+
+        errors: list[BaseException] = []
+
+        def submit(r: Request) -> None:
+            live_box: list[_Live] = []
+
+            def sink(event: Event) -> None:
+                live = live_box[0]
+                try:
+                    if isinstance(event, Delta) and on_token is not None:
+                        on_token(live.samples[event.index], event.token_ids[-1])
+                except BaseException as e:  # noqa: BLE001 - raised after the step
+                    errors.append(e)
+                if isinstance(event, Done):
+                    results[r.request_id] = live.samples
+                elif isinstance(event, Failed):
+                    results[r.request_id] = live.samples or [
+                        Sequence(seq_id(r, k), r, k, error=event.message, finish_reason="error")
+                        for k in range(r.n)
+                    ]
+
+            try:
+                self.submit(r, sink)
+            except RequestError as e:
+                results[r.request_id] = [
+                    Sequence(seq_id(r, k), r, k, error=str(e), finish_reason="error")
+                    for k in range(r.n)
+                ]
+                return
+            live_box.append(next(x for x in self._waiting if x.req is r))
+
         step = 0
-        while waiting or running:
-            admitted = self._admit(waiting, running, step)
-            if admitted:
-                t0 = time.perf_counter()
-                running += self._prefill(admitted, stats)
-                stats.prefill_step_seconds.append(time.perf_counter() - t0)
-            still = [s for s in running if not s.done]
-            if still:
-                t0 = time.perf_counter()
-                logits = self.engine.decode(
-                    [s.seq_id for s in still], [s.tokens[-1] for s in still]
-                )
-                stats.decode_step_seconds.append(time.perf_counter() - t0)
-                stats.generated_tokens += len(still)
-                for s, row in zip(still, logits, strict=True):
-                    self._emit(s, sample_token(row, s.request.sampling, s.rng), row)
-            stats.peak_used_pages = max(stats.peak_used_pages, self.manager.num_used_pages)
-            for s in [s for s in running if s.done]:
-                self.manager.release(s.seq_id)
-                finished[s.seq_id] = s
-            running = [s for s in running if not s.done]
+        while pending or self.has_work:
+            while pending and pending[0].arrival_step <= step:
+                submit(pending.pop(0))
+            if self.has_work:
+                self.step()
+                if self.stats.last_prefill_seconds is not None:
+                    run.prefill_step_seconds.append(self.stats.last_prefill_seconds)
+                if self.stats.last_decode_seconds is not None:
+                    run.decode_step_seconds.append(self.stats.last_decode_seconds)
+            run.peak_used_pages = max(run.peak_used_pages, self.manager.num_used_pages)
             step += 1
+            if errors:
+                self.fail_all("the run stopped: a callback raised")
+                raise errors[0]
             if on_step is not None:
-                on_step(step, stats.generated_tokens, len(running))
-        stats.steps = step
-        stats.seconds = time.perf_counter() - t_begin
-        order = [seq_id(r, k) for r in requests for k in range(r.samples)]
-        return [finished[i] for i in order], stats
-
-    def _admit(self, waiting: list[Request], running: list[Sequence], step: int) -> list[Request]:
-        """Takes the arrived requests, in arrival order, while every running
-        and admitted sequence still fits the pool at its full length."""
-        budget = self.manager.num_pages - sum(
-            pages_for(len(s.request.prompt) + s.request.max_new_tokens, self.manager.page_size)
-            for s in running
-        )
-        admitted = []
-        while waiting and waiting[0].arrival_step <= step:
-            need = self.footprint(waiting[0])
-            if need > budget:
-                break
-            budget -= need
-            admitted.append(waiting.pop(0))
-        return admitted
-
-    def _prefill(self, admitted: list[Request], stats: RunStats) -> list[Sequence]:
-        """Prefills the admitted requests in one batch and forks their samples;
-        returns their sequences, each holding its first generated token."""
-        ids, suffixes = [], []
-        for r in admitted:
-            # The last prompt token is always computed: its logits start the
-            # generation, so it is never taken from the prefix cache.
-            cached = self.manager.add(seq_id(r, 0), r.prompt[:-1])
-            ids.append(seq_id(r, 0))
-            suffixes.append(r.prompt[cached:])
-        try:
-            logits = self.engine.prefill(ids, suffixes)
-        except OutOfPagesError:
-            for i in ids:
-                self.manager.release(i)
-            raise
-        stats.prefill_tokens += sum(len(s) for s in suffixes)
-        sequences = []
-        for r, row in zip(admitted, logits, strict=True):
-            ranked = np.argsort(-row, kind="stable") if r.sampling.greedy else None
-            for k in range(r.samples):
-                if k > 0:
-                    self.manager.fork(seq_id(r, 0), seq_id(r, k))
-                s = Sequence(seq_id(r, k), r, k)
-                if ranked is None:
-                    seed = None if r.sampling.seed is None else [r.sampling.seed, k]
-                    s.rng = np.random.default_rng(seed)
-                    self._emit(s, sample_token(row, r.sampling, s.rng), row)
-                else:
-                    self._emit(s, int(ranked[k]), row)
-                sequences.append(s)
-                stats.generated_tokens += 1
-        return sequences
-
-    def _emit(self, s: Sequence, token: int, row: np.ndarray) -> None:
-        s.tokens.append(token)
-        if self.keep_logits:
-            s.logits.append(row)
-        if self._on_token is not None:
-            self._on_token(s, token)
-
-
-def seq_id(request: Request, sample: int) -> str:
-    """The page manager's sequence id of a request's sample: "request/sample"."""
-    return f"{request.request_id}/{sample}"
+                on_step(step, self.stats.generated_tokens - start[1], self.num_running_sequences)
+        run.steps = step
+        run.seconds = time.perf_counter() - t_begin
+        run.prefill_tokens = self.stats.prefill_tokens - start[0]
+        run.generated_tokens = self.stats.generated_tokens - start[1]
+        run.preemptions = self.stats.preemptions - start[2]
+        return [s for r in requests for s in results[r.request_id]], run

@@ -211,3 +211,44 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     background.stop_all()
+
+
+# The demo's random Llama (pagedkv.graphs.model.LlamaConfig()), shared by the
+# step-graph and scheduler tests: one compile of its step graphs per process.
+DEMO_PAGE = 16
+
+
+def _demo_config():
+    from pagedkv.graphs.model import LlamaConfig
+
+    return LlamaConfig()
+
+
+DEMO_CONFIG = _demo_config()
+
+
+@pytest.fixture(scope="session")
+def weights(tmp_path_factory):
+    """The demo's random weights, memory-mapped from .npy files as a real
+    model's unpacked copy is: the step graphs then run on panels packed into
+    files beside them, which only the compiled models keep alive."""
+    from pagedkv.graphs.model import init_weights
+
+    folder = tmp_path_factory.mktemp("weights")
+    mapped = {}
+    for i, (name, array) in enumerate(init_weights(DEMO_CONFIG, 0).items()):
+        np.save(folder / f"{i}.npy", array)
+        mapped[name] = np.load(folder / f"{i}.npy", mmap_mode="r")
+    return mapped
+
+
+def engine_with_pool(weights, num_pages: int):
+    """A `LlamaEngine` of the demo's model over a fresh pool of num_pages pages."""
+    from pagedkv.graphs.engine import LlamaEngine
+    from pagedkv.manager import PagedKVCacheManager
+
+    c = DEMO_CONFIG
+    manager = PagedKVCacheManager(
+        num_pages, DEMO_PAGE, c.num_kv_heads, c.head_dim, num_layers=c.num_layers
+    )
+    return LlamaEngine(c, weights, manager)

@@ -12,36 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import DEMO_CONFIG as CONFIG
+from conftest import engine_with_pool
 from pagedkv.graphs.demo import DemoError, DemoOptions, check_options, gpu_visible
-from pagedkv.graphs.engine import LlamaEngine
-from pagedkv.graphs.model import LlamaConfig, init_weights
 from pagedkv.graphs.numpy_reference import DenseLlama
 from pagedkv.graphs.scheduler import Request, Scheduler
 from pagedkv.graphs.self_check import check_sequences
-from pagedkv.manager import PagedKVCacheManager
-
-CONFIG = LlamaConfig()  # the demo's model
-PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    """The demo's random weights, memory-mapped from .npy files as a real
-    model's unpacked copy is: the step graphs then run on panels packed into
-    files beside them, which only the compiled models keep alive."""
-    folder = tmp_path_factory.mktemp("weights")
-    mapped = {}
-    for i, (name, array) in enumerate(init_weights(CONFIG, 0).items()):
-        np.save(folder / f"{i}.npy", array)
-        mapped[name] = np.load(folder / f"{i}.npy", mmap_mode="r")
-    return mapped
-
-
-def engine_with_pool(weights, num_pages: int) -> LlamaEngine:
-    manager = PagedKVCacheManager(
-        num_pages, PAGE, CONFIG.num_kv_heads, CONFIG.head_dim, num_layers=CONFIG.num_layers
-    )
-    return LlamaEngine(CONFIG, weights, manager)
 
 
 def test_one_prefill_and_decode_step_equal_numpy(weights):
@@ -74,8 +50,8 @@ def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
         Request(
             f"r{i}",
             tuple(system + rng.integers(0, CONFIG.vocab_size, 5 + i).tolist()),
-            max_new_tokens=4 + 3 * i,
-            samples=2 if i == 2 else 1,
+            max_tokens=4 + 3 * i,
+            n=2 if i == 2 else 1,
             arrival_step=0,
         )
         for i in range(4)
@@ -85,7 +61,7 @@ def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
         requests, on_step=lambda step, tokens, running: steps_running.append(running)
     )
     assert [len(s.tokens) for s in sequences] == [4, 7, 10, 10, 13]
-    assert max(steps_running) < sum(r.samples for r in requests)  # not all at once
+    assert max(steps_running) < sum(r.n for r in requests)  # not all at once
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
     assert engine.manager.stats.prefix_hits > 0  # the shared system prompt
@@ -111,7 +87,7 @@ def test_self_check_forgives_a_swap_only_within_the_engines_own_error(weights):
 
     def sequence(second: int, error: float) -> Sequence:
         engine_logits = [logits[0].copy(), logits[1] + error]
-        request = Request("r", prompt, max_new_tokens=2)
+        request = Request("r", prompt, max_tokens=2)
         return Sequence("r/0", request, 0, [first, second], engine_logits)
 
     check = check_sequences(CONFIG, weights, [sequence(int(ranked[0]), 0.0)])

@@ -377,6 +377,11 @@ def test_queue_full_is_503_with_retry_after(server, gated):
             400,
             "stop",
         ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": "high"},
+            400,
+            "priority",
+        ),
         ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
     ],

@@ -183,7 +183,7 @@ class LLM:
             if on_text is not None and (text or s.done):
                 on_text(i, text, s.done)
 
-        scheduler = Scheduler(self.engine)
+        scheduler = Scheduler(self.engine, max_num_seqs=max(len(requests), 1))
         if on_text is not None:
             for i, r in enumerate(requests):
                 if scheduler.rejection(scheduler.capped(r)) is not None:

@@ -160,7 +160,14 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
                 limit = max_tokens if max_tokens is not None else max(1, room)
                 rid = f"{uuid.uuid4().hex}"
                 req = GenerationRequest(
-                    rid, tuple(prompt), limit, body.n, sampling, tuple(body.stop), body.ignore_eos
+                    rid,
+                    tuple(prompt),
+                    limit,
+                    body.n,
+                    sampling,
+                    tuple(body.stop),
+                    body.ignore_eos,
+                    priority=body.priority,
                 )
 
                 def sink(event, p=p):

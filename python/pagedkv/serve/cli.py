@@ -32,6 +32,13 @@ def add_parser(sub) -> None:
         help="requests that may wait for admission; more get 503 (default %(default)s)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the waiting queue's order: arrival (default), or each request's "
+        "`priority` field, lower first",
+    )
+    p.add_argument(
         "--kv-memory",
         type=int,
         default=None,
@@ -85,5 +92,6 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
+        policy=args.scheduling_policy,
     )
     return 0

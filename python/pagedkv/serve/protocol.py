@@ -43,6 +43,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     """vLLM's and llama.cpp's extension: EOS does not end a sample (max_tokens
     or a stop string does)."""
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    """vLLM's extension: under `--scheduling-policy priority`, lower values
+    are admitted first (ignored under fcfs)."""
 
     @field_validator("stop")
     @classmethod

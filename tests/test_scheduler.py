@@ -1,0 +1,131 @@
+"""The one scheduler (pagedkv.graphs.scheduler) on the demo's random model:
+preemption by recompute checked token by token against NumPy, the queue
+policies, cancellation, a raising callback, and its refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import DEMO_CONFIG as CONFIG
+from conftest import engine_with_pool
+from pagedkv.graphs.scheduler import (
+    Delta,
+    Done,
+    QueueFullError,
+    Request,
+    RequestError,
+    Scheduler,
+)
+from pagedkv.graphs.self_check import check_sequences
+
+
+def prompts(seed: int, count: int, length: int) -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.integers(0, CONFIG.vocab_size, length).tolist()) for _ in range(count)]
+
+
+def test_preempted_requests_recompute_the_reference_tokens(weights):
+    """A pool a quarter the size of the requests' full lengths: admission is
+    optimistic, so decode steps run out and requests are preempted and
+    prefilled again from prompt + tokens so far; every token still matches
+    the NumPy model's, and every page comes back."""
+    engine = engine_with_pool(weights, 8)
+    requests = [
+        Request(f"r{i}", p, max_tokens=40, n=2 if i == 1 else 1)
+        for i, p in enumerate(prompts(11, 4, 20))
+    ]
+    # Full length: 60 tokens, 4 pages a sample, 20 pages in all.
+    scheduler = Scheduler(engine, keep_logits=True)
+    sequences, stats = scheduler.run(requests)
+    assert stats.preemptions > 0
+    assert [len(s.tokens) for s in sequences] == [40] * 5
+    assert all(s.finish_reason == "length" for s in sequences)
+    assert stats.peak_used_pages <= 8
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+    assert check.tokens == 200
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["r0", "r1", "r2"]), ("priority", ["r1", "r2", "r0"])]
+)
+def test_the_policy_orders_admission(weights, policy, order):
+    """One sequence at a time: requests start in submission order under
+    "fcfs", by priority (lower first) under "priority"."""
+    engine = engine_with_pool(weights, 32)
+    requests = [
+        Request(f"r{i}", p, max_tokens=3, priority=priority)
+        for i, (p, priority) in enumerate(zip(prompts(2, 3, 6), (2, 0, 1), strict=True))
+    ]
+    started: list[str] = []
+
+    def on_token(s, token: int) -> None:
+        if len(s.tokens) == 1:
+            started.append(s.request.request_id)
+
+    Scheduler(engine, max_num_seqs=1, policy=policy).run(requests, on_token=on_token)
+    assert started == order
+    assert engine.manager.num_used_pages == 0
+
+
+def test_a_cancelled_request_releases_its_pages_and_gets_no_more_events(weights):
+    engine = engine_with_pool(weights, 32)
+    scheduler = Scheduler(engine)
+    events: dict[str, list] = {"a": [], "b": []}
+    for rid, p in zip(events, prompts(3, 2, 20), strict=True):
+        scheduler.submit(Request(rid, p, max_tokens=30), events[rid].append)
+    for _ in range(3):
+        scheduler.step()
+    used = engine.manager.num_used_pages
+    assert scheduler.cancel("a") and not scheduler.cancel("nobody")
+    assert engine.manager.num_used_pages < used
+    seen = len(events["a"])
+    while scheduler.has_work:
+        scheduler.step()
+    assert len(events["a"]) == seen
+    assert isinstance(events["b"][-1], Done)
+    assert sum(isinstance(e, Delta) for e in events["b"]) == 30
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+
+
+def test_a_raising_callback_stops_the_run_and_leaks_no_page(weights):
+    engine = engine_with_pool(weights, 32)
+
+    def on_token(s, token: int) -> None:
+        if len(s.tokens) == 3:
+            raise KeyboardInterrupt("the user pressed ^C")
+
+    with pytest.raises(KeyboardInterrupt):
+        Scheduler(engine).run(
+            [Request(f"r{i}", p, 10) for i, p in enumerate(prompts(4, 2, 8))],
+            on_token=on_token,
+        )
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+
+
+def test_refusals_come_before_anything_is_queued(weights):
+    engine = engine_with_pool(weights, 8)
+    scheduler = Scheduler(engine, max_waiting=1)
+    prompt = prompts(5, 1, 8)[0]
+    with pytest.raises(RequestError, match="empty"):
+        scheduler.submit(Request("e", (), 4), print)
+    with pytest.raises(RequestError, match="detokenizer"):
+        scheduler.submit(Request("s", prompt, 4, stop=("\n",)), print)
+    with pytest.raises(RequestError, match="pool holds 8"):
+        scheduler.submit(Request("big", prompt, 200), print)
+    with pytest.raises(RequestError, match="context length"):
+        scheduler.submit(Request("long", prompt, CONFIG.max_positions), print)
+    assert not scheduler.has_work
+    scheduler.submit(Request("ok", prompt, 4), lambda event: None)
+    with pytest.raises(QueueFullError):
+        scheduler.submit(Request("more", prompt, 4), print)
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(engine, policy="lifo")
+    while scheduler.has_work:
+        scheduler.step()
+    assert engine.manager.num_used_pages == 0
