@@ -1,4 +1,4 @@
-"""FlashInfer's calling conventions that pagedkv accepts (issue 54): the
+"""FlashInfer's calling conventions that pagedkv accepts: the
 deprecated names, FlashInfer's positional orders, decode plan options,
 int64 page tables and several query tokens per decode request, each checked
 against the float64 reference in tests/reference.py."""

@@ -1,4 +1,4 @@
-"""Issue 50: no input may crash the process, corrupt a cache or be silently ignored.
+"""No input may crash the process, corrupt a cache or be silently ignored.
 
 One section per class of defect: plans own their index arrays, read-only
 targets raise, NaN is data, no silent narrowing, sizes from checked values;
