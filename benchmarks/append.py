@@ -6,8 +6,8 @@ torch's index_put of the same data, in one run: ms, GB/s moved, ratios.
 
 from __future__ import annotations
 
-from pagedkv.bench.append_bench import format_append_table, run_append_bench
-from pagedkv.bench.script import dtype_table_main
+from harness.append_bench import format_append_table, run_append_bench
+from harness.script import dtype_table_main
 
 if __name__ == "__main__":
     dtype_table_main(__doc__, run_append_bench, format_append_table)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.bench.serve_bench import cpu_model
+from harness.serve_bench import cpu_model
 from pagedkv.models import fetch_gguf
 
 MARKS = {

@@ -4,15 +4,15 @@ SDPA, in one run: ms, GB/s, share of the measured read bandwidth, ratios.
     python benchmarks/decode.py [--shapes 0,1,2,3] [--dtypes float32,bfloat16]
 
 MAX's worker threads are pinned one per core (MODULAR_ENABLE_AFFINITY=1, see
-pagedkv/bench/threads.py); MODULAR_ENABLE_AFFINITY=0 measures them unpinned.
+benchmarks/harness/threads.py); MODULAR_ENABLE_AFFINITY=0 measures them unpinned.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.decode_bench import CPU_SHAPES, format_table, run_cpu_decode_bench
-from pagedkv.bench.threads import pin_max_workers
+from harness.decode_bench import CPU_SHAPES, format_table, run_cpu_decode_bench
+from harness.threads import pin_max_workers
 
 
 def main() -> None:

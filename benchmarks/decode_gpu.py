@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.gpu_bench import run_gpu_bench
+from harness.gpu_bench import run_gpu_bench
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ float32 for float32 K/V), at (16, 1024) and (32, 2048) (B, L; 32 query and
 
 from __future__ import annotations
 
-from pagedkv.bench.decode_bench import KV_DTYPES, format_kv_dtype_table, run_kv_dtype_bench
-from pagedkv.bench.script import dtype_table_main
+from harness.decode_bench import KV_DTYPES, format_kv_dtype_table, run_kv_dtype_bench
+from harness.script import dtype_table_main
 
 if __name__ == "__main__":
     dtype_table_main(

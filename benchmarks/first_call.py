@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from pagedkv.bench.serve_bench import cpu_model
+from harness.serve_bench import cpu_model
 
 SETUP = """
 import numpy as np

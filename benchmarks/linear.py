@@ -7,9 +7,9 @@ pagedkv's speed as a multiple of each (SmolLM2-135M's shapes, M = 1, 32, 256).
 
 from __future__ import annotations
 
-from pagedkv.bench.linear_bench import format_linear_table, run_linear_bench
-from pagedkv.bench.script import dtype_table_main
-from pagedkv.bench.serve_bench import cpu_model
+from harness.linear_bench import format_linear_table, run_linear_bench
+from harness.script import dtype_table_main
+from harness.serve_bench import cpu_model
 
 if __name__ == "__main__":
     print(f"CPU: {cpu_model()}")

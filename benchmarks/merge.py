@@ -7,8 +7,8 @@ run: ms, GB/s, ratio to torch, share of the read's speed.
 
 from __future__ import annotations
 
-from pagedkv.bench.merge_bench import format_merge_table, run_merge_bench
-from pagedkv.bench.script import dtype_table_main
+from harness.merge_bench import format_merge_table, run_merge_bench
+from harness.script import dtype_table_main
 
 if __name__ == "__main__":
     dtype_table_main(__doc__, run_merge_bench, format_merge_table)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.mla_bench import SHAPES, format_mla_table, run_mla_bench
-from pagedkv.bench.serve_bench import cpu_model
-from pagedkv.bench.threads import pin_max_workers
+from harness.mla_bench import SHAPES, format_mla_table, run_mla_bench
+from harness.serve_bench import cpu_model
+from harness.threads import pin_max_workers
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ step (causal; 32 query and 8 KV heads of dim 128, pages of 16 tokens).
 
 from __future__ import annotations
 
-from pagedkv.bench.prefill_bench import format_prefill_table, run_prefill_bench
-from pagedkv.bench.script import dtype_table_main
+from harness.prefill_bench import format_prefill_table, run_prefill_bench
+from harness.script import dtype_table_main
 
 if __name__ == "__main__":
     dtype_table_main(__doc__, run_prefill_bench, format_prefill_table, reps=8)

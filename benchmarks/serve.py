@@ -1,5 +1,5 @@
 """Serving SmolLM2-135M-Instruct: pagedkv beside HF transformers in one run
-(see pagedkv/bench/serve_bench.py for what each row does).
+(see benchmarks/harness/serve_bench.py for what each row does).
 
     python benchmarks/serve.py [--dtypes float32,bfloat16] [--one-at-a-time N]
     python benchmarks/serve.py --device gpu --requests 1,64
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedkv.bench.serve_bench import main
+from harness.serve_bench import main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

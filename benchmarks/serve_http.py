@@ -25,7 +25,7 @@ import time
 import httpx
 import numpy as np
 
-from pagedkv.bench.serve_bench import PROMPTS
+from harness.serve_bench import PROMPTS
 from pagedkv.models import load
 from pagedkv.serve.server import free_port
 

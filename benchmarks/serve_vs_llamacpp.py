@@ -47,6 +47,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from harness.serve_bench import PROMPTS
 from llamacpp import (
     MODEL,
     Server,
@@ -61,8 +63,6 @@ from llamacpp import (
     pagedkv_commit,
     pagedkv_serve_command,
 )
-
-from pagedkv.bench.serve_bench import PROMPTS
 from pagedkv.models.fetch import fetch_gguf
 
 LLAMACPP = "llamacpp"

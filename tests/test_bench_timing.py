@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from pagedkv.bench.anchors import Timing, burst_speedup, time_round_robin
-from pagedkv.bench.decode_bench import (
+from harness.anchors import Timing, burst_speedup, time_round_robin
+from harness.decode_bench import (
     DecodeShape,
     KVDtypeRow,
     MachineSpeed,
@@ -14,7 +14,7 @@ from pagedkv.bench.decode_bench import (
     format_kv_dtype_table,
     format_table,
 )
-from pagedkv.bench.prefill_bench import PrefillRow, PrefillShape, format_prefill_table
+from harness.prefill_bench import PrefillRow, PrefillShape, format_prefill_table
 
 
 def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():

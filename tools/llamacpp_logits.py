@@ -44,6 +44,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from harness.serve_bench import PROMPTS  # noqa: E402
 from llamacpp import (  # noqa: E402 - benchmarks/llamacpp.py, shared with the server comparison
     MODEL,
     Server,
@@ -55,8 +56,6 @@ from llamacpp import (  # noqa: E402 - benchmarks/llamacpp.py, shared with the s
     llama_version,
     pagedkv_commit,
 )
-
-from pagedkv.bench.serve_bench import PROMPTS  # noqa: E402
 from pagedkv.models.fetch import fetch_gguf  # noqa: E402
 
 N_PROBS = 10

@@ -16,8 +16,13 @@ Each probe reports its failure and the run goes on.
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
+from pathlib import Path
+
+# The shared timing code: benchmarks/harness.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -52,7 +57,7 @@ def back_to_back_us(fn, reps: int = 500) -> float:
 def main() -> None:
     import torch
 
-    from pagedkv.bench.decode_bench import DecodeShape, make_case, pagedkv_decode
+    from harness.decode_bench import DecodeShape, make_case, pagedkv_decode
 
     case = make_case(DecodeShape(8, 2048, 32, 8), "bfloat16", device="cuda")
     run = pagedkv_decode(case, "auto")

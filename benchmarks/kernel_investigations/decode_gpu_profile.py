@@ -12,9 +12,14 @@ launching (graph execution, stream ordering) rather than reading memory.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from pagedkv.bench.decode_bench import DecodeShape, make_case, pagedkv_decode
-from pagedkv.bench.gpu_bench import GPU_SHAPES, max_builtin_decode, time_cuda
+# The shared timing code: benchmarks/harness.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.decode_bench import DecodeShape, make_case, pagedkv_decode  # noqa: E402
+from harness.gpu_bench import GPU_SHAPES, max_builtin_decode, time_cuda  # noqa: E402
 
 
 def kernel_times(fn, reps: int) -> list[tuple[str, float, float]]:

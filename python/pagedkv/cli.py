@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from .bench.decode_bench import CPU_SHAPES
 from .models.forms import add_weights_arguments
 
 
@@ -99,11 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dtypes", default="float32,bfloat16", help="comma-separated (default %(default)s)"
     )
-    shapes = ", ".join(f"{i} {s.label}" for i, s in enumerate(CPU_SHAPES))
     bench.add_argument(
         "--shapes",
         default=None,
-        help=f"comma-separated indices into the CPU shapes (B, L, Hq, Hkv): {shapes}; default all",
+        help="comma-separated indices into the CPU shapes (B, L, Hq, Hkv) of "
+        "benchmarks/harness/decode_bench.py; default all",
     )
     bench.add_argument(
         "--reps", type=int, default=15, help="timed runs of each (default %(default)s)"
@@ -174,11 +174,30 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
 
 
+def benchmarks_dir() -> Path | None:
+    """The source checkout's benchmarks/ folder, or None: the benchmarks stay
+    out of the installed package, so `pagedkv bench` runs from a checkout
+    (an editable install) only."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    return folder if (folder / "harness" / "cli.py").is_file() else None
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.cli import run_bench
+    folder = benchmarks_dir()
+    if folder is None:
+        print(
+            "pagedkv bench: error: the benchmarks live in the source checkout's benchmarks/ "
+            "folder, which this installation does not have: clone the repository and "
+            "`pip install -e .` there",
+            file=sys.stderr,
+        )
+        return 2
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    from harness.cli import run_bench
 
     if args.serve:
-        from .bench.serve_bench import main as run_serve_bench
+        from harness.serve_bench import main as run_serve_bench
 
         run_serve_bench(args.dtypes.split(","), one_at_a_time=8)
         return 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ..runtime.max_poller import demote_max_poller
+from pagedkv.runtime.max_poller import demote_max_poller
 
 AFFINITY_VARIABLE = "MODULAR_ENABLE_AFFINITY"
 POLLER_VARIABLE = "PAGEDKV_BENCH_DEMOTE_POLLER"

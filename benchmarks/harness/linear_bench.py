@@ -52,10 +52,10 @@ def _models(dtype: str, shapes: tuple[LinearShape, ...]) -> dict[str, object]:
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, Module, TensorType
 
-    from .. import graph_ops
-    from .._kernels import prepare
-    from .._tensors import Device
-    from ..linear_panels import linear_panels_shape
+    from pagedkv import graph_ops
+    from pagedkv._kernels import prepare
+    from pagedkv._tensors import Device
+    from pagedkv.linear_panels import linear_panels_shape
 
     dt, cpu = DType[dtype], DeviceRef.CPU()
 
@@ -83,7 +83,7 @@ def run_linear_bench(
     import torch
     from max.driver import Buffer
 
-    from ..linear_panels import pack_linear_weight
+    from pagedkv.linear_panels import pack_linear_weight
 
     out: list[LinearRow] = []
     for dtype in dtypes:

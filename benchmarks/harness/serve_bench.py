@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graphs.demo import QUESTIONS
+from pagedkv.graphs.demo import QUESTIONS
 
 PROMPTS = QUESTIONS + (
     "Write a haiku about the sea.",

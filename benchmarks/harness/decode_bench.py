@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._tensors import dtype_of
-from ..runtime.huge_pages import huge_page_zeros
+from pagedkv._tensors import dtype_of
+from pagedkv.runtime.huge_pages import huge_page_zeros
+
 from .anchors import (
     Timing,
     burst_speedup,
@@ -134,7 +135,7 @@ def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
     like = case.q
 
     def on_device(x: np.ndarray):
-        from .._tensors import new_like
+        from pagedkv._tensors import new_like
 
         return new_like(like, x)
 
