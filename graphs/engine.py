@@ -52,10 +52,18 @@ class LlamaEngine:
         self.compile_seconds = self.models.seconds
 
     def prefill(
-        self, request_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]]
-    ) -> np.ndarray:
+        self,
+        request_ids: Sequence[Hashable],
+        tokens: Sequence[Sequence[int]],
+        every_row: Sequence[bool] | None = None,
+    ) -> np.ndarray | tuple[np.ndarray, list[np.ndarray | None]]:
         """Appends each request's new tokens (any number, after what it has
-        cached) and returns the logits [B, vocab] after its last one."""
+        cached) and returns the logits [B, vocab] after its last one.
+
+        With `every_row` (one flag per request) it returns those logits and,
+        for each flagged request, the logits [len(tokens[b]), vocab] after
+        each of its new tokens (None for the others): what prompt logprobs
+        are read from."""
         counts = [len(t) for t in tokens]
         self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
         md = self.manager.metadata(request_ids)
@@ -70,12 +78,31 @@ class LlamaEngine:
             c.head_dim,
             gpu=self.device.is_gpu,
         )
+        last = md.append_indptr[1:] - 1
+        flags = list(every_row) if every_row is not None else [False] * len(counts)
+        if len(flags) != len(counts):
+            raise ValueError("every_row needs one flag per request")
+        # Output rows: every request's last row first, then the flagged
+        # requests' rows in order.
+        extra = [
+            np.arange(md.append_indptr[b], md.append_indptr[b + 1], dtype=np.int32)
+            for b, flag in enumerate(flags)
+            if flag
+        ]
         inputs = {
             "tokens": np.concatenate([np.asarray(t, np.int32) for t in tokens]),
-            "last_rows": md.append_indptr[1:] - 1,
+            "last_rows": np.concatenate([last.astype(np.int32), *extra]),
             **self._step_inputs(md, items, request_items),
         }
-        return self._run(self.models.prefill, PREFILL, inputs)
+        logits = self._run(self.models.prefill, PREFILL, inputs)
+        if every_row is None:
+            return logits
+        rows: list[np.ndarray | None] = []
+        at = len(counts)
+        for b, flag in enumerate(flags):
+            rows.append(logits[at : at + counts[b]] if flag else None)
+            at += counts[b] if flag else 0
+        return logits[: len(counts)], rows
 
     def decode(self, request_ids: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Appends one token per request and returns the next logits [B, vocab]."""

@@ -134,7 +134,9 @@ def _input_types(
         index("batch_plus_1"),
     ]
     if kind == PREFILL:
-        types.append(index("batch"))
+        # The rows whose logits come out: each request's last, or more
+        # (prompt logprobs want every row of a prompt).
+        types.append(index("out_rows"))
     pool = BufferType(dtype, ["pages", 2, page_size, c.num_kv_heads, c.head_dim], device=device)
     return types + [pool] * c.num_layers
 
@@ -350,7 +352,8 @@ def build_step_graph(
     in the float form the weights' and activations') dtype; `quantized`
     selects the quantized form (CPU only).
 
-    Output: logits [batch, vocab] (float32) of each request's last token.
+    Output: logits [batch, vocab] (float32) of each request's last token
+    (decode), or [out_rows, vocab] of the rows `last_rows` names (prefill).
     """
     if quantized is not None and device not in (None, DeviceRef.CPU()):
         raise ValueError("quantized step graphs run on the CPU")

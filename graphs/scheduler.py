@@ -51,13 +51,24 @@ import numpy as np
 from pagedkv.manager import OutOfPagesError
 
 from .engine import LlamaEngine
-from .sampling import GREEDY, SamplingParams, sample_token
+from .sampling import (
+    GREEDY,
+    NO_ADJUSTMENTS,
+    LogitAdjustments,
+    SamplingParams,
+    TokenLogprob,
+    log_softmax,
+    sample_token,
+    token_logprob,
+)
 from .stop_strings import StopMatcher
 
 log = logging.getLogger("pagedkv.scheduler")
 
 POLICIES = ("fcfs", "priority")
 """Queue orders a `Scheduler` takes."""
+MAX_LOGPROBS = 20
+"""Most likely tokens a request may ask to see beside each chosen one."""
 
 
 class QueueFullError(RuntimeError):
@@ -79,6 +90,12 @@ class Request:
     sample besides the model's EOS; ignore_eos: EOS does not end one.
     priority: the queue key under the "priority" policy (lower first).
     arrival_step: the step `Scheduler.run` submits it at.
+    logprobs: report each chosen token's log-probability with this many of
+    the most likely (0 to MAX_LOGPROBS); None reports none.
+    prompt_logprobs: the same for every prompt token after the first (a
+    `PromptLogprobs` event before the first token); the prompt is then
+    computed whole, not read from the prefix cache.
+    adjustments: logit bias and penalties applied before choosing a token.
     """
 
     request_id: str
@@ -91,6 +108,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival_step: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    adjustments: LogitAdjustments = NO_ADJUSTMENTS
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,17 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: TokenLogprob | None = None
+    """The token's log-probability under the model (when the request asks)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt tokens' log-probabilities (a request with prompt_logprobs):
+    None for the first token, then each token's under the model given the
+    tokens before it. Sent once, before the request's first Delta."""
+
+    entries: tuple[TokenLogprob | None, ...]
 
 
 @dataclass(frozen=True)
@@ -120,7 +151,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Done | Failed
+Event = Delta | PromptLogprobs | Done | Failed
 Sink = Callable[[Event], None]
 
 
@@ -212,6 +243,17 @@ class RunStats:
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` tokens: ceil(tokens / page_size)."""
     return -(-tokens // page_size)
+
+
+def prompt_logprobs(prompt: tuple[int, ...], rows: np.ndarray, top: int) -> PromptLogprobs:
+    """The PromptLogprobs of `prompt` from the logits [len(prompt), vocab]
+    after each of its tokens (the last row's belong to the first generated
+    token, not the prompt)."""
+    logprobs = log_softmax(rows[:-1])
+    entries = [None] + [
+        token_logprob(logprobs[j], prompt[j + 1], top) for j in range(len(prompt) - 1)
+    ]
+    return PromptLogprobs(tuple(entries))
 
 
 def seq_id(request: Request, sample: int) -> str:
@@ -326,6 +368,19 @@ class Scheduler:
             return f"n is {req.n} but the scheduler decodes at most {self.max_num_seqs} sequences"
         if req.stop and self.detokenizer is None:
             return "stop strings need a scheduler with a detokenizer"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(req, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
+        vocab = self.engine.config.vocab_size
+        for token, bias in req.adjustments.logit_bias:
+            if not 0 <= token < vocab:
+                return f"logit_bias names token {token}, outside the vocabulary [0, {vocab})"
+            if not np.isfinite(bias):
+                return f"logit_bias of token {token} is not finite"
+        penalties = (req.adjustments.presence_penalty, req.adjustments.frequency_penalty)
+        if not all(np.isfinite(p) for p in penalties):
+            return "presence_penalty and frequency_penalty must be finite"
         need = self.footprint(req)
         if need > self.manager.num_pages:
             return (
@@ -412,7 +467,7 @@ class Scheduler:
                 continue
             self.stats.last_decode_seconds = time.perf_counter() - t0
             for (live, s), row in zip(batch, logits, strict=True):
-                self._emit(live, s, sample_token(row, live.req.sampling, s.rng), row)
+                self._emit(live, s, self._choose(live, s, row), row)
             break
         for live in [x for x in self._running.values() if not x.live_samples()]:
             self._finish(live)
@@ -487,15 +542,18 @@ class Scheduler:
         """Prefills the admitted requests in one batch; each gets its next
         token (a new request's samples are forked first)."""
         entries = []  # (live, the resumed sample or None for a new request)
-        ids, suffixes = [], []
+        ids, suffixes, flags = [], [], []
         for live in admitted:
             self._running[live.req.request_id] = live
         try:
             for live in admitted:
                 for sample, context in live.contexts():
                     sid = sample.seq_id if sample is not None else seq_id(live.req, 0)
-                    # The last token is always computed: its logits give the next one.
-                    cached = self.manager.add(sid, context[:-1])
+                    # The last token is always computed: its logits give the
+                    # next one; prompt logprobs need every prompt token's.
+                    every_row = sample is None and live.req.prompt_logprobs is not None
+                    cached = self.manager.add(sid, [] if every_row else context[:-1])
+                    flags.append(every_row)
                     live.holds_pages = True
                     if sample is None:
                         live.cached_tokens = cached
@@ -504,7 +562,10 @@ class Scheduler:
                     entries.append((live, sample))
                     ids.append(sid)
                     suffixes.append(context[cached:])
-            logits = self.engine.prefill(ids, suffixes)
+            if any(flags):
+                logits, prompt_rows = self.engine.prefill(ids, suffixes, every_row=flags)
+            else:
+                logits, prompt_rows = self.engine.prefill(ids, suffixes), [None] * len(ids)
         except OutOfPagesError:
             # The admission estimate was short: put them back, whole (the
             # next step admits fewer, down to the first alone).
@@ -520,13 +581,16 @@ class Scheduler:
                 self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
             return
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
-        for (live, sample), row in zip(entries, logits, strict=True):
+        for (live, sample), row, rows in zip(entries, logits, prompt_rows, strict=True):
             if sample is not None:  # a resumed sample continues where it stopped
-                self._emit(live, sample, sample_token(row, live.req.sampling, sample.rng), row)
+                self._emit(live, sample, self._choose(live, sample, row), row)
                 continue
             live.started = True
             req = live.req
-            ranked = np.argsort(-row, kind="stable") if req.sampling.greedy else None
+            if rows is not None:
+                self._send(live, prompt_logprobs(req.prompt, rows, req.prompt_logprobs))
+            first = req.adjustments.apply(row, []) if req.adjustments.active else row
+            ranked = np.argsort(-first, kind="stable") if req.sampling.greedy else None
             for k in range(req.n):
                 sid = seq_id(req, k)
                 if k > 0:
@@ -542,9 +606,19 @@ class Scheduler:
                 )
                 live.samples.append(s)
                 token = (
-                    int(ranked[k]) if ranked is not None else sample_token(row, req.sampling, s.rng)
+                    int(ranked[k])
+                    if ranked is not None
+                    else sample_token(first, req.sampling, s.rng)
                 )
                 self._emit(live, s, token, row)
+
+    @staticmethod
+    def _choose(live: _Live, s: Sequence, row: np.ndarray) -> int:
+        """The sample's next token from the model's logits row [vocab]."""
+        req = live.req
+        if req.adjustments.active:
+            row = req.adjustments.apply(row, s.tokens)
+        return sample_token(row, req.sampling, s.rng)
 
     def _emit(self, live: _Live, s: Sequence, token: int, row: np.ndarray) -> None:
         """Appends a chosen token to a sample and hands out its text; a
@@ -569,7 +643,10 @@ class Scheduler:
             text += s.stops.flush()
             if s.seq_id in self.manager:
                 self.manager.release(s.seq_id)
-        self._send(live, Delta(s.sample, text, (token,), s.finish_reason))
+        logprob = None
+        if live.req.logprobs is not None:
+            logprob = token_logprob(log_softmax(row), token, live.req.logprobs)
+        self._send(live, Delta(s.sample, text, (token,), s.finish_reason, logprob))
 
     def _finish(self, live: _Live) -> None:
         del self._running[live.req.request_id]

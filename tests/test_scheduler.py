@@ -9,9 +9,12 @@ import pytest
 
 from conftest import DEMO_CONFIG as CONFIG
 from conftest import engine_with_pool
+from pagedkv.graphs.numpy_reference import DenseLlama
+from pagedkv.graphs.sampling import LogitAdjustments, log_softmax
 from pagedkv.graphs.scheduler import (
     Delta,
     Done,
+    PromptLogprobs,
     QueueFullError,
     Request,
     RequestError,
@@ -129,3 +132,89 @@ def test_refusals_come_before_anything_is_queued(weights):
     while scheduler.has_work:
         scheduler.step()
     assert engine.manager.num_used_pages == 0
+
+
+def test_logprobs_are_the_models_log_softmax(weights):
+    """Each token's logprob and its top 5, and every prompt token's after the
+    first, against the float64 NumPy model's log-softmax; the greedy token is
+    the most likely one and the probabilities sum to 1."""
+    engine = engine_with_pool(weights, 32)
+    prompt = prompts(6, 1, 12)[0]
+    events: list = []
+    scheduler = Scheduler(engine)
+    scheduler.submit(Request("lp", prompt, 6, logprobs=5, prompt_logprobs=3), events.append)
+    while scheduler.has_work:
+        scheduler.step()
+    assert isinstance(events[0], PromptLogprobs)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert len(deltas) == 6 and isinstance(events[-1], Done)
+
+    reference = DenseLlama(CONFIG, weights)
+    want_prompt = log_softmax(reference.feed_all(list(prompt)))
+    entries = events[0].entries
+    assert entries[0] is None and len(entries) == len(prompt)
+    for j, entry in enumerate(entries[1:], start=1):
+        assert entry.token == prompt[j]
+        assert entry.logprob == pytest.approx(want_prompt[j - 1, prompt[j]], abs=2e-3)
+        assert [t for t, _ in entry.top] == list(np.argsort(-want_prompt[j - 1])[:3])
+
+    generated = [d.token_ids[0] for d in deltas]
+    want = log_softmax(np.stack([want_prompt[-1], *reference.feed_all(generated[:-1])]))
+    for i, d in enumerate(deltas):
+        lp = d.logprobs
+        assert lp.token == generated[i]
+        assert lp.logprob == pytest.approx(want[i, lp.token], abs=2e-3)
+        assert lp.top[0][0] == lp.token  # greedy: the most likely
+        assert lp.top[0][1] == lp.logprob
+        assert len(lp.top) == 5 and np.all(np.diff([v for _, v in lp.top]) <= 0)
+    assert engine.manager.num_used_pages == 0
+
+
+def test_logit_bias_and_penalties_change_the_choice_not_the_logprobs(weights):
+    engine = engine_with_pool(weights, 32)
+    prompt = prompts(7, 1, 10)[0]
+    forced = 17
+    bias = LogitAdjustments(logit_bias=((forced, 1e4),))
+    events: list = []
+    scheduler = Scheduler(engine)
+    scheduler.submit(Request("b", prompt, 4, logprobs=1, adjustments=bias), events.append)
+    plain: list = []
+    scheduler.submit(Request("p", prompt, 4, logprobs=1), plain.append)
+    while scheduler.has_work:
+        scheduler.step()
+    biased = [e for e in events if isinstance(e, Delta)]
+    assert [d.token_ids[0] for d in biased] == [forced] * 4
+    # The reported logprob is the model's: the same as without the bias where
+    # the unbiased run chose it, and below the top token's otherwise.
+    assert all(d.logprobs.logprob <= d.logprobs.top[0][1] for d in biased)
+    first_plain = next(e for e in plain if isinstance(e, Delta))
+    assert first_plain.logprobs.top[0][0] != forced or first_plain.token_ids[0] == forced
+
+    # A large frequency penalty: a greedy answer never repeats a token.
+    events = []
+    no_repeats = LogitAdjustments(frequency_penalty=1e4)
+    scheduler.submit(Request("f", prompt, 24, adjustments=no_repeats), events.append)
+    while scheduler.has_work:
+        scheduler.step()
+    tokens = [e.token_ids[0] for e in events if isinstance(e, Delta)]
+    assert len(tokens) == 24 and len(set(tokens)) == 24
+    assert engine.manager.num_used_pages == 0
+
+
+def test_bad_logprob_and_bias_requests_are_refused(weights):
+    scheduler = Scheduler(engine_with_pool(weights, 8))
+    prompt = prompts(8, 1, 4)[0]
+    bad = [
+        (Request("a", prompt, 2, logprobs=21), "logprobs"),
+        (Request("b", prompt, 2, prompt_logprobs=-1), "prompt_logprobs"),
+        (
+            Request("c", prompt, 2, adjustments=LogitAdjustments(((CONFIG.vocab_size, 1.0),))),
+            "outside the vocabulary",
+        ),
+        (Request("d", prompt, 2, adjustments=LogitAdjustments(((3, np.inf),))), "not finite"),
+        (Request("e", prompt, 2, adjustments=LogitAdjustments(presence_penalty=np.nan)), "finite"),
+    ]
+    for request, message in bad:
+        with pytest.raises(RequestError, match=message):
+            scheduler.submit(request, print)
+    assert not scheduler.has_work

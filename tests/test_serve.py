@@ -363,9 +363,51 @@ def test_queue_full_is_503_with_retry_after(server, gated):
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
             400,
-            "logprobs",
+            "top_logprobs",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            },
+            400,
+            "top_logprobs",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
+            400,
+            "tools",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logit_bias": {"x": 1},
+            },
+            400,
+            "logit_bias",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logit_bias": {"99999999": 1},
+            },
+            400,
+            "logit_bias",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "presence_penalty": 3,
+            },
+            400,
+            "presence_penalty",
         ),
         (
             {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
@@ -481,3 +523,93 @@ def test_load_with_preemption_and_disconnects(reference):
         metrics = httpx.get(s.url + "/metrics").text
         assert 'pagedkv_sequences_finished_total{reason="cancelled"}' in metrics
         assert json.loads(json.dumps(s.engine.stats.__dict__))["running"] == 0
+
+
+def test_logprobs_of_a_decode_equal_the_echoed_prompts(server, reference):
+    """Two code paths for the same numbers: the logprobs of 8 greedy tokens
+    as decode steps chose them, and the same tokens' logprobs as prompt
+    tokens of an echo request (one prefill, max_tokens 0, lm-eval's way);
+    the greedy token is each step's most likely one."""
+    c = client(server)
+    want = next(w for w in reference["raw"] if len(w.token_ids) >= 8)
+    prompt = list(want.prompt_token_ids)
+    got = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3
+    ).choices[0]
+    assert got.text == server.engine.tokenizer.decode(want.token_ids[:8])
+    lp = got.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and max(top.values()) == pytest.approx(logprob)
+        assert top[token] == logprob and len(top) == 3
+
+    ids = prompt + list(want.token_ids[:8])
+    echo = c.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True
+    )
+    choice = echo.choices[0]
+    assert echo.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.text == server.engine.tokenizer.decode(ids)
+    elp = choice.logprobs
+    assert len(elp.tokens) == len(ids) and elp.token_logprobs[0] is None
+    assert elp.top_logprobs[0] is None
+    for a, b in zip(elp.token_logprobs[len(prompt) :], lp.token_logprobs, strict=True):
+        assert a == pytest.approx(b, abs=2e-3)
+    assert all(x <= 0 for x in elp.token_logprobs[1:])
+    assert elp.text_offset == sorted(elp.text_offset)
+
+    # max_tokens 1: the prompt's entries, then the one generated token's.
+    one = c.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    ).choices[0]
+    assert len(one.logprobs.token_logprobs) == len(ids) + 1
+    assert one.logprobs.token_logprobs[: len(ids)] == elp.token_logprobs
+    assert_no_page_in_use(server)
+
+
+def test_chat_logprobs_streamed_and_not(server, reference):
+    c = client(server)
+    messages = [{"role": "user", "content": PROMPTS[5]}]
+    common = {"model": MODEL, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    whole = c.chat.completions.create(messages=messages, top_logprobs=2, **common)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    for e in content:
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        assert bytes(e.bytes).decode() == e.token
+    want = reference["chat"][5]
+    assert whole.choices[0].message.content == server.engine.tokenizer.decode(want.token_ids[:6])
+    chunks = list(
+        c.chat.completions.create(messages=messages, stream=True, top_logprobs=2, **common)
+    )
+    streamed = [
+        e
+        for ch in chunks
+        for choice in ch.choices
+        if choice.logprobs
+        for e in choice.logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert_no_page_in_use(server)
+
+
+def test_logit_bias_and_penalties_over_http(server):
+    c = client(server)
+    prompt = server.engine.tokenizer.encode("Count: one, two, three,")
+    forced = server.engine.tokenizer.encode(" banana")[0]
+    biased = c.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        logprobs=0,
+    ).choices[0]
+    assert biased.text == server.engine.tokenizer.decode([forced] * 3)
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    penalized = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, frequency_penalty=2.0
+    )
+    assert penalized.choices[0].text != plain.choices[0].text
+    assert_no_page_in_use(server)

@@ -22,21 +22,39 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.graphs.sampling import SamplingParams
+from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 
-from .engine import Delta, Done, Failed, GenerationRequest, QueueFullError, RequestError
+from .choices import Choices
+from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.5
 """How often a non-streamed request checks whether its client is still there."""
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What one API request asks of each of its engine requests beyond the
+    prompt: how to choose tokens, which logprobs to report, and the
+    completions endpoint's echo."""
+
+    sampling: SamplingParams
+    adjustments: LogitAdjustments
+    logprobs: int | None
+    """Top logprobs per generated token (None: no logprobs)."""
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    completion: bool = True
+    """False: max_tokens 0 with echo, the one generated token is dropped."""
 
 
 class ApiError(Exception):
@@ -135,7 +153,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
             ],
         }
 
-    def check(body) -> SamplingParams:
+    def check(body, chat: bool) -> Asked:
         if body.model != model_name:
             raise reject(
                 404,
@@ -149,25 +167,59 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
             raise reject(
                 400, f"{name} is not supported by pagedkv", "invalid_request_error", param=name
             )
-        return SamplingParams(body.temperature, body.top_p, body.seed)
+        vocab = engine.llm.config.vocab_size
+        bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
+        if any(not 0 <= token < vocab for token, _ in bias):
+            raise reject(
+                400,
+                f"logit_bias keys must be token ids in [0, {vocab})",
+                "invalid_request_error",
+                param="logit_bias",
+            )
+        adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
+        sampling = SamplingParams(body.temperature, body.top_p, body.seed)
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise reject(
+                    400,
+                    "top_logprobs needs logprobs: true",
+                    "invalid_request_error",
+                    param="top_logprobs",
+                )
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            return Asked(sampling, adjustments, top)
+        if body.max_tokens == 0 and not body.echo:
+            raise reject(
+                400,
+                "max_tokens may be 0 only with echo",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+        prompt_top = body.logprobs if body.echo else None
+        completion = body.max_tokens != 0
+        return Asked(sampling, adjustments, body.logprobs, body.echo, prompt_top, completion)
 
-    def submit_all(prompts: list[list[int]], max_tokens, body, sampling, queue, loop) -> list[str]:
+    def submit_all(prompts: list[list[int]], max_tokens, body, asked, queue, loop) -> list[str]:
         """Submits one engine request per prompt; returns their ids."""
         ids = []
         try:
             for p, prompt in enumerate(prompts):
                 room = engine.context - len(prompt)
                 limit = max_tokens if max_tokens is not None else max(1, room)
+                limit = max(limit, 1)  # max_tokens 0 (echo): one token, dropped
                 rid = f"{uuid.uuid4().hex}"
                 req = GenerationRequest(
                     rid,
                     tuple(prompt),
                     limit,
                     body.n,
-                    sampling,
+                    asked.sampling,
                     tuple(body.stop),
                     body.ignore_eos,
                     priority=body.priority,
+                    logprobs=asked.logprobs,
+                    prompt_logprobs=asked.prompt_logprobs,
+                    adjustments=asked.adjustments,
                 )
 
                 def sink(event, p=p):
@@ -213,44 +265,45 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
                 for rid in ids:
                     engine.cancel(rid)
 
-    async def serve(request: Request, body, prompts: list[list[int]], max_tokens, chat: bool):
-        sampling = check(body)
+    async def serve(
+        request: Request, body, prompts: list[list[int]], max_tokens, chat: bool, texts=None
+    ):
+        """Submits the prompts, then streams or gathers their choices;
+        `texts`: the prompts as echo returns them (default: decoded)."""
+        asked = check(body, chat)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        ids = submit_all(prompts, max_tokens, body, sampling, queue, loop)
+        ids = submit_all(prompts, max_tokens, body, asked, queue, loop)
         prefix = "chatcmpl" if chat else "cmpl"
         response_id = f"{prefix}-{ids[0]}"
         common = {"id": response_id, "created": int(time.time()), "model": model_name}
+        tokenizer = engine.tokenizer
+        texts = texts or [tokenizer.decode(p) if asked.echo else "" for p in prompts]
+        choices = Choices(
+            chat,
+            body.n,
+            list(zip(texts, prompts, strict=True)),
+            asked.logprobs is not None,
+            asked.echo,
+            asked.completion,
+            lambda token: tokenizer.decode([token]),
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = _stream(
-                events(request, queue, ids, False), common, body.n, chat, include_usage
+                events(request, queue, ids, False), common, choices, chat, include_usage
             )
             return StreamingResponse(stream, media_type="text/event-stream")
-        texts: dict[int, list[str]] = {}
-        reasons: dict[int, str] = {}
         usage = [0, 0, 0]
         async for p, event in events(request, queue, ids, True):
-            if isinstance(event, Delta):
-                index = p * body.n + event.index
-                texts.setdefault(index, []).append(event.text)
-                if event.finish_reason is not None:
-                    reasons[index] = event.finish_reason
+            if isinstance(event, Done):
+                usage = _add(usage, _counts(event, asked.completion))
             else:
-                usage = [a + b for a, b in zip(usage, _counts(event), strict=True)]
-        choices = []
-        for index in range(len(prompts) * body.n):
-            text = "".join(texts.get(index, []))
-            if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}}
-            else:
-                choice = {"index": index, "text": text}
-            choice.update(finish_reason=reasons.get(index, "length"), logprobs=None)
-            choices.append(choice)
+                choices.on_event(p, event)
         return {
             **common,
             "object": "chat.completion" if chat else "text_completion",
-            "choices": choices,
+            "choices": choices.answers(),
             "usage": _usage(*usage),
         }
 
@@ -268,8 +321,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
 
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest):
+        texts = None
         if isinstance(body.prompt, str):
-            prompts = [engine.tokenizer.encode(body.prompt)]
+            prompts, texts = [engine.tokenizer.encode(body.prompt)], [body.prompt]
         elif all(isinstance(x, int) for x in body.prompt):
             vocab = engine.llm.config.vocab_size
             if any(not 0 <= x < vocab for x in body.prompt):
@@ -281,18 +335,25 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
                 )
             prompts = [list(body.prompt)]
         else:
-            prompts = [engine.tokenizer.encode(p) for p in body.prompt]
+            prompts, texts = [engine.tokenizer.encode(p) for p in body.prompt], list(body.prompt)
         if any(not p for p in prompts):
             raise reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await serve(request, body, prompts, max_tokens, chat=False)
+        return await serve(request, body, prompts, max_tokens, chat=False, texts=texts)
 
     app.include_router(v1)
     return app
 
 
-def _counts(done: Done) -> tuple[int, int, int]:
-    return done.prompt_tokens, done.completion_tokens, done.cached_tokens
+def _add(usage: list[int], counts: tuple[int, int, int]) -> list[int]:
+    return [a + b for a, b in zip(usage, counts, strict=True)]
+
+
+def _counts(done: Done, completion: bool) -> tuple[int, int, int]:
+    """The usage of one engine request; `completion` False: its one
+    generated token was dropped (max_tokens 0 with echo)."""
+    completion = done.completion_tokens if completion else 0
+    return done.prompt_tokens, completion, done.cached_tokens
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
@@ -305,41 +366,28 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
 
 
 async def _stream(
-    events: AsyncIterator, common: dict, n: int, chat: bool, include_usage: bool
+    events: AsyncIterator, common: dict, choices: Choices, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
     Chat: each choice's first chunk carries the assistant role; its last one
-    an empty delta with finish_reason. With stream_options.include_usage a
-    last chunk with no choices carries the usage.
+    an empty delta with finish_reason. Completions with echo: each choice's
+    first chunk carries the prompt. With stream_options.include_usage a last
+    chunk with no choices carries the usage.
     """
     kind = "chat.completion.chunk" if chat else "text_completion"
-    started: set[int] = set()
     usage = [0, 0, 0]
 
-    def chunk(choices: list, **extra) -> str:
-        return f"data: {json.dumps({**common, 'object': kind, 'choices': choices, **extra})}\n\n"
+    def chunk(objects: list, **extra) -> str:
+        return f"data: {json.dumps({**common, 'object': kind, 'choices': objects, **extra})}\n\n"
 
     try:
         async for p, event in events:
             if isinstance(event, Done):
-                usage = [a + b for a, b in zip(usage, _counts(event), strict=True)]
+                usage = _add(usage, _counts(event, choices.completion))
                 continue
-            index = p * n + event.index
-            if chat:
-                if index not in started:
-                    started.add(index)
-                    role = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                    yield chunk([{**role, "logprobs": None, "finish_reason": None}])
-                if event.text:
-                    delta = {"index": index, "delta": {"content": event.text}}
-                    yield chunk([{**delta, "logprobs": None, "finish_reason": None}])
-                if event.finish_reason is not None:
-                    end = {"index": index, "delta": {}, "logprobs": None}
-                    yield chunk([{**end, "finish_reason": event.finish_reason}])
-            else:
-                choice = {"index": index, "text": event.text, "logprobs": None}
-                yield chunk([{**choice, "finish_reason": event.finish_reason}])
+            for obj in choices.on_event(p, event):
+                yield chunk([obj])
     except ApiError as e:
         # Headers are gone: the error travels as an event, as OpenAI's does.
         yield f"data: {json.dumps(error_body(str(e), e.kind))}\n\n"

@@ -109,7 +109,6 @@ class ServingEngine:
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
         self.llm = llm
-        self.engine = llm.engine
         self.manager = llm.manager
         self.tokenizer = llm.tokenizer
         self.context = llm.config.max_positions
@@ -137,6 +136,15 @@ class ServingEngine:
         """cancel() calls so far (tests wait on it)."""
         self.fatal: str | None = None
         """Why the engine thread ended, if it did (the server is then unhealthy)."""
+
+    @property
+    def engine(self):
+        """The step graphs the scheduler drives (tests wrap them)."""
+        return self.scheduler.engine
+
+    @engine.setter
+    def engine(self, value) -> None:
+        self.scheduler.engine = value
 
     # ------------------------------------------------------------ any thread
 
@@ -171,8 +179,14 @@ class ServingEngine:
             raise RequestError(why)
 
         def forward(event: Event) -> None:
-            # A delta of no text that ends nothing tells a client nothing.
-            if isinstance(event, Delta) and not event.text and event.finish_reason is None:
+            # A delta of no text that ends nothing and carries no logprob
+            # tells a client nothing.
+            if (
+                isinstance(event, Delta)
+                and not event.text
+                and event.finish_reason is None
+                and event.logprobs is None
+            ):
                 return
             sink(event)
 

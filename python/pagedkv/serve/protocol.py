@@ -1,10 +1,9 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions, as
 pydantic models: what the server accepts, checks and refuses.
 
-Fields pagedkv does not implement (logprobs, echo, tools, penalties other
-than 0, ...) are refused with a 400 naming them rather than silently
-ignored; fields that change nothing here (user, presence_penalty=0, ...)
-are accepted.
+Fields pagedkv does not implement (tools, functions) are refused with a
+400 naming them rather than silently ignored; fields that change nothing
+here (user, ...) are accepted.
 """
 
 from __future__ import annotations
@@ -15,8 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
+MAX_LOGPROBS = 20
+"""Most likely tokens a response lists beside each chosen one (OpenAI's
+chat limit; its completions limit is 5, vLLM's 20)."""
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("tools", "functions")
 """Fields refused when given a value that asks for something (not null / false / 0)."""
 
 
@@ -38,8 +40,11 @@ class _Common(BaseModel):
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string) -> bias in [-100, 100], added to the logit
+    before a token is chosen (OpenAI's)."""
     ignore_eos: bool = False
     """vLLM's and llama.cpp's extension: EOS does not end a sample (max_tokens
     or a stop string does)."""
@@ -57,15 +62,22 @@ class _Common(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
+        return value
+
     def unsupported(self) -> str | None:
         """The first field given that pagedkv does not implement, or None."""
         extra = self.model_extra or {}
         for name in UNSUPPORTED:
             value = extra.get(name, getattr(self, name, None))
             if value not in (None, False, 0, [], {}):
-                return name
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
                 return name
         return None
 
@@ -76,6 +88,13 @@ class CompletionRequest(_Common):
     OpenAI's)."""
 
     prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0 only with echo: the prompt's logprobs, no completion."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Each token's logprob with this many of the most likely."""
+    echo: bool = False
+    """The prompt comes back before the completion (with its logprobs when
+    `logprobs` is given): how evaluation harnesses score continuations."""
 
     @field_validator("prompt")
     @classmethod
@@ -110,6 +129,8 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None):
