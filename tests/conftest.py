@@ -252,3 +252,22 @@ def engine_with_pool(weights, num_pages: int):
         num_pages, DEMO_PAGE, c.num_kv_heads, c.head_dim, num_layers=c.num_layers
     )
     return LlamaEngine(c, weights, manager)
+
+
+class Gate:
+    """A step engine whose decode steps wait until the gate opens (the
+    server tests hold requests in flight with it; waits are hang guards)."""
+
+    def __init__(self, inner, timeout: float = 600.0) -> None:
+        import threading
+
+        self.inner = inner
+        self.timeout = timeout
+        self.opened = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, *args):
+        assert self.opened.wait(self.timeout)
+        return self.inner.decode(*args)

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL_DEVICE
+from conftest import MODEL_DEVICE, Gate
 from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
@@ -85,21 +85,6 @@ def assert_no_page_in_use(server) -> None:
 
 def finish(reason: str) -> str:
     return "stop" if reason == "stop" else "length"
-
-
-class Gate:
-    """An engine whose decode steps wait until the gate opens."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.opened = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def decode(self, *args):
-        assert self.opened.wait(HANG_GUARD)
-        return self.inner.decode(*args)
 
 
 @pytest.fixture

@@ -70,7 +70,13 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (special tokens written in it stay whole)."""
+        """Token ids of `text` (special tokens written in it stay whole).
+        Raises ValueError for text that is not valid Unicode (a lone
+        surrogate, which JSON's escapes can carry)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text holds a lone surrogate at character {e.start}") from None
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

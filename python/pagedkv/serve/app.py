@@ -21,18 +21,20 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
+from .limits import BodySizeLimit, ServeLimits, StreamSlots
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
@@ -66,7 +68,13 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
+def create_app(
+    engine,
+    model_name: str,
+    api_key: str | None = None,
+    metrics=None,
+    limits: ServeLimits | None = None,
+) -> FastAPI:
     """The server's ASGI app over a started `ServingEngine`.
 
     Parameters
@@ -79,6 +87,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
         When given, /v1/* requires `Authorization: Bearer <api_key>`.
     metrics : ServeMetrics, optional
         The engine's observer (a new one bound to the engine when None).
+    limits : ServeLimits, optional
+        Per-request limits (the defaults when None).
 
     Examples
     --------
@@ -88,7 +98,10 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
     if metrics is None:
         metrics = ServeMetrics()
         metrics.bind(engine)
+    limits = limits or ServeLimits()
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    slots = StreamSlots(limits.max_streams_per_key)
     created = int(time.time())
 
     def reject(status: int, message: str, kind: str, **kw) -> ApiError:
@@ -271,6 +284,53 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
         """Submits the prompts, then streams or gathers their choices;
         `texts`: the prompts as echo returns them (default: decoded)."""
         asked = check(body, chat)
+        max_tokens = within_limits(prompts, max_tokens, chat)
+        key = request.headers.get("authorization") or (
+            request.client.host if request.client else ""
+        )
+        release = slots.take(key)
+        if release is None:
+            raise reject(
+                429,
+                f"{limits.max_streams_per_key} requests of this key are in flight already",
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        handed_off = False
+        try:
+            response = await answer(request, body, prompts, max_tokens, chat, texts, asked, release)
+            handed_off = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not handed_off:
+                release()
+
+    def within_limits(prompts: list[list[int]], max_tokens, chat: bool):
+        """max_tokens as the limits allow it (400 beyond them)."""
+        if limits.max_prompt_tokens is not None:
+            longest = max(len(p) for p in prompts)
+            if longest > limits.max_prompt_tokens:
+                raise reject(
+                    400,
+                    f"the prompt has {longest} tokens; this server takes at most "
+                    f"{limits.max_prompt_tokens}",
+                    "invalid_request_error",
+                    param="messages" if chat else "prompt",
+                )
+        if limits.max_tokens is None:
+            return max_tokens
+        if max_tokens is None:
+            return limits.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise reject(
+                400,
+                f"max_tokens is {max_tokens}; this server generates at most {limits.max_tokens}",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    async def answer(request, body, prompts, max_tokens, chat, texts, asked, release):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids = submit_all(prompts, max_tokens, body, asked, queue, loop)
@@ -291,9 +351,11 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = _stream(
-                events(request, queue, ids, False), common, choices, chat, include_usage
+                events(request, queue, ids, False), common, choices, chat, include_usage, release
             )
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(
+                stream, media_type="text/event-stream", background=BackgroundTask(release)
+            )
         usage = [0, 0, 0]
         async for p, event in events(request, queue, ids, True):
             if isinstance(event, Done):
@@ -322,9 +384,15 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
     @v1.post("/completions")
     async def completions(request: Request, body: CompletionRequest):
         texts = None
-        if isinstance(body.prompt, str):
-            prompts, texts = [engine.tokenizer.encode(body.prompt)], [body.prompt]
-        elif all(isinstance(x, int) for x in body.prompt):
+        try:
+            if isinstance(body.prompt, str):
+                texts = [body.prompt]
+            elif not all(isinstance(x, int) for x in body.prompt):
+                texts = list(body.prompt)
+            prompts = [engine.tokenizer.encode(t) for t in texts] if texts else []
+        except ValueError as e:
+            raise reject(400, str(e), "invalid_request_error", param="prompt") from None
+        if texts is None:
             vocab = engine.llm.config.vocab_size
             if any(not 0 <= x < vocab for x in body.prompt):
                 raise reject(
@@ -334,8 +402,6 @@ def create_app(engine, model_name: str, api_key: str | None = None, metrics=None
                     param="prompt",
                 )
             prompts = [list(body.prompt)]
-        else:
-            prompts, texts = [engine.tokenizer.encode(p) for p in body.prompt], list(body.prompt)
         if any(not p for p in prompts):
             raise reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -366,7 +432,12 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
 
 
 async def _stream(
-    events: AsyncIterator, common: dict, choices: Choices, chat: bool, include_usage: bool
+    events: AsyncIterator,
+    common: dict,
+    choices: Choices,
+    chat: bool,
+    include_usage: bool,
+    release: Callable[[], None],
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
@@ -395,6 +466,7 @@ async def _stream(
         return
     finally:
         # A client gone mid-stream closes this generator: cancel at once.
+        release()
         await events.aclose()
     if include_usage:
         yield chunk([], usage=_usage(*usage))

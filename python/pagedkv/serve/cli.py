@@ -45,6 +45,26 @@ def add_parser(sub) -> None:
         help="bytes of KV cache over all layers (default 512 MiB)",
     )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    limits = p.add_argument_group("limits (a request over one gets a 4xx)")
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="request body (default 8 MiB; 413)"
+    )
+    limits.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="prompt tokens (default: the context)"
+    )
+    limits.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="max_tokens a request may ask for, and the default of one that names none "
+        "(default: the rest of the context)",
+    )
+    limits.add_argument(
+        "--max-streams-per-key",
+        type=int,
+        default=None,
+        help="requests in flight per API key, or per client address (default: no limit; 429)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     add_weights_arguments(p)
 
@@ -58,12 +78,21 @@ def run_serve(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
+        from .limits import ServeLimits
         from .server import serve
     except ImportError as e:
         say(f"pagedkv serve: error: {e.name} is missing: pip install 'pagedkv[serve]'")
         return 2
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-waiting", args.max_waiting)):
-        if value < 1:
+    positive = (
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-waiting", args.max_waiting),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-tokens-limit", args.max_tokens_limit),
+        ("--max-streams-per-key", args.max_streams_per_key),
+    )
+    for flag, value in positive:
+        if value is not None and value < 1:
             say(f"pagedkv serve: error: {flag} must be at least 1")
             return 2
     if not 0 <= args.port < 65536:
@@ -93,5 +122,11 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         policy=args.scheduling_policy,
+        limits=ServeLimits(
+            args.max_body_bytes,
+            args.max_prompt_tokens,
+            args.max_tokens_limit,
+            args.max_streams_per_key,
+        ),
     )
     return 0

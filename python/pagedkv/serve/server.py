@@ -15,26 +15,29 @@ import uvicorn
 
 from .app import create_app
 from .engine import ServingEngine
+from .limits import ServeLimits
 from .metrics import ServeMetrics
 
 
-def build(llm, api_key: str | None = None, **engine_options):
+def build(llm, api_key: str | None = None, limits: ServeLimits | None = None, **engine_options):
     """(app, engine, metrics): a started engine over `llm` and its app."""
     metrics = ServeMetrics()
     engine = ServingEngine(llm, observer=metrics, **engine_options)
     metrics.bind(engine)
     engine.start()
-    return create_app(engine, llm.name, api_key, metrics), engine, metrics
+    return create_app(engine, llm.name, api_key, metrics, limits), engine, metrics
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key=None, **engine_options) -> None:
+def serve(
+    llm, host: str = "127.0.0.1", port: int = 8000, api_key=None, limits=None, **engine_options
+) -> None:
     """Serves `llm` until interrupted.
 
     Examples
     --------
     >>> serve(pagedkv.models.load(), port=8000)  # doctest: +SKIP
     """
-    app, engine, _ = build(llm, api_key, **engine_options)
+    app, engine, _ = build(llm, api_key, limits, **engine_options)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
@@ -58,9 +61,15 @@ class ServerThread:
     """
 
     def __init__(
-        self, llm, host: str = "127.0.0.1", port: int | None = None, api_key=None, **engine_options
+        self,
+        llm,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        api_key=None,
+        limits=None,
+        **engine_options,
     ):
-        self.app, self.engine, self.metrics = build(llm, api_key, **engine_options)
+        self.app, self.engine, self.metrics = build(llm, api_key, limits, **engine_options)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
