@@ -24,13 +24,19 @@ from .llama import DECODE, PREFILL, step_input_names
 from .model import LlamaConfig
 from .step_models import compile_step_graphs
 
+BATCH_INVARIANT_CHUNK = 256
+"""Tokens per decode split in batch-invariant mode (rounded up to a whole
+number of pages)."""
+
 
 class LlamaEngine:
     """The model on a paged cache: prefill() and decode() steps of a batch.
 
     `quantized` (the packed GGUF matrices by name, see
     `pagedkv.models.gguf_llama`) runs the quantized step graphs; otherwise
-    the float ones in the manager's dtype."""
+    the float ones in the manager's dtype. `batch_invariant` (the default)
+    fixes decode's key splits so that a request's logits do not depend on
+    its batch (`decode_chunk`)."""
 
     def __init__(
         self,
@@ -38,6 +44,7 @@ class LlamaEngine:
         weights: dict[str, np.ndarray],
         manager: PagedKVCacheManager,
         quantized: dict | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         if manager.num_layers != config.num_layers or manager.head_dim != config.head_dim:
             raise ValueError("the manager's pools do not match the model's layers and head_dim")
@@ -50,6 +57,15 @@ class LlamaEngine:
             config, weights, manager.page_size, manager.dtype, self.device, quantized
         )
         self.compile_seconds = self.models.seconds
+        page = manager.page_size
+        chunk = -(-BATCH_INVARIANT_CHUNK // page) * page
+        self.decode_chunk = chunk if batch_invariant else None
+        """Decode splits every request's keys at multiples of this many tokens
+        (None: chunks sized to keep every core busy). A fixed chunk makes a
+        request's decode logits bitwise the same whatever else is in its
+        batch and however many cores run it: every other part of a step
+        computes each row on its own, in an order that does not depend on
+        the batch."""
 
     def prefill(
         self,
@@ -117,6 +133,7 @@ class LlamaEngine:
             c.num_kv_heads,
             c.head_dim,
             gpu=self.device.is_gpu,
+            fixed_chunk=self.decode_chunk,
         )
         inputs = {
             "tokens": np.asarray(tokens, np.int32),

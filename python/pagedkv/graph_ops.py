@@ -552,10 +552,16 @@ def decode_work(
     window_left: int = -1,
     *,
     gpu: bool,
+    fixed_chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_decode` in a graph on a GPU
-    (`gpu`) or on the CPU: the two split keys differently."""
+    (`gpu`) or on the CPU: the two split keys differently.
+
+    fixed_chunk (tokens, a multiple of page_size): split every request's
+    keys at the same positions whatever else is in the batch, so that its
+    attention sums in the same order (batch-invariant results); by default
+    the chunks grow or shrink to keep every core busy."""
     options = AttentionOptions(head_dim, window_left=window_left)
     return _attention.decode_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
@@ -565,6 +571,7 @@ def decode_work(
         heads_per_task(num_qo_heads, num_kv_heads),
         options,
         gpu,
+        fixed_chunk=fixed_chunk,
     )
 
 

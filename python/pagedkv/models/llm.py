@@ -88,6 +88,7 @@ class LLM:
         model: GGUFModel,
         manager: PagedKVCacheManager,
         quantized: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         self.name = name
         self.config: LlamaConfig = model.config
@@ -96,7 +97,9 @@ class LLM:
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
         self.manager = manager
         t0 = time.perf_counter()
-        self.engine = LlamaEngine(model.config, model.weights, manager, self.quantized)
+        self.engine = LlamaEngine(
+            model.config, model.weights, manager, self.quantized, batch_invariant
+        )
         self.compile_seconds = time.perf_counter() - t0
         self.stats: RunStats | None = None
         self._next_id = 0
@@ -219,6 +222,7 @@ def load(
     kv_memory: int = DEFAULT_KV_MEMORY,
     gguf: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    batch_invariant: bool = True,
 ) -> LLM:
     """Loads model `name` to serve from a paged cache.
 
@@ -243,6 +247,10 @@ def load(
         Read the weights from this file instead of the cache directory.
     progress : callable(str), optional
         Receives one-line progress messages (fetching, compiling).
+    batch_invariant : bool
+        A request's logits are bitwise the same whatever else runs in its
+        batch and however many cores run it (decode splits its keys at fixed
+        positions; docs/performance.md has the cost, within the noise).
 
     Returns
     -------
@@ -289,6 +297,6 @@ def load(
         f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers, "
         f"{weights} weights, {kv_dtype} cache) ..."
     )
-    llm = LLM(spec.name, model, manager, quantized=weights == "gguf")
+    llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant)
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
     return llm

@@ -66,6 +66,12 @@ def add_parser(sub) -> None:
         help="requests in flight per API key, or per client address (default: no limit; 429)",
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request's answer does not depend on what else is in its batch (default on)",
+    )
     add_weights_arguments(p)
 
 
@@ -106,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
             device=args.device,
             kv_memory=args.kv_memory or DEFAULT_KV_MEMORY,
             progress=say,
+            batch_invariant=args.batch_invariant,
         )
     except ModelError as e:
         say(f"pagedkv serve: error: {e}")

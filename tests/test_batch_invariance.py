@@ -1,0 +1,83 @@
+"""Batch-invariant decode (the engine's default): one request's logits are
+bitwise the same alone and among 31 companions of other lengths, for the
+demo's float model and SmolLM2's GGUF blocks, and with MAX's workers on
+all cores or crowded onto one (tasks then finish in another order).
+Equality is bitwise because the code guarantees it: decode splits a
+request's keys at fixed positions, and every other part of a step computes
+each row on its own in an order the batch does not change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import engine_with_pool
+
+PROMPT_LEN, COMPANIONS, STEPS = 300, 31, 4
+
+
+def logits_alone_and_in_a_batch(engine, vocab: int) -> tuple[list, list]:
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, vocab, PROMPT_LEN).tolist()
+    others = [rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(20, 700, COMPANIONS)]
+
+    def run(companions: list) -> list[np.ndarray]:
+        ids = ["t"] + [f"o{i}" for i in range(len(companions))]
+        for i in ids:
+            engine.manager.add(i, [])
+        out = [engine.prefill(ids, [prompt] + companions)[0].copy()]
+        tokens = [int(np.argmax(out[0]))] * len(ids)
+        for _ in range(STEPS):
+            logits = engine.decode(ids, tokens)
+            out.append(logits[0].copy())
+            tokens = [int(t) for t in logits.argmax(-1)]
+        for i in ids:
+            engine.manager.release(i)
+        engine.manager.validate()
+        return out
+
+    return run([]), run(others)
+
+
+def test_demo_model_logits_do_not_depend_on_the_batch(weights):
+    from conftest import DEMO_CONFIG
+
+    engine = engine_with_pool(weights, 1024)
+    assert engine.decode_chunk is not None
+    alone, batched = logits_alone_and_in_a_batch(engine, DEMO_CONFIG.vocab_size)
+    for a, b in zip(alone, batched, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gguf_logits_do_not_depend_on_the_batch_or_the_cores(tmp_path):
+    """SmolLM2's quantized step graphs, alone and in a batch, in this process
+    and in one whose threads may run on one core only."""
+    from pagedkv.models import load
+
+    llm = load(weights="gguf")
+    alone, batched = logits_alone_and_in_a_batch(llm.engine, llm.config.vocab_size)
+    for a, b in zip(alone, batched, strict=True):
+        np.testing.assert_array_equal(a, b)
+    script = textwrap.dedent(
+        """
+        import os, sys, numpy as np
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        sys.path.insert(0, sys.argv[1])
+        from test_batch_invariance import logits_alone_and_in_a_batch
+        from pagedkv.models import load
+        llm = load(weights="gguf")
+        alone, _ = logits_alone_and_in_a_batch(llm.engine, llm.config.vocab_size)
+        np.save(sys.argv[2], np.stack(alone))
+        """
+    )
+    out = str(tmp_path / "one_core.npy")
+    here = os.path.dirname(__file__)
+    done = subprocess.run([sys.executable, "-c", script, here, out], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(done.stderr[-2000:])
+    np.testing.assert_array_equal(np.load(out), np.stack(alone))
