@@ -591,20 +591,25 @@ class Scheduler:
                 self._send(live, prompt_logprobs(req.prompt, rows, req.prompt_logprobs))
             first = req.adjustments.apply(row, []) if req.adjustments.active else row
             ranked = np.argsort(-first, kind="stable") if req.sampling.greedy else None
+            # Every sample is forked before any is emitted: a sample whose
+            # first token ends it releases its pages at once, and the
+            # others fork from sample 0's.
             for k in range(req.n):
                 sid = seq_id(req, k)
                 if k > 0:
                     self.manager.fork(seq_id(req, 0), sid)
                 seed = None if req.sampling.seed is None else [req.sampling.seed, k]
-                s = Sequence(
-                    sid,
-                    req,
-                    k,
-                    rng=None if ranked is not None else np.random.default_rng(seed),
-                    stops=StopMatcher(req.stop),
-                    text=self.detokenizer() if self.detokenizer is not None else None,
+                live.samples.append(
+                    Sequence(
+                        sid,
+                        req,
+                        k,
+                        rng=None if ranked is not None else np.random.default_rng(seed),
+                        stops=StopMatcher(req.stop),
+                        text=self.detokenizer() if self.detokenizer is not None else None,
+                    )
                 )
-                live.samples.append(s)
+            for k, s in enumerate(live.samples):
                 token = (
                     int(ranked[k])
                     if ranked is not None

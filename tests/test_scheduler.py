@@ -218,3 +218,32 @@ def test_bad_logprob_and_bias_requests_are_refused(weights):
         with pytest.raises(RequestError, match=message):
             scheduler.submit(request, print)
     assert not scheduler.has_work
+
+
+def test_samples_whose_first_token_ends_them_still_fork(weights):
+    """n = 3 with max_tokens 1 (or a first token that stops sample 0):
+    every sample is forked before the first one ends and releases its pages."""
+    engine = engine_with_pool(weights, 32)
+    prompt = prompts(9, 1, 20)[0]
+    scheduler = Scheduler(engine)
+    events: list = []
+    scheduler.submit(Request("one", prompt, 1, n=3), events.append)
+    first = {}
+
+    def learn(event) -> None:
+        if isinstance(event, Delta) and event.index == 0:
+            first.setdefault("token", event.token_ids[0])
+
+    scheduler.submit(Request("probe", prompt, 1), learn)
+    while scheduler.has_work:
+        scheduler.step()
+    stop = frozenset({first["token"]})
+    scheduler.submit(Request("stop", prompt, 5, n=3, stop_token_ids=stop), events.append)
+    while scheduler.has_work:
+        scheduler.step()
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [d.finish_reason for d in deltas[:3]] == ["length"] * 3
+    assert deltas[3].finish_reason == "stop" and deltas[3].index == 0
+    assert sum(isinstance(e, Done) for e in events) == 2
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()

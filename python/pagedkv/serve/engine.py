@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedkv.graphs.scheduler import (
@@ -127,6 +128,7 @@ class ServingEngine:
         self._lock = threading.Condition()
         self._inbox: list[tuple[GenerationRequest, Sink, float]] = []
         self._cancels: set[str] = set()
+        self._between: list[tuple[Callable[[], object], list, threading.Event]] = []
         self._stopping = False
         self._waiting_count = 0
         self._thread: threading.Thread | None = None
@@ -207,6 +209,24 @@ class ServingEngine:
             self._cancels.add(request_id)
             self._lock.notify_all()
 
+    def between_steps(self, fn: Callable[[], object], timeout: float = 60.0) -> object:
+        """Runs fn() on the engine thread between two steps (where the page
+        manager may be read: its validator, its counts) and returns its
+        result; raises what fn raised, or TimeoutError."""
+        box: list = []
+        done = threading.Event()
+        with self._lock:
+            if self._stopping or not self.alive:
+                raise RuntimeError(f"the engine is not running: {self.fatal or 'stopped'}")
+            self._between.append((fn, box, done))
+            self._lock.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not reach a step boundary")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits until nothing is waiting or running; returns whether it is so."""
         return self._idle.wait(timeout)
@@ -219,7 +239,11 @@ class ServingEngine:
             while True:
                 with self._lock:
                     while not (
-                        self._stopping or self._inbox or self._cancels or scheduler.has_work
+                        self._stopping
+                        or self._inbox
+                        or self._cancels
+                        or self._between
+                        or scheduler.has_work
                     ):
                         self._publish()
                         self._idle.set()
@@ -228,6 +252,13 @@ class ServingEngine:
                         break
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, set()
+                    between, self._between = self._between, []
+                for fn, box, done in between:
+                    try:
+                        box.append((True, fn()))
+                    except Exception as e:  # handed back to the caller
+                        box.append((False, e))
+                    done.set()
                 for req, sink, arrival in inbox:
                     try:
                         scheduler.submit(req, sink, arrival)
@@ -251,6 +282,10 @@ class ServingEngine:
             with self._lock:
                 self._stopping = True
                 pending, self._inbox = self._inbox, []
+                between, self._between = self._between, []
+            for _, box, done in between:
+                box.append((False, RuntimeError("the engine stopped")))
+                done.set()
             for _, sink, _ in pending:
                 sink(Failed("the server is shutting down"))
             scheduler.fail_all("the server is shutting down")
