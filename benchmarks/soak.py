@@ -54,10 +54,13 @@ class Tally:
     dropped: int = 0
     cancelled: int = 0
     errors: dict[int, int] = field(default_factory=dict)
-    gaps: list[tuple[float, float]] = field(default_factory=list)
-    """(time, seconds between two chunks of one stream)."""
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between two chunks of one stream, since the last sample (the
+    sampler empties it: the server shares this process, so the soak's own
+    bookkeeping must not grow)."""
     greedy: list[tuple[dict, str]] = field(default_factory=list)
-    """(request body, its answer) of completed greedy requests."""
+    """(request body, its answer) of the first completed greedy requests."""
+    keep_greedy: int = 0
 
 
 def rss_mb() -> float:
@@ -103,7 +106,11 @@ async def client(c: httpx.AsyncClient, seed: int, until: float, tally: Tally) ->
                     tally.errors[r.status_code] = tally.errors.get(r.status_code, 0) + 1
                     continue
                 tally.completed += 1
-                if body["temperature"] == 0 and body["n"] == 1:
+                if (
+                    body["temperature"] == 0
+                    and body["n"] == 1
+                    and (len(tally.greedy) < tally.keep_greedy)
+                ):
                     answer = r.json()["choices"][0]
                     text = answer["text"] if "text" in answer else answer["message"]["content"]
                     tally.greedy.append((body, text))
@@ -132,7 +139,7 @@ async def stream_one(c, path, body, fault, rng, tally: Tally) -> None:
                 continue
             now = time.monotonic()
             if chunks:
-                tally.gaps.append((now, now - last))
+                tally.gaps.append(now - last)
             last, chunks = now, chunks + 1
             if stop_after is not None and chunks >= stop_after:
                 tally.dropped += 1
@@ -147,8 +154,8 @@ def read_pool(manager) -> tuple[int, int]:
     return manager.num_free_pages, manager.num_cached_pages
 
 
-def percentile_ms(gaps: list[tuple[float, float]], q: float) -> float:
-    return float(np.percentile([g for _, g in gaps], q)) * 1e3 if gaps else float("nan")
+def percentile_ms(gaps: list[float], q: float) -> float:
+    return float(np.percentile(gaps, q)) * 1e3 if gaps else float("nan")
 
 
 async def soak(server, args, tally: Tally) -> list[dict]:
@@ -158,14 +165,12 @@ async def soak(server, args, tally: Tally) -> list[dict]:
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=server.url, timeout=args.hang_guard, limits=limits) as c:
         tasks = [asyncio.create_task(client(c, i, until, tally)) for i in range(args.clients)]
-        seen = 0
         while not all(t.done() for t in tasks):
             await asyncio.sleep(args.every)
             free, cached = await asyncio.to_thread(
                 server.engine.between_steps, lambda: read_pool(server.engine.manager)
             )
-            window = tally.gaps[seen:]
-            seen = len(tally.gaps)
+            window, tally.gaps = tally.gaps, []
             samples.append(
                 {
                     "t": round(time.monotonic() - t0, 1),
@@ -217,7 +222,7 @@ def main() -> int:
     page_bytes = (16 << 20) // probe.manager.num_pages
     del probe
     llm = load(MODEL, weights=args.weights, kv_memory=args.kv_pages * page_bytes)
-    tally = Tally()
+    tally = Tally(keep_greedy=args.rerun)
     with ServerThread(llm, max_num_seqs=64) as server:
         start_free = server.engine.between_steps(lambda: llm.manager.num_free_pages)
         samples = asyncio.run(soak(server, args, tally))
@@ -226,9 +231,11 @@ def main() -> int:
         server.engine.between_steps(llm.manager.validate)
         same, differ = asyncio.run(rerun(server, tally.greedy, args.rerun))
     warm = [s["rss_mb"] for s in samples[len(samples) // 4 :]] or [rss_mb()]
-    quarter = max(len(tally.gaps) // 4, 1)
-    first = percentile_ms(tally.gaps[:quarter], 99)
-    last = percentile_ms(tally.gaps[-quarter:], 99)
+    # p99 of the first and last quarters: the median of their windows' p99s.
+    p99s = [s["itl_p99_ms"] for s in samples if not np.isnan(s["itl_p99_ms"])]
+    quarter = max(len(p99s) // 4, 1)
+    first = float(np.median(p99s[:quarter])) if p99s else float("nan")
+    last = float(np.median(p99s[-quarter:])) if p99s else float("nan")
     result = {
         "minutes": args.minutes,
         "clients": args.clients,
