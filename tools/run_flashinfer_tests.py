@@ -81,12 +81,19 @@ def extract(repo: Path, commit: str, paths: list[str], dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
+def test_path(name: str) -> str:
+    """A --files entry's path: tests/attention/NAME, or tests/NAME for one
+    with a folder (utils/test_norm.py)."""
+    return f"tests/{name}" if "/" in name else f"tests/attention/{name}"
+
+
 def prepare(repo: Path, files: list[str], work: Path, legacy: bool) -> list[str]:
     """Copies the tests (device rewritten) and our conftest; returns the test paths."""
     extract(repo, PINNED_COMMIT, ["tests/__init__.py", "tests/test_helpers"], work)
-    extract(repo, PINNED_COMMIT, [f"tests/attention/{f}" for f in files], work)
-    (work / "tests/attention/__init__.py").touch()
-    targets = [f"tests/attention/{f}" for f in files]
+    targets = [test_path(f) for f in files]
+    extract(repo, PINNED_COMMIT, targets, work)
+    for folder in {Path(t).parent for t in targets}:
+        (work / folder / "__init__.py").touch()
     if legacy:
         try:
             extract(repo, LEGACY_COMMIT, [LEGACY_TEST], work / "legacy")
@@ -148,7 +155,12 @@ def memory_cap(gib: float | None):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("flashinfer", type=Path, help="FlashInfer checkout or bare clone")
-    parser.add_argument("--files", nargs="*", default=list(FILES), help="tests/attention files")
+    parser.add_argument(
+        "--files",
+        nargs="*",
+        default=list(FILES),
+        help="tests/attention files, or paths under tests/ (utils/test_norm.py)",
+    )
     parser.add_argument("-k", default=None, help="pytest -k expression")
     parser.add_argument("--no-legacy", action="store_true", help=f"skip {LEGACY_COMMIT}'s test")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per test")

@@ -38,6 +38,13 @@ from .fp4_quantization import (
     nvfp4_kv_quantize,
 )
 from .mla import BatchMLAPagedAttentionWrapper
+from .norm import (
+    fused_add_rmsnorm,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
+    layernorm,
+    rmsnorm,
+)
 from .page import (
     append_paged_kv_cache,
     append_paged_mla_kv_cache,
@@ -66,9 +73,13 @@ __all__ = [
     "append_paged_mla_kv_cache",
     "e2m1_and_ufp8sf_scale_to_float",
     "fast_decode_plan",
+    "fused_add_rmsnorm",
+    "gemma_fused_add_rmsnorm",
+    "gemma_rmsnorm",
     "get_batch_indices_positions",
     "get_seq_lens",
     "install",
+    "layernorm",
     "merge_state",
     "merge_state_in_place",
     "merge_states",
@@ -78,6 +89,7 @@ __all__ = [
     "nvfp4_quantize_append_paged_kv_cache",
     "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "packbits",
+    "rmsnorm",
     "segment_packbits",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",

@@ -89,3 +89,9 @@ def round_up(x: int, y: int) -> int:
 
 def next_positive_power_of_2(x: int) -> int:
     return 1 if x < 1 else 1 << math.ceil(math.log2(x))
+
+
+def device_support_pdl(device: Any) -> bool:
+    """Whether programmatic dependent launch applies: never here (a CUDA
+    launch option the CPU and MAX's launches do not take)."""
+    return False
