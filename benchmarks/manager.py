@@ -32,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pagedkv import BatchDecodeWithPagedKVCacheWrapper
-from pagedkv.manager import PagedKVCacheManager
+from pagedkv.cache.manager import PagedKVCacheManager
 
 BUDGET = 0.10
 """The manager's step may cost at most this share of the attention's run."""

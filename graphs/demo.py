@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv._kernels import build_kernel_package_in_background
+from pagedkv._ops.kernels import build_kernel_package_in_background
 
 from .model import LlamaConfig, init_weights, quantize_weights
 from .scheduler import Request, Scheduler, pages_for
@@ -287,7 +287,7 @@ boundary can land one code apart (observed differences: docs/design.md,
 
 def run_demo(options: DemoOptions) -> int:
     """Runs the demo and prints its summary; returns the exit status."""
-    from pagedkv.manager import PagedKVCacheManager
+    from pagedkv.cache.manager import PagedKVCacheManager
 
     from .engine import LlamaEngine
     from .self_check import check_sequences

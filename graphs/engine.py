@@ -16,9 +16,9 @@ import numpy as np
 from max.driver import CPU
 
 from pagedkv import graph_ops
-from pagedkv._kernels import accelerator, stream_ordered
-from pagedkv._tensors import device_of, to_buffer
-from pagedkv.manager import PagedKVCacheManager
+from pagedkv._ops.kernels import accelerator, stream_ordered
+from pagedkv._ops.tensors import device_of, to_buffer
+from pagedkv.cache.manager import PagedKVCacheManager
 
 from .llama import DECODE, PREFILL, step_input_names
 from .model import LlamaConfig

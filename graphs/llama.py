@@ -47,12 +47,12 @@ from max.graph import (
 )
 
 from pagedkv import graph_ops
-from pagedkv.linear_panels import (
+from pagedkv._ops.linear_panels import (
     linear_panels_shape,
     pack_linear_weight,
     pack_linear_weight_cached,
 )
-from pagedkv.quantized_panels import quantized_panels_shape
+from pagedkv._ops.quantized_panels import quantized_panels_shape
 
 from .model import LlamaConfig, layer_weight_shapes, rope_tables
 

@@ -97,7 +97,7 @@ def quantize_weights(
     """
     from gguf import GGMLQuantizationType, quants
 
-    from pagedkv.quantized_panels import pack_quantized_weight
+    from pagedkv._ops.quantized_panels import pack_quantized_weight
 
     kind = GGMLQuantizationType[fmt]
     dense = dict(weights)

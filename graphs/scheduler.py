@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pagedkv.manager import OutOfPagesError
+from pagedkv.cache.manager import OutOfPagesError
 
 from .engine import LlamaEngine
 from .sampling import (

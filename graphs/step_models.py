@@ -18,8 +18,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph import Module
 
-from pagedkv._kernels import prepare
-from pagedkv._tensors import Device
+from pagedkv._ops.kernels import prepare
+from pagedkv._ops.tensors import Device
 from pagedkv.page import COPY_PAGES
 
 from .llama import (

@@ -145,8 +145,8 @@ def compiled_ops(request):
         return
     from max.dtype import DType
 
-    from pagedkv._kernels import prepare
-    from pagedkv._tensors import CPU
+    from pagedkv._ops.kernels import prepare
+    from pagedkv._ops.tensors import CPU
     from pagedkv.decode import decode_spec
     from pagedkv.mla import mla_spec
     from pagedkv.precompile import op_specs
@@ -197,7 +197,7 @@ def pytest_collection_finish(session):
     ]
     if not checks:
         return
-    from pagedkv._kernels import kernel_package
+    from pagedkv._ops.kernels import kernel_package
 
     try:
         kernel_package()  # built once here, not by each check at once
@@ -244,8 +244,8 @@ def weights(tmp_path_factory):
 
 def engine_with_pool(weights, num_pages: int):
     """A `LlamaEngine` of the demo's model over a fresh pool of num_pages pages."""
+    from pagedkv.cache.manager import PagedKVCacheManager
     from pagedkv.graphs.engine import LlamaEngine
-    from pagedkv.manager import PagedKVCacheManager
 
     c = DEMO_CONFIG
     manager = PagedKVCacheManager(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv._compile_cache import artifact_path
-from pagedkv._tensors import CPU, Device
+from pagedkv._ops.compile_cache import artifact_path
+from pagedkv._ops.tensors import CPU, Device
 
 SEQ_LENS = """
 import numpy as np, pagedkv

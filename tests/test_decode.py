@@ -448,7 +448,7 @@ def test_decode_backends_choose_gpu_kernels(monkeypatch):
     """The kernel code plan() passes: "auto" leaves the choice to the GPU
     kernel, "tma" insists on the Hopper kernel, "mma" on the tensor-core one
     (only when experimental kernels are on), the CPU has only one."""
-    from pagedkv._attention import (
+    from pagedkv._plan.work import (
         GPU_KERNEL_AUTO,
         GPU_KERNEL_GENERIC,
         GPU_KERNEL_MMA,
@@ -489,10 +489,10 @@ def test_gpu_decode_work_tiles_requests_in_even_waves(lens, window_left, monkeyp
     """GPU work items (planned on the CPU): each request's visible keys tiled
     once, in order, by page-aligned chunks at most a page apart in length,
     and a long lone request split to fill exactly one wave of thread blocks."""
-    from pagedkv import _attention
-    from pagedkv._attention import decode_work
+    from pagedkv._plan import work
+    from pagedkv._plan.work import decode_work
 
-    monkeypatch.setattr(_attention, "gpu_sm_count", lambda: 132)
+    monkeypatch.setattr(work, "gpu_sm_count", lambda: 132)
     options = type("Options", (), {"window_left": window_left})()
     items, request_items = decode_work(np.array(lens), 16, 32, 8, 1, options, is_gpu=True)
     for b, length in enumerate(lens):

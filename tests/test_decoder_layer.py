@@ -25,9 +25,9 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 
 import reference
 from pagedkv import graph_ops
+from pagedkv._ops.quantized_panels import pack_quantized_weight, quantized_panels_shape
 from pagedkv.graphs.model import LlamaConfig, rope_tables
 from pagedkv.graphs.numpy_reference import quantize_activations
-from pagedkv.quantized_panels import pack_quantized_weight, quantized_panels_shape
 from suite_graphs import suite_graph, suite_model
 
 P = 16

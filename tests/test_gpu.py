@@ -51,8 +51,8 @@ def compiled_gpu_ops():
     """Compiles the GPU ops of this module in one MAX module."""
     from max.dtype import DType
 
-    from pagedkv._kernels import prepare
-    from pagedkv._tensors import Device
+    from pagedkv._ops.kernels import prepare
+    from pagedkv._ops.tensors import Device
     from pagedkv.decode import decode_spec
     from pagedkv.precompile import op_specs
     from pagedkv.prefill import prefill_spec

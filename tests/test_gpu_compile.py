@@ -21,7 +21,7 @@ beside the CPU tests."""
 
 def gpu_check_argv(arch: str, flags: list[str]) -> list[str]:
     """The command that compiles every GPU path for arch."""
-    return [sys.executable, "-m", "pagedkv.gpu_check", arch, *flags]
+    return [sys.executable, "-m", "pagedkv._ops.gpu_check", arch, *flags]
 
 
 @pytest.mark.parametrize(

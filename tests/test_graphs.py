@@ -104,8 +104,8 @@ def test_a_callers_module_holds_its_specs_whatever_was_compiled_before():
     step graphs' module must carry the page-copy op even when this process
     loaded it before (the suite does, the demo does not), or the demo misses
     the compile the suite cached."""
-    from pagedkv._kernels import prepare
-    from pagedkv._tensors import CPU
+    from pagedkv._ops.kernels import prepare
+    from pagedkv._ops.tensors import CPU
     from pagedkv.page import COPY_PAGES
 
     prepare([COPY_PAGES], CPU)
@@ -117,7 +117,7 @@ def test_demo_runs_and_checks_itself():
         [
             sys.executable,
             "-m",
-            "pagedkv.cli",
+            "pagedkv",
             "demo",
             "--model",
             "random",
@@ -155,7 +155,10 @@ def test_demo_runs_and_checks_itself():
 )
 def test_cli_errors_are_one_line_with_status_2(flags, message):
     result = subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", *flags], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pagedkv", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -15,7 +15,7 @@ from max.dtype import DType
 
 import pagedkv.runtime
 from conftest import bits
-from pagedkv.manager import PagedKVCacheManager
+from pagedkv.cache.manager import PagedKVCacheManager
 from pagedkv.runtime.huge_pages import HUGE_PAGE_BYTES, huge_page_zeros
 
 PAGE, HEADS, DIM = 16, 4, 64

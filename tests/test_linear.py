@@ -13,7 +13,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, Module, TensorType
 
 from pagedkv import graph_ops
-from pagedkv.linear_panels import linear_panels_shape, pack_linear_weight
+from pagedkv._ops.linear_panels import linear_panels_shape, pack_linear_weight
 from suite_graphs import suite_graph, suite_model
 
 # (K, N, dtype): a tail panel, whole panels, one column, and bfloat16.
@@ -107,7 +107,7 @@ def test_bad_linear_operands_are_refused():
 
 
 def test_a_memory_mapped_weight_is_packed_once(tmp_path, monkeypatch):
-    import pagedkv.linear_panels as linear_panels
+    import pagedkv._ops.linear_panels as linear_panels
 
     w = np.random.default_rng(1).standard_normal((7, 70)).astype(np.float32)
     np.save(tmp_path / "3.npy", w)

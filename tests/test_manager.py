@@ -33,6 +33,15 @@ from hypothesis.stateful import (
 
 import pagedkv
 from conftest import bits, to_device
+from pagedkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.cache.manager import (
+    PAD_PAGE,
+    CacheStateError,
+    OutOfPagesError,
+    PagedKVCacheManager,
+    page_hash,
+    salt_root,
+)
 from pagedkv.functional import (
     BlockTable,
     allocate_blocks,
@@ -40,15 +49,6 @@ from pagedkv.functional import (
     gather_kv,
     init_paged_kv_cache,
     release_blocks,
-)
-from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedkv.manager import (
-    PAD_PAGE,
-    CacheStateError,
-    OutOfPagesError,
-    PagedKVCacheManager,
-    page_hash,
-    salt_root,
 )
 
 PAGE, HEADS, DIM, LAYERS = 4, 2, 8, 2
@@ -1167,7 +1167,7 @@ def test_lfu_keeps_a_hot_prefix_that_lru_evicts(eviction, kept):
 def test_a_custom_policy_plugs_in():
     """Most recently released first: a policy is any object of the protocol."""
 
-    class MRU(pagedkv.eviction.LRUPolicy):
+    class MRU(pagedkv.cache.eviction.LRUPolicy):
         def victims(self, count: int) -> list[int]:
             return list(reversed(list(self)))[:count]
 
@@ -1272,7 +1272,7 @@ def test_layer_groups_are_checked():
     with pytest.raises(ValueError, match="one per layer group"):
         PagedKVCacheManager([8, 8, 8], PAGE, HEADS, DIM, num_layers=2)
     with pytest.raises(ValueError, match="one EvictionPolicy object per layer group"):
-        make([([0], 8), ([1, 2], None)], eviction=pagedkv.eviction.LRUPolicy())
+        make([([0], 8), ([1, 2], None)], eviction=pagedkv.cache.eviction.LRUPolicy())
     manager = make([([0, 2], 8), ([1], None)], offload=[2, 0])
     assert manager.group_of_layer == (0, 1, 0)
     assert manager.null_pages == (8, PAD_PAGE) and len(manager.host_pools) == 2

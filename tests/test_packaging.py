@@ -19,7 +19,7 @@ else:  # pragma: no cover
 
 
 def cli_subcommands() -> set[str]:
-    from pagedkv.cli import _parser
+    from pagedkv.cli.main import _parser
 
     parser = _parser()
     subparsers = next(a for a in parser._actions if a.dest == "command")

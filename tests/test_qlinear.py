@@ -22,12 +22,12 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, Module, TensorType
 
 from pagedkv import graph_ops
-from pagedkv.graphs.numpy_reference import quantize_activations
-from pagedkv.quantized_panels import (
+from pagedkv._ops.quantized_panels import (
     pack_quantized_weight,
     quantized_panel_bytes,
     quantized_panels_shape,
 )
+from pagedkv.graphs.numpy_reference import quantize_activations
 from suite_graphs import suite_graph, suite_model
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")

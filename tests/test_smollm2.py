@@ -135,7 +135,7 @@ def test_unknown_model_corrupt_file_and_failed_fetch_are_one_line_errors(tmp_pat
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pagedkv.cli", *args],
+        [sys.executable, "-m", "pagedkv", *args],
         capture_output=True,
         text=True,
         timeout=900,

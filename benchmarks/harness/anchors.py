@@ -302,7 +302,7 @@ def max_builtin_decode(
     from max.engine import InferenceSession
     from max.nn.kv_cache import padded_lut_cols
 
-    from pagedkv._tensors import dtype_of, to_buffer
+    from pagedkv._ops.tensors import dtype_of, to_buffer
 
     b, hq, d = q.shape
     _, _, p, hkv, _ = pool.shape

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv._tensors import dtype_of
+from pagedkv._ops.tensors import dtype_of
 from pagedkv.runtime.huge_pages import huge_page_zeros
 
 from .anchors import (
@@ -135,7 +135,7 @@ def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
     like = case.q
 
     def on_device(x: np.ndarray):
-        from pagedkv._tensors import new_like
+        from pagedkv._ops.tensors import new_like
 
         return new_like(like, x)
 

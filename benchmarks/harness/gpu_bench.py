@@ -150,8 +150,8 @@ def max_builtin_decode(case: DecodeCase):
     from max.nn.kernels import flash_attention_ragged
     from max.nn.kv_cache import MHAKVCacheParams, padded_lut_cols
 
-    from pagedkv._kernels import accelerator
-    from pagedkv._tensors import device_of
+    from pagedkv._ops.kernels import accelerator
+    from pagedkv._ops.tensors import device_of
 
     s = case.shape
     gpu = DeviceRef.GPU()

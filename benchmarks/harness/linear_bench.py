@@ -53,9 +53,9 @@ def _models(dtype: str, shapes: tuple[LinearShape, ...]) -> dict[str, object]:
     from max.graph import DeviceRef, Graph, Module, TensorType
 
     from pagedkv import graph_ops
-    from pagedkv._kernels import prepare
-    from pagedkv._tensors import Device
-    from pagedkv.linear_panels import linear_panels_shape
+    from pagedkv._ops.kernels import prepare
+    from pagedkv._ops.linear_panels import linear_panels_shape
+    from pagedkv._ops.tensors import Device
 
     dt, cpu = DType[dtype], DeviceRef.CPU()
 
@@ -83,7 +83,7 @@ def run_linear_bench(
     import torch
     from max.driver import Buffer
 
-    from pagedkv.linear_panels import pack_linear_weight
+    from pagedkv._ops.linear_panels import pack_linear_weight
 
     out: list[LinearRow] = []
     for dtype in dtypes:

@@ -91,7 +91,7 @@ def main() -> None:
         traceback.print_exc()
 
     try:
-        from pagedkv._kernels import to_buffer
+        from pagedkv._ops.kernels import to_buffer
 
         plan = w._plan
         b = plan.buffers
@@ -100,7 +100,7 @@ def main() -> None:
 
         geometry = cache_geometry("paged_kv_cache", case.pool, "NHD", written=False)
         k_cache, v_cache = geometry.kernel_operands()
-        from pagedkv._op_contract import attention_operands
+        from pagedkv._ops.contract import attention_operands
 
         arrays = attention_operands(
             output=out, lse=b["lse_scratch"], partial_o=b["partial_o"],
@@ -115,8 +115,8 @@ def main() -> None:
         q.copy_(torch.randn_like(q))
         torch.cuda.synchronize()
         plan.model.replay(1, *buffers)
-        from pagedkv._kernels import accelerator
-        from pagedkv._tensors import Device
+        from pagedkv._ops.kernels import accelerator
+        from pagedkv._ops.tensors import Device
 
         accelerator(Device("gpu")).synchronize()
         got = out.clone()

@@ -51,7 +51,7 @@ def host_breakdown(reps: int = 300) -> None:
 
     import torch
 
-    import pagedkv._kernels as kernels
+    import pagedkv._ops.kernels as kernels
 
     case = make_case(DecodeShape(1, 16, 32, 8), "bfloat16", device="cuda")
     fn = pagedkv_decode(case, "auto")
@@ -100,7 +100,7 @@ def host_breakdown(reps: int = 300) -> None:
     from max.driver import Buffer
     from torch.utils.dlpack import to_dlpack
 
-    from pagedkv._tensors import Device
+    from pagedkv._ops.tensors import Device
 
     class CudaCapsule:
         def __init__(self, capsule):

@@ -25,8 +25,8 @@ comptime POS_ROPE_LLAMA = 1
 comptime POS_ALIBI = 2
 
 # Slots of the op's host parameter tensors, float_params [8] and
-# int_params [8] (written by python/pagedkv/_attention.py; the codes' Python
-# twins are in python/pagedkv/_op_contract.py).
+# int_params [8] (written by python/pagedkv/_plan/work.py; the codes' Python
+# twins are in python/pagedkv/_ops/contract.py).
 comptime F_SM_SCALE = 0
 comptime F_SOFT_CAP = 1
 comptime F_ROPE_SCALE = 2

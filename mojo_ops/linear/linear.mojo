@@ -20,7 +20,7 @@ from ..simd.widen import DOT_BF16, F32, VECTOR_REGISTERS, W, dot_bf16, load_f32
 from ..work_queue import parallel_dynamic
 
 comptime LINEAR_PANEL = 64
-"""Columns of a packed weight panel (pagedkv._op_contract.LINEAR_PANEL)."""
+"""Columns of a packed weight panel (pagedkv._ops.contract.LINEAR_PANEL)."""
 comptime NV = min(4, LINEAR_PANEL // W)
 """Vectors of columns in a register tile: a whole panel row with AVX-512,
 half of one with AVX2, a quarter with NEON; a tile sweeps the panel."""

@@ -13,7 +13,7 @@ from ..attention.params import LOG2E
 from ..cache.paged_kv_cache import IndexPtr, Ptr
 
 # Slots of the MLA op's host parameter tensors, float_params [4] and
-# int_params [4] (Python twins in python/pagedkv/_op_contract.py).
+# int_params [4] (Python twins in python/pagedkv/_ops/contract.py).
 comptime F_MLA_SM_SCALE = 0
 comptime F_MLA_CKV_SCALE = 1
 """What a ckv element stands for per unit stored (fp8 caches; 1 otherwise)."""

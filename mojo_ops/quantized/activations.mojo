@@ -19,7 +19,7 @@ from ..work_queue import row_block, row_blocks
 from .block_formats import QK
 
 comptime NO_PROLOGUE = 0
-"""The activations as they are (pagedkv._op_contract.QLINEAR_PROLOGUES)."""
+"""The activations as they are (pagedkv._ops.contract.QLINEAR_PROLOGUES)."""
 comptime RMS_NORM = 1
 """RMSNorm: x * gamma / sqrt(mean(x^2) + eps), gamma the op's norm weight."""
 comptime SWIGLU = 2

@@ -8,7 +8,7 @@ in the "_1" formats, a min m) and 32 codes q, and element i is
     Q4_0: d * (q_i - 8)      q 4-bit        Q8_0: d * q_i   q signed 8-bit
     Q4_1: d * q_i + m        q 4-bit
 
-pagedkv repacks the blocks (`pagedkv.quantized_panels`) into panels of
+pagedkv repacks the blocks (`pagedkv._ops.quantized_panels`) into panels of
 PANEL = 16 output columns, [ceil(N / 16), panel_bytes(format, K)] bytes. A
 panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
 their scales, then (formats with a min) all their mins:
@@ -31,13 +31,13 @@ Columns past N in the last panel have zero codes and zero scales.
 comptime QK = 32
 """Inputs per quantization block."""
 comptime PANEL = 16
-"""Output columns per panel (pagedkv._op_contract.QUANT_PANEL)."""
+"""Output columns per panel (pagedkv._ops.contract.QUANT_PANEL)."""
 comptime GROUP_BYTES = 64
 """Bytes of a group of codes: 4 bytes of each of a panel's 16 columns."""
 comptime PANEL_ALIGN = 64
 """Bytes a panel's size is rounded up to, so every panel starts aligned."""
 
-# The formats, by GGML's type ids (pagedkv._op_contract.QUANT_FORMATS).
+# The formats, by GGML's type ids (pagedkv._ops.contract.QUANT_FORMATS).
 comptime Q4_0 = 2
 comptime Q4_1 = 3
 comptime Q8_0 = 8

@@ -58,7 +58,7 @@ from .block_formats import (
 )
 
 comptime NO_EPILOGUE = 0
-"""The product as computed (pagedkv._op_contract.QLINEAR_EPILOGUES)."""
+"""The product as computed (pagedkv._ops.contract.QLINEAR_EPILOGUES)."""
 comptime ADD_RESIDUAL = 1
 """The product plus residual, [M, N] float32."""
 

@@ -5,6 +5,7 @@ package validates arguments and dispatches to them, on NumPy arrays or torch
 tensors, writing caches in place.
 """
 
+from .cache.manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
 from .cascade import merge_state, merge_state_in_place, merge_states
 from .cascade_attention import (
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
@@ -22,7 +23,6 @@ from .functional import (
     init_paged_kv_cache,
     release_blocks,
 )
-from .manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
 from .mla import BatchMLAPagedAttentionWrapper
 from .nvfp4 import (
     nvfp4_kv_dequantize,

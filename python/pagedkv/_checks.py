@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from ._op_contract import KV_LAYOUTS
-from ._tensors import (
+from ._ops.contract import KV_LAYOUTS
+from ._ops.tensors import (
     Array,
     Device,
     check_array,

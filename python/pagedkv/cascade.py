@@ -13,8 +13,9 @@ import numpy as np
 from max.dtype import DType
 
 from ._checks import check_writable
-from ._kernels import Operand, OpSpec, run_op
-from ._tensors import (
+from ._ops.contract import MERGE_STATE_IN_PLACE_OP, MERGE_STATES_OP
+from ._ops.kernels import Operand, OpSpec, run_op
+from ._ops.tensors import (
     Array,
     check_array,
     contiguous,
@@ -32,7 +33,7 @@ F32 = DType.float32
 def merge_state_spec(dtype: DType) -> OpSpec:
     """v, s (written in place), v_other, s_other."""
     return OpSpec.of(
-        "pagedkv_merge_state_in_place",
+        MERGE_STATE_IN_PLACE_OP,
         [
             Operand(dtype, 3, mutable=True),
             Operand(F32, 2, mutable=True),
@@ -45,7 +46,7 @@ def merge_state_spec(dtype: DType) -> OpSpec:
 def merge_states_spec(dtype: DType) -> OpSpec:
     """out_v, out_s (written), v [N, S, H, D], s [N, S, H]."""
     return OpSpec.of(
-        "pagedkv_merge_states",
+        MERGE_STATES_OP,
         [
             Operand(dtype, 3, mutable=True),
             Operand(F32, 2, mutable=True),

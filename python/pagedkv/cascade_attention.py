@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._tensors import Array
+from ._ops.tensors import Array
 from .cascade import merge_state_in_place
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache

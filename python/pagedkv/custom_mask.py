@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._checks import INT32_MAX
-from ._op_contract import MASK_READ_PADDING
-from ._tensors import Array, new_like, to_host_numpy
+from ._ops.contract import MASK_READ_PADDING
+from ._ops.tensors import Array, new_like, to_host_numpy
 
 
 def packbits(x: Array, bitorder: str = "big") -> Array:

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import (
+from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
+from ._ops.kernels import OpSpec
+from ._ops.tensors import Array, device_of, dtype_of, new_like
+from ._plan.one_page import attention_of_nothing, one_page_kv
+from ._plan.plan import AttentionPlan, FixedWork, PageTable, attention_spec
+from ._plan.work import (
     HOPPER_BACKENDS,
     AttentionOptions,
     as_dtype,
@@ -24,11 +29,6 @@ from ._attention import (
     decode_work,
     heads_per_task,
 )
-from ._attention_plan import AttentionPlan, FixedWork, PageTable, attention_spec
-from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
-from ._kernels import OpSpec
-from ._one_page import attention_of_nothing, one_page_kv
-from ._tensors import Array, device_of, dtype_of, new_like
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, plan_kv_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper

@@ -7,7 +7,7 @@ plan() with fast_decode_plan's argument order.
 
 from __future__ import annotations
 
-from ._tensors import Array
+from ._ops.tensors import Array
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_index_array, check_writable
-from ._tensors import Array, device_of, is_contiguous, write_front
+from ._ops.tensors import Array, device_of, is_contiguous, write_front
 
 
 class FixedIndexBuffers:

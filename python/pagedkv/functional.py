@@ -25,8 +25,8 @@ import numpy as np
 
 from . import page
 from ._checks import narrow_indices
-from ._tensors import Array
-from .manager import PAD_PAGE, PagedKVCacheManager
+from ._ops.tensors import Array
+from .cache.manager import PAD_PAGE, PagedKVCacheManager
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,9 @@ import numpy as np
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, StaticDim, TensorType, TensorValue, ops
 
-from . import _attention
-from ._attention import AttentionOptions, heads_per_task
 from ._checks import layout_code
-from ._op_contract import (
+from ._ops.contract import (
+    APPEND_OP,
     ATTENTION_OP,
     DECODER_LAYER_OP,
     LINEAR_OP,
@@ -44,6 +43,8 @@ from ._op_contract import (
     attention_operands,
     mla_operands,
 )
+from ._plan import work as attention_work
+from ._plan.work import AttentionOptions, heads_per_task
 from .custom_mask import NO_MASK
 from .page import seq_lens_from_page_table
 
@@ -53,7 +54,7 @@ F32 = DType.float32
 def custom_extensions() -> list:
     """What to pass as ``Graph(..., custom_extensions=...)`` for these ops:
     pagedkv's compiled kernel package."""
-    from ._kernels import kernel_package
+    from ._ops.kernels import kernel_package
 
     return [kernel_package()]
 
@@ -62,7 +63,7 @@ def linear(x: TensorValue, weight: TensorValue, out_features: int | None = None)
     """``x @ w`` for a linear layer's weight w [K, N].
 
     On the CPU, ``weight`` is w packed by
-    :func:`pagedkv.linear_panels.pack_linear_weight`
+    :func:`pagedkv._ops.linear_panels.pack_linear_weight`
     ([ceil(N / 64), K, 64]) and the product is pagedkv's op: float32
     accumulation, one contiguous stream of the weight per core, and a
     fraction of the compile time of MAX's matmul. On a GPU, ``weight`` is w
@@ -117,7 +118,7 @@ def qlinear(
     Args:
         x: [M, K] (M symbolic; [M, 2K] with ``swiglu``), float32 or bfloat16.
         weight: w packed by
-            :func:`pagedkv.quantized_panels.pack_quantized_weight`,
+            :func:`pagedkv._ops.quantized_panels.pack_quantized_weight`,
             uint8 [ceil(N / 16), quantized_panel_bytes(fmt, K)].
         fmt: w's GGUF type ("Q4_0", "Q4_1", "Q8_0").
         out_features: N.
@@ -128,7 +129,7 @@ def qlinear(
     Returns:
         [M, N] float32.
     """
-    from .quantized_panels import quantized_panel_bytes
+    from ._ops.quantized_panels import quantized_panel_bytes
 
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"qlinear takes {', '.join(QUANT_FORMATS)} weights, not {fmt!r}")
@@ -186,7 +187,7 @@ def append_paged_kv_cache(
     the index arrays to the host).
     """
     ops.inplace_custom(
-        "pagedkv_append_paged_kv_cache",
+        APPEND_OP,
         device=paged_kv_cache.device,
         values=[
             paged_kv_cache,
@@ -274,7 +275,7 @@ def quantized_decoder_layer(
             heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True
         )
     else:
-        tile = _attention.prefill_tile(num_qo_heads // heads, False)
+        tile = attention_work.prefill_tile(num_qo_heads // heads, False)
         int_params = options.int_params(1, causal=True, max_queries=tile, kv_split=False)
     for fmt in weights.formats:
         if fmt not in QUANT_FORMATS:
@@ -397,7 +398,7 @@ def _attention_op(
 ) -> tuple[TensorValue, TensorValue]:
     device = paged_kv_cache.device
     if device != DeviceRef.CPU():
-        _attention.check_gpu_head_dim(options.head_dim)
+        attention_work.check_gpu_head_dim(options.head_dim)
     rows, heads, head_dim = q.shape
     o = ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device))
     lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
@@ -464,7 +465,7 @@ def batch_decode(
         head_dim, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
     )
     page_dim = paged_kv_cache.shape[2 if kv_layout == "NHD" else 3]
-    gpu_kernel = _attention.decode_kernel(
+    gpu_kernel = attention_work.decode_kernel(
         backend,
         paged_kv_cache.device.is_gpu(),
         kv_layout,
@@ -523,7 +524,7 @@ def batch_prefill(
         head_dim, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta
     )
     group = num_qo_heads // int(paged_kv_cache.shape[3 if kv_layout == "NHD" else 2])
-    tile = _attention.prefill_tile(group, paged_kv_cache.device.is_gpu())
+    tile = attention_work.prefill_tile(group, paged_kv_cache.device.is_gpu())
     return _attention_op(
         q,
         paged_kv_cache,
@@ -563,7 +564,7 @@ def decode_work(
     attention sums in the same order (batch-invariant results); by default
     the chunks grow or shrink to keep every core busy."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    return _attention.decode_work(
+    return attention_work.decode_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
         page_size,
         num_qo_heads,
@@ -594,7 +595,7 @@ def prefill_work(
     query tokens per item as that device's tile (`prefill_tile`) and no
     more, so a CPU plan on a GPU would leave query rows unwritten."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    items, request_items, _ = _attention.prefill_work(
+    items, request_items, _ = attention_work.prefill_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
         np.asarray(qo_indptr, np.int64),
         num_qo_heads // num_kv_heads,
@@ -639,7 +640,7 @@ def mla_attention(
     states = work_items.shape[0] if decode else 1
     partial_o = ops.buffer_create(BufferType(F32, [states, heads, ckv_dim], device=device))
     partial_lse = ops.buffer_create(BufferType(F32, [states, heads], device=device))
-    most = 1 if decode else _attention.prefill_tile(int(heads), device.is_gpu())
+    most = 1 if decode else attention_work.prefill_tile(int(heads), device.is_gpu())
     host = DeviceRef.CPU()
     ops.inplace_custom(
         MLA_OP,

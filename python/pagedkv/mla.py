@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from ._attention import AttentionOptions, as_dtype, check_backend, decode_work, prefill_work
-from ._attention_plan import F32, FP8_DTYPES, HOST_F32, HOST_INDEX, Q_DTYPES, _workspace_view
 from ._checks import (
     as_int32_index,
     check_float,
@@ -35,8 +33,7 @@ from ._checks import (
     check_output,
     host_index_copy,
 )
-from ._kernels import Operand, OpSpec, compiled_op, run_model
-from ._op_contract import (
+from ._ops.contract import (
     F_MLA_CKV_SCALE,
     F_MLA_KPE_SCALE,
     F_MLA_SM_SCALE,
@@ -53,7 +50,8 @@ from ._op_contract import (
     MLA_OP,
     mla_operands,
 )
-from ._tensors import (
+from ._ops.kernels import Operand, OpSpec, compiled_op, run_model
+from ._ops.tensors import (
     Array,
     Device,
     check_array,
@@ -68,6 +66,8 @@ from ._tensors import (
     storage_view,
     to_buffer,
 )
+from ._plan.plan import F32, FP8_DTYPES, HOST_F32, HOST_INDEX, Q_DTYPES, _workspace_view
+from ._plan.work import AttentionOptions, as_dtype, check_backend, decode_work, prefill_work
 from .fixed_buffers import FixedIndexBuffers
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]

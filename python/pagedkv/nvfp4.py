@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import layout_code, narrow_indices
-from ._tensors import Array, is_torch
+from ._ops.tensors import Array, is_torch
 
 BLOCK = 16
 """Values per e4m3 block scale."""
@@ -720,7 +720,7 @@ def is_nvfp4_kv_dtype(kv_data_type: object) -> bool:
         return False
     from max.dtype import DType
 
-    from ._attention import as_dtype
+    from ._plan.work import as_dtype
 
     try:
         return as_dtype(kv_data_type, "kv_data_type") == DType.uint8

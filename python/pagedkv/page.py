@@ -23,8 +23,17 @@ from ._checks import (
     check_rows,
     host_index_copy,
 )
-from ._kernels import Operand, OpSpec, run_op
-from ._tensors import (
+from ._ops.contract import (
+    APPEND_MLA_OP,
+    APPEND_OP,
+    BATCH_INDICES_OP,
+    CHECK_PAGE_TABLE_OP,
+    COPY_PAGES_OP,
+    GATHER_OP,
+    SEQ_LENS_OP,
+)
+from ._ops.kernels import Operand, OpSpec, run_op
+from ._ops.tensors import (
     CPU,
     Array,
     check_array,
@@ -41,12 +50,10 @@ INDEX = Operand(DType.int32, 1)
 INDEX_OUT = Operand(DType.int32, 1, mutable=True)
 HOST_INDEX = Operand(DType.int32, 1, on_host=True)
 
-SEQ_LENS = OpSpec.of("pagedkv_get_seq_lens", [INDEX_OUT, INDEX, INDEX, HOST_INDEX])
-BATCH_INDICES_POSITIONS = OpSpec.of(
-    "pagedkv_get_batch_indices_positions", [INDEX_OUT, INDEX_OUT, INDEX, INDEX]
-)
+SEQ_LENS = OpSpec.of(SEQ_LENS_OP, [INDEX_OUT, INDEX, INDEX, HOST_INDEX])
+BATCH_INDICES_POSITIONS = OpSpec.of(BATCH_INDICES_OP, [INDEX_OUT, INDEX_OUT, INDEX, INDEX])
 CHECK_PAGE_TABLE = OpSpec.of(
-    "pagedkv_check_page_table",
+    CHECK_PAGE_TABLE_OP,
     [Operand(DType.int32, 1, mutable=True, on_host=True), INDEX, INDEX, INDEX, HOST_INDEX],
 )
 
@@ -83,16 +90,14 @@ def append_spec(dtype: DType, layout: int) -> OpSpec:
     as uint8 (see storage_view)."""
     pool = Operand(storage_dtype(dtype), 5, mutable=True)
     rows = Operand(storage_dtype(dtype), 3)
-    return OpSpec.of(
-        "pagedkv_append_paged_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5], layout=layout
-    )
+    return OpSpec.of(APPEND_OP, [pool, pool, rows, rows, *[INDEX] * 5], layout=layout)
 
 
 def mla_append_spec(dtype: DType) -> OpSpec:
     """ckv_cache, kpe_cache, ckv, kpe, batch_indices, positions, page table."""
     pool = Operand(storage_dtype(dtype), 3, mutable=True)
     rows = Operand(storage_dtype(dtype), 2)
-    return OpSpec.of("pagedkv_append_paged_mla_kv_cache", [pool, pool, rows, rows, *[INDEX] * 5])
+    return OpSpec.of(APPEND_MLA_OP, [pool, pool, rows, rows, *[INDEX] * 5])
 
 
 def gather_spec(dtype: DType, layout: int) -> OpSpec:
@@ -100,7 +105,7 @@ def gather_spec(dtype: DType, layout: int) -> OpSpec:
     table, seq_indptr."""
     rows = Operand(storage_dtype(dtype), 3, mutable=True)
     pool = Operand(storage_dtype(dtype), 5)
-    return OpSpec.of("pagedkv_gather_kv", [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
+    return OpSpec.of(GATHER_OP, [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
 
 
 def seq_lens_from_page_table(
@@ -482,7 +487,7 @@ def gather_kv(
     return k, v, seq_indptr
 
 
-COPY_PAGES = OpSpec.of("pagedkv_copy_pages", [Operand(DType.uint8, 2, mutable=True), INDEX, INDEX])
+COPY_PAGES = OpSpec.of(COPY_PAGES_OP, [Operand(DType.uint8, 2, mutable=True), INDEX, INDEX])
 
 
 def copy_pages(
@@ -512,7 +517,7 @@ def copy_pages(
 
 def _byte_view(pool: Array) -> Array:
     """A contiguous pool viewed (no copy) as [num_pages, page_bytes] uint8."""
-    from ._tensors import is_torch
+    from ._ops.tensors import is_torch
 
     flat = pool.reshape(pool.shape[0], -1)
     if is_torch(flat):

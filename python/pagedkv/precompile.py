@@ -12,10 +12,10 @@ from collections.abc import Iterable
 
 from max.dtype import DType
 
-from ._attention_plan import CHECK_PAGE_TABLE
 from ._checks import KV_LAYOUTS
-from ._kernels import OpSpec, compile_stats, prepare
-from ._tensors import Device
+from ._ops.kernels import OpSpec, compile_stats, prepare
+from ._ops.tensors import Device
+from ._plan.plan import CHECK_PAGE_TABLE
 from .cascade import merge_state_spec, merge_states_spec
 from .decode import decode_spec
 from .mla import check_mla_dtypes, mla_spec

@@ -14,15 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import (
-    PREFILL_BACKENDS,
-    AttentionOptions,
-    as_dtype,
-    check_backend,
-    check_heads,
-    prefill_work,
-)
-from ._attention_plan import AttentionPlan, PageTable, attention_spec
 from ._checks import (
     INT32_MAX,
     as_int32_index,
@@ -31,9 +22,18 @@ from ._checks import (
     host_index_copy,
     layout_code,
 )
-from ._kernels import OpSpec
-from ._one_page import attention_of_nothing, one_page_kv
-from ._tensors import Array, device_of, dtype_of, new_like
+from ._ops.kernels import OpSpec
+from ._ops.tensors import Array, device_of, dtype_of, new_like
+from ._plan.one_page import attention_of_nothing, one_page_kv
+from ._plan.plan import AttentionPlan, PageTable, attention_spec
+from ._plan.work import (
+    PREFILL_BACKENDS,
+    AttentionOptions,
+    as_dtype,
+    check_backend,
+    check_heads,
+    prefill_work,
+)
 from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dtype

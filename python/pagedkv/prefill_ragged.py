@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._checks import as_int32_index, check_index_array, host_index_copy, reject_cuda_graph
-from ._tensors import Array, check_array, contiguous, new_like
+from ._ops.tensors import Array, check_array, contiguous, new_like
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 

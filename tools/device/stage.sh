@@ -52,7 +52,7 @@ install_target "$build/maxsite" "max==26.7.0" "max-core==26.7.0" "max-mojo-libs=
   msgspec taskgroup exceptiongroup
 # SmolLM2's GGUF, from this machine's pagedkv cache (fetched here if absent).
 gguf=$(python -c "from pagedkv.models import fetch_gguf; print(fetch_gguf('smollm2-135m-instruct'))")
-rel=$(python -c "import sys; from pathlib import Path; from pagedkv._cache_dir import cache_root; print(Path(sys.argv[1]).relative_to(cache_root()))" "$gguf")
+rel=$(python -c "import sys; from pathlib import Path; from pagedkv._ops.paths import cache_root; print(Path(sys.argv[1]).relative_to(cache_root()))" "$gguf")
 mkdir -p "$build/model/$(dirname "$rel")"
 cp "$gguf" "$build/model/$rel"
 

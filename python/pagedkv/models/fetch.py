@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .._cache_dir import cache_root
+from .._ops.paths import cache_root
 from .catalog import ModelSpec, model_spec
 from .errors import ModelError
 

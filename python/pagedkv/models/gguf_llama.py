@@ -4,7 +4,7 @@ GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
 transposed to [in, out] float32 (the float graphs multiply x @ W), and, for
 the quantized graphs, the GGUF's own blocks packed for pagedkv's quantized
-product (`pagedkv.quantized_panels`), bit for bit. llama.cpp's converter
+product (`pagedkv._ops.quantized_panels`), bit for bit. llama.cpp's converter
 permutes the rows of the Q and K projections so that its RoPE rotates
 interleaved pairs; the graphs rotate halves (as the original checkpoint
 does), so the permutation is undone here, on the rows of either form. A
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv._op_contract import QUANT_FORMATS, QUANT_PANEL
+from pagedkv._ops.contract import QUANT_FORMATS, QUANT_PANEL
+from pagedkv._ops.quantized_panels import QuantizedWeight, pack_quantized_weight
 from pagedkv.graphs.model import LlamaConfig
-from pagedkv.quantized_panels import QuantizedWeight, pack_quantized_weight
 
 from .errors import ModelError
 

@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv._kernels import build_kernel_package_in_background
+from pagedkv._ops.kernels import build_kernel_package_in_background
+from pagedkv.cache.manager import PagedKVCacheManager
 from pagedkv.graphs.engine import LlamaEngine
 from pagedkv.graphs.model import LlamaConfig
 from pagedkv.graphs.sampling import SamplingParams
 from pagedkv.graphs.scheduler import Request, RunStats, Scheduler
 from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
-from pagedkv.manager import PagedKVCacheManager
 
 from .catalog import DEFAULT_MODEL, model_spec
 from .errors import ModelError

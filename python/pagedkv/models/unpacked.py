@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv import quantized_panels
+from pagedkv._ops import quantized_panels
+from pagedkv._ops.quantized_panels import QuantizedWeight
 from pagedkv.graphs.model import LlamaConfig
-from pagedkv.quantized_panels import QuantizedWeight
 
 from . import gguf_llama
 from .gguf_llama import GGUFModel, read_gguf

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from .._attention import as_dtype
-from .._tensors import FP8_FORMATS, Array
+from .._ops.tensors import FP8_FORMATS, Array
+from .._plan.work import as_dtype
 
 HUGE_PAGE_BYTES = 2 << 20
 """An x86-64 (and 4 KiB-granule Arm) transparent huge page."""

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._attention import as_dtype
-from ._checks import layout_code
-from ._tensors import Array, new_like
-from .page import copy_pages
-from .runtime.huge_pages import huge_page_zeros
+from .._checks import layout_code
+from .._ops.tensors import Array, new_like
+from .._plan.work import as_dtype
+from ..page import copy_pages
+from ..runtime.huge_pages import huge_page_zeros
 
 POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 """The element types a pool may have."""

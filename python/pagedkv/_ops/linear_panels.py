@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._op_contract import LINEAR_PANEL
+from .contract import LINEAR_PANEL
 
 
 def linear_panels_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
@@ -41,7 +41,7 @@ def pack_linear_weight(weight):
     Examples
     --------
     >>> import numpy as np
-    >>> from pagedkv.linear_panels import pack_linear_weight
+    >>> from pagedkv._ops.linear_panels import pack_linear_weight
     >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)
     >>> p = pack_linear_weight(w)
     >>> p.shape

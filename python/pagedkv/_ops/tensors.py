@@ -17,7 +17,7 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import DeviceRef
 
-from ._op_contract import FP8_FORMATS
+from .contract import FP8_FORMATS
 
 Array = Any
 """A numpy.ndarray or a torch.Tensor."""
@@ -215,3 +215,10 @@ def write_front(buffer: Array, values: np.ndarray) -> Array:
     else:
         view[:] = values
     return view
+
+
+def accelerator(device: Device) -> Any:
+    """MAX's driver device for a GPU `device`."""
+    from max.driver import Accelerator
+
+    return Accelerator(device.index)

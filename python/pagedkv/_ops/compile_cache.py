@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._cache_dir import cache_root
-from ._tensors import Device
+from .paths import cache_root, mojo_ops_path
+from .tensors import Device, accelerator
 
 
 def enabled() -> bool:
@@ -47,13 +47,11 @@ def build_digest() -> str:
     """A digest of MAX's and Mojo's versions and of pagedkv's sources."""
     from importlib.metadata import version
 
-    from ._kernels import mojo_ops_path
-
     digest = hashlib.sha256()
     for dist in ("max", "mojo-compiler"):
         digest.update(f"{dist}=={version(dist)}\n".encode())
-    package = Path(__file__).resolve().parent
-    from . import graphs
+    package = Path(__file__).resolve().parents[1]
+    from .. import graphs
 
     roots = {package, mojo_ops_path(), Path(graphs.__file__).resolve().parent}
     for root in sorted(roots):
@@ -74,8 +72,6 @@ def host_digest(device: Device) -> str:
     except OSError:
         parts.append(platform.processor())
     if device.is_gpu:
-        from ._kernels import accelerator
-
         gpu = accelerator(device)
         parts += [gpu.api, gpu.architecture_name]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

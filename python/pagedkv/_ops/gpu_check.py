@@ -3,7 +3,7 @@
 MAX's virtual devices run the whole GPU compile (a `comptime assert` in a GPU
 branch fires here), so a GPU-only bug fails in CI instead of on the first GPU
 that runs the code. Needs a fresh process: the virtual device must be set
-before any device exists. Run as ``python -m pagedkv.gpu_check sm_90``
+before any device exists. Run as ``python -m pagedkv._ops.gpu_check sm_90``
 (``--no-demo`` leaves out the demo's model graphs, the slow part).
 """
 
@@ -22,9 +22,9 @@ def compile_for(arch: str, api: str = "cuda") -> int:
     driver.set_virtual_device_target_arch(arch)
     driver.set_virtual_device_count(1)
 
-    from ._kernels import prepare
-    from ._tensors import Device
-    from .precompile import op_specs
+    from ..precompile import op_specs
+    from .kernels import prepare
+    from .tensors import Device
 
     specs = op_specs(CACHE_DTYPES, DECODE_DTYPES, MLA_DTYPES)
     prepare(specs, Device("gpu"))
@@ -36,9 +36,9 @@ def compile_demo_graphs() -> None:
     (after compile_for set up the virtual device)."""
     from max.dtype import DType
 
-    from ._tensors import Device
-    from .graphs.model import LlamaConfig, init_weights
-    from .graphs.step_models import compile_step_graphs
+    from ..graphs.model import LlamaConfig, init_weights
+    from ..graphs.step_models import compile_step_graphs
+    from .tensors import Device
 
     config = LlamaConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
     compile_step_graphs(config, init_weights(config, 0), 16, DType.float32, Device("gpu"))
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
         flags = [] if demo else ["--no-demo"]
         for arch in archs:
-            result = subprocess.run([sys.executable, "-m", "pagedkv.gpu_check", arch, *flags])
+            result = subprocess.run([sys.executable, "-m", "pagedkv._ops.gpu_check", arch, *flags])
             if result.returncode:
                 return result.returncode
         return 0

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from max.dtype import DType
 
-from ._checks import layout_code
-from ._tensors import Array, check_array, contiguous, dtype_of, empty, new_like
+from .._checks import layout_code
+from .._ops.tensors import Array, check_array, contiguous, dtype_of, empty, new_like
 
 
 @dataclass(frozen=True)

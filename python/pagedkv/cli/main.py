@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .models.forms import add_weights_arguments
+from ..models.forms import add_weights_arguments
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print one JSON object per prompt, one per line, in prompt order",
     )
 
-    from .serve.cli import add_parser as add_serve_parser
+    from ..serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
 
@@ -133,16 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "generate":
-            from .generate_cli import run_generate
+            from .generate import run_generate
 
             return run_generate(args)
         if args.command == "serve":
-            from .serve.cli import run_serve
+            from ..serve.cli import run_serve
 
             return run_serve(args)
         if args.command == "bench":
             return _bench(args)
-        from .gpu_check import main as check_gpu
+        from .._ops.gpu_check import main as check_gpu
 
         return check_gpu(args.archs + (["--no-demo"] if args.no_demo else []))
     except KeyboardInterrupt:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .graphs.demo import DemoError, DemoOptions, run_demo
+    from ..graphs.demo import DemoError, DemoOptions, run_demo
 
     options = DemoOptions(
         model=args.model,
@@ -178,7 +178,7 @@ def benchmarks_dir() -> Path | None:
     """The source checkout's benchmarks/ folder, or None: the benchmarks stay
     out of the installed package, so `pagedkv bench` runs from a checkout
     (an editable install) only."""
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    folder = Path(__file__).resolve().parents[3] / "benchmarks"
     return folder if (folder / "harness" / "cli.py").is_file() else None
 
 

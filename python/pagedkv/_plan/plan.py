@@ -15,8 +15,7 @@ import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 
-from ._attention import AttentionOptions, check_gpu_head_dim
-from ._checks import (
+from .._checks import (
     CacheGeometry,
     cache_geometry,
     check_index_array,
@@ -25,9 +24,9 @@ from ._checks import (
     check_writable,
     host_index_copy,
 )
-from ._kernels import Operand, OpSpec, compiled_op, run_model
-from ._op_contract import ATTENTION_OP, ITEM_FIELDS, attention_operands
-from ._tensors import (
+from .._ops.contract import ATTENTION_OP, ITEM_FIELDS, attention_operands
+from .._ops.kernels import Operand, OpSpec, compiled_op, run_model
+from .._ops.tensors import (
     FP8_FORMATS,
     Array,
     Device,
@@ -43,8 +42,9 @@ from ._tensors import (
     to_buffer,
     write_front,
 )
-from .custom_mask import NO_MASK, CustomMaskRows
-from .page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
+from ..custom_mask import NO_MASK, CustomMaskRows
+from ..page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
+from .work import AttentionOptions, check_gpu_head_dim
 
 __all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
 

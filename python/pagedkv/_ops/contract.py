@@ -79,6 +79,33 @@ def attention_operands(**values: object) -> list:
     return [values[name] for name in ATTENTION_OPERANDS]
 
 
+APPEND_OP = "pagedkv_append_paged_kv_cache"
+"""Appending K/V rows into a paged pool, after checking every index (page_ops/append.mojo)."""
+
+APPEND_MLA_OP = "pagedkv_append_paged_mla_kv_cache"
+"""Appending MLA's latent and rope rows (page_ops/append.mojo)."""
+
+GATHER_OP = "pagedkv_gather_kv"
+"""Reading requests' K/V rows out of the pool into contiguous rows (page_ops/gather.mojo)."""
+
+COPY_PAGES_OP = "pagedkv_copy_pages"
+"""Copying whole pages within a pool or between tiers (page_ops/copy_pages.mojo)."""
+
+SEQ_LENS_OP = "pagedkv_get_seq_lens"
+"""Sequence lengths from a page table (page_ops/page_table.mojo)."""
+
+BATCH_INDICES_OP = "pagedkv_get_batch_indices_positions"
+"""Each appended row's request and position (page_ops/page_table.mojo)."""
+
+CHECK_PAGE_TABLE_OP = "pagedkv_check_page_table"
+"""Validating a page table against its pool (page_ops/page_table.mojo)."""
+
+MERGE_STATE_IN_PLACE_OP = "pagedkv_merge_state_in_place"
+"""Merging one attention state into another in place (merge/merge_states.mojo)."""
+
+MERGE_STATES_OP = "pagedkv_merge_states"
+"""Merging several attention states (merge/merge_states.mojo)."""
+
 ATTENTION_OP = "pagedkv_batch_attention"
 """The one op of batch decode and prefill (attention/batch_attention.mojo); they differ
 by their work items and int_params[INT_KV_SPLIT]."""

@@ -50,7 +50,7 @@ class _OrderedStream:
 
 def run_generate(args: argparse.Namespace) -> int:
     """The `generate` subcommand; returns the exit status."""
-    from .models import ModelError, load
+    from ..models import ModelError, load
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -61,8 +61,8 @@ from typing import Any
 
 import numpy as np
 
-from ._kernels import debug_enabled
-from ._tensors import Array
+from .._ops.kernels import debug_enabled
+from .._ops.tensors import Array
 from .eviction import EvictionPolicy
 from .kv_events import (
     MEDIUM_CPU,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from max.dtype import DType
 
-from ._checks import INT32_MAX, check_float, check_int
-from ._op_contract import (
+from .._checks import INT32_MAX, check_float, check_int
+from .._ops.contract import (
     CPU_HEAD_DIMS,
     CPU_MAX_HEAD_DIM,
     F_QK_SCALE,

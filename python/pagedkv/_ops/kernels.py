@@ -29,20 +29,9 @@ from typing import Any
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, Module, TensorType, ops
 
-from ._cache_dir import cache_root
-from ._compile_cache import load_or_compile
-from ._tensors import Array, Device, is_torch, to_buffer
-
-
-def mojo_ops_path() -> Path:
-    """The Mojo kernel package: inside the installed package, or at the top
-    of a source checkout (editable installs)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "mojo_ops", here.parents[1] / "mojo_ops"):
-        if (candidate / "__init__.mojo").is_file():
-            return candidate
-    raise RuntimeError(f"pagedkv: cannot find the mojo_ops kernel package near {here}")
-
+from .compile_cache import load_or_compile
+from .paths import cache_root, mojo_ops_path
+from .tensors import Array, Device, accelerator, is_torch, to_buffer
 
 _package_lock = threading.Lock()
 
@@ -316,12 +305,6 @@ def stream_ordered(arrays: Sequence[Array], device: Device) -> Iterator[None]:
 
 
 @functools.cache
-def accelerator(device: Device) -> Any:
-    from max.driver import Accelerator
-
-    return Accelerator(device.index)
-
-
 @functools.cache
 def max_stream(device: Device) -> Any:
     """MAX's stream on a GPU, as a torch stream (to order work against)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._op_contract import QUANT_FORMATS, QUANT_PANEL
+from .contract import QUANT_FORMATS, QUANT_PANEL
 
 QK = 32
 """Inputs per quantization block."""
@@ -116,7 +116,7 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
     --------
     >>> import numpy as np
     >>> from gguf import GGMLQuantizationType, quants
-    >>> from pagedkv.quantized_panels import pack_quantized_weight
+    >>> from pagedkv._ops.quantized_panels import pack_quantized_weight
     >>> w = np.random.default_rng(0).standard_normal((20, 64)).astype(np.float32)
     >>> raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
     >>> packed = pack_quantized_weight(raw, "Q4_1", 20, 64)
