@@ -270,3 +270,43 @@ def test_flashinfer_compat_serves_import_flashinfer():
     assert flashinfer.nvfp4_quantize_append_paged_kv_cache is (
         pagedkv.nvfp4_quantize_append_paged_kv_cache
     )
+
+
+FLASHINFER_PAGED_PREFILL_PLAN = (
+    "qo_indptr paged_kv_indptr paged_kv_indices paged_kv_last_page_len num_qo_heads "
+    "num_kv_heads head_dim_qk page_size head_dim_vo custom_mask packed_custom_mask causal "
+    "pos_encoding_mode use_fp16_qk_reduction sm_scale window_left logits_soft_cap rope_scale "
+    "rope_theta q_data_type kv_data_type o_data_type non_blocking prefix_len_ptr "
+    "token_pos_in_items_ptr token_pos_in_items_len max_item_len_ptr seq_lens seq_lens_q "
+    "block_tables max_token_per_sequence max_sequence_kv fixed_split_size disable_split_kv"
+).split()
+"""BatchPrefillWithPagedKVCacheWrapper.plan's parameters in FlashInfer 0.6.17's
+order (flashinfer/prefill.py), so that positional calls land where they do there."""
+
+
+def test_paged_prefill_plan_takes_flashinfers_positional_order():
+    import inspect
+
+    params = list(inspect.signature(pagedkv.BatchPrefillWithPagedKVCacheWrapper.plan).parameters)
+    assert params[1:] == FLASHINFER_PAGED_PREFILL_PLAN
+
+
+def test_trtllm_gen_plan_arguments_are_refused_before_planning():
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    indptr = np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match="block_tables belong to FlashInfer's trtllm-gen"):
+        w.plan(indptr, indptr, np.array([0], np.int32), np.array([1], np.int32), 4, 4, 64, 16,
+               block_tables=np.zeros((1, 1), np.int32))  # fmt: skip
+    assert w._planned is None
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [pagedkv.BatchPrefillWithPagedKVCacheWrapper, pagedkv.BatchPrefillWithRaggedKVCacheWrapper],
+)
+def test_deprecated_forward_is_not_causal_by_default(wrapper):
+    """FlashInfer's deprecated forward() defaults causal to False (run()
+    takes the planned mask; forward() takes it with the call)."""
+    import inspect
+
+    assert inspect.signature(wrapper.forward).parameters["causal"].default is False

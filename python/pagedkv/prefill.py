@@ -138,12 +138,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
         kv_data_type: object = None,
         o_data_type: object = None,
         non_blocking: bool = True,
-        fixed_split_size: int | None = None,
-        disable_split_kv: bool = False,
         prefix_len_ptr: Array | None = None,
         token_pos_in_items_ptr: Array | None = None,
         token_pos_in_items_len: int = 0,
         max_item_len_ptr: Array | None = None,
+        seq_lens: Array | None = None,
+        seq_lens_q: Array | None = None,
+        block_tables: Array | None = None,
+        max_token_per_sequence: int | None = None,
+        max_sequence_kv: int | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
     ) -> None:
         """Prepares the batch: qo_indptr [B + 1] (request b's queries are rows
         qo_indptr[b]:qo_indptr[b + 1] of q) and the CSR page table of the
@@ -161,7 +166,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         runs as the custom mask it stands for (pagedkv.custom_mask.multi_item_mask).
         o_data_type must be None or q_data_type; non_blocking,
         fixed_split_size and disable_split_kv are accepted and change nothing
-        (prefill work is tiled by queries, never split by keys).
+        (prefill work is tiled by queries, never split by keys). The
+        parameters are in FlashInfer's order, so positional calls agree.
+        seq_lens, seq_lens_q, block_tables, max_token_per_sequence and
+        max_sequence_kv belong to FlashInfer's trtllm-gen backend; given, they
+        raise ValueError (this wrapper plans from the CSR page table).
 
         Example
         -------
@@ -169,6 +178,19 @@ class BatchPrefillWithPagedKVCacheWrapper:
         ...        causal=True, q_data_type=torch.float16)
         """
         del non_blocking, fixed_split_size, disable_split_kv, max_item_len_ptr
+        trtllm = dict(
+            seq_lens=seq_lens,
+            seq_lens_q=seq_lens_q,
+            block_tables=block_tables,
+            max_token_per_sequence=max_token_per_sequence,
+            max_sequence_kv=max_sequence_kv,
+        )
+        given = [name for name, value in trtllm.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"plan(): {', '.join(given)} belong to FlashInfer's trtllm-gen backend; "
+                "pagedkv plans from paged_kv_indptr, paged_kv_indices and paged_kv_last_page_len"
+            )
         multi_item = prefix_len_ptr is not None or token_pos_in_items_ptr is not None
         if multi_item and (custom_mask is not None or packed_custom_mask is not None):
             raise ValueError("multi-item scoring and a custom mask are exclusive")
@@ -344,7 +366,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self,
         q: Array,
         paged_kv_cache: Array | Sequence[Array],
-        causal: bool = True,
+        causal: bool = False,
         pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False,
         k_scale: float | None = None,

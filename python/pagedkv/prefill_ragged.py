@@ -210,7 +210,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         q: Array,
         k: Array,
         v: Array,
-        causal: bool = True,
+        causal: bool = False,
         pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False,
         window_left: int = -1,
