@@ -80,3 +80,24 @@ def test_index_helpers_reject_bad_input():
         pagedkv.get_batch_indices_positions(indptr, lens, 2)
     with pytest.raises(ValueError, match="appends 2 tokens but seq_lens"):
         pagedkv.get_batch_indices_positions(np.array([0, 1, 3], np.int32), lens, 3)
+
+
+def test_batch_indices_positions_fill_given_buffers():
+    """FlashInfer's pre-allocated outputs: written in place and returned;
+    wrong ones refused before anything is written."""
+    append_indptr = np.array([0, 1, 3, 6, 10], np.int32)
+    seq_lens = np.array([5, 5, 5, 5], np.int32)
+    b_out, p_out = np.full(10, -1, np.int32), np.full(10, -1, np.int32)
+    b, p = pagedkv.get_batch_indices_positions(append_indptr, seq_lens, 10, b_out, p_out)
+    assert b is b_out and p is p_out
+    np.testing.assert_array_equal(b_out, [0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    np.testing.assert_array_equal(p_out, [4, 3, 4, 2, 3, 4, 1, 2, 3, 4])
+    keep = np.full(10, -1, np.int32)
+    for bad, match in [
+        (np.zeros(10, np.int64), "int32"),
+        (np.zeros(9, np.int32), r"\[10\]"),
+        (np.zeros(20, np.int32)[::2], "contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            pagedkv.get_batch_indices_positions(append_indptr, seq_lens, 10, bad, keep)
+        assert (keep == -1).all()

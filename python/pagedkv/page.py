@@ -21,6 +21,7 @@ from ._checks import (
     check_int,
     check_page_table_arrays,
     check_rows,
+    check_writable,
     host_index_copy,
 )
 from ._ops.contract import (
@@ -41,6 +42,7 @@ from ._ops.tensors import (
     device_of,
     dtype_of,
     empty,
+    is_contiguous,
     new_like,
     storage_dtype,
     storage_view,
@@ -169,7 +171,11 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
 
 
 def get_batch_indices_positions(
-    append_indptr: Array, seq_lens: Array, nnz: int
+    append_indptr: Array,
+    seq_lens: Array,
+    nnz: int,
+    batch_indices: Array | None = None,
+    positions: Array | None = None,
 ) -> tuple[Array, Array]:
     """The request and position of each appended token: two ``[nnz]`` int32 arrays.
 
@@ -178,7 +184,9 @@ def get_batch_indices_positions(
     (j - append_indptr[b])``; ``seq_lens`` are lengths after the append.
 
     append_indptr: [B + 1], seq_lens: [B], int32 (or narrowed to it, as in
-    :func:`get_seq_lens`).
+    :func:`get_seq_lens`). batch_indices, positions: optional contiguous,
+    writable int32 [nnz] outputs on seq_lens' device, written in place and
+    returned (FlashInfer's pre-allocated buffers); new arrays otherwise.
     """
     append_indptr = as_int32_index("append_indptr", append_indptr)
     seq_lens = as_int32_index("seq_lens", seq_lens)
@@ -187,8 +195,22 @@ def get_batch_indices_positions(
     device = device_of(seq_lens)
     check_device("append_indptr", append_indptr, device)
     nnz = check_int("nnz", nnz, 0)
-    batch_indices = empty(seq_lens, (nnz,), DType.int32)
-    positions = empty(seq_lens, (nnz,), DType.int32)
+    outputs = []
+    for name, given in (("batch_indices", batch_indices), ("positions", positions)):
+        if given is None:
+            outputs.append(empty(seq_lens, (nnz,), DType.int32))
+            continue
+        check_array(name, given)
+        if dtype_of(given) != DType.int32 or tuple(given.shape) != (nnz,):
+            raise ValueError(
+                f"{name} must be int32 [{nnz}], got {dtype_of(given)} {tuple(given.shape)}"
+            )
+        check_device(name, given, device)
+        check_writable(name, given)
+        if not is_contiguous(given):
+            raise ValueError(f"{name} must be contiguous: it is written in place")
+        outputs.append(given)
+    batch_indices, positions = outputs
     run_op(
         BATCH_INDICES_POSITIONS,
         [batch_indices, positions, contiguous(append_indptr), contiguous(seq_lens)],
