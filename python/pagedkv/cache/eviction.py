@@ -3,7 +3,7 @@ reclaims first.
 
 A policy only orders the *evictable* pages: full pages with a prefix hash that
 no request owns and that are not pinned. The page pool
-(:class:`pagedkv.page_pool.PagePool`) tells it when a page enters that set
+(:class:`pagedkv.cache.page_pool.PagePool`) tells it when a page enters that set
 (:meth:`EvictionPolicy.insert`), leaves it because a prompt reused it
 (:meth:`EvictionPolicy.remove`), is read by a prefix hit while owned
 (:meth:`EvictionPolicy.touch`), and loses its hash for good

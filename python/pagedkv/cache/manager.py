@@ -8,9 +8,9 @@ layer's pool, so one page table serves the whole model.
 The manager is the top of three layers (as vLLM's ``KVCacheManager`` sits on
 its ``BlockPool``):
 
-- :class:`pagedkv.page_pool.PagePool`: page ids, refcounts, the free and
+- :class:`pagedkv.cache.page_pool.PagePool`: page ids, refcounts, the free and
   evictable lists, the prefix-hash table, pins and KV events; no tensors.
-- :class:`pagedkv.page_tensors.PageTensors`: every layer's pool and the
+- :class:`pagedkv.cache.page_tensors.PageTensors`: every layer's pool and the
   copy-on-write page copies.
 - :class:`PagedKVCacheManager` (here): the requests: their page tables,
   prefix hashes and reservations, and the batch metadata.
@@ -31,9 +31,9 @@ full page whose token ids are known is keyed by a chained hash (its parent
 page's key and its own ids); add() reuses the cached pages a prompt starts
 with, and a page no request owns keeps its key until an allocation evicts it
 (by default least recently released first, a prompt's tail before its head;
-see pagedkv.eviction) unless pin() keeps it. A salt given to add() enters the
+see pagedkv.cache.eviction) unless pin() keeps it. A salt given to add() enters the
 first page's key, so tenants never share pages; subscribe() reports cached and
-evicted pages as vLLM's KV events (pagedkv.kv_events). Forks: a
+evicted pages as vLLM's KV events (pagedkv.cache.kv_events). Forks: a
 child shares all its parent's pages; reserve() copies a shared, partially
 filled last page (pagedkv.copy_pages, every layer) before the first write
 into it. Writes only ever go to a request's partial last page or new pages.
@@ -381,7 +381,7 @@ class PagedKVCacheManager:
     eviction : str or EvictionPolicy or sequence of EvictionPolicy
         Which cached page an allocation reclaims first: "lru" (least
         recently released, the default), "lfu" (fewest prefix hits, then
-        least recently released) or an :class:`pagedkv.eviction.EvictionPolicy`
+        least recently released) or an :class:`pagedkv.cache.eviction.EvictionPolicy`
         (one per layer group).
     max_pinned_pages : int, optional
         The most pages pin() may hold in each group (default num_pages // 2).
@@ -998,7 +998,7 @@ class PagedKVCacheManager:
         return unpinned * size
 
     def subscribe(self, callback: Callable[[KVCacheEvent], None]) -> Callable[[], None]:
-        """Calls callback(event) with every KV event (pagedkv.kv_events:
+        """Calls callback(event) with every KV event (pagedkv.cache.kv_events:
         BlockStored, BlockRemoved, AllBlocksCleared in vLLM's schema) from now
         on; returns a function that unsubscribes it.
 

@@ -6,8 +6,8 @@ of each page, keeps the free list, the evictable pages (cached, unowned) in
 an eviction policy's order, the hash table of the prefix cache (page key ->
 page and back), the pins, and queues the KV events its changes cause. It
 knows nothing of requests or of the tensors a page id names: the request
-bookkeeping is :class:`pagedkv.manager.PagedKVCacheManager`'s, the layer
-pools and page copies are :class:`pagedkv.page_tensors.PageTensors`'.
+bookkeeping is :class:`pagedkv.cache.manager.PagedKVCacheManager`'s, the layer
+pools and page copies are :class:`pagedkv.cache.page_tensors.PageTensors`'.
 
 Every method either raises before changing anything or cannot fail; a caller
 composes all-or-nothing operations by checking (:meth:`PagePool.ensure_room`,
@@ -122,7 +122,7 @@ class PagePool:
         ``block_size`` of the events.
     eviction : str or EvictionPolicy
         The order in which :meth:`claim` reclaims evictable pages: "lru",
-        "lfu" or a :class:`pagedkv.eviction.EvictionPolicy` (see there).
+        "lfu" or a :class:`pagedkv.cache.eviction.EvictionPolicy` (see there).
     max_pinned_pages : int, optional
         The most pages :meth:`pin` may hold (default ``num_pages // 2``).
     medium : str
@@ -156,7 +156,7 @@ class PagePool:
 
     NOTE: events are queued as changes happen and delivered by
     :meth:`flush_events`, which the caller runs once its operation has
-    committed (see pagedkv.kv_events).
+    committed (see pagedkv.cache.kv_events).
 
     The attributes are public for reading (the manager's hot paths index
     ``refcount`` directly); only the methods change them.

@@ -4,7 +4,7 @@
 it allocates every layer's pool (host pools on 2 MiB pages through
 ``pagedkv.runtime.huge_page_zeros``, torch tensors on a GPU) and launches
 ``pagedkv.copy_pages`` on all of them for copy-on-write. Which page ids are
-free, shared or cached is :class:`pagedkv.page_pool.PagePool`'s business.
+free, shared or cached is :class:`pagedkv.cache.page_pool.PagePool`'s business.
 """
 
 from __future__ import annotations
