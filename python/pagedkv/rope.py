@@ -602,26 +602,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
     dtype = _fp8_dtype(quantize_dtype, (first, q_rope_out, q_nope_out))
     if first.dtype != dtype or second.dtype != dtype:
         raise ValueError(f"the paged cache must be {dtype}")
-    nnz = q_rope.shape[0]
-    batch = torch.as_tensor(batch_indices, device="cpu").long()
-    pos = torch.as_tensor(positions, device="cpu").long()
-    indptr = torch.as_tensor(kv_indptr, device="cpu").long()
-    indices = torch.as_tensor(kv_indices, device="cpu").long()
-    if batch.shape != (nnz,) or pos.shape != (nnz,):
-        raise ValueError(f"batch_indices and positions must be [{nnz}]")
-    # batch_indices -1 marks a padding row (get_batch_indices_positions past
-    # the last real token, a captured step's spare rows): it is not written.
-    real = batch >= 0
-    b, p = batch[real], pos[real]
-    if bool((batch < -1).any()) or bool((b >= indptr.numel() - 1).any()):
-        raise ValueError("batch_indices must name requests of kv_indptr (or be -1: padding)")
-    slot_in_table = indptr[b] + p // page_size
-    if bool((p < 0).any()) or bool((slot_in_table >= indptr[b + 1]).any()):
-        raise ValueError("a position lies past its request's pages in kv_indptr")
-    pages = indices[slot_in_table]
-    if bool((pages < 0).any()) or bool((pages >= first.shape[0]).any()):
-        raise ValueError(f"kv_indices must name pages of the cache [0, {first.shape[0]})")
-    slots = p % page_size
+    real, pages, slots = _append_slots(
+        q_rope.shape[0], batch_indices, positions, kv_indptr, kv_indices, page_size,
+        first.shape[0],
+    )  # fmt: skip
     k_nope_shape = (*k_rope.shape[:-1], 0)
     q_r, k_r, q_n, k_n = rope_quantize_fp8(
         q_rope, k_rope, q_nope, k_nope if k_nope is not None else k_rope.new_empty(k_nope_shape),
@@ -643,3 +627,28 @@ def rope_quantize_fp8_append_paged_kv_cache(
         first[pages, :, slots] = keys
         second[pages, :, slots] = values
     return q_r, q_n
+
+
+def _append_slots(nnz, batch_indices, positions, kv_indptr, kv_indices, page_size, num_pages):
+    """(real rows [nnz] bool, their pages, their slots) of a paged append,
+    every index checked; batch_indices -1 marks a padding row (from
+    get_batch_indices_positions past the last real token, or a captured
+    step's spare rows), which is not written."""
+    torch = _torch()
+    batch = torch.as_tensor(batch_indices, device="cpu").long()
+    pos = torch.as_tensor(positions, device="cpu").long()
+    indptr = torch.as_tensor(kv_indptr, device="cpu").long()
+    indices = torch.as_tensor(kv_indices, device="cpu").long()
+    if batch.shape != (nnz,) or pos.shape != (nnz,):
+        raise ValueError(f"batch_indices and positions must be [{nnz}]")
+    real = batch >= 0
+    b, p = batch[real], pos[real]
+    if bool((batch < -1).any()) or bool((b >= indptr.numel() - 1).any()):
+        raise ValueError("batch_indices must name requests of kv_indptr (or be -1: padding)")
+    slot_in_table = indptr[b] + p // page_size
+    if bool((p < 0).any()) or bool((slot_in_table >= indptr[b + 1]).any()):
+        raise ValueError("a position lies past its request's pages in kv_indptr")
+    pages = indices[slot_in_table]
+    if bool((pages < 0).any()) or bool((pages >= num_pages).any()):
+        raise ValueError(f"kv_indices must name pages of the cache [0, {num_pages})")
+    return real, pages, p % page_size

@@ -1,0 +1,392 @@
+"""The two generation endpoints, /v1/chat/completions and /v1/completions:
+a request checked against the served model and the limits, turned into one
+engine request per prompt, and its events turned back into OpenAI's
+response, streamed (server-sent events) or whole.
+
+A client that goes away (a closed stream, or a dropped connection while a
+non-streamed answer is computed) cancels its engine requests, which frees
+their pages at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
+
+from .choices import Choices
+from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
+from .limits import ServeLimits, StreamSlots
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.5
+"""How often a non-streamed request checks whether its client is still there."""
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str, param=None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.headers = headers
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What one API request asks of each of its engine requests beyond the
+    prompt: how to choose tokens, which logprobs to report, and the
+    completions endpoint's echo."""
+
+    sampling: SamplingParams
+    adjustments: LogitAdjustments
+    logprobs: int | None
+    """Top logprobs per generated token (None: no logprobs)."""
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    completion: bool = True
+    """False: max_tokens 0 with echo, the one generated token is dropped."""
+
+
+class Completions:
+    """The generation endpoints over a started `ServingEngine`.
+
+    Parameters
+    ----------
+    engine : ServingEngine
+        Started; requests are submitted to it and cancelled.
+    model_name : str
+        The one model requests must name.
+    limits : ServeLimits
+        Per-request limits.
+    reject : callable(status, message, kind, **kw) -> ApiError
+        Makes (and counts) a refusal.
+    """
+
+    def __init__(self, engine, model_name: str, limits: ServeLimits, reject) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = limits
+        self.slots = StreamSlots(limits.max_streams_per_key)
+        self.reject = reject
+
+    def check(self, body, chat: bool) -> Asked:
+        if body.model != self.model_name:
+            raise self.reject(
+                404,
+                f"The model `{body.model}` does not exist (this server serves `{self.model_name}`)",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        name = body.unsupported()
+        if name is not None:
+            raise self.reject(
+                400, f"{name} is not supported by pagedkv", "invalid_request_error", param=name
+            )
+        vocab = self.engine.llm.config.vocab_size
+        bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
+        if any(not 0 <= token < vocab for token, _ in bias):
+            raise self.reject(
+                400,
+                f"logit_bias keys must be token ids in [0, {vocab})",
+                "invalid_request_error",
+                param="logit_bias",
+            )
+        adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
+        sampling = SamplingParams(body.temperature, body.top_p, body.seed)
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise self.reject(
+                    400,
+                    "top_logprobs needs logprobs: true",
+                    "invalid_request_error",
+                    param="top_logprobs",
+                )
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            return Asked(sampling, adjustments, top)
+        if body.max_tokens == 0 and not body.echo:
+            raise self.reject(
+                400,
+                "max_tokens may be 0 only with echo",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+        prompt_top = body.logprobs if body.echo else None
+        completion = body.max_tokens != 0
+        return Asked(sampling, adjustments, body.logprobs, body.echo, prompt_top, completion)
+
+    def submit_all(
+        self, prompts: list[list[int]], max_tokens, body, asked, queue, loop
+    ) -> list[str]:
+        """Submits one engine request per prompt; returns their ids."""
+        ids = []
+        try:
+            for p, prompt in enumerate(prompts):
+                room = self.engine.context - len(prompt)
+                limit = max_tokens if max_tokens is not None else max(1, room)
+                limit = max(limit, 1)  # max_tokens 0 (echo): one token, dropped
+                rid = f"{uuid.uuid4().hex}"
+                req = GenerationRequest(
+                    rid,
+                    tuple(prompt),
+                    limit,
+                    body.n,
+                    asked.sampling,
+                    tuple(body.stop),
+                    body.ignore_eos,
+                    priority=body.priority,
+                    logprobs=asked.logprobs,
+                    prompt_logprobs=asked.prompt_logprobs,
+                    adjustments=asked.adjustments,
+                )
+
+                def sink(event, p=p):
+                    loop.call_soon_threadsafe(queue.put_nowait, (p, event))
+
+                self.engine.submit(req, sink)
+                ids.append(rid)
+        except (RequestError, QueueFullError, RuntimeError) as e:
+            for rid in ids:
+                self.engine.cancel(rid)
+            if isinstance(e, RequestError):
+                raise self.reject(400, str(e), "invalid_request_error", param="messages") from None
+            raise self.reject(
+                503,
+                f"the server is busy: {e}",
+                "server_overloaded" if isinstance(e, QueueFullError) else "server_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        return ids
+
+    async def events(self, request: Request, queue: asyncio.Queue, ids: list[str], watch: bool):
+        """Yields (prompt index, event) until every request is Done; cancels
+        the rest when the consumer stops early or the client goes away."""
+        remaining = len(ids)
+        try:
+            while remaining:
+                if watch:
+                    try:
+                        p, event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                else:
+                    p, event = await queue.get()
+                if isinstance(event, Failed):
+                    raise ApiError(500, event.message, "server_error")
+                if isinstance(event, Done):
+                    remaining -= 1
+                yield p, event
+        finally:
+            if remaining:
+                for rid in ids:
+                    self.engine.cancel(rid)
+
+    async def serve(
+        self, request: Request, body, prompts: list[list[int]], max_tokens, chat: bool, texts=None
+    ):
+        """Submits the prompts, then streams or gathers their choices;
+        `texts`: the prompts as echo returns them (default: decoded)."""
+        asked = self.check(body, chat)
+        max_tokens = self.within_limits(prompts, max_tokens, chat)
+        key = request.headers.get("authorization") or (
+            request.client.host if request.client else ""
+        )
+        release = self.slots.take(key)
+        if release is None:
+            raise self.reject(
+                429,
+                f"{self.limits.max_streams_per_key} requests of this key are in flight already",
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        handed_off = False
+        try:
+            response = await self.answer(
+                request, body, prompts, max_tokens, chat, texts, asked, release
+            )
+            handed_off = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not handed_off:
+                release()
+
+    def within_limits(self, prompts: list[list[int]], max_tokens, chat: bool):
+        """max_tokens as the limits allow it (400 beyond them)."""
+        if self.limits.max_prompt_tokens is not None:
+            longest = max(len(p) for p in prompts)
+            if longest > self.limits.max_prompt_tokens:
+                raise self.reject(
+                    400,
+                    f"the prompt has {longest} tokens; this server takes at most "
+                    f"{self.limits.max_prompt_tokens}",
+                    "invalid_request_error",
+                    param="messages" if chat else "prompt",
+                )
+        if self.limits.max_tokens is None:
+            return max_tokens
+        if max_tokens is None:
+            return self.limits.max_tokens
+        if max_tokens > self.limits.max_tokens:
+            raise self.reject(
+                400,
+                f"max_tokens is {max_tokens}; this server generates at most "
+                f"{self.limits.max_tokens}",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    async def answer(self, request, body, prompts, max_tokens, chat, texts, asked, release):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = self.submit_all(prompts, max_tokens, body, asked, queue, loop)
+        prefix = "chatcmpl" if chat else "cmpl"
+        response_id = f"{prefix}-{ids[0]}"
+        common = {"id": response_id, "created": int(time.time()), "model": self.model_name}
+        tokenizer = self.engine.tokenizer
+        texts = texts or [tokenizer.decode(p) if asked.echo else "" for p in prompts]
+        choices = Choices(
+            chat,
+            body.n,
+            list(zip(texts, prompts, strict=True)),
+            asked.logprobs is not None,
+            asked.echo,
+            asked.completion,
+            lambda token: tokenizer.decode([token]),
+        )
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _stream(
+                self.events(request, queue, ids, False),
+                common,
+                choices,
+                chat,
+                include_usage,
+                release,
+            )
+            return StreamingResponse(
+                stream, media_type="text/event-stream", background=BackgroundTask(release)
+            )
+        usage = [0, 0, 0]
+        async for p, event in self.events(request, queue, ids, True):
+            if isinstance(event, Done):
+                usage = _add(usage, _counts(event, asked.completion))
+            else:
+                choices.on_event(p, event)
+        return {
+            **common,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": choices.answers(),
+            "usage": _usage(*usage),
+        }
+
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            for m in messages:
+                m["role"] = "system" if m["role"] == "developer" else m["role"]
+            prompt = self.engine.tokenizer.encode(self.engine.tokenizer.render_chat(messages))
+        except ValueError as e:
+            raise self.reject(400, str(e), "invalid_request_error", param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await self.serve(request, body, [prompt], max_tokens, chat=True)
+
+    async def completions(self, request: Request, body: CompletionRequest):
+        texts = None
+        try:
+            if isinstance(body.prompt, str):
+                texts = [body.prompt]
+            elif not all(isinstance(x, int) for x in body.prompt):
+                texts = list(body.prompt)
+            prompts = [self.engine.tokenizer.encode(t) for t in texts] if texts else []
+        except ValueError as e:
+            raise self.reject(400, str(e), "invalid_request_error", param="prompt") from None
+        if texts is None:
+            vocab = self.engine.llm.config.vocab_size
+            if any(not 0 <= x < vocab for x in body.prompt):
+                raise self.reject(
+                    400,
+                    f"token ids must be in [0, {vocab})",
+                    "invalid_request_error",
+                    param="prompt",
+                )
+            prompts = [list(body.prompt)]
+        if any(not p for p in prompts):
+            raise self.reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await self.serve(request, body, prompts, max_tokens, chat=False, texts=texts)
+
+
+def _add(usage: list[int], counts: tuple[int, int, int]) -> list[int]:
+    return [a + b for a, b in zip(usage, counts, strict=True)]
+
+
+def _counts(done: Done, completion: bool) -> tuple[int, int, int]:
+    """The usage of one engine request; `completion` False: its one
+    generated token was dropped (max_tokens 0 with echo)."""
+    completion = done.completion_tokens if completion else 0
+    return done.prompt_tokens, completion, done.cached_tokens
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _stream(
+    events: AsyncIterator,
+    common: dict,
+    choices: Choices,
+    chat: bool,
+    include_usage: bool,
+    release: Callable[[], None],
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+    Chat: each choice's first chunk carries the assistant role; its last one
+    an empty delta with finish_reason. Completions with echo: each choice's
+    first chunk carries the prompt. With stream_options.include_usage a last
+    chunk with no choices carries the usage.
+    """
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    usage = [0, 0, 0]
+
+    def chunk(objects: list, **extra) -> str:
+        return f"data: {json.dumps({**common, 'object': kind, 'choices': objects, **extra})}\n\n"
+
+    try:
+        async for p, event in events:
+            if isinstance(event, Done):
+                usage = _add(usage, _counts(event, choices.completion))
+                continue
+            for obj in choices.on_event(p, event):
+                yield chunk([obj])
+    except ApiError as e:
+        # Headers are gone: the error travels as an event, as OpenAI's does.
+        yield f"data: {json.dumps(error_body(str(e), e.kind))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        # A client gone mid-stream closes this generator: cancel at once.
+        release()
+        await events.aclose()
+    if include_usage:
+        yield chunk([], usage=_usage(*usage))
+    yield "data: [DONE]\n\n"
