@@ -145,12 +145,13 @@ struct DecoderLayer:
             )
         check_weight("wqkv", wqkv, qkv_format, qkv_width, hidden)
         check_weight("wo", wo, wo_format, hidden, q_width)
-        check_weight("w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden)
+        check_weight(
+            "w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden
+        )
         check_weight("w_down", w_down, down_format, hidden, ffn_size)
-        if (
-            rope_sin.dim_size(0) != rope_cos.dim_size(0)
-            or rope_sin.dim_size(1) != rope_cos.dim_size(1)
-        ):
+        if rope_sin.dim_size(0) != rope_cos.dim_size(0) or rope_sin.dim_size(
+            1
+        ) != rope_cos.dim_size(1):
             raise Error("pagedkv: the decoder layer's cos and sin differ")
         check_append[target](
             cache,
@@ -234,7 +235,9 @@ struct DecoderLayer:
                 partial_lse,
                 kv_split,
             )
-            var attention = AttentionPhases[DType.float32, cache.dtype, cache.layout](
+            var attention = AttentionPhases[
+                DType.float32, cache.dtype, cache.layout
+            ](
                 cache,
                 q,
                 o,

@@ -232,10 +232,9 @@ struct RopeAppend:
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         )
         var nnz = batch_indices.dim_size(0)
-        if (
-            rope_sin.dim_size(0) != rope_cos.dim_size(0)
-            or rope_sin.dim_size(1) != rope_cos.dim_size(1)
-        ):
+        if rope_sin.dim_size(0) != rope_cos.dim_size(0) or rope_sin.dim_size(
+            1
+        ) != rope_cos.dim_size(1):
             raise Error("pagedkv: rope_append's cos and sin differ in shape")
         check_append[target](
             cache,
@@ -259,7 +258,9 @@ struct RopeAppend:
             nnz,
         )
         comptime if target == "cpu":
-            var rows = RopeAppendRows[qkv.dtype, k_cache.dtype, KVLayout(layout)](
+            var rows = RopeAppendRows[
+                qkv.dtype, k_cache.dtype, KVLayout(layout)
+            ](
                 cache,
                 ptr_of(qkv),
                 ptr_of(q_out),

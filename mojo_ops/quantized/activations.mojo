@@ -56,9 +56,11 @@ def quantize_row[
         else:
             v = load_f32[dtype, QK](x, b * QK)
             comptime if prologue == RMS_NORM:
-                v = v * scale * gamma.unsafe_offset(b * QK).unsafe_load[
-                    width=QK
-                ]()
+                v = (
+                    v
+                    * scale
+                    * gamma.unsafe_offset(b * QK).unsafe_load[width=QK]()
+                )
         var amax = abs(v).reduce_max()
         var inverse = Float32(127) / amax if amax > 0 else Float32(0)
         var codes = llvm_intrinsic["llvm.roundeven", SIMD[F32, QK]](

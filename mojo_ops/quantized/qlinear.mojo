@@ -368,9 +368,7 @@ struct QLinear:
             raise Error("pagedkv: pagedkv_qlinear runs on the CPU")
         var m_dim = x.dim_size(0)
         var n_dim = y.dim_size(1)
-        var k_dim = x.dim_size(1) // 2 if prologue == SWIGLU else x.dim_size(
-            1
-        )
+        var k_dim = x.dim_size(1) // 2 if prologue == SWIGLU else x.dim_size(1)
         var panels = (n_dim + PANEL - 1) // PANEL
         if (
             y.dim_size(0) != m_dim
@@ -390,7 +388,9 @@ struct QLinear:
             raise Error("pagedkv: qlinear's residual is not [M, N]")
         if m_dim == 0 or n_dim == 0:
             return
-        var eps = ptr_of(params)[unsafe_offset=0] if prologue == RMS_NORM else Float32(0)
+        var eps = ptr_of(params)[
+            unsafe_offset=0
+        ] if prologue == RMS_NORM else Float32(0)
         comptime if target == "cpu":
             qlinear_cpu[format, prologue, epilogue, x.dtype](
                 ptr_of(x),

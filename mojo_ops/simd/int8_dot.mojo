@@ -91,13 +91,9 @@ def dot_u8s8(acc: Acc, a: Bytes, b: SBytes) -> Acc:
     Exact for every a where VNNI is true; elsewhere for a < 128 and b in
     [-127, 127] (see the module docstring)."""
     comptime if VNNI_512:
-        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", Acc](
-            acc, a, b
-        )
+        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", Acc](acc, a, b)
     elif VNNI_256:
-        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.256", Acc](
-            acc, a, b
-        )
+        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.256", Acc](acc, a, b)
     elif MADDUBS:
         return acc + _madd_ones(_maddubs(a, b))
     elif SDOT:
@@ -127,9 +123,7 @@ def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
 
 
 @always_inline
-def _widened_dot(
-    a: SIMD[I32, BYTES], b: SIMD[I32, BYTES]
-) -> Acc:
+def _widened_dot(a: SIMD[I32, BYTES], b: SIMD[I32, BYTES]) -> Acc:
     """The portable form: products in int32 lanes, summed by fours."""
     var p = a * b
     var out = Acc(0)

@@ -53,7 +53,9 @@ struct AttentionPhases[q_dtype: DType, kv_dtype: DType, layout: KVLayout](
         # vector loops over head_dim run at run time.
         if cache.head_dim() % MIN_HEAD_DIM != 0:
             raise Error(
-                "pagedkv: head_dim ", cache.head_dim(), " is not a multiple of 64"
+                "pagedkv: head_dim ",
+                cache.head_dim(),
+                " is not a multiple of 64",
             )
         self.cache = cache.specialized[DYNAMIC, DYNAMIC, DYNAMIC]()
         self.q = q
