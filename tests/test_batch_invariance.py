@@ -54,9 +54,11 @@ def test_demo_model_logits_do_not_depend_on_the_batch(weights):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_gguf_logits_do_not_depend_on_the_batch_or_the_cores(tmp_path):
     """SmolLM2's quantized step graphs, alone and in a batch, in this process
-    and in one whose threads may run on one core only."""
+    and in one whose threads may run on one core only. Slow: the only test
+    that compiles the GGUF step graphs (over a minute cold)."""
     from pagedkv.models import load
 
     llm = load(weights="gguf")
