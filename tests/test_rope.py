@@ -151,3 +151,15 @@ def test_bad_input_is_refused():
         )
     with pytest.raises(TypeError):
         rope.apply_rope_pos_ids(q.numpy(), k, torch.arange(7))
+
+
+def test_quantize_checks_every_output_before_writing_one():
+    q, k = qk(nnz=2, hq=2, hk=1, d=8, dtype=torch.float16)
+    cache = torch.ones(4, 8, dtype=torch.float32)
+    q_out = torch.zeros(2, 2, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_rope_out"):
+        rope.rope_quantize_fp8(
+            q, k, None, None, cache, torch.arange(2), q_rope_out=q_out,
+            k_rope_out=torch.zeros(2, 1, 4, dtype=torch.float8_e4m3fn),
+        )  # fmt: skip
+    assert not q_out.float().any()

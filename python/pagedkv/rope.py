@@ -426,17 +426,23 @@ def _fp8_dtype(quantize_dtype: Any, outs: tuple) -> Any:
     return quantize_dtype
 
 
-def _quantized(x: Any, scale: float, dtype: Any, out: Any, name: str) -> Any:
-    """x * scale saturated to dtype's range, into `out` (checked) or new."""
+def _quantized(x: Any, scale: float, dtype: Any) -> Any:
+    """x * scale saturated to dtype's range, a new tensor."""
     torch = _torch()
     finfo = torch.finfo(dtype)
-    value = torch.clamp(x.float() * scale, finfo.min, finfo.max).to(dtype)
-    if out is None:
-        return value
-    if out.shape != x.shape or out.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} of shape {tuple(x.shape)}")
-    out.copy_(value)
-    return out
+    return torch.clamp(x.float() * scale, finfo.min, finfo.max).to(dtype)
+
+
+def _into(values: list, outs: list, names: list, dtype: Any) -> tuple:
+    """values written into the outs given (None: returned as they are),
+    every out checked before the first is written."""
+    for value, out, name in zip(values, outs, names, strict=True):
+        if out is not None and (out.shape != value.shape or out.dtype != dtype):
+            raise ValueError(f"{name} must be {dtype} of shape {tuple(value.shape)}")
+    for value, out in zip(values, outs, strict=True):
+        if out is not None:
+            out.copy_(value)
+    return tuple(v if o is None else o for v, o in zip(values, outs, strict=True))
 
 
 def rope_quantize_fp8(
@@ -493,11 +499,16 @@ def rope_quantize_fp8(
         q_nope = q_rope.new_empty(*q_rope.shape[:-1], 0)
     if k_nope is None:
         k_nope = k_rope.new_empty(*k_rope.shape[:-1], 0)
-    return (
-        _quantized(q_rot, quant_scale_q, dtype, q_rope_out, "q_rope_out"),
-        _quantized(k_rot, quant_scale_kv, dtype, k_rope_out, "k_rope_out"),
-        _quantized(q_nope, quant_scale_q, dtype, q_nope_out, "q_nope_out"),
-        _quantized(k_nope, quant_scale_kv, dtype, k_nope_out, "k_nope_out"),
+    return _into(
+        [
+            _quantized(q_rot, quant_scale_q, dtype),
+            _quantized(k_rot, quant_scale_kv, dtype),
+            _quantized(q_nope, quant_scale_q, dtype),
+            _quantized(k_nope, quant_scale_kv, dtype),
+        ],
+        [q_rope_out, k_rope_out, q_nope_out, k_nope_out],
+        ["q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"],
+        dtype,
     )
 
 
@@ -619,7 +630,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         second[pages, slots] = k_r[rows]
         return q_r, q_n
     keys = torch.cat([k_r, k_n], dim=-1)[rows]
-    values = _quantized(v, quant_scale_kv, dtype, None, "v")[rows]
+    values = _quantized(v, quant_scale_kv, dtype)[rows]
     if kv_layout == "NHD":
         first[pages, slots] = keys
         second[pages, slots] = values
