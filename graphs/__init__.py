@@ -2,7 +2,7 @@
 
 Shipped inside the package as ``pagedkv.graphs``: the model and its NumPy
 reference (model.py, numpy_reference.py), the max.graph step graphs
-(llama.py), the engine that runs them on a paged cache (engine.py) and the
+(decoder.py), the engine that runs them on a paged cache (engine.py) and the
 one continuous-batching scheduler (scheduler.py) behind ``LLM.generate``,
 ``pagedkv demo`` and ``pagedkv serve``.
 """

@@ -18,7 +18,7 @@ import numpy as np
 
 from pagedkv._ops.kernels import build_kernel_package_in_background
 
-from .model import LlamaConfig, init_weights, quantize_weights
+from .model import DecoderConfig, init_weights, quantize_weights
 from .scheduler import Request, Scheduler, pages_for
 
 RANDOM = "random"
@@ -84,7 +84,7 @@ class DemoPlan:
     """What the demo serves: the model, its weights and the requests."""
 
     title: str
-    config: LlamaConfig
+    config: DecoderConfig
     weights: dict[str, np.ndarray]
     """float32 weights: what the float graphs and the NumPy reference use
     (with quantized weights, their dequantized blocks)."""
@@ -96,9 +96,11 @@ class DemoPlan:
     """The real model's ChatTokenizer (None for the random model)."""
     questions: dict[str, str] | None = None
     """Each real-model request's question, by request id."""
+    form: str | None = None
+    """The real model's weight form ("gguf", "f32", "bf16"); None: the flags'."""
 
 
-def demo_requests(config: LlamaConfig, options: DemoOptions) -> list[Request]:
+def demo_requests(config: DecoderConfig, options: DemoOptions) -> list[Request]:
     """Random-model requests sharing a system prompt, with their own suffixes
     and output lengths, arriving four at a time; every fifth asks for two
     samples."""
@@ -124,7 +126,7 @@ def chat_requests(tokenizer, options: DemoOptions) -> list[Request]:
     """Real-model chat requests: the shared system prompt and one question
     each, arriving four at a time, every fifth with two samples, ending at
     EOS or the token limit."""
-    stop = frozenset({tokenizer.eos_token_id})
+    stop = tokenizer.stop_ids
     return [
         Request(
             request_id=f"req{i}",
@@ -192,7 +194,7 @@ RANDOM_MODEL_FORMAT = "Q4_0"
 """The GGUF format of the random model's matrices under --weights gguf."""
 
 
-def random_config(options: DemoOptions) -> LlamaConfig:
+def random_config(options: DemoOptions) -> DecoderConfig:
     """The random model's shape from the flags."""
     qo = options.qo_heads or 8
     kv = options.kv_heads or 2
@@ -201,12 +203,12 @@ def random_config(options: DemoOptions) -> LlamaConfig:
             f"--qo-heads {qo} is not a multiple of --kv-heads {kv}: pick kv heads that divide "
             "the query heads"
         )
-    return LlamaConfig(
+    return DecoderConfig(
         num_layers=options.layers or 4, num_qo_heads=qo, num_kv_heads=kv, hidden_size=64 * qo
     )
 
 
-def size_pool(config: LlamaConfig, requests: list[Request], options: DemoOptions) -> int:
+def size_pool(config: DecoderConfig, requests: list[Request], options: DemoOptions) -> int:
     """Pages per layer: the flag, or 4096 tokens' worth (more if one request
     needs more); a DemoError if a request cannot fit or outgrows the model."""
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
@@ -227,7 +229,7 @@ def size_pool(config: LlamaConfig, requests: list[Request], options: DemoOptions
     return num_pages
 
 
-def check_options(options: DemoOptions) -> tuple[LlamaConfig, list[Request], int]:
+def check_options(options: DemoOptions) -> tuple[DecoderConfig, list[Request], int]:
     """The random model, its requests and the pool size, or a DemoError."""
     check_flags(options)
     config = random_config(options)
@@ -251,6 +253,7 @@ def plan_demo(options: DemoOptions) -> DemoPlan:
         )
         return DemoPlan(title, config, weights, quantized, requests, num_pages)
     from pagedkv.models import ModelError, fetch_gguf, model_spec
+    from pagedkv.models.forms import default_weights
     from pagedkv.models.llm import _read
     from pagedkv.models.tokenizer import ChatTokenizer
 
@@ -268,10 +271,17 @@ def plan_demo(options: DemoOptions) -> DemoPlan:
     )
     num_pages = size_pool(c, requests, options)
     questions = {r.request_id: QUESTIONS[i % len(QUESTIONS)] for i, r in enumerate(requests)}
-    quantized = model.quantized if weights_of(options) == "gguf" else None
-    if weights_of(options) == "gguf" and not quantized:
-        raise DemoError(f"{spec.title}: its formats are not all quantized-product formats")
-    return DemoPlan(title, c, model.weights, quantized, requests, num_pages, tokenizer, questions)
+    # A model the quantized product does not serve runs its float32 weights
+    # unless told otherwise (as `load` does).
+    form = options.weights or (default_weights(options.device) if model.quantized else "f32")
+    quantized = model.quantized if form == "gguf" else None
+    if form == "gguf" and not quantized:
+        raise DemoError(
+            f"{spec.title}: the quantized product does not serve its formats; use --weights f32"
+        )
+    return DemoPlan(
+        title, c, model.weights, quantized, requests, num_pages, tokenizer, questions, form
+    )
 
 
 LOGIT_TOLERANCE = {("f32", "cpu"): 1e-3, ("f32", "gpu"): 0.25, ("gguf", "cpu"): 0.05}
@@ -289,7 +299,7 @@ def run_demo(options: DemoOptions) -> int:
     """Runs the demo and prints its summary; returns the exit status."""
     from pagedkv.cache.manager import PagedKVCacheManager
 
-    from .engine import LlamaEngine
+    from .engine import DecoderEngine
     from .self_check import check_sequences
 
     build_kernel_package_in_background()  # overlaps reading the model
@@ -298,7 +308,7 @@ def run_demo(options: DemoOptions) -> int:
     samples = sum(r.n for r in requests)
     from pagedkv.models.forms import check_forms
 
-    weights = weights_of(options)
+    weights = plan.form or weights_of(options)
     kv_dtype = check_forms(weights, options.kv_dtype, options.device)
     print(
         f"pagedkv demo: {len(requests)} requests ({samples} sequences), {plan.title}, "
@@ -314,9 +324,10 @@ def run_demo(options: DemoOptions) -> int:
         num_layers=config.num_layers,
         dtype=kv_dtype,
         device="cuda" if options.device == "gpu" else "cpu",
+        layer_groups=config.layer_groups,
     )
     print("compiling the prefill and decode graphs ...", flush=True)
-    engine = LlamaEngine(config, plan.weights, manager, plan.quantized)
+    engine = DecoderEngine(config, plan.weights, manager, plan.quantized)
     print(
         f"compile: {engine.compile_seconds:.1f} s (cached on disk: later runs load it)", flush=True
     )

@@ -20,8 +20,8 @@ from pagedkv._ops.kernels import accelerator, stream_ordered
 from pagedkv._ops.tensors import device_of, to_buffer
 from pagedkv.cache.manager import PagedKVCacheManager
 
-from .llama import DECODE, PREFILL, step_input_names
-from .model import LlamaConfig
+from .decoder import DECODE, PREFILL, group_windows, step_input_names
+from .model import DecoderConfig
 from .step_models import compile_step_graphs
 
 BATCH_INVARIANT_CHUNK = 256
@@ -29,18 +29,18 @@ BATCH_INVARIANT_CHUNK = 256
 number of pages)."""
 
 
-class LlamaEngine:
+class DecoderEngine:
     """The model on a paged cache: prefill() and decode() steps of a batch.
 
     `quantized` (the packed GGUF matrices by name, see
-    `pagedkv.models.gguf_llama`) runs the quantized step graphs; otherwise
+    `pagedkv.models.gguf_model`) runs the quantized step graphs; otherwise
     the float ones in the manager's dtype. `batch_invariant` (the default)
     fixes decode's key splits so that a request's logits do not depend on
     its batch (`decode_chunk`)."""
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: DecoderConfig,
         weights: dict[str, np.ndarray],
         manager: PagedKVCacheManager,
         quantized: dict | None = None,
@@ -50,6 +50,12 @@ class LlamaEngine:
             raise ValueError("the manager's pools do not match the model's layers and head_dim")
         if manager.num_kv_heads != config.num_kv_heads:
             raise ValueError("the manager's pools do not match the model's KV heads")
+        groups = config.layer_groups or [(tuple(range(config.num_layers)), None)]
+        if list(manager.layer_groups) != groups:
+            raise ValueError(
+                f"the manager's layer groups {manager.layer_groups} are not the model's {groups} "
+                "(PagedKVCacheManager(layer_groups=config.layer_groups))"
+            )
         self.config = config
         self.manager = manager
         self.device = device_of(manager.pools[0])
@@ -82,17 +88,22 @@ class LlamaEngine:
         are read from."""
         counts = [len(t) for t in tokens]
         self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
-        md = self.manager.metadata(request_ids)
+        md = self.manager.metadata(request_ids, group=0)
         c = self.config
-        items, request_items = graph_ops.prefill_work(
-            md.append_indptr,
-            md.kv_indptr,
-            md.kv_last_page_len,
-            self.manager.page_size,
-            c.num_qo_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            gpu=self.device.is_gpu,
+        tables = self._group_tables(
+            request_ids,
+            md,
+            lambda meta: graph_ops.prefill_work(
+                meta.append_indptr,
+                meta.kv_indptr,
+                meta.kv_last_page_len,
+                self.manager.page_size,
+                c.num_qo_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                window_left=meta.window_left,
+                gpu=self.device.is_gpu,
+            ),
         )
         last = md.append_indptr[1:] - 1
         flags = list(every_row) if every_row is not None else [False] * len(counts)
@@ -108,7 +119,7 @@ class LlamaEngine:
         inputs = {
             "tokens": np.concatenate([np.asarray(t, np.int32) for t in tokens]),
             "last_rows": np.concatenate([last.astype(np.int32), *extra]),
-            **self._step_inputs(md, items, request_items),
+            **self._step_inputs(md, tables),
         }
         logits = self._run(self.models.prefill, PREFILL, inputs)
         if every_row is None:
@@ -123,38 +134,52 @@ class LlamaEngine:
     def decode(self, request_ids: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Appends one token per request and returns the next logits [B, vocab]."""
         self.manager.reserve(request_ids, 1, tokens=[[int(t)] for t in tokens])
-        md = self.manager.metadata(request_ids)
+        md = self.manager.metadata(request_ids, group=0)
         c = self.config
-        items, request_items = graph_ops.decode_work(
-            md.kv_indptr,
-            md.kv_last_page_len,
-            self.manager.page_size,
-            c.num_qo_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            gpu=self.device.is_gpu,
-            fixed_chunk=self.decode_chunk,
+        tables = self._group_tables(
+            request_ids,
+            md,
+            lambda meta: graph_ops.decode_work(
+                meta.kv_indptr,
+                meta.kv_last_page_len,
+                self.manager.page_size,
+                c.num_qo_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                window_left=meta.window_left,
+                gpu=self.device.is_gpu,
+                fixed_chunk=self.decode_chunk,
+            ),
         )
-        inputs = {
-            "tokens": np.asarray(tokens, np.int32),
-            **self._step_inputs(md, items, request_items),
-        }
+        inputs = {"tokens": np.asarray(tokens, np.int32), **self._step_inputs(md, tables)}
         return self._run(self.models.decode, DECODE, inputs)
 
-    def _step_inputs(self, md, items: np.ndarray, request_items: np.ndarray) -> dict:
+    def _group_tables(self, request_ids: Sequence[Hashable], md, plan) -> dict:
+        """Each layer group's page ids and work list (`plan` of its metadata,
+        md for group 0: a window group's work skips what its window hides)."""
+        tables = {}
+        for g in range(len(group_windows(self.config))):
+            meta = md if g == 0 else self.manager.metadata(request_ids, group=g)
+            items, request_items = plan(meta)
+            tables |= {
+                f"kv_indices.{g}": meta.kv_indices,
+                f"work_items.{g}": items,
+                f"request_items.{g}": request_items,
+            }
+        return tables
+
+    def _step_inputs(self, md, tables: dict) -> dict:
         return {
             "positions": md.positions,
             "batch_indices": md.batch_indices,
-            "kv_indices": md.kv_indices,
             "kv_indptr": md.kv_indptr,
             "kv_last_page_len": md.kv_last_page_len,
-            "work_items": items,
-            "request_items": request_items,
+            **tables,
             **{f"pool.{i}": pool for i, pool in enumerate(self.manager.pools)},
         }
 
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
-        names = step_input_names(kind, self.config.num_layers)
+        names = step_input_names(kind, self.config)
         buffers = [
             to_buffer(inputs[n], stream_ordered=True)
             if n.startswith("pool.")

@@ -1,7 +1,14 @@
-"""A small Llama-style decoder: its shape and its random weights.
+"""A decoder's description (one dataclass for every model family) and
+random weights for it.
 
-The same weights drive the max.graph step graphs (llama.py) and the NumPy
-reference (numpy_reference.py), so the demo can check every generated token.
+A family is a set of choices in one block, not a copy of the graph code:
+Llama (RMSNorm before attention and MLP, SwiGLU, one RoPE base, every layer
+global) is the default; Gemma 3 adds RMSNorm on each query and key head
+(`qk_norm`), norms after attention and MLP too (`sandwich_norms`), a
+GELU-tanh MLP, embeddings scaled by sqrt(hidden), and sliding-window layers
+(`windows`) with their own RoPE base (`local_rope_theta`). The same weights
+drive the max.graph step graphs (decoder.py) and the NumPy reference
+(numpy_reference.py), so the demo can check every generated token.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class DecoderConfig:
     """The model's shape. Defaults: the demo's 4-layer model."""
 
     vocab_size: int = 4096
@@ -25,8 +32,38 @@ class LlamaConfig:
     rope_theta: float = 1e4
     rms_eps: float = 1e-5
     max_positions: int = 4096
+    family: str = "llama"
+    """The architecture's name (GGUF's `general.architecture`)."""
+    activation: str = "silu"
+    """The MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh GELU)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (weights q_norm, k_norm [D])
+    before RoPE."""
+    sandwich_norms: bool = False
+    """RMSNorm of the attention's and the MLP's outputs before each residual
+    add (weights post_attn_norm, post_mlp_norm)."""
+    norm_in_float32: bool = False
+    """Norms multiply by their weight before casting back to the activations'
+    dtype (Gemma's order; Llama casts first)."""
+    embed_scale: float = 1.0
+    """Token embeddings are multiplied by this (Gemma: sqrt(hidden_size))."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (a query at p sees keys p - window + 1 ..
+    p) or None (global); empty: every layer global."""
+    local_rope_theta: float | None = None
+    """The RoPE base of the sliding-window layers (None: rope_theta)."""
 
     def __post_init__(self) -> None:
+        # A tuple whatever it came as (a JSON list): the config is a dict key.
+        object.__setattr__(self, "windows", tuple(self.windows))
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be silu or gelu_tanh, got {self.activation!r}")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(
+                f"windows has {len(self.windows)} entries for {self.num_layers} layers"
+            )
+        if any(w is not None and w < 1 for w in self.windows):
+            raise ValueError(f"a window must be None or at least 1, got {self.windows}")
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_qo_heads ({self.num_qo_heads}) must be a multiple of "
@@ -39,10 +76,33 @@ class LlamaConfig:
     def qkv_size(self) -> int:
         return (self.num_qo_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None (global attention)."""
+        return self.windows[layer] if self.windows else None
 
-def layer_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    @property
+    def layer_groups(self) -> list[tuple[tuple[int, ...], int | None]] | None:
+        """The page manager's layer groups: (layers, window) for each distinct
+        window, global layers first; None when every layer is global (one
+        group, the plain manager)."""
+        if not any(w is not None for w in self.windows):
+            return None
+        order = sorted(set(self.windows), key=lambda w: (w is not None, w or 0))
+        return [
+            (tuple(i for i, w in enumerate(self.windows) if w == window), window)
+            for window in order
+        ]
+
+    def rope_theta_of(self, window: int | None) -> float:
+        """The RoPE base of a layer with this window."""
+        if window is not None and self.local_rope_theta is not None:
+            return self.local_rope_theta
+        return self.rope_theta
+
+
+def layer_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one decoder layer's weights (x @ W convention)."""
-    return {
+    shapes = {
         "attn_norm": (c.hidden_size,),
         "wqkv": (c.hidden_size, c.qkv_size),
         "wo": (c.num_qo_heads * c.head_dim, c.hidden_size),
@@ -51,9 +111,14 @@ def layer_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "w_up": (c.hidden_size, c.ffn_size),
         "w_down": (c.ffn_size, c.hidden_size),
     }
+    if c.qk_norm:
+        shapes |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    if c.sandwich_norms:
+        shapes |= {"post_attn_norm": (c.hidden_size,), "post_mlp_norm": (c.hidden_size,)}
+    return shapes
 
 
-def init_weights(c: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def init_weights(c: DecoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights from a fixed seed: name -> array.
 
     Names: "embed" [V, H], "layers.{i}.{name}" (see layer_weight_shapes),
@@ -76,16 +141,17 @@ def init_weights(c: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def rope_tables(c: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_positions, head_dim / 2] of Llama's rotary embedding,
-    computed in float64 and rounded once."""
-    inv_freq = c.rope_theta ** (-np.arange(0, c.head_dim // 2, dtype=np.float64) * 2 / c.head_dim)
+def rope_tables(c: DecoderConfig, theta: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_positions, head_dim / 2] of the rotary embedding with
+    base `theta` (default c.rope_theta), computed in float64 and rounded once."""
+    theta = c.rope_theta if theta is None else theta
+    inv_freq = theta ** (-np.arange(0, c.head_dim // 2, dtype=np.float64) * 2 / c.head_dim)
     angle = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
 def quantize_weights(
-    c: LlamaConfig, weights: dict[str, np.ndarray], fmt: str = "Q8_0"
+    c: DecoderConfig, weights: dict[str, np.ndarray], fmt: str = "Q8_0"
 ) -> tuple[dict[str, np.ndarray], dict]:
     """The model with its matrices in a GGUF block format: (the weights with
     each matrix replaced by its dequantized blocks, the packed blocks under
@@ -93,7 +159,7 @@ def quantize_weights(
     float and quantized graphs of it can be compared.
 
     Names of the packed matrices: per layer "wqkv", "wo", "w_gate_up" (gate
-    then up) and "w_down", then "lm_head" (pagedkv.models.gguf_llama).
+    then up) and "w_down", then "lm_head" (pagedkv.models.gguf_model).
     """
     from gguf import GGMLQuantizationType, quants
 

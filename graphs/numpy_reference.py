@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .model import LlamaConfig, rope_tables
+from .model import DecoderConfig, rope_tables
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -33,6 +33,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + np.exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation, elementwise."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
 def quantize_activations(x: np.ndarray) -> np.ndarray:
     """x [..., K] (K a multiple of 32) as the quantized products see it: each
     block of 32 rounded in float32 to d * q with d = max|x| / 127 and q an
@@ -46,19 +51,22 @@ def quantize_activations(x: np.ndarray) -> np.ndarray:
     return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
-class DenseLlama:
+class DenseDecoder:
     """One request at a time: feed() tokens, get the last token's logits.
 
     `quantized`: quantize each product's activations (the quantized step
     graphs' arithmetic; the weights are then the GGUF's, dequantized)."""
 
     def __init__(
-        self, config: LlamaConfig, weights: dict[str, np.ndarray], quantized: bool = False
+        self, config: DecoderConfig, weights: dict[str, np.ndarray], quantized: bool = False
     ) -> None:
         self.c = config
         self.w = weights
         self.quantized = quantized
-        self.cos, self.sin = rope_tables(config)
+        self.rope = {
+            window: rope_tables(config, config.rope_theta_of(window))
+            for window in {config.window(i) for i in range(config.num_layers)}
+        }
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
         self.length = 0
@@ -71,10 +79,10 @@ class DenseLlama:
         self.v = [empty] * c.num_layers
         self.length = 0
 
-    def fork(self) -> DenseLlama:
+    def fork(self) -> DenseDecoder:
         """A copy sharing nothing mutable (the reference of a forked request)."""
-        other = DenseLlama.__new__(DenseLlama)
-        other.c, other.w, other.cos, other.sin = self.c, self.w, self.cos, self.sin
+        other = DenseDecoder.__new__(DenseDecoder)
+        other.c, other.w, other.rope = self.c, self.w, self.rope
         other.quantized = self.quantized
         other.k, other.v, other.length = list(self.k), list(self.v), self.length
         return other
@@ -95,32 +103,47 @@ class DenseLlama:
         c, w = self.c, self.w
         t = len(tokens)
         pos = np.arange(self.length, self.length + t)
-        cos, sin = self.cos[pos], self.sin[pos]
-        x = w["embed"][np.asarray(tokens)]
+        x = w["embed"][np.asarray(tokens)] * c.embed_scale
         group = c.num_qo_heads // c.num_kv_heads
+        gate_of = silu if c.activation == "silu" else gelu_tanh
+        nq, nk = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i in range(c.num_layers):
             p = f"layers.{i}."
+            window = c.window(i)
+            cos, sin = (table[pos] for table in self.rope[window])
             h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
             qkv = self.product(h, p + "wqkv")
-            nq, nk = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            q = rotate(qkv[:, :nq].reshape(t, c.num_qo_heads, c.head_dim), cos, sin)
-            k = rotate(qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
+            q = qkv[:, :nq].reshape(t, c.num_qo_heads, c.head_dim)
+            k = qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk :].reshape(t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, w[p + "q_norm"], c.rms_eps)
+                k = rms_norm(k, w[p + "k_norm"], c.rms_eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.k[i] = np.concatenate([self.k[i], k])
             self.v[i] = np.concatenate([self.v[i], v])
             keys = np.repeat(self.k[i], group, axis=1)  # [L, Hq, D]
             values = np.repeat(self.v[i], group, axis=1)
             scores = np.einsum("thd,lhd->htl", q, keys) / np.sqrt(c.head_dim)
-            visible = np.arange(self.length + t)[None, :] <= pos[:, None]
+            key_pos = np.arange(self.length + t)[None, :]
+            visible = key_pos <= pos[:, None]
+            if window is not None:
+                visible &= key_pos > pos[:, None] - window
             scores = np.where(visible[None], scores, -np.inf)
             scores -= scores.max(axis=-1, keepdims=True)
             p_attn = np.exp(scores)
             p_attn /= p_attn.sum(axis=-1, keepdims=True)
             attn = np.einsum("htl,lhd->thd", p_attn, values).reshape(t, nq)
-            x = x + self.product(attn, p + "wo")
+            out = self.product(attn, p + "wo")
+            if c.sandwich_norms:
+                out = rms_norm(out, w[p + "post_attn_norm"], c.rms_eps)
+            x = x + out
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_eps)
             gate, up = self.product(h, p + "w_gate"), self.product(h, p + "w_up")
-            x = x + self.product(silu(gate) * up, p + "w_down")
+            out = self.product(gate_of(gate) * up, p + "w_down")
+            if c.sandwich_norms:
+                out = rms_norm(out, w[p + "post_mlp_norm"], c.rms_eps)
+            x = x + out
         self.length += t
         x = rms_norm(x[-1:] if last_only else x, w["final_norm"], c.rms_eps)
         return self.product(x, "lm_head")

@@ -50,7 +50,7 @@ import numpy as np
 
 from pagedkv.cache.manager import OutOfPagesError
 
-from .engine import LlamaEngine
+from .engine import DecoderEngine
 from .sampling import (
     GREEDY,
     NO_ADJUSTMENTS,
@@ -266,7 +266,7 @@ class Scheduler:
 
     Parameters
     ----------
-    engine : LlamaEngine
+    engine : DecoderEngine
         The step graphs and the page manager they run over; the scheduler
         becomes their only user.
     eos_token_ids : frozenset of int
@@ -301,7 +301,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: LlamaEngine,
+        engine: DecoderEngine,
         eos_token_ids: frozenset[int] = frozenset(),
         detokenizer: Callable[[], Callable[[int], str]] | None = None,
         max_num_seqs: int = 64,
@@ -474,13 +474,14 @@ class Scheduler:
 
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples may take:
-        one per sample whose last page is full or shared (copy-on-write)."""
-        m, refcounts = self.manager, self.manager.refcounts()
+        one per sample whose last page is full or shared (copy-on-write).
+        Layer group 0's pages tell: a fork shares its pages in every group."""
+        m, refcounts = self.manager, self.manager.refcounts(0)
         need = 0
         for live in lives:
             for s in live.live_samples():
                 n = m.seq_len(s.seq_id)
-                if n % m.page_size == 0 or refcounts[m.pages(s.seq_id)[-1]] > 1:
+                if n % m.page_size == 0 or refcounts[m.pages(s.seq_id, 0)[-1]] > 1:
                     need += 1
         return need
 

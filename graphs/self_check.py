@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model import LlamaConfig
-from .numpy_reference import DenseLlama
+from .model import DecoderConfig
+from .numpy_reference import DenseDecoder
 from .scheduler import Sequence
 
 
@@ -34,14 +34,14 @@ class CheckResult:
 
 
 def check_sequences(
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float = 1e-3,
     quantized: bool = False,
 ) -> CheckResult:
     """Compares every token (and the logits behind it) with the reference
-    (`DenseLlama`, quantizing its activations when `quantized`).
+    (`DenseDecoder`, quantizing its activations when `quantized`).
 
     NumPy's BLAS runs on one thread here: the reference's matrices are small,
     and a BLAS thread pool that waits on a busy core runs them many times
@@ -54,7 +54,7 @@ def check_sequences(
 
 
 def _check(
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float,
@@ -66,7 +66,7 @@ def _check(
         by_request.setdefault(s.request.request_id, []).append(s)
     for group in by_request.values():
         prompt = list(group[0].request.prompt)
-        prompt_ref = DenseLlama(config, weights, quantized)
+        prompt_ref = DenseDecoder(config, weights, quantized)
         first_logits = prompt_ref.feed(prompt)
         ranked = np.argsort(-first_logits, kind="stable")
         for s in group:

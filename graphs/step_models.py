@@ -22,7 +22,7 @@ from pagedkv._ops.kernels import prepare
 from pagedkv._ops.tensors import Device
 from pagedkv.page import COPY_PAGES
 
-from .llama import (
+from .decoder import (
     DECODE,
     PREFILL,
     build_step_graph,
@@ -30,7 +30,7 @@ from .llama import (
     step_graph_name,
     weights_registry,
 )
-from .model import LlamaConfig
+from .model import DecoderConfig
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ _compiled: dict[Hashable, StepModels] = {}
 
 
 def compile_step_graphs(
-    config: LlamaConfig,
+    config: DecoderConfig,
     weights: dict[str, np.ndarray],
     page_size: int,
     dtype: DType,
@@ -66,7 +66,7 @@ def compile_step_graphs(
     """The model's step graphs for `device`, compiled (or loaded from the
     compile cache) once per process and kept. With `quantized` (packed
     matrices by name) the graphs multiply them in their GGUF formats and
-    dtype is the pools' alone (llama.py)."""
+    dtype is the pools' alone (decoder.py)."""
     formats = quantized_formats(quantized, config.num_layers) if quantized is not None else None
     key = (config, page_size, dtype, device, id(weights), id(quantized))
     if key not in _compiled:
@@ -78,12 +78,12 @@ def compile_step_graphs(
                     kind, config, page_size, dtype, device.graph_ref(), module, formats
                 )
 
-        registry = weights_registry(weights, dtype, device.graph_ref(), quantized)
+        registry = weights_registry(config, weights, dtype, device.graph_ref(), quantized)
         models = prepare(
             [COPY_PAGES],
             device,
             graphs=graphs,
-            key=("llama step graphs", config, page_size, dtype, str(device), formats),
+            key=("decoder step graphs", config, page_size, dtype, str(device), formats),
             weights_registry=registry,
         )
         _compiled[key] = StepModels(

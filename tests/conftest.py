@@ -213,15 +213,15 @@ def pytest_sessionfinish(session, exitstatus):
     background.stop_all()
 
 
-# The demo's random Llama (pagedkv.graphs.model.LlamaConfig()), shared by the
+# The demo's random Llama (pagedkv.graphs.model.DecoderConfig()), shared by the
 # step-graph and scheduler tests: one compile of its step graphs per process.
 DEMO_PAGE = 16
 
 
 def _demo_config():
-    from pagedkv.graphs.model import LlamaConfig
+    from pagedkv.graphs.model import DecoderConfig
 
-    return LlamaConfig()
+    return DecoderConfig()
 
 
 DEMO_CONFIG = _demo_config()
@@ -243,15 +243,15 @@ def weights(tmp_path_factory):
 
 
 def engine_with_pool(weights, num_pages: int):
-    """A `LlamaEngine` of the demo's model over a fresh pool of num_pages pages."""
+    """A `DecoderEngine` of the demo's model over a fresh pool of num_pages pages."""
     from pagedkv.cache.manager import PagedKVCacheManager
-    from pagedkv.graphs.engine import LlamaEngine
+    from pagedkv.graphs.engine import DecoderEngine
 
     c = DEMO_CONFIG
     manager = PagedKVCacheManager(
         num_pages, DEMO_PAGE, c.num_kv_heads, c.head_dim, num_layers=c.num_layers
     )
-    return LlamaEngine(c, weights, manager)
+    return DecoderEngine(c, weights, manager)
 
 
 class Gate:

@@ -26,12 +26,12 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 import reference
 from pagedkv import graph_ops
 from pagedkv._ops.quantized_panels import pack_quantized_weight, quantized_panels_shape
-from pagedkv.graphs.model import LlamaConfig, rope_tables
+from pagedkv.graphs.model import DecoderConfig, rope_tables
 from pagedkv.graphs.numpy_reference import quantize_activations
 from suite_graphs import suite_graph, suite_model
 
 P = 16
-CONFIG = LlamaConfig(
+CONFIG = DecoderConfig(
     vocab_size=64,
     hidden_size=128,
     num_layers=1,

@@ -15,7 +15,7 @@ import pytest
 from conftest import DEMO_CONFIG as CONFIG
 from conftest import engine_with_pool
 from pagedkv.graphs.demo import DemoError, DemoOptions, check_options, gpu_visible
-from pagedkv.graphs.numpy_reference import DenseLlama
+from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.scheduler import Request, Scheduler
 from pagedkv.graphs.self_check import check_sequences
 
@@ -30,7 +30,7 @@ def test_one_prefill_and_decode_step_equal_numpy(weights):
     for i in ids:
         engine.manager.add(i)
     logits = engine.prefill(ids, prompts)
-    refs = [DenseLlama(CONFIG, weights) for _ in prompts]
+    refs = [DenseDecoder(CONFIG, weights) for _ in prompts]
     want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
     nxt = want.argmax(-1)
@@ -77,7 +77,7 @@ def test_self_check_forgives_a_swap_only_within_the_engines_own_error(weights):
     from pagedkv.graphs.scheduler import Sequence
 
     prompt = (5, 9, 200, 31)
-    reference = DenseLlama(CONFIG, weights)
+    reference = DenseDecoder(CONFIG, weights)
     logits = [reference.feed(list(prompt))]
     first = int(np.argmax(logits[0]))
     logits.append(reference.feed([first]))

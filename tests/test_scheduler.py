@@ -9,7 +9,7 @@ import pytest
 
 from conftest import DEMO_CONFIG as CONFIG
 from conftest import engine_with_pool
-from pagedkv.graphs.numpy_reference import DenseLlama
+from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.sampling import LogitAdjustments, log_softmax
 from pagedkv.graphs.scheduler import (
     Delta,
@@ -149,7 +149,7 @@ def test_logprobs_are_the_models_log_softmax(weights):
     deltas = [e for e in events if isinstance(e, Delta)]
     assert len(deltas) == 6 and isinstance(events[-1], Done)
 
-    reference = DenseLlama(CONFIG, weights)
+    reference = DenseDecoder(CONFIG, weights)
     want_prompt = log_softmax(reference.feed_all(list(prompt)))
     entries = events[0].entries
     assert entries[0] is None and len(entries) == len(prompt)

@@ -61,7 +61,7 @@ def write_tiny_gguf(path):
 
 def test_the_unpacked_model_equals_the_gguf_and_is_loaded_after(gguf):
     from pagedkv.models import unpacked
-    from pagedkv.models.gguf_llama import read_gguf
+    from pagedkv.models.gguf_model import read_gguf
 
     direct = read_gguf(gguf)
     first = unpacked.read_unpacked(gguf)

@@ -36,11 +36,11 @@ def compile_demo_graphs() -> None:
     (after compile_for set up the virtual device)."""
     from max.dtype import DType
 
-    from ..graphs.model import LlamaConfig, init_weights
+    from ..graphs.model import DecoderConfig, init_weights
     from ..graphs.step_models import compile_step_graphs
     from .tensors import Device
 
-    config = LlamaConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
+    config = DecoderConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
     compile_step_graphs(config, init_weights(config, 0), 16, DType.float32, Device("gpu"))
 
 

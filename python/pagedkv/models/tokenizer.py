@@ -1,12 +1,24 @@
 """The model's tokenizer and chat template, built from the GGUF's metadata
 exactly as HF transformers builds them from the same file.
 
-A `gpt2` GGUF vocabulary is byte-level BPE: the `tokenizers` library's BPE
-model over the file's tokens and merges, a byte-level pre-tokenizer (no
-prefix space) and decoder, and the tokens the file marks as control (type 3)
-added as special tokens, so `<|im_start|>` in a prompt stays one token. The
-chat template is the file's Jinja template, rendered in a sandbox with
-transformers' settings (trim_blocks, lstrip_blocks).
+Two kinds of vocabulary:
+
+- `gpt2`: byte-level BPE: the `tokenizers` library's BPE model over the
+  file's tokens and merges, a byte-level pre-tokenizer (no prefix space) and
+  decoder.
+- `llama` (SentencePiece BPE, Gemma's): spaces written as "▁", bytes
+  the vocabulary lacks as <0xNN> tokens, and, since the file lists no
+  merges, the merges rebuilt from the vocabulary: every split of a token
+  into two tokens, best first by the token's place in the file (Gemma's
+  scores do not follow its merge order; its token order does). A token of
+  spaces alone is stored as real spaces and renamed to "▁"s first.
+
+Either way the tokens the file marks as control (type 3) are added as
+special tokens, so `<|im_start|>` or `<start_of_turn>` in a prompt stays one
+token, and user-defined ones (type 4, Gemma's runs of newlines) as plain
+added tokens. The chat template is the file's Jinja template (or, for a
+family whose files carry none, its documented turn format), rendered in a
+sandbox with transformers' settings (trim_blocks, lstrip_blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +30,32 @@ from .errors import ModelError
 
 CONTROL = 3
 """llama.cpp's token type of a control (special) token."""
+USER_DEFINED = 4
+"""llama.cpp's token type of a user-defined token (matched whole, not special)."""
+
+GEMMA_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+"""Gemma's documented turn format (its instruction-tuned models' template,
+without the `<bos>`, which `prompt_ids` adds): a system prompt joins the
+first user turn; the assistant's role is "model"."""
+FAMILY_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+"""The chat template of a family whose GGUFs carry none."""
+END_OF_TURN = ("<end_of_turn>",)
+"""Tokens that end a model's turn besides EOS (llama.cpp's end-of-generation set)."""
 
 
 @dataclass
@@ -31,43 +69,54 @@ class ChatTokenizer:
     chat_template: str | None
     special_ids: frozenset[int]
 
+    add_bos: bool = False
+    """Whether a prompt starts with `bos_token_id` (`prompt_ids`)."""
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end generation: EOS and the family's end-of-turn tokens."""
+
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, object]) -> ChatTokenizer:
         """Builds the tokenizer a GGUF describes (tokenizer.ggml.* keys)."""
-        from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-        from tokenizers.models import BPE
+        from tokenizers import AddedToken
 
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelError(f"tokenizer kind {kind!r}: pagedkv builds byte-level BPE (gpt2) only")
+        if kind not in _BUILDERS:
+            raise ModelError(
+                f"tokenizer kind {kind!r}: pagedkv builds byte-level BPE (gpt2) and "
+                "SentencePiece BPE (llama)"
+            )
         tokens = list(metadata["tokenizer.ggml.tokens"])
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-        vocab = {token: i for i, token in enumerate(tokens)}
-        tokenizer = Tokenizer(
-            BPE(
-                vocab=vocab,
-                merges=merges,
-                dropout=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-            )
-        )
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer, vocab = _BUILDERS[kind](metadata, tokens)
         control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL]
         tokenizer.add_special_tokens(
             [AddedToken(t, normalized=False, special=True) for t in control]
         )
+        user_defined = [
+            t for t, kind in zip(tokens, types, strict=True) if kind == USER_DEFINED and t in vocab
+        ]
+        tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
         bos = metadata.get("tokenizer.ggml.bos_token_id")
+        eos = int(metadata["tokenizer.ggml.eos_token_id"])
+        family = metadata.get("general.architecture")
+        template = metadata.get("tokenizer.chat_template") or FAMILY_CHAT_TEMPLATES.get(family)
         return cls(
             tokenizer=tokenizer,
             bos_token_id=None if bos is None else int(bos),
-            eos_token_id=int(metadata["tokenizer.ggml.eos_token_id"]),
-            chat_template=metadata.get("tokenizer.chat_template"),
-            special_ids=frozenset(vocab[t] for t in control),
+            eos_token_id=eos,
+            chat_template=template,
+            special_ids=frozenset(vocab[t] for t in control if t in vocab),
+            # transformers adds BOS to a SentencePiece vocabulary unless the
+            # file says otherwise, and never to a byte-level one.
+            add_bos=kind == "llama" and bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
+            stop_ids=frozenset({eos, *(vocab[t] for t in END_OF_TURN if t in vocab)}),
         )
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a whole prompt: `encode(text)`, after BOS when the
+        model's prompts start with one."""
+        bos = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        return bos + self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (special tokens written in it stay whole).
@@ -102,7 +151,66 @@ class ChatTokenizer:
         messages = [{"role": "user", "content": user_message}]
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
-        return self.encode(self.render_chat(messages))
+        return self.prompt_ids(self.render_chat(messages))
+
+
+def _byte_level(metadata: dict[str, object], tokens: list[str]):
+    """A `gpt2` vocabulary: byte-level BPE with the file's merges."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, vocab
+
+
+def _sentencepiece(metadata: dict[str, object], tokens: list[str]):
+    """A `llama` vocabulary (SentencePiece BPE with byte fallback, no prefix
+    space), merges rebuilt from the token order (see the module docstring)."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in vocab and right in vocab:
+                merges.append((rank, -i, left, right))
+    # transformers' order: by the merged token's place, the longer left part first.
+    merges.sort(key=lambda m: (m[0], m[1]))
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=[(left, right) for _, _, left, right in merges],
+            dropout=None,
+            unk_token=None if unk is None else tokens[int(unk)],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tokenizer, vocab
+
+
+_BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
 
 
 class TextStream:

@@ -24,10 +24,10 @@ import numpy as np
 
 from pagedkv._ops import quantized_panels
 from pagedkv._ops.quantized_panels import QuantizedWeight
-from pagedkv.graphs.model import LlamaConfig
+from pagedkv.graphs.model import DecoderConfig
 
-from . import gguf_llama
-from .gguf_llama import GGUFModel, read_gguf
+from . import gguf_model
+from .gguf_model import GGUFModel, read_gguf
 
 _DONE = "model.json"
 """Written last: a folder without it is partial."""
@@ -37,7 +37,7 @@ def unpacked_dir(path: Path) -> Path:
     """The folder holding `path`'s unpacked copy (it may not exist yet)."""
     stat = path.stat()
     digest = hashlib.sha256()
-    for module in (gguf_llama, quantized_panels):
+    for module in (gguf_model, quantized_panels):
         digest.update(Path(module.__file__).read_bytes())
     key = f"{stat.st_size}-{stat.st_mtime_ns}-{digest.hexdigest()[:12]}"
     return path.parent / f"{path.stem}.unpacked" / key
@@ -91,7 +91,7 @@ def _load(folder: Path) -> GGUFModel:
         name: QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
         for i, (name, fmt, n, k) in enumerate(record["quantized"])
     }
-    return GGUFModel(LlamaConfig(**record["config"]), weights, record["metadata"], quantized)
+    return GGUFModel(DecoderConfig(**record["config"]), weights, record["metadata"], quantized)
 
 
 def _plain(value: object) -> object:

@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..models.catalog import DEFAULT_MODEL, MODELS
 from ..models.forms import add_weights_arguments
 
 
 def add_parser(sub) -> None:
     """Adds the `serve` subcommand to the `pagedkv` parser's subparsers."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="default %(default)s")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{' or '.join(MODELS)} (default %(default)s)"
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default %(default)s: local only)"
     )

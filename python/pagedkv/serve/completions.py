@@ -298,7 +298,7 @@ class Completions:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             for m in messages:
                 m["role"] = "system" if m["role"] == "developer" else m["role"]
-            prompt = self.engine.tokenizer.encode(self.engine.tokenizer.render_chat(messages))
+            prompt = self.engine.tokenizer.prompt_ids(self.engine.tokenizer.render_chat(messages))
         except ValueError as e:
             raise self.reject(400, str(e), "invalid_request_error", param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -311,7 +311,7 @@ class Completions:
                 texts = [body.prompt]
             elif not all(isinstance(x, int) for x in body.prompt):
                 texts = list(body.prompt)
-            prompts = [self.engine.tokenizer.encode(t) for t in texts] if texts else []
+            prompts = [self.engine.tokenizer.prompt_ids(t) for t in texts] if texts else []
         except ValueError as e:
             raise self.reject(400, str(e), "invalid_request_error", param="prompt") from None
         if texts is None:

@@ -116,7 +116,7 @@ class ServingEngine:
         self.max_waiting = max_waiting
         self.scheduler = Scheduler(
             llm.engine,
-            eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
+            eos_token_ids=self.tokenizer.stop_ids,
             detokenizer=lambda: TextStream(self.tokenizer).push,
             max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens,

@@ -1,4 +1,5 @@
-"""Reads a Llama-architecture GGUF into the step graphs' config and weights.
+"""Reads a GGUF (Llama or Gemma 3 architecture) into the step graphs'
+description (`DecoderConfig`) and weights.
 
 GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
@@ -10,6 +11,13 @@ interleaved pairs; the graphs rotate halves (as the original checkpoint
 does), so the permutation is undone here, on the rows of either form. A
 model with tied embeddings (no `output.weight`) reuses the token embedding
 as its output head.
+
+Gemma 3 differs in its metadata and in what the file leaves out: its
+projections are stored in rotate-half order already (llama.cpp's NEOX RoPE),
+its norm weights are stored as (1 + w), so the graphs multiply by them as
+they are, and two values are not in the file at all: every sixth layer is
+global and the others slide, and the sliding layers' RoPE base is 10000
+(llama.cpp and transformers both hard-code Gemma 3's defaults).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import numpy as np
 
 from pagedkv._ops.contract import QUANT_FORMATS, QUANT_PANEL
 from pagedkv._ops.quantized_panels import QuantizedWeight, pack_quantized_weight
-from pagedkv.graphs.model import LlamaConfig
+from pagedkv.graphs.model import DecoderConfig
 
 from .errors import ModelError
 
@@ -39,7 +47,7 @@ _LAYER_TENSORS = {
 class GGUFModel:
     """What a GGUF holds, in pagedkv's terms."""
 
-    config: LlamaConfig
+    config: DecoderConfig
     weights: dict[str, np.ndarray]
     """float32 arrays named as `pagedkv.graphs.model.init_weights` names them."""
     metadata: dict[str, object]
@@ -92,33 +100,38 @@ def read_gguf(path: str | Path) -> GGUFModel:
             "fetched again"
         ) from None
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ModelError(f"{path} holds a {arch!r} model; pagedkv serves Llama-architecture GGUFs")
+    if arch not in _CONFIGS:
+        raise ModelError(
+            f"{path} holds a {arch!r} model; pagedkv serves the architectures "
+            f"{', '.join(sorted(_CONFIGS))}"
+        )
     try:
-        config = _config(metadata)
+        config = _CONFIGS[arch](metadata)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(
+            f"{path} lacks or garbles metadata {e} that a {arch} model needs"
+        ) from None
+    try:
         tensors = {t.name: t for t in reader.tensors}
+        unknown = sorted(
+            {t.tensor_type.name for t in tensors.values()}
+            - {"F32", "F16", "BF16", *_DEQUANTIZED_FORMATS}
+        )
+        if unknown:
+            raise ModelError(
+                f"{path} holds tensors in {', '.join(unknown)}, which pagedkv cannot read"
+            )
 
         def matrix(name: str) -> np.ndarray:
             t = tensors[name]
             # Owned, writable copies: nothing keeps the memory-mapped file alive.
             return np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W", "O"])
 
-        embed = matrix("token_embd.weight")  # [vocab, hidden]
-        weights = {"embed": embed}
-        for i in range(config.num_layers):
-            blk = f"blk.{i}."
-            q = undo_rope_permutation(matrix(blk + "attn_q.weight"), config.num_qo_heads)
-            k = undo_rope_permutation(matrix(blk + "attn_k.weight"), config.num_kv_heads)
-            v = matrix(blk + "attn_v.weight")
-            weights[f"layers.{i}.wqkv"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
-            for gguf_name, name in _LAYER_TENSORS.items():
-                w = matrix(blk + gguf_name + ".weight")
-                weights[f"layers.{i}.{name}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
-        weights["final_norm"] = matrix("output_norm.weight")
+        weights = _float_weights(config, matrix, permuted=arch == "llama")
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        head = matrix(head_name) if head_name == "output.weight" else embed
+        head = matrix(head_name) if head_name == "output.weight" else weights["embed"]
         weights["lm_head"] = np.ascontiguousarray(head.T)
-        quantized = _quantized(config, tensors, head_name)
+        quantized = _quantized(config, tensors, head_name) if arch == "llama" else {}
     except KeyError as e:
         raise ModelError(
             f"{path} lacks tensor {e}; delete it and it will be fetched again"
@@ -128,7 +141,32 @@ def read_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(config, weights, metadata, quantized)
 
 
-def _quantized(config: LlamaConfig, tensors: dict, head_name: str) -> dict[str, QuantizedWeight]:
+def _float_weights(config: DecoderConfig, matrix, permuted: bool) -> dict[str, np.ndarray]:
+    """Every weight but the output head as float32, named as
+    `pagedkv.graphs.model.init_weights` names them; `permuted`: the Q and K
+    rows are in llama.cpp's interleaved order (undone here)."""
+    weights = {"embed": matrix("token_embd.weight")}  # [vocab, hidden]
+    layer_tensors = dict(_LAYER_TENSORS)
+    if config.qk_norm:
+        layer_tensors |= {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+    if config.sandwich_norms:
+        layer_tensors |= {"post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm"}
+    for i in range(config.num_layers):
+        blk = f"blk.{i}."
+        q, k = matrix(blk + "attn_q.weight"), matrix(blk + "attn_k.weight")
+        if permuted:
+            q = undo_rope_permutation(q, config.num_qo_heads)
+            k = undo_rope_permutation(k, config.num_kv_heads)
+        v = matrix(blk + "attn_v.weight")
+        weights[f"layers.{i}.wqkv"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
+        for gguf_name, name in layer_tensors.items():
+            w = matrix(blk + gguf_name + ".weight")
+            weights[f"layers.{i}.{name}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
+    weights["final_norm"] = matrix("output_norm.weight")
+    return weights
+
+
+def _quantized(config: DecoderConfig, tensors: dict, head_name: str) -> dict[str, QuantizedWeight]:
     """The matrices packed in their own block formats, the Q, K and V
     projections fused into one product and the gate and up projections into
     another (their panels side by side); empty when a matrix's format is one
@@ -178,15 +216,12 @@ def _quantized(config: LlamaConfig, tensors: dict, head_name: str) -> dict[str, 
     return out
 
 
-def _config(metadata: dict[str, object]) -> LlamaConfig:
-    """The model's shape from llama.cpp's `llama.*` metadata keys."""
+def _llama_config(metadata: dict[str, object]) -> DecoderConfig:
+    """Llama's shape from llama.cpp's `llama.*` metadata keys."""
     heads = int(metadata["llama.attention.head_count"])
     hidden = int(metadata["llama.embedding_length"])
-    vocab = metadata.get("llama.vocab_size")
-    if vocab is None:
-        vocab = len(metadata["tokenizer.ggml.tokens"])
-    return LlamaConfig(
-        vocab_size=int(vocab),
+    return DecoderConfig(
+        vocab_size=_vocab_size(metadata, "llama"),
         hidden_size=hidden,
         num_layers=int(metadata["llama.block_count"]),
         num_qo_heads=heads,
@@ -197,3 +232,56 @@ def _config(metadata: dict[str, object]) -> LlamaConfig:
         rms_eps=float(metadata["llama.attention.layer_norm_rms_epsilon"]),
         max_positions=int(metadata["llama.context_length"]),
     )
+
+
+GEMMA3_GLOBAL_EVERY = 6
+"""Every sixth Gemma 3 layer attends globally, the others through the window."""
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+"""The RoPE base of Gemma 3's sliding-window layers."""
+
+
+def _gemma3_config(metadata: dict[str, object]) -> DecoderConfig:
+    """Gemma 3's block from llama.cpp's `gemma3.*` metadata keys and the two
+    defaults the file does not hold (see the module docstring)."""
+    heads = int(metadata["gemma3.attention.head_count"])
+    hidden = int(metadata["gemma3.embedding_length"])
+    layers = int(metadata["gemma3.block_count"])
+    head_dim = int(metadata.get("gemma3.attention.key_length", hidden // heads))
+    if int(metadata.get("gemma3.attention.value_length", head_dim)) != head_dim:
+        raise ModelError("gemma3 GGUF with key and value heads of different sizes")
+    if "gemma3.rope.scaling.factor" in metadata:
+        raise ModelError("gemma3 GGUF with scaled RoPE (the larger models): not described yet")
+    window = int(metadata["gemma3.attention.sliding_window"])
+    return DecoderConfig(
+        vocab_size=_vocab_size(metadata, "gemma3"),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_qo_heads=heads,
+        num_kv_heads=int(metadata.get("gemma3.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        ffn_size=int(metadata["gemma3.feed_forward_length"]),
+        rope_theta=float(metadata.get("gemma3.rope.freq_base", 1e6)),
+        rms_eps=float(metadata["gemma3.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(metadata["gemma3.context_length"]),
+        family="gemma3",
+        activation="gelu_tanh",
+        qk_norm=True,
+        sandwich_norms=True,
+        norm_in_float32=True,
+        embed_scale=float(np.float32(np.sqrt(hidden))),
+        windows=tuple(
+            None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(layers)
+        ),
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+    )
+
+
+def _vocab_size(metadata: dict[str, object], arch: str) -> int:
+    vocab = metadata.get(f"{arch}.vocab_size")
+    return int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab)
+
+
+_CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config}
+"""The architectures pagedkv describes, by GGUF's `general.architecture`."""
+_DEQUANTIZED_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+"""The block formats read (dequantized with `gguf`) for the float graphs."""

@@ -54,7 +54,7 @@ from pagedkv._ops.linear_panels import (
 )
 from pagedkv._ops.quantized_panels import quantized_panels_shape
 
-from .model import LlamaConfig, layer_weight_shapes, rope_tables
+from .model import DecoderConfig, layer_weight_shapes, rope_tables
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -75,7 +75,7 @@ class QuantizedFormats:
 
 def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     """The formats of a model's packed matrices (`QuantizedWeight`s by the
-    names of `pagedkv.models.gguf_llama.quantized_weight_names`); raises
+    names of `pagedkv.models.gguf_model.quantized_weight_names`); raises
     ValueError unless every layer has the same."""
     layer = ("wqkv", "wo", "w_gate_up", "w_down")
     first = {name: quantized[f"layers.0.{name}"].format for name in layer}
@@ -86,7 +86,7 @@ def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     return QuantizedFormats(**first, lm_head=quantized["lm_head"].format)
 
 
-def quantized_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, int]]:
+def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
     """[out_features, in_features] of a quantized graph's matrices (GGUF's
     order); a layer's are named without their "layers.{i}." prefix."""
     return {
@@ -98,24 +98,32 @@ def quantized_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def step_input_names(kind: str, num_layers: int) -> tuple[str, ...]:
-    """The order of a step graph's inputs (what the engine feeds)."""
-    common = (
-        "tokens",
-        "positions",
-        "batch_indices",
-        "kv_indices",
-        "kv_indptr",
-        "kv_last_page_len",
-        "work_items",
-        "request_items",
+def group_windows(c: DecoderConfig) -> list[int | None]:
+    """The window of each of the model's layer groups, in the page manager's
+    order (`DecoderConfig.layer_groups`): [None] when every layer is global."""
+    groups = c.layer_groups
+    return [None] if groups is None else [window for _, window in groups]
+
+
+def step_input_names(kind: str, c: DecoderConfig) -> tuple[str, ...]:
+    """The order of a step graph's inputs (what the engine feeds).
+
+    Every layer group (`group_windows`) has its own page ids and work list
+    ("kv_indices.{g}", "work_items.{g}", "request_items.{g}"); the page
+    table's shape (kv_indptr, kv_last_page_len) is the same in every group.
+    """
+    common = ("tokens", "positions", "batch_indices", "kv_indptr", "kv_last_page_len")
+    groups = tuple(
+        f"{name}.{g}"
+        for g in range(len(group_windows(c)))
+        for name in ("kv_indices", "work_items", "request_items")
     )
     extra = ("last_rows",) if kind == PREFILL else ()
-    return common + extra + tuple(f"pool.{i}" for i in range(num_layers))
+    return common + groups + extra + tuple(f"pool.{i}" for i in range(c.num_layers))
 
 
 def _input_types(
-    kind: str, c: LlamaConfig, page_size: int, dtype: DType, device: DeviceRef
+    kind: str, c: DecoderConfig, page_size: int, dtype: DType, device: DeviceRef
 ) -> list:
     i32 = DType.int32
     rows = "tokens" if kind == PREFILL else "batch"
@@ -123,22 +131,28 @@ def _input_types(
     def index(dim: str) -> TensorType:
         return TensorType(i32, [dim], device=device)
 
-    types = [
-        index(rows),
-        index(rows),
-        index(rows),
-        index("used_pages"),
-        index("batch_plus_1"),
-        index("batch"),
-        TensorType(i32, ["items", 6], device=device),
-        index("batch_plus_1"),
-    ]
+    types = [index(rows), index(rows), index(rows), index("batch_plus_1"), index("batch")]
+    for g in range(len(group_windows(c))):
+        types += [
+            index(f"used_pages_{g}"),
+            TensorType(i32, [f"items_{g}", 6], device=device),
+            index("batch_plus_1"),
+        ]
     if kind == PREFILL:
         # The rows whose logits come out: each request's last, or more
         # (prompt logprobs want every row of a prompt).
         types.append(index("out_rows"))
-    pool = BufferType(dtype, ["pages", 2, page_size, c.num_kv_heads, c.head_dim], device=device)
-    return types + [pool] * c.num_layers
+    # A window group's pool has one page more (its null page): each group's
+    # pools have their own page count.
+    windows = group_windows(c)
+    return types + [
+        BufferType(
+            dtype,
+            [f"pages_{windows.index(c.window(i))}", 2, page_size, c.num_kv_heads, c.head_dim],
+            device=device,
+        )
+        for i in range(c.num_layers)
+    ]
 
 
 def _rope(x: TensorValue, cos: TensorValue, sin: TensorValue) -> TensorValue:
@@ -166,7 +180,7 @@ def _weight(
 
 
 def _layer_weights(
-    c: LlamaConfig,
+    c: DecoderConfig,
     dtype: DType,
     device: DeviceRef,
     quantized: QuantizedFormats | None,
@@ -191,7 +205,7 @@ def _layer_weights(
 
 
 def _weights(
-    c: LlamaConfig, dtype: DType, device: DeviceRef, quantized: QuantizedFormats | None
+    c: DecoderConfig, dtype: DType, device: DeviceRef, quantized: QuantizedFormats | None
 ) -> dict[str, Weight]:
     """The weights outside the layers (the layers' come by prefix: _layer_subgraph)."""
     if quantized is not None:
@@ -211,17 +225,20 @@ def _weights(
 
 def _attention(
     kind: str,
-    c: LlamaConfig,
+    c: DecoderConfig,
     qkv: TensorValue,
     rope: tuple[TensorValue, TensorValue],
     pool: BufferValue,
     rows_index: tuple[TensorValue, TensorValue],
     table: tuple[TensorValue, TensorValue, TensorValue],
     work: tuple[TensorValue, TensorValue],
+    window: int | None,
 ) -> TensorValue:
     """Attention of the rows' fused projections qkv [rows, (Hq + 2 Hkv) D]
     over their pool, after appending their rotated keys and values (in the
-    pool's dtype); returns [rows, Hq D] in qkv's dtype.
+    pool's dtype); returns [rows, Hq D] in qkv's dtype. `window`: the
+    layer's sliding window (None: global); the work list must be planned
+    with the same window.
 
     rope: on the CPU the whole cos and sin tables [max_positions, D/2]
     (float32), which one op applies while it appends; on a GPU the rows'
@@ -240,16 +257,36 @@ def _attention(
         k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
         v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
         graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table)
+    window_left = -1 if window is None else window - 1
     if kind == PREFILL:
-        attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True)
+        attn, _ = graph_ops.batch_prefill(
+            q, pool, *table, *work, causal=True, window_left=window_left
+        )
     else:
-        attn, _ = graph_ops.batch_decode(q, pool, *table, *work, num_kv_heads=c.num_kv_heads)
+        attn, _ = graph_ops.batch_decode(
+            q, pool, *table, *work, num_kv_heads=c.num_kv_heads, window_left=window_left
+        )
     return ops.reshape(attn, [rows, nq])
+
+
+def _rms_norm(c: DecoderConfig, x: TensorValue, weight: TensorValue) -> TensorValue:
+    """RMSNorm of x over its last axis, in the family's order of rounding."""
+    return ops.rms_norm(x, weight, c.rms_eps, multiply_before_cast=c.norm_in_float32)
+
+
+def _qk_norm(c: DecoderConfig, qkv: TensorValue, q_norm: TensorValue, k_norm: TensorValue):
+    """qkv [rows, (Hq + 2 Hkv) D] with each query and key head RMS-normed."""
+    rows = qkv.shape[0]
+    nq, nk = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = ops.split(qkv, [nq, nk, nk], axis=-1)
+    q = _rms_norm(c, ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), q_norm)
+    k = _rms_norm(c, ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), k_norm)
+    return ops.concat([ops.reshape(q, [rows, nq]), ops.reshape(k, [rows, nk]), v], axis=-1)
 
 
 def _layer(
     kind: str,
-    c: LlamaConfig,
+    c: DecoderConfig,
     w: dict[str, TensorValue],
     x: TensorValue,
     rope: tuple[TensorValue, TensorValue],
@@ -258,6 +295,7 @@ def _layer(
     table: tuple[TensorValue, TensorValue, TensorValue],
     work: tuple[TensorValue, TensorValue],
     quantized: QuantizedFormats | None,
+    window: int | None,
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
@@ -285,27 +323,37 @@ def _layer(
     def linear(h: TensorValue, name: str) -> TensorValue:
         return graph_ops.linear(h, w[name], out_features[name])
 
-    h = ops.rms_norm(x, w["attn_norm"], c.rms_eps)
-    attn = _attention(kind, c, linear(h, "wqkv"), rope, pool, rows_index, table, work)
-    x = x + linear(attn, "wo")
-    h = ops.rms_norm(x, w["mlp_norm"], c.rms_eps)
-    return x + linear(ops.silu(linear(h, "w_gate")) * linear(h, "w_up"), "w_down")
+    def sandwich(h: TensorValue, name: str) -> TensorValue:
+        return _rms_norm(c, h, w[name]) if c.sandwich_norms else h
+
+    qkv = linear(_rms_norm(c, x, w["attn_norm"]), "wqkv")
+    if c.qk_norm:
+        qkv = _qk_norm(c, qkv, w["q_norm"], w["k_norm"])
+    attn = _attention(kind, c, qkv, rope, pool, rows_index, table, work, window)
+    x = x + sandwich(linear(attn, "wo"), "post_attn_norm")
+    h = _rms_norm(c, x, w["mlp_norm"])
+    gate = linear(h, "w_gate")
+    gate = ops.silu(gate) if c.activation == "silu" else ops.gelu(gate, approximate="tanh")
+    return x + sandwich(linear(gate * linear(h, "w_up"), "w_down"), "post_mlp_norm")
 
 
 def _layer_subgraph(
     g: Graph,
     kind: str,
-    c: LlamaConfig,
+    c: DecoderConfig,
     dtype: DType,
     device: DeviceRef,
     args: list,
     quantized: QuantizedFormats | None,
+    window: int | None,
 ) -> Graph:
-    """The decoder layer as a subgraph of g, compiled once and called once
-    per layer: its weights are placeholders ("attn_norm", ...) that each
-    call resolves under its own prefix ("layers.{i}.")."""
+    """The decoder layer of one window as a subgraph of g, compiled once and
+    called by every layer with that window: its weights are placeholders
+    ("attn_norm", ...) that each call resolves under its own prefix
+    ("layers.{i}.")."""
+    name = f"decoder_{kind}_layer" + ("" if window is None else f"_window_{window}")
     with g.add_subgraph(
-        f"llama_{kind}_layer",
+        name,
         input_types=[a.type for a in args],
         custom_extensions=graph_ops.custom_extensions(),
         devices=[device],
@@ -326,6 +374,7 @@ def _layer_subgraph(
                 table,
                 work,
                 quantized,
+                window,
             )
         )
     return sub
@@ -333,12 +382,23 @@ def _layer_subgraph(
 
 def step_graph_name(kind: str) -> str:
     """The name of the prefill or decode step graph in its module."""
-    return f"llama_{kind}"
+    return f"decoder_{kind}"
+
+
+def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
+    """The RoPE tables of each layer group ("rope_cos.{g}", "rope_sin.{g}",
+    float32 [max_positions, D / 2]): weights of the graph, not constants,
+    so a long context does not grow the compiled module."""
+    tables = {}
+    for g, window in enumerate(group_windows(c)):
+        cos, sin = rope_tables(c, c.rope_theta_of(window))
+        tables[f"rope_cos.{g}"], tables[f"rope_sin.{g}"] = cos, sin
+    return tables
 
 
 def build_step_graph(
     kind: str,
-    c: LlamaConfig,
+    c: DecoderConfig,
     page_size: int,
     dtype: DType = DType.float32,
     device: DeviceRef | None = None,
@@ -347,53 +407,67 @@ def build_step_graph(
 ) -> Graph:
     """The prefill or decode step graph; see step_input_names for its inputs.
 
-    The layer is one subgraph called once per layer, so the graph's compile
-    cost does not grow with the number of layers. dtype is the pools' (and
-    in the float form the weights' and activations') dtype; `quantized`
-    selects the quantized form (CPU only).
+    The layer is one subgraph per layer group (per sliding window) called by
+    each of its layers, so the graph's compile cost does not grow with the
+    number of layers. dtype is the pools' (and in the float form the
+    weights' and activations') dtype; `quantized` selects the quantized form
+    (CPU, Llama's block only).
 
     Output: logits [batch, vocab] (float32) of each request's last token
     (decode), or [out_rows, vocab] of the rows `last_rows` names (prefill).
     """
     if quantized is not None and device not in (None, DeviceRef.CPU()):
         raise ValueError("quantized step graphs run on the CPU")
+    if quantized is not None and (c.layer_groups or c.qk_norm or c.sandwich_norms):
+        raise ValueError(f"the quantized step graphs serve Llama's block, not {c.family}'s")
     device = device or DeviceRef.CPU()
-    cos_table, sin_table = rope_tables(c)
+    windows = group_windows(c)
     with Graph(
         step_graph_name(kind),
         input_types=_input_types(kind, c, page_size, dtype, device),
         custom_extensions=graph_ops.custom_extensions(),
         module=module,
     ) as g:
-        named = dict(zip(step_input_names(kind, c.num_layers), g.inputs, strict=True))
+        named = dict(zip(step_input_names(kind, c), g.inputs, strict=True))
         w = _weights(c, dtype, device, quantized)
         act = DType.float32 if quantized is not None else dtype
         t = {k: v.tensor for k, v in named.items() if not k.startswith("pool.")}
         positions = t["positions"]
-        rope_cos = ops.constant(cos_table, DType.float32, device=device)
-        rope_sin = ops.constant(sin_table, DType.float32, device=device)
-        if device != DeviceRef.CPU():
-            rope_cos = ops.cast(ops.unsqueeze(ops.gather(rope_cos, positions, 0), 1), act)
-            rope_sin = ops.cast(ops.unsqueeze(ops.gather(rope_sin, positions, 0), 1), act)
-        table = [t["kv_indices"], t["kv_indptr"], t["kv_last_page_len"]]
-        work = [t["work_items"], t["request_items"]]
+        groups = []
+        for gi in range(len(windows)):
+            rope = [
+                Weight(f"{name}.{gi}", DType.float32, (c.max_positions, c.head_dim // 2), device)
+                for name in ("rope_cos", "rope_sin")
+            ]
+            if device != DeviceRef.CPU():
+                rope = [ops.cast(ops.unsqueeze(ops.gather(r, positions, 0), 1), act) for r in rope]
+            groups.append(
+                (
+                    rope,
+                    [t[f"kv_indices.{gi}"], t["kv_indptr"], t["kv_last_page_len"]],
+                    [t[f"work_items.{gi}"], t[f"request_items.{gi}"]],
+                )
+            )
 
         x = ops.gather(w["embed"], t["tokens"], 0)  # [rows, H]
-        layer = None
+        if c.embed_scale != 1.0:
+            x = x * ops.constant(c.embed_scale, act, device=device)
+        layers: dict[int | None, Graph] = {}
         for i in range(c.num_layers):
+            window = c.window(i)
+            rope, table, work = groups[windows.index(window)]
             args = [
                 x,
-                rope_cos,
-                rope_sin,
+                *rope,
                 named[f"pool.{i}"].buffer,
                 t["batch_indices"],
                 positions,
                 *table,
                 *work,
             ]
-            if layer is None:
-                layer = _layer_subgraph(g, kind, c, dtype, device, args, quantized)
-            x = ops.call(layer, *args, prefix=f"layers.{i}.")[0].tensor
+            if window not in layers:
+                layers[window] = _layer_subgraph(g, kind, c, dtype, device, args, quantized, window)
+            x = ops.call(layers[window], *args, prefix=f"layers.{i}.")[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
         if quantized is not None:
@@ -402,36 +476,42 @@ def build_step_graph(
                 x, w["lm_head"], quantized.lm_head, c.vocab_size, rms_norm=norm
             )
         else:
-            x = ops.rms_norm(x, w["final_norm"], c.rms_eps)
+            x = _rms_norm(c, x, w["final_norm"])
             logits = ops.cast(graph_ops.linear(x, w["lm_head"], c.vocab_size), DType.float32)
         g.output(logits)
     return g
 
 
 def weights_registry(
+    c: DecoderConfig,
     weights: dict[str, np.ndarray],
     dtype: DType,
     device: DeviceRef,
     quantized: dict | None = None,
 ) -> dict:
-    """The weights as the graphs' Weight values want them.
+    """The weights as the graphs' Weight values want them, the RoPE tables
+    (`rope_weights`, float32 in every form) among them.
 
     The quantized form takes the packed matrices of `quantized` and, from
     `weights`, the float32 norms and token embedding. The float form: on the
     CPU the matrices packed in panels (float32 ones once, on disk beside a
     memory-mapped copy), and cast to dtype (once per load)."""
+    rope = rope_weights(c)
     if quantized is not None:
         floats = {
             name: w
             for name, w in weights.items()
             if name in ("embed", "final_norm") or name.endswith("_norm")
         }
-        return {**floats, **{name: q.panels for name, q in quantized.items()}}
+        return {**floats, **{name: q.panels for name, q in quantized.items()}, **rope}
     on_cpu = device == DeviceRef.CPU()
     if dtype == DType.float32:
         return {
-            name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
-            for name, w in weights.items()
+            **{
+                name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
+                for name, w in weights.items()
+            },
+            **rope,
         }
     import warnings
 
@@ -444,4 +524,4 @@ def weights_registry(
         for name, array in weights.items():
             value = torch.from_numpy(array).to(getattr(torch, dtype.name))
             registry[name] = pack_linear_weight(value) if on_cpu and _is_matrix(name) else value
-    return registry
+    return {**registry, **rope}

@@ -1,0 +1,156 @@
+"""Model families as descriptions: a small random model with Gemma 3's
+block (QK-norm, sandwich norms, GELU-tanh, scaled embeddings, sliding-window
+layers with their own RoPE base beside global ones) through the step graphs
+and the page manager's layer groups, against the float64 NumPy reference;
+the GGUF reader's refusals.
+
+The windows are short (12 tokens over 4-token pages) so that a few dozen
+tokens release pages in the window group, which the reference never has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pagedkv.cache.manager import PagedKVCacheManager
+from pagedkv.graphs.engine import DecoderEngine
+from pagedkv.graphs.model import DecoderConfig, init_weights
+from pagedkv.graphs.numpy_reference import DenseDecoder
+from pagedkv.graphs.scheduler import Request, Scheduler
+from pagedkv.graphs.self_check import check_sequences
+
+PAGE = 4
+WINDOW = 12
+CONFIG = DecoderConfig(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=3,
+    num_qo_heads=4,
+    num_kv_heads=1,
+    head_dim=64,
+    ffn_size=256,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    max_positions=256,
+    family="gemma3",
+    activation="gelu_tanh",
+    qk_norm=True,
+    sandwich_norms=True,
+    norm_in_float32=True,
+    embed_scale=math.sqrt(128),
+    windows=(WINDOW, None, WINDOW),
+    local_rope_theta=1e4,
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_weights():
+    return init_weights(CONFIG, seed=7)
+
+
+def engine(weights, num_pages: int) -> DecoderEngine:
+    manager = PagedKVCacheManager(
+        num_pages,
+        PAGE,
+        CONFIG.num_kv_heads,
+        CONFIG.head_dim,
+        num_layers=CONFIG.num_layers,
+        layer_groups=CONFIG.layer_groups,
+    )
+    return DecoderEngine(CONFIG, weights, manager)
+
+
+def test_layer_groups_come_from_the_windows():
+    assert CONFIG.layer_groups == [((1,), None), ((0, 2), WINDOW)]
+    assert DecoderConfig().layer_groups is None  # Llama: one plain group
+    assert CONFIG.rope_theta_of(WINDOW) == 1e4 and CONFIG.rope_theta_of(None) == 1e6
+    with pytest.raises(ValueError, match="windows has 2 entries"):
+        DecoderConfig(num_layers=4, windows=(8, None))
+    with pytest.raises(ValueError, match="activation"):
+        DecoderConfig(activation="relu")
+
+
+def test_prefill_and_decode_past_the_window_equal_numpy(gemma_weights):
+    """A ragged prefill (one prompt shorter than the window, two longer) and
+    decode steps that carry every request past it: the logits of every step
+    equal the dense reference's, while the window group gives pages back."""
+    e = engine(gemma_weights, 64)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 19, 33)]
+    ids = ["a", "b", "c"]
+    for i in ids:
+        e.manager.add(i)
+    refs = [DenseDecoder(CONFIG, gemma_weights) for _ in prompts]
+    logits = e.prefill(ids, prompts)
+    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    for _ in range(14):
+        nxt = want.argmax(-1)
+        logits = e.decode(ids, nxt)
+        want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
+        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    window_group, null = 1, e.manager.null_pages[1]
+    for i in ids:
+        pages = e.manager.pages(i, window_group)
+        live = pages[pages != null]
+        # The window's keys span at most ceil(WINDOW / PAGE) + 1 pages.
+        assert len(live) <= -(-WINDOW // PAGE) + 1 < len(pages)
+        assert (e.manager.pages(i, 0) != null).all()
+    e.manager.validate()
+
+
+def test_scheduler_shares_prefixes_and_forks_across_layer_groups(gemma_weights):
+    """Requests sharing a system prompt longer than the window, one of them
+    sampled twice (a fork), in a pool too small for all at once: every
+    generated token agrees with the reference and every page comes back."""
+    e = engine(gemma_weights, 40)
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, CONFIG.vocab_size, 24).tolist()
+    requests = [
+        Request(
+            f"r{i}",
+            tuple(system + rng.integers(0, CONFIG.vocab_size, 3 + i).tolist()),
+            max_tokens=10 + 4 * i,
+            n=2 if i == 1 else 1,
+        )
+        for i in range(4)
+    ]
+    sequences, _ = Scheduler(e, keep_logits=True).run(requests)
+    assert [len(s.tokens) for s in sequences] == [10, 14, 14, 18, 22]
+    assert e.manager.num_used_pages == 0
+    e.manager.validate()
+    assert e.manager.stats.prefix_hits > 0
+    check = check_sequences(CONFIG, gemma_weights, sequences)
+    assert check.passed, check.mismatches
+
+
+def _tiny_gguf(path, arch: str, tensor_type: str = "F32") -> None:
+    """A GGUF holding one tensor and the few keys the reader looks at first."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    data = np.zeros((32, 64), np.float32)
+    kind = GGMLQuantizationType[tensor_type]
+    if tensor_type != "F32":
+        data = quants.quantize(data, kind)
+    w.add_tensor("token_embd.weight", data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_ggufs_fail_at_load_naming_what_is_missing(tmp_path):
+    from pagedkv.models.errors import ModelError
+    from pagedkv.models.gguf_model import read_gguf
+
+    _tiny_gguf(tmp_path / "mamba.gguf", "mamba")
+    with pytest.raises(ModelError, match="'mamba' model; pagedkv serves the architectures"):
+        read_gguf(tmp_path / "mamba.gguf")
+    _tiny_gguf(tmp_path / "gemma.gguf", "gemma3")
+    with pytest.raises(ModelError, match="gemma3.attention.head_count"):
+        read_gguf(tmp_path / "gemma.gguf")
