@@ -1,7 +1,7 @@
-"""Serving SmolLM2-135M-Instruct: pagedkv beside HF transformers in one run
+"""Serving a catalogue model: pagedkv beside HF transformers in one run
 (see benchmarks/harness/serve_bench.py for what each row does).
 
-    python benchmarks/serve.py [--dtypes float32,bfloat16] [--one-at-a-time N]
+    python benchmarks/serve.py [--model gemma3-270m] [--dtypes float32,bfloat16] [--one-at-a-time N]
     python benchmarks/serve.py --device gpu --requests 1,64
 
 Needs transformers and accelerate (`pip install -e ".[test]"`).
@@ -15,6 +15,7 @@ from harness.serve_bench import main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument(
         "--one-at-a-time",
@@ -28,4 +29,4 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     counts = tuple(int(n) for n in args.requests.split(","))
-    main(args.dtypes.split(","), args.one_at_a_time, args.device, counts)
+    main(args.dtypes.split(","), args.one_at_a_time, args.device, counts, args.model)

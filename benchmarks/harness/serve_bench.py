@@ -1,4 +1,5 @@
-"""Serving SmolLM2-135M-Instruct: pagedkv beside HF transformers, one run.
+"""Serving a catalogue model (SmolLM2-135M-Instruct by default, or Gemma 3
+270M): pagedkv beside HF transformers, one run.
 
 32 chat requests (all arriving at once), 64 new tokens each, greedy, EOS
 ignored on both sides so every request generates exactly 64 tokens:
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.graphs.demo import QUESTIONS
+from pagedkv.models.catalog import DEFAULT_MODEL as MODEL
 
 PROMPTS = QUESTIONS + (
     "Write a haiku about the sea.",
@@ -45,6 +47,8 @@ PROMPTS = QUESTIONS + (
     "How does a bicycle stay upright?",
 )
 NEW_TOKENS = 64
+WEIGHTS = {"float32": "f32", "bfloat16": "bf16"}
+"""pagedkv's weight form of each dtype row."""
 
 
 @dataclass
@@ -77,13 +81,15 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(isa) or 'no AVX'})"
 
 
-def run_pagedkv(dtype: str, prompts: tuple[str, ...], device: str = "cpu", llm=None) -> ServeRow:
+def run_pagedkv(
+    dtype: str, prompts: tuple[str, ...], device: str = "cpu", llm=None, model: str = MODEL
+) -> ServeRow:
     """pagedkv's continuous batching over the paged cache (`llm`: a loaded
-    model to reuse, else one loaded on `device`)."""
+    model to reuse, else `model` loaded on `device`)."""
     from pagedkv.graphs.scheduler import Request, Scheduler
     from pagedkv.models import load
 
-    llm = llm or load(dtype=dtype, device=device)
+    llm = llm or load(model, weights=WEIGHTS[dtype], device=device)
     ids = [tuple(llm.prompt_ids(p)) for p in prompts]
     # First executes (allocations, caches) on another prompt: only the chat
     # template's system prompt is left in the prefix cache, as on a server.
@@ -113,38 +119,48 @@ def run_pagedkv(dtype: str, prompts: tuple[str, ...], device: str = "cpu", llm=N
     )
 
 
-def _hf_model(dtype: str, device: str = "cpu"):
+def _hf_model(dtype: str, device: str = "cpu", model: str = MODEL):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedkv.models import fetch_gguf
 
-    gguf = fetch_gguf("smollm2-135m-instruct")
+    gguf = fetch_gguf(model)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.padding_side = "left"
     # Some transformers versions read no pad token from the GGUF; padded
     # positions are masked, so any token does.
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
+    hf = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     )
-    model.eval()
+    hf.eval()
     if device == "gpu":
-        model.to("cuda")
-    return tokenizer, model
+        hf.to("cuda")
+    return tokenizer, hf, _chat_tokenizer(model)
 
 
 def _hf_kv_bytes(model, dtype: str) -> int:
     c = model.config
     itemsize = 4 if dtype == "float32" else 2
-    head_dim = c.hidden_size // c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * itemsize
 
 
-def _chat(tokenizer, prompt: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
+def _chat_tokenizer(model: str):
+    """pagedkv's tokenizer of `model` (its chat template, or the family's
+    turn format where the GGUF carries none, as pagedkv serves it)."""
+    from pagedkv.models import fetch_gguf
+    from pagedkv.models.tokenizer import ChatTokenizer
+    from pagedkv.models.unpacked import read_unpacked
+
+    return ChatTokenizer.from_gguf_metadata(read_unpacked(fetch_gguf(model)).metadata)
+
+
+def _chat(chat_tokenizer, prompt: str) -> str:
+    """The chat prompt's text; its BOS, if the model has one, comes from the
+    transformers tokenizer (add_special_tokens)."""
+    return chat_tokenizer.render_chat([{"role": "user", "content": prompt}])
 
 
 def run_hf_batched(dtype: str, cache: str, prompts: tuple[str, ...], model=None) -> ServeRow:
@@ -152,9 +168,9 @@ def run_hf_batched(dtype: str, cache: str, prompts: tuple[str, ...], model=None)
     request's first token arrives with the batch's prefill."""
     import torch
 
-    tokenizer, model = model or _hf_model(dtype)
-    texts = [_chat(tokenizer, p) for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    tokenizer, model, chat = model or _hf_model(dtype)
+    texts = [_chat(chat, p) for p in prompts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=chat.add_bos)
     batch = batch.to(model.device)
     kwargs = dict(
         do_sample=False,
@@ -207,7 +223,7 @@ def run_hf_one_at_a_time(dtype: str, prompts: tuple[str, ...], model=None) -> Se
     the start, so a request's first token waits for those before it)."""
     import torch
 
-    tokenizer, model = model or _hf_model(dtype)
+    tokenizer, model, chat = model or _hf_model(dtype)
     tokens, ttft = 0, []
     kwargs = dict(
         max_new_tokens=NEW_TOKENS,
@@ -218,7 +234,7 @@ def run_hf_one_at_a_time(dtype: str, prompts: tuple[str, ...], model=None) -> Se
     with torch.inference_mode():
         t0 = time.perf_counter()
         for p in prompts:
-            ids = tokenizer(_chat(tokenizer, p), return_tensors="pt", add_special_tokens=False)
+            ids = tokenizer(_chat(chat, p), return_tensors="pt", add_special_tokens=chat.add_bos)
             start = time.perf_counter()
             model(**ids)  # the prefill alone: its end is this request's first token
             ttft.append(time.perf_counter() - t0)
@@ -231,10 +247,10 @@ def run_hf_one_at_a_time(dtype: str, prompts: tuple[str, ...], model=None) -> Se
     return ServeRow("transformers, one at a time", dtype, tokens, seconds, ttft, 0.0)
 
 
-def format_serve_table(machine: str, rows: list[ServeRow]) -> str:
+def format_serve_table(machine: str, rows: list[ServeRow], model: str = MODEL) -> str:
     base = next((r for r in rows if r.name.startswith("pagedkv") and r.dtype == "float32"), None)
     lines = [
-        f"SmolLM2-135M-Instruct, chat requests x {NEW_TOKENS} new tokens, greedy; {machine}",
+        f"{model}, chat requests x {NEW_TOKENS} new tokens, greedy; {machine}",
         "| server | dtype | tokens/s | pagedkv f32 / this | TTFT p50 s | TTFT p99 s "
         "| KV bytes/token |",
         "|---|---|---|---|---|---|---|",
@@ -259,6 +275,7 @@ def main(
     one_at_a_time: int,
     device: str = "cpu",
     counts: tuple[int, ...] = (len(PROMPTS),),
+    model: str = MODEL,
 ) -> None:
     """Runs every row and prints the table (markdown): pagedkv and
     transformers batched at each request count in `counts`, on `device`."""
@@ -275,19 +292,19 @@ def main(
     for dtype in dtypes:
         from pagedkv.models import load
 
-        llm = load(dtype=dtype, device=device)
+        llm = load(model, weights=WEIGHTS[dtype], device=device)
         for count in counts:
             rows.append(run_pagedkv(dtype, prompts_for(count), device, llm))
             print(f"{rows[-1].name} {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
         del llm
     for dtype in dtypes:
-        model = _hf_model(dtype, device)
+        hf = _hf_model(dtype, device, model)
         for count in counts:
             for cache in ("dynamic", "static"):
-                rows.append(run_hf_batched(dtype, cache, prompts_for(count), model))
+                rows.append(run_hf_batched(dtype, cache, prompts_for(count), hf))
                 print(f"{rows[-1].name} {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
         if dtype == "float32" and one_at_a_time and device == "cpu":
-            rows.append(run_hf_one_at_a_time(dtype, PROMPTS[:one_at_a_time], model))
+            rows.append(run_hf_one_at_a_time(dtype, PROMPTS[:one_at_a_time], hf))
             print(f"{rows[-1].name}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
     print()
-    print(format_serve_table(machine, rows))
+    print(format_serve_table(machine, rows, model))
