@@ -612,8 +612,8 @@ def test_state_machine(machine):
 @pytest.mark.slow
 @pytest.mark.parametrize("machine", MACHINES, ids=MACHINE_IDS)
 def test_state_machine_long(machine):
-    """10^5 operations per machine (400 runs of 250 steps): minutes, so slow."""
-    long_settings = settings(MACHINE_SETTINGS, max_examples=400, stateful_step_count=250)
+    """5 x 10^4 operations per machine (200 runs of 250 steps): minutes, so slow."""
+    long_settings = settings(MACHINE_SETTINGS, max_examples=200, stateful_step_count=250)
     totals = run_machine(machine, long_settings)
     assert all(totals.values()), totals
 
