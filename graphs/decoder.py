@@ -62,28 +62,54 @@ DECODE = "decode"
 
 @dataclass(frozen=True)
 class QuantizedFormats:
-    """The GGUF block format of each product of a quantized graph (the same
+    """The packed GGUF layout of each product of a quantized graph (the same
     in every layer): the fused Q|K|V projection, the output projection, the
-    fused gate|up projection, the down projection and the output head."""
+    fused gate|up projection, the down projection and the output head; None
+    where the product multiplies float32 weights instead (a format the
+    quantized product does not take)."""
 
-    wqkv: str
-    wo: str
-    w_gate_up: str
-    w_down: str
-    lm_head: str
+    wqkv: str | None
+    wo: str | None
+    w_gate_up: str | None
+    w_down: str | None
+    lm_head: str | None
+
+    def fused_layer(self, c: DecoderConfig) -> bool:
+        """Whether a layer is one fused op (`graph_ops.quantized_decoder_layer`):
+        Llama's block with every layer product quantized."""
+        plain = not (c.qk_norm or c.sandwich_norms or c.layer_groups) and c.activation == "silu"
+        return plain and None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+
+    @property
+    def products(self) -> frozenset[str]:
+        """The quantized products' names (their activations are quantized)."""
+        names = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+        return frozenset(name for name in names if getattr(self, name) is not None)
+
+
+LAYER_PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
+"""A quantized graph's products in each layer, by their names."""
 
 
 def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     """The formats of a model's packed matrices (`QuantizedWeight`s by the
-    names of `pagedkv.models.gguf_model.quantized_weight_names`); raises
-    ValueError unless every layer has the same."""
-    layer = ("wqkv", "wo", "w_gate_up", "w_down")
-    first = {name: quantized[f"layers.0.{name}"].format for name in layer}
+    names of `pagedkv.models.gguf_model.quantized_weight_names`, a product
+    missing where its weights stay float); raises ValueError unless every
+    layer has the same."""
+
+    def formats(i: int) -> dict[str, str | None]:
+        return {
+            name: getattr(quantized.get(f"layers.{i}.{name}"), "format", None)
+            for name in LAYER_PRODUCTS
+        }
+
+    first = formats(0)
     for i in range(1, num_layers):
-        found = {name: quantized[f"layers.{i}.{name}"].format for name in layer}
-        if found != first:
-            raise ValueError(f"layer {i}'s weight formats {found} differ from layer 0's {first}")
-    return QuantizedFormats(**first, lm_head=quantized["lm_head"].format)
+        if formats(i) != first:
+            raise ValueError(
+                f"layer {i}'s weight formats {formats(i)} differ from layer 0's {first}"
+            )
+    return QuantizedFormats(**first, lm_head=getattr(quantized.get("lm_head"), "format", None))
 
 
 def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -186,21 +212,28 @@ def _layer_weights(
     quantized: QuantizedFormats | None,
     placeholder: bool = True,
 ) -> dict[str, Weight]:
-    """A layer's weights (placeholders, resolved by each layer's prefix)."""
+    """A layer's weights (placeholders, resolved by each layer's prefix).
+
+    In a quantized graph the norms and the float products' weights are
+    float32 and the quantized products' packed bytes."""
+    shapes = layer_weight_shapes(c)
     if quantized is None:
         return {
-            name: _weight(name, dtype, shape, device, placeholder)
-            for name, shape in layer_weight_shapes(c).items()
+            name: _weight(name, dtype, shape, device, placeholder) for name, shape in shapes.items()
         }
-    shapes = quantized_weight_shapes(c)
-    w = {
-        name: Weight(name, DType.float32, (c.hidden_size,), device, _placeholder=placeholder)
-        for name in ("attn_norm", "mlp_norm")
-    }
-    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        fmt = getattr(quantized, name)
-        packed = quantized_panels_shape(fmt, *shapes[name])
-        w[name] = Weight(name, DType.uint8, packed, device, _placeholder=placeholder)
+    floats = {"wqkv": ("wqkv",), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up")}
+    floats["w_down"] = ("w_down",)
+    names = [name for name in shapes if name not in MATRICES]
+    w = {}
+    for product, parts in floats.items():
+        fmt = getattr(quantized, product)
+        if fmt is None:
+            names += parts
+        else:
+            packed = quantized_panels_shape(fmt, *quantized_weight_shapes(c)[product])
+            w[product] = Weight(product, DType.uint8, packed, device, _placeholder=placeholder)
+    for name in names:
+        w[name] = _weight(name, DType.float32, shapes[name], device, placeholder)
     return w
 
 
@@ -208,19 +241,18 @@ def _weights(
     c: DecoderConfig, dtype: DType, device: DeviceRef, quantized: QuantizedFormats | None
 ) -> dict[str, Weight]:
     """The weights outside the layers (the layers' come by prefix: _layer_subgraph)."""
-    if quantized is not None:
-        head = quantized_panels_shape(quantized.lm_head, *quantized_weight_shapes(c)["lm_head"])
-        return {
-            "embed": Weight("embed", DType.float32, (c.vocab_size, c.hidden_size), device),
-            "final_norm": Weight("final_norm", DType.float32, (c.hidden_size,), device),
-            "lm_head": Weight("lm_head", DType.uint8, head, device),
-        }
     shapes = {
         "embed": (c.vocab_size, c.hidden_size),
         "final_norm": (c.hidden_size,),
         "lm_head": (c.hidden_size, c.vocab_size),
     }
-    return {name: _weight(name, dtype, shape, device) for name, shape in shapes.items()}
+    if quantized is None:
+        return {name: _weight(name, dtype, shape, device) for name, shape in shapes.items()}
+    w = {name: _weight(name, DType.float32, shapes[name], device) for name in shapes}
+    if quantized.lm_head is not None:
+        head = quantized_panels_shape(quantized.lm_head, *quantized_weight_shapes(c)["lm_head"])
+        w["lm_head"] = Weight("lm_head", DType.uint8, head, device)
+    return w
 
 
 def _attention(
@@ -299,7 +331,7 @@ def _layer(
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    if quantized is not None:
+    if quantized is not None and quantized.fused_layer(c):
         layer = graph_ops.QuantizedLayerWeights(
             *(w[name] for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")),
             formats=(quantized.wqkv, quantized.wo, quantized.w_gate_up, quantized.w_down),
@@ -319,9 +351,19 @@ def _layer(
         )
 
     out_features = {name: shape[-1] for name, shape in layer_weight_shapes(c).items()}
+    out_features["w_gate_up"] = 2 * c.ffn_size
 
     def linear(h: TensorValue, name: str) -> TensorValue:
+        fmt = getattr(quantized, name, None) if quantized is not None else None
+        if fmt is not None:
+            return graph_ops.qlinear(h, w[name], fmt, out_features[name])
         return graph_ops.linear(h, w[name], out_features[name])
+
+    def gate_and_up(h: TensorValue) -> tuple[TensorValue, TensorValue]:
+        if quantized is not None and quantized.w_gate_up is not None:
+            gate, up = ops.split(linear(h, "w_gate_up"), [c.ffn_size, c.ffn_size], axis=-1)
+            return gate, up
+        return linear(h, "w_gate"), linear(h, "w_up")
 
     def sandwich(h: TensorValue, name: str) -> TensorValue:
         return _rms_norm(c, h, w[name]) if c.sandwich_norms else h
@@ -331,10 +373,9 @@ def _layer(
         qkv = _qk_norm(c, qkv, w["q_norm"], w["k_norm"])
     attn = _attention(kind, c, qkv, rope, pool, rows_index, table, work, window)
     x = x + sandwich(linear(attn, "wo"), "post_attn_norm")
-    h = _rms_norm(c, x, w["mlp_norm"])
-    gate = linear(h, "w_gate")
+    gate, up = gate_and_up(_rms_norm(c, x, w["mlp_norm"]))
     gate = ops.silu(gate) if c.activation == "silu" else ops.gelu(gate, approximate="tanh")
-    return x + sandwich(linear(gate * linear(h, "w_up"), "w_down"), "post_mlp_norm")
+    return x + sandwich(linear(gate * up, "w_down"), "post_mlp_norm")
 
 
 def _layer_subgraph(
@@ -418,8 +459,6 @@ def build_step_graph(
     """
     if quantized is not None and device not in (None, DeviceRef.CPU()):
         raise ValueError("quantized step graphs run on the CPU")
-    if quantized is not None and (c.layer_groups or c.qk_norm or c.sandwich_norms):
-        raise ValueError(f"the quantized step graphs serve Llama's block, not {c.family}'s")
     device = device or DeviceRef.CPU()
     windows = group_windows(c)
     with Graph(
@@ -470,7 +509,7 @@ def build_step_graph(
             x = ops.call(layers[window], *args, prefix=f"layers.{i}.")[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
-        if quantized is not None:
+        if quantized is not None and quantized.lm_head is not None:
             norm = (w["final_norm"], c.rms_eps)
             logits = graph_ops.qlinear(
                 x, w["lm_head"], quantized.lm_head, c.vocab_size, rms_norm=norm
@@ -497,14 +536,20 @@ def weights_registry(
     CPU the matrices packed in panels (float32 ones once, on disk beside a
     memory-mapped copy), and cast to dtype (once per load)."""
     rope = rope_weights(c)
+    on_cpu = device == DeviceRef.CPU()
     if quantized is not None:
+        # Float32 everything the packed products do not cover: norms, the
+        # embedding, and the matrices of products left float.
+        covered = set(quantized)
+        covered |= {
+            name.replace("w_gate_up", part) for name in quantized for part in ("w_gate", "w_up")
+        }
         floats = {
-            name: w
+            name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
             for name, w in weights.items()
-            if name in ("embed", "final_norm") or name.endswith("_norm")
+            if name not in covered
         }
         return {**floats, **{name: q.panels for name, q in quantized.items()}, **rope}
-    on_cpu = device == DeviceRef.CPU()
     if dtype == DType.float32:
         return {
             **{

@@ -299,6 +299,7 @@ def run_demo(options: DemoOptions) -> int:
     """Runs the demo and prints its summary; returns the exit status."""
     from pagedkv.cache.manager import PagedKVCacheManager
 
+    from .decoder import quantized_formats
     from .engine import DecoderEngine
     from .self_check import check_sequences
 
@@ -359,7 +360,10 @@ def run_demo(options: DemoOptions) -> int:
         f"prefix cache: {manager.stats.prefix_hits} page hits, {manager.stats.prefix_misses} misses"
     )
     t0 = time.perf_counter()
-    check = check_sequences(config, plan.weights, sequences, quantized=plan.quantized is not None)
+    products = (
+        quantized_formats(plan.quantized, config.num_layers).products if plan.quantized else ()
+    )
+    check = check_sequences(config, plan.weights, sequences, quantized=products)
     tolerance = LOGIT_TOLERANCE.get((weights, options.device))
     checked = tolerance is not None and kv_dtype == "float32"
     close = tolerance is None or check.max_logit_diff <= tolerance

@@ -10,6 +10,8 @@ what they compute up to float32 rounding.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from .model import DecoderConfig, rope_tables
@@ -54,15 +56,22 @@ def quantize_activations(x: np.ndarray) -> np.ndarray:
 class DenseDecoder:
     """One request at a time: feed() tokens, get the last token's logits.
 
-    `quantized`: quantize each product's activations (the quantized step
-    graphs' arithmetic; the weights are then the GGUF's, dequantized)."""
+    `quantized`: quantize the activations of every product (True) or of
+    the products named ("wqkv", "wo", "w_gate_up", "w_down", "lm_head"): the
+    quantized step graphs' arithmetic, where the weights are the GGUF's,
+    dequantized."""
 
     def __init__(
-        self, config: DecoderConfig, weights: dict[str, np.ndarray], quantized: bool = False
+        self,
+        config: DecoderConfig,
+        weights: dict[str, np.ndarray],
+        quantized: bool | Collection[str] = False,
     ) -> None:
         self.c = config
         self.w = weights
-        self.quantized = quantized
+        if quantized is True:
+            quantized = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+        self.quantized = frozenset(quantized or ())
         self.rope = {
             window: rope_tables(config, config.rope_theta_of(window))
             for window in {config.window(i) for i in range(config.num_layers)}
@@ -88,8 +97,10 @@ class DenseDecoder:
         return other
 
     def product(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ w[name], after quantizing x when the model is quantized."""
-        return (quantize_activations(x) if self.quantized else x) @ self.w[name]
+        """x @ w[name], after quantizing x when that product is quantized."""
+        product = name.rsplit(".", 1)[-1]
+        product = "w_gate_up" if product in ("w_gate", "w_up") else product
+        return (quantize_activations(x) if product in self.quantized else x) @ self.w[name]
 
     def feed(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (causal attention over everything so far); returns

@@ -12,6 +12,7 @@ bounded by the caller, through `max_logit_diff`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,10 +39,11 @@ def check_sequences(
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float = 1e-3,
-    quantized: bool = False,
+    quantized: bool | Collection[str] = False,
 ) -> CheckResult:
     """Compares every token (and the logits behind it) with the reference
-    (`DenseDecoder`, quantizing its activations when `quantized`).
+    (`DenseDecoder`, quantizing the activations of every product or of the
+    products `quantized` names).
 
     NumPy's BLAS runs on one thread here: the reference's matrices are small,
     and a BLAS thread pool that waits on a busy core runs them many times
@@ -58,7 +60,7 @@ def _check(
     weights: dict[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float,
-    quantized: bool,
+    quantized: bool | Collection[str],
 ) -> CheckResult:
     result = CheckResult()
     by_request: dict[str, list[Sequence]] = {}

@@ -213,6 +213,21 @@ def test_packing_keeps_the_gguf_blocks_bit_for_bit(fmt):
     assert not pad_codes.any() and not pad_scales.view(np.uint16).any()
 
 
+def test_q5_0_is_packed_as_q8_0_exactly():
+    """Q5_0's 5-bit codes less 16 and its scales are Q8_0 codes and scales:
+    the panels dequantize to what `gguf` dequantizes, bit for bit."""
+    rng = np.random.default_rng(4)
+    n, k = 21, 128
+    kind = GGMLQuantizationType.Q5_0
+    raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), kind)
+    packed = pack_quantized_weight(raw, "Q5_0", n, k)
+    assert (packed.format, packed.panels.shape) == ("Q8_0", quantized_panels_shape("Q8_0", n, k))
+    codes, scales, _, _, _ = unpack_panels(packed.panels, "Q8_0", n, k)
+    values = codes.view(np.int8).reshape(n, k // 32, 32) * scales.astype(np.float32)[..., None]
+    np.testing.assert_array_equal(values.reshape(n, k), quants.dequantize(raw, kind))
+    assert codes.view(np.int8).min() >= -16 and codes.view(np.int8).max() <= 15
+
+
 def test_bad_quantized_operands_are_refused():
     with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
         quantized_panel_bytes("Q6_K", 64)

@@ -47,8 +47,9 @@ PROMPTS = QUESTIONS + (
     "How does a bicycle stay upright?",
 )
 NEW_TOKENS = 64
-WEIGHTS = {"float32": "f32", "bfloat16": "bf16"}
-"""pagedkv's weight form of each dtype row."""
+WEIGHTS = {"float32": "f32", "bfloat16": "bf16", "gguf": "gguf"}
+"""pagedkv's weight form of each dtype row ("gguf": the GGUF's own blocks,
+a float16 cache; pagedkv only)."""
 
 
 @dataclass
@@ -297,7 +298,7 @@ def main(
             rows.append(run_pagedkv(dtype, prompts_for(count), device, llm))
             print(f"{rows[-1].name} {dtype}: {rows[-1].tokens_per_s:.1f} tokens/s", flush=True)
         del llm
-    for dtype in dtypes:
+    for dtype in (d for d in dtypes if d != "gguf"):
         hf = _hf_model(dtype, device, model)
         for count in counts:
             for cache in ("dynamic", "static"):

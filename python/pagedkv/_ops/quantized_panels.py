@@ -26,7 +26,10 @@ PANEL_ALIGN = 64
 
 _CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 _HAS_MIN = {"Q4_1"}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+PACKED_AS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q8_0": "Q8_0"}
+"""The layout each GGUF format is packed in, exactly: Q5_0's codes (0..31,
+less 16) and scale are Q8_0's codes and scale (8 bits a weight, not 5.5)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,15 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     if fmt == "Q8_0":
         parts["codes"] = blocks[..., 2:34].view(np.int8)
         return parts
+    if fmt == "Q5_0":
+        # Input j < 16: the low nibble of byte j and bit j of qh; input
+        # j + 16: the high nibble and bit j + 16.
+        qh = blocks[..., 2:6].copy().view("<u4")  # [n, blocks, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        qs = blocks[..., 6:22]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        parts["codes"] = ((low | high).astype(np.int16) - 16).astype(np.int8)
+        return parts
     qs = blocks[..., 4:20] if fmt in _HAS_MIN else blocks[..., 2:18]
     if fmt in _HAS_MIN:
         parts["m"] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
@@ -102,15 +114,17 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
         modified.
     fmt : str
-        Its GGUF type: "Q4_0", "Q4_1" or "Q8_0".
+        Its GGUF type: "Q4_0", "Q4_1", "Q5_0" or "Q8_0" (Q5_0 is packed as
+        Q8_0, exactly: `PACKED_AS`).
     out_features, in_features : int
         N and K of the weight [N, K]; K a multiple of 32.
 
     Returns
     -------
     QuantizedWeight
-        The panels, uint8 ``[ceil(N / 16), quantized_panel_bytes(fmt, K)]``;
-        columns past N are zero.
+        Its format is the packed layout's (`PACKED_AS[fmt]`); the panels,
+        uint8 ``[ceil(N / 16), quantized_panel_bytes(format, K)]``; columns
+        past N are zero.
 
     Examples
     --------
@@ -123,9 +137,11 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
     >>> packed.panels.shape
     (2, 640)
     """
-    check_format(fmt)
+    if fmt not in PACKED_AS:
+        raise ValueError(f"quantized products take {', '.join(PACKED_AS)} weights, not {fmt!r}")
     n, k = int(out_features), int(in_features)
     parts = _blocks(raw, fmt, n, k)
+    fmt = PACKED_AS[fmt]
     panels = -(-n // QUANT_PANEL)
     blocks = k // QK
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv._ops.contract import QUANT_FORMATS, QUANT_PANEL
-from pagedkv._ops.quantized_panels import QuantizedWeight, pack_quantized_weight
+from pagedkv._ops.contract import QUANT_PANEL
+from pagedkv._ops.quantized_panels import PACKED_AS, QuantizedWeight, pack_quantized_weight
 from pagedkv.graphs.model import DecoderConfig
 
 from .errors import ModelError
@@ -54,8 +54,9 @@ class GGUFModel:
     """Every scalar and string field, and the tokenizer's arrays."""
     quantized: dict[str, QuantizedWeight]
     """The matrices in their GGUF block formats, packed, by the quantized
-    graphs' names (`quantized_weight_names`); empty unless every matrix is
-    in a format the quantized product takes."""
+    graphs' names (`quantized_weight_names`): the products whose formats the
+    quantized product takes (the others are multiplied in float32); empty
+    when none is."""
 
 
 def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -131,7 +132,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         head = matrix(head_name) if head_name == "output.weight" else weights["embed"]
         weights["lm_head"] = np.ascontiguousarray(head.T)
-        quantized = _quantized(config, tensors, head_name) if arch == "llama" else {}
+        quantized = _quantized(config, tensors, head_name, permuted=arch == "llama")
     except KeyError as e:
         raise ModelError(
             f"{path} lacks tensor {e}; delete it and it will be fetched again"
@@ -166,27 +167,30 @@ def _float_weights(config: DecoderConfig, matrix, permuted: bool) -> dict[str, n
     return weights
 
 
-def _quantized(config: DecoderConfig, tensors: dict, head_name: str) -> dict[str, QuantizedWeight]:
-    """The matrices packed in their own block formats, the Q, K and V
-    projections fused into one product and the gate and up projections into
-    another (their panels side by side); empty when a matrix's format is one
-    the quantized product does not take or the fusions do not line up."""
-    names = {t.tensor_type.name for t in tensors.values() if len(t.shape) == 2}
-    if not names <= set(QUANT_FORMATS):
-        return {}
+def _quantized(
+    config: DecoderConfig, tensors: dict, head_name: str, permuted: bool
+) -> dict[str, QuantizedWeight]:
+    """The matrices packed in their own block formats (`PACKED_AS`), the Q,
+    K and V projections fused into one product and the gate and up
+    projections into another (their panels side by side). A product whose
+    parts are in a format the quantized product does not take, or pack to
+    different layouts, is left out in every layer (its weights stay
+    float); empty when no product is left."""
 
-    def packed(name: str, heads: int | None = None) -> QuantizedWeight:
+    def packed(name: str, heads: int | None = None) -> QuantizedWeight | None:
         t = tensors[name]
+        if t.tensor_type.name not in PACKED_AS:
+            return None
         k, n = (int(d) for d in t.shape)  # GGUF lists the inputs first
         data = np.asarray(t.data).reshape(n, -1)
-        if heads is not None:
+        if heads is not None and permuted:
             data = undo_rope_permutation(data, heads)
         return pack_quantized_weight(data, t.tensor_type.name, n, k)
 
-    def fused(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-        if len({p.format for p in parts}) != 1 or any(
-            p.out_features % QUANT_PANEL for p in parts[:-1]
-        ):
+    def fused(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
+        if None in parts or len({p.format for p in parts}) != 1:
+            return None
+        if any(p.out_features % QUANT_PANEL for p in parts[:-1]):
             return None
         return QuantizedWeight(
             parts[0].format,
@@ -195,25 +199,31 @@ def _quantized(config: DecoderConfig, tensors: dict, head_name: str) -> dict[str
             np.concatenate([p.panels for p in parts]),
         )
 
-    out = {}
+    out: dict[str, QuantizedWeight | None] = {}
     for i in range(config.num_layers):
         blk = f"blk.{i}."
-        qkv = fused(
+        out[f"layers.{i}.wqkv"] = fused(
             [
                 packed(blk + "attn_q.weight", config.num_qo_heads),
                 packed(blk + "attn_k.weight", config.num_kv_heads),
                 packed(blk + "attn_v.weight"),
             ]
         )
-        gate_up = fused([packed(blk + "ffn_gate.weight"), packed(blk + "ffn_up.weight")])
-        if qkv is None or gate_up is None:
-            return {}
-        out[f"layers.{i}.wqkv"] = qkv
         out[f"layers.{i}.wo"] = packed(blk + "attn_output.weight")
-        out[f"layers.{i}.w_gate_up"] = gate_up
+        out[f"layers.{i}.w_gate_up"] = fused(
+            [packed(blk + "ffn_gate.weight"), packed(blk + "ffn_up.weight")]
+        )
         out[f"layers.{i}.w_down"] = packed(blk + "ffn_down.weight")
     out["lm_head"] = packed(head_name)
-    return out
+    # A product is quantized in every layer or in none (one layer subgraph
+    # serves them all), in one layout.
+    for product in ("wqkv", "wo", "w_gate_up", "w_down"):
+        names = [f"layers.{i}.{product}" for i in range(config.num_layers)]
+        if len({getattr(out[n], "format", None) for n in names}) != 1:
+            for n in names:
+                out[n] = None
+    kept = {name: q for name, q in out.items() if q is not None}
+    return kept if len(kept) > 0 else {}
 
 
 def _llama_config(metadata: dict[str, object]) -> DecoderConfig:

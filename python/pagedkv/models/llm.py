@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv._ops.contract import QUANT_FORMATS
 from pagedkv._ops.kernels import build_kernel_package_in_background
+from pagedkv._ops.quantized_panels import PACKED_AS
 from pagedkv.cache.manager import PagedKVCacheManager
 from pagedkv.graphs.engine import DecoderEngine
 from pagedkv.graphs.model import DecoderConfig
@@ -301,14 +301,14 @@ def load(
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
     model = _read(path.resolve())
     if weights is None:
-        # The quantized product serves Llama's block in the formats it takes;
-        # any other model is served from its float32 weights by default.
+        # A model with no product in a format the quantized product takes
+        # is served from its float32 weights by default.
         weights = default_weights(device) if model.quantized else "f32"
     kv_dtype = check_forms(weights, kv_dtype, device)
     if weights == "gguf" and not model.quantized:
         raise ModelError(
             f"{path.name} ({model.config.family}) holds matrices the quantized product does not "
-            f"take (it multiplies Llama's block in {', '.join(QUANT_FORMATS)}); use "
+            f"take (it multiplies {', '.join(PACKED_AS)}); use "
             "weights='f32' or 'bf16'"
         )
     c = model.config
