@@ -411,7 +411,7 @@ def gguf_tokenizer(gguf: Path):
     metadata = {
         name: field.contents()
         for name, field in reader.fields.items()
-        if name.startswith("tokenizer.")
+        if name.startswith("tokenizer.") or name == "general.architecture"
     }
     return ChatTokenizer.from_gguf_metadata(metadata)
 

@@ -37,7 +37,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return load("gemma3-270m")
+    return load("gemma3-270m", weights="f32")
 
 
 def test_description_read_from_the_gguf(model):
@@ -56,7 +56,13 @@ def test_description_read_from_the_gguf(model):
     assert (c.rope_theta, c.local_rope_theta) == (1e6, 1e4)
     assert c.embed_scale == pytest.approx(math.sqrt(640))
     assert c.qk_norm and c.sandwich_norms and c.activation == "gelu_tanh"
-    assert model.quantized == {}  # K-quants: served from float weights
+    # Q5_0 and Q8_0 products packed (as Q8_0); the K-quant ones stay float.
+    assert {name.rsplit(".", 1)[-1] for name in model.quantized} == {
+        "wqkv",
+        "w_gate_up",
+        "lm_head",
+    }
+    assert {q.format for q in model.quantized.values()} == {"Q8_0"}
     # Tied embeddings: the head is the token embedding, transposed.
     np.testing.assert_array_equal(model.weights["lm_head"][:, :7], model.weights["embed"][:7].T)
 
@@ -119,3 +125,33 @@ def test_live_against_transformers():
         assert got["prompt_token_ids"] == stored["prompt_token_ids"]
         n = min(compared_prefix(stored), 16)
         assert got["token_ids"][:n] == stored["token_ids"][:n]
+
+
+def test_served_over_the_openai_api(llm):
+    """`pagedkv serve --model gemma3-270m`'s path: a streamed chat answer
+    (Gemma's turn format, ended by <end_of_turn>) and a raw completion
+    (BOS first) equal `generate`'s; every page comes back."""
+    openai = pytest.importorskip("openai")
+    from pagedkv.serve import ServerThread
+
+    question = "Write a haiku about the sea."
+    chat = llm.generate([question], max_new_tokens=24)[0]
+    raw = llm.generate(["The quick brown fox"], max_new_tokens=24, chat=False)[0]
+    with ServerThread(llm, max_num_seqs=4) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(
+            model="gemma3-270m",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == chat.text
+        completion = client.completions.create(
+            model="gemma3-270m", prompt="The quick brown fox", max_tokens=24, temperature=0
+        )
+        assert completion.choices[0].text == raw.text
+        assert completion.usage.prompt_tokens == len(raw.prompt_token_ids)
+        assert server.engine.wait_idle(600)
+    assert llm.manager.num_used_pages == 0

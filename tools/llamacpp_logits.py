@@ -2,8 +2,9 @@
 agreement and log-probability error of pagedkv's logits against llama.cpp's,
 teacher-forced on llama.cpp's own greedy tokens.
 
-    python tools/llamacpp_logits.py [--prompts 8] [--tokens 64] [--weights f32|bf16|gguf]
-        [--kv-dtype float32] [--llama-server PATH | --build-llama] [--json PATH]
+    python tools/llamacpp_logits.py [--model gemma3-270m] [--prompts 8] [--tokens 64]
+        [--weights f32|bf16|gguf] [--kv-dtype float32]
+        [--llama-server PATH | --build-llama] [--json PATH]
 
 llama.cpp: `llama-server -np 1` on the model's GGUF (the file pagedkv loads)
 answers `/completion` (its native API) for each chat prompt, given as token
@@ -179,6 +180,7 @@ def margin_text(margin: float | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL, help="a catalogue model (default %(default)s)")
     parser.add_argument("--prompts", type=int, default=8, help="chat prompts (default 8)")
     parser.add_argument("--tokens", type=int, default=64, help="greedy steps each (default 64)")
     parser.add_argument(
@@ -211,7 +213,7 @@ def main() -> int:
     except (FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    gguf = Path(args.gguf) if args.gguf else fetch_gguf(MODEL)
+    gguf = Path(args.gguf) if args.gguf else fetch_gguf(args.model)
     tokenizer = gguf_tokenizer(gguf)
     questions = list(PROMPTS[: args.prompts])
     prompts = [tokenizer.chat_prompt(q) for q in questions]
@@ -227,7 +229,7 @@ def main() -> int:
     given = {"weights": args.weights, "kv_dtype": args.kv_dtype, "dtype": args.dtype}
     options = {k: v for k, v in given.items() if v is not None}
     try:
-        llm = load(MODEL, gguf=args.gguf, **options)
+        llm = load(args.model, gguf=args.gguf, **options)
     except TypeError as e:  # an option this pagedkv's load() does not take
         print(f"error: pagedkv.models.load: {e}", file=sys.stderr)
         return 2
