@@ -27,8 +27,11 @@ def mojo() -> str | None:
 
 
 ARM_PROGRAMS = [
-    ROOT / "benchmarks" / "kernel_investigations" / "decode_cpu_chunk.mojo",
-    # A minute or more of Arm code generation from a cold cache: CI's slow set.
+    # Seconds to minutes of Arm code generation each: CI's slow set.
+    pytest.param(
+        ROOT / "benchmarks" / "kernel_investigations" / "decode_cpu_chunk.mojo",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(ROOT / "tests" / "mojo" / "arm_linear.mojo", marks=pytest.mark.slow),
 ]
 
