@@ -21,6 +21,50 @@ MODEL_DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
 "gpu" to hold the GPU path to the same references (needs a CUDA GPU)."""
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU and MAX an accelerator."""
+    try:
+        import torch
+        from max.driver import accelerator_count
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and accelerator_count() > 0
+
+
+@pytest.fixture(autouse=True)
+def gpu_test(request, monkeypatch):
+    """A test marked `gpu` (a GPU path against the CPU suite's references,
+    beside the CPU test it mirrors) skips without a CUDA GPU, runs the
+    experimental kernels too, and finds the GPU ops compiled in one module.
+    `python -m pytest -m gpu` runs them all, as a lent GPU machine does."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("PAGEDKV_EXPERIMENTAL_KERNELS", "1")
+    request.getfixturevalue("compiled_gpu_ops")
+
+
+@pytest.fixture(scope="session")
+def compiled_gpu_ops():
+    """Compiles the GPU ops the `gpu` tests run in one MAX module."""
+    from max.dtype import DType
+
+    from pagedkv._ops.kernels import prepare
+    from pagedkv._ops.tensors import Device
+    from pagedkv.decode import decode_spec
+    from pagedkv.precompile import op_specs
+    from pagedkv.prefill import prefill_spec
+
+    layouts = {"NHD": 0, "HND": 1}
+    pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS} | {("bfloat16", "bfloat16")})
+    specs = op_specs(("float32", "float16", "bfloat16"), pairs) + [
+        prefill_spec(DType[q], DType[kv], layouts[layout]) for q, kv, layout in PREFILL_CONFIGS
+    ]
+    specs += [decode_spec(DType.bfloat16, DType.bfloat16, 0)]
+    prepare(list(dict.fromkeys(specs)), Device("gpu"))
+
+
 def random_array(rng: np.random.Generator, shape, dtype: str, kind: str = "numpy"):
     """Normal values rounded to dtype, as a NumPy array or a torch tensor."""
     values = rng.standard_normal(shape, dtype=np.float32)
@@ -134,14 +178,16 @@ def compiled_ops(request):
     """Compiles every op the suite runs, and the graphs its tests build
     (suite_graphs.py), in one MAX module (one fixed cost).
 
-    Skipped when only GPU tests run (test_gpu.py, and the real model's tests
-    with PAGEDKV_TEST_DEVICE=gpu): they compile GPU modules of their own, and
-    minutes of CPU compiles would be wasted on a lent GPU machine.
+    Skipped when only GPU tests run (those marked `gpu`, and the real
+    model's tests with PAGEDKV_TEST_DEVICE=gpu): they compile GPU modules of
+    their own, and minutes of CPU compiles would be wasted on a lent GPU
+    machine.
     """
-    gpu_files = {"test_gpu.py"}
-    if MODEL_DEVICE == "gpu":
-        gpu_files |= {"test_smollm2.py", "test_serve.py"}
-    if all(item.path.name in gpu_files for item in request.session.items):
+    model_files = {"test_smollm2.py", "test_serve.py"} if MODEL_DEVICE == "gpu" else set()
+    if all(
+        item.get_closest_marker("gpu") is not None or item.path.name in model_files
+        for item in request.session.items
+    ):
         return
     from max.dtype import DType
 

@@ -80,44 +80,22 @@ def gguf_file() -> Path:
 def transformers_answers(prompts: list[str], max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict]:
     """transformers' greedy float32 continuations of `prompts`: prompt ids,
     generated ids, top-two logit gaps and text."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_greedy import greedy_record, load_float32
 
-    gguf = gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    model.eval()
+    tokenizer, model = load_float32(gguf_file())
     stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
-    records = []
-    for prompt in prompts:
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                eos_token_id=stop,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        generated = out.sequences[0, len(ids) :].tolist()
-        gaps = []
-        for step_logits in out.logits[: len(generated)]:
-            top2 = torch.topk(step_logits[0].double(), 2).values
-            gaps.append(float(top2[0] - top2[1]))
-        records.append(
-            {
-                "prompt": prompt,
-                "prompt_token_ids": [int(i) for i in ids],
-                "token_ids": generated,
-                "top2_gaps": [round(g, 6) for g in gaps],
-                "text": tokenizer.decode(generated, skip_special_tokens=True),
-            }
+    return [
+        greedy_record(
+            model,
+            tokenizer,
+            prompt,
+            tokenizer(prompt)["input_ids"],
+            max_new_tokens,
+            stop,
+            tokenizer.pad_token_id,
         )
-    return records
+        for prompt in prompts
+    ]
 
 
 def main() -> None:

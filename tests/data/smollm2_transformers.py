@@ -37,17 +37,10 @@ HERE = Path(__file__).parent
 def transformers_answers(prompts: list[str]) -> list[dict]:
     """transformers' greedy float32 answers to `prompts` (chat template
     applied): prompt ids, generated ids, top-two logit gaps and text."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from hf_greedy import greedy_record, load_float32
     from pagedkv.models.fetch import fetch_gguf
 
-    gguf = fetch_gguf("smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    model.eval()
+    tokenizer, model = load_float32(fetch_gguf("smollm2-135m-instruct"))
     records = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template(
@@ -55,30 +48,8 @@ def transformers_answers(prompts: list[str]) -> list[dict]:
         )
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-        generated = out.sequences[0, len(ids) :].tolist()
-        gaps = []
-        for step_logits in out.logits[: len(generated)]:
-            top2 = torch.topk(step_logits[0].double(), 2).values
-            gaps.append(float(top2[0] - top2[1]))
-        records.append(
-            {
-                "prompt": prompt,
-                "prompt_token_ids": [int(i) for i in ids],
-                "token_ids": generated,
-                "top2_gaps": [round(g, 6) for g in gaps],
-                "text": tokenizer.decode(generated, skip_special_tokens=True),
-            }
-        )
+        eos = tokenizer.eos_token_id
+        records.append(greedy_record(model, tokenizer, prompt, ids, MAX_NEW_TOKENS, eos, eos))
     return records
 
 

@@ -5,10 +5,10 @@
 # (greedy answers against transformers', the server), then the demo and
 # `generate` with the real model; the tensor-core fragment probe.
 source tools/device/env.sh
-job gpu-tests python3 -m pytest tests/test_gpu.py -q -ra -p no:cacheprovider \
+job gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
   -o faulthandler_timeout=1200
-job model-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest tests/test_smollm2.py \
-  tests/test_serve.py -q -ra -p no:cacheprovider -o faulthandler_timeout=1200;
+job model-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest tests/models/test_smollm2.py \
+  tests/serve/test_serve.py -q -ra -p no:cacheprovider -o faulthandler_timeout=1200;
   s=$?; python3 -m pagedkv demo --device gpu || s=1;
   python3 -m pagedkv generate --device gpu --json --max-new-tokens 24 \
     "What is the capital of France?" "Write a haiku about the sea." || s=1; exit $s'

@@ -1,7 +1,7 @@
 """The codes pagedkv's Python and its Mojo ops share: one home on this side.
 
 Each value here has a twin in mojo_ops/ (named in the comment beside it);
-tests/test_op_contract.py parses the Mojo sources and checks that the two
+tests/ops/test_op_contract.py parses the Mojo sources and checks that the two
 agree, so a code changed on one side only fails the suite.
 """
 

@@ -194,3 +194,11 @@ def test_fixed_buffers_are_checked_before_anything_is_written():
     assert not indptr_buf.any() and not indices_buf.any() and not last_buf.any()
     with pytest.raises(ValueError, match="not supported by BatchPrefillWithRaggedKVCacheWrapper"):
         pagedkv.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD", True)
+
+
+@pytest.mark.gpu
+def test_captured_decode_replays_each_plan():
+    """use_cuda_graph: a decode step captured in a torch CUDA graph after one
+    plan() replays the next plans' batches (longer, split, an empty request)
+    right: every array the kernels read stays where the capture saw it."""
+    check_decode_replans_in_place("cuda", capture=True)

@@ -14,7 +14,7 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 
 import pagedkv
 import reference
-from conftest import MLA_CONFIGS, as_f64, cast
+from conftest import MLA_CONFIGS, as_f64, cast, to_device
 from pagedkv import graph_ops
 from suite_graphs import suite_graph, suite_model
 
@@ -304,3 +304,27 @@ def test_one_request_of_64k_tokens_splits_and_merges(rng):
     )
     assert kv_split and len(items) > 1
     check(batch, "bfloat16", "bfloat16", causal=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "float32")])
+@pytest.mark.parametrize(
+    "qo_lens,kv_lens,causal",
+    [([1] * 4, [0, 1, 300, 5000], False), ([5, 0, 9], [40, 3, 9], True)],
+    ids=["decode", "prefill"],
+)
+def test_mla_on_gpu(rng, q_dtype, kv_dtype, qo_lens, kv_lens, causal):
+    """The MLA kernel on a GPU, 128 heads, against the CPU suite's reference."""
+    import torch
+
+    batch = MLABatch(rng, qo_lens, kv_lens, 128, 16, q_dtype, kv_dtype)
+    want_o, want_lse = batch.reference(causal)
+    for name in ("q_nope", "q_pe", "ckv", "kpe"):
+        setattr(batch, name, to_device(getattr(batch, name), "cuda"))
+    workspace = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+    o, lse = plan_and_run(batch, q_dtype, kv_dtype, causal, workspace=workspace)
+    tol = tolerance(q_dtype)
+    np.testing.assert_allclose(as_f64(o), want_o, rtol=tol, atol=tol)
+    finite = np.isfinite(want_lse)
+    assert (np.isfinite(as_f64(lse)) == finite).all()
+    np.testing.assert_allclose(as_f64(lse)[finite], want_lse[finite], rtol=1e-3, atol=1e-3)

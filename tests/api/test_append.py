@@ -229,3 +229,23 @@ def test_wider_index_arrays_are_narrowed_after_checking_they_fit():
     with pytest.raises(ValueError, match=r"kv_indices\[2\] = 4294967303 does not fit in int32"):
         pagedkv.append_paged_kv_cache(k, v, append_indptr, untouched, **too_wide)
     assert not untouched.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,kind,layout,form,page_size,call", CASES)
+def test_append_on_gpu(rng, dtype, kind, layout, form, page_size, call):
+    check_append_case(rng, dtype, "torch", layout, form, page_size, call, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_append_on_gpu(rng, dtype):
+    check_mla_append(rng, dtype, "torch", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype,layout,form", [("bfloat16", "NHD", "pool"), ("float32", "HND", "pair")]
+)
+def test_gather_on_gpu(rng, dtype, layout, form):
+    check_gather(rng, dtype, "torch", layout, form, device="cuda")

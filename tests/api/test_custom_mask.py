@@ -206,3 +206,11 @@ def test_multi_item_scoring_is_its_mask():
             token_pos_in_items_ptr=torch.from_numpy(flat_positions),
             token_pos_in_items_len=stride,
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("form", ["bool", "packed"])
+@pytest.mark.parametrize("window_left", [-1, 6])
+def test_custom_mask_on_gpu(config, form, window_left):
+    check_custom_mask(config, form, (8, 2, 64), window_left, device="cuda")

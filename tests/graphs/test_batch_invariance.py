@@ -69,7 +69,7 @@ def test_gguf_logits_do_not_depend_on_the_batch_or_the_cores(tmp_path):
         """
         import os, sys, numpy as np
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        sys.path.insert(0, sys.argv[1])
+        sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # this folder, tests/
         from test_batch_invariance import logits_alone_and_in_a_batch
         from pagedkv.models import load
         llm = load(weights="gguf")

@@ -24,7 +24,8 @@ from pagedkv.models import ModelError, fetch_gguf, load
 from pagedkv.models.gguf_model import read_gguf, undo_rope_permutation
 from pagedkv.models.tokenizer import ChatTokenizer
 
-REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_transformers.json").read_text())
+DATA = Path(__file__).parent.parent / "data"
+REFERENCE = json.loads((DATA / "smollm2_transformers.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +158,7 @@ def test_live_against_transformers():
     """The same comparison against transformers run now (its own load of the
     GGUF, float32, dense cache) on the reference prompts."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    sys.path.insert(0, str(DATA))
     from smollm2_transformers import PROMPTS, transformers_answers
 
     records = transformers_answers(PROMPTS[:4])

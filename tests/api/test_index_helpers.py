@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import pagedkv
 import reference
+from conftest import to_device
 
 
 @st.composite
@@ -101,3 +102,21 @@ def test_batch_indices_positions_fill_given_buffers():
         with pytest.raises(ValueError, match=match):
             pagedkv.get_batch_indices_positions(append_indptr, seq_lens, 10, bad, keep)
         assert (keep == -1).all()
+
+
+@pytest.mark.gpu
+def test_index_helpers_on_gpu():
+    """get_seq_lens and get_batch_indices_positions on CUDA tensors, ragged
+    with an empty request, against the references."""
+    batch = reference.paged_batch(np.random.default_rng(3), 16, [37, 0, 16, 1], [5, 0, 11, 1])
+    table = (batch.kv_indptr, batch.kv_last_page_len)
+    got = pagedkv.get_seq_lens(*to_device(table, "cuda"), batch.page_size)
+    assert got.is_cuda
+    np.testing.assert_array_equal(got.cpu().numpy(), batch.seq_lens)
+    nnz = int(batch.append_indptr[-1])
+    b, positions = pagedkv.get_batch_indices_positions(
+        *to_device((batch.append_indptr, batch.seq_lens), "cuda"), nnz
+    )
+    want_b, want_p = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, nnz)
+    np.testing.assert_array_equal(b.cpu().numpy(), want_b)
+    np.testing.assert_array_equal(positions.cpu().numpy(), want_p)

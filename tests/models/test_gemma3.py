@@ -24,7 +24,8 @@ from pagedkv.models import fetch_gguf, load
 from pagedkv.models.tokenizer import ChatTokenizer
 from pagedkv.models.unpacked import read_unpacked
 
-REFERENCE = json.loads((Path(__file__).parent / "data" / "gemma3_transformers.json").read_text())
+DATA = Path(__file__).parent.parent / "data"
+REFERENCE = json.loads((DATA / "gemma3_transformers.json").read_text())
 RECORDS = REFERENCE["records"]
 
 pytestmark = pytest.mark.slow
@@ -116,7 +117,7 @@ def test_live_against_transformers():
     """The same comparison against transformers run now (its own load of the
     GGUF), on the chats that pass the window."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    sys.path.insert(0, str(DATA))
     from gemma3_transformers import transformers_answers
 
     long = [r for r in RECORDS if len(r["prompt_token_ids"]) > 512]

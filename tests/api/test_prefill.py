@@ -242,3 +242,9 @@ def test_prefill_bad_input():
         w.run(
             np.zeros((14, 4, 64), np.float32), np.zeros((batch.num_pages, 2, 16, 2, 64), np.float32)
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,shape,options,causal,page_size", CASES)
+def test_prefill_on_gpu(config, shape, options, causal, page_size):
+    check_prefill_case(config, shape, options, causal, page_size, device="cuda")

@@ -186,3 +186,21 @@ def test_bad_cascade_input_raises_before_writing():
     one = np.array([0, 1], np.int32)
     with pytest.raises(ValueError, match="one page table per level"):
         w.plan([one], [one], [one[:1]], [one[1:]], HQ, HKV, D, PAGE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cascade_levels_on_gpu(layout, causal):
+    check_levels(layout, causal, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_shared_prefix_wrappers_on_gpu(layout):
+    check_shared_prefix(layout, device="cuda")
+
+
+@pytest.mark.gpu
+def test_masked_merge_on_gpu():
+    check_masked_merge("torch", device="cuda")

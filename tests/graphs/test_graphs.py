@@ -176,3 +176,16 @@ def test_demo_options_are_checked_before_anything_runs():
     config, requests, num_pages = check_options(DemoOptions(requests=3, max_new_tokens=4))
     assert config == CONFIG and len(requests) == 3 and num_pages >= 1
     assert all(r.prompt[:64] == requests[0].prompt[:64] for r in requests)  # shared prompt
+
+
+@pytest.mark.gpu
+def test_demo_serves_and_checks_itself_on_gpu(capsys):
+    """The main job on the GPU: graphs, pools and copy-on-write there."""
+    from pagedkv.graphs.demo import DemoOptions, run_demo
+
+    status = run_demo(
+        DemoOptions(device="gpu", model="random", requests=5, layers=2, max_new_tokens=8)
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "PASS" in out and "(none leaked)" in out
