@@ -12,8 +12,10 @@ its ``BlockPool``):
   evictable lists, the prefix-hash table, pins and KV events; no tensors.
 - :class:`pagedkv.cache.page_tensors.PageTensors`: every layer's pool and the
   copy-on-write page copies.
-- :class:`PagedKVCacheManager` (here): the requests: their page tables,
-  prefix hashes and reservations, and the batch metadata.
+- :class:`PagedKVCacheManager` (here): the requests: their page tables
+  (request_pages.py), prefix hashes and reservations, per layer group
+  (layer_groups.py), and the batch metadata (batch_metadata.py); its
+  consistency check is validation.py, its host-tier plans offload.py.
 
 A step of an engine::
 
@@ -63,6 +65,7 @@ import numpy as np
 
 from .._ops.kernels import debug_enabled
 from .._ops.tensors import Array
+from .batch_metadata import PAD_PAGE, BatchMetadata
 from .eviction import EvictionPolicy
 from .kv_events import (
     MEDIUM_CPU,
@@ -72,17 +75,20 @@ from .kv_events import (
     EventHub,
     KVCacheEvent,
 )
+from .layer_groups import LayerGroup, parse_layer_groups, per_group
+from .offload import OffloadPlan
 from .page_pool import (
     ROOT_HASH,
     CacheStateError,
     OutOfPagesError,
     PagePool,
     chain_keys,
-    fail,
     page_hash,
     salt_root,
 )
 from .page_tensors import POOL_DTYPES, PageTensors
+from .request_pages import RequestPages
+from .validation import validate_manager
 
 __all__ = [
     "PAD_PAGE",
@@ -96,9 +102,6 @@ __all__ = [
     "page_hash",
     "salt_root",
 ]
-
-PAD_PAGE = -1
-"""The block table's value past the end of a request's pages."""
 
 
 @dataclass
@@ -121,232 +124,6 @@ class CacheStats:
     """Evicted pages copied to the host tier (once per layer group)."""
     reloads: int = 0
     """Pages of prefix hits copied back from the host tier (once per layer group)."""
-
-
-@dataclass(frozen=True)
-class BatchMetadata:
-    """A batch's page table and append indices, all int32 NumPy arrays.
-
-    Every array describes the batch after the append (FlashInfer's convention):
-    the appended tokens are the last ``append_indptr[b + 1] - append_indptr[b]``
-    of request b.
-    """
-
-    kv_indptr: np.ndarray
-    """[B + 1]: request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]."""
-    kv_indices: np.ndarray
-    """[kv_indptr[-1]] page ids."""
-    kv_last_page_len: np.ndarray
-    """[B]: tokens in each request's last page, in [1, page_size]; 0 with no pages."""
-    seq_lens: np.ndarray
-    """[B] tokens per request."""
-    append_indptr: np.ndarray
-    """[B + 1]: request b appends rows append_indptr[b]:append_indptr[b + 1]."""
-    batch_indices: np.ndarray
-    """[nnz]: the request of each appended row."""
-    positions: np.ndarray
-    """[nnz]: the sequence position of each appended row."""
-    block_table: np.ndarray
-    """[B, max pages of a request]: the same pages, one row per request, padded
-    with PAD_PAGE (-1)."""
-    window_left: int = -1
-    """The wrappers' window_left for the layer group the page table is of:
-    window - 1 for a sliding-window group, -1 (no window) otherwise."""
-
-    @property
-    def batch_size(self) -> int:
-        """B: the number of requests in the batch."""
-        return int(self.seq_lens.shape[0])
-
-    @property
-    def nnz(self) -> int:
-        """Rows appended by the whole batch."""
-        return int(self.append_indptr[-1])
-
-
-class _Request:
-    """One live request's page tables (one row per layer group) and
-    prefix-hash state."""
-
-    __slots__ = (
-        "pages",
-        "first",
-        "num_pages",
-        "seq_len",
-        "reserved",
-        "generation",
-        "chain",
-        "tail",
-        "pending",
-        "ahead",
-    )
-
-    def __init__(self, num_groups: int = 1) -> None:
-        self.pages = np.empty((num_groups, 4), np.int32)
-        """pages[g, :num_pages] is the request's page table in layer group g;
-        the rest is spare capacity."""
-        self.first = [0] * num_groups
-        """Per group, the first slot holding a page of the request: a window
-        group's earlier slots hold its null page."""
-        self.num_pages = 0
-        self.seq_len = 0
-        self.reserved = 0
-        """Tokens reserved by the reserve() call numbered `generation`."""
-        self.generation = -1
-        self.chain: bytes | None = ROOT_HASH
-        """Hash of the last full page; None once some page's tokens are unknown."""
-        self.tail = np.empty(0, np.int64)
-        """Token ids in the partial last page (meaningful while chain is not None)."""
-        self.pending = np.empty(0, np.int64)
-        """Prompt ids given to add() that no reserve() has counted yet: the ids
-        of the next tokens, used when reserve() is not given them."""
-        self.ahead: list[list[int]] = [[] for _ in range(num_groups)]
-        """Per group, pages reserve(num_steps=k) took for later steps: owned
-        (refcount 1, no hash), not yet in the page table; later reserves use
-        them first. Every group sets aside as many."""
-
-    def page_list(self, group: int = 0) -> np.ndarray:
-        return self.pages[group, : self.num_pages]
-
-    def live_pages(self, group: int) -> np.ndarray:
-        """The pages the request owns in group (its null slots left out)."""
-        return self.pages[group, self.first[group] : self.num_pages]
-
-    def push(self, new_pages: Sequence[Sequence[int]]) -> None:
-        """Appends new_pages[g] to group g's table (as many in each group)."""
-        need = self.num_pages + len(new_pages[0])
-        if need > self.pages.shape[1]:
-            grown = np.empty((self.pages.shape[0], max(need, 2 * self.pages.shape[1])), np.int32)
-            grown[:, : self.num_pages] = self.pages[:, : self.num_pages]
-            self.pages = grown
-        self.pages[:, self.num_pages : need] = new_pages
-        self.num_pages = need
-
-    def copy(self) -> _Request:
-        other = _Request(self.pages.shape[0])
-        other.pages = self.pages.copy()
-        other.first = list(self.first)
-        other.num_pages = self.num_pages
-        other.seq_len = self.seq_len
-        other.chain = self.chain
-        other.tail = self.tail.copy()
-        other.pending = self.pending.copy()
-        return other
-
-
-class _Group:
-    """One layer group: its layers and window, its page pool and tensors, and
-    its host tier (pool and tensors) when the manager offloads."""
-
-    __slots__ = (
-        "index",
-        "layers",
-        "window",
-        "pool",
-        "tensors",
-        "null_page",
-        "host",
-        "host_tensors",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        layers: tuple[int, ...],
-        window: int | None,
-        pool: PagePool,
-        tensors: PageTensors,
-        host: PagePool | None,
-        host_tensors: PageTensors | None,
-    ) -> None:
-        self.index = index
-        self.layers = layers
-        self.window = window
-        self.pool = pool
-        self.tensors = tensors
-        # A window group's tensors have one page more than its pool: the null
-        # page, never handed out nor written, in the slots of dropped pages.
-        self.null_page = pool.num_pages if window is not None else PAD_PAGE
-        self.host = host
-        self.host_tensors = host_tensors
-
-    def first_slot(self, start: int, page_size: int) -> int:
-        """The first slot a query at position ``start`` or later can see:
-        the window shows a query at p the keys p - window + 1 .. p."""
-        if self.window is None:
-            return 0
-        return max(0, (start - self.window + 1) // page_size)
-
-
-class _Offload:
-    """The host-tier side of a claim that evicts keyed pages: which evicted
-    pages are copied where, and which host pages only get fresher."""
-
-    __slots__ = ("pages", "keys", "origins", "dests", "keep")
-
-    def __init__(self) -> None:
-        self.pages: list[int] = []
-        """Evicted device pages whose keys the host tier lacks: copied."""
-        self.keys: list[bytes] = []
-        self.origins: list[tuple] = []
-        self.dests: list[int] = []
-        """The host pages they go to (what host.peek_except(n, keep) names)."""
-        self.keep: list[int] = []
-        """Host pages the operation reads or refreshes: never victims."""
-
-
-def _layer_groups(layer_groups: Any, num_layers: int) -> list[tuple[tuple[int, ...], int | None]]:
-    """layer_groups as (layers, window) pairs that cover every layer once."""
-    if layer_groups is None:
-        return [(tuple(range(num_layers)), None)]
-    if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Iterable):
-        raise TypeError(
-            f"layer_groups must be a list of (layers, window) pairs, got {layer_groups!r}"
-        )
-    groups = []
-    seen: set[int] = set()
-    for g, entry in enumerate(layer_groups):
-        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise ValueError(f"layer_groups[{g}] must be a (layers, window) pair, got {entry!r}")
-        layers, window = entry
-        if isinstance(layers, numbers.Integral) or not isinstance(layers, Iterable):
-            raise ValueError(
-                f"layer_groups[{g}]: layers must be a sequence of ints, got {layers!r}"
-            )
-        layers = tuple(layers)
-        if not layers or not all(
-            isinstance(x, numbers.Integral) and 0 <= x < num_layers for x in layers
-        ):
-            raise ValueError(
-                f"layer_groups[{g}]: layers must be a non-empty sequence of layer indices "
-                f"in [0, {num_layers}), got {layers!r}"
-            )
-        twice = seen.intersection(layers) or (len(set(layers)) != len(layers) and layers)
-        if twice:
-            raise ValueError(f"layer_groups[{g}]: a layer is in two groups or twice: {layers!r}")
-        seen.update(layers)
-        if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
-            raise ValueError(
-                f"layer_groups[{g}]: window must be None or an int >= 1, got {window!r}"
-            )
-        groups.append((tuple(int(x) for x in layers), None if window is None else int(window)))
-    if len(seen) != num_layers:
-        missing = sorted(set(range(num_layers)) - seen)
-        raise ValueError(f"layer_groups must cover every layer once; no group holds {missing}")
-    return groups
-
-
-def _per_group(name: str, value: Any, num_groups: int, low: int) -> list[int]:
-    """An int for every group, or one int per group, each >= low."""
-    values = [value] * num_groups if isinstance(value, numbers.Integral) else list(value)
-    if len(values) != num_groups or not all(
-        isinstance(v, numbers.Integral) and v >= low for v in values
-    ):
-        raise ValueError(
-            f"{name} must be an integer >= {low} or one per layer group ({num_groups}), "
-            f"got {value!r}"
-        )
-    return [int(v) for v in values]
 
 
 class PagedKVCacheManager:
@@ -469,10 +246,10 @@ class PagedKVCacheManager:
     ) -> None:
         if not isinstance(num_layers, numbers.Integral) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
-        specs = _layer_groups(layer_groups, int(num_layers))
+        specs = parse_layer_groups(layer_groups, int(num_layers))
         count = len(specs)
-        page_counts = _per_group("num_pages", num_pages, count, 1)
-        host_counts = _per_group("offload", offload, count, 0)
+        page_counts = per_group("num_pages", num_pages, count, 1)
+        host_counts = per_group("offload", offload, count, 0)
         if isinstance(eviction, (str, EvictionPolicy)):
             if count > 1 and not isinstance(eviction, str):
                 raise ValueError("eviction: give one EvictionPolicy object per layer group")
@@ -483,7 +260,7 @@ class PagedKVCacheManager:
                 raise ValueError(f"eviction: give one policy per layer group ({count})")
         self._events = EventHub()
         group_idx = None if layer_groups is None else 0
-        self._groups: list[_Group] = []
+        self._groups: list[LayerGroup] = []
         for g, ((layers, window), pages, host_pages) in enumerate(
             zip(specs, page_counts, host_counts, strict=True)
         ):
@@ -530,7 +307,7 @@ class PagedKVCacheManager:
                     events=self._events,
                     keep_token_ids=True,
                 )
-            self._groups.append(_Group(g, layers, window, pool, tensors, host, host_tensors))
+            self._groups.append(LayerGroup(g, layers, window, pool, tensors, host, host_tensors))
         first = self._groups[0]
         self.page_tensors = first.tensors
         self.group_tensors = [g.tensors for g in self._groups]
@@ -568,7 +345,7 @@ class PagedKVCacheManager:
         self._offload = any(g.host is not None for g in self._groups)
         # One group, no window, no host tier: the paths of a plain manager.
         self._simple = count == 1 and not self._windows and not self._offload
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests: dict[Hashable, RequestPages] = {}
         self._generation = 0
         self.stats = CacheStats()
 
@@ -725,7 +502,7 @@ class PagedKVCacheManager:
             raise ValueError(f"request_id {request_id!r} is already live")
         prompt = None if tokens is None else _token_ids("tokens", tokens)
         root = salt_root(salt)
-        request = _Request(len(self._groups))
+        request = RequestPages(len(self._groups))
         request.chain = root
         if prompt is not None:
             if self._simple:
@@ -830,11 +607,11 @@ class PagedKVCacheManager:
             needs.append((need, writers))
 
         # NOTE: the next claim(need) takes exactly these pages, copies first.
-        claims: list[tuple[list[int], _Offload | None, list[tuple[_Request, int, int]]]] = []
+        claims: list[tuple[list[int], OffloadPlan | None, list[tuple[RequestPages, int, int]]]] = []
         for group, (need, writers) in zip(self._groups, needs, strict=True):
             fresh = group.pool.peek(need)
             offload = self._plan_offload(group, fresh, ()) if group.host is not None else None
-            copies: list[tuple[_Request, int, int]] = []
+            copies: list[tuple[RequestPages, int, int]] = []
             if writers:
                 g = group.index
                 owners = {p: int(group.pool.refcount[p]) for p in writers}
@@ -1146,88 +923,7 @@ class PagedKVCacheManager:
         evictable; the hash maps are mutual inverses (and the kept token ids
         follow them). Host tier: the same partition with no owner and no pin.
         """
-        size = self.page_size
-        ids = list(self._requests)
-        for rid in ids:
-            r = self._requests[rid]
-            if r.num_pages != -(-r.seq_len // size):
-                fail(f"request {rid!r}: {r.num_pages} pages for {r.seq_len} tokens")
-            if r.chain is not None and r.tail.size != r.seq_len % size:
-                fail(f"request {rid!r}: {r.tail.size} token ids for its partial last page")
-            if len({len(a) for a in r.ahead}) != 1:
-                fail(f"request {rid!r}: its groups set aside different numbers of pages")
-        for group in self._groups:
-            self._validate_group(group, ids)
-
-    def _validate_group(self, group: _Group, ids: list[Hashable]) -> None:
-        size, g, pool = self.page_size, group.index, group.pool
-        total = pool.num_pages
-        where = "" if len(self._groups) == 1 else f" (layer group {g})"
-        firsts = []
-        for rid in ids:
-            r = self._requests[rid]
-            first = r.first[g]
-            firsts.append(first)
-            if group.window is None:
-                if first != 0:
-                    fail(f"request {rid!r} has null slots in a full-attention group{where}")
-            else:
-                # The first query of the request's current step is at `start`.
-                start = r.seq_len - (r.reserved if r.generation == self._generation else 0)
-                if not 0 <= first <= group.first_slot(start, size):
-                    fail(f"request {rid!r} gave back a page its window still sees{where}")
-                if (r.pages[g, :first] != group.null_page).any():
-                    fail(f"request {rid!r}: a given-back slot is not the null page{where}")
-            pages = r.live_pages(g)
-            if pages.size and (pages.min() < 0 or pages.max() >= total):
-                fail(f"request {rid!r} holds a page outside the pool{where}: {pages.tolist()}")
-            if np.unique(pages).size != pages.size:
-                fail(f"request {rid!r} holds a page twice{where}: {pages.tolist()}")
-        meta = self.metadata(ids, num_new_tokens=0, group=g)
-        indptr, indices, last = meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len
-        counts = np.diff(indptr.astype(np.int64))
-        if indptr[0] != 0 or (counts < 0).any() or indptr[-1] != indices.size:
-            fail(f"kv_indptr is not a CSR offset array{where}: {indptr.tolist()}")
-        high = total + (group.window is not None)
-        if indices.size and (indices.min() < 0 or indices.max() >= high):
-            fail(f"kv_indices leaves the pool{where}")
-        full = counts > 0
-        if ((last < 1) | (last > size))[full].any() or (last[~full] != 0).any():
-            fail(f"kv_last_page_len out of range{where}: {last.tolist()}")
-
-        ahead = np.array([p for rid in ids for p in self._requests[rid].ahead[g]], np.int64)
-        if any(p in pool.hash_of_page for p in ahead.tolist()):
-            fail(f"a set-aside page has a prefix hash{where}")
-        slot = np.arange(indices.size) - np.repeat(indptr[:-1], counts)
-        fill = np.where(slot == np.repeat(counts - 1, counts), np.repeat(last, counts), size)
-        # Only the slots that hold the requests' own pages (not the null page).
-        live = slot >= np.repeat(np.array(firsts, np.int64), counts)
-        indices, slot, fill = indices[live], slot[live], fill[live]
-        owners = np.bincount(np.concatenate([indices, ahead]), minlength=total)
-        wrong = np.flatnonzero(owners != pool.refcount)
-        if wrong.size:
-            p = int(wrong[0])
-            fail(f"page {p}: refcount {pool.refcount[p]} but {owners[p]} owners{where}")
-        for name, value in (("index", slot), ("fill", fill)):
-            low = np.full(total, np.iinfo(np.int64).max)
-            high_value = np.full(total, -1)
-            np.minimum.at(low, indices, value)
-            np.maximum.at(high_value, indices, value)
-            differs = np.flatnonzero((owners > 1) & (low != high_value))
-            if differs.size:
-                fail(f"shared page {int(differs[0])} differs in {name} between its owners{where}")
-        hashed = np.array(sorted(pool.hash_of_page), np.int64)
-        if hashed.size:
-            low_fill = np.full(total, size)
-            np.minimum.at(low_fill, indices, fill)
-            partial = hashed[low_fill[hashed] < size]
-            if partial.size:
-                fail(f"page {int(partial[0])} has a prefix hash but is not full{where}")
-        pool.validate()
-        if group.host is not None:
-            group.host.validate()
-            if (group.host.refcount != 0).any() or group.host.pinned:
-                fail(f"a host-tier page has an owner or a pin{where}")
+        validate_manager(self)
 
     # ------------------------------------------------------------ internals
 
@@ -1249,13 +945,13 @@ class PagedKVCacheManager:
             raise ValueError(f"group must be in [0, {len(self._groups)}), got {group!r}")
         return int(group)
 
-    def _request(self, name: str, request_id: Hashable) -> _Request:
+    def _request(self, name: str, request_id: Hashable) -> RequestPages:
         try:
             return self._requests[request_id]
         except (KeyError, TypeError):
             raise KeyError(f"{name} {request_id!r} is not a live request") from None
 
-    def _batch(self, request_ids: Iterable[Hashable]) -> list[_Request]:
+    def _batch(self, request_ids: Iterable[Hashable]) -> list[RequestPages]:
         if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
             raise TypeError(f"request_ids must be a sequence of ids, got {request_ids!r}")
         ids = list(request_ids)
@@ -1353,7 +1049,9 @@ class PagedKVCacheManager:
             hit.append((reused, back, lo))
         return best, hit, keys
 
-    def _take_hit(self, request: _Request, prompt: np.ndarray, root: bytes) -> tuple[int, bytes]:
+    def _take_hit(
+        self, request: RequestPages, prompt: np.ndarray, root: bytes
+    ) -> tuple[int, bytes]:
         """Serves the longest prefix hit into request's tables: reuses pool
         pages and copies host-tier pages back. Returns its length in pages
         and the last page's key. Copies before it commits."""
@@ -1398,8 +1096,8 @@ class PagedKVCacheManager:
         return count, keys[count - 1]
 
     def _plan_offload(
-        self, group: _Group, fresh: list[int], keep: Sequence[int]
-    ) -> _Offload | None:
+        self, group: LayerGroup, fresh: list[int], keep: Sequence[int]
+    ) -> OffloadPlan | None:
         """What a claim of `fresh` does to the host tier: the evicted keyed
         pages it lacks are copied to host pages (as many as it can take
         without evicting the pages in `keep`, the last evicted first); those
@@ -1410,7 +1108,7 @@ class PagedKVCacheManager:
         victims = fresh[min(len(fresh), len(pool.free)) :]
         if not victims or host is None:
             return None
-        plan = _Offload()
+        plan = OffloadPlan()
         plan.keep = list(keep)
         moving = []
         for page in victims:
@@ -1428,7 +1126,7 @@ class PagedKVCacheManager:
         plan.dests = host.peek_except(len(moving), plan.keep)
         return plan
 
-    def _commit_offload(self, group: _Group, plan: _Offload) -> None:
+    def _commit_offload(self, group: LayerGroup, plan: OffloadPlan) -> None:
         """Commits a planned offload once the pool's claim has evicted its
         pages (and the copies ran): the host tier claims and keys the copies;
         the kept pages come last in its eviction order."""
@@ -1442,7 +1140,7 @@ class PagedKVCacheManager:
             self.stats.offloads += len(plan.dests)
         host.release(kept)
 
-    def _drop_outside_windows(self, request: _Request, start: int) -> None:
+    def _drop_outside_windows(self, request: RequestPages, start: int) -> None:
         """Gives back, in each window group, the request's pages that lie
         wholly before the window of a query at `start` (its step's first)."""
         size = self.page_size
@@ -1456,13 +1154,13 @@ class PagedKVCacheManager:
                 row[old:first] = group.null_page
                 request.first[g] = first
 
-    def _new_pages(self, request: _Request, n: int) -> int:
+    def _new_pages(self, request: RequestPages, n: int) -> int:
         """Pool pages that room for n more tokens of request needs, beyond
         its page table and its set-aside pages (in each group)."""
         have = request.num_pages + len(request.ahead[0])
         return max(0, -(-(request.seq_len + n) // self.page_size) - have)
 
-    def _fill(self, request: _Request, n: int, ids: np.ndarray | None) -> None:
+    def _fill(self, request: RequestPages, n: int, ids: np.ndarray | None) -> None:
         """Counts n new tokens in request (pages already pushed), hashing the
         pages they fill with ids, else with the remembered prompt's next ids."""
         pending = request.pending
@@ -1479,7 +1177,7 @@ class PagedKVCacheManager:
         self._extend_chain(request, ids)
         request.seq_len += n
 
-    def _extend_chain(self, request: _Request, ids: np.ndarray | None) -> None:
+    def _extend_chain(self, request: RequestPages, ids: np.ndarray | None) -> None:
         """Hashes and caches (in every group's pool) the pages that request's
         new tokens fill; a pool emits a BlockStored per run of newly cached
         pages."""

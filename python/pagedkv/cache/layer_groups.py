@@ -1,0 +1,114 @@
+"""The page manager's layer groups: which layers share a page pool and
+page tables, each group's sliding window (None: full attention), and its
+host tier; the check of a `layer_groups` argument."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from .batch_metadata import PAD_PAGE
+from .page_pool import PagePool
+from .page_tensors import PageTensors
+
+GroupSpecs = list[tuple[tuple[int, ...], int | None]]
+"""(layers, window) of each layer group."""
+
+
+class LayerGroup:
+    """One layer group: its layers and window, its page pool and tensors, and
+    its host tier (pool and tensors) when the manager offloads."""
+
+    __slots__ = (
+        "index",
+        "layers",
+        "window",
+        "pool",
+        "tensors",
+        "null_page",
+        "host",
+        "host_tensors",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        layers: tuple[int, ...],
+        window: int | None,
+        pool: PagePool,
+        tensors: PageTensors,
+        host: PagePool | None,
+        host_tensors: PageTensors | None,
+    ) -> None:
+        self.index = index
+        self.layers = layers
+        self.window = window
+        self.pool = pool
+        self.tensors = tensors
+        # A window group's tensors have one page more than its pool: the null
+        # page, never handed out nor written, in the slots of dropped pages.
+        self.null_page = pool.num_pages if window is not None else PAD_PAGE
+        self.host = host
+        self.host_tensors = host_tensors
+
+    def first_slot(self, start: int, page_size: int) -> int:
+        """The first slot a query at position ``start`` or later can see:
+        the window shows a query at p the keys p - window + 1 .. p."""
+        if self.window is None:
+            return 0
+        return max(0, (start - self.window + 1) // page_size)
+
+
+def parse_layer_groups(layer_groups: Any, num_layers: int) -> GroupSpecs:
+    """layer_groups as (layers, window) pairs that cover every layer once."""
+    if layer_groups is None:
+        return [(tuple(range(num_layers)), None)]
+    if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Iterable):
+        raise TypeError(
+            f"layer_groups must be a list of (layers, window) pairs, got {layer_groups!r}"
+        )
+    groups = []
+    seen: set[int] = set()
+    for g, entry in enumerate(layer_groups):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise ValueError(f"layer_groups[{g}] must be a (layers, window) pair, got {entry!r}")
+        layers, window = entry
+        if isinstance(layers, numbers.Integral) or not isinstance(layers, Iterable):
+            raise ValueError(
+                f"layer_groups[{g}]: layers must be a sequence of ints, got {layers!r}"
+            )
+        layers = tuple(layers)
+        if not layers or not all(
+            isinstance(x, numbers.Integral) and 0 <= x < num_layers for x in layers
+        ):
+            raise ValueError(
+                f"layer_groups[{g}]: layers must be a non-empty sequence of layer indices "
+                f"in [0, {num_layers}), got {layers!r}"
+            )
+        twice = seen.intersection(layers) or (len(set(layers)) != len(layers) and layers)
+        if twice:
+            raise ValueError(f"layer_groups[{g}]: a layer is in two groups or twice: {layers!r}")
+        seen.update(layers)
+        if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
+            raise ValueError(
+                f"layer_groups[{g}]: window must be None or an int >= 1, got {window!r}"
+            )
+        groups.append((tuple(int(x) for x in layers), None if window is None else int(window)))
+    if len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - seen)
+        raise ValueError(f"layer_groups must cover every layer once; no group holds {missing}")
+    return groups
+
+
+def per_group(name: str, value: Any, num_groups: int, low: int) -> list[int]:
+    """An int for every group, or one int per group, each >= low."""
+    values = [value] * num_groups if isinstance(value, numbers.Integral) else list(value)
+    if len(values) != num_groups or not all(
+        isinstance(v, numbers.Integral) and v >= low for v in values
+    ):
+        raise ValueError(
+            f"{name} must be an integer >= {low} or one per layer group ({num_groups}), "
+            f"got {value!r}"
+        )
+    return [int(v) for v in values]
