@@ -89,22 +89,7 @@ class DecoderEngine:
         counts = [len(t) for t in tokens]
         self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
         md = self.manager.metadata(request_ids, group=0)
-        c = self.config
-        tables = self._group_tables(
-            request_ids,
-            md,
-            lambda meta: graph_ops.prefill_work(
-                meta.append_indptr,
-                meta.kv_indptr,
-                meta.kv_last_page_len,
-                self.manager.page_size,
-                c.num_qo_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                window_left=meta.window_left,
-                gpu=self.device.is_gpu,
-            ),
-        )
+        tables = self._group_tables(PREFILL, request_ids, md)
         last = md.append_indptr[1:] - 1
         flags = list(every_row) if every_row is not None else [False] * len(counts)
         if len(flags) != len(counts):
@@ -135,32 +120,31 @@ class DecoderEngine:
         """Appends one token per request and returns the next logits [B, vocab]."""
         self.manager.reserve(request_ids, 1, tokens=[[int(t)] for t in tokens])
         md = self.manager.metadata(request_ids, group=0)
-        c = self.config
-        tables = self._group_tables(
-            request_ids,
-            md,
-            lambda meta: graph_ops.decode_work(
-                meta.kv_indptr,
-                meta.kv_last_page_len,
-                self.manager.page_size,
-                c.num_qo_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                window_left=meta.window_left,
-                gpu=self.device.is_gpu,
-                fixed_chunk=self.decode_chunk,
-            ),
-        )
+        tables = self._group_tables(DECODE, request_ids, md)
         inputs = {"tokens": np.asarray(tokens, np.int32), **self._step_inputs(md, tables)}
         return self._run(self.models.decode, DECODE, inputs)
 
-    def _group_tables(self, request_ids: Sequence[Hashable], md, plan) -> dict:
-        """Each layer group's page ids and work list (`plan` of its metadata,
-        md for group 0: a window group's work skips what its window hides)."""
+    def _work(self, kind: str, meta) -> tuple[np.ndarray, np.ndarray]:
+        """The work list of a step over one layer group's page table (its
+        window_left: a window group's work skips what its window hides)."""
+        c = self.config
+        shape = (self.manager.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim)
+        table = (meta.kv_indptr, meta.kv_last_page_len)
+        gpu = self.device.is_gpu
+        if kind == PREFILL:
+            return graph_ops.prefill_work(
+                meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu
+            )
+        return graph_ops.decode_work(
+            *table, *shape, window_left=meta.window_left, gpu=gpu, fixed_chunk=self.decode_chunk
+        )
+
+    def _group_tables(self, kind: str, request_ids: Sequence[Hashable], md) -> dict:
+        """Each layer group's page ids and work list (md: group 0's metadata)."""
         tables = {}
         for g in range(len(group_windows(self.config))):
             meta = md if g == 0 else self.manager.metadata(request_ids, group=g)
-            items, request_items = plan(meta)
+            items, request_items = self._work(kind, meta)
             tables |= {
                 f"kv_indices.{g}": meta.kv_indices,
                 f"work_items.{g}": items,
