@@ -46,6 +46,18 @@ def decode_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     return attention_spec(q_dtype, kv_dtype, layout)
 
 
+def split_chunk(table: PageTable, disable_split_kv: bool, fixed_split_size) -> int | None:
+    """Tokens per key split that FlashInfer's split-KV controls ask for: one
+    split per request (disable_split_kv), chunks of fixed_split_size pages,
+    or None (splits sized to the batch)."""
+    if disable_split_kv:
+        longest = max(int(table.seq_lens.max(initial=0)), 1)
+        return -(-longest // table.page_size) * table.page_size
+    if fixed_split_size is not None:
+        return check_int("fixed_split_size", fixed_split_size, 1) * table.page_size
+    return None
+
+
 class BatchDecodeWithPagedKVCacheWrapper:
     """Decode attention for a batch of requests with one query token each.
 
@@ -188,35 +200,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ...        data_type=torch.float16, disable_split_kv=True)
         """
         del non_blocking
-        if block_tables is not None or seq_lens is not None or window_right != 0:
-            raise ValueError(
-                "block_tables, seq_lens and window_right != 0 are FlashInfer's trtllm-gen / "
-                "cute-dsl inputs; pagedkv takes the CSR page table"
-            )
-        kv_data_type = kv_data_type if kv_data_type is not None else data_type
-        kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
-        q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
-        # FlashInfer's contracts for several queries per request, kept so
-        # that code written here runs there.
-        if q_len_per_req > 1 and not self._use_tensor_cores:
-            raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
-        if q_len_per_req > 1 and self._backend in HOPPER_BACKENDS:
-            raise NotImplementedError(
-                f"q_len_per_req > 1 runs on the fa2 (generic) backend, not {self._backend!r}"
-            )
-        frozen = self._frozen_q_len
-        if self._fixed is not None and frozen is not None and q_len_per_req != frozen:
-            raise ValueError(
-                f"q_len_per_req is frozen at {frozen} by the first plan() in "
-                f"use_cuda_graph mode, got {q_len_per_req}"
-            )
-        indptr = as_int32_index("indptr", indptr)
-        indices = as_int32_index("indices", indices)
-        last_page_len = as_int32_index("last_page_len", last_page_len)
+        kv_data_type = plan_kv_dtype(  # uint8: NVFP4
+            kv_data_type if kv_data_type is not None else data_type, q_data_type
+        )
+        q_len_per_req = self._check_plan_contract(
+            block_tables, seq_lens, window_right, q_len_per_req, q_data_type, o_data_type
+        )
         self._planned = dict(
-            indptr=indptr,
-            indices=indices,
-            last_page_len=last_page_len,
+            indptr=as_int32_index("indptr", indptr),
+            indices=as_int32_index("indices", indices),
+            last_page_len=as_int32_index("last_page_len", last_page_len),
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -233,14 +226,66 @@ class BatchDecodeWithPagedKVCacheWrapper:
             disable_split_kv=disable_split_kv,
             q_len_per_req=q_len_per_req,
         )
-        if q_data_type is not None and o_data_type is not None:
-            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
-                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         self._plan = self._multi = None
         if q_len_per_req > 1:
             self._plan_multi_token(q_len_per_req)
-            self._frozen_q_len = q_len_per_req if self._fixed is not None else None
-            return
+        else:
+            self._plan_one_token(**self._planned)
+        self._frozen_q_len = q_len_per_req if self._fixed is not None else None
+
+    def _check_plan_contract(
+        self, block_tables, seq_lens, window_right, q_len_per_req, q_data_type, o_data_type
+    ) -> int:
+        """Refuses what plan() does not take (FlashInfer's trtllm-gen inputs,
+        an o dtype other than q's, FlashInfer's contracts for several queries
+        per request, kept so that code written here runs there); returns
+        q_len_per_req checked."""
+        if block_tables is not None or seq_lens is not None or window_right != 0:
+            raise ValueError(
+                "block_tables, seq_lens and window_right != 0 are FlashInfer's trtllm-gen / "
+                "cute-dsl inputs; pagedkv takes the CSR page table"
+            )
+        if q_data_type is not None and o_data_type is not None:
+            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
+                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
+        q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
+        if q_len_per_req > 1 and not self._use_tensor_cores:
+            raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
+        if q_len_per_req > 1 and self._backend in HOPPER_BACKENDS:
+            raise NotImplementedError(
+                f"q_len_per_req > 1 runs on the fa2 (generic) backend, not {self._backend!r}"
+            )
+        frozen = self._frozen_q_len
+        if self._fixed is not None and frozen is not None and q_len_per_req != frozen:
+            raise ValueError(
+                f"q_len_per_req is frozen at {frozen} by the first plan() in "
+                f"use_cuda_graph mode, got {q_len_per_req}"
+            )
+        return q_len_per_req
+
+    def _plan_one_token(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        pos_encoding_mode,
+        window_left,
+        logits_soft_cap,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+        rope_scale,
+        rope_theta,
+        fixed_split_size,
+        disable_split_kv,
+        q_len_per_req,
+    ) -> None:
+        """The plan of one query per request: the checked page table, the
+        work list (split as asked), the kernel and its parameters."""
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
         page_size = check_int("page_size", page_size, 1)
         options = AttentionOptions(
@@ -254,22 +299,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rope_theta=rope_theta,
         )
         is_gpu = device_of(indptr).is_gpu
+        group = num_qo_heads // num_kv_heads
         gpu_kernel = decode_kernel(
-            self._backend,
-            is_gpu,
-            self._kv_layout,
-            page_size,
-            num_qo_heads // num_kv_heads,
-            pos_encoding_mode,
+            self._backend, is_gpu, self._kv_layout, page_size, group, pos_encoding_mode
         )
         table = PageTable.checked(indptr, indices, last_page_len, page_size)
-        if disable_split_kv:
-            fixed_chunk = max(int(table.seq_lens.max(initial=0)), 1)
-            fixed_chunk = -(-fixed_chunk // page_size) * page_size
-        elif fixed_split_size is not None:
-            fixed_chunk = check_int("fixed_split_size", fixed_split_size, 1) * page_size
-        else:
-            fixed_chunk = None
+        fixed_chunk = split_chunk(table, disable_split_kv, fixed_split_size)
         views = None
         if self._fixed is not None:
             views = self._fixed.write_all(table.indptr, table.indices, table.last_page_len)
@@ -292,17 +327,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         )
         fixed_work = None
         if split_cap is not None:
-            # Sized once, at the first plan (the captured grid): the split cap
-            # bounds every later default plan of this batch size.
-            fixed_work = self._fixed_work
-            shape = (table.batch_size, num_qo_heads, options.head_dim)
-            if fixed_work is None or not fixed_work.sized_for(*shape):
-                capacity = max(table.batch_size * split_cap, len(items))
-                fixed_work = FixedWork(
-                    table.like, table.batch_size, capacity, num_qo_heads, options.head_dim,
-                    self._workspace,
-                )  # fmt: skip
-                self._fixed_work = fixed_work
+            fixed_work = self._fixed_work_for(table, split_cap, len(items), num_qo_heads, options)
         self._plan = AttentionPlan(
             table,
             items=items,
@@ -326,7 +351,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
             table_views=views,
             fixed_work=fixed_work,
         )
-        self._frozen_q_len = 1 if self._fixed is not None else None
+
+    def _fixed_work_for(
+        self, table: PageTable, split_cap: int, items: int, num_qo_heads: int, options
+    ) -> FixedWork:
+        """The fixed work-list buffers (use_cuda_graph), sized once, at the
+        first plan (the captured grid): the split cap bounds every later
+        default plan of this batch size."""
+        shape = (table.batch_size, num_qo_heads, options.head_dim)
+        if self._fixed_work is None or not self._fixed_work.sized_for(*shape):
+            capacity = max(table.batch_size * split_cap, items)
+            self._fixed_work = FixedWork(
+                table.like, table.batch_size, capacity, num_qo_heads, options.head_dim,
+                self._workspace,
+            )  # fmt: skip
+        return self._fixed_work
 
     def _plan_multi_token(self, q_len: int) -> None:
         """q_len_per_req > 1: causal prefill of each request's last q_len

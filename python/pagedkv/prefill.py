@@ -178,27 +178,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         ...        causal=True, q_data_type=torch.float16)
         """
         del non_blocking, fixed_split_size, disable_split_kv, max_item_len_ptr
-        trtllm = dict(
-            seq_lens=seq_lens,
-            seq_lens_q=seq_lens_q,
-            block_tables=block_tables,
-            max_token_per_sequence=max_token_per_sequence,
-            max_sequence_kv=max_sequence_kv,
-        )
-        given = [name for name, value in trtllm.items() if value is not None]
-        if given:
-            raise ValueError(
-                f"plan(): {', '.join(given)} belong to FlashInfer's trtllm-gen backend; "
-                "pagedkv plans from paged_kv_indptr, paged_kv_indices and paged_kv_last_page_len"
-            )
-        multi_item = prefix_len_ptr is not None or token_pos_in_items_ptr is not None
-        if multi_item and (custom_mask is not None or packed_custom_mask is not None):
-            raise ValueError("multi-item scoring and a custom mask are exclusive")
-        if multi_item and (prefix_len_ptr is None or token_pos_in_items_ptr is None):
-            raise ValueError("multi-item scoring needs prefix_len_ptr and token_pos_in_items_ptr")
-        if multi_item and window_left >= 0:
-            raise ValueError("multi-item scoring with window_left is not supported")
-        kv_data_type = plan_kv_dtype(kv_data_type, q_data_type)  # uint8: NVFP4
+        trtllm = (seq_lens, seq_lens_q, block_tables, max_token_per_sequence, max_sequence_kv)
+        masked = custom_mask is not None or packed_custom_mask is not None
+        multi_item = (prefix_len_ptr, token_pos_in_items_ptr)
+        dtypes, head_dims = (q_data_type, o_data_type), (head_dim_qk, head_dim_vo)
+        self._check_plan_contract(trtllm, multi_item, masked, window_left, dtypes, head_dims)
         self._planned = dict(
             qo_indptr=qo_indptr,
             paged_kv_indptr=paged_kv_indptr,
@@ -216,11 +200,68 @@ class BatchPrefillWithPagedKVCacheWrapper:
             rope_scale=rope_scale,
             rope_theta=rope_theta,
             q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
+            kv_data_type=plan_kv_dtype(kv_data_type, q_data_type),  # uint8: NVFP4
         )
+        items = (*multi_item, token_pos_in_items_len) if prefix_len_ptr is not None else None
+        self._plan_pages(**self._planned, masks=(custom_mask, packed_custom_mask), multi_item=items)
+
+    @staticmethod
+    def _check_plan_contract(trtllm, multi_item, masked, window_left, dtypes, head_dims) -> None:
+        """Refuses what plan() does not take: FlashInfer's trtllm-gen inputs,
+        multi-item scoring with a custom mask, half of its two arrays or a
+        window, an o dtype other than q's, a value head dim other than the
+        query's."""
+        names = ("seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence")
+        names += ("max_sequence_kv",)
+        given = [name for name, value in zip(names, trtllm, strict=True) if value is not None]
+        if given:
+            raise ValueError(
+                f"plan(): {', '.join(given)} belong to FlashInfer's trtllm-gen backend; "
+                "pagedkv plans from paged_kv_indptr, paged_kv_indices and paged_kv_last_page_len"
+            )
+        if any(ptr is not None for ptr in multi_item):
+            if masked:
+                raise ValueError("multi-item scoring and a custom mask are exclusive")
+            if any(ptr is None for ptr in multi_item):
+                raise ValueError(
+                    "multi-item scoring needs prefix_len_ptr and token_pos_in_items_ptr"
+                )
+            if window_left >= 0:
+                raise ValueError("multi-item scoring with window_left is not supported")
+        q_data_type, o_data_type = dtypes
         if q_data_type is not None and o_data_type is not None:
             if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
                 raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
+        head_dim_qk, head_dim_vo = head_dims
+        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+            raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
+
+    def _plan_pages(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        causal,
+        pos_encoding_mode,
+        sm_scale,
+        window_left,
+        logits_soft_cap,
+        rope_scale,
+        rope_theta,
+        q_data_type,
+        kv_data_type,
+        masks,
+        multi_item,
+    ) -> None:
+        """The plan of the checked arguments: the page table, the query rows,
+        the mask (masks: the custom mask, bool or packed; or multi-item
+        scoring's), the work list."""
+        custom_mask, packed_custom_mask = masks
         qo_indptr = as_int32_index("qo_indptr", qo_indptr)
         paged_kv_indptr = as_int32_index("paged_kv_indptr", paged_kv_indptr)
         paged_kv_indices = as_int32_index("paged_kv_indices", paged_kv_indices)
@@ -228,8 +269,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
         masked = custom_mask is not None or packed_custom_mask is not None or multi_item
         if masked:
             causal = False  # as in FlashInfer: a custom mask replaces causal
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
         num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
         options = AttentionOptions(
             head_dim=check_int("head_dim_qk", head_dim_qk, 1),
@@ -253,13 +292,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if host_qo[0] != 0 or (counts < 0).any():
             raise ValueError("qo_indptr must start at 0 and never decrease")
         if multi_item:
-            custom_mask = multi_item_mask(
-                counts,
-                table.seq_lens,
-                prefix_len_ptr,
-                token_pos_in_items_ptr,
-                token_pos_in_items_len,
-            )
+            custom_mask = multi_item_mask(counts, table.seq_lens, *multi_item)
         mask = (
             custom_mask_rows(counts, table.seq_lens, custom_mask, packed_custom_mask)
             if masked
