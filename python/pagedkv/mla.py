@@ -196,6 +196,61 @@ def _host_index(name: str, x: Array, length: int | None = None) -> np.ndarray:
     return host_index_copy(name, x)
 
 
+def _checked_table(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size: int):
+    """The plan's page table on the host, checked: (qo_indptr [B + 1],
+    kv_indptr [B + 1], kv_indices, kv_len_arr [B], the page ids the
+    requests use); ValueError names what is wrong."""
+    kv_lens = _host_index("kv_len_arr", kv_len_arr)
+    batch = len(kv_lens)
+    qo = _host_index("qo_indptr", qo_indptr, batch + 1)
+    # As in FlashInfer, kv_indptr's first B + 1 entries are the table.
+    kv_ptr = _host_index("kv_indptr", kv_indptr)
+    if len(kv_ptr) < batch + 1:
+        raise ValueError(
+            f"kv_indptr must have at least {batch + 1} entries (kv_len_arr has {batch}),"
+            f" got {len(kv_ptr)}"
+        )
+    kv_ptr = kv_ptr[: batch + 1]
+    indices = _host_index("kv_indices", kv_indices)
+    for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_ptr)):
+        if ptr[0] != 0 or (np.diff(ptr) < 0).any():
+            raise ValueError(f"{name} must start at 0 and never decrease")
+    if kv_ptr[-1] > len(indices):
+        raise ValueError(
+            f"kv_indptr ends at {kv_ptr[-1]} but kv_indices has {len(indices)} entries"
+        )
+    if (kv_lens < 0).any():
+        raise ValueError("kv_len_arr must not be negative")
+    pages = np.diff(kv_ptr.astype(np.int64))
+    need = -(-kv_lens.astype(np.int64) // page_size)
+    short = np.flatnonzero(need > pages)
+    if len(short):
+        b = int(short[0])
+        raise ValueError(
+            f"request {b} caches {kv_lens[b]} tokens, {need[b]} pages of {page_size},"
+            f" but kv_indptr gives it {pages[b]}"
+        )
+    used = np.concatenate(
+        [indices[s : s + n] for s, n in zip(kv_ptr[:-1], need, strict=True)] + [[]]
+    ).astype(np.int64)
+    if (used < 0).any():
+        raise ValueError("kv_indices holds a negative page id")
+    return qo, kv_ptr, indices, kv_lens, used
+
+
+def _cache_scales(kv_dtype, ckv_scale, kpe_scale) -> tuple[float | None, float | None]:
+    """The caches' per-tensor scales: required (finite, positive) with fp8
+    caches, refused otherwise."""
+    if kv_dtype in FP8_DTYPES:
+        if ckv_scale is None or kpe_scale is None:
+            raise ValueError("fp8 MLA caches need ckv_scale and kpe_scale")
+        ckv_scale = check_float("ckv_scale", ckv_scale, positive=True)
+        kpe_scale = check_float("kpe_scale", kpe_scale, positive=True)
+    elif ckv_scale is not None or kpe_scale is not None:
+        raise ValueError("ckv_scale and kpe_scale are only valid with fp8 caches")
+    return ckv_scale, kpe_scale
+
+
 class BatchMLAPagedAttentionWrapper:
     """MLA attention over the paged latent cache: decode and ragged prefill.
 
@@ -330,41 +385,9 @@ class BatchMLAPagedAttentionWrapper:
         q_dtype = as_dtype(q_data_type, "q_data_type")
         kv_dtype = as_dtype(kv_data_type, "kv_data_type")
         check_mla_dtypes(q_dtype, kv_dtype)
-        kv_lens = _host_index("kv_len_arr", kv_len_arr)
-        batch = len(kv_lens)
-        qo = _host_index("qo_indptr", qo_indptr, batch + 1)
-        # As in FlashInfer, kv_indptr's first B + 1 entries are the table.
-        kv_ptr = _host_index("kv_indptr", kv_indptr)
-        if len(kv_ptr) < batch + 1:
-            raise ValueError(
-                f"kv_indptr must have at least {batch + 1} entries (kv_len_arr has {batch}),"
-                f" got {len(kv_ptr)}"
-            )
-        kv_ptr = kv_ptr[: batch + 1]
-        indices = _host_index("kv_indices", kv_indices)
-        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_ptr)):
-            if ptr[0] != 0 or (np.diff(ptr) < 0).any():
-                raise ValueError(f"{name} must start at 0 and never decrease")
-        if kv_ptr[-1] > len(indices):
-            raise ValueError(
-                f"kv_indptr ends at {kv_ptr[-1]} but kv_indices has {len(indices)} entries"
-            )
-        if (kv_lens < 0).any():
-            raise ValueError("kv_len_arr must not be negative")
-        pages = np.diff(kv_ptr.astype(np.int64))
-        need = -(-kv_lens.astype(np.int64) // page_size)
-        short = np.flatnonzero(need > pages)
-        if len(short):
-            b = int(short[0])
-            raise ValueError(
-                f"request {b} caches {kv_lens[b]} tokens, {need[b]} pages of {page_size},"
-                f" but kv_indptr gives it {pages[b]}"
-            )
-        used = np.concatenate(
-            [indices[s : s + n] for s, n in zip(kv_ptr[:-1], need, strict=True)] + [[]]
-        ).astype(np.int64)
-        if (used < 0).any():
-            raise ValueError("kv_indices holds a negative page id")
+        qo, kv_ptr, indices, kv_lens, used = _checked_table(
+            qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size
+        )
         items, request_items, kv_split, most = mla_work(
             qo, kv_lens, page_size, num_heads, bool(causal), is_gpu
         )
@@ -400,6 +423,46 @@ class BatchMLAPagedAttentionWrapper:
         self._dtypes = (q_dtype, kv_dtype)
         self._model = compiled_op(mla_spec(q_dtype, kv_dtype), self.device)
         self._planned = True
+
+    def _check_inputs(self, q_nope, q_pe, ckv_cache, kpe_cache) -> None:
+        """Checks run()'s queries and caches against the plan (shapes,
+        dtypes, device, contiguity, pages the table names)."""
+        q_dtype, kv_dtype = self._dtypes
+        ckv_dim, kpe_dim = self._dims
+        rows, heads = self._rows, self._num_heads
+        for name, x, width in (("q_nope", q_nope, ckv_dim), ("q_pe", q_pe, kpe_dim)):
+            check_array(name, x)
+            want = (rows, heads, width)
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must be {list(want)} as planned, got {list(x.shape)}")
+            if dtype_of(x) != q_dtype:
+                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {q_dtype.name}")
+            if device_of(x) != self.device:
+                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
+        num_pages = None
+        caches = (("ckv_cache", ckv_cache, ckv_dim), ("kpe_cache", kpe_cache, kpe_dim))
+        for name, x, width in caches:
+            check_array(name, x)
+            shape = tuple(x.shape)
+            if len(shape) != 3 or shape[1:] != (self._page_size, width):
+                raise ValueError(
+                    f"{name} must be [pages, {self._page_size}, {width}] as planned,"
+                    f" got {list(shape)}"
+                )
+            if num_pages is not None and shape[0] != num_pages:
+                raise ValueError("ckv_cache and kpe_cache must hold the same number of pages")
+            num_pages = shape[0]
+            if dtype_of(x) != kv_dtype:
+                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {kv_dtype.name}")
+            if device_of(x) != self.device:
+                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
+            if not is_contiguous(x):
+                raise ValueError(f"{name} must be contiguous (the kernel reads it in place)")
+        if self._max_page_id >= num_pages:
+            raise ValueError(
+                f"the page table uses page {self._max_page_id} but the caches hold"
+                f" {num_pages} pages"
+            )
 
     def run(
         self,
@@ -451,58 +514,15 @@ class BatchMLAPagedAttentionWrapper:
         """
         if not self._planned:
             raise RuntimeError("plan() must be called before run()")
-        for name, value in (
-            ("profiler_buffer", profiler_buffer),
-            ("kv_len", kv_len),
-            ("page_table", page_table),
-            ("o_scale", o_scale),
-            ("ckv_scale_arr", ckv_scale_arr),
-        ):
+        unsupported = dict(profiler_buffer=profiler_buffer, kv_len=kv_len, page_table=page_table)
+        unsupported |= dict(o_scale=o_scale, ckv_scale_arr=ckv_scale_arr)
+        for name, value in unsupported.items():
             if value is not None:
                 raise ValueError(f"{name} is not supported by pagedkv's MLA kernel")
-        q_dtype, kv_dtype = self._dtypes
-        ckv_dim, kpe_dim = self._dims
+        self._check_inputs(q_nope, q_pe, ckv_cache, kpe_cache)
+        ckv_scale, kpe_scale = _cache_scales(self._dtypes[1], ckv_scale, kpe_scale)
+        q_dtype, (ckv_dim, _) = self._dtypes[0], self._dims
         rows, heads = self._rows, self._num_heads
-        for name, x, width in (("q_nope", q_nope, ckv_dim), ("q_pe", q_pe, kpe_dim)):
-            check_array(name, x)
-            want = (rows, heads, width)
-            if tuple(x.shape) != want:
-                raise ValueError(f"{name} must be {list(want)} as planned, got {list(x.shape)}")
-            if dtype_of(x) != q_dtype:
-                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {q_dtype.name}")
-            if device_of(x) != self.device:
-                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
-        num_pages = None
-        caches = (("ckv_cache", ckv_cache, ckv_dim), ("kpe_cache", kpe_cache, kpe_dim))
-        for name, x, width in caches:
-            check_array(name, x)
-            shape = tuple(x.shape)
-            if len(shape) != 3 or shape[1:] != (self._page_size, width):
-                raise ValueError(
-                    f"{name} must be [pages, {self._page_size}, {width}] as planned,"
-                    f" got {list(shape)}"
-                )
-            if num_pages is not None and shape[0] != num_pages:
-                raise ValueError("ckv_cache and kpe_cache must hold the same number of pages")
-            num_pages = shape[0]
-            if dtype_of(x) != kv_dtype:
-                raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {kv_dtype.name}")
-            if device_of(x) != self.device:
-                raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
-            if not is_contiguous(x):
-                raise ValueError(f"{name} must be contiguous (the kernel reads it in place)")
-        if self._max_page_id >= num_pages:
-            raise ValueError(
-                f"the page table uses page {self._max_page_id} but the caches hold"
-                f" {num_pages} pages"
-            )
-        if kv_dtype in FP8_DTYPES:
-            if ckv_scale is None or kpe_scale is None:
-                raise ValueError("fp8 MLA caches need ckv_scale and kpe_scale")
-            ckv_scale = check_float("ckv_scale", ckv_scale, positive=True)
-            kpe_scale = check_float("kpe_scale", kpe_scale, positive=True)
-        elif ckv_scale is not None or kpe_scale is not None:
-            raise ValueError("ckv_scale and kpe_scale are only valid with fp8 caches")
         if out is None:
             out = empty_like(q_nope)
         else:
