@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .batch_metadata import PAD_PAGE
+from .eviction import EvictionPolicy
+from .kv_events import MEDIUM_CPU, MEDIUM_CPU_OFFLOAD, MEDIUM_GPU, EventHub
 from .page_pool import PagePool
 from .page_tensors import PageTensors
 
@@ -112,3 +115,61 @@ def per_group(name: str, value: Any, num_groups: int, low: int) -> list[int]:
             f"got {value!r}"
         )
     return [int(v) for v in values]
+
+
+@dataclass(frozen=True)
+class PagePoolOptions:
+    """What every group's page pool shares: its eviction policy, the cap on
+    pinned pages, the manager's event hub, and whether events name groups."""
+
+    eviction: str | EvictionPolicy
+    max_pinned_pages: int | None
+    events: EventHub
+    grouped: bool
+    """Whether the manager was given layer groups (events carry group_idx)."""
+
+
+def make_group(
+    index: int,
+    spec: tuple[tuple[int, ...], int | None],
+    pages: int,
+    host_pages: int,
+    geometry: dict,
+    options: PagePoolOptions,
+) -> LayerGroup:
+    """Layer group `index` of (layers, window) `spec`: its page tensors (a
+    window group's with one null page more) and page pool of `pages` pages,
+    and a host tier of `host_pages` (none when 0). geometry: PageTensors'
+    page_size, num_kv_heads, head_dim, dtype, kv_layout, device, use_torch."""
+    layers, window = spec
+    tensors = PageTensors(pages + (window is not None), num_layers=len(layers), **geometry)
+    pool = PagePool(
+        pages,
+        tensors.page_size,
+        eviction=options.eviction,
+        max_pinned_pages=options.max_pinned_pages,
+        medium=MEDIUM_GPU if tensors.on_gpu else MEDIUM_CPU,
+        group_idx=index if options.grouped else None,
+        events=options.events,
+        keep_token_ids=host_pages > 0,
+    )
+    host = host_tensors = None
+    if host_pages:
+        host_geometry = {k: v for k, v in geometry.items() if k not in ("device", "use_torch")}
+        host_tensors = PageTensors(
+            host_pages,
+            num_layers=len(layers),
+            use_torch=geometry["use_torch"] or tensors.on_gpu,
+            pin_memory=tensors.on_gpu,
+            **host_geometry,
+        )
+        host = PagePool(
+            host_pages,
+            geometry["page_size"],
+            max_pinned_pages=0,
+            medium=MEDIUM_CPU if tensors.on_gpu else MEDIUM_CPU_OFFLOAD,
+            group_idx=pool.group_idx,
+            events=options.events,
+            keep_token_ids=True,
+        )
+    return LayerGroup(index, layers, window, pool, tensors, host, host_tensors)

@@ -68,14 +68,11 @@ from .._ops.tensors import Array
 from .batch_metadata import PAD_PAGE, BatchMetadata
 from .eviction import EvictionPolicy
 from .kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_CPU_OFFLOAD,
-    MEDIUM_GPU,
     AllBlocksCleared,
     EventHub,
     KVCacheEvent,
 )
-from .layer_groups import LayerGroup, parse_layer_groups, per_group
+from .layer_groups import LayerGroup, PagePoolOptions, make_group, parse_layer_groups, per_group
 from .offload import OffloadPlan
 from .page_pool import (
     ROOT_HASH,
@@ -86,7 +83,7 @@ from .page_pool import (
     page_hash,
     salt_root,
 )
-from .page_tensors import POOL_DTYPES, PageTensors
+from .page_tensors import POOL_DTYPES
 from .request_pages import RequestPages
 from .validation import validate_manager
 
@@ -259,55 +256,28 @@ class PagedKVCacheManager:
             if len(policies) != count:
                 raise ValueError(f"eviction: give one policy per layer group ({count})")
         self._events = EventHub()
-        group_idx = None if layer_groups is None else 0
-        self._groups: list[LayerGroup] = []
-        for g, ((layers, window), pages, host_pages) in enumerate(
-            zip(specs, page_counts, host_counts, strict=True)
-        ):
-            tensors = PageTensors(
-                pages + (window is not None),
-                page_size,
-                num_kv_heads,
-                head_dim,
-                len(layers),
-                dtype=dtype,
-                kv_layout=kv_layout,
-                device=device,
-                use_torch=use_torch,
-            )
-            pool = PagePool(
+        geometry = dict(
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            kv_layout=kv_layout,
+            device=device,
+            use_torch=use_torch,
+        )
+        self._groups: list[LayerGroup] = [
+            make_group(
+                g,
+                spec,
                 pages,
-                tensors.page_size,
-                eviction=policies[g],
-                max_pinned_pages=max_pinned_pages,
-                medium=MEDIUM_GPU if tensors.on_gpu else MEDIUM_CPU,
-                group_idx=None if group_idx is None else g,
-                events=self._events,
-                keep_token_ids=host_pages > 0,
+                host_pages,
+                geometry,
+                PagePoolOptions(policy, max_pinned_pages, self._events, layer_groups is not None),
             )
-            host = host_tensors = None
-            if host_pages:
-                host_tensors = PageTensors(
-                    host_pages,
-                    page_size,
-                    num_kv_heads,
-                    head_dim,
-                    len(layers),
-                    dtype=dtype,
-                    kv_layout=kv_layout,
-                    use_torch=use_torch or tensors.on_gpu,
-                    pin_memory=tensors.on_gpu,
-                )
-                host = PagePool(
-                    host_pages,
-                    page_size,
-                    max_pinned_pages=0,
-                    medium=MEDIUM_CPU if tensors.on_gpu else MEDIUM_CPU_OFFLOAD,
-                    group_idx=pool.group_idx,
-                    events=self._events,
-                    keep_token_ids=True,
-                )
-            self._groups.append(LayerGroup(g, layers, window, pool, tensors, host, host_tensors))
+            for g, (spec, pages, host_pages, policy) in enumerate(
+                zip(specs, page_counts, host_counts, policies, strict=True)
+            )
+        ]
         first = self._groups[0]
         self.page_tensors = first.tensors
         self.group_tensors = [g.tensors for g in self._groups]
@@ -572,10 +542,23 @@ class PagedKVCacheManager:
         new_tokens = _split_tokens(tokens, counts)
         if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
             raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+        count_list = counts.tolist()
+        claims = self._plan_claims(
+            self._room_needed(requests, count_list, num_steps), requests, count_list
+        )
+        self._commit_claims(claims)
+        self._grow_tables(requests, count_list, new_tokens, claims, num_steps)
+        self._after_mutation()
+
+    def _room_needed(
+        self, requests: list[RequestPages], count_list: list[int], num_steps: int
+    ) -> list[tuple[int, dict[int, int]]]:
+        """Per group, the pages a reservation takes (new pages and copies of
+        shared last pages about to be written) and the writers of each
+        shared page; makes room for them (eviction) or raises
+        OutOfPagesError before anything changes."""
         size = self.page_size
         groups = self._groups
-        count_list = counts.tolist()
-
         # Every group's table grows by as many pages; copies differ by group.
         # (Group 0's shared last pages are counted in the same pass.)
         grow_all = 0
@@ -606,6 +589,15 @@ class PagedKVCacheManager:
             group.pool.ensure_room(need)
             needs.append((need, writers))
 
+        return needs
+
+    def _plan_claims(
+        self, needs: list[tuple[int, dict[int, int]]], requests, count_list: list[int]
+    ) -> list[tuple[list[int], OffloadPlan | None, list[tuple[RequestPages, int, int]]]]:
+        """Per group, the pages the reservation will claim, the host tier's
+        plan for the keyed pages it evicts, and the copy-on-write copies
+        (request, shared page, its copy)."""
+        size = self.page_size
         # NOTE: the next claim(need) takes exactly these pages, copies first.
         claims: list[tuple[list[int], OffloadPlan | None, list[tuple[RequestPages, int, int]]]] = []
         for group, (need, writers) in zip(self._groups, needs, strict=True):
@@ -624,6 +616,11 @@ class PagedKVCacheManager:
                         owners[last] -= 1
                         copies.append((request, last, next(spare)))
             claims.append((fresh, offload, copies))
+        return claims
+
+    def _commit_claims(self, claims) -> None:
+        """Copies evicted pages to the host tier and shared pages to their
+        copies, then claims the pages: nothing after the copies can fail."""
         # Offloads first: they read the evicted pages the copies overwrite.
         for group, (_, offload, copies) in zip(self._groups, claims, strict=True):
             if offload is not None:
@@ -642,6 +639,12 @@ class PagedKVCacheManager:
             if copies:
                 group.pool.drop_shared([old for _, old, _ in copies])
             self.stats.cow_copies += len(copies)
+
+    def _grow_tables(self, requests, count_list, new_tokens, claims, num_steps: int) -> None:
+        """Pushes the claimed pages onto each request's tables (set-aside
+        pages first), fills its prefix hashes and gives back what a window
+        no longer shows."""
+        size = self.page_size
         taken = [len(c[2]) for c in claims]
         self._generation += 1
         windows = bool(self._windows)
@@ -671,7 +674,6 @@ class PagedKVCacheManager:
             self._fill(request, n, ids)
             if windows:
                 self._drop_outside_windows(request, start)
-        self._after_mutation()
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Starts child_id as a copy of parent_id that shares all its pages.
