@@ -69,7 +69,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.memory:
         return memory(args)
-    import torch
 
     rng = np.random.default_rng(0)
     batch, size = args.requests, args.page_size
@@ -128,6 +127,15 @@ def main() -> int:
         held = [pool.num_used for pool in manager.page_pools]
         print(f"pages held after the steps: full group {held[0]}, window group {held[1]}")
 
+    return decode_and_report(args, manager, ids, group, rows)
+
+
+def decode_and_report(args, manager: PagedKVCacheManager, ids: list, group, rows: list) -> int:
+    """Times a decode step's plan and run over the manager's batch and
+    prints each manager cost as a share of the run; 1 if over BUDGET."""
+    import torch
+
+    batch, size, pool = len(ids), args.page_size, manager.pools[0]
     meta = manager.metadata(ids, group=group)
     seq = meta.seq_lens
     wrapper = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")

@@ -178,7 +178,46 @@ def margin_text(margin: float | None) -> str:
     return f"{margin:.4f} nats"
 
 
-def main() -> int:
+def print_report(report: dict, options: dict, args, tokenizer) -> None:
+    """The comparison as a few lines: agreement, errors, disagreements."""
+    gguf_name = report["model"]
+    pagedkv_desc = ", ".join(f"{k} {v}" for k, v in options.items())
+    print(f"pagedkv ({pagedkv_desc}, {report['pagedkv']['commit']}) against llama.cpp")
+    print(f"  llama.cpp: {report['llama_cpp']}; model {gguf_name}")
+    if args.llama_args:
+        print(f"  llama-server flags: {args.llama_args}")
+    print(
+        f"  {args.prompts} chat prompts x {args.tokens} greedy steps = {report['steps']} steps, "
+        "teacher-forced on llama.cpp's tokens"
+    )
+    print(
+        f"  top-1 agreement: {report['agreement']:.2%} "
+        f"({report['steps'] - len(report['disagreements'])} of {report['steps']})"
+    )
+    r = report
+    print(
+        f"  |log-prob error| over llama.cpp's top {N_PROBS}: mean {r['top10_abs_err_mean']:.4f}, "
+        f"max {r['top10_abs_err_max']:.4f}"
+    )
+    print(
+        f"  |log-prob error| of llama.cpp's chosen token: mean {r['chosen_abs_err_mean']:.4f}, "
+        f"max {r['chosen_abs_err_max']:.4f}"
+    )
+    if r["eos_argmax_steps"]:
+        print(
+            f"  ({r['eos_argmax_steps']} steps where EOS was llama.cpp's argmax and, with "
+            "ignore_eos, it went on with the runner-up; argmaxes are compared)"
+        )
+    for d in report["disagreements"][:10]:
+        print(
+            f"  disagreement: prompt {d['prompt']} step {d['step']}: llama.cpp "
+            f"{tokenizer.decode([d['llama_cpp']])!r}, pagedkv {tokenizer.decode([d['pagedkv']])!r}"
+            f" (llama.cpp's margin {margin_text(d['llama_cpp_margin'])})"
+        )
+
+
+def arguments() -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=MODEL, help="a catalogue model (default %(default)s)")
     parser.add_argument("--prompts", type=int, default=8, help="chat prompts (default 8)")
@@ -208,6 +247,11 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    return args
+
+
+def main() -> int:
+    args = arguments()
     try:
         binary = find_llama_server(args.llama_server, args.build_llama, args.llama_version)
     except (FileNotFoundError, OSError) as e:
@@ -248,39 +292,7 @@ def main() -> int:
         }
     )
 
-    pagedkv_desc = ", ".join(f"{k} {v}" for k, v in options.items())
-    print(f"pagedkv ({pagedkv_desc}, {report['pagedkv']['commit']}) against llama.cpp")
-    print(f"  llama.cpp: {report['llama_cpp']}; model {gguf.name}")
-    if args.llama_args:
-        print(f"  llama-server flags: {args.llama_args}")
-    print(
-        f"  {args.prompts} chat prompts x {args.tokens} greedy steps = {report['steps']} steps, "
-        "teacher-forced on llama.cpp's tokens"
-    )
-    print(
-        f"  top-1 agreement: {report['agreement']:.2%} "
-        f"({report['steps'] - len(report['disagreements'])} of {report['steps']})"
-    )
-    r = report
-    print(
-        f"  |log-prob error| over llama.cpp's top {N_PROBS}: mean {r['top10_abs_err_mean']:.4f}, "
-        f"max {r['top10_abs_err_max']:.4f}"
-    )
-    print(
-        f"  |log-prob error| of llama.cpp's chosen token: mean {r['chosen_abs_err_mean']:.4f}, "
-        f"max {r['chosen_abs_err_max']:.4f}"
-    )
-    if r["eos_argmax_steps"]:
-        print(
-            f"  ({r['eos_argmax_steps']} steps where EOS was llama.cpp's argmax and, with "
-            "ignore_eos, it went on with the runner-up; argmaxes are compared)"
-        )
-    for d in report["disagreements"][:10]:
-        print(
-            f"  disagreement: prompt {d['prompt']} step {d['step']}: llama.cpp "
-            f"{tokenizer.decode([d['llama_cpp']])!r}, pagedkv {tokenizer.decode([d['pagedkv']])!r}"
-            f" (llama.cpp's margin {margin_text(d['llama_cpp_margin'])})"
-        )
+    print_report(report, options, args, tokenizer)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

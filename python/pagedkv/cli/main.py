@@ -24,7 +24,17 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_demo(sub)
+    _add_generate(sub)
+    from ..serve.cli import add_parser as add_serve_parser
 
+    add_serve_parser(sub)
+    _add_bench_and_check_gpu(sub)
+    return parser
+
+
+def _add_demo(sub) -> None:
+    """`pagedkv demo`'s flags."""
     demo = sub.add_parser(
         "demo", help="serve a real model to a stream of chat requests and check every token"
     )
@@ -64,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--qo-heads", type=int, default=None, help="--model random: query heads (8)")
     demo.add_argument("--kv-heads", type=int, default=None, help="--model random: KV heads (2)")
 
+
+def _add_generate(sub) -> None:
+    """`pagedkv generate`'s flags."""
     gen = sub.add_parser(
         "generate", help="answer prompts with a real model (continuous batching, streamed)"
     )
@@ -94,10 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print one JSON object per prompt, one per line, in prompt order",
     )
 
-    from ..serve.cli import add_parser as add_serve_parser
 
-    add_serve_parser(sub)
-
+def _add_bench_and_check_gpu(sub) -> None:
+    """`pagedkv bench` and `pagedkv check-gpu`'s flags."""
     bench = sub.add_parser("bench", help="decode and append beside their anchors, one run")
     bench.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     bench.add_argument(
@@ -127,7 +139,6 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument(
         "--no-demo", action="store_true", help="leave out the demo's model graphs (minutes)"
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
