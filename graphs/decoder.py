@@ -8,11 +8,15 @@ then attends over the pool; both take every count (batch, tokens, pages,
 work items) as a symbolic dim, so one compile serves every step of a run.
 
 The layer is a subgraph that each layer calls with its own pool and its
-own weights (by name prefix), so compiling 30 layers costs about what one
-does. Per layer: RMSNorm, fused QKV projection, RoPE on q and k (the cache
-holds rotated keys), append, paged attention, output projection and
-residual, RMSNorm, SwiGLU MLP and residual; then a final norm and the
-logits of each request's last token.
+own weights (by name prefix), one per sliding window, so compiling 30
+layers costs about what one does. Per layer (Llama's block; `DecoderConfig`
+adds Gemma 3's choices): RMSNorm, fused QKV projection (then RMSNorm of
+each q and k head), RoPE on q and k with the layer's base (the cache holds
+rotated keys), append, paged attention (through the layer's window), output
+projection (then RMSNorm) and residual, RMSNorm, SwiGLU or GELU-tanh MLP
+(then RMSNorm) and residual; then a final norm and the logits of each
+request's last token. Each layer group of the page manager (one per
+window) has its own page ids and work list.
 
 The weights come in one of two forms:
 
@@ -22,10 +26,12 @@ The weights come in one of two forms:
   matmul). The exact path: it matches transformers token for token.
 - quantized (a `QuantizedFormats`): the GGUF's own 4- and 8-bit blocks,
   multiplied by graph_ops.qlinear (CPU) with float32 activations quantized
-  per block; each norm is the prologue of the product after it, SwiGLU
-  the prologue of the down projection and each residual add an epilogue,
-  so a layer is five ops besides RoPE and append. The cache keeps its own
-  dtype (`dtype`).
+  per block. Llama's block with every product quantized is one fused op
+  per layer (graph_ops.quantized_decoder_layer: each norm the prologue of
+  the product after it, SwiGLU the down projection's, each residual add an
+  epilogue); otherwise the layer is built op by op, each product quantized
+  or, where its format is one the product does not take, float32. The
+  cache keeps its own dtype (`dtype`).
 """
 
 from __future__ import annotations
@@ -452,7 +458,8 @@ def build_step_graph(
     each of its layers, so the graph's compile cost does not grow with the
     number of layers. dtype is the pools' (and in the float form the
     weights' and activations') dtype; `quantized` selects the quantized form
-    (CPU, Llama's block only).
+    (CPU; a product whose format the quantized product does not take
+    multiplies float32 weights).
 
     Output: logits [batch, vocab] (float32) of each request's last token
     (decode), or [out_rows, vocab] of the rows `last_rows` names (prefill).
