@@ -39,6 +39,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -217,6 +218,8 @@ class Workload:
     max_tokens: int
     shared_prefix: bool = False
     time_limit: float | None = None
+    model: str = MODEL
+    """The catalogue model the requests name (the servers serve it)."""
 
 
 WORKLOADS = {
@@ -255,11 +258,12 @@ def conversations(w: Workload) -> list[list[dict]]:
 
 
 async def one_request(
-    http: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int
+    http: httpx.AsyncClient, url: str, messages: list[dict], w: Workload
 ) -> Answer:
     """Streams one chat completion; the token count comes from its usage chunk."""
+    max_tokens = w.max_tokens
     body = {
-        "model": MODEL,
+        "model": w.model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -321,7 +325,7 @@ async def replay(
 
         async def worker() -> None:
             while queue:
-                answers.append(await one_request(http, url, queue.popleft(), w.max_tokens))
+                answers.append(await one_request(http, url, queue.popleft(), w))
 
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(worker()) for _ in range(w.clients)]
@@ -368,10 +372,11 @@ def summarize(w: Workload, answers: list[Answer], seconds: float, cut: bool) -> 
     }
 
 
-def warm_up(url: str) -> None:
+def warm_up(url: str, model: str) -> None:
     """One short request, so compiling and first allocations are not timed."""
     chat = [{"role": "user", "content": "Say hello."}]  # in no workload: caches nothing they use
-    answers, _, _ = asyncio.run(replay(url, Workload("warm-up", 1, 1, 4), [chat]))
+    warm = Workload("warm-up", 1, 1, 4, model=model)
+    answers, _, _ = asyncio.run(replay(url, warm, [chat]))
     if answers[0].error is not None:
         raise ServerError(f"the warm-up request failed: {answers[0].error}")
 
@@ -392,7 +397,7 @@ def run_server(
         for w in workloads:
             if server.proc is None or server.proc.poll() is not None:
                 raise ServerError(f"{name} exited: {server.log_tail(3)}")
-            warm_up(server.url)
+            warm_up(server.url, w.model)
             result["load_before"][w.name] = os.getloadavg()[0]
             answers, seconds, cut = asyncio.run(replay(server.url, w))
             r = summarize(w, answers, seconds, cut)
@@ -507,6 +512,23 @@ def format_table(header: list[str], results: dict, workloads: list[Workload]) ->
     return "\n".join(lines + [""] + notes)
 
 
+def llama_template_args(gguf: Path) -> list[str]:
+    """llama-server flags that give it pagedkv's chat template where the
+    GGUF carries none (Gemma's turn format): the same prompts on both sides.
+    Without them llama.cpp falls back to a template of its own choosing."""
+    tokenizer = gguf_tokenizer(gguf)
+    if tokenizer.chat_template is None or "{%" not in tokenizer.chat_template:
+        return []
+    import gguf as gguf_lib
+
+    if "tokenizer.chat_template" in gguf_lib.GGUFReader(str(gguf)).fields:
+        return []
+    path = Path(tempfile.gettempdir()) / f"pagedkv-{gguf.stem}-chat-template.jinja"
+    # llama.cpp's Jinja context adds BOS itself when the vocabulary asks.
+    path.write_text(tokenizer.chat_template)
+    return ["--jinja", "--chat-template-file", str(path)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -518,6 +540,7 @@ def main() -> int:
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated (default %(default)s)"
     )
+    parser.add_argument("--model", default=MODEL, help="a catalogue model (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     parser.add_argument(
         "--time-limit",
@@ -555,12 +578,13 @@ def main() -> int:
         parser.error(f"unknown server or workload: {', '.join(unknown)}")
     limit = min(args.time_limit, 120.0) if args.quick else args.time_limit
     workloads = [
-        replace(table[x], time_limit=limit) if table[x].shared_prefix else table[x] for x in wanted
+        replace(table[x], time_limit=limit if table[x].shared_prefix else None, model=args.model)
+        for x in wanted
     ]
 
     cpu = cpu_info()
     threads = args.threads or cpu["physical_cores"]
-    gguf = fetch_gguf(MODEL)
+    gguf = fetch_gguf(args.model)
     llama, version = None, "not run"
     if LLAMACPP in servers:
         try:
@@ -585,11 +609,11 @@ def main() -> int:
     results = {}
     for name in servers:
         if name == LLAMACPP:
-            extra = LLAMA_ARGS + shlex.split(args.llama_args)
+            extra = LLAMA_ARGS + llama_template_args(gguf) + shlex.split(args.llama_args)
             command = llama_server_command(llama, gguf, threads, *extra)
         else:
             extra = PAGEDKV_VARIANTS[name] + shlex.split(args.pagedkv_args)
-            command = pagedkv_serve_command(*extra)
+            command = pagedkv_serve_command("--model", args.model, *extra)
         results[name] = run_server(name, command, workloads, args.keep_logs)
 
     print()
