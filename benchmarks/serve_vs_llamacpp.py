@@ -65,6 +65,7 @@ from llamacpp import (
     pagedkv_serve_command,
 )
 from pagedkv.models.fetch import fetch_gguf
+from pagedkv.models.tokenizer import FAMILY_CHAT_TEMPLATES
 
 LLAMACPP = "llamacpp"
 PAGEDKV_VARIANTS = {
@@ -516,16 +517,12 @@ def llama_template_args(gguf: Path) -> list[str]:
     """llama-server flags that give it pagedkv's chat template where the
     GGUF carries none (Gemma's turn format): the same prompts on both sides.
     Without them llama.cpp falls back to a template of its own choosing."""
-    tokenizer = gguf_tokenizer(gguf)
-    if tokenizer.chat_template is None or "{%" not in tokenizer.chat_template:
-        return []
-    import gguf as gguf_lib
-
-    if "tokenizer.chat_template" in gguf_lib.GGUFReader(str(gguf)).fields:
-        return []
+    template = gguf_tokenizer(gguf).chat_template
+    if template not in FAMILY_CHAT_TEMPLATES.values():
+        return []  # the GGUF's own, which llama.cpp reads too
     path = Path(tempfile.gettempdir()) / f"pagedkv-{gguf.stem}-chat-template.jinja"
     # llama.cpp's Jinja context adds BOS itself when the vocabulary asks.
-    path.write_text(tokenizer.chat_template)
+    path.write_text(template)
     return ["--jinja", "--chat-template-file", str(path)]
 
 

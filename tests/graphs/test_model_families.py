@@ -51,7 +51,7 @@ def gemma_weights():
     return init_weights(CONFIG, seed=7)
 
 
-def engine(weights, num_pages: int) -> DecoderEngine:
+def engine(weights, num_pages: int, quantized: dict | None = None) -> DecoderEngine:
     manager = PagedKVCacheManager(
         num_pages,
         PAGE,
@@ -60,7 +60,7 @@ def engine(weights, num_pages: int) -> DecoderEngine:
         num_layers=CONFIG.num_layers,
         layer_groups=CONFIG.layer_groups,
     )
-    return DecoderEngine(CONFIG, weights, manager)
+    return DecoderEngine(CONFIG, weights, manager, quantized=quantized)
 
 
 def test_layer_groups_come_from_the_windows():
@@ -141,15 +141,7 @@ def test_quantized_and_float_products_in_one_graph_equal_numpy(gemma_weights):
     dense, packed = quantize_weights(CONFIG, gemma_weights, "Q8_0")
     for i in range(CONFIG.num_layers):
         del packed[f"layers.{i}.wo"], packed[f"layers.{i}.w_down"]
-    manager = PagedKVCacheManager(
-        64,
-        PAGE,
-        CONFIG.num_kv_heads,
-        CONFIG.head_dim,
-        num_layers=CONFIG.num_layers,
-        layer_groups=CONFIG.layer_groups,
-    )
-    e = DecoderEngine(CONFIG, dense, manager, quantized=packed)
+    e = engine(dense, 64, packed)
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (7, 30)]
     ids = ["a", "b"]

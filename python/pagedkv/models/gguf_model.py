@@ -222,8 +222,7 @@ def _quantized(
         if len({getattr(out[n], "format", None) for n in names}) != 1:
             for n in names:
                 out[n] = None
-    kept = {name: q for name, q in out.items() if q is not None}
-    return kept if len(kept) > 0 else {}
+    return {name: q for name, q in out.items() if q is not None}
 
 
 def _llama_config(metadata: dict[str, object]) -> DecoderConfig:
