@@ -221,7 +221,11 @@ def main() -> int:
     probe = load(MODEL, weights=args.weights, kv_memory=16 << 20)
     page_bytes = (16 << 20) // probe.manager.num_pages
     del probe
-    llm = load(MODEL, weights=args.weights, kv_memory=args.kv_pages * page_bytes)
+    # Answers are rerun alone and compared token for token: batch-invariant
+    # decode keeps each one independent of what shared its batch.
+    llm = load(
+        MODEL, weights=args.weights, kv_memory=args.kv_pages * page_bytes, batch_invariant=True
+    )
     tally = Tally(keep_greedy=args.rerun)
     with ServerThread(llm, max_num_seqs=64) as server:
         start_free = server.engine.between_steps(lambda: llm.manager.num_free_pages)

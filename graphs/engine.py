@@ -34,9 +34,10 @@ class DecoderEngine:
 
     `quantized` (the packed GGUF matrices by name, see
     `pagedkv.models.gguf_model`) runs the quantized step graphs; otherwise
-    the float ones in the manager's dtype. `batch_invariant` (the default)
-    fixes decode's key splits so that a request's logits do not depend on
-    its batch (`decode_chunk`)."""
+    the float ones in the manager's dtype. `batch_invariant` fixes decode's
+    key splits so that a request's logits do not depend on its batch
+    (`decode_chunk`); without it (the default) decode reads a prefix that
+    consecutive requests share once for all of them (`share_prefixes`)."""
 
     def __init__(
         self,
@@ -44,7 +45,7 @@ class DecoderEngine:
         weights: dict[str, np.ndarray],
         manager: PagedKVCacheManager,
         quantized: dict | None = None,
-        batch_invariant: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         if manager.num_layers != config.num_layers or manager.head_dim != config.head_dim:
             raise ValueError("the manager's pools do not match the model's layers and head_dim")
@@ -72,6 +73,12 @@ class DecoderEngine:
         batch and however many cores run it: every other part of a step
         computes each row on its own, in an order that does not depend on
         the batch."""
+        self.share_prefixes = not batch_invariant
+        """Decode reads the pages of a prefix that consecutive requests share
+        once for all of them (CPU, layer groups without a window): a shared
+        system prompt's keys are scored as one matrix product. Off in
+        batch-invariant mode: a request's sums would then depend on who
+        shares its prefix."""
 
     def prefill(
         self,
@@ -135,8 +142,14 @@ class DecoderEngine:
             return graph_ops.prefill_work(
                 meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu
             )
+        shares = self.share_prefixes and not gpu and meta.window_left < 0 and not self.decode_chunk
         return graph_ops.decode_work(
-            *table, *shape, window_left=meta.window_left, gpu=gpu, fixed_chunk=self.decode_chunk
+            *table,
+            *shape,
+            window_left=meta.window_left,
+            gpu=gpu,
+            fixed_chunk=self.decode_chunk,
+            kv_indices=meta.kv_indices if shares else None,
         )
 
     def _group_tables(self, kind: str, request_ids: Sequence[Hashable], md) -> dict:

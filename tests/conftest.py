@@ -288,7 +288,7 @@ def weights(tmp_path_factory):
     return mapped
 
 
-def engine_with_pool(weights, num_pages: int):
+def engine_with_pool(weights, num_pages: int, batch_invariant: bool = False):
     """A `DecoderEngine` of the demo's model over a fresh pool of num_pages pages."""
     from pagedkv.cache.manager import PagedKVCacheManager
     from pagedkv.graphs.engine import DecoderEngine
@@ -297,7 +297,7 @@ def engine_with_pool(weights, num_pages: int):
     manager = PagedKVCacheManager(
         num_pages, DEMO_PAGE, c.num_kv_heads, c.head_dim, num_layers=c.num_layers
     )
-    return DecoderEngine(c, weights, manager)
+    return DecoderEngine(c, weights, manager, batch_invariant=batch_invariant)
 
 
 class Gate:

@@ -7,6 +7,15 @@ Decode has one query per request and may split its keys across several items
 prefill tiles its queries and gives each tile all the keys it can see. An
 item of no queries is padding (a fixed work list's unused capacity, outside
 every request's range in request_items): the kernels skip it.
+
+A shared decode item (CPU only) takes the queries of q_count consecutive
+requests b, b + 1, .. (decode's query rows are in request order) against a
+run of keys whose pages they all share, read through request b's page
+table: a shared prefix is read once for all of them. Each of those
+requests lists an item at the same place among its own items (the others
+with no queries), whose partial state slot the shared item fills
+(`partial_slot`). The planner shares only keys every query sees whole: no
+window, no custom mask, no rotation inside the kernel.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
@@ -93,6 +102,24 @@ struct AttentionWork(DevicePassable, TrivialRegisterPassable):
     def items_of(self, b: Int) -> Int:
         return Int(self.request_items[unsafe_offset=b + 1]) - Int(
             self.request_items[unsafe_offset=b]
+        )
+
+    @always_inline
+    def query_request(self, item: Int, t: Int) -> Int:
+        """The request of the item's query t: b + t for a shared decode
+        item, the item's request for a prefill tile."""
+        return self.request(item) + t if self.kv_split else self.request(item)
+
+    @always_inline
+    def partial_slot(self, item: Int, t: Int) -> Int:
+        """The partial state slot of query t of a key-split item: the item
+        at the same place among request b + t's items (the item itself for
+        its first query)."""
+        var b = self.request(item)
+        return (
+            item
+            + Int(self.request_items[unsafe_offset=b + t])
+            - Int(self.request_items[unsafe_offset=b])
         )
 
     @always_inline

@@ -554,6 +554,7 @@ def decode_work(
     *,
     gpu: bool,
     fixed_chunk: int | None = None,
+    kv_indices: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_decode` in a graph on a GPU
@@ -562,10 +563,21 @@ def decode_work(
     fixed_chunk (tokens, a multiple of page_size): split every request's
     keys at the same positions whatever else is in the batch, so that its
     attention sums in the same order (batch-invariant results); by default
-    the chunks grow or shrink to keep every core busy."""
+    the chunks grow or shrink to keep every core busy. kv_indices (the page
+    ids, CPU, no window): consecutive requests that share a prefix's pages
+    read them once (`share_decode_prefixes`; not batch-invariant)."""
     options = AttentionOptions(head_dim, window_left=window_left)
-    return attention_work.decode_work(
-        seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
+    seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
+    common, prefix = None, None
+    if kv_indices is not None:
+        if gpu or window_left >= 0 or fixed_chunk is not None:
+            raise ValueError(
+                "shared prefixes are read once on the CPU, without a window or fixed_chunk"
+            )
+        common = attention_work.common_prefix_pages(np.asarray(kv_indptr), np.asarray(kv_indices))
+        prefix = attention_work.shared_prefix_tokens(common, seq_lens, page_size)
+    items, request_items = attention_work.decode_work(
+        seq_lens,
         page_size,
         num_qo_heads,
         num_kv_heads,
@@ -573,7 +585,12 @@ def decode_work(
         options,
         gpu,
         fixed_chunk=fixed_chunk,
+        shared_prefix=prefix,
     )
+    if common is not None:
+        group = num_qo_heads // num_kv_heads
+        items = attention_work.share_decode_prefixes(items, request_items, common, page_size, group)
+    return items, request_items
 
 
 def prefill_work(

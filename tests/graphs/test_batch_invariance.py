@@ -1,5 +1,6 @@
-"""Batch-invariant decode (the engine's default): one request's logits are
-bitwise the same alone and among 31 companions of other lengths, for the
+"""Batch-invariant decode (`batch_invariant=True`): one request's logits are
+bitwise the same alone and among 31 companions of other lengths, 15 of
+which share its prompt's first pages, for the
 demo's float model and SmolLM2's GGUF blocks, and with MAX's workers on
 all cores or crowded onto one (tasks then finish in another order).
 Equality is bitwise because the code guarantees it: decode splits a
@@ -25,12 +26,20 @@ def logits_alone_and_in_a_batch(engine, vocab: int) -> tuple[list, list]:
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, vocab, PROMPT_LEN).tolist()
     others = [rng.integers(1, vocab, int(n)).tolist() for n in rng.integers(20, 700, COMPANIONS)]
+    # The first half of the companions start with the prompt's first 200
+    # tokens: a prefix hit on its pages, which decode reads once for the
+    # request and them unless it is batch-invariant.
+    half = COMPANIONS // 2
+    others[:half] = [prompt[:200] + o for o in others[:half]]
 
     def run(companions: list) -> list[np.ndarray]:
         ids = ["t"] + [f"o{i}" for i in range(len(companions))]
-        for i in ids:
-            engine.manager.add(i, [])
-        out = [engine.prefill(ids, [prompt] + companions)[0].copy()]
+        engine.manager.add("t", [])  # no hit on the last run's pages: prefilled whole
+        out = [engine.prefill(["t"], [prompt])[0].copy()]
+        if companions:
+            hits = [engine.manager.add(i, c) for i, c in zip(ids[1:], companions, strict=True)]
+            assert max(hits) > 0
+            engine.prefill(ids[1:], [c[h:] for h, c in zip(hits, companions, strict=True)])
         tokens = [int(np.argmax(out[0]))] * len(ids)
         for _ in range(STEPS):
             logits = engine.decode(ids, tokens)
@@ -47,7 +56,7 @@ def logits_alone_and_in_a_batch(engine, vocab: int) -> tuple[list, list]:
 def test_demo_model_logits_do_not_depend_on_the_batch(weights):
     from conftest import DEMO_CONFIG
 
-    engine = engine_with_pool(weights, 1024)
+    engine = engine_with_pool(weights, 1024, batch_invariant=True)
     assert engine.decode_chunk is not None
     alone, batched = logits_alone_and_in_a_batch(engine, DEMO_CONFIG.vocab_size)
     for a, b in zip(alone, batched, strict=True):
@@ -61,7 +70,7 @@ def test_gguf_logits_do_not_depend_on_the_batch_or_the_cores(tmp_path):
     that compiles the GGUF step graphs (over a minute cold)."""
     from pagedkv.models import load
 
-    llm = load(weights="gguf")
+    llm = load(weights="gguf", batch_invariant=True)
     alone, batched = logits_alone_and_in_a_batch(llm.engine, llm.config.vocab_size)
     for a, b in zip(alone, batched, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -72,7 +81,7 @@ def test_gguf_logits_do_not_depend_on_the_batch_or_the_cores(tmp_path):
         sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # this folder, tests/
         from test_batch_invariance import logits_alone_and_in_a_batch
         from pagedkv.models import load
-        llm = load(weights="gguf")
+        llm = load(weights="gguf", batch_invariant=True)
         alone, _ = logits_alone_and_in_a_batch(llm.engine, llm.config.vocab_size)
         np.save(sys.argv[2], np.stack(alone))
         """

@@ -5,6 +5,7 @@ one pool buffer, compiled once with symbolic batch, token and page counts
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
@@ -12,9 +13,12 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 import pagedkv
 import reference
 from pagedkv import graph_ops
+from pagedkv._plan.work import CPU_MAX_TASK_ROWS
 from suite_graphs import suite_graph, suite_model
 
 P, HQ, HKV, D = 16, 8, 2, 64
+CPU_SHARED_QUERIES = CPU_MAX_TASK_ROWS // (HQ // HKV)
+"""Requests one shared decode item holds at most."""
 
 
 @suite_graph("append_then_decode")
@@ -103,3 +107,81 @@ def test_append_then_decode_in_one_graph_matches_eager():
         want_o, want_lse = w.run(q, eager_pool, return_lse=True)
         np.testing.assert_allclose(o.to_numpy(), want_o, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(lse.to_numpy(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+def shared_prefix_table(rng: np.random.Generator, groups, tails):
+    """A page table whose requests share prefixes: groups is a list of
+    (prefix pages, requests sharing it) (0 pages: private requests), tails
+    each request's own tokens after its prefix (at least 1, so its last
+    page, which the new token goes to, is its own)."""
+    prefix_pages = sum(p for p, _ in groups)
+    own_pages = [-(-t // P) for t in tails]
+    perm = rng.permutation(prefix_pages + sum(own_pages) + 2).astype(np.int32)
+    indices, lens, taken, b = [], [], prefix_pages, 0
+    at = 0
+    for pages, count in groups:
+        prefix = perm[at : at + pages]
+        at += pages
+        for _ in range(count):
+            own = perm[taken : taken + own_pages[b]]
+            taken += own_pages[b]
+            indices.append(np.concatenate([prefix, own]))
+            lens.append(pages * P + tails[b])
+            b += 1
+    lens = np.array(lens, np.int64)
+    kv_indptr = np.concatenate([[0], np.cumsum([len(i) for i in indices])]).astype(np.int32)
+    last = (lens - (np.diff(kv_indptr) - 1) * P).astype(np.int32)
+    return len(perm), lens, kv_indptr, np.concatenate(indices), last
+
+
+def test_decode_reads_shared_prefix_pages_once_and_matches_float64():
+    """Requests that share a prefix's pages are scored together (one item
+    holds the queries of up to 16 requests, or of two, below the rows that
+    take matrix products); every request's output still matches float64."""
+    model = suite_model("append_then_decode")
+    rng = np.random.default_rng(3)
+    groups = [(40, 19), (20, 2), (0, 1), (12, 3)]
+    tails = rng.integers(1, 60, sum(n for _, n in groups)).tolist()
+    num_pages, lens, kv_indptr, kv_indices, last = shared_prefix_table(rng, groups, tails)
+    batch = len(lens)
+    pool = rng.standard_normal((num_pages, 2, P, HKV, D), dtype=np.float32)
+    k = rng.standard_normal((batch, HKV, D), dtype=np.float32)
+    v = rng.standard_normal((batch, HKV, D), dtype=np.float32)
+    append_indptr = np.arange(batch + 1, dtype=np.int32)
+    bi, pos = reference.batch_indices_positions(append_indptr, lens.astype(np.int32), batch)
+    q = rng.standard_normal((batch, HQ, D), dtype=np.float32)
+    items, request_items = graph_ops.decode_work(
+        kv_indptr, last, P, HQ, HKV, D, gpu=False, kv_indices=kv_indices
+    )
+    shared = items[:, 2]
+    assert shared.max() == CPU_SHARED_QUERIES and 2 in shared and (shared == 0).any()
+    table = (kv_indices, kv_indptr, last)
+    o, lse = model.execute(
+        *[Buffer.from_numpy(x) for x in (pool, k, v, bi, pos, *table, q, items, request_items)]
+    )
+    cached = reference.gather(pool, kv_indices, kv_indptr, last, "NHD")
+    # The appended rows, in float64 from what the graph wrote.
+    for b, (kb, vb) in enumerate(cached):
+        np.testing.assert_array_equal(kb[-1], k[b])
+        want_o, want_lse = reference.attention(
+            q[b : b + 1], kb, vb, np.array([lens[b] - 1]), logits_soft_cap=30.0
+        )
+        np.testing.assert_allclose(o.to_numpy()[b], want_o[0], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(lse.to_numpy()[b], want_lse[0], rtol=2e-5, atol=2e-5)
+
+
+def test_shared_prefix_work_refuses_what_it_cannot_share():
+    """A window, a GPU or fixed splits get a clear error, not a wrong plan."""
+    rng = np.random.default_rng(4)
+    _, _, kv_indptr, kv_indices, last = shared_prefix_table(rng, [(4, 3)], [5, 9, 20])
+    args = (kv_indptr, last, P, HQ, HKV, D)
+    for bad in ({"window_left": 8}, {"gpu": True}, {"fixed_chunk": 64}):
+        options = {"gpu": False, **bad}
+        with pytest.raises(ValueError, match="shared prefixes"):
+            graph_ops.decode_work(*args, kv_indices=kv_indices, **options)
+    items, request_items = graph_ops.decode_work(*args, gpu=False, kv_indices=kv_indices)
+    # The three requests' 64 prefix keys are one item holding all three
+    # queries; each request keeps its own tail.
+    assert request_items.tolist() == [0, 2, 4, 6]
+    assert items[:, 2].tolist() == [3, 1, 0, 1, 0, 1]
+    assert items[:, 4:].tolist() == [[0, 64], [64, 69], [0, 64], [64, 73], [0, 64], [64, 84]]

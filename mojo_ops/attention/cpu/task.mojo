@@ -83,9 +83,9 @@ def attention_task[
 ):
     """One work item over a block of KV heads; task = item * blocks + block.
 
-    The task's query rows are (KV head, query token, head of the group), so
-    each KV head's rows are contiguous and share every K and V row it reads.
-    Writes final outputs, or the item's partial state when its request's keys
+    An item that takes its chunks as matrix products (`takes_products`) runs
+    them one KV head at a time; any other item runs the block's heads
+    together. Writes final outputs, or partial states where a request's keys
     are split across items (decode).
     """
     var kv_heads = cache.num_kv_heads()
@@ -94,9 +94,77 @@ def attention_task[
     var h0 = (task % blocks) * heads_per_task
     var h1 = min(h0 + heads_per_task, kv_heads)
     var group = num_qo_heads // kv_heads
+    if work.q_count(item) == 0:
+        return  # padding, or a request's place in a shared decode item
+    if takes_products(work, item, group, h1 - h0):
+        for h in range(h0, h1):
+            item_heads_task[q_dtype, kv_dtype, layout](
+                cache,
+                q,
+                output,
+                lse,
+                work,
+                params,
+                mask,
+                num_qo_heads,
+                item,
+                h,
+                h + 1,
+                True,
+            )
+    else:
+        item_heads_task[q_dtype, kv_dtype, layout](
+            cache,
+            q,
+            output,
+            lse,
+            work,
+            params,
+            mask,
+            num_qo_heads,
+            item,
+            h0,
+            h1,
+            False,
+        )
+
+
+@always_inline
+def takes_products(
+    work: AttentionWork, item: Int, group: Int, heads: Int
+) -> Bool:
+    """Whether the item takes its chunks as matrix products (products.mojo),
+    one KV head at a time: at least PRODUCT_MIN_ROWS rows of one KV head,
+    in a task of one head (prefill) or of several queries (a shared decode
+    item). One decode query keeps its steps over all the task's heads."""
     var queries = work.q_count(item)
-    if queries == 0:
-        return  # capacity padding of a fixed work list: nothing to do
+    return queries * group >= PRODUCT_MIN_ROWS and (heads == 1 or queries > 1)
+
+
+def item_heads_task[
+    q_dtype: DType, kv_dtype: DType, layout: KVLayout
+](
+    cache: PagedKVCache[kv_dtype, layout, DYNAMIC, DYNAMIC, DYNAMIC],
+    q: Ptr[q_dtype],
+    output: Ptr[q_dtype],
+    lse: Ptr[F32],
+    work: AttentionWork,
+    params: AttentionParams,
+    mask: CustomMask,
+    num_qo_heads: Int,
+    item: Int,
+    h0: Int,
+    h1: Int,
+    products: Bool,
+):
+    """Work item `item` over KV heads h0..h1, as products (one head) or as
+    decode's steps.
+
+    The task's query rows are (KV head, query token, head of the group), so
+    each KV head's rows are contiguous and share every K and V row it reads.
+    """
+    var group = num_qo_heads // cache.num_kv_heads()
+    var queries = work.q_count(item)
     var q_row0 = work.q_row(item)
     var q_pos0 = work.q_pos(item)
     var head_rows = queries * group
@@ -112,8 +180,6 @@ def attention_task[
     var v_scale = params.v_scale / kv_load_scale[kv_dtype]()
 
     var st = TaskState((h1 - h0) * head_rows, head_dim)
-    # Many rows of one KV head (prefill) take the chunk as matrix products.
-    var products = h1 - h0 == 1 and head_rows >= PRODUCT_MIN_ROWS
     comptime raw_q = raw_bf16_q[q_dtype, kv_dtype]()
     var keep_raw_q = raw_q and not rope
     if rope:
@@ -256,7 +322,6 @@ def attention_task[
         lse,
         work,
         item,
-        b,
         num_qo_heads,
         head_dim,
         h0,
@@ -417,7 +482,6 @@ def write_rows[
     lse: Ptr[F32],
     work: AttentionWork,
     item: Int,
-    b: Int,
     num_qo_heads: Int,
     head_dim: Int,
     h0: Int,
@@ -429,12 +493,13 @@ def write_rows[
 ):
     """The task's rows (as `load_query_rows` lays them out) normalised by
     their softmax sums and scaled by v_scale: into output and lse, or the
-    item's partial state (work.partial_o, partial_lse) where request b's
-    keys are split across items (decode)."""
+    partial state slots (work.partial_o, partial_lse) of query t's request
+    where its keys are split across items (decode)."""
     var head_rows = queries * group
-    var partial = work.writes_partial(b)
     for h in range(h0, h1):
         for t in range(queries):
+            var partial = work.writes_partial(work.query_request(item, t))
+            var slot = work.partial_slot(item, t)
             for g in range(group):
                 var r = (h - h0) * head_rows + t * group + g
                 var qo = h * group + g
@@ -453,16 +518,16 @@ def write_rows[
                 comptime if paired[kv_dtype]():
                     from_paired_order(a, head_dim)
                 if partial:
-                    # Key-split items hold one query (decode).
+                    # A key-split item's queries are one per request (decode).
                     var dst = work.partial_o.unsafe_offset(
-                        (item * num_qo_heads + qo) * head_dim
+                        (slot * num_qo_heads + qo) * head_dim
                     )
                     for c in range(head_dim // W):
                         dst.unsafe_offset(c * W).unsafe_store(
                             a.unsafe_offset(c * W).unsafe_load[width=W]() * norm
                         )
                     work.partial_lse[
-                        unsafe_offset=item * num_qo_heads + qo
+                        unsafe_offset=slot * num_qo_heads + qo
                     ] = state_lse
                 else:
                     var out_row = (q_row0 + t) * num_qo_heads + qo

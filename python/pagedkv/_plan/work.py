@@ -292,6 +292,7 @@ def decode_work(
     min_chunk: int = 256,
     fixed_chunk: int | None = None,
     max_splits: int | None = None,
+    shared_prefix: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Work items of a decode step over requests of seq_lens [B] tokens in
     pages of page_size: one query per request, its visible keys
@@ -305,7 +306,11 @@ def decode_work(
     page multiple) replaces that choice: FlashInfer's fixed_split_size and
     disable_split_kv. max_splits, if given, lengthens the chunks until no
     request has more items than that (a captured step's fixed work list,
-    `decode_split_cap`). Returns items [I, 6] and request_items [B + 1].
+    `decode_split_cap`). shared_prefix [B] (CPU, no window, no fixed_chunk):
+    tokens of each request's prefix whose pages a neighbour in the batch
+    shares (`shared_prefix_tokens`); its keys are split apart from the
+    rest, in chunks of min_chunk, for `share_decode_prefixes`. Returns items
+    [I, 6] and request_items [B + 1].
     """
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     if options.window_left < 0:
@@ -331,6 +336,8 @@ def decode_work(
     if max_splits is not None:
         longest_pages = -(-int(span.max(initial=0)) // page_size)
         chunk = max(chunk, -(-longest_pages // max_splits) * page_size)
+    if shared_prefix is not None and not is_gpu and options.window_left < 0:
+        return shared_prefix_items(seq_lens, shared_prefix, chunk, min_chunk)
     counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
@@ -347,6 +354,113 @@ def decode_work(
     end = np.maximum(np.minimum(aligned[request] + stop, seq_lens[request]), first)
     items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
     return items, request_items
+
+
+def key_runs(
+    first_key: np.ndarray, end_key: np.ndarray, chunk: int, at_least_one: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each request's keys [first_key, end_key) in chunks of `chunk` from
+    first_key on: (request, first, end) of every chunk, requests in order
+    (one empty chunk for an empty range with at_least_one)."""
+    span = end_key - first_key
+    counts = -(-span // chunk)
+    if at_least_one:
+        counts = np.maximum(counts, 1)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    request = np.repeat(np.arange(len(span)), counts)
+    first = first_key[request] + (np.arange(int(starts[-1])) - starts[request]) * chunk
+    return request, first, np.minimum(first + chunk, end_key[request])
+
+
+def shared_prefix_items(
+    seq_lens: np.ndarray, shared_prefix: np.ndarray, chunk: int, shared_chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode items (CPU, no window) whose keys split at each request's
+    shared prefix: the prefix in chunks of shared_chunk (the queries of many
+    requests share each of those items, so smaller chunks keep the cores
+    even), the rest in chunks of `chunk`. Returns items and request_items
+    as `decode_work` does."""
+    prefix = np.minimum(np.asarray(shared_prefix, np.int64), seq_lens)
+    head = key_runs(np.zeros_like(seq_lens), prefix, shared_chunk, at_least_one=False)
+    tail = key_runs(prefix, seq_lens, chunk, at_least_one=True)
+    request, first, end = (np.concatenate([h, t]) for h, t in zip(head, tail, strict=True))
+    order = np.argsort(request, kind="stable")
+    request, first, end = request[order], first[order], end[order]
+    counts = np.bincount(request, minlength=len(seq_lens))
+    request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
+    return items, request_items
+
+
+def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndarray:
+    """[B - 1]: how many leading page ids requests b and b + 1 of a page
+    table (kv_indptr [B + 1], kv_indices) have in common."""
+    starts, lens = kv_indptr[:-1], np.diff(kv_indptr)
+    common = np.zeros(max(len(lens) - 1, 0), np.int64)
+    if len(kv_indices) == 0 or len(common) == 0:
+        return common
+    heads = kv_indices[np.minimum(starts, len(kv_indices) - 1)]
+    for b in np.flatnonzero((lens[:-1] > 0) & (lens[1:] > 0) & (heads[:-1] == heads[1:])):
+        m = min(lens[b], lens[b + 1])
+        mine = kv_indices[starts[b] : starts[b] + m]
+        differ = np.flatnonzero(mine != kv_indices[starts[b + 1] : starts[b + 1] + m])
+        common[b] = differ[0] if differ.size else m
+    return common
+
+
+def shared_prefix_tokens(common: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """[B]: tokens of each request's prefix that a neighbour shares (pages
+    in common with the request before or after it, `common_prefix_pages`),
+    at most its length less one: its last key, the new token's, is its own."""
+    before = np.concatenate([[0], common])
+    after = np.concatenate([common, [0]])
+    return np.minimum(np.maximum(before, after) * page_size, np.maximum(seq_lens - 1, 0))
+
+
+def share_decode_prefixes(
+    items: np.ndarray,
+    request_items: np.ndarray,
+    common: np.ndarray,
+    page_size: int,
+    group: int,
+) -> np.ndarray:
+    """Decode work items (CPU) in which consecutive requests that share a
+    prefix's pages read them once: where requests b, b + 1, .. have the same
+    c-th item (same first and end key, inside the pages they have in common,
+    `common_prefix_pages`), request b's item takes all their queries (up to
+    CPU_MAX_TASK_ROWS rows of a KV head) and theirs none; the shared item
+    writes their partial states into their own items' slots
+    (mojo_ops/attention/work.mojo). Items of one query per request (rows in
+    request order) over a page table without a window; returns a new array,
+    or `items` itself when nothing is shared.
+
+    A shared item sums its rows in another order than an item of one
+    request, so logits depend in their last bits on who shares a prefix.
+    """
+    if not common.any():
+        return items
+    items = items.copy()
+    counts = np.diff(request_items)
+    most = max(CPU_MAX_TASK_ROWS // group, 1)
+    for c in range(int(counts.max())):
+        both = (counts[:-1] > c) & (counts[1:] > c)
+        i = np.where(both, request_items[:-2] + c, 0)
+        j = np.where(both, request_items[1:-1] + c, 0)
+        linked = (
+            both
+            & (items[i, 4] == items[j, 4])
+            & (items[i, 5] == items[j, 5])
+            & (-(-items[i, 5] // page_size) <= common)
+        )
+        for b in np.flatnonzero(linked):
+            if items[request_items[b] + c, 2] == 0:
+                continue  # a later place in an earlier request's shared item
+            run = 1
+            while b + run - 1 < len(linked) and linked[b + run - 1] and run < most:
+                items[request_items[b + run] + c, 2] = 0
+                run += 1
+            items[request_items[b] + c, 2] = run
+    return items
 
 
 GPU_CHUNK_CHOICES = 64

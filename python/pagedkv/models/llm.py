@@ -89,7 +89,7 @@ class LLM:
         model: GGUFModel,
         manager: PagedKVCacheManager,
         quantized: bool = False,
-        batch_invariant: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         self.name = name
         self.config: DecoderConfig = model.config
@@ -250,7 +250,7 @@ def load(
     kv_memory: int = DEFAULT_KV_MEMORY,
     gguf: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
-    batch_invariant: bool = True,
+    batch_invariant: bool = False,
 ) -> LLM:
     """Loads model `name` to serve from a paged cache.
 
@@ -278,7 +278,9 @@ def load(
     batch_invariant : bool
         A request's logits are bitwise the same whatever else runs in its
         batch and however many cores run it (decode splits its keys at fixed
-        positions; docs/performance.md has the cost, within the noise).
+        positions). Off by default: decode then reads a prefix that several
+        requests share once for all of them (docs/performance.md has what
+        each costs).
 
     Returns
     -------

@@ -72,8 +72,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a request's answer does not depend on what else is in its batch (default on)",
+        default=False,
+        help="a request's answer does not depend on what else is in its batch (default off: "
+        "requests that share a prompt's prefix read its pages once)",
     )
     add_weights_arguments(p)
 
