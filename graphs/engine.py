@@ -127,9 +127,33 @@ class DecoderEngine:
         """Appends one token per request and returns the next logits [B, vocab]."""
         self.manager.reserve(request_ids, 1, tokens=[[int(t)] for t in tokens])
         md = self.manager.metadata(request_ids, group=0)
+        order = self._prefix_order(md)
+        if order is not None:
+            request_ids = [request_ids[i] for i in order]
+            tokens = [tokens[i] for i in order]
+            md = self.manager.metadata(request_ids, group=0)
         tables = self._group_tables(DECODE, request_ids, md)
         inputs = {"tokens": np.asarray(tokens, np.int32), **self._step_inputs(md, tables)}
-        return self._run(self.models.decode, DECODE, inputs)
+        logits = self._run(self.models.decode, DECODE, inputs)
+        if order is None:
+            return logits
+        back = np.empty_like(logits)
+        back[order] = logits
+        return back
+
+    def _prefix_order(self, md) -> np.ndarray | None:
+        """An order of the batch that puts requests with the same first page
+        side by side, where they are not already, so that decode reads their
+        shared prefix once (`share_prefixes`: only consecutive requests
+        share); None to keep the batch's order."""
+        if not self.share_prefixes or len(md.kv_indptr) < 4 or self.device.is_gpu:
+            return None
+        first_pages = md.kv_indices[md.kv_indptr[:-1]]
+        order = np.argsort(first_pages, kind="stable")
+        runs = np.count_nonzero(np.diff(first_pages)) + 1
+        if runs == np.count_nonzero(np.diff(first_pages[order])) + 1:
+            return None  # equal first pages are already side by side
+        return order
 
     def _work(self, kind: str, meta) -> tuple[np.ndarray, np.ndarray]:
         """The work list of a step over one layer group's page table (its

@@ -40,6 +40,39 @@ def test_one_prefill_and_decode_step_equal_numpy(weights):
     assert (logits.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_decode_reads_two_interleaved_shared_prefixes_once_each(weights):
+    """Requests on two system prompts, interleaved in the batch: decode puts
+    each prompt's requests side by side, scores each prefix in shared work
+    items, and returns every request's logits in the caller's order, equal
+    to the dense NumPy model's."""
+    engine = engine_with_pool(weights, 256)
+    assert engine.share_prefixes
+    rng = np.random.default_rng(5)
+    systems = [rng.integers(0, CONFIG.vocab_size, 300).tolist() for _ in range(2)]
+    ids = [f"r{i}" for i in range(8)]
+    prompts = [
+        systems[i % 2] + rng.integers(0, CONFIG.vocab_size, 5 + i).tolist() for i in range(8)
+    ]
+    for i in ids[:2]:
+        engine.manager.add(i)
+    first = engine.prefill(ids[:2], prompts[:2])
+    hits = [engine.manager.add(i, p) for i, p in zip(ids[2:], prompts[2:], strict=True)]
+    assert min(hits) == 288  # 18 whole pages of each system prompt
+    rest = engine.prefill(ids[2:], [p[h:] for h, p in zip(hits, prompts[2:], strict=True)])
+    refs = [DenseDecoder(CONFIG, weights) for _ in prompts]
+    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+    np.testing.assert_allclose(np.concatenate([first, rest]), want, rtol=1e-4, atol=1e-4)
+    plans = []
+    work = engine._work
+    engine._work = lambda kind, meta: plans.append(work(kind, meta)) or plans[-1]
+    nxt = want.argmax(-1)
+    logits = engine.decode(ids, nxt)
+    items, _ = plans[-1]
+    assert sorted(items[:, 2].tolist())[-2:] == [4, 4]  # each prompt's four requests
+    want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+
+
 def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
     """A pool that holds two requests at a time: later arrivals wait, start when
     earlier ones finish, and every page comes back."""
