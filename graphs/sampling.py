@@ -102,6 +102,18 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def greedy_tokens(logits: np.ndarray, n: int) -> np.ndarray:
+    """The n highest-scoring tokens of a row of logits [vocab], best first,
+    equal scores in token order (what a stable sort of -logits gives), for
+    n greedy samples that must differ. Partitions instead of sorting the
+    vocabulary."""
+    if n >= len(logits) or np.isnan(logits).any():
+        return np.argsort(-logits, kind="stable")[:n]
+    bar = np.partition(logits, len(logits) - n)[len(logits) - n]
+    ties = np.flatnonzero(logits >= bar)  # every token at the n-th score too
+    return ties[np.lexsort((ties, -logits[ties]))][:n]
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """log(softmax(logits)) along the last axis, in float64."""
     x = np.asarray(logits, np.float64)

@@ -57,6 +57,7 @@ from .sampling import (
     LogitAdjustments,
     SamplingParams,
     TokenLogprob,
+    greedy_tokens,
     log_softmax,
     sample_token,
     token_logprob,
@@ -591,7 +592,7 @@ class Scheduler:
             if rows is not None:
                 self._send(live, prompt_logprobs(req.prompt, rows, req.prompt_logprobs))
             first = req.adjustments.apply(row, []) if req.adjustments.active else row
-            ranked = np.argsort(-first, kind="stable") if req.sampling.greedy else None
+            ranked = greedy_tokens(first, req.n) if req.sampling.greedy else None
             # Every sample is forked before any is emitted: a sample whose
             # first token ends it releases its pages at once, and the
             # others fork from sample 0's.

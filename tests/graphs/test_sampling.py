@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
-from pagedkv.graphs.sampling import LogitAdjustments, log_softmax, token_logprob
+from pagedkv.graphs.sampling import LogitAdjustments, greedy_tokens, log_softmax, token_logprob
 
 
 def test_log_softmax_sums_to_one_and_survives_extreme_logits():
@@ -43,3 +46,19 @@ def test_adjustments_add_the_bias_and_subtract_the_penalties():
     np.testing.assert_array_equal(out, want.astype(np.float32))
     assert logits[2] == 2.0  # the model's logits are left as they are
     assert not LogitAdjustments().active and adjust.active
+
+
+@given(
+    arrays(np.float32, st.integers(1, 300), elements=st.sampled_from([-2.0, 0.0, 1.5, 3.0])),
+    st.integers(1, 8),
+)
+def test_greedy_tokens_are_a_stable_sort_of_the_top(logits, n):
+    """The n best tokens, ties in token order: a stable argsort's first n
+    (logits drawn from four values, so that most are tied)."""
+    want = np.argsort(-logits, kind="stable")[:n]
+    np.testing.assert_array_equal(greedy_tokens(logits, n), want)
+    with_nan = logits.copy()
+    with_nan[0] = np.nan
+    np.testing.assert_array_equal(
+        greedy_tokens(with_nan, n), np.argsort(-with_nan, kind="stable")[:n]
+    )

@@ -356,38 +356,26 @@ def decode_work(
     return items, request_items
 
 
-def key_runs(
-    first_key: np.ndarray, end_key: np.ndarray, chunk: int, at_least_one: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each request's keys [first_key, end_key) in chunks of `chunk` from
-    first_key on: (request, first, end) of every chunk, requests in order
-    (one empty chunk for an empty range with at_least_one)."""
-    span = end_key - first_key
-    counts = -(-span // chunk)
-    if at_least_one:
-        counts = np.maximum(counts, 1)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    request = np.repeat(np.arange(len(span)), counts)
-    first = first_key[request] + (np.arange(int(starts[-1])) - starts[request]) * chunk
-    return request, first, np.minimum(first + chunk, end_key[request])
-
-
 def shared_prefix_items(
     seq_lens: np.ndarray, shared_prefix: np.ndarray, chunk: int, shared_chunk: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode items (CPU, no window) whose keys split at each request's
     shared prefix: the prefix in chunks of shared_chunk (the queries of many
     requests share each of those items, so smaller chunks keep the cores
-    even), the rest in chunks of `chunk`. Returns items and request_items
-    as `decode_work` does."""
+    even), then the rest in chunks of `chunk`. Returns items and
+    request_items as `decode_work` does."""
     prefix = np.minimum(np.asarray(shared_prefix, np.int64), seq_lens)
-    head = key_runs(np.zeros_like(seq_lens), prefix, shared_chunk, at_least_one=False)
-    tail = key_runs(prefix, seq_lens, chunk, at_least_one=True)
-    request, first, end = (np.concatenate([h, t]) for h, t in zip(head, tail, strict=True))
-    order = np.argsort(request, kind="stable")
-    request, first, end = request[order], first[order], end[order]
-    counts = np.bincount(request, minlength=len(seq_lens))
-    request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    heads = -(-prefix // shared_chunk)
+    tails = np.maximum(-(-(seq_lens - prefix) // chunk), 1)
+    request_items = np.concatenate([[0], np.cumsum(heads + tails)]).astype(np.int32)
+    request = np.repeat(np.arange(len(seq_lens)), heads + tails)
+    k = np.arange(int(request_items[-1])) - request_items[request]
+    in_head = k < heads[request]
+    first = np.where(in_head, k * shared_chunk, prefix[request] + (k - heads[request]) * chunk)
+    end = np.minimum(
+        np.where(in_head, np.minimum(first + shared_chunk, prefix[request]), first + chunk),
+        seq_lens[request],
+    )
     items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
     return items, request_items
 
@@ -395,17 +383,15 @@ def shared_prefix_items(
 def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndarray:
     """[B - 1]: how many leading page ids requests b and b + 1 of a page
     table (kv_indptr [B + 1], kv_indices) have in common."""
-    starts, lens = kv_indptr[:-1], np.diff(kv_indptr)
-    common = np.zeros(max(len(lens) - 1, 0), np.int64)
-    if len(kv_indices) == 0 or len(common) == 0:
-        return common
-    heads = kv_indices[np.minimum(starts, len(kv_indices) - 1)]
-    for b in np.flatnonzero((lens[:-1] > 0) & (lens[1:] > 0) & (heads[:-1] == heads[1:])):
-        m = min(lens[b], lens[b + 1])
-        mine = kv_indices[starts[b] : starts[b] + m]
-        differ = np.flatnonzero(mine != kv_indices[starts[b + 1] : starts[b + 1] + m])
-        common[b] = differ[0] if differ.size else m
-    return common
+    lens = np.diff(kv_indptr)
+    if len(lens) < 2 or len(kv_indices) == 0:
+        return np.zeros(max(len(lens) - 1, 0), np.int64)
+    used = np.arange(int(lens.max())) < lens[:, None]
+    table = np.full(used.shape, -1, np.int64)
+    table[used] = kv_indices[: int(kv_indptr[-1])]
+    same = (table[:-1] == table[1:]) & used[:-1] & used[1:]
+    # Leading equal pages: the first False, with one appended to every row.
+    return np.argmin(np.pad(same, ((0, 0), (0, 1))), axis=1)
 
 
 def shared_prefix_tokens(common: np.ndarray, seq_lens: np.ndarray, page_size: int) -> np.ndarray:
@@ -439,27 +425,31 @@ def share_decode_prefixes(
     """
     if not common.any():
         return items
-    items = items.copy()
     counts = np.diff(request_items)
     most = max(CPU_MAX_TASK_ROWS // group, 1)
-    for c in range(int(counts.max())):
-        both = (counts[:-1] > c) & (counts[1:] > c)
-        i = np.where(both, request_items[:-2] + c, 0)
-        j = np.where(both, request_items[1:-1] + c, 0)
-        linked = (
-            both
-            & (items[i, 4] == items[j, 4])
-            & (items[i, 5] == items[j, 5])
-            & (-(-items[i, 5] // page_size) <= common)
-        )
-        for b in np.flatnonzero(linked):
-            if items[request_items[b] + c, 2] == 0:
-                continue  # a later place in an earlier request's shared item
-            run = 1
-            while b + run - 1 < len(linked) and linked[b + run - 1] and run < most:
-                items[request_items[b + run] + c, 2] = 0
-                run += 1
-            items[request_items[b] + c, 2] = run
+    # [C, B]: request b's c-th item, where it has one.
+    c = np.arange(int(counts.max()))[:, None]
+    has = c < counts[None, :]
+    at = np.where(has, request_items[None, :-1] + c, 0)
+    first, end = items[at, 4], items[at, 5]
+    linked = (
+        has[:, :-1]
+        & has[:, 1:]
+        & (first[:, :-1] == first[:, 1:])
+        & (end[:, :-1] == end[:, 1:])
+        & (-(-end[:, :-1] // page_size) <= common[None, :])
+    )
+    # Runs of linked requests along b: each request's place in its run and
+    # the run's last request; every `most`-th place leads an item.
+    b = np.broadcast_to(np.arange(len(counts)), has.shape)
+    no = np.zeros((len(c), 1), bool)
+    after_link = np.concatenate([no, linked], axis=1)
+    place = b - np.maximum.accumulate(np.where(after_link, 0, b), axis=1)
+    before_link = np.concatenate([linked, no], axis=1)
+    last = np.minimum.accumulate(np.where(before_link, len(counts), b)[:, ::-1], axis=1)[:, ::-1]
+    queries = np.where(place % most == 0, np.minimum(most, last - b + 1), 0)
+    items = items.copy()
+    items[at[has], 2] = queries[has]
     return items
 
 
