@@ -8,14 +8,21 @@ in the "_1" formats, a min m) and 32 codes q, and element i is
     Q4_0: d * (q_i - 8)      q 4-bit        Q8_0: d * q_i   q signed 8-bit
     Q4_1: d * q_i + m        q 4-bit
 
+Q4_K's super-blocks of 256 inputs are eight such blocks of 32 with a
+6-bit scale and min each, under a float16 scale and min of the super-block:
+element i of sub-block j is (d * sc_j) * q_i - (dmin * m_j). pagedkv packs
+it as Q4_1's layout with d * sc_j and -dmin * m_j as float32 (exact: 11
+bits of mantissa times 6), so its codes are the file's own and its
+products need nothing Q4_1's do not.
+
 pagedkv repacks the blocks (`pagedkv._ops.quantized_panels`) into panels of
 PANEL = 16 output columns, [ceil(N / 16), panel_bytes(format, K)] bytes. A
 panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
 their scales, then (formats with a min) all their mins:
 
     codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
-    scales: K/32 x 16 float16     d of each column's block
-    mins:   K/32 x 16 float16     m of each column's block (Q4_1)
+    scales: K/32 x 16 float16     d of each column's block (Q4_K: float32)
+    mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: float32)
 
 padded to a multiple of 64 bytes. A block's codes come in groups of 64
 bytes, 4 bytes per column (column c at bytes 4c .. 4c + 3), so that one
@@ -41,10 +48,11 @@ comptime PANEL_ALIGN = 64
 comptime Q4_0 = 2
 comptime Q4_1 = 3
 comptime Q8_0 = 8
+comptime Q4_K = 12
 
 
 def is_supported(fmt: Int) -> Bool:
-    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0
+    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K
 
 
 def code_bits(fmt: Int) -> Int:
@@ -54,7 +62,13 @@ def code_bits(fmt: Int) -> Int:
 
 def has_min(fmt: Int) -> Bool:
     """Whether blocks carry a min m (w = d * q + m) rather than a zero point."""
-    return fmt == Q4_1
+    return fmt == Q4_1 or fmt == Q4_K
+
+
+def scale_bytes(fmt: Int) -> Int:
+    """Bytes of one block's scale (and of its min): float16, or float32 for
+    Q4_K's products of two scales."""
+    return 4 if fmt == Q4_K else 2
 
 
 def zero_point(fmt: Int, signed_codes: Bool) -> Int:
@@ -81,6 +95,6 @@ def code_bytes(fmt: Int) -> Int:
 def panel_bytes(fmt: Int, k_dim: Int) -> Int:
     """Bytes of one panel of a weight with k_dim inputs."""
     var blocks = k_dim // QK
-    var scale_bytes = 2 * PANEL * (2 if has_min(fmt) else 1)
-    var size = blocks * (code_bytes(fmt) + scale_bytes)
+    var scales = scale_bytes(fmt) * PANEL * (2 if has_min(fmt) else 1)
+    var size = blocks * (code_bytes(fmt) + scales)
     return (size + PANEL_ALIGN - 1) // PANEL_ALIGN * PANEL_ALIGN

@@ -54,6 +54,7 @@ from .block_formats import (
     has_min,
     is_supported,
     panel_bytes,
+    scale_bytes,
     zero_point,
 )
 
@@ -73,6 +74,27 @@ comptime MAX_TILES_PER_TASK = 8
 stays in L1 across them)."""
 comptime MIN_TASKS = 32
 """Tasks a product is split into when it has that many tiles."""
+
+
+@always_inline
+def block_scales[
+    fmt: Int
+](scales: Ptr[DType.uint8], first: Int) -> SIMD[F32, WI]:
+    """WI consecutive scales (or mins) from index `first` of a panel's
+    scale array, as float32: stored as float16, or float32 (`scale_bytes`).
+    """
+    comptime if scale_bytes(fmt) == 4:
+        return (
+            scales.unsafe_offset(first * 4)
+            .unsafe_bitcast[Float32]()
+            .unsafe_load[width=WI]()
+        )
+    return (
+        scales.unsafe_offset(first * 2)
+        .unsafe_bitcast[Float16]()
+        .unsafe_load[width=WI]()
+        .cast[F32]()
+    )
 
 
 @always_inline
@@ -97,7 +119,7 @@ def tile[
     comptime MIN = has_min(fmt)
     comptime SIGNED = BITS == 8 and SIGNED_CODES
     var scales = panel.unsafe_offset(blocks * CODE_BYTES)
-    var mins = scales.unsafe_offset(blocks * PANEL * 2)
+    var mins = scales.unsafe_offset(blocks * PANEL * scale_bytes(fmt))
     var acc = stack_allocation[rows * NV, SIMD[F32, WI]]()
     comptime for i in range(rows * NV):
         acc[unsafe_offset=i] = 0
@@ -143,20 +165,10 @@ def tile[
                                 broadcast_word(xr),
                             )
         comptime for v in range(NV):
-            var d = (
-                scales.unsafe_offset((b * PANEL + v * WI) * 2)
-                .unsafe_bitcast[Float16]()
-                .unsafe_load[width=WI]()
-                .cast[F32]()
-            )
+            var d = block_scales[fmt](scales, b * PANEL + v * WI)
             var m = SIMD[F32, WI](0)
             comptime if MIN:
-                m = (
-                    mins.unsafe_offset((b * PANEL + v * WI) * 2)
-                    .unsafe_bitcast[Float16]()
-                    .unsafe_load[width=WI]()
-                    .cast[F32]()
-                )
+                m = block_scales[fmt](mins, b * PANEL + v * WI)
             comptime for r in range(rows):
                 var i = r * NV + v
                 var block_d = xd[unsafe_offset=r * blocks + b]

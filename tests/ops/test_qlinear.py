@@ -40,6 +40,8 @@ PRODUCTS = [
     ("Q4_1", 64, 64, "swiglu", True, DType.float32),
     ("Q8_0", 16, 32, "rms_norm", False, DType.float32),
     ("Q4_0", 24, 64, "none", False, DType.bfloat16),
+    ("Q4_K", 40, 256, "none", True, DType.float32),
+    ("Q4_K", 20, 512, "rms_norm", False, DType.bfloat16),
 ]
 ROWS = [1, 2, 5, 6, 7, 13, 50, 97]
 EPS = 1e-5
@@ -88,6 +90,19 @@ def qlinear_model():
     return suite_model("qlinear_products")
 
 
+def gguf_blocks(rng: np.random.Generator, fmt: str, w: np.ndarray) -> np.ndarray:
+    """w [N, K] in GGUF blocks of fmt: quantized by `gguf`, or for Q4_K
+    (which `gguf` does not quantize) random super-blocks: any bytes are a
+    valid one, with float16 scales set to a weight scale near w's."""
+    if fmt != "Q4_K":
+        return quants.quantize(w, GGMLQuantizationType[fmt])
+    n, k = w.shape
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(0.002, 0.004, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw[..., 2:4] = rng.uniform(0.01, 0.03, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def prologue_rows(x: np.ndarray, prologue: str, gamma: np.ndarray) -> np.ndarray:
     """What the op quantizes, in float32: x, RMSNorm(x) * gamma, or SwiGLU."""
     x = x.astype(np.float32)
@@ -121,7 +136,7 @@ def test_qlinear_matches_float64(qlinear_model, rows):
     args, cases = [], []
     for fmt, n, k, prologue, residual, dt in PRODUCTS:
         w = rng.standard_normal((n, k)).astype(np.float32)
-        raw = quants.quantize(w, GGMLQuantizationType[fmt])
+        raw = gguf_blocks(rng, fmt, w)
         x = rng.standard_normal((rows, x_width(k, prologue))).astype(np.float32)
         if dt == DType.bfloat16:
             x_arg = torch.from_numpy(x).to(torch.bfloat16)
@@ -149,9 +164,7 @@ def test_quantized_activations_stay_close_to_float(qlinear_model):
     fmt, n, k = "Q4_1", 50, 64
     args = []
     for f, nn, kk, prologue, _, dt in PRODUCTS:
-        raw = quants.quantize(
-            rng.standard_normal((nn, kk)).astype(np.float32), GGMLQuantizationType[f]
-        )
+        raw = gguf_blocks(rng, f, rng.standard_normal((nn, kk)).astype(np.float32))
         x = rng.standard_normal((64, x_width(kk, prologue))).astype(np.float32)
         x_arg = torch.from_numpy(x).to(torch.bfloat16) if dt == DType.bfloat16 else x
         args += [x_arg, pack_quantized_weight(raw, f, nn, kk).panels]
@@ -170,6 +183,8 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     panels by the layout block_formats.mojo documents."""
     blocks = k // 32
     bits = 8 if fmt == "Q8_0" else 4
+    scale = np.float32 if fmt == "Q4_K" else np.float16
+    scale_bytes = blocks * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
     p = panels.shape[0]
     codes_raw = panels[:, : blocks * code_bytes].reshape(p, blocks, -1, 16, 4)
@@ -180,12 +195,12 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     else:
         codes = codes_raw.transpose(0, 3, 1, 2, 4).reshape(p * 16, k).view(np.int8)
     at = blocks * code_bytes
-    scales = panels[:, at : at + blocks * 32].copy().view(np.float16).reshape(p, blocks, 16)
+    scales = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
     scales = scales.transpose(0, 2, 1).reshape(p * 16, blocks)
     mins = None
-    if fmt == "Q4_1":
-        at += blocks * 32
-        mins = panels[:, at : at + blocks * 32].copy().view(np.float16).reshape(p, blocks, 16)
+    if fmt in ("Q4_1", "Q4_K"):
+        at += scale_bytes
+        mins = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
         mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)[:n]
     return codes[:n], scales[:n], mins, codes[n:], scales[n:]
 
@@ -226,6 +241,24 @@ def test_q5_0_is_packed_as_q8_0_exactly():
     values = codes.view(np.int8).reshape(n, k // 32, 32) * scales.astype(np.float32)[..., None]
     np.testing.assert_array_equal(values.reshape(n, k), quants.dequantize(raw, kind))
     assert codes.view(np.int8).min() >= -16 and codes.view(np.int8).max() <= 15
+
+
+def test_q4_k_is_packed_as_q4_1_with_float32_scales_exactly():
+    """Q4_K's sub-blocks are Q4_1 blocks whose scale and min are products of
+    the super-block's float16 and the sub-block's 6 bits, exact in float32:
+    the panels dequantize to what `gguf` dequantizes, bit for bit."""
+    rng = np.random.default_rng(5)
+    n, k = 21, 512
+    raw = gguf_blocks(rng, "Q4_K", np.zeros((n, k), np.float32))
+    packed = pack_quantized_weight(raw, "Q4_K", n, k)
+    assert (packed.format, packed.panels.shape) == ("Q4_K", quantized_panels_shape("Q4_K", n, k))
+    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, "Q4_K", n, k)
+    values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
+    want = quants.dequantize(raw, GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(values.reshape(n, k), want)
+    assert not pad_codes.any() and not pad_scales.any()
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        pack_quantized_weight(raw[:, :72], "Q4_K", n, 256 + 32)  # K not a multiple of 256
 
 
 def test_bad_quantized_operands_are_refused():

@@ -5,7 +5,8 @@ inputs, each block a scale (and a min) and 32 codes of 4 or 8 bits. The op
 reads them repacked into panels of QUANT_PANEL = 16 output columns,
 ``[ceil(N / 16), quantized_panel_bytes(format, K)]`` bytes: per panel, the
 codes of its blocks arranged for byte dot products, then their float16
-scales, then their float16 mins (formats with a min). The codes and scales
+scales, then their float16 mins (formats with a min; Q4_K's scales and mins
+are float32, products of its two levels of scales). The codes and scales
 are the GGUF's own, bit for bit; only their order changes
 (mojo_ops/quantized/block_formats.mojo describes the layout). A model packs
 its weights once, when it loads them, and ``graph_ops.qlinear`` multiplies
@@ -24,12 +25,18 @@ QK = 32
 """Inputs per quantization block."""
 PANEL_ALIGN = 64
 
-_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-_HAS_MIN = {"Q4_1"}
+_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4}
+_HAS_MIN = {"Q4_1", "Q4_K"}
+_SCALE_BYTES = {"Q4_K": 4}
+"""Bytes of a packed scale or min where not float16's 2."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
-PACKED_AS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q8_0": "Q8_0"}
+QK_K = 256
+"""Inputs per K-quant super-block."""
+_SUPER_BLOCK_BYTES = {"Q4_K": 144}
+PACKED_AS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_K": "Q4_K"}
 """The layout each GGUF format is packed in, exactly: Q5_0's codes (0..31,
-less 16) and scale are Q8_0's codes and scale (8 bits a weight, not 5.5)."""
+less 16) and scale are Q8_0's codes and scale (8 bits a weight, not 5.5);
+Q4_K's are Q4_1's codes, with float32 scales and mins."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class QuantizedWeight:
     """A linear layer's weight in a GGUF block format, packed in panels.
 
     Attributes:
-        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0").
+        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0", "Q4_K").
         out_features: N.
         in_features: K, a multiple of 32.
         panels: uint8 [ceil(N / 16), quantized_panel_bytes(format, K)].
@@ -64,7 +71,7 @@ def quantized_panel_bytes(fmt: str, in_features: int) -> int:
     check_format(fmt)
     blocks = in_features // QK
     code_bytes = QK * QUANT_PANEL * _CODE_BITS[fmt] // 8
-    scale_bytes = 2 * QUANT_PANEL * (2 if fmt in _HAS_MIN else 1)
+    scale_bytes = _SCALE_BYTES.get(fmt, 2) * QUANT_PANEL * (2 if fmt in _HAS_MIN else 1)
     return -(-blocks * (code_bytes + scale_bytes) // PANEL_ALIGN) * PANEL_ALIGN
 
 
@@ -73,8 +80,41 @@ def quantized_panels_shape(fmt: str, out_features: int, in_features: int) -> tup
     return (-(-out_features // QUANT_PANEL), quantized_panel_bytes(fmt, in_features))
 
 
+def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
+    """Q4_K's super-blocks as blocks of 32: scale d * sc_j and min
+    -dmin * m_j (float32, exact) and codes [n, k / 32, 32] of sub-block j.
+
+    A super-block is d, dmin (float16), 12 bytes of eight 6-bit scales and
+    mins, and 128 bytes of codes: byte l of its 32-byte chunk c holds input
+    l of sub-block 2c (low nibble) and of sub-block 2c + 1 (high nibble).
+    """
+    size = _SUPER_BLOCK_BYTES[fmt]
+    if k % QK_K or raw.size != n * (k // QK_K) * size:
+        raise ValueError(
+            f"a {fmt} weight [{n}, {k}] is {n * (k // QK_K) * size} bytes in super-blocks of "
+            f"{QK_K} inputs, got {raw.size} bytes"
+        )
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK_K, size)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    q = blocks[..., 4:16].astype(np.uint8)
+    # Sub-blocks 0-3: the low 6 bits of bytes j and j + 4; sub-blocks 4-7:
+    # a nibble of byte j + 4 and the top 2 bits of bytes j - 4 and j.
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, S, chunk, nibble, 32]
+    return {
+        "d": (d * sc.astype(np.float32)).reshape(n, k // QK),
+        "m": -(dmin * m.astype(np.float32)).reshape(n, k // QK),
+        "codes": codes.reshape(n, k // QK, QK),
+    }
+
+
 def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     """The scale, min and codes [n, k / 32, ...] of the GGUF blocks in raw."""
+    if fmt in _SUPER_BLOCK_BYTES:
+        return _k_quant_blocks(raw, fmt, n, k)
     size = _BLOCK_BYTES[fmt]
     if k % QK or raw.size != n * (k // QK) * size:
         raise ValueError(
@@ -114,10 +154,10 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
         modified.
     fmt : str
-        Its GGUF type: "Q4_0", "Q4_1", "Q5_0" or "Q8_0" (Q5_0 is packed as
-        Q8_0, exactly: `PACKED_AS`).
+        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0" or "Q4_K" (Q5_0 is
+        packed as Q8_0, exactly: `PACKED_AS`).
     out_features, in_features : int
-        N and K of the weight [N, K]; K a multiple of 32.
+        N and K of the weight [N, K]; K a multiple of 32 (of 256 for Q4_K).
 
     Returns
     -------
