@@ -67,30 +67,49 @@ DECODE = "decode"
 
 
 @dataclass(frozen=True)
-class QuantizedFormats:
-    """The packed GGUF layout of each product of a quantized graph (the same
-    in every layer): the fused Q|K|V projection, the output projection, the
-    fused gate|up projection, the down projection and the output head; None
-    where the product multiplies float32 weights instead (a format the
-    quantized product does not take)."""
+class LayerFormats:
+    """The packed GGUF layout of each product of one layer of a quantized
+    graph: the fused Q|K|V projection, the output projection, the fused
+    gate|up projection and the down projection; None where the product
+    multiplies float32 weights instead (a format the quantized product does
+    not take)."""
 
     wqkv: str | None
     wo: str | None
     w_gate_up: str | None
     w_down: str | None
-    lm_head: str | None
 
-    def fused_layer(self, c: DecoderConfig) -> bool:
-        """Whether a layer is one fused op (`graph_ops.quantized_decoder_layer`):
-        Llama's block with every layer product quantized."""
+    def fused(self, c: DecoderConfig) -> bool:
+        """Whether the layer is one fused op (`graph_ops.quantized_decoder_layer`):
+        Llama's block with every product quantized."""
         plain = not (c.qk_norm or c.sandwich_norms or c.layer_groups) and c.activation == "silu"
         return plain and None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
 
+
+@dataclass(frozen=True)
+class QuantizedFormats:
+    """The packed layouts of a quantized graph: each layer's (`LayerFormats`;
+    a GGUF may store one product in different formats in different layers,
+    as Q4_K_M files do) and the output head's (None: float32)."""
+
+    layers: tuple[LayerFormats, ...]
+    lm_head: str | None
+
     @property
     def products(self) -> frozenset[str]:
-        """The quantized products' names (their activations are quantized)."""
-        names = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
-        return frozenset(name for name in names if getattr(self, name) is not None)
+        """The quantized products (their activations are quantized): a
+        product's name where every layer quantizes it, "layers.{i}.{name}"
+        where only some do, and "lm_head"."""
+        names = set()
+        for name in LAYER_PRODUCTS:
+            layers = [i for i, f in enumerate(self.layers) if getattr(f, name) is not None]
+            if len(layers) == len(self.layers):
+                names.add(name)
+            else:
+                names.update(f"layers.{i}.{name}" for i in layers)
+        if self.lm_head is not None:
+            names.add("lm_head")
+        return frozenset(names)
 
 
 LAYER_PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -100,22 +119,17 @@ LAYER_PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     """The formats of a model's packed matrices (`QuantizedWeight`s by the
     names of `pagedkv.models.gguf_model.quantized_weight_names`, a product
-    missing where its weights stay float); raises ValueError unless every
-    layer has the same."""
-
-    def formats(i: int) -> dict[str, str | None]:
-        return {
-            name: getattr(quantized.get(f"layers.{i}.{name}"), "format", None)
-            for name in LAYER_PRODUCTS
-        }
-
-    first = formats(0)
-    for i in range(1, num_layers):
-        if formats(i) != first:
-            raise ValueError(
-                f"layer {i}'s weight formats {formats(i)} differ from layer 0's {first}"
-            )
-    return QuantizedFormats(**first, lm_head=getattr(quantized.get("lm_head"), "format", None))
+    missing where its weights stay float)."""
+    layers = tuple(
+        LayerFormats(
+            **{
+                name: getattr(quantized.get(f"layers.{i}.{name}"), "format", None)
+                for name in LAYER_PRODUCTS
+            }
+        )
+        for i in range(num_layers)
+    )
+    return QuantizedFormats(layers, getattr(quantized.get("lm_head"), "format", None))
 
 
 def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -215,7 +229,7 @@ def _layer_weights(
     c: DecoderConfig,
     dtype: DType,
     device: DeviceRef,
-    quantized: QuantizedFormats | None,
+    quantized: LayerFormats | None,
     placeholder: bool = True,
 ) -> dict[str, Weight]:
     """A layer's weights (placeholders, resolved by each layer's prefix).
@@ -332,12 +346,12 @@ def _layer(
     rows_index: tuple[TensorValue, TensorValue],
     table: tuple[TensorValue, TensorValue, TensorValue],
     work: tuple[TensorValue, TensorValue],
-    quantized: QuantizedFormats | None,
+    quantized: LayerFormats | None,
     window: int | None,
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    if quantized is not None and quantized.fused_layer(c):
+    if quantized is not None and quantized.fused(c):
         layer = graph_ops.QuantizedLayerWeights(
             *(w[name] for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")),
             formats=(quantized.wqkv, quantized.wo, quantized.w_gate_up, quantized.w_down),
@@ -391,14 +405,14 @@ def _layer_subgraph(
     dtype: DType,
     device: DeviceRef,
     args: list,
-    quantized: QuantizedFormats | None,
+    quantized: LayerFormats | None,
     window: int | None,
+    name: str,
 ) -> Graph:
-    """The decoder layer of one window as a subgraph of g, compiled once and
-    called by every layer with that window: its weights are placeholders
-    ("attn_norm", ...) that each call resolves under its own prefix
-    ("layers.{i}.")."""
-    name = f"decoder_{kind}_layer" + ("" if window is None else f"_window_{window}")
+    """The decoder layer of one window (and, quantized, one set of formats)
+    as subgraph `name` of g, compiled once and called by every such layer:
+    its weights are placeholders ("attn_norm", ...) that each call resolves
+    under its own prefix ("layers.{i}.")."""
     with g.add_subgraph(
         name,
         input_types=[a.type for a in args],
@@ -454,12 +468,12 @@ def build_step_graph(
 ) -> Graph:
     """The prefill or decode step graph; see step_input_names for its inputs.
 
-    The layer is one subgraph per layer group (per sliding window) called by
-    each of its layers, so the graph's compile cost does not grow with the
-    number of layers. dtype is the pools' (and in the float form the
-    weights' and activations') dtype; `quantized` selects the quantized form
-    (CPU; a product whose format the quantized product does not take
-    multiplies float32 weights).
+    The layer is one subgraph per layer group (per sliding window) and set
+    of product formats, called by each of its layers, so the graph's
+    compile cost does not grow with the number of layers. dtype is the
+    pools' (and in the float form the weights' and activations') dtype;
+    `quantized` selects the quantized form (CPU; a product whose format the
+    quantized product does not take multiplies float32 weights).
 
     Output: logits [batch, vocab] (float32) of each request's last token
     (decode), or [out_rows, vocab] of the rows `last_rows` names (prefill).
@@ -498,9 +512,10 @@ def build_step_graph(
         x = ops.gather(w["embed"], t["tokens"], 0)  # [rows, H]
         if c.embed_scale != 1.0:
             x = x * ops.constant(c.embed_scale, act, device=device)
-        layers: dict[int | None, Graph] = {}
+        layers: dict[tuple, Graph] = {}
         for i in range(c.num_layers):
             window = c.window(i)
+            formats = quantized.layers[i] if quantized is not None else None
             rope, table, work = groups[windows.index(window)]
             args = [
                 x,
@@ -511,9 +526,13 @@ def build_step_graph(
                 *table,
                 *work,
             ]
-            if window not in layers:
-                layers[window] = _layer_subgraph(g, kind, c, dtype, device, args, quantized, window)
-            x = ops.call(layers[window], *args, prefix=f"layers.{i}.")[0].tensor
+            if (window, formats) not in layers:
+                name = f"decoder_{kind}_layer" + ("" if window is None else f"_window_{window}")
+                name += f"_{len(layers)}" if layers else ""
+                layers[window, formats] = _layer_subgraph(
+                    g, kind, c, dtype, device, args, formats, window, name
+                )
+            x = ops.call(layers[window, formats], *args, prefix=f"layers.{i}.")[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
         if quantized is not None and quantized.lm_head is not None:

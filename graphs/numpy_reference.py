@@ -57,9 +57,9 @@ class DenseDecoder:
     """One request at a time: feed() tokens, get the last token's logits.
 
     `quantized`: quantize the activations of every product (True) or of
-    the products named ("wqkv", "wo", "w_gate_up", "w_down", "lm_head"): the
-    quantized step graphs' arithmetic, where the weights are the GGUF's,
-    dequantized."""
+    the products named ("wqkv", "wo", "w_gate_up", "w_down", "lm_head"; or
+    "layers.{i}.w_down" for one layer's): the quantized step graphs'
+    arithmetic, where the weights are the GGUF's, dequantized."""
 
     def __init__(
         self,
@@ -98,9 +98,10 @@ class DenseDecoder:
 
     def product(self, x: np.ndarray, name: str) -> np.ndarray:
         """x @ w[name], after quantizing x when that product is quantized."""
-        product = name.rsplit(".", 1)[-1]
+        layer, _, product = name.rpartition(".")
         product = "w_gate_up" if product in ("w_gate", "w_up") else product
-        return (quantize_activations(x) if product in self.quantized else x) @ self.w[name]
+        quantized = product in self.quantized or f"{layer}.{product}" in self.quantized
+        return (quantize_activations(x) if quantized else x) @ self.w[name]
 
     def feed(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (causal attention over everything so far); returns

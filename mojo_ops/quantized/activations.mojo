@@ -4,8 +4,8 @@ optional prologue (RMSNorm, or SwiGLU's silu(gate) * up).
 Row r's block b (inputs [32b, 32b + 32)) becomes 32 signed bytes q and a
 scale d with x ~ d * q: d = max |x| / 127 and q = round(x / d) (ties to
 even; 0 when the block is all zeros), as llama.cpp's Q8_0 and Q8_1 do, so
-every q is in [-127, 127]. Each block also keeps sum(q), which the
-products' zero points and mins need.
+every q is in [-127, 127]. Each block also keeps sum(q), and the sum of
+its first 16 codes, which the products' zero points and mins need.
 """
 
 from std.math import exp, sqrt
@@ -37,9 +37,10 @@ def quantize_row[
     q: Ptr[DType.int8],
     d: Ptr[F32],
     sums: Ptr[DType.int32],
+    half_sums: Ptr[DType.int32],
 ):
     """Quantizes one row of k_dim inputs (after the prologue) into q [k_dim],
-    d [k_dim / QK] and sums [k_dim / QK]."""
+    d [k_dim / QK], sums [k_dim / QK] and half_sums [k_dim / QK]."""
     var scale = Float32(1)
     comptime if prologue == RMS_NORM:
         var squares = SIMD[F32, QK](0)
@@ -69,6 +70,7 @@ def quantize_row[
         q.unsafe_offset(b * QK).unsafe_store(codes.cast[DType.int8]())
         d[unsafe_offset=b] = amax / 127
         sums[unsafe_offset=b] = codes.reduce_add()
+        half_sums[unsafe_offset=b] = codes.slice[QK // 2]().reduce_add()
 
 
 comptime ROWS_PER_QUANTIZE_TASK = 8
@@ -106,18 +108,20 @@ struct ScratchArena(Movable):
 
 struct QuantizedRows(TrivialRegisterPassable):
     """Rows of activations quantized per block: codes q [M, K] int8, scales
-    d [M, K / QK] float32 and code sums [M, K / QK] int32, in one buffer."""
+    d [M, K / QK] float32, code sums [M, K / QK] int32 and the sums of each
+    block's first 16 codes [M, K / QK] int32, in one buffer."""
 
     var q: Ptr[DType.int8]
     var d: Ptr[F32]
     var sums: Ptr[DType.int32]
+    var half_sums: Ptr[DType.int32]
     var k_dim: Int
     var blocks: Int
 
     @staticmethod
     def bytes(m_dim: Int, k_dim: Int) -> Int:
         """The buffer's size for m_dim rows of k_dim inputs, rounded to 64."""
-        var size = m_dim * k_dim + 8 * m_dim * (k_dim // QK)
+        var size = m_dim * k_dim + 12 * m_dim * (k_dim // QK)
         return (size + 63) // 64 * 64
 
     def __init__(out self, buffer: Ptr[DType.uint8], m_dim: Int, k_dim: Int):
@@ -130,6 +134,7 @@ struct QuantizedRows(TrivialRegisterPassable):
         self.sums = rebind[Ptr[DType.int32]](
             self.d.unsafe_offset(m_dim * self.blocks)
         )
+        self.half_sums = self.sums.unsafe_offset(m_dim * self.blocks)
 
     @always_inline
     def row(self, r: Int) -> Self:
@@ -138,6 +143,7 @@ struct QuantizedRows(TrivialRegisterPassable):
         out.q = self.q.unsafe_offset(r * self.k_dim)
         out.d = self.d.unsafe_offset(r * self.blocks)
         out.sums = self.sums.unsafe_offset(r * self.blocks)
+        out.half_sums = self.half_sums.unsafe_offset(r * self.blocks)
         return out
 
 
@@ -182,4 +188,5 @@ struct RowQuantizer[dtype: DType, prologue: Int](TrivialRegisterPassable):
                 out.q,
                 out.d,
                 out.sums,
+                out.half_sums,
             )

@@ -15,13 +15,20 @@ it as Q4_1's layout with d * sc_j and -dmin * m_j as float32 (exact: 11
 bits of mantissa times 6), so its codes are the file's own and its
 products need nothing Q4_1's do not.
 
+Q6_K's super-blocks of 256 inputs are sixteen blocks of 16 with an 8-bit
+scale each under a float16 one: element i of sub-block j is
+(d * sc_j) * (q_i - 32), q 6-bit. pagedkv packs it as Q8_0's layout with
+signed codes q - 32 and two float32 scales d * sc_j per block of 32 (one
+for each half of 16 inputs), exact.
+
 pagedkv repacks the blocks (`pagedkv._ops.quantized_panels`) into panels of
 PANEL = 16 output columns, [ceil(N / 16), panel_bytes(format, K)] bytes. A
 panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
 their scales, then (formats with a min) all their mins:
 
     codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
-    scales: K/32 x 16 float16     d of each column's block (Q4_K: float32)
+    scales: K/32 x 16 float16     d of each column's block (Q4_K: float32;
+                                  Q6_K: K/32 x 2 x 16 float32, by half)
     mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: float32)
 
 padded to a multiple of 64 bytes. A block's codes come in groups of 64
@@ -49,15 +56,18 @@ comptime Q4_0 = 2
 comptime Q4_1 = 3
 comptime Q8_0 = 8
 comptime Q4_K = 12
+comptime Q6_K = 14
 
 
 def is_supported(fmt: Int) -> Bool:
-    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K
+    return (
+        fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K or fmt == Q6_K
+    )
 
 
 def code_bits(fmt: Int) -> Int:
     """Bits of one weight code."""
-    return 8 if fmt == Q8_0 else 4
+    return 8 if fmt == Q8_0 or fmt == Q6_K else 4
 
 
 def has_min(fmt: Int) -> Bool:
@@ -68,7 +78,12 @@ def has_min(fmt: Int) -> Bool:
 def scale_bytes(fmt: Int) -> Int:
     """Bytes of one block's scale (and of its min): float16, or float32 for
     Q4_K's products of two scales."""
-    return 4 if fmt == Q4_K else 2
+    return 4 if fmt == Q4_K or fmt == Q6_K else 2
+
+
+def scales_per_block(fmt: Int) -> Int:
+    """Scales of one block of 32 inputs: Q6_K's halves of 16 have one each."""
+    return 2 if fmt == Q6_K else 1
 
 
 def zero_point(fmt: Int, signed_codes: Bool) -> Int:
@@ -77,7 +92,7 @@ def zero_point(fmt: Int, signed_codes: Bool) -> Int:
     or, where the dot product takes unsigned bytes, flipped to q + 128."""
     if fmt == Q4_0:
         return 8
-    if fmt == Q8_0 and not signed_codes:
+    if (fmt == Q8_0 or fmt == Q6_K) and not signed_codes:
         return 128
     return 0
 
@@ -95,6 +110,10 @@ def code_bytes(fmt: Int) -> Int:
 def panel_bytes(fmt: Int, k_dim: Int) -> Int:
     """Bytes of one panel of a weight with k_dim inputs."""
     var blocks = k_dim // QK
-    var scales = scale_bytes(fmt) * PANEL * (2 if has_min(fmt) else 1)
+    var scales = (
+        scale_bytes(fmt)
+        * PANEL
+        * (scales_per_block(fmt) + (1 if has_min(fmt) else 0))
+    )
     var size = blocks * (code_bytes(fmt) + scales)
     return (size + PANEL_ALIGN - 1) // PANEL_ALIGN * PANEL_ALIGN

@@ -55,6 +55,7 @@ from .block_formats import (
     is_supported,
     panel_bytes,
     scale_bytes,
+    scales_per_block,
     zero_point,
 )
 
@@ -100,36 +101,37 @@ def block_scales[
 @always_inline
 def tile[
     fmt: Int, rows: Int
-](
-    panel: Ptr[DType.uint8],
-    blocks: Int,
-    xq: Ptr[DType.int8],
-    xd: Ptr[F32],
-    xsum: Ptr[DType.int32],
-    k_dim: Int,
-    dst: Ptr[F32],
-):
+](panel: Ptr[DType.uint8], x: QuantizedRows, dst: Ptr[F32]):
     """Computes dst[r, :PANEL] = x[r] . w[c] for the panel's columns c and
-    rows r < rows of the quantized activations (xq's row stride k_dim, xd's
-    and xsum's blocks); dst's row stride is PANEL."""
+    rows r < rows of the quantized activations x (a view from the tile's
+    first row); dst's row stride is PANEL.
+
+    A block's byte dot products sum exactly in int32, one sum per scale of
+    the weight's block (two for Q6_K's halves of 16 inputs), each corrected
+    for the zero point by the activations' sum over its inputs."""
     comptime BITS = code_bits(fmt)
     comptime GROUPS = code_groups(fmt)
     comptime CODE_BYTES = code_bytes(fmt)
     comptime Z = zero_point(fmt, SIGNED_CODES)
     comptime MIN = has_min(fmt)
     comptime SIGNED = BITS == 8 and SIGNED_CODES
+    comptime PARTS = scales_per_block(fmt)
+    comptime PART_GROUPS = GROUPS // PARTS
+    var blocks = x.blocks
+    var k_dim = x.k_dim
     var scales = panel.unsafe_offset(blocks * CODE_BYTES)
-    var mins = scales.unsafe_offset(blocks * PANEL * scale_bytes(fmt))
+    var mins = scales.unsafe_offset(blocks * PARTS * PANEL * scale_bytes(fmt))
     var acc = stack_allocation[rows * NV, SIMD[F32, WI]]()
     comptime for i in range(rows * NV):
         acc[unsafe_offset=i] = 0
     for b in range(blocks):
-        var isum = stack_allocation[rows * NV, Acc]()
-        comptime for i in range(rows * NV):
+        var isum = stack_allocation[PARTS * rows * NV, Acc]()
+        comptime for i in range(PARTS * rows * NV):
             isum[unsafe_offset=i] = 0
         var codes = panel.unsafe_offset(b * CODE_BYTES)
-        var xb = xq.unsafe_offset(b * QK)
+        var xb = x.q.unsafe_offset(b * QK)
         comptime for g in range(GROUPS):
+            comptime part = g // PART_GROUPS
             comptime for v in range(NV):
                 var raw = codes.unsafe_offset(
                     g * GROUP_BYTES + v * BYTES
@@ -151,7 +153,7 @@ def tile[
                 else:
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 4 * g)
-                        var i = r * NV + v
+                        var i = (part * rows + r) * NV + v
                         comptime if SIGNED:
                             isum[unsafe_offset=i] = dot_s8s8(
                                 isum[unsafe_offset=i],
@@ -165,20 +167,29 @@ def tile[
                                 broadcast_word(xr),
                             )
         comptime for v in range(NV):
-            var d = block_scales[fmt](scales, b * PANEL + v * WI)
             var m = SIMD[F32, WI](0)
             comptime if MIN:
                 m = block_scales[fmt](mins, b * PANEL + v * WI)
             comptime for r in range(rows):
                 var i = r * NV + v
-                var block_d = xd[unsafe_offset=r * blocks + b]
-                var block_sum = xsum[unsafe_offset=r * blocks + b]
-                var dot = isum[unsafe_offset=i]
-                comptime if Z != 0:
-                    dot -= Acc(Int32(Z) * block_sum)
-                acc[unsafe_offset=i] = dot.cast[F32]().fma(
-                    d * block_d, acc[unsafe_offset=i]
-                )
+                var block_d = x.d[unsafe_offset=r * blocks + b]
+                var block_sum = x.sums[unsafe_offset=r * blocks + b]
+                comptime for part in range(PARTS):
+                    var d = block_scales[fmt](
+                        scales, (b * PARTS + part) * PANEL + v * WI
+                    )
+                    var dot = isum[unsafe_offset=(part * rows + r) * NV + v]
+                    comptime if Z != 0:
+                        var part_sum = block_sum
+                        comptime if PARTS == 2:
+                            var first = x.half_sums[
+                                unsafe_offset=r * blocks + b
+                            ]
+                            part_sum = first if part == 0 else block_sum - first
+                        dot -= Acc(Int32(Z) * part_sum)
+                    acc[unsafe_offset=i] = dot.cast[F32]().fma(
+                        d * block_d, acc[unsafe_offset=i]
+                    )
                 comptime if MIN:
                     acc[unsafe_offset=i] = m.fma(
                         SIMD[F32, WI](block_d * Float32(block_sum)),
@@ -196,34 +207,23 @@ def panel_rows[
     fmt: Int, epilogue: Int
 ](
     panel: Ptr[DType.uint8],
-    blocks: Int,
-    xq: Ptr[DType.int8],
-    xd: Ptr[F32],
-    xsum: Ptr[DType.int32],
-    k_dim: Int,
+    x: QuantizedRows,
     y: Ptr[F32],
     residual: Ptr[F32],
     rows: Int,
     cols: Int,
     n_dim: Int,
 ):
-    """Computes y[r, :cols] for r < rows from one panel, MR rows at a time
-    (y's and residual's row stride n_dim)."""
+    """Computes y[r, :cols] for r < rows of x (a view from the first row)
+    from one panel, MR rows at a time (y's and residual's row stride n_dim).
+    """
     var tile_out = stack_allocation[MR * PANEL, Scalar[F32]]()
     var r = 0
     while r < rows:
         var n = min(MR, rows - r)
         comptime for m in range(1, MR + 1):
             if n == m:
-                tile[fmt, m](
-                    panel,
-                    blocks,
-                    xq.unsafe_offset(r * k_dim),
-                    xd.unsafe_offset(r * blocks),
-                    xsum.unsafe_offset(r * blocks),
-                    k_dim,
-                    tile_out,
-                )
+                tile[fmt, m](panel, x.row(r), tile_out)
         for i in range(n):
             var dst = y.unsafe_offset((r + i) * n_dim)
             var add = residual.unsafe_offset((r + i) * n_dim)
@@ -295,15 +295,9 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         var p = t % self.panels
         var rows = row_block(t // self.panels, self.m_dim, self.rows_per_task)
         var r0 = rows[0]
-        var k_dim = self.x.k_dim
-        var blocks = self.x.blocks
         panel_rows[Self.fmt, Self.epilogue](
             self.weight.unsafe_offset(p * self.stride),
-            blocks,
-            self.x.q.unsafe_offset(r0 * k_dim),
-            self.x.d.unsafe_offset(r0 * blocks),
-            self.x.sums.unsafe_offset(r0 * blocks),
-            k_dim,
+            self.x.row(r0),
             self.y.unsafe_offset(r0 * self.n_dim + p * PANEL),
             self.residual.unsafe_offset(r0 * self.n_dim + p * PANEL),
             rows[1] - r0,

@@ -42,6 +42,8 @@ PRODUCTS = [
     ("Q4_0", 24, 64, "none", False, DType.bfloat16),
     ("Q4_K", 40, 256, "none", True, DType.float32),
     ("Q4_K", 20, 512, "rms_norm", False, DType.bfloat16),
+    ("Q6_K", 33, 256, "none", True, DType.float32),
+    ("Q6_K", 16, 512, "swiglu", False, DType.float32),
 ]
 ROWS = [1, 2, 5, 6, 7, 13, 50, 97]
 EPS = 1e-5
@@ -91,16 +93,21 @@ def qlinear_model():
 
 
 def gguf_blocks(rng: np.random.Generator, fmt: str, w: np.ndarray) -> np.ndarray:
-    """w [N, K] in GGUF blocks of fmt: quantized by `gguf`, or for Q4_K
-    (which `gguf` does not quantize) random super-blocks: any bytes are a
-    valid one, with float16 scales set to a weight scale near w's."""
-    if fmt != "Q4_K":
-        return quants.quantize(w, GGMLQuantizationType[fmt])
+    """w [N, K] in GGUF blocks of fmt: quantized by `gguf`, or for the
+    K-quants (which `gguf` does not quantize) random super-blocks: any bytes
+    are a valid one, with float16 scales set to a weight scale near w's."""
     n, k = w.shape
-    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    raw[..., 0:2] = rng.uniform(0.002, 0.004, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    raw[..., 2:4] = rng.uniform(0.01, 0.03, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
+    shape = (n, k // 256, 1)
+    if fmt == "Q4_K":
+        raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+        raw[..., 0:2] = rng.uniform(0.002, 0.004, shape).astype(np.float16).view(np.uint8)
+        raw[..., 2:4] = rng.uniform(0.01, 0.03, shape).astype(np.float16).view(np.uint8)
+        return raw.reshape(n, -1)
+    if fmt == "Q6_K":
+        raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+        raw[..., 208:210] = rng.uniform(2e-4, 4e-4, shape).astype(np.float16).view(np.uint8)
+        return raw.reshape(n, -1)
+    return quants.quantize(w, GGMLQuantizationType[fmt])
 
 
 def prologue_rows(x: np.ndarray, prologue: str, gamma: np.ndarray) -> np.ndarray:
@@ -182,9 +189,10 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     """The codes [n, k] and scales [n, k/32] (and mins) read back from the
     panels by the layout block_formats.mojo documents."""
     blocks = k // 32
-    bits = 8 if fmt == "Q8_0" else 4
-    scale = np.float32 if fmt == "Q4_K" else np.float16
-    scale_bytes = blocks * 16 * np.dtype(scale).itemsize
+    bits = 8 if fmt in ("Q8_0", "Q6_K") else 4
+    scale = np.float32 if fmt in ("Q4_K", "Q6_K") else np.float16
+    parts = 2 if fmt == "Q6_K" else 1
+    scale_bytes = blocks * parts * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
     p = panels.shape[0]
     codes_raw = panels[:, : blocks * code_bytes].reshape(p, blocks, -1, 16, 4)
@@ -195,8 +203,9 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     else:
         codes = codes_raw.transpose(0, 3, 1, 2, 4).reshape(p * 16, k).view(np.int8)
     at = blocks * code_bytes
-    scales = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
-    scales = scales.transpose(0, 2, 1).reshape(p * 16, blocks)
+    scales = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, parts, 16)
+    scales = scales.transpose(0, 3, 1, 2).reshape(p * 16, blocks, parts)
+    scales = scales[..., 0] if parts == 1 else scales
     mins = None
     if fmt in ("Q4_1", "Q4_K"):
         at += scale_bytes
@@ -261,9 +270,26 @@ def test_q4_k_is_packed_as_q4_1_with_float32_scales_exactly():
         pack_quantized_weight(raw[:, :72], "Q4_K", n, 256 + 32)  # K not a multiple of 256
 
 
+def test_q6_k_is_packed_as_q8_0_with_a_scale_per_half_exactly():
+    """Q6_K's codes less 32 are signed bytes and its sub-blocks of 16 have
+    scales d * sc_j, exact in float32: the panels dequantize to what `gguf`
+    dequantizes, bit for bit."""
+    rng = np.random.default_rng(6)
+    n, k = 21, 512
+    raw = gguf_blocks(rng, "Q6_K", np.zeros((n, k), np.float32))
+    packed = pack_quantized_weight(raw, "Q6_K", n, k)
+    assert (packed.format, packed.panels.shape) == ("Q6_K", quantized_panels_shape("Q6_K", n, k))
+    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, "Q6_K", n, k)
+    assert mins is None and codes.min() >= -32 and codes.max() <= 31
+    values = codes.reshape(n, k // 16, 16) * scales.reshape(n, k // 16, 1)
+    want = quants.dequantize(raw, GGMLQuantizationType.Q6_K)
+    np.testing.assert_array_equal(values.reshape(n, k), want)
+    assert not pad_codes.any() and not pad_scales.any()
+
+
 def test_bad_quantized_operands_are_refused():
     with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
-        quantized_panel_bytes("Q6_K", 64)
+        quantized_panel_bytes("Q5_K", 64)
     with pytest.raises(ValueError, match="bytes in blocks"):
         pack_quantized_weight(np.zeros(10, np.uint8), "Q4_1", 2, 64)
     with pytest.raises(ValueError, match="bytes in blocks"):

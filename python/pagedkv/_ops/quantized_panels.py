@@ -25,18 +25,28 @@ QK = 32
 """Inputs per quantization block."""
 PANEL_ALIGN = 64
 
-_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4}
+_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
 _HAS_MIN = {"Q4_1", "Q4_K"}
-_SCALE_BYTES = {"Q4_K": 4}
+_SCALE_BYTES = {"Q4_K": 4, "Q6_K": 4}
 """Bytes of a packed scale or min where not float16's 2."""
+_SCALES_PER_BLOCK = {"Q6_K": 2}
+"""Scales of a block of 32 inputs where not 1: Q6_K's halves of 16."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 QK_K = 256
 """Inputs per K-quant super-block."""
-_SUPER_BLOCK_BYTES = {"Q4_K": 144}
-PACKED_AS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_K": "Q4_K"}
+_SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+PACKED_AS = {
+    "Q4_0": "Q4_0",
+    "Q4_1": "Q4_1",
+    "Q5_0": "Q8_0",
+    "Q8_0": "Q8_0",
+    "Q4_K": "Q4_K",
+    "Q6_K": "Q6_K",
+}
 """The layout each GGUF format is packed in, exactly: Q5_0's codes (0..31,
 less 16) and scale are Q8_0's codes and scale (8 bits a weight, not 5.5);
-Q4_K's are Q4_1's codes, with float32 scales and mins."""
+Q4_K's are Q4_1's codes, with float32 scales and mins; Q6_K's codes less
+32 are Q8_0's, with a float32 scale for each half of a block."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class QuantizedWeight:
     """A linear layer's weight in a GGUF block format, packed in panels.
 
     Attributes:
-        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0", "Q4_K").
+        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K").
         out_features: N.
         in_features: K, a multiple of 32.
         panels: uint8 [ceil(N / 16), quantized_panel_bytes(format, K)].
@@ -71,7 +81,8 @@ def quantized_panel_bytes(fmt: str, in_features: int) -> int:
     check_format(fmt)
     blocks = in_features // QK
     code_bytes = QK * QUANT_PANEL * _CODE_BITS[fmt] // 8
-    scale_bytes = _SCALE_BYTES.get(fmt, 2) * QUANT_PANEL * (2 if fmt in _HAS_MIN else 1)
+    scales = _SCALES_PER_BLOCK.get(fmt, 1) + (1 if fmt in _HAS_MIN else 0)
+    scale_bytes = _SCALE_BYTES.get(fmt, 2) * QUANT_PANEL * scales
     return -(-blocks * (code_bytes + scale_bytes) // PANEL_ALIGN) * PANEL_ALIGN
 
 
@@ -81,12 +92,15 @@ def quantized_panels_shape(fmt: str, out_features: int, in_features: int) -> tup
 
 
 def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
-    """Q4_K's super-blocks as blocks of 32: scale d * sc_j and min
-    -dmin * m_j (float32, exact) and codes [n, k / 32, 32] of sub-block j.
+    """A K-quant's super-blocks of 256 as blocks of 32: codes [n, k / 32,
+    32] and float32 scales, exact products of its two levels of scales.
 
-    A super-block is d, dmin (float16), 12 bytes of eight 6-bit scales and
-    mins, and 128 bytes of codes: byte l of its 32-byte chunk c holds input
-    l of sub-block 2c (low nibble) and of sub-block 2c + 1 (high nibble).
+    Q4_K: d, dmin (float16), 12 bytes of eight 6-bit scales sc_j and mins
+    m_j, 128 bytes of codes (byte l of 32-byte chunk c holds input l of
+    sub-block 2c in its low nibble, of 2c + 1 in its high one); scale
+    d * sc_j and min -dmin * m_j [n, k / 32]. Q6_K: 128 bytes of low
+    nibbles, 64 of high 2-bit pairs, sixteen int8 scales sc_j and d; codes
+    q - 32 and scales d * sc_j [n, k / 32, 2] (each half of 16 inputs).
     """
     size = _SUPER_BLOCK_BYTES[fmt]
     if k % QK_K or raw.size != n * (k // QK_K) * size:
@@ -95,6 +109,8 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
             f"{QK_K} inputs, got {raw.size} bytes"
         )
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK_K, size)
+    if fmt == "Q6_K":
+        return _q6_k_blocks(blocks, n, k)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
     q = blocks[..., 4:16].astype(np.uint8)
@@ -108,6 +124,24 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
         "d": (d * sc.astype(np.float32)).reshape(n, k // QK),
         "m": -(dmin * m.astype(np.float32)).reshape(n, k // QK),
         "codes": codes.reshape(n, k // QK, QK),
+    }
+
+
+def _q6_k_blocks(blocks: np.ndarray, n: int, k: int) -> dict[str, np.ndarray]:
+    """Q6_K super-blocks [n, S, 210] as `_k_quant_blocks` gives them. In
+    each half of 128 inputs, input l + 32t (l < 32, t < 4) has its low
+    nibble in ql byte l (t even) or l + 32 (t odd), low (t < 2) or high,
+    and its top two bits at bits 2t of qh byte l."""
+    ql = blocks[..., 0:128].reshape(n, -1, 2, 2, 32)  # [n, S, half, byte run, l]
+    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [n, S, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [n, S, half, t, l]
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    codes = (low | (high << 4)).astype(np.int16) - 32
+    return {
+        "d": (d * sc).reshape(n, k // QK, 2),
+        "codes": codes.astype(np.int8).reshape(n, k // QK, QK),
     }
 
 
@@ -154,10 +188,11 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
         modified.
     fmt : str
-        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0" or "Q4_K" (Q5_0 is
-        packed as Q8_0, exactly: `PACKED_AS`).
+        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K" or "Q6_K"
+        (Q5_0 is packed as Q8_0, exactly: `PACKED_AS`).
     out_features, in_features : int
-        N and K of the weight [N, K]; K a multiple of 32 (of 256 for Q4_K).
+        N and K of the weight [N, K]; K a multiple of 32 (of 256 for the
+        K-quants).
 
     Returns
     -------
@@ -201,7 +236,7 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         packed_codes = codes.reshape(panels, QUANT_PANEL, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     sections = [packed_codes.reshape(panels, -1)]
     for name in ("d", "m") if fmt in _HAS_MIN else ("d",):
-        scales = by_panel(parts[name]).transpose(0, 2, 1)  # [P, B, 16]
+        scales = np.moveaxis(by_panel(parts[name]), 1, -1)  # [P, B, (2,) 16]
         sections.append(np.ascontiguousarray(scales).view(np.uint8).reshape(panels, -1))
     width = quantized_panel_bytes(fmt, k)
     out = np.zeros((panels, width), np.uint8)

@@ -174,8 +174,9 @@ def _quantized(
     K and V projections fused into one product and the gate and up
     projections into another (their panels side by side). A product whose
     parts are in a format the quantized product does not take, or pack to
-    different layouts, is left out in every layer (its weights stay
-    float); empty when no product is left."""
+    different layouts, is left out (its weights stay float), layer by layer:
+    the step graphs build a layer subgraph per set of formats. Empty when
+    no product is left."""
 
     def packed(name: str, heads: int | None = None) -> QuantizedWeight | None:
         t = tensors[name]
@@ -215,13 +216,6 @@ def _quantized(
         )
         out[f"layers.{i}.w_down"] = packed(blk + "ffn_down.weight")
     out["lm_head"] = packed(head_name)
-    # A product is quantized in every layer or in none (one layer subgraph
-    # serves them all), in one layout.
-    for product in ("wqkv", "wo", "w_gate_up", "w_down"):
-        names = [f"layers.{i}.{product}" for i in range(config.num_layers)]
-        if len({getattr(out[n], "format", None) for n in names}) != 1:
-            for n in names:
-                out[n] = None
     return {name: q for name, q in out.items() if q is not None}
 
 
