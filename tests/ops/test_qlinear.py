@@ -252,39 +252,29 @@ def test_q5_0_is_packed_as_q8_0_exactly():
     assert codes.view(np.int8).min() >= -16 and codes.view(np.int8).max() <= 15
 
 
-def test_q4_k_is_packed_as_q4_1_with_float32_scales_exactly():
-    """Q4_K's sub-blocks are Q4_1 blocks whose scale and min are products of
-    the super-block's float16 and the sub-block's 6 bits, exact in float32:
-    the panels dequantize to what `gguf` dequantizes, bit for bit."""
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_k_quants_are_packed_exactly(fmt):
+    """A K-quant's blocks of 32 as the product reads them: Q4_K's as Q4_1
+    blocks, Q6_K's codes less 32 as signed bytes with a scale for each half
+    of 16 inputs; their scales (and mins) are products of the super-block's
+    float16 and the sub-block's 6 or 8 bits, exact in float32. The panels
+    dequantize to what `gguf` dequantizes, bit for bit."""
     rng = np.random.default_rng(5)
     n, k = 21, 512
-    raw = gguf_blocks(rng, "Q4_K", np.zeros((n, k), np.float32))
-    packed = pack_quantized_weight(raw, "Q4_K", n, k)
-    assert (packed.format, packed.panels.shape) == ("Q4_K", quantized_panels_shape("Q4_K", n, k))
-    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, "Q4_K", n, k)
-    values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
-    want = quants.dequantize(raw, GGMLQuantizationType.Q4_K)
+    raw = gguf_blocks(rng, fmt, np.zeros((n, k), np.float32))
+    packed = pack_quantized_weight(raw, fmt, n, k)
+    assert (packed.format, packed.panels.shape) == (fmt, quantized_panels_shape(fmt, n, k))
+    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
+    if fmt == "Q6_K":
+        assert mins is None and codes.min() >= -32 and codes.max() <= 31
+        values = codes.reshape(n, k // 16, 16) * scales.reshape(n, k // 16, 1)
+    else:
+        values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
+    want = quants.dequantize(raw, GGMLQuantizationType[fmt])
     np.testing.assert_array_equal(values.reshape(n, k), want)
     assert not pad_codes.any() and not pad_scales.any()
     with pytest.raises(ValueError, match="super-blocks of 256"):
-        pack_quantized_weight(raw[:, :72], "Q4_K", n, 256 + 32)  # K not a multiple of 256
-
-
-def test_q6_k_is_packed_as_q8_0_with_a_scale_per_half_exactly():
-    """Q6_K's codes less 32 are signed bytes and its sub-blocks of 16 have
-    scales d * sc_j, exact in float32: the panels dequantize to what `gguf`
-    dequantizes, bit for bit."""
-    rng = np.random.default_rng(6)
-    n, k = 21, 512
-    raw = gguf_blocks(rng, "Q6_K", np.zeros((n, k), np.float32))
-    packed = pack_quantized_weight(raw, "Q6_K", n, k)
-    assert (packed.format, packed.panels.shape) == ("Q6_K", quantized_panels_shape("Q6_K", n, k))
-    codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, "Q6_K", n, k)
-    assert mins is None and codes.min() >= -32 and codes.max() <= 31
-    values = codes.reshape(n, k // 16, 16) * scales.reshape(n, k // 16, 1)
-    want = quants.dequantize(raw, GGMLQuantizationType.Q6_K)
-    np.testing.assert_array_equal(values.reshape(n, k), want)
-    assert not pad_codes.any() and not pad_scales.any()
+        pack_quantized_weight(raw[:, : raw.shape[1] // 2], fmt, n, 288)  # K not a multiple of 256
 
 
 def test_bad_quantized_operands_are_refused():

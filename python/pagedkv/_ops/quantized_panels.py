@@ -91,6 +91,19 @@ def quantized_panels_shape(fmt: str, out_features: int, in_features: int) -> tup
     return (-(-out_features // QUANT_PANEL), quantized_panel_bytes(fmt, in_features))
 
 
+def _block_rows(
+    raw: np.ndarray, fmt: str, n: int, k: int, inputs: int, size: int, kind: str
+) -> np.ndarray:
+    """raw as [n, k / inputs, size] bytes: n rows of blocks of `inputs`
+    inputs, `size` bytes each; ValueError if its size or k does not fit."""
+    if k % inputs or raw.size != n * (k // inputs) * size:
+        raise ValueError(
+            f"a {fmt} weight [{n}, {k}] is {n * (k // inputs) * size} bytes in {kind} of "
+            f"{inputs} inputs, got {raw.size} bytes"
+        )
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // inputs, size)
+
+
 def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     """A K-quant's super-blocks of 256 as blocks of 32: codes [n, k / 32,
     32] and float32 scales, exact products of its two levels of scales.
@@ -102,13 +115,7 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
     nibbles, 64 of high 2-bit pairs, sixteen int8 scales sc_j and d; codes
     q - 32 and scales d * sc_j [n, k / 32, 2] (each half of 16 inputs).
     """
-    size = _SUPER_BLOCK_BYTES[fmt]
-    if k % QK_K or raw.size != n * (k // QK_K) * size:
-        raise ValueError(
-            f"a {fmt} weight [{n}, {k}] is {n * (k // QK_K) * size} bytes in super-blocks of "
-            f"{QK_K} inputs, got {raw.size} bytes"
-        )
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK_K, size)
+    blocks = _block_rows(raw, fmt, n, k, QK_K, _SUPER_BLOCK_BYTES[fmt], "super-blocks")
     if fmt == "Q6_K":
         return _q6_k_blocks(blocks, n, k)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
@@ -149,13 +156,7 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     """The scale, min and codes [n, k / 32, ...] of the GGUF blocks in raw."""
     if fmt in _SUPER_BLOCK_BYTES:
         return _k_quant_blocks(raw, fmt, n, k)
-    size = _BLOCK_BYTES[fmt]
-    if k % QK or raw.size != n * (k // QK) * size:
-        raise ValueError(
-            f"a {fmt} weight [{n}, {k}] is {n * (k // QK) * size} bytes in blocks of {QK} "
-            f"inputs, got {raw.size} bytes"
-        )
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK, size)
+    blocks = _block_rows(raw, fmt, n, k, QK, _BLOCK_BYTES[fmt], "blocks")
     parts = {"d": blocks[..., 0:2].copy().view(np.float16)[..., 0]}
     if fmt == "Q8_0":
         parts["codes"] = blocks[..., 2:34].view(np.int8)
