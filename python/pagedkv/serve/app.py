@@ -4,7 +4,7 @@ The app holds what is not generation: errors in OpenAI's body, the API key,
 /health, /metrics, /v1/models, the body-size limit. The generation
 endpoints are completions.py's: every request becomes one engine request
 per prompt, whose events arrive on an asyncio queue (the engine thread puts
-them there with `call_soon_threadsafe`).
+them there through a `LoopMailbox`, one wake-up for a step's events).
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}:
 400 for malformed JSON or fields, a prompt over the context or a request

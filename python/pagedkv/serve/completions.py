@@ -26,6 +26,7 @@ from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
 from .limits import ServeLimits, StreamSlots
+from .mailbox import LoopMailbox
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 RETRY_AFTER_SECONDS = 1
@@ -79,6 +80,14 @@ class Completions:
         self.limits = limits
         self.slots = StreamSlots(limits.max_streams_per_key)
         self.reject = reject
+        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}
+
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        """The one mailbox that hands engine events to `loop`."""
+        box = self._mailboxes.get(loop)
+        if box is None:
+            box = self._mailboxes[loop] = LoopMailbox(loop)
+        return box
 
     def check(self, body, chat: bool) -> Asked:
         if body.model != self.model_name:
@@ -131,6 +140,7 @@ class Completions:
     ) -> list[str]:
         """Submits one engine request per prompt; returns their ids."""
         ids = []
+        mailbox = self.mailbox(loop)
         try:
             for p, prompt in enumerate(prompts):
                 room = self.engine.context - len(prompt)
@@ -152,7 +162,7 @@ class Completions:
                 )
 
                 def sink(event, p=p):
-                    loop.call_soon_threadsafe(queue.put_nowait, (p, event))
+                    mailbox.post(queue.put_nowait, (p, event))
 
                 self.engine.submit(req, sink)
                 ids.append(rid)
