@@ -21,7 +21,7 @@ import pytest
 
 from exactness import assert_matches_reference, compared_prefix
 from pagedkv.models import fetch_gguf, load
-from pagedkv.models.tokenizer import ChatTokenizer
+from pagedkv.models.tokenizer import ChatTokenizer, TextStream
 from pagedkv.models.unpacked import read_unpacked
 
 DATA = Path(__file__).parent.parent / "data"
@@ -57,13 +57,15 @@ def test_description_read_from_the_gguf(model):
     assert (c.rope_theta, c.local_rope_theta) == (1e6, 1e4)
     assert c.embed_scale == pytest.approx(math.sqrt(640))
     assert c.qk_norm and c.sandwich_norms and c.activation == "gelu_tanh"
-    # Q5_0 and Q8_0 products packed (as Q8_0); the K-quant ones stay float.
-    assert {name.rsplit(".", 1)[-1] for name in model.quantized} == {
-        "wqkv",
-        "w_gate_up",
-        "lm_head",
-    }
-    assert {q.format for q in model.quantized.values()} == {"Q8_0"}
+    # Every product packed in its file's blocks: Q5_0 and Q8_0 as Q8_0, the
+    # output projections as Q4_K, the down projections as Q4_K in half the
+    # layers and Q6_K in the others.
+    assert len(model.quantized) == 4 * 18 + 1
+    formats = {name: q.format for name, q in model.quantized.items()}
+    assert {f for n, f in formats.items() if not n.endswith(("wo", "w_down"))} == {"Q8_0"}
+    assert {f for n, f in formats.items() if n.endswith(".wo")} == {"Q4_K"}
+    downs = [f for n, f in formats.items() if n.endswith(".w_down")]
+    assert sorted(downs) == ["Q4_K"] * 9 + ["Q6_K"] * 9
     # Tied embeddings: the head is the token embedding, transposed.
     np.testing.assert_array_equal(model.weights["lm_head"][:, :7], model.weights["embed"][:7].T)
 
@@ -75,6 +77,8 @@ def test_tokenizer_equals_transformers(model):
     for record in RECORDS:
         assert tokenizer.prompt_ids(record["prompt"]) == record["prompt_token_ids"]
         assert tokenizer.decode(record["token_ids"]) == record["text"]
+        stream = TextStream(tokenizer)  # token by token, SentencePiece spaces kept
+        assert "".join(stream.push(t) for t in record["token_ids"]) == record["text"]
     assert tokenizer.encode("<start_of_turn>") == [105]
     assert tokenizer.stop_ids == {1, 106}  # <eos> and <end_of_turn>
     chat = tokenizer.chat_prompt("Hi", system_prompt="Be brief.")

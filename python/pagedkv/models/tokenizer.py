@@ -216,17 +216,29 @@ _BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}
 class TextStream:
     """Incremental decoding of a growing list of ids: push() returns the
     text the new token completes, holding back a trailing partial UTF-8
-    character (decoded as U+FFFD) until its bytes arrive."""
+    character (decoded as U+FFFD) until its bytes arrive.
+
+    Each push decodes a window of a few ids, not the whole list (which
+    would cost time quadratic in the answer's length): the ids since the
+    last emitted text, after the ids of the text emitted before it, whose
+    decoding is subtracted. The context keeps what a decoder does at a
+    token's start (a SentencePiece space, a byte sequence) as it is in the
+    whole list, so the pieces join into decode(ids)."""
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix_offset = 0
+        """Where the context window starts."""
+        self.read_offset = 0
+        """Ids before this are emitted as text."""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        window = self.ids[self.prefix_offset :]
+        seen = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
+        text = self.tokenizer.decode(window)
+        if text.endswith("\ufffd") or len(text) <= len(seen):
             return ""
-        new, self.emitted = text[self.emitted :], len(text)
-        return new
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(seen) :]
