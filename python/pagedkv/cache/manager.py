@@ -138,7 +138,8 @@ class PagedKVCacheManager:
         Pools, one per layer; a page id names the same slot in each pool of
         a layer group.
     dtype : str or dtype
-        "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
+        "float32", "float16", "bfloat16" or "float8_e4m3fn" (torch pools), or
+        a torch / NumPy / MAX dtype.
     kv_layout : str
         "NHD" pools are [num_pages, 2, page_size, num_kv_heads, head_dim],
         "HND" pools [num_pages, 2, num_kv_heads, page_size, head_dim]:

@@ -21,8 +21,9 @@ from .._plan.work import as_dtype
 from ..page import copy_pages
 from ..runtime.huge_pages import huge_page_zeros
 
-POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
-"""The element types a pool may have."""
+POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.float8_e4m3fn)
+"""The element types a pool may have (float8 pools are torch tensors: NumPy
+has no float8)."""
 
 
 class PageTensors:
@@ -33,7 +34,8 @@ class PageTensors:
     num_pages, page_size, num_kv_heads, head_dim, num_layers : int
         The pools' geometry (each >= 1).
     dtype : str or dtype
-        "float32", "float16" or "bfloat16" (or a torch / NumPy / MAX dtype).
+        "float32", "float16", "bfloat16" or "float8_e4m3fn" (torch pools), or
+        a torch / NumPy / MAX dtype.
     kv_layout : str
         "NHD": pools are [num_pages, 2, page_size, num_kv_heads, head_dim];
         "HND": [num_pages, 2, num_kv_heads, page_size, head_dim] (FlashInfer's
@@ -79,7 +81,9 @@ class PageTensors:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         pool_dtype = as_dtype(dtype, "dtype")
         if pool_dtype not in POOL_DTYPES:
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {pool_dtype.name}")
+            raise TypeError(
+                f"dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {pool_dtype.name}"
+            )
         layout_code(kv_layout)
         kind, _, index = str(device).partition(":")
         if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()):
@@ -108,7 +112,10 @@ class PageTensors:
         if pin_memory and torch_device != "cpu":
             raise ValueError("pin_memory is for host pools (device 'cpu')")
         torch_pools = (
-            use_torch or pin_memory or pool_dtype == DType.bfloat16 or torch_device != "cpu"
+            use_torch
+            or pin_memory
+            or pool_dtype in (DType.bfloat16, DType.float8_e4m3fn)
+            or torch_device != "cpu"
         )
         self.pools: list[Array] = [
             _zeros(shape, pool_dtype, torch_device if torch_pools else None, pin_memory)

@@ -21,7 +21,7 @@ WEIGHTS = ("gguf", "f32", "bf16")
 blocks multiplied in place with float32 activations (CPU); "f32" and
 "bf16", dequantized to float32 or bfloat16, activations in the same dtype
 (the float32 form matches transformers token for token)."""
-KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 DEFAULT_KV_DTYPE = {"gguf": "float16", "f32": "float32", "bf16": "bfloat16"}
 """The cache's dtype unless told otherwise: llama.cpp's default (float16)
 beside GGUF weights, the weights' own dtype beside float ones."""
@@ -44,7 +44,8 @@ def add_weights_arguments(parser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default=None,
-        help="KV cache dtype with --weights gguf: float16 (default), bfloat16 or float32",
+        help="KV cache dtype with --weights gguf: float16 (default), bfloat16, float32 or "
+        "float8_e4m3fn (a byte per element)",
     )
 
 

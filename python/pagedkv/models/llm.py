@@ -263,8 +263,10 @@ def load(
         the default there); "f32" or "bf16": dequantized, with activations
         in the same dtype ("bf16" is the default on a GPU). See `WEIGHTS`.
     kv_dtype : str, optional
-        The KV cache's dtype: "float32", "float16" or "bfloat16" with
-        "gguf" weights (default "float16"); the weights' dtype otherwise.
+        The KV cache's dtype: "float32", "float16", "bfloat16" or
+        "float8_e4m3fn" (a byte per element, unscaled; accuracy in
+        docs/performance.md) with "gguf" weights (default "float16"); the
+        weights' dtype otherwise.
     device : str
         "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
     page_size : int
