@@ -30,6 +30,9 @@ comptime MAX_PHASES = 16
 """Phases one `parallel_phases` call takes at most."""
 
 
+comptime LINE_WORDS = 8
+"""64-bit words in a 64-byte cache line."""
+
 comptime SPINS_BEFORE_YIELD = 256
 """Spins a waiting core makes before it yields the core to another thread
 at each turn: a few microseconds, about what a task of a small product
@@ -86,30 +89,38 @@ def parallel_phases[
             for t in range(Int(phases.tasks[p])):
                 func(p, t)
         return
-    var claimed = stack_allocation[MAX_PHASES, Scalar[DType.int64]]()
-    var done = stack_allocation[MAX_PHASES, Scalar[DType.int64]]()
+    # Each phase's two counters on a 64-byte line of their own: the cores
+    # write them, and a line shared with another phase's would move between
+    # the cores on every claim of either.
+    var claimed = stack_allocation[
+        MAX_PHASES * LINE_WORDS, Scalar[DType.int64], alignment=64
+    ]()
+    var done = stack_allocation[
+        MAX_PHASES * LINE_WORDS, Scalar[DType.int64], alignment=64
+    ]()
     for p in range(MAX_PHASES):
-        claimed[unsafe_offset=p] = 0
-        done[unsafe_offset=p] = 0
+        claimed[unsafe_offset=p * LINE_WORDS] = 0
+        done[unsafe_offset=p * LINE_WORDS] = 0
 
     def worker(_w: Int) {imm func, var phases, var claimed, var done}:
         for p in range(phases.count):
             var n = Int(phases.tasks[p])
+            var next_task = claimed.unsafe_offset(p * LINE_WORDS)
+            var finished = done.unsafe_offset(p * LINE_WORDS)
+            # A core counts the tasks it ran and adds them once, when it
+            # finds none left: one write to the shared count per core and
+            # phase, not one per task.
+            var ran = 0
             while True:
-                var t = Int(Atomic.fetch_add(claimed.unsafe_offset(p), 1))
+                var t = Int(Atomic.fetch_add(next_task, 1))
                 if t >= n:
                     break
                 func(p, t)
-                _ = Atomic.fetch_add(done.unsafe_offset(p), 1)
+                ran += 1
+            if ran > 0:
+                _ = Atomic.fetch_add(finished, Int64(ran))
             var turn = 0
-            while (
-                Int(
-                    Atomic.load[ordering=Ordering.ACQUIRE](
-                        done.unsafe_offset(p)
-                    )
-                )
-                < n
-            ):
+            while Int(Atomic.load[ordering=Ordering.ACQUIRE](finished)) < n:
                 wait_turn(turn)
                 turn += 1
 

@@ -35,6 +35,8 @@ from ..simd.int8_dot import (
     dot_u8s8,
 )
 from ..simd.widen import F32, VECTOR_REGISTERS
+from max.runtime.asyncrt import parallelism_level
+
 from ..work_queue import Phases, parallel_phases, row_block, row_blocks
 from .activations import (
     NO_PROLOGUE,
@@ -75,6 +77,14 @@ comptime MAX_TILES_PER_TASK = 8
 stays in L1 across them)."""
 comptime MIN_TASKS = 32
 """Tasks a product is split into when it has that many tiles."""
+comptime TASK_BYTES = 16384
+"""Weight bytes a task of a one-tile product (a decode step of a few
+requests) streams at least: adjacent panels lie one after another in
+memory, so a task reads on in one stream, and its claim from the shared
+counter is a small part of its time."""
+comptime TASKS_PER_CORE = 4
+"""Tasks per core a one-tile product keeps at least, so that a core slowed
+by a neighbour leaves the others little to wait for."""
 
 
 @always_inline
@@ -249,7 +259,8 @@ def panel_rows[
 
 struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
     """y [M, N] = x @ w^T (+ residual) for quantized activations x: the
-    tasks of one product phase, each a panel by a block of rows."""
+    tasks of one product phase, each a run of adjacent panels by a block of
+    rows."""
 
     var weight: Ptr[DType.uint8]
     var x: QuantizedRows
@@ -260,6 +271,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
     var panels: Int
     var stride: Int
     var rows_per_task: Int
+    var panels_per_task: Int
 
     def __init__(
         out self,
@@ -270,9 +282,11 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         m_dim: Int,
         n_dim: Int,
     ):
-        """Splits the product into tasks: every panel, in blocks of rows of
-        at most MAX_TILES_PER_TASK register tiles, enough of them to keep
-        every core busy (MIN_TASKS)."""
+        """Splits the product into tasks: blocks of rows of at most
+        MAX_TILES_PER_TASK register tiles, enough of them to keep every core
+        busy (MIN_TASKS); where the rows are one register tile, runs of
+        adjacent panels of about TASK_BYTES, at least TASKS_PER_CORE per
+        core."""
         self.weight = weight
         self.x = x
         self.y = y
@@ -286,24 +300,40 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
             max(row_tiles * self.panels // MIN_TASKS, 1), MAX_TILES_PER_TASK
         )
         self.rows_per_task = tiles_per_task * MR
+        self.panels_per_task = 1
+        if row_tiles == 1:
+            var cores = max(parallelism_level(None), 1)
+            self.panels_per_task = max(
+                min(
+                    TASK_BYTES // self.stride,
+                    self.panels // (TASKS_PER_CORE * cores),
+                ),
+                1,
+            )
+
+    def panel_runs(self) -> Int:
+        """Runs of adjacent panels the product's tasks take."""
+        return (self.panels + self.panels_per_task - 1) // self.panels_per_task
 
     def tasks(self) -> Int:
-        return self.panels * row_blocks(self.m_dim, self.rows_per_task)
+        return self.panel_runs() * row_blocks(self.m_dim, self.rows_per_task)
 
     def run(self, t: Int):
-        """Task t: panel t % panels, rows block t // panels."""
-        var p = t % self.panels
-        var rows = row_block(t // self.panels, self.m_dim, self.rows_per_task)
+        """Task t: panel run t % panel_runs, rows block t // panel_runs."""
+        var runs = self.panel_runs()
+        var first = (t % runs) * self.panels_per_task
+        var rows = row_block(t // runs, self.m_dim, self.rows_per_task)
         var r0 = rows[0]
-        panel_rows[Self.fmt, Self.epilogue](
-            self.weight.unsafe_offset(p * self.stride),
-            self.x.row(r0),
-            self.y.unsafe_offset(r0 * self.n_dim + p * PANEL),
-            self.residual.unsafe_offset(r0 * self.n_dim + p * PANEL),
-            rows[1] - r0,
-            min(PANEL, self.n_dim - p * PANEL),
-            self.n_dim,
-        )
+        for p in range(first, min(first + self.panels_per_task, self.panels)):
+            panel_rows[Self.fmt, Self.epilogue](
+                self.weight.unsafe_offset(p * self.stride),
+                self.x.row(r0),
+                self.y.unsafe_offset(r0 * self.n_dim + p * PANEL),
+                self.residual.unsafe_offset(r0 * self.n_dim + p * PANEL),
+                rows[1] - r0,
+                min(PANEL, self.n_dim - p * PANEL),
+                self.n_dim,
+            )
 
 
 def qlinear_cpu[
