@@ -19,6 +19,7 @@ from pagedkv import graph_ops
 from pagedkv._ops.kernels import accelerator, stream_ordered
 from pagedkv._ops.tensors import device_of, to_buffer
 from pagedkv.cache.manager import PagedKVCacheManager
+from pagedkv.runtime import demote_max_poller_once
 
 from .decoder import DECODE, PREFILL, group_windows, step_input_names
 from .model import DecoderConfig
@@ -73,6 +74,7 @@ class DecoderEngine:
         batch and however many cores run it: every other part of a step
         computes each row on its own, in an order that does not depend on
         the batch."""
+        self._pool_buffers: tuple[list, list] | None = None
         self.share_prefixes = not batch_invariant
         """Decode reads the pages of a prefix that consecutive requests share
         once for all of them (CPU, layer groups without a window): a shared
@@ -135,6 +137,10 @@ class DecoderEngine:
         tables = self._group_tables(DECODE, request_ids, md)
         inputs = {"tokens": np.asarray(tokens, np.int32), **self._step_inputs(md, tables)}
         logits = self._run(self.models.decode, DECODE, inputs)
+        if not self.device.is_gpu:
+            # MAX's poller starts with the first execute; from then on it
+            # preempts the workers of every step unless demoted.
+            demote_max_poller_once()
         if order is None:
             return logits
         back = np.empty_like(logits)
@@ -196,16 +202,29 @@ class DecoderEngine:
             "kv_indptr": md.kv_indptr,
             "kv_last_page_len": md.kv_last_page_len,
             **tables,
-            **{f"pool.{i}": pool for i, pool in enumerate(self.manager.pools)},
         }
+
+    def _pools(self) -> list:
+        """The manager's pools as MAX buffers, made once: a buffer holds its
+        pool's memory, which lives as long as the manager does."""
+        pools = self.manager.pools
+        cached = self._pool_buffers
+        if (
+            cached is None
+            or len(cached[0]) != len(pools)
+            or any(a is not b for a, b in zip(cached[0], pools, strict=True))
+        ):
+            cached = self._pool_buffers = (
+                list(pools),
+                [to_buffer(p, stream_ordered=True) for p in pools],
+            )
+        return cached[1]
 
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
         names = step_input_names(kind, self.config)
+        pools = iter(self._pools())
         buffers = [
-            to_buffer(inputs[n], stream_ordered=True)
-            if n.startswith("pool.")
-            else self._index_buffer(inputs[n])
-            for n in names
+            next(pools) if n.startswith("pool.") else self._index_buffer(inputs[n]) for n in names
         ]
         with stream_ordered(self.manager.pools, self.device):
             logits = model.execute(*buffers)[0]

@@ -254,7 +254,13 @@ def parallel_slots(is_gpu: bool) -> int:
     their lengths), or GPU_BLOCKS_PER_SM thread blocks per SM."""
     if is_gpu:
         return GPU_BLOCKS_PER_SM * gpu_sm_count()
-    return 4 * (os.cpu_count() or 1)
+    return 4 * cpu_count()
+
+
+@functools.cache
+def cpu_count() -> int:
+    """The machine's CPUs (asked once: the call costs microseconds)."""
+    return os.cpu_count() or 1
 
 
 @functools.cache

@@ -7,6 +7,6 @@ workers' way (max_poller.py); `huge_page_zeros` allocates host pools on
 """
 
 from .huge_pages import huge_page_zeros
-from .max_poller import demote_max_poller
+from .max_poller import demote_max_poller, demote_max_poller_once
 
-__all__ = ["demote_max_poller", "huge_page_zeros"]
+__all__ = ["demote_max_poller", "demote_max_poller_once", "huge_page_zeros"]
