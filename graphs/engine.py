@@ -19,7 +19,7 @@ from pagedkv import graph_ops
 from pagedkv._ops.kernels import accelerator, stream_ordered
 from pagedkv._ops.tensors import device_of, to_buffer
 from pagedkv.cache.manager import PagedKVCacheManager
-from pagedkv.runtime import demote_max_poller_once
+from pagedkv.runtime import settle_max_threads_once
 
 from .decoder import DECODE, PREFILL, group_windows, step_input_names
 from .model import DecoderConfig
@@ -138,9 +138,9 @@ class DecoderEngine:
         inputs = {"tokens": np.asarray(tokens, np.int32), **self._step_inputs(md, tables)}
         logits = self._run(self.models.decode, DECODE, inputs)
         if not self.device.is_gpu:
-            # MAX's poller starts with the first execute; from then on it
-            # preempts the workers of every step unless demoted.
-            demote_max_poller_once()
+            # MAX's poller and workers start with the first execute; from
+            # then on they take the cores from the step's Python work.
+            settle_max_threads_once()
         if order is None:
             return logits
         back = np.empty_like(logits)

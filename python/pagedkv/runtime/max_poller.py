@@ -100,17 +100,3 @@ def demote_max_poller(
             continue
         demoted.append(tid)
     return demoted
-
-
-_demoted_once = False
-
-
-def demote_max_poller_once() -> list[int]:
-    """`demote_max_poller` the first time this process calls it, nothing
-    after: what a serving loop calls after its first step (it costs the
-    calling thread one 50 ms window, once)."""
-    global _demoted_once
-    if _demoted_once:
-        return []
-    _demoted_once = True
-    return demote_max_poller()
