@@ -34,7 +34,11 @@ AMD EPYC (Zen 4, AVX-512 VNNI), several runs each:
   instead of three).
 - The step in 121 calls: 1.1-1.2x the plain read in as many calls.
 - M = 32: 350-445 GOP/s, about half of the dot-product peak measured in
-  the same run (565-920 GOP/s: the host's neighbours move it).
+  the same run (565-920 GOP/s: the host's neighbours move it). Neither
+  register tiles of 8 or 12 rows (32 rows without a tile of 2 left over)
+  nor an epilogue of four vector operations per row and block instead of
+  eight (the zero point folded into the min, the activations' d * sum
+  kept by the quantizer: kept, for M = 4's 1.03-1.09x) moved it.
 - In the real decode step (30 fused layer ops), the weights on 2 MiB
   pages took as long as on the memory-mapped 4 KiB pages (alternating
   engines in one process: 7.93 against 7.77 ms median).

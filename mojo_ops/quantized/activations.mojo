@@ -4,8 +4,9 @@ optional prologue (RMSNorm, or SwiGLU's silu(gate) * up).
 Row r's block b (inputs [32b, 32b + 32)) becomes 32 signed bytes q and a
 scale d with x ~ d * q: d = max |x| / 127 and q = round(x / d) (ties to
 even; 0 when the block is all zeros), as llama.cpp's Q8_0 and Q8_1 do, so
-every q is in [-127, 127]. Each block also keeps sum(q), and the sum of
-its first 16 codes, which the products' zero points and mins need.
+every q is in [-127, 127]. Each block also keeps d * sum(q), and that of
+each half of 16 codes, as float32: what a weight block's min or zero
+point multiplies (llama.cpp's Q8_1 keeps the first).
 """
 
 from std.math import exp, sqrt
@@ -36,11 +37,12 @@ def quantize_row[
     eps: Float32,
     q: Ptr[DType.int8],
     d: Ptr[F32],
-    sums: Ptr[DType.int32],
-    half_sums: Ptr[DType.int32],
+    d_sums: Ptr[F32],
+    d_half_sums: Ptr[F32],
 ):
     """Quantizes one row of k_dim inputs (after the prologue) into q [k_dim],
-    d [k_dim / QK], sums [k_dim / QK] and half_sums [k_dim / QK]."""
+    d [k_dim / QK], d_sums [k_dim / QK] (d * sum(q)) and d_half_sums
+    [2 * k_dim / QK] (d * the sum of each half's codes)."""
     var scale = Float32(1)
     comptime if prologue == RMS_NORM:
         var squares = SIMD[F32, QK](0)
@@ -68,9 +70,13 @@ def quantize_row[
             v * inverse
         ).cast[DType.int32]()
         q.unsafe_offset(b * QK).unsafe_store(codes.cast[DType.int8]())
-        d[unsafe_offset=b] = amax / 127
-        sums[unsafe_offset=b] = codes.reduce_add()
-        half_sums[unsafe_offset=b] = codes.slice[QK // 2]().reduce_add()
+        var scale = amax / 127
+        var first = codes.slice[QK // 2]().reduce_add()
+        var second = codes.slice[QK // 2, offset=QK // 2]().reduce_add()
+        d[unsafe_offset=b] = scale
+        d_sums[unsafe_offset=b] = scale * Float32(first + second)
+        d_half_sums[unsafe_offset=2 * b] = scale * Float32(first)
+        d_half_sums[unsafe_offset=2 * b + 1] = scale * Float32(second)
 
 
 comptime ROWS_PER_QUANTIZE_TASK = 8
@@ -107,21 +113,22 @@ struct ScratchArena(Movable):
 
 
 struct QuantizedRows(TrivialRegisterPassable):
-    """Rows of activations quantized per block: codes q [M, K] int8, scales
-    d [M, K / QK] float32, code sums [M, K / QK] int32 and the sums of each
-    block's first 16 codes [M, K / QK] int32, in one buffer."""
+    """Rows of activations quantized per block, in one buffer: codes q
+    [M, K] int8, and float32 scales d [M, K / QK], d * sum(q) d_sums
+    [M, K / QK] and d * the sum of each half block's codes d_half_sums
+    [M, 2 K / QK]."""
 
     var q: Ptr[DType.int8]
     var d: Ptr[F32]
-    var sums: Ptr[DType.int32]
-    var half_sums: Ptr[DType.int32]
+    var d_sums: Ptr[F32]
+    var d_half_sums: Ptr[F32]
     var k_dim: Int
     var blocks: Int
 
     @staticmethod
     def bytes(m_dim: Int, k_dim: Int) -> Int:
         """The buffer's size for m_dim rows of k_dim inputs, rounded to 64."""
-        var size = m_dim * k_dim + 12 * m_dim * (k_dim // QK)
+        var size = m_dim * k_dim + 16 * m_dim * (k_dim // QK)
         return (size + 63) // 64 * 64
 
     def __init__(out self, buffer: Ptr[DType.uint8], m_dim: Int, k_dim: Int):
@@ -131,10 +138,8 @@ struct QuantizedRows(TrivialRegisterPassable):
         self.q = rebind[Ptr[DType.int8]](buffer)
         # k_dim is a multiple of QK, so the scales start 4-byte aligned.
         self.d = rebind[Ptr[F32]](buffer.unsafe_offset(m_dim * k_dim))
-        self.sums = rebind[Ptr[DType.int32]](
-            self.d.unsafe_offset(m_dim * self.blocks)
-        )
-        self.half_sums = self.sums.unsafe_offset(m_dim * self.blocks)
+        self.d_sums = self.d.unsafe_offset(m_dim * self.blocks)
+        self.d_half_sums = self.d_sums.unsafe_offset(m_dim * self.blocks)
 
     @always_inline
     def row(self, r: Int) -> Self:
@@ -142,8 +147,8 @@ struct QuantizedRows(TrivialRegisterPassable):
         var out = self
         out.q = self.q.unsafe_offset(r * self.k_dim)
         out.d = self.d.unsafe_offset(r * self.blocks)
-        out.sums = self.sums.unsafe_offset(r * self.blocks)
-        out.half_sums = self.half_sums.unsafe_offset(r * self.blocks)
+        out.d_sums = self.d_sums.unsafe_offset(r * self.blocks)
+        out.d_half_sums = self.d_half_sums.unsafe_offset(2 * r * self.blocks)
         return out
 
 
@@ -187,6 +192,6 @@ struct RowQuantizer[dtype: DType, prologue: Int](TrivialRegisterPassable):
                 self.eps,
                 out.q,
                 out.d,
-                out.sums,
-                out.half_sums,
+                out.d_sums,
+                out.d_half_sums,
             )

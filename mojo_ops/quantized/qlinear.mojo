@@ -6,11 +6,12 @@ inputs to signed bytes (activations.mojo); w [N, K] stays in its GGUF block
 format, repacked in panels of 16 columns (block_formats.mojo), so a step
 reads 4 or 8 bits per weight plus the block scales. Each block's product is
 a byte dot product summed exactly in int32 lanes (simd/int8_dot.mojo),
-corrected for the weight's zero point and scaled by both block scales into
-float32 accumulators:
+scaled by both block scales into float32 accumulators, and corrected for
+the weight's zero point z or min m by the activations' d_x * sum(q_x), which
+the quantizer keeps beside their codes (a zero point is a min of -z d_w):
 
-    y[r, c] += d_w * d_x * (sum_i q_w q_x - z sum_i q_x)       zero point z
-    y[r, c] += d_w * d_x * sum_i q_w q_x + m_w * d_x sum_i q_x  min m
+    y[r, c] += d_w * d_x * sum_i q_w q_x - z d_w * (d_x sum_i q_x)   zero point z
+    y[r, c] += d_w * d_x * sum_i q_w q_x + m_w * (d_x sum_i q_x)     min m
 
 The op runs in two passes over all cores: the rows of x are quantized, then
 tasks of one panel by a block of rows each stream their panel once, a
@@ -117,8 +118,10 @@ def tile[
     first row); dst's row stride is PANEL.
 
     A block's byte dot products sum exactly in int32, one sum per scale of
-    the weight's block (two for Q6_K's halves of 16 inputs), each corrected
-    for the zero point by the activations' sum over its inputs."""
+    the weight's block (two for Q6_K's halves of 16 inputs); each is scaled,
+    then corrected for the zero point or min by the activations' d * sum
+    over its inputs: four vector operations per row, part and block
+    besides the dot products."""
     comptime BITS = code_bits(fmt)
     comptime GROUPS = code_groups(fmt)
     comptime CODE_BYTES = code_bytes(fmt)
@@ -177,34 +180,35 @@ def tile[
                                 broadcast_word(xr),
                             )
         comptime for v in range(NV):
-            var m = SIMD[F32, WI](0)
-            comptime if MIN:
-                m = block_scales[fmt](mins, b * PANEL + v * WI)
-            comptime for r in range(rows):
-                var i = r * NV + v
-                var block_d = x.d[unsafe_offset=r * blocks + b]
-                var block_sum = x.sums[unsafe_offset=r * blocks + b]
-                comptime for part in range(PARTS):
-                    var d = block_scales[fmt](
-                        scales, (b * PARTS + part) * PANEL + v * WI
-                    )
-                    var dot = isum[unsafe_offset=(part * rows + r) * NV + v]
-                    comptime if Z != 0:
-                        var part_sum = block_sum
-                        comptime if PARTS == 2:
-                            var first = x.half_sums[
-                                unsafe_offset=r * blocks + b
-                            ]
-                            part_sum = first if part == 0 else block_sum - first
-                        dot -= Acc(Int32(Z) * part_sum)
-                    acc[unsafe_offset=i] = dot.cast[F32]().fma(
-                        d * block_d, acc[unsafe_offset=i]
-                    )
+            comptime for part in range(PARTS):
+                var d = block_scales[fmt](
+                    scales, (b * PARTS + part) * PANEL + v * WI
+                )
+                # What multiplies the activations' d * sum: the block's
+                # min, or its zero point as one (w = d q - z d).
+                var shift = SIMD[F32, WI](0)
                 comptime if MIN:
-                    acc[unsafe_offset=i] = m.fma(
-                        SIMD[F32, WI](block_d * Float32(block_sum)),
+                    shift = block_scales[fmt](mins, b * PANEL + v * WI)
+                elif Z != 0:
+                    shift = d * Float32(-Z)
+                comptime for r in range(rows):
+                    var i = r * NV + v
+                    var dot = isum[unsafe_offset=(part * rows + r) * NV + v]
+                    acc[unsafe_offset=i] = dot.cast[F32]().fma(
+                        d * x.d[unsafe_offset=r * blocks + b],
                         acc[unsafe_offset=i],
                     )
+                    comptime if MIN or Z != 0:
+                        var d_sum: Float32
+                        comptime if PARTS == 2:
+                            d_sum = x.d_half_sums[
+                                unsafe_offset=2 * (r * blocks + b) + part
+                            ]
+                        else:
+                            d_sum = x.d_sums[unsafe_offset=r * blocks + b]
+                        acc[unsafe_offset=i] = shift.fma(
+                            SIMD[F32, WI](d_sum), acc[unsafe_offset=i]
+                        )
     comptime for r in range(rows):
         comptime for v in range(NV):
             dst.unsafe_offset(r * PANEL + v * WI).unsafe_store(
