@@ -20,18 +20,26 @@ independent `dot_u8s8`s on every core (the integer peak).
 Prints, per M, the medians of ROUNDS rounds. What it showed on a 2-core
 AMD EPYC (Zen 4, AVX-512 VNNI), several runs each:
 
-- A plain read of 91 MiB in one call: 21-22 GB/s on 4 KiB pages, 28-32 on
+- A plain read of 91 MiB in one call: 21-29 GB/s on 4 KiB pages, 28-32 on
   2 MiB pages (HUGE_PAGES). The same read in 121 calls, one per weight:
   14-25 GB/s; each call wakes the cores (about 4 us) and starts its
   stream cold.
-- The layers' M = 1 products as tasks of one call: 18-24 GB/s on either
-  kind of page, 0.7-0.8 of the plain read: the tile issues fewer loads
-  ahead than a bare read loop. Four changes to the tile did not move it
-  outside the run-to-run spread: two independent int32 sums per block,
-  software prefetch 1, 2 or 4 KiB ahead (4 KiB was slower), the next
-  panel prefetched while one is multiplied, and each block's codes,
-  scales and mins interleaved in pairs of blocks (one stream per panel
-  instead of three).
+- One-row products streamed well below a plain read until their tasks
+  grew and their codes were prefetched into the L2 (qlinear.mojo's
+  TASK_BYTES, PREFETCH_AHEAD). The layers' products as tasks of one
+  call, and the 262144 x 640 head alone, in GB/s:
+
+  | tile | layers | head |
+  | --- | --- | --- |
+  | tasks of 16 KiB, no prefetch | 17-25 | 17-23 |
+  | tasks of 64 KiB | 23-28 | 26-28 |
+  | tasks of 64 KiB, 4 KiB ahead into the L2 | 24-29 | 28-35 |
+
+  Without effect (each beside the 16 KiB tile): two independent int32
+  sums per block; prefetch into the L1 1-4 KiB ahead (4 KiB slower); each
+  block's codes, scales and mins interleaved (one stream per panel
+  instead of three); 2 MiB pages. Into the L2, 2 KiB ahead was too little
+  and 8 KiB no better than 4.
 - The step in 121 calls: 1.1-1.2x the plain read in as many calls.
 - M = 32: 350-445 GOP/s, about half of the dot-product peak measured in
   the same run (565-920 GOP/s: the host's neighbours move it). Neither
@@ -63,6 +71,8 @@ comptime HIDDEN = 576
 comptime QKV = 960
 comptime FFN = 1536
 comptime VOCAB = 49152
+comptime BIG_VOCAB = 262144
+comptime BIG_HIDDEN = 640
 comptime ROUNDS = 15
 comptime HUGE_PAGES = get_defined_bool["HUGE_PAGES", False]()
 """Whether the weights are advised onto 2 MiB pages (-D HUGE_PAGES=true)."""
@@ -259,6 +269,7 @@ def main() raises:
             macs_per_row += shape[0] * shape[1]
             weights.append(w)
     var head = Weight(VOCAB, HIDDEN, Q8_0, 999)
+    var big_head = Weight(BIG_VOCAB, BIG_HIDDEN, Q8_0, 998)
     total += head.nbytes()
     macs_per_row += VOCAB * HIDDEN
     print(
@@ -282,10 +293,12 @@ def main() raises:
     )
     for m in [1, 4, 32]:
         var xs = List[QuantizedRows]()
-        for k in [HIDDEN, FFN]:
+        for k in [HIDDEN, FFN, BIG_HIDDEN]:
             var size = QuantizedRows.bytes(m, k)
             xs.append(QuantizedRows(filled_bytes(size, k + m), m, k))
-        var y = rebind[Ptr[F32]](unsafe_alloc[Float32](m * VOCAB, alignment=64))
+        var y = rebind[Ptr[F32]](
+            unsafe_alloc[Float32](m * BIG_VOCAB, alignment=64)
+        )
         var steps = List[Float64]()
         var reads = List[Float64]()
         for _ in range(ROUNDS):
@@ -296,6 +309,19 @@ def main() raises:
             var layer_bytes = total - head.nbytes()
             for _ in range(ROUNDS):
                 ones.append(one_call_seconds(weights, xs, y))
+            var heads = List[Float64]()
+            for _ in range(ROUNDS):
+                var start = perf_counter_ns()
+                run_product[Q8_0](big_head, xs[2], y, 1)
+                heads.append(Float64(Int(perf_counter_ns() - start)) * 1e-9)
+            print(
+                (
+                    "M = 1: a Gemma 3-sized Q8_0 head alone (262144 x 640, one"
+                    " call):"
+                ),
+                Float64(big_head.nbytes()) / median(heads) * 1e-9,
+                "GB/s",
+            )
             print(
                 "M = 1: the layers' products in one call:",
                 Float64(layer_bytes) / median(ones) * 1e-9,

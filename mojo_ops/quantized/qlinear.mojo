@@ -22,6 +22,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from std.memory import bitcast, stack_allocation
+from std.sys.intrinsics import PrefetchOptions, prefetch
 
 from ..cache.paged_kv_cache import Ptr
 from ..cache.tensor_access import ptr_of
@@ -78,11 +79,22 @@ comptime MAX_TILES_PER_TASK = 8
 stays in L1 across them)."""
 comptime MIN_TASKS = 32
 """Tasks a product is split into when it has that many tiles."""
-comptime TASK_BYTES = 16384
+comptime TASK_BYTES = 65536
 """Weight bytes a task of a one-tile product (a decode step of a few
 requests) streams at least: adjacent panels lie one after another in
 memory, so a task reads on in one stream, and its claim from the shared
-counter is a small part of its time."""
+counter is a small part of its time. With PREFETCH_AHEAD, a one-row
+product of SmolLM2's or Gemma 3's layers streamed 25-32 GB/s against 19-25
+with tasks of 16 KiB and no prefetch
+(benchmarks/kernel_investigations/qlinear_cpu_stream.mojo)."""
+comptime PREFETCH_AHEAD = 4096
+"""How far ahead of a panel's first register tile its codes are asked into
+the L2 (a run of panels is one stream, so this reaches into the next one).
+A block's loads feed a chain of dot products that waits on them, and the
+core stops issuing loads once its vector scheduler fills with such waiting
+operations, a few blocks ahead: the prefetches, which wait on nothing, keep
+more of the stream in flight. Into the L1 (prefetcht0) they did not help;
+2 KiB ahead was too little, 8 KiB no better."""
 comptime TASKS_PER_CORE = 4
 """Tasks per core a one-tile product keeps at least, so that a core slowed
 by a neighbour leaves the others little to wait for."""
@@ -112,10 +124,11 @@ def block_scales[
 @always_inline
 def tile[
     fmt: Int, rows: Int
-](panel: Ptr[DType.uint8], x: QuantizedRows, dst: Ptr[F32]):
+](panel: Ptr[DType.uint8], x: QuantizedRows, dst: Ptr[F32], ahead: Int):
     """Computes dst[r, :PANEL] = x[r] . w[c] for the panel's columns c and
     rows r < rows of the quantized activations x (a view from the tile's
-    first row); dst's row stride is PANEL.
+    first row); dst's row stride is PANEL. With `ahead` (bytes, 0 for
+    none), each block asks for the codes that far on into the L2.
 
     A block's byte dot products sum exactly in int32, one sum per scale of
     the weight's block (two for Q6_K's halves of 16 inputs); each is scaled,
@@ -143,6 +156,11 @@ def tile[
             isum[unsafe_offset=i] = 0
         var codes = panel.unsafe_offset(b * CODE_BYTES)
         var xb = x.q.unsafe_offset(b * QK)
+        if ahead != 0:
+            comptime for g in range(GROUPS):
+                prefetch[PrefetchOptions().for_read().low_locality()](
+                    codes.unsafe_offset(ahead + g * GROUP_BYTES)
+                )
         comptime for g in range(GROUPS):
             comptime part = g // PART_GROUPS
             comptime for v in range(NV):
@@ -237,7 +255,9 @@ def panel_rows[
         var n = min(MR, rows - r)
         comptime for m in range(1, MR + 1):
             if n == m:
-                tile[fmt, m](panel, x.row(r), tile_out)
+                tile[fmt, m](
+                    panel, x.row(r), tile_out, PREFETCH_AHEAD if r == 0 else 0
+                )
         for i in range(n):
             var dst = y.unsafe_offset((r + i) * n_dim)
             var add = residual.unsafe_offset((r + i) * n_dim)
