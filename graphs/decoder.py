@@ -36,6 +36,7 @@ The weights come in one of two forms:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,7 @@ def group_windows(c: DecoderConfig) -> list[int | None]:
     return [None] if groups is None else [window for _, window in groups]
 
 
+@functools.cache
 def step_input_names(kind: str, c: DecoderConfig) -> tuple[str, ...]:
     """The order of a step graph's inputs (what the engine feeds).
 
@@ -165,6 +167,7 @@ def step_input_names(kind: str, c: DecoderConfig) -> tuple[str, ...]:
         for name in ("kv_indices", "work_items", "request_items")
     )
     extra = ("last_rows",) if kind == PREFILL else ()
+    # The pools come last (the engine passes its pool buffers as a block).
     return common + groups + extra + tuple(f"pool.{i}" for i in range(c.num_layers))
 
 

@@ -221,11 +221,8 @@ class DecoderEngine:
         return cached[1]
 
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
-        names = step_input_names(kind, self.config)
-        pools = iter(self._pools())
-        buffers = [
-            next(pools) if n.startswith("pool.") else self._index_buffer(inputs[n]) for n in names
-        ]
+        names = step_input_names(kind, self.config)[: -self.config.num_layers]
+        buffers = [self._index_buffer(inputs[n]) for n in names] + self._pools()
         with stream_ordered(self.manager.pools, self.device):
             logits = model.execute(*buffers)[0]
         return (logits if logits.is_host else logits.to(CPU())).to_numpy()
