@@ -26,10 +26,11 @@ The weights come in one of two forms:
   matmul). The exact path: it matches transformers token for token.
 - quantized (a `QuantizedFormats`): the GGUF's own 4- and 8-bit blocks,
   multiplied by graph_ops.qlinear (CPU) with float32 activations quantized
-  per block. Llama's block with every product quantized is one fused op
-  per layer (graph_ops.quantized_decoder_layer: each norm the prologue of
-  the product after it, SwiGLU the down projection's, each residual add an
-  epilogue); otherwise the layer is built op by op, each product quantized
+  per block. A layer with every product quantized is one fused op, of
+  either family (graph_ops.quantized_decoder_layer: each norm the prologue
+  of the product after it, SwiGLU or GeGLU the down projection's, each
+  residual add an epilogue, Gemma's QK-norm and sandwich norms row phases
+  of the op); otherwise the layer is built op by op, each product quantized
   or, where its format is one the product does not take, float32. The
   cache keeps its own dtype (`dtype`).
 """
@@ -80,11 +81,10 @@ class LayerFormats:
     w_gate_up: str | None
     w_down: str | None
 
-    def fused(self, c: DecoderConfig) -> bool:
+    def fused(self) -> bool:
         """Whether the layer is one fused op (`graph_ops.quantized_decoder_layer`):
-        Llama's block with every product quantized."""
-        plain = not (c.qk_norm or c.sandwich_norms or c.layer_groups) and c.activation == "silu"
-        return plain and None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        every product quantized."""
+        return None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
 
 
 @dataclass(frozen=True)
@@ -354,10 +354,14 @@ def _layer(
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    if quantized is not None and quantized.fused(c):
+    if quantized is not None and quantized.fused():
         layer = graph_ops.QuantizedLayerWeights(
             *(w[name] for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")),
             formats=(quantized.wqkv, quantized.wo, quantized.w_gate_up, quantized.w_down),
+            q_norm=w["q_norm"] if c.qk_norm else None,
+            k_norm=w["k_norm"] if c.qk_norm else None,
+            post_attn_norm=w["post_attn_norm"] if c.sandwich_norms else None,
+            post_mlp_norm=w["post_mlp_norm"] if c.sandwich_norms else None,
         )
         return graph_ops.quantized_decoder_layer(
             x,
@@ -371,6 +375,8 @@ def _layer(
             *table,
             *work,
             decode=kind == DECODE,
+            activation=c.activation,
+            window_left=-1 if window is None else window - 1,
         )
 
     out_features = {name: shape[-1] for name, shape in layer_weight_shapes(c).items()}

@@ -1,17 +1,27 @@
-"""A Llama decoder layer with GGUF-quantized weights as one CPU op.
+"""A decoder layer with GGUF-quantized weights as one CPU op: Llama's block
+or Gemma 3's.
 
-x_out = h + down(silu(gate(n2)) * up(n2)), h = x + wo(attention(rope(qkv(n1)))),
+x_out = h + down(act(gate(n2)) * up(n2)), h = x + wo(attention(rope(qkv(n1)))),
 n1 = RMSNorm(x) and n2 = RMSNorm(h), over a step's token rows: the same
 products (quantized/qlinear.mojo), RoPE and append (page_ops/rope_append.mojo)
 and attention (attention/cpu/dispatch.mojo) as the separate ops, run as the
-phases of one dispatch to the cores (work_queue.mojo):
+phases of one dispatch to the cores (work_queue.mojo). Gemma 3's block adds
+an RMSNorm of each query and key head before RoPE (QK-norm) and an RMSNorm
+of each product's output before its residual add (sandwich norms:
+h = x + RMSNorm(wo(..)), x_out = h + RMSNorm(down(..))), with GELU's tanh
+form as act (row_norms.mojo, quantized/activations.mojo):
 
-     0  quantize x after RMSNorm             6  wo product, + x       -> x_out
-     1  Q|K|V product             -> qkv     7  quantize x_out after RMSNorm
-     2  RoPE, append K and V      -> q       8  gate|up product       -> gu
-     3  attention work items      -> o       9  quantize silu(gate) * up
-     4  merge key-split states    -> o      10  down product, + x_out -> x_out
-     5  quantize o
+     0  quantize x after RMSNorm            7  wo product, + x         -> x_out
+     1  Q|K|V product            -> qkv        (sandwich: -> proj)
+     2  QK-norm of q, k heads    -> qkv     8  sandwich: x + RMSNorm(proj)
+     3  RoPE, append K and V     -> q       9  quantize x_out after RMSNorm
+     4  attention work items     -> o      10  gate|up product          -> gu
+     5  merge key-split states   -> o      11  quantize act(gate) * up
+     6  quantize o                         12  down product, + x_out -> x_out
+                                               (sandwich: -> proj)
+                                           13  sandwich: x_out + RMSNorm(proj)
+
+A phase the block does not have has no tasks.
 
 A decode step of a small model is some hundred such steps, each a few to a
 few tens of microseconds of work; as separate ops each would pay MAX's
@@ -36,6 +46,7 @@ from ..cache.tensor_access import ptr_of
 from ..page_ops.append import check_append
 from ..page_ops.rope_append import RopeAppendRows, check_rope_append
 from ..quantized.activations import (
+    GEGLU,
     NO_PROLOGUE,
     RMS_NORM,
     SWIGLU,
@@ -47,6 +58,25 @@ from ..quantized.block_formats import PANEL, panel_bytes
 from ..quantized.qlinear import ADD_RESIDUAL, NO_EPILOGUE, QuantizedProduct
 from ..simd.widen import F32
 from ..work_queue import Phases, parallel_phases
+from .row_norms import HeadNorms, NormAddRows
+
+comptime SILU = 0
+"""The MLP's activation (pagedkv._ops.contract.DECODER_ACTIVATIONS):
+SwiGLU."""
+comptime GELU_TANH = 1
+"""GeGLU with GELU's tanh form (Gemma 3)."""
+
+
+def check_norm(
+    name: StaticString,
+    norm: InputTensor[dtype=DType.float32, rank=1, ...],
+    size: Int,
+) raises:
+    """Raises unless norm holds `size` weights."""
+    if norm.dim_size(0) != size:
+        raise Error(
+            "pagedkv: the decoder layer's ", name, " is not [", size, "]"
+        )
 
 
 def check_weight(
@@ -73,15 +103,18 @@ def check_weight(
 
 @extensibility.register("pagedkv_decoder_layer")
 struct DecoderLayer:
-    """One Llama decoder layer over x [rows, H] float32 with GGUF-quantized
+    """One decoder layer over x [rows, H] float32 with GGUF-quantized
     weights; appends the rows' keys and values into a pool passed as
     k_cache, v_cache (cache/cache_tensors.mojo) and returns x_out [rows, H].
 
     Parameters: the pool's `layout` and `kv_format` (as the attention op's),
-    the four products' GGUF formats, `num_qo_heads` and `ffn_size`.
-    `float_params` and `int_params` are the attention op's (attention/params.mojo),
-    `norm_eps` [1] the RMSNorms' epsilon; the row indices, page table and
-    work lists as for append and attention.
+    the four products' GGUF formats, `num_qo_heads`, `ffn_size`, and
+    Gemma 3's choices: `qk_norm` (q_norm, k_norm [D]), `sandwich_norms`
+    (post_attn_norm, post_mlp_norm [H]) and `activation` (SILU or
+    GELU_TANH); norms a layer does not use may be empty. `float_params` and
+    `int_params` are the attention op's (attention/params.mojo: the
+    layer's window among them), `norm_eps` [1] the RMSNorms' epsilon; the
+    row indices, page table and work lists as for append and attention.
     """
 
     @staticmethod
@@ -95,6 +128,9 @@ struct DecoderLayer:
         down_format: Int,
         num_qo_heads: Int,
         ffn_size: Int,
+        qk_norm: Int,
+        sandwich_norms: Int,
+        activation: Int,
     ](
         x_out: OutputTensor[dtype=DType.float32, rank=2, ...],
         k_cache: MutableInputTensor[rank=5, ...],
@@ -106,6 +142,10 @@ struct DecoderLayer:
         mlp_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         w_gate_up: InputTensor[dtype=DType.uint8, rank=2, ...],
         w_down: InputTensor[dtype=DType.uint8, rank=2, ...],
+        q_norm: InputTensor[dtype=DType.float32, rank=1, ...],
+        k_norm: InputTensor[dtype=DType.float32, rank=1, ...],
+        post_attn_norm: InputTensor[dtype=DType.float32, rank=1, ...],
+        post_mlp_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         rope_cos: InputTensor[dtype=DType.float32, rank=2, ...],
         rope_sin: InputTensor[dtype=DType.float32, rank=2, ...],
         batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
@@ -149,6 +189,12 @@ struct DecoderLayer:
             "w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden
         )
         check_weight("w_down", w_down, down_format, hidden, ffn_size)
+        comptime if qk_norm != 0:
+            check_norm("q_norm", q_norm, d)
+            check_norm("k_norm", k_norm, d)
+        comptime if sandwich_norms != 0:
+            check_norm("post_attn_norm", post_attn_norm, hidden)
+            check_norm("post_mlp_norm", post_mlp_norm, hidden)
         if rope_sin.dim_size(0) != rope_cos.dim_size(0) or rope_sin.dim_size(
             1
         ) != rope_cos.dim_size(1):
@@ -183,7 +229,7 @@ struct DecoderLayer:
             var kv_split = Int(int_params[INT_KV_SPLIT]) != 0
             # Scratch: float32 rows, then the quantized activations.
             var floats = rows * (
-                qkv_width + 2 * q_width + num_qo_heads + 2 * ffn_size
+                qkv_width + 2 * q_width + num_qo_heads + 2 * ffn_size + hidden
             ) + num_items * num_qo_heads * (d + 1)
             var norm_bytes = QuantizedRows.bytes(rows, hidden)
             var o_bytes = QuantizedRows.bytes(rows, q_width)
@@ -202,6 +248,8 @@ struct DecoderLayer:
             var lse = take_f32(scratch, rows * num_qo_heads)
             var gate_up = take_f32(scratch, rows * 2 * ffn_size)
             var partial_o = take_f32(scratch, num_items * num_qo_heads * d)
+            # A product's output before its sandwich norm (Gemma 3).
+            var proj = take_f32(scratch, rows * hidden)
             var partial_lse = take_f32(scratch, num_items * num_qo_heads)
             var normed = QuantizedRows(scratch.take(norm_bytes), rows, hidden)
             var attended = QuantizedRows(scratch.take(o_bytes), rows, q_width)
@@ -215,6 +263,16 @@ struct DecoderLayer:
             )
             var qkv_product = QuantizedProduct[qkv_format, NO_EPILOGUE](
                 ptr_of(wqkv), normed, qkv, qkv, rows, qkv_width
+            )
+            var head_norms = HeadNorms(
+                qkv,
+                ptr_of(q_norm),
+                ptr_of(k_norm),
+                eps,
+                rows if qk_norm != 0 else 0,
+                num_qo_heads,
+                kv_heads,
+                d,
             )
             var rope = RopeAppendRows[DType.float32, cache.dtype, cache.layout](
                 cache,
@@ -258,8 +316,25 @@ struct DecoderLayer:
             var quantize_o = RowQuantizer[DType.float32, NO_PROLOGUE](
                 o, ptr_of(attn_norm), 0, attended, rows
             )
-            var wo_product = QuantizedProduct[wo_format, ADD_RESIDUAL](
-                ptr_of(wo), attended, out, ptr_of(x), rows, hidden
+            comptime SANDWICH = sandwich_norms != 0
+            # Without sandwich norms a product adds its residual itself.
+            comptime PRODUCT_EPILOGUE = NO_EPILOGUE if SANDWICH else ADD_RESIDUAL
+            var wo_product = QuantizedProduct[wo_format, PRODUCT_EPILOGUE](
+                ptr_of(wo),
+                attended,
+                proj if SANDWICH else out,
+                ptr_of(x),
+                rows,
+                hidden,
+            )
+            var attn_sandwich = NormAddRows(
+                proj,
+                ptr_of(post_attn_norm),
+                ptr_of(x),
+                out,
+                eps,
+                rows if SANDWICH else 0,
+                hidden,
             )
             var quantize_h = RowQuantizer[DType.float32, RMS_NORM](
                 out, ptr_of(mlp_norm), eps, normed, rows
@@ -267,11 +342,26 @@ struct DecoderLayer:
             var gate_up_product = QuantizedProduct[gate_up_format, NO_EPILOGUE](
                 ptr_of(w_gate_up), normed, gate_up, gate_up, rows, 2 * ffn_size
             )
-            var quantize_gu = RowQuantizer[DType.float32, SWIGLU](
+            comptime GATED = GEGLU if activation == GELU_TANH else SWIGLU
+            var quantize_gu = RowQuantizer[DType.float32, GATED](
                 gate_up, ptr_of(attn_norm), 0, activated, rows
             )
-            var down_product = QuantizedProduct[down_format, ADD_RESIDUAL](
-                ptr_of(w_down), activated, out, out, rows, hidden
+            var down_product = QuantizedProduct[down_format, PRODUCT_EPILOGUE](
+                ptr_of(w_down),
+                activated,
+                proj if SANDWICH else out,
+                out,
+                rows,
+                hidden,
+            )
+            var mlp_sandwich = NormAddRows(
+                proj,
+                ptr_of(post_mlp_norm),
+                out,
+                out,
+                eps,
+                rows if SANDWICH else 0,
+                hidden,
             )
 
             def task(
@@ -279,49 +369,61 @@ struct DecoderLayer:
             ) {
                 var quantize_x,
                 var qkv_product,
+                var head_norms,
                 var rope,
                 var attention,
                 var quantize_o,
                 var wo_product,
+                var attn_sandwich,
                 var quantize_h,
                 var gate_up_product,
                 var quantize_gu,
                 var down_product,
+                var mlp_sandwich,
             }:
                 if p == 0:
                     quantize_x.run(t)
                 elif p == 1:
                     qkv_product.run(t)
                 elif p == 2:
-                    rope.run(t)
+                    head_norms.run(t)
                 elif p == 3:
-                    attention.run_item(t)
+                    rope.run(t)
                 elif p == 4:
-                    attention.run_merge(t)
+                    attention.run_item(t)
                 elif p == 5:
-                    quantize_o.run(t)
+                    attention.run_merge(t)
                 elif p == 6:
-                    wo_product.run(t)
+                    quantize_o.run(t)
                 elif p == 7:
-                    quantize_h.run(t)
+                    wo_product.run(t)
                 elif p == 8:
-                    gate_up_product.run(t)
+                    attn_sandwich.run(t)
                 elif p == 9:
+                    quantize_h.run(t)
+                elif p == 10:
+                    gate_up_product.run(t)
+                elif p == 11:
                     quantize_gu.run(t)
-                else:
+                elif p == 12:
                     down_product.run(t)
+                else:
+                    mlp_sandwich.run(t)
 
             var phases = Phases()
             _ = phases.add(quantize_x.tasks())
             _ = phases.add(qkv_product.tasks())
+            _ = phases.add(head_norms.tasks())
             _ = phases.add(rope.tasks())
             _ = phases.add(attention.item_tasks())
             _ = phases.add(attention.merge_tasks())
             _ = phases.add(quantize_o.tasks())
             _ = phases.add(wo_product.tasks())
+            _ = phases.add(attn_sandwich.tasks())
             _ = phases.add(quantize_h.tasks())
             _ = phases.add(gate_up_product.tasks())
             _ = phases.add(quantize_gu.tasks())
             _ = phases.add(down_product.tasks())
+            _ = phases.add(mlp_sandwich.tasks())
             parallel_phases(task, phases)
             scratch^.free()

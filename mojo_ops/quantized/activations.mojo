@@ -9,7 +9,7 @@ each half of 16 codes, as float32: what a weight block's min or zero
 point multiplies (llama.cpp's Q8_1 keeps the first).
 """
 
-from std.math import exp, sqrt
+from std.math import exp, sqrt, tanh
 from std.sys import llvm_intrinsic
 
 from std.memory.alloc import unsafe_alloc
@@ -25,6 +25,20 @@ comptime RMS_NORM = 1
 """RMSNorm: x * gamma / sqrt(mean(x^2) + eps), gamma the op's norm weight."""
 comptime SWIGLU = 2
 """SwiGLU: silu(x[:, :K]) * x[:, K:], x twice the weight's inputs wide."""
+comptime GEGLU = 3
+"""GeGLU with GELU's tanh form: gelu_tanh(x[:, :K]) * x[:, K:] (Gemma's MLP)."""
+
+
+def is_gated(prologue: Int) -> Bool:
+    """Whether the prologue takes gate and up side by side (x is 2K wide)."""
+    return prologue == SWIGLU or prologue == GEGLU
+
+
+@always_inline
+def gelu_tanh[n: Int](x: SIMD[F32, n]) -> SIMD[F32, n]:
+    """0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    comptime SQRT_2_OVER_PI = Float32(0.7978845608028654)
+    return 0.5 * x * (1 + tanh(SQRT_2_OVER_PI * x.fma(0.044715 * x * x, x)))
 
 
 @always_inline
@@ -56,6 +70,10 @@ def quantize_row[
             var gate = load_f32[dtype, QK](x, b * QK)
             var up = load_f32[dtype, QK](x, k_dim + b * QK)
             v = gate / (1 + exp(-gate)) * up
+        elif prologue == GEGLU:
+            var gate = load_f32[dtype, QK](x, b * QK)
+            var up = load_f32[dtype, QK](x, k_dim + b * QK)
+            v = gelu_tanh[QK](gate) * up
         else:
             v = load_f32[dtype, QK](x, b * QK)
             comptime if prologue == RMS_NORM:
@@ -154,7 +172,8 @@ struct QuantizedRows(TrivialRegisterPassable):
 
 struct RowQuantizer[dtype: DType, prologue: Int](TrivialRegisterPassable):
     """The tasks of a quantize phase: blocks of rows of x [M, K] (or
-    [M, 2K] under SWIGLU) quantized into `rows` after the prologue."""
+    [M, 2K] under a gated prologue) quantized into `rows` after the
+    prologue."""
 
     var x: Ptr[Self.dtype]
     var gamma: Ptr[F32]
@@ -181,7 +200,7 @@ struct RowQuantizer[dtype: DType, prologue: Int](TrivialRegisterPassable):
 
     def run(self, t: Int):
         var k_dim = self.rows.k_dim
-        var stride = 2 * k_dim if Self.prologue == SWIGLU else k_dim
+        var stride = 2 * k_dim if is_gated(Self.prologue) else k_dim
         var rows = row_block(t, self.m_dim, ROWS_PER_QUANTIZE_TASK)
         for r in range(rows[0], rows[1]):
             var out = self.rows.row(r)

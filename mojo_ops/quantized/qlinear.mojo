@@ -45,6 +45,7 @@ from .activations import (
     RMS_NORM,
     SWIGLU,
     QuantizedRows,
+    is_gated,
     RowQuantizer,
     ScratchArena,
 )
@@ -376,7 +377,7 @@ def qlinear_cpu[
     """Computes y = prologue(x) @ w^T (+ residual) on all cores, in two
     phases of one dispatch: the rows of x quantized, then the product; see
     the module docstring. k_dim is the weight's inputs (x has 2 * k_dim
-    columns under SWIGLU)."""
+    columns under a gated prologue)."""
     var scratch = ScratchArena(QuantizedRows.bytes(m_dim, k_dim))
     var rows = QuantizedRows(
         scratch.take(QuantizedRows.bytes(m_dim, k_dim)), m_dim, k_dim
@@ -406,8 +407,8 @@ struct QLinear:
     float32 output; CPU only.
 
     Parameters: `format` (GGML's type id), `prologue` (activations.mojo:
-    NO_PROLOGUE, RMS_NORM with `norm` [K] and eps = params[0], SWIGLU with
-    x [M, 2K]) and `epilogue` (NO_EPILOGUE, ADD_RESIDUAL with residual
+    NO_PROLOGUE, RMS_NORM with `norm` [K] and eps = params[0], SWIGLU or
+    GEGLU with x [M, 2K]) and `epilogue` (NO_EPILOGUE, ADD_RESIDUAL with residual
     [M, N]). Unused operands may be empty.
     """
 
@@ -428,12 +429,12 @@ struct QLinear:
             raise Error("pagedkv: pagedkv_qlinear runs on the CPU")
         var m_dim = x.dim_size(0)
         var n_dim = y.dim_size(1)
-        var k_dim = x.dim_size(1) // 2 if prologue == SWIGLU else x.dim_size(1)
+        var k_dim = x.dim_size(1) // 2 if is_gated(prologue) else x.dim_size(1)
         var panels = (n_dim + PANEL - 1) // PANEL
         if (
             y.dim_size(0) != m_dim
             or k_dim % QK != 0
-            or (prologue == SWIGLU and x.dim_size(1) != 2 * k_dim)
+            or (is_gated(prologue) and x.dim_size(1) != 2 * k_dim)
             or weight.dim_size(0) != panels
             or weight.dim_size(1) != panel_bytes(format, k_dim)
         ):

@@ -30,6 +30,7 @@ from ._checks import layout_code
 from ._ops.contract import (
     APPEND_OP,
     ATTENTION_OP,
+    DECODER_ACTIVATIONS,
     DECODER_LAYER_OP,
     LINEAR_OP,
     LINEAR_PANEL,
@@ -206,9 +207,10 @@ def append_paged_kv_cache(
 
 @dataclass(frozen=True)
 class QuantizedLayerWeights:
-    """A Llama decoder layer's weights for `quantized_decoder_layer`: the two
+    """A decoder layer's weights for `quantized_decoder_layer`: the two
     RMSNorm weights [H] float32 and the four products' packed GGUF weights
-    (uint8 panels) with their formats."""
+    (uint8 panels) with their formats; Gemma 3's block adds the QK-norm
+    weights [D] and the sandwich norms' [H] (None in Llama's)."""
 
     attn_norm: TensorValue
     wqkv: TensorValue
@@ -218,6 +220,10 @@ class QuantizedLayerWeights:
     w_down: TensorValue
     formats: tuple[str, str, str, str]
     """GGUF types of wqkv, wo, w_gate_up and w_down."""
+    q_norm: TensorValue | None = None
+    k_norm: TensorValue | None = None
+    post_attn_norm: TensorValue | None = None
+    post_mlp_norm: TensorValue | None = None
 
 
 def quantized_decoder_layer(
@@ -238,15 +244,20 @@ def quantized_decoder_layer(
     request_items: TensorValue,
     decode: bool,
     kv_layout: str = "NHD",
+    activation: str = "silu",
+    window_left: int = -1,
 ) -> TensorValue:
-    """A Llama decoder layer with GGUF-quantized weights, as one CPU op.
+    """A decoder layer with GGUF-quantized weights, as one CPU op.
 
     ``h = x + wo(attention(rope(wqkv(rms_norm(x)))))``, then
-    ``h + w_down(silu(gate) * up)`` with ``gate|up = w_gate_up(rms_norm(h))``,
+    ``h + w_down(act(gate) * up)`` with ``gate|up = w_gate_up(rms_norm(h))``,
     over the step's rows: the products of `qlinear`, the RoPE and append of
     `rope_append_paged_kv_cache` and the attention of `batch_decode` (or
     causal `batch_prefill`) in one op, whose steps share one dispatch to the
-    cores (mojo_ops/decoder/decoder_layer.mojo). The rows' keys and values
+    cores (mojo_ops/decoder/decoder_layer.mojo). Gemma 3's block: with
+    `weights.q_norm` and `k_norm` each query and key head is RMS-normed
+    before RoPE; with `post_attn_norm` and `post_mlp_norm` each product's
+    output is RMS-normed before its residual add. The rows' keys and values
     are appended to the pool first; everything is checked before anything
     is written.
 
@@ -263,13 +274,22 @@ def quantized_decoder_layer(
         work_items, request_items: from `decode_work` (decode) or
             `prefill_work` (causal) for this step.
         decode: one query row per request (key-split work items).
+        activation: the MLP's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        window_left: the layer's sliding window less one (-1: none); the
+            work items must be planned with it.
 
     Returns:
         [rows, H] float32.
     """
     page_dim = 3 if kv_layout == "NHD" else 2
     heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
-    options = AttentionOptions(head_dim)
+    if activation not in DECODER_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(DECODER_ACTIVATIONS)}")
+    qk = (weights.q_norm, weights.k_norm)
+    sandwich = (weights.post_attn_norm, weights.post_mlp_norm)
+    if (qk[0] is None) != (qk[1] is None) or (sandwich[0] is None) != (sandwich[1] is None):
+        raise ValueError("q_norm and k_norm, and the two sandwich norms, come in pairs")
+    options = AttentionOptions(head_dim, window_left=window_left)
     if decode:
         int_params = options.int_params(
             heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True
@@ -282,6 +302,8 @@ def quantized_decoder_layer(
             raise ValueError(f"quantized_decoder_layer takes {', '.join(QUANT_FORMATS)} weights")
     qkv, wo, gate_up, down = (QUANT_FORMATS[f] for f in weights.formats)
     cpu = x.device
+    unused = ops.constant(np.zeros(0, np.float32), F32, device=cpu)
+    norms = [unused if n is None else n for n in (*qk, *sandwich)]
     return ops.inplace_custom(
         DECODER_LAYER_OP,
         device=cpu,
@@ -295,6 +317,7 @@ def quantized_decoder_layer(
             weights.mlp_norm,
             weights.w_gate_up,
             weights.w_down,
+            *norms,
             rope_cos,
             rope_sin,
             batch_indices,
@@ -318,6 +341,9 @@ def quantized_decoder_layer(
             "down_format": down,
             "num_qo_heads": num_qo_heads,
             "ffn_size": ffn_size,
+            "qk_norm": int(qk[0] is not None),
+            "sandwich_norms": int(sandwich[0] is not None),
+            "activation": DECODER_ACTIVATIONS[activation],
         },
     )[0].tensor
 

@@ -117,7 +117,12 @@ LINEAR_PANEL = 64
 """Columns of a packed weight panel (linear/linear.mojo: LINEAR_PANEL)."""
 
 DECODER_LAYER_OP = "pagedkv_decoder_layer"
-"""A Llama decoder layer with quantized weights in one CPU op (decoder/decoder_layer.mojo)."""
+"""A Llama or Gemma 3 decoder layer with quantized weights in one CPU op
+(decoder/decoder_layer.mojo)."""
+
+DECODER_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""The decoder layer op's `activation` parameter (decoder/decoder_layer.mojo:
+SILU, GELU_TANH)."""
 
 ROPE_APPEND_OP = "pagedkv_rope_append"
 """RoPE on a layer's fused Q|K|V rows with the append of K and V (page_ops/rope_append.mojo)."""
@@ -132,9 +137,9 @@ QUANT_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 """GGUF block formats the quantized product takes, as its `format` parameter:
 GGML's type ids (quantized/block_formats.mojo: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)."""
 
-QLINEAR_PROLOGUES = {"none": 0, "rms_norm": 1, "swiglu": 2}
+QLINEAR_PROLOGUES = {"none": 0, "rms_norm": 1, "swiglu": 2, "geglu": 3}
 """The quantized product's `prologue` parameter (quantized/activations.mojo:
-NO_PROLOGUE, RMS_NORM, SWIGLU)."""
+NO_PROLOGUE, RMS_NORM, SWIGLU, GEGLU: gelu_tanh(gate) * up)."""
 
 QLINEAR_EPILOGUES = {"none": 0, "add": 1}
 """The quantized product's `epilogue` parameter (quantized/qlinear.mojo:
