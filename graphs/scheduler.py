@@ -7,7 +7,10 @@ queue order while the coming decode step would need more pages than the
 pool can give, (2) admits waiting requests, first in queue order, while the
 pool, `max_num_seqs` and `max_prefill_tokens` have room, prefilling them in
 one batch (the prefix cache serves the pages a shared prompt already
-filled), (3) decodes one token for every running sequence in one batch,
+filled; a new request whose first uncached page another request admitted
+in the same step computes waits a step, and then finds it cached; the
+prefill budget counts the tokens a prefill computes), (3) decodes one
+token for every running sequence in one batch,
 handing each token to the request's sink as it is chosen.
 
 The queue order is the policy: "fcfs" serves requests in the order they
@@ -509,14 +512,18 @@ class Scheduler:
 
     def _admit(self) -> list[_Live]:
         """Takes waiting requests, first in queue order, while their prefill
-        and the coming decode step fit the pool and the sequence limit."""
+        and the coming decode step fit the pool and the sequence limit. A
+        new request whose first uncached page an admitted one computes is
+        passed over this step (`_prefill_cost`)."""
         size = self.manager.page_size
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         seqs = self.num_running_sequences
         tokens = 0
         admitted = []
-        while self._waiting:
-            live = self._waiting[0]
+        computing: set[tuple[int, ...]] = set()
+        i = 0
+        while i < len(self._waiting):
+            live = self._waiting[i]
             contexts = live.contexts()
             # Each sample's first decode may open a page or copy the shared
             # one; never more than the request's full length.
@@ -525,20 +532,39 @@ class Scheduler:
                 self.footprint(live.req),
             )
             new_seqs = len(live.live_samples()) if live.started else live.req.n
-            new_tokens = sum(len(c) for _, c in contexts)
+            new_tokens, first_page = self._prefill_cost(live, contexts)
             if need > budget or seqs + new_seqs > self.max_num_seqs:
                 break
             if admitted and tokens + new_tokens > self.max_prefill_tokens:
                 break
+            if first_page is not None and first_page in computing:
+                i += 1
+                continue
+            if first_page is not None:
+                computing.add(first_page)
             budget -= need
             seqs += new_seqs
             tokens += new_tokens
-            admitted.append(self._waiting.pop(0))
+            admitted.append(self._waiting.pop(i))
         if not admitted and not self._running and self._waiting:
             # Nothing else holds pages, so it can never fit (submit() refuses
             # such requests; this keeps the loop from spinning on one).
             self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
         return admitted
+
+    def _prefill_cost(self, live: _Live, contexts) -> tuple[int, tuple[int, ...] | None]:
+        """The tokens a request's prefill would compute now, and, for a new
+        request, the tokens of the first page of them that the prefix cache
+        could serve to others once computed (a full page before the prompt's
+        last token), or None. Two requests with that page in common would
+        compute it twice in one prefill; the second waits a step instead."""
+        if live.started or live.req.prompt_logprobs is not None:
+            return sum(len(c) for _, c in contexts), None
+        prompt = contexts[0][1]
+        cached = self.manager.cached_prefix_length(prompt[:-1])
+        size = self.manager.page_size
+        first = tuple(prompt[cached : cached + size]) if len(prompt) - 1 - cached >= size else None
+        return len(prompt) - cached, first
 
     def _prefill(self, admitted: list[_Live]) -> None:
         """Prefills the admitted requests in one batch; each gets its next

@@ -247,3 +247,35 @@ def test_samples_whose_first_token_ends_them_still_fork(weights):
     assert sum(isinstance(e, Done) for e in events) == 2
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
+
+
+def test_a_shared_prompt_is_prefilled_once_and_other_requests_go_on(weights):
+    """Three requests on one uncached prompt of several pages and one
+    unrelated request, submitted together: one prefill computes the shared
+    pages, the other two wait a step and find them cached (while the
+    unrelated request is admitted at once); every token matches the NumPy
+    model's."""
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    shared = prompts(21, 1, 3 * size)[0]
+    tails = prompts(22, 4, 3)
+    requests = [Request(f"s{i}", shared + tails[i], max_tokens=4) for i in range(3)]
+    requests.append(Request("other", prompts(23, 1, 3 * size)[0], max_tokens=4))
+    scheduler = Scheduler(engine, keep_logits=True)
+    prefills: list[list[int]] = []
+    prefill = engine.prefill
+
+    def recorded(ids, tokens, *args, **kwargs):
+        prefills.append([len(t) for t in tokens])
+        return prefill(ids, tokens, *args, **kwargs)
+
+    engine.prefill = recorded
+    sequences, _ = scheduler.run(requests)
+    # The first step: s0 and the unrelated request, each computing its
+    # whole prompt; the next: s1 and s2, only their own tails.
+    assert prefills[0] == [3 * size + 3, 3 * size]
+    assert prefills[1] == [3, 3]
+    assert scheduler.stats.prompt_tokens_cached == 2 * 3 * size
+    assert engine.manager.num_used_pages == 0
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches

@@ -494,6 +494,26 @@ class PagedKVCacheManager:
         self._after_mutation()
         return request.seq_len
 
+    def cached_prefix_length(
+        self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None
+    ) -> int:
+        """How many leading tokens of `tokens` add() would serve from the
+        prefix cache now (pool or host tier), a multiple of page_size.
+        Changes nothing.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a", [1, 2, 3, 4, 5]); m.reserve(["a"], 5)
+        >>> m.cached_prefix_length([1, 2, 3, 4, 9]), m.cached_prefix_length([7, 2, 3, 4])
+        (4, 0)
+        """
+        prompt = _token_ids("tokens", tokens)
+        root = salt_root(salt)
+        if self._simple:
+            return len(self.page_pool.lookup(prompt, root)[0]) * self.page_size
+        return self._find_hit(prompt, root)[0] * self.page_size
+
     def reserve(
         self,
         request_ids: Sequence[Hashable],
