@@ -6,7 +6,7 @@ QK = 32 consecutive inputs of one output row; a block holds a scale d (and,
 in the "_1" formats, a min m) and 32 codes q, and element i is
 
     Q4_0: d * (q_i - 8)      q 4-bit        Q8_0: d * q_i   q signed 8-bit
-    Q4_1: d * q_i + m        q 4-bit
+    Q4_1: d * q_i + m        q 4-bit        Q5_0: d * (q_i - 16)   q 5-bit
 
 Q4_K's super-blocks of 256 inputs are eight such blocks of 32 with a
 6-bit scale and min each, under a float16 scale and min of the super-block:
@@ -39,6 +39,11 @@ vector register of bytes holds 4 consecutive inputs of 16 (AVX-512), 8
     4-bit: group g (of 4) byte 4c + j = q[c][8g + j] | q[c][8g + 4 + j] << 4
     8-bit: group g (of 8) byte 4c + j = q[c][4g + j]
 
+A 5-bit block's low four bits are a 4-bit block's groups; a fifth group of
+64 bytes follows with their top bits: bit 2g + h of its byte 4c + j is the
+top bit of q[c][8g + 4h + j] (5.5 bits a weight with the scale, as in the
+file).
+
 Columns past N in the last panel have zero codes and zero scales.
 """
 
@@ -54,6 +59,7 @@ comptime PANEL_ALIGN = 64
 # The formats, by GGML's type ids (pagedkv._ops.contract.QUANT_FORMATS).
 comptime Q4_0 = 2
 comptime Q4_1 = 3
+comptime Q5_0 = 6
 comptime Q8_0 = 8
 comptime Q4_K = 12
 comptime Q6_K = 14
@@ -61,13 +67,26 @@ comptime Q6_K = 14
 
 def is_supported(fmt: Int) -> Bool:
     return (
-        fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K or fmt == Q6_K
+        fmt == Q4_0
+        or fmt == Q4_1
+        or fmt == Q5_0
+        or fmt == Q8_0
+        or fmt == Q4_K
+        or fmt == Q6_K
     )
 
 
 def code_bits(fmt: Int) -> Int:
     """Bits of one weight code."""
+    if fmt == Q5_0:
+        return 5
     return 8 if fmt == Q8_0 or fmt == Q6_K else 4
+
+
+def nibble_bits(fmt: Int) -> Int:
+    """Bits of a code in its groups: 4 (its low nibble) for codes of 4 or 5
+    bits, 8 for bytes."""
+    return 4 if code_bits(fmt) <= 5 else 8
 
 
 def has_min(fmt: Int) -> Bool:
@@ -92,19 +111,22 @@ def zero_point(fmt: Int, signed_codes: Bool) -> Int:
     or, where the dot product takes unsigned bytes, flipped to q + 128."""
     if fmt == Q4_0:
         return 8
+    if fmt == Q5_0:
+        return 16
     if (fmt == Q8_0 or fmt == Q6_K) and not signed_codes:
         return 128
     return 0
 
 
 def code_groups(fmt: Int) -> Int:
-    """Groups of GROUP_BYTES in one block's codes."""
-    return QK * PANEL * code_bits(fmt) // 8 // GROUP_BYTES
+    """Groups of GROUP_BYTES in one block's codes, the top bits' group of a
+    5-bit block not counted."""
+    return QK * PANEL * nibble_bits(fmt) // 8 // GROUP_BYTES
 
 
 def code_bytes(fmt: Int) -> Int:
-    """Bytes of one block's codes in a panel."""
-    return code_groups(fmt) * GROUP_BYTES
+    """Bytes of one block's codes in a panel, the top bits' group included."""
+    return QK * PANEL * code_bits(fmt) // 8
 
 
 def panel_bytes(fmt: Int, k_dim: Int) -> Int:

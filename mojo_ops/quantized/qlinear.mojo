@@ -123,6 +123,17 @@ def block_scales[
 
 
 @always_inline
+def bit_to_4[bit: Int](top: Bytes) -> Bytes:
+    """Bit `bit` of each byte of top, moved to bit 4: a 5-bit code's top."""
+    comptime if bit < 4:
+        return (top << Bytes(4 - bit)) & 0x10
+    elif bit == 4:
+        return top & 0x10
+    else:
+        return (top >> Bytes(bit - 4)) & 0x10
+
+
+@always_inline
 def tile[
     fmt: Int, rows: Int
 ](panel: Ptr[DType.uint8], x: QuantizedRows, dst: Ptr[F32], ahead: Int):
@@ -158,7 +169,7 @@ def tile[
         var codes = panel.unsafe_offset(b * CODE_BYTES)
         var xb = x.q.unsafe_offset(b * QK)
         if ahead != 0:
-            comptime for g in range(GROUPS):
+            comptime for g in range(CODE_BYTES // GROUP_BYTES):
                 prefetch[PrefetchOptions().for_read().low_locality()](
                     codes.unsafe_offset(ahead + g * GROUP_BYTES)
                 )
@@ -168,9 +179,15 @@ def tile[
                 var raw = codes.unsafe_offset(
                     g * GROUP_BYTES + v * BYTES
                 ).unsafe_load[width=BYTES]()
-                comptime if BITS == 4:
+                comptime if BITS <= 5:
                     var lo = raw & 0x0F
                     var hi = raw >> 4
+                    comptime if BITS == 5:
+                        var top = codes.unsafe_offset(
+                            GROUPS * GROUP_BYTES + v * BYTES
+                        ).unsafe_load[width=BYTES]()
+                        lo |= bit_to_4[2 * g](top)
+                        hi |= bit_to_4[2 * g + 1](top)
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 8 * g)
                         var i = r * NV + v

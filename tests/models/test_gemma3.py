@@ -57,12 +57,15 @@ def test_description_read_from_the_gguf(model):
     assert (c.rope_theta, c.local_rope_theta) == (1e6, 1e4)
     assert c.embed_scale == pytest.approx(math.sqrt(640))
     assert c.qk_norm and c.sandwich_norms and c.activation == "gelu_tanh"
-    # Every product packed in its file's blocks: Q5_0 and Q8_0 as Q8_0, the
-    # output projections as Q4_K, the down projections as Q4_K in half the
-    # layers and Q6_K in the others.
+    # Every product packed in its file's blocks: gate|up in Q5_0; Q|K|V in
+    # Q5_0 where V is Q5_0 too, else as Q8_0 (Q5_0 queries and keys beside
+    # Q8_0 values); the head in Q8_0; the output projections in Q4_K, the
+    # down projections in Q4_K in half the layers and Q6_K in the others.
     assert len(model.quantized) == 4 * 18 + 1
     formats = {name: q.format for name, q in model.quantized.items()}
-    assert {f for n, f in formats.items() if not n.endswith(("wo", "w_down"))} == {"Q8_0"}
+    assert {f for n, f in formats.items() if n.endswith(".w_gate_up")} == {"Q5_0"}
+    assert {f for n, f in formats.items() if n.endswith(".wqkv")} == {"Q5_0", "Q8_0"}
+    assert formats["lm_head"] == "Q8_0"
     assert {f for n, f in formats.items() if n.endswith(".wo")} == {"Q4_K"}
     downs = [f for n, f in formats.items() if n.endswith(".w_down")]
     assert sorted(downs) == ["Q4_K"] * 9 + ["Q6_K"] * 9

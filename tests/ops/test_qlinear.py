@@ -30,7 +30,7 @@ from pagedkv._ops.quantized_panels import (
 from pagedkv.graphs.numpy_reference import quantize_activations
 from suite_graphs import suite_graph, suite_model
 
-FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 # (format, N, K, prologue, residual, x dtype): a partial panel, several
 # panels, K of many blocks, each prologue, the epilogue and bfloat16 x.
 PRODUCTS = [
@@ -44,6 +44,8 @@ PRODUCTS = [
     ("Q4_K", 20, 512, "rms_norm", False, DType.bfloat16),
     ("Q6_K", 33, 256, "none", True, DType.float32),
     ("Q6_K", 16, 512, "swiglu", False, DType.float32),
+    ("Q5_0", 40, 96, "none", True, DType.float32),
+    ("Q5_0", 33, 64, "swiglu", False, DType.float32),
 ]
 ROWS = [1, 2, 5, 6, 7, 13, 50, 97]
 EPS = 1e-5
@@ -189,16 +191,23 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     """The codes [n, k] and scales [n, k/32] (and mins) read back from the
     panels by the layout block_formats.mojo documents."""
     blocks = k // 32
-    bits = 8 if fmt in ("Q8_0", "Q6_K") else 4
+    bits = {"Q8_0": 8, "Q6_K": 8, "Q5_0": 5}.get(fmt, 4)
     scale = np.float32 if fmt in ("Q4_K", "Q6_K") else np.float16
     parts = 2 if fmt == "Q6_K" else 1
     scale_bytes = blocks * parts * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
     p = panels.shape[0]
-    codes_raw = panels[:, : blocks * code_bytes].reshape(p, blocks, -1, 16, 4)
-    if bits == 4:
+    block_codes = panels[:, : blocks * code_bytes].reshape(p, blocks, code_bytes)
+    # A 5-bit block's nibbles come first, as a 4-bit block's.
+    codes_raw = block_codes[..., : 256 if bits <= 5 else code_bytes].reshape(p, blocks, -1, 16, 4)
+    if bits <= 5:
         lo, hi = codes_raw & 0x0F, codes_raw >> 4
         codes = np.stack([lo, hi], axis=-2)  # [P, B, g, c, h, j]
+        if bits == 5:
+            # The fifth group: bit 2g + h of byte 4c + j tops input 8g + 4h + j.
+            top = block_codes[..., 256:].reshape(p, blocks, 1, 16, 1, 4)
+            place = 2 * np.arange(4)[:, None, None, None] + np.arange(2)[:, None]
+            codes = codes | (((top >> place.astype(np.uint8)) & 1) << 4)
         codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(p * 16, k)
     else:
         codes = codes_raw.transpose(0, 3, 1, 2, 4).reshape(p * 16, k).view(np.int8)
@@ -223,11 +232,19 @@ def test_packing_keeps_the_gguf_blocks_bit_for_bit(fmt):
     assert packed.panels.shape == quantized_panels_shape(fmt, n, k)
     assert packed.panels.shape[1] % 64 == 0
     codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[fmt]
     blocks = raw.reshape(n, k // 32, size)
     assert scales.tobytes() == blocks[..., 0:2].copy().view(np.float16)[..., 0].tobytes()
     if fmt == "Q8_0":
         assert codes.tobytes() == blocks[..., 2:].copy().view(np.int8).reshape(n, k).tobytes()
+    elif fmt == "Q5_0":
+        # Input j: the low nibble of byte j (j < 16) or the high one of byte
+        # j - 16, with bit j of the 32-bit qh on top.
+        qh = blocks[..., 2:6].copy().view("<u4")
+        top = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        qs = blocks[..., 6:]
+        want = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | top).reshape(n, k)
+        assert codes.tobytes() == want.tobytes()
     else:
         qs = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
         want = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
@@ -237,19 +254,31 @@ def test_packing_keeps_the_gguf_blocks_bit_for_bit(fmt):
     assert not pad_codes.any() and not pad_scales.view(np.uint16).any()
 
 
-def test_q5_0_is_packed_as_q8_0_exactly():
-    """Q5_0's 5-bit codes less 16 and its scales are Q8_0 codes and scales:
-    the panels dequantize to what `gguf` dequantizes, bit for bit."""
+@pytest.mark.parametrize("layout", ["Q5_0", "Q8_0"])
+def test_q5_0_packs_in_its_own_bits_or_as_q8_0_exactly(layout):
+    """Q5_0 packs in its own 5.5 bits a weight (a fifth group of top bits
+    beside the nibbles), or, asked for Q8_0 (a fused product whose other
+    parts are Q8_0), as signed codes less 16: either way the panels
+    dequantize to what `gguf` dequantizes, bit for bit. Q4_1, with a min,
+    does not pack as Q8_0."""
     rng = np.random.default_rng(4)
     n, k = 21, 128
     kind = GGMLQuantizationType.Q5_0
     raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), kind)
-    packed = pack_quantized_weight(raw, "Q5_0", n, k)
-    assert (packed.format, packed.panels.shape) == ("Q8_0", quantized_panels_shape("Q8_0", n, k))
-    codes, scales, _, _, _ = unpack_panels(packed.panels, "Q8_0", n, k)
-    values = codes.view(np.int8).reshape(n, k // 32, 32) * scales.astype(np.float32)[..., None]
+    packed = pack_quantized_weight(raw, "Q5_0", n, k, None if layout == "Q5_0" else layout)
+    assert (packed.format, packed.panels.shape) == (layout, quantized_panels_shape(layout, n, k))
+    codes, scales, _, _, _ = unpack_panels(packed.panels, layout, n, k)
+    signed = codes.astype(np.int16) - 16 if layout == "Q5_0" else codes.view(np.int8)
+    values = signed.reshape(n, k // 32, 32) * scales.astype(np.float32)[..., None]
     np.testing.assert_array_equal(values.reshape(n, k), quants.dequantize(raw, kind))
-    assert codes.view(np.int8).min() >= -16 and codes.view(np.int8).max() <= 15
+    assert signed.min() >= -16 and signed.max() <= 15
+    if layout == "Q5_0":
+        assert packed.panels.shape[1] == -(-(k // 32) * (5 * 16 * 32 // 8 + 32) // 64) * 64
+    with pytest.raises(ValueError, match="does not pack as Q8_0"):
+        q41 = quants.quantize(
+            rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q4_1
+        )
+        pack_quantized_weight(q41, "Q4_1", n, k, "Q8_0")
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
@@ -278,7 +307,7 @@ def test_k_quants_are_packed_exactly(fmt):
 
 
 def test_bad_quantized_operands_are_refused():
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
         quantized_panel_bytes("Q5_K", 64)
     with pytest.raises(ValueError, match="bytes in blocks"):
         pack_quantized_weight(np.zeros(10, np.uint8), "Q4_1", 2, 64)
@@ -293,7 +322,7 @@ def test_bad_quantized_operands_are_refused():
     ]
     with Graph("bad_qlinear", input_types=types) as g:
         x, w, gamma, dynamic = (v.tensor for v in g.inputs)
-        with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+        with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
             graph_ops.qlinear(x, w, "Q5_K", 20)
         with pytest.raises(ValueError, match="packed as uint8"):
             graph_ops.qlinear(x, w, "Q4_1", 40)

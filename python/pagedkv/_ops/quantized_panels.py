@@ -25,7 +25,7 @@ QK = 32
 """Inputs per quantization block."""
 PANEL_ALIGN = 64
 
-_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
+_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
 _HAS_MIN = {"Q4_1", "Q4_K"}
 _SCALE_BYTES = {"Q4_K": 4, "Q6_K": 4}
 """Bytes of a packed scale or min where not float16's 2."""
@@ -38,15 +38,18 @@ _SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 PACKED_AS = {
     "Q4_0": "Q4_0",
     "Q4_1": "Q4_1",
-    "Q5_0": "Q8_0",
+    "Q5_0": "Q5_0",
     "Q8_0": "Q8_0",
     "Q4_K": "Q4_K",
     "Q6_K": "Q6_K",
 }
-"""The layout each GGUF format is packed in, exactly: Q5_0's codes (0..31,
-less 16) and scale are Q8_0's codes and scale (8 bits a weight, not 5.5);
-Q4_K's are Q4_1's codes, with float32 scales and mins; Q6_K's codes less
-32 are Q8_0's, with a float32 scale for each half of a block."""
+"""The layout each GGUF format is packed in, exactly: Q4_K's are Q4_1's
+codes, with float32 scales and mins; Q6_K's codes less 32 are Q8_0's, with
+a float32 scale for each half of a block."""
+ZERO_POINTS = {"Q4_0": 8, "Q5_0": 16}
+"""Formats whose codes are unsigned with a zero point (w = d (q - z)): their
+codes less z fit a signed byte, so they also pack as Q8_0, exactly (what a
+fused product whose parts differ takes, `pack_quantized_weight`'s layout)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class QuantizedWeight:
     """A linear layer's weight in a GGUF block format, packed in panels.
 
     Attributes:
-        format: the GGUF type's name ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K").
+        format: the packed layout, a GGUF type's name ("Q4_0", "Q4_1", "Q5_0",
+            "Q8_0", "Q4_K", "Q6_K"; `PACKED_AS`).
         out_features: N.
         in_features: K, a multiple of 32.
         panels: uint8 [ceil(N / 16), quantized_panel_bytes(format, K)].
@@ -167,8 +171,7 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
         qh = blocks[..., 2:6].copy().view("<u4")  # [n, blocks, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
         qs = blocks[..., 6:22]
-        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        parts["codes"] = ((low | high).astype(np.int16) - 16).astype(np.int8)
+        parts["codes"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high
         return parts
     qs = blocks[..., 4:20] if fmt in _HAS_MIN else blocks[..., 2:18]
     if fmt in _HAS_MIN:
@@ -178,7 +181,9 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     return parts
 
 
-def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_features: int):
+def pack_quantized_weight(
+    raw: np.ndarray, fmt: str, out_features: int, in_features: int, layout: str | None = None
+):
     """Packs a GGUF weight's blocks into the product op's panels.
 
     Parameters
@@ -189,18 +194,20 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
         modified.
     fmt : str
-        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K" or "Q6_K"
-        (Q5_0 is packed as Q8_0, exactly: `PACKED_AS`).
+        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K" or "Q6_K".
     out_features, in_features : int
         N and K of the weight [N, K]; K a multiple of 32 (of 256 for the
         K-quants).
+    layout : str, optional
+        The packed layout: `PACKED_AS[fmt]` (the default), or "Q8_0" for a
+        format with a zero point (`ZERO_POINTS`), exactly.
 
     Returns
     -------
     QuantizedWeight
-        Its format is the packed layout's (`PACKED_AS[fmt]`); the panels,
-        uint8 ``[ceil(N / 16), quantized_panel_bytes(format, K)]``; columns
-        past N are zero.
+        Its format is the packed layout's; the panels, uint8
+        ``[ceil(N / 16), quantized_panel_bytes(format, K)]``; columns past
+        N are zero.
 
     Examples
     --------
@@ -215,9 +222,14 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
     """
     if fmt not in PACKED_AS:
         raise ValueError(f"quantized products take {', '.join(PACKED_AS)} weights, not {fmt!r}")
+    layout = layout or PACKED_AS[fmt]
+    if layout not in (PACKED_AS[fmt], "Q8_0" if fmt in ZERO_POINTS else None):
+        raise ValueError(f"a {fmt} weight does not pack as {layout}")
     n, k = int(out_features), int(in_features)
     parts = _blocks(raw, fmt, n, k)
-    fmt = PACKED_AS[fmt]
+    if layout != PACKED_AS[fmt]:  # a zero point's codes as signed bytes
+        parts["codes"] = (parts["codes"].astype(np.int16) - ZERO_POINTS[fmt]).astype(np.int8)
+    fmt = layout
     panels = -(-n // QUANT_PANEL)
     blocks = k // QK
 
@@ -228,10 +240,18 @@ def pack_quantized_weight(raw: np.ndarray, fmt: str, out_features: int, in_featu
         return padded.reshape(panels, QUANT_PANEL, *a.shape[1:])
 
     codes = by_panel(parts["codes"].view(np.uint8))  # [P, 16, B, 32]
-    if _CODE_BITS[fmt] == 4:
-        # Input 8g + 4h + j of column c: group g, byte 4c + j, nibble h.
+    if _CODE_BITS[fmt] <= 5:
+        # Input 8g + 4h + j of column c: group g, byte 4c + j, nibble h; a
+        # 5-bit code's top bit: bit 2g + h of byte 4c + j of a fifth group.
         c = codes.reshape(panels, QUANT_PANEL, blocks, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)
-        packed_codes = c[..., 0] | (c[..., 1] << 4)
+        packed_codes = (c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)  # [P, B, g, c, j]
+        if _CODE_BITS[fmt] == 5:
+            place = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)
+            top = ((c >> 4) & 1) << place  # [P, B, g, c, j, h]
+            top = top.sum(axis=(2, 5), dtype=np.uint8)  # [P, B, c, j]
+            packed_codes = np.concatenate(
+                [packed_codes.reshape(panels, blocks, -1), top.reshape(panels, blocks, -1)], 2
+            )
     else:
         # Input 4g + j of column c: group g, byte 4c + j.
         packed_codes = codes.reshape(panels, QUANT_PANEL, blocks, 8, 4).transpose(0, 2, 3, 1, 4)

@@ -28,7 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv._ops.contract import QUANT_PANEL
-from pagedkv._ops.quantized_panels import PACKED_AS, QuantizedWeight, pack_quantized_weight
+from pagedkv._ops.quantized_panels import (
+    PACKED_AS,
+    ZERO_POINTS,
+    QuantizedWeight,
+    pack_quantized_weight,
+)
 from pagedkv.graphs.model import DecoderConfig
 
 from .errors import ModelError
@@ -172,13 +177,16 @@ def _quantized(
 ) -> dict[str, QuantizedWeight]:
     """The matrices packed in their own block formats (`PACKED_AS`), the Q,
     K and V projections fused into one product and the gate and up
-    projections into another (their panels side by side). A product whose
-    parts are in a format the quantized product does not take, or pack to
-    different layouts, is left out (its weights stay float), layer by layer:
+    projections into another (their panels side by side; parts in different
+    formats as Q8_0 where each packs so exactly). A product whose parts are
+    in a format the quantized product does not take, or pack to different
+    layouts otherwise, is left out (its weights stay float), layer by layer:
     the step graphs build a layer subgraph per set of formats. Empty when
     no product is left."""
 
-    def packed(name: str, heads: int | None = None) -> QuantizedWeight | None:
+    def packed(
+        name: str, heads: int | None = None, layout: str | None = None
+    ) -> QuantizedWeight | None:
         t = tensors[name]
         if t.tensor_type.name not in PACKED_AS:
             return None
@@ -186,11 +194,21 @@ def _quantized(
         data = np.asarray(t.data).reshape(n, -1)
         if heads is not None and permuted:
             data = undo_rope_permutation(data, heads)
-        return pack_quantized_weight(data, t.tensor_type.name, n, k)
+        return pack_quantized_weight(data, t.tensor_type.name, n, k, layout)
 
-    def fused(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
-        if None in parts or len({p.format for p in parts}) != 1:
+    def fused(names: list[tuple[str, int | None]]) -> QuantizedWeight | None:
+        """The products of `names` ((tensor, heads of a RoPE permutation))
+        side by side, in one layout: their own, or Q8_0 where they differ
+        and every one packs as Q8_0 (Gemma's Q5_0 queries and keys beside
+        its Q8_0 values)."""
+        parts = [packed(name, heads) for name, heads in names]
+        if None in parts:
             return None
+        if len({p.format for p in parts}) != 1:
+            types = {tensors[name].tensor_type.name for name, _ in names}
+            if not types <= {"Q8_0", *ZERO_POINTS}:
+                return None
+            parts = [packed(name, heads, "Q8_0") for name, heads in names]
         if any(p.out_features % QUANT_PANEL for p in parts[:-1]):
             return None
         return QuantizedWeight(
@@ -205,14 +223,14 @@ def _quantized(
         blk = f"blk.{i}."
         out[f"layers.{i}.wqkv"] = fused(
             [
-                packed(blk + "attn_q.weight", config.num_qo_heads),
-                packed(blk + "attn_k.weight", config.num_kv_heads),
-                packed(blk + "attn_v.weight"),
+                (blk + "attn_q.weight", config.num_qo_heads),
+                (blk + "attn_k.weight", config.num_kv_heads),
+                (blk + "attn_v.weight", None),
             ]
         )
         out[f"layers.{i}.wo"] = packed(blk + "attn_output.weight")
         out[f"layers.{i}.w_gate_up"] = fused(
-            [packed(blk + "ffn_gate.weight"), packed(blk + "ffn_up.weight")]
+            [(blk + "ffn_gate.weight", None), (blk + "ffn_up.weight", None)]
         )
         out[f"layers.{i}.w_down"] = packed(blk + "ffn_down.weight")
     out["lm_head"] = packed(head_name)
