@@ -226,6 +226,39 @@ class QuantizedLayerWeights:
     post_attn_norm: TensorValue | None = None
     post_mlp_norm: TensorValue | None = None
 
+    def __post_init__(self) -> None:
+        if any(fmt not in QUANT_FORMATS for fmt in self.formats):
+            raise ValueError(f"quantized_decoder_layer takes {', '.join(QUANT_FORMATS)} weights")
+        qk = (self.q_norm is None, self.k_norm is None)
+        sandwich = (self.post_attn_norm is None, self.post_mlp_norm is None)
+        if qk[0] != qk[1] or sandwich[0] != sandwich[1]:
+            raise ValueError("q_norm and k_norm, and the two sandwich norms, come in pairs")
+
+    def values(self, device: DeviceRef) -> list[TensorValue]:
+        """The op's weight operands in its order; a norm the block does not
+        have is an empty float32 constant."""
+        norms = (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)
+        unused = ops.constant(np.zeros(0, np.float32), F32, device=device)
+        return [
+            self.attn_norm,
+            self.wqkv,
+            self.wo,
+            self.mlp_norm,
+            self.w_gate_up,
+            self.w_down,
+            *(unused if n is None else n for n in norms),
+        ]
+
+    def parameters(self) -> dict[str, int]:
+        """The op's parameters that the weights decide: the four products'
+        formats and which of Gemma 3's norms the block has."""
+        names = ("qkv_format", "wo_format", "gate_up_format", "down_format")
+        return {
+            **{name: QUANT_FORMATS[f] for name, f in zip(names, self.formats, strict=True)},
+            "qk_norm": int(self.q_norm is not None),
+            "sandwich_norms": int(self.post_attn_norm is not None),
+        }
+
 
 def quantized_decoder_layer(
     x: TensorValue,
@@ -282,14 +315,10 @@ def quantized_decoder_layer(
     Returns:
         [rows, H] float32.
     """
-    page_dim = 3 if kv_layout == "NHD" else 2
-    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
     if activation not in DECODER_ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(DECODER_ACTIVATIONS)}")
-    qk = (weights.q_norm, weights.k_norm)
-    sandwich = (weights.post_attn_norm, weights.post_mlp_norm)
-    if (qk[0] is None) != (qk[1] is None) or (sandwich[0] is None) != (sandwich[1] is None):
-        raise ValueError("q_norm and k_norm, and the two sandwich norms, come in pairs")
+    page_dim = 3 if kv_layout == "NHD" else 2
+    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
     options = AttentionOptions(head_dim, window_left=window_left)
     if decode:
         int_params = options.int_params(
@@ -298,13 +327,7 @@ def quantized_decoder_layer(
     else:
         tile = attention_work.prefill_tile(num_qo_heads // heads, False)
         int_params = options.int_params(1, causal=True, max_queries=tile, kv_split=False)
-    for fmt in weights.formats:
-        if fmt not in QUANT_FORMATS:
-            raise ValueError(f"quantized_decoder_layer takes {', '.join(QUANT_FORMATS)} weights")
-    qkv, wo, gate_up, down = (QUANT_FORMATS[f] for f in weights.formats)
     cpu = x.device
-    unused = ops.constant(np.zeros(0, np.float32), F32, device=cpu)
-    norms = [unused if n is None else n for n in (*qk, *sandwich)]
     return ops.inplace_custom(
         DECODER_LAYER_OP,
         device=cpu,
@@ -312,13 +335,7 @@ def quantized_decoder_layer(
             paged_kv_cache,
             paged_kv_cache,
             x,
-            weights.attn_norm,
-            weights.wqkv,
-            weights.wo,
-            weights.mlp_norm,
-            weights.w_gate_up,
-            weights.w_down,
-            *norms,
+            *weights.values(cpu),
             rope_cos,
             rope_sin,
             batch_indices,
@@ -336,14 +353,9 @@ def quantized_decoder_layer(
         parameters={
             "layout": layout_code(kv_layout),
             "kv_format": 0,
-            "qkv_format": qkv,
-            "wo_format": wo,
-            "gate_up_format": gate_up,
-            "down_format": down,
+            **weights.parameters(),
             "num_qo_heads": num_qo_heads,
             "ffn_size": ffn_size,
-            "qk_norm": int(qk[0] is not None),
-            "sandwich_norms": int(sandwich[0] is not None),
             "activation": DECODER_ACTIVATIONS[activation],
         },
     )[0].tensor

@@ -338,3 +338,28 @@ def test_positions_past_the_tables_write_nothing():
     with pytest.raises(ValueError, match="past the RoPE tables"):
         run_layer(suite_model("decoder_layer_decode"), layer, pool, x, batch, bi, pos, work)
     assert pool.tobytes() == before.tobytes()
+
+
+def test_bad_layer_weights_are_refused():
+    """A format the product does not take, or one of a pair of norms without
+    the other, raises before any graph is built."""
+    stub = object()
+    six = (stub,) * 6
+    with pytest.raises(ValueError, match="takes Q4_0"):
+        graph_ops.QuantizedLayerWeights(*six, formats=("Q4_1", "Q8_0", "Q5_K", "Q4_1"))
+    with pytest.raises(ValueError, match="come in pairs"):
+        graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, q_norm=stub)
+    with pytest.raises(ValueError, match="come in pairs"):
+        graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, post_mlp_norm=stub)
+    with pytest.raises(ValueError, match="activation"):
+        graph_ops.quantized_decoder_layer(
+            *(stub,) * 2,
+            graph_ops.QuantizedLayerWeights(*six, formats=FORMATS),
+            *(stub,) * 2,
+            4,
+            8,
+            EPS,
+            *(stub,) * 7,
+            decode=True,
+            activation="relu",
+        )
