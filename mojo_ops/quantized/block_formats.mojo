@@ -17,9 +17,10 @@ products need nothing Q4_1's do not.
 
 Q6_K's super-blocks of 256 inputs are sixteen blocks of 16 with an 8-bit
 scale each under a float16 one: element i of sub-block j is
-(d * sc_j) * (q_i - 32), q 6-bit. pagedkv packs it as Q8_0's layout with
-signed codes q - 32 and two float32 scales d * sc_j per block of 32 (one
-for each half of 16 inputs), exact.
+(d * sc_j) * (q_i - 32), q 6-bit. pagedkv keeps its bits: the 6-bit codes
+(zero point 32), each block of 32's two int8 scales (one for each half of
+16 inputs) and each super-block's float16 d, 6.56 bits a weight as in the
+file; the product multiplies d * sc_j itself.
 
 pagedkv repacks the blocks (`pagedkv._ops.quantized_panels`) into panels of
 PANEL = 16 output columns, [ceil(N / 16), panel_bytes(format, K)] bytes. A
@@ -28,8 +29,9 @@ their scales, then (formats with a min) all their mins:
 
     codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
     scales: K/32 x 16 float16     d of each column's block (Q4_K: float32;
-                                  Q6_K: K/32 x 2 x 16 float32, by half)
+                                  Q6_K: K/32 x 2 x 16 int8 sc_j, by half)
     mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: float32)
+    super:  K/256 x 16 float16    Q6_K: d of each column's super-block
 
 padded to a multiple of 64 bytes. A block's codes come in groups of 64
 bytes, 4 bytes per column (column c at bytes 4c .. 4c + 3), so that one
@@ -39,10 +41,11 @@ vector register of bytes holds 4 consecutive inputs of 16 (AVX-512), 8
     4-bit: group g (of 4) byte 4c + j = q[c][8g + j] | q[c][8g + 4 + j] << 4
     8-bit: group g (of 8) byte 4c + j = q[c][4g + j]
 
-A 5-bit block's low four bits are a 4-bit block's groups; a fifth group of
-64 bytes follows with their top bits: bit 2g + h of its byte 4c + j is the
-top bit of q[c][8g + 4h + j] (5.5 bits a weight with the scale, as in the
-file).
+A 5- or 6-bit block's low four bits are a 4-bit block's groups; after them
+come its top bits. 5-bit: one group, bit 2g + h of its byte 4c + j the top
+bit of q[c][8g + 4h + j] (5.5 bits a weight with the scale, as in the
+file). 6-bit: two groups, t = 0 and 1, bits 4(g - 2t) + 2h and the next of
+byte 4c + j of group t the top two bits of q[c][8g + 4h + j] (g = 2t, 2t + 1).
 
 Columns past N in the last panel have zero codes and zero scales.
 """
@@ -80,13 +83,26 @@ def code_bits(fmt: Int) -> Int:
     """Bits of one weight code."""
     if fmt == Q5_0:
         return 5
-    return 8 if fmt == Q8_0 or fmt == Q6_K else 4
+    if fmt == Q6_K:
+        return 6
+    return 8 if fmt == Q8_0 else 4
 
 
 def nibble_bits(fmt: Int) -> Int:
-    """Bits of a code in its groups: 4 (its low nibble) for codes of 4 or 5
+    """Bits of a code in its groups: 4 (its low nibble) for codes of 4 to 6
     bits, 8 for bytes."""
-    return 4 if code_bits(fmt) <= 5 else 8
+    return 4 if code_bits(fmt) <= 6 else 8
+
+
+def has_super_scales(fmt: Int) -> Bool:
+    """Whether a block's scales are int8 multiples of its super-block's
+    float16 scale (Q6_K), multiplied by the product itself."""
+    return fmt == Q6_K
+
+
+def super_blocks(k_dim: Int) -> Int:
+    """Super-blocks of 256 inputs in k_dim (a super-scale format's)."""
+    return k_dim // (8 * QK)
 
 
 def has_min(fmt: Int) -> Bool:
@@ -95,9 +111,12 @@ def has_min(fmt: Int) -> Bool:
 
 
 def scale_bytes(fmt: Int) -> Int:
-    """Bytes of one block's scale (and of its min): float16, or float32 for
-    Q4_K's products of two scales."""
-    return 4 if fmt == Q4_K or fmt == Q6_K else 2
+    """Bytes of one block's scale (and of its min): float16, float32 for
+    Q4_K's products of two scales, or an int8 multiple of the super-block's
+    (`has_super_scales`)."""
+    if fmt == Q6_K:
+        return 1
+    return 4 if fmt == Q4_K else 2
 
 
 def scales_per_block(fmt: Int) -> Int:
@@ -113,7 +132,9 @@ def zero_point(fmt: Int, signed_codes: Bool) -> Int:
         return 8
     if fmt == Q5_0:
         return 16
-    if (fmt == Q8_0 or fmt == Q6_K) and not signed_codes:
+    if fmt == Q6_K:
+        return 32
+    if fmt == Q8_0 and not signed_codes:
         return 128
     return 0
 
@@ -138,4 +159,6 @@ def panel_bytes(fmt: Int, k_dim: Int) -> Int:
         * (scales_per_block(fmt) + (1 if has_min(fmt) else 0))
     )
     var size = blocks * (code_bytes(fmt) + scales)
+    if has_super_scales(fmt):
+        size += super_blocks(k_dim) * PANEL * 2
     return (size + PANEL_ALIGN - 1) // PANEL_ALIGN * PANEL_ALIGN

@@ -57,6 +57,7 @@ from .block_formats import (
     code_bytes,
     code_groups,
     has_min,
+    has_super_scales,
     is_supported,
     panel_bytes,
     scale_bytes,
@@ -106,8 +107,15 @@ def block_scales[
     fmt: Int
 ](scales: Ptr[DType.uint8], first: Int) -> SIMD[F32, WI]:
     """WI consecutive scales (or mins) from index `first` of a panel's
-    scale array, as float32: stored as float16, or float32 (`scale_bytes`).
-    """
+    scale array, as float32: stored as float16, float32 or int8
+    (`scale_bytes`)."""
+    comptime if scale_bytes(fmt) == 1:
+        return (
+            scales.unsafe_offset(first)
+            .unsafe_bitcast[Int8]()
+            .unsafe_load[width=WI]()
+            .cast[F32]()
+        )
     comptime if scale_bytes(fmt) == 4:
         return (
             scales.unsafe_offset(first * 4)
@@ -123,14 +131,16 @@ def block_scales[
 
 
 @always_inline
-def bit_to_4[bit: Int](top: Bytes) -> Bytes:
-    """Bit `bit` of each byte of top, moved to bit 4: a 5-bit code's top."""
+def top_bits[bit: Int, width: Int](top: Bytes) -> Bytes:
+    """Bits bit .. bit + width - 1 of each byte of top, moved to bit 4 on:
+    the top of a 5- or 6-bit code."""
+    var mask = Bytes(((1 << width) - 1) << 4)
     comptime if bit < 4:
-        return (top << Bytes(4 - bit)) & 0x10
+        return (top << Bytes(4 - bit)) & mask
     elif bit == 4:
-        return top & 0x10
+        return top & mask
     else:
-        return (top >> Bytes(bit - 4)) & 0x10
+        return (top >> Bytes(bit - 4)) & mask
 
 
 @always_inline
@@ -159,6 +169,10 @@ def tile[
     var k_dim = x.k_dim
     var scales = panel.unsafe_offset(blocks * CODE_BYTES)
     var mins = scales.unsafe_offset(blocks * PARTS * PANEL * scale_bytes(fmt))
+    # Super-blocks' float16 scales follow the blocks' (and their mins).
+    var supers = mins.unsafe_offset(
+        blocks * PANEL * scale_bytes(fmt) if MIN else 0
+    )
     var acc = stack_allocation[rows * NV, SIMD[F32, WI]]()
     comptime for i in range(rows * NV):
         acc[unsafe_offset=i] = 0
@@ -179,18 +193,23 @@ def tile[
                 var raw = codes.unsafe_offset(
                     g * GROUP_BYTES + v * BYTES
                 ).unsafe_load[width=BYTES]()
-                comptime if BITS <= 5:
+                comptime if BITS <= 6:
                     var lo = raw & 0x0F
                     var hi = raw >> 4
-                    comptime if BITS == 5:
+                    comptime if BITS > 4:
+                        # The top bits' groups follow the nibbles'
+                        # (block_formats.mojo).
+                        comptime TOP = BITS - 4
+                        comptime PER_GROUP = 8 // (2 * TOP)
                         var top = codes.unsafe_offset(
-                            GROUPS * GROUP_BYTES + v * BYTES
+                            (GROUPS + g // PER_GROUP) * GROUP_BYTES + v * BYTES
                         ).unsafe_load[width=BYTES]()
-                        lo |= bit_to_4[2 * g](top)
-                        hi |= bit_to_4[2 * g + 1](top)
+                        comptime at = (g % PER_GROUP) * 2 * TOP
+                        lo |= top_bits[at, TOP](top)
+                        hi |= top_bits[at + TOP, TOP](top)
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 8 * g)
-                        var i = r * NV + v
+                        var i = (part * rows + r) * NV + v
                         isum[unsafe_offset=i] = dot_u8s8(
                             isum[unsafe_offset=i], lo, broadcast_word(xr)
                         )
@@ -220,6 +239,13 @@ def tile[
                 var d = block_scales[fmt](
                     scales, (b * PARTS + part) * PANEL + v * WI
                 )
+                comptime if has_super_scales(fmt):
+                    d *= (
+                        supers.unsafe_offset(((b // 8) * PANEL + v * WI) * 2)
+                        .unsafe_bitcast[Float16]()
+                        .unsafe_load[width=WI]()
+                        .cast[F32]()
+                    )
                 # What multiplies the activations' d * sum: the block's
                 # min, or its zero point as one (w = d q - z d).
                 var shift = SIMD[F32, WI](0)

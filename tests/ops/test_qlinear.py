@@ -188,26 +188,33 @@ def test_quantized_activations_stay_close_to_float(qlinear_model):
 
 
 def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
-    """The codes [n, k] and scales [n, k/32] (and mins) read back from the
-    panels by the layout block_formats.mojo documents."""
+    """The codes [n, k] and scales [n, k/32] (Q6_K: [n, k/32, 2] int8 and its
+    super-blocks' float16 d [n, k/256]; mins or None) read back from the
+    panels by the layout block_formats.mojo documents, and the padding
+    columns' codes and scales."""
     blocks = k // 32
-    bits = {"Q8_0": 8, "Q6_K": 8, "Q5_0": 5}.get(fmt, 4)
-    scale = np.float32 if fmt in ("Q4_K", "Q6_K") else np.float16
+    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5}.get(fmt, 4)
+    scale = {"Q4_K": np.float32, "Q6_K": np.int8}.get(fmt, np.float16)
     parts = 2 if fmt == "Q6_K" else 1
     scale_bytes = blocks * parts * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
     p = panels.shape[0]
     block_codes = panels[:, : blocks * code_bytes].reshape(p, blocks, code_bytes)
-    # A 5-bit block's nibbles come first, as a 4-bit block's.
-    codes_raw = block_codes[..., : 256 if bits <= 5 else code_bytes].reshape(p, blocks, -1, 16, 4)
-    if bits <= 5:
+    # A 5- or 6-bit block's nibbles come first, as a 4-bit block's.
+    codes_raw = block_codes[..., : 256 if bits <= 6 else code_bytes].reshape(p, blocks, -1, 16, 4)
+    if bits <= 6:
         lo, hi = codes_raw & 0x0F, codes_raw >> 4
         codes = np.stack([lo, hi], axis=-2)  # [P, B, g, c, h, j]
-        if bits == 5:
-            # The fifth group: bit 2g + h of byte 4c + j tops input 8g + 4h + j.
-            top = block_codes[..., 256:].reshape(p, blocks, 1, 16, 1, 4)
-            place = 2 * np.arange(4)[:, None, None, None] + np.arange(2)[:, None]
-            codes = codes | (((top >> place.astype(np.uint8)) & 1) << 4)
+        if bits > 4:
+            # The top bits: bit (2 (g mod n) + h) t of byte 4c + j in top
+            # group g // n (n = 4 groups a 5-bit one covers, 2 a 6-bit one).
+            t, per = bits - 4, 8 // (2 * (bits - 4))
+            g = np.arange(4)[:, None, None]
+            tops = block_codes[..., 256:].reshape(p, blocks, -1, 16, 1, 4)[:, :, g // per]
+            tops = tops.reshape(p, blocks, 4, 16, 1, 4)
+            place = ((g % per) * 2 + np.arange(2)[:, None]) * t
+            place = place.reshape(4, 1, 2, 1).astype(np.uint8)
+            codes = codes | (((tops >> place) & ((1 << t) - 1)) << 4)
         codes = codes.transpose(0, 3, 1, 2, 4, 5).reshape(p * 16, k)
     else:
         codes = codes_raw.transpose(0, 3, 1, 2, 4).reshape(p * 16, k).view(np.int8)
@@ -215,11 +222,15 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     scales = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, parts, 16)
     scales = scales.transpose(0, 3, 1, 2).reshape(p * 16, blocks, parts)
     scales = scales[..., 0] if parts == 1 else scales
+    at += scale_bytes
     mins = None
     if fmt in ("Q4_1", "Q4_K"):
-        at += scale_bytes
         mins = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
         mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)[:n]
+    if fmt == "Q6_K":
+        supers = panels[:, at : at + k // 256 * 32].copy().view(np.float16)
+        supers = supers.reshape(p, k // 256, 16).transpose(0, 2, 1).reshape(p * 16, -1)
+        mins = supers[:n]  # the super-blocks' d, in the mins' place
     return codes[:n], scales[:n], mins, codes[n:], scales[n:]
 
 
@@ -284,10 +295,11 @@ def test_q5_0_packs_in_its_own_bits_or_as_q8_0_exactly(layout):
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
 def test_k_quants_are_packed_exactly(fmt):
     """A K-quant's blocks of 32 as the product reads them: Q4_K's as Q4_1
-    blocks, Q6_K's codes less 32 as signed bytes with a scale for each half
-    of 16 inputs; their scales (and mins) are products of the super-block's
-    float16 and the sub-block's 6 or 8 bits, exact in float32. The panels
-    dequantize to what `gguf` dequantizes, bit for bit."""
+    blocks, their scales and mins products of the super-block's float16 and
+    the sub-block's 6 bits, exact in float32; Q6_K in its own bits, 6-bit
+    codes (zero point 32), each half block's int8 scale and each
+    super-block's float16 d (6.56 bits a weight). The panels dequantize to
+    what `gguf` dequantizes, bit for bit."""
     rng = np.random.default_rng(5)
     n, k = 21, 512
     raw = gguf_blocks(rng, fmt, np.zeros((n, k), np.float32))
@@ -295,8 +307,10 @@ def test_k_quants_are_packed_exactly(fmt):
     assert (packed.format, packed.panels.shape) == (fmt, quantized_panels_shape(fmt, n, k))
     codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
     if fmt == "Q6_K":
-        assert mins is None and codes.min() >= -32 and codes.max() <= 31
-        values = codes.reshape(n, k // 16, 16) * scales.reshape(n, k // 16, 1)
+        assert codes.min() >= 0 and codes.max() <= 63
+        d = scales.astype(np.float32) * mins.astype(np.float32).repeat(8, axis=1)[..., None]
+        values = (codes.astype(np.float32) - 32).reshape(n, k // 16, 16) * d.reshape(n, -1, 1)
+        assert packed.panels.shape[1] * 8 / (16 * k) < 6.6  # bits a weight
     else:
         values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
     want = quants.dequantize(raw, GGMLQuantizationType[fmt])

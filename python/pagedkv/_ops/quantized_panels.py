@@ -25,10 +25,13 @@ QK = 32
 """Inputs per quantization block."""
 PANEL_ALIGN = 64
 
-_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
+_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8, "Q4_K": 4, "Q6_K": 6}
 _HAS_MIN = {"Q4_1", "Q4_K"}
-_SCALE_BYTES = {"Q4_K": 4, "Q6_K": 4}
-"""Bytes of a packed scale or min where not float16's 2."""
+_SCALE_BYTES = {"Q4_K": 4, "Q6_K": 1}
+"""Bytes of a packed scale or min where not float16's 2 (Q6_K's: int8
+multiples of its super-block's float16 scale, `_SUPER_SCALED`)."""
+_SUPER_SCALED = {"Q6_K"}
+"""Formats whose panels end with each super-block's float16 scale."""
 _SCALES_PER_BLOCK = {"Q6_K": 2}
 """Scales of a block of 32 inputs where not 1: Q6_K's halves of 16."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
@@ -44,8 +47,7 @@ PACKED_AS = {
     "Q6_K": "Q6_K",
 }
 """The layout each GGUF format is packed in, exactly: Q4_K's are Q4_1's
-codes, with float32 scales and mins; Q6_K's codes less 32 are Q8_0's, with
-a float32 scale for each half of a block."""
+codes, with float32 scales and mins; the others keep their own bits."""
 ZERO_POINTS = {"Q4_0": 8, "Q5_0": 16}
 """Formats whose codes are unsigned with a zero point (w = d (q - z)): their
 codes less z fit a signed byte, so they also pack as Q8_0, exactly (what a
@@ -87,7 +89,10 @@ def quantized_panel_bytes(fmt: str, in_features: int) -> int:
     code_bytes = QK * QUANT_PANEL * _CODE_BITS[fmt] // 8
     scales = _SCALES_PER_BLOCK.get(fmt, 1) + (1 if fmt in _HAS_MIN else 0)
     scale_bytes = _SCALE_BYTES.get(fmt, 2) * QUANT_PANEL * scales
-    return -(-blocks * (code_bytes + scale_bytes) // PANEL_ALIGN) * PANEL_ALIGN
+    size = blocks * (code_bytes + scale_bytes)
+    if fmt in _SUPER_SCALED:
+        size += in_features // QK_K * QUANT_PANEL * 2
+    return -(-size // PANEL_ALIGN) * PANEL_ALIGN
 
 
 def quantized_panels_shape(fmt: str, out_features: int, in_features: int) -> tuple[int, int]:
@@ -145,14 +150,13 @@ def _q6_k_blocks(blocks: np.ndarray, n: int, k: int) -> dict[str, np.ndarray]:
     and its top two bits at bits 2t of qh byte l."""
     ql = blocks[..., 0:128].reshape(n, -1, 2, 2, 32)  # [n, S, half, byte run, l]
     qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
-    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [n, S, 16]
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+    d = blocks[..., 208:210].copy().view(np.float16)  # [n, S, 1]
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [n, S, half, t, l]
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-    codes = (low | (high << 4)).astype(np.int16) - 32
     return {
-        "d": (d * sc).reshape(n, k // QK, 2),
-        "codes": codes.astype(np.int8).reshape(n, k // QK, QK),
+        "d": blocks[..., 192:208].view(np.int8).reshape(n, k // QK, 2),
+        "super": d[..., 0].astype(np.float16),
+        "codes": (low | (high << 4)).reshape(n, k // QK, QK),
     }
 
 
@@ -240,15 +244,21 @@ def pack_quantized_weight(
         return padded.reshape(panels, QUANT_PANEL, *a.shape[1:])
 
     codes = by_panel(parts["codes"].view(np.uint8))  # [P, 16, B, 32]
-    if _CODE_BITS[fmt] <= 5:
-        # Input 8g + 4h + j of column c: group g, byte 4c + j, nibble h; a
-        # 5-bit code's top bit: bit 2g + h of byte 4c + j of a fifth group.
+    bits = _CODE_BITS[fmt]
+    if bits <= 6:
+        # Input 8g + 4h + j of column c: group g, byte 4c + j, nibble h;
+        # its top bits (5- or 6-bit codes) in the groups after the nibbles'
+        # (block_formats.mojo).
         c = codes.reshape(panels, QUANT_PANEL, blocks, 4, 2, 4).transpose(0, 2, 3, 1, 5, 4)
         packed_codes = (c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)  # [P, B, g, c, j]
-        if _CODE_BITS[fmt] == 5:
-            place = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)
-            top = ((c >> 4) & 1) << place  # [P, B, g, c, j, h]
-            top = top.sum(axis=(2, 5), dtype=np.uint8)  # [P, B, c, j]
+        if bits > 4:
+            top_bits = bits - 4
+            per_group = 8 // (2 * top_bits)  # nibble groups per group of top bits
+            g = np.arange(4)
+            place = ((g % per_group)[:, None, None, None] * 2 + np.arange(2)) * top_bits
+            top = ((c >> 4) & ((1 << top_bits) - 1)) << place.astype(np.uint8)
+            top = top.reshape(panels, blocks, 4 // per_group, per_group, QUANT_PANEL, 4, 2)
+            top = top.sum(axis=(3, 6), dtype=np.uint8)  # [P, B, t, c, j]
             packed_codes = np.concatenate(
                 [packed_codes.reshape(panels, blocks, -1), top.reshape(panels, blocks, -1)], 2
             )
@@ -256,8 +266,9 @@ def pack_quantized_weight(
         # Input 4g + j of column c: group g, byte 4c + j.
         packed_codes = codes.reshape(panels, QUANT_PANEL, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     sections = [packed_codes.reshape(panels, -1)]
-    for name in ("d", "m") if fmt in _HAS_MIN else ("d",):
-        scales = np.moveaxis(by_panel(parts[name]), 1, -1)  # [P, B, (2,) 16]
+    names = ("d", "m") if fmt in _HAS_MIN else ("d",)
+    for name in names + (("super",) if fmt in _SUPER_SCALED else ()):
+        scales = np.moveaxis(by_panel(parts[name]), 1, -1)  # [P, B or S, (2,) 16]
         sections.append(np.ascontiguousarray(scales).view(np.uint8).reshape(panels, -1))
     width = quantized_panel_bytes(fmt, k)
     out = np.zeros((panels, width), np.uint8)
