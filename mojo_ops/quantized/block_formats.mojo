@@ -10,10 +10,11 @@ in the "_1" formats, a min m) and 32 codes q, and element i is
 
 Q4_K's super-blocks of 256 inputs are eight such blocks of 32 with a
 6-bit scale and min each, under a float16 scale and min of the super-block:
-element i of sub-block j is (d * sc_j) * q_i - (dmin * m_j). pagedkv packs
-it as Q4_1's layout with d * sc_j and -dmin * m_j as float32 (exact: 11
-bits of mantissa times 6), so its codes are the file's own and its
-products need nothing Q4_1's do not.
+element i of sub-block j is (d * sc_j) * q_i - (dmin * m_j). pagedkv keeps
+its bits: the 4-bit codes, each block's sc_j and m_j as a byte and each
+super-block's d and -dmin as float16, 4.63 bits a weight (the file's 4.5
+pack the 6-bit pairs tighter); the product multiplies d * sc_j and
+-dmin * m_j itself, exact in float32 (11 bits of mantissa times 6).
 
 Q6_K's super-blocks of 256 inputs are sixteen blocks of 16 with an 8-bit
 scale each under a float16 one: element i of sub-block j is
@@ -28,10 +29,11 @@ panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
 their scales, then (formats with a min) all their mins:
 
     codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
-    scales: K/32 x 16 float16     d of each column's block (Q4_K: float32;
+    scales: K/32 x 16 float16     d of each column's block (Q4_K: int8 sc_j;
                                   Q6_K: K/32 x 2 x 16 int8 sc_j, by half)
-    mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: float32)
-    super:  K/256 x 16 float16    Q6_K: d of each column's super-block
+    mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: int8 m_j)
+    super:  K/256 x 16 float16    the K-quants: d of each column's super-block,
+                                  then (Q4_K) K/256 x 16 float16 -dmin
 
 padded to a multiple of 64 bytes. A block's codes come in groups of 64
 bytes, 4 bytes per column (column c at bytes 4c .. 4c + 3), so that one
@@ -95,9 +97,10 @@ def nibble_bits(fmt: Int) -> Int:
 
 
 def has_super_scales(fmt: Int) -> Bool:
-    """Whether a block's scales are int8 multiples of its super-block's
-    float16 scale (Q6_K), multiplied by the product itself."""
-    return fmt == Q6_K
+    """Whether a block's scales (and mins) are int8 multiples of its
+    super-block's float16 scale (and min), multiplied by the product itself:
+    the K-quants."""
+    return fmt == Q4_K or fmt == Q6_K
 
 
 def super_blocks(k_dim: Int) -> Int:
@@ -111,12 +114,9 @@ def has_min(fmt: Int) -> Bool:
 
 
 def scale_bytes(fmt: Int) -> Int:
-    """Bytes of one block's scale (and of its min): float16, float32 for
-    Q4_K's products of two scales, or an int8 multiple of the super-block's
-    (`has_super_scales`)."""
-    if fmt == Q6_K:
-        return 1
-    return 4 if fmt == Q4_K else 2
+    """Bytes of one block's scale (and of its min): float16, or an int8
+    multiple of the super-block's (`has_super_scales`)."""
+    return 1 if has_super_scales(fmt) else 2
 
 
 def scales_per_block(fmt: Int) -> Int:
@@ -160,5 +160,5 @@ def panel_bytes(fmt: Int, k_dim: Int) -> Int:
     )
     var size = blocks * (code_bytes(fmt) + scales)
     if has_super_scales(fmt):
-        size += super_blocks(k_dim) * PANEL * 2
+        size += super_blocks(k_dim) * PANEL * 2 * (2 if has_min(fmt) else 1)
     return (size + PANEL_ALIGN - 1) // PANEL_ALIGN * PANEL_ALIGN

@@ -58,6 +58,7 @@ from .block_formats import (
     code_groups,
     has_min,
     has_super_scales,
+    super_blocks,
     is_supported,
     panel_bytes,
     scale_bytes,
@@ -107,20 +108,13 @@ def block_scales[
     fmt: Int
 ](scales: Ptr[DType.uint8], first: Int) -> SIMD[F32, WI]:
     """WI consecutive scales (or mins) from index `first` of a panel's
-    scale array, as float32: stored as float16, float32 or int8
-    (`scale_bytes`)."""
+    scale array, as float32: stored as float16 or int8 (`scale_bytes`)."""
     comptime if scale_bytes(fmt) == 1:
         return (
             scales.unsafe_offset(first)
             .unsafe_bitcast[Int8]()
             .unsafe_load[width=WI]()
             .cast[F32]()
-        )
-    comptime if scale_bytes(fmt) == 4:
-        return (
-            scales.unsafe_offset(first * 4)
-            .unsafe_bitcast[Float32]()
-            .unsafe_load[width=WI]()
         )
     return (
         scales.unsafe_offset(first * 2)
@@ -251,6 +245,19 @@ def tile[
                 var shift = SIMD[F32, WI](0)
                 comptime if MIN:
                     shift = block_scales[fmt](mins, b * PANEL + v * WI)
+                    comptime if has_super_scales(fmt):
+                        shift *= (
+                            supers.unsafe_offset(
+                                (
+                                    (super_blocks(k_dim) + b // 8) * PANEL
+                                    + v * WI
+                                )
+                                * 2
+                            )
+                            .unsafe_bitcast[Float16]()
+                            .unsafe_load[width=WI]()
+                            .cast[F32]()
+                        )
                 elif Z != 0:
                     shift = d * Float32(-Z)
                 comptime for r in range(rows):

@@ -188,13 +188,14 @@ def test_quantized_activations_stay_close_to_float(qlinear_model):
 
 
 def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
-    """The codes [n, k] and scales [n, k/32] (Q6_K: [n, k/32, 2] int8 and its
-    super-blocks' float16 d [n, k/256]; mins or None) read back from the
-    panels by the layout block_formats.mojo documents, and the padding
-    columns' codes and scales."""
+    """The codes [n, k], scales [n, k/32] (Q6_K: [n, k/32, 2]) and mins (or
+    None) read back from the panels by the layout block_formats.mojo
+    documents, and the padding columns' codes and scales. The K-quants'
+    scales and mins are float32 products of their int8 multiples and their
+    super-blocks' float16 factors, as the product forms them."""
     blocks = k // 32
     bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5}.get(fmt, 4)
-    scale = {"Q4_K": np.float32, "Q6_K": np.int8}.get(fmt, np.float16)
+    scale = {"Q4_K": np.int8, "Q6_K": np.int8}.get(fmt, np.float16)
     parts = 2 if fmt == "Q6_K" else 1
     scale_bytes = blocks * parts * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
@@ -226,11 +227,21 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     mins = None
     if fmt in ("Q4_1", "Q4_K"):
         mins = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
-        mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)[:n]
-    if fmt == "Q6_K":
-        supers = panels[:, at : at + k // 256 * 32].copy().view(np.float16)
-        supers = supers.reshape(p, k // 256, 16).transpose(0, 2, 1).reshape(p * 16, -1)
-        mins = supers[:n]  # the super-blocks' d, in the mins' place
+        mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)
+        at += scale_bytes
+    if fmt in ("Q4_K", "Q6_K"):
+
+        def supers(at: int) -> np.ndarray:
+            """The super-blocks' float16 factors from `at`, per block of 32."""
+            f = panels[:, at : at + k // 256 * 32].copy().view(np.float16)
+            f = f.reshape(p, k // 256, 16).transpose(0, 2, 1).reshape(p * 16, -1)
+            return f.astype(np.float32).repeat(8, axis=1)
+
+        scale_of = supers(at)
+        scales = scales.astype(np.float32) * (scale_of if fmt == "Q4_K" else scale_of[..., None])
+        if mins is not None:
+            mins = mins.astype(np.float32) * supers(at + k // 256 * 32)
+    mins = None if mins is None else mins[:n]
     return codes[:n], scales[:n], mins, codes[n:], scales[n:]
 
 
@@ -294,12 +305,12 @@ def test_q5_0_packs_in_its_own_bits_or_as_q8_0_exactly(layout):
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
 def test_k_quants_are_packed_exactly(fmt):
-    """A K-quant's blocks of 32 as the product reads them: Q4_K's as Q4_1
-    blocks, their scales and mins products of the super-block's float16 and
-    the sub-block's 6 bits, exact in float32; Q6_K in its own bits, 6-bit
-    codes (zero point 32), each half block's int8 scale and each
-    super-block's float16 d (6.56 bits a weight). The panels dequantize to
-    what `gguf` dequantizes, bit for bit."""
+    """A K-quant's blocks of 32 as the product reads them, in their own
+    bits: Q4_K's 4-bit codes with each block's 6-bit scale and min as bytes
+    and each super-block's float16 d and -dmin (4.63 bits a weight); Q6_K's
+    6-bit codes (zero point 32), each half block's int8 scale and each
+    super-block's float16 d (6.56 bits). Their products are exact in
+    float32; the panels dequantize to what `gguf` dequantizes, bit for bit."""
     rng = np.random.default_rng(5)
     n, k = 21, 512
     raw = gguf_blocks(rng, fmt, np.zeros((n, k), np.float32))
@@ -307,12 +318,12 @@ def test_k_quants_are_packed_exactly(fmt):
     assert (packed.format, packed.panels.shape) == (fmt, quantized_panels_shape(fmt, n, k))
     codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
     if fmt == "Q6_K":
-        assert codes.min() >= 0 and codes.max() <= 63
-        d = scales.astype(np.float32) * mins.astype(np.float32).repeat(8, axis=1)[..., None]
-        values = (codes.astype(np.float32) - 32).reshape(n, k // 16, 16) * d.reshape(n, -1, 1)
+        assert mins is None and codes.min() >= 0 and codes.max() <= 63
+        values = (codes.astype(np.float32) - 32).reshape(n, k // 16, 16) * scales.reshape(n, -1, 1)
         assert packed.panels.shape[1] * 8 / (16 * k) < 6.6  # bits a weight
     else:
         values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
+        assert packed.panels.shape[1] * 8 / (16 * k) < 4.7  # bits a weight
     want = quants.dequantize(raw, GGMLQuantizationType[fmt])
     np.testing.assert_array_equal(values.reshape(n, k), want)
     assert not pad_codes.any() and not pad_scales.any()

@@ -27,11 +27,12 @@ PANEL_ALIGN = 64
 
 _CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8, "Q4_K": 4, "Q6_K": 6}
 _HAS_MIN = {"Q4_1", "Q4_K"}
-_SCALE_BYTES = {"Q4_K": 4, "Q6_K": 1}
-"""Bytes of a packed scale or min where not float16's 2 (Q6_K's: int8
-multiples of its super-block's float16 scale, `_SUPER_SCALED`)."""
-_SUPER_SCALED = {"Q6_K"}
-"""Formats whose panels end with each super-block's float16 scale."""
+_SCALE_BYTES = {"Q4_K": 1, "Q6_K": 1}
+"""Bytes of a packed scale or min where not float16's 2 (the K-quants':
+int8 multiples of their super-block's float16 scale, `_SUPER_SCALED`)."""
+_SUPER_SCALED = {"Q4_K", "Q6_K"}
+"""Formats whose panels end with each super-block's float16 scale (and,
+with a min, its float16 -dmin)."""
 _SCALES_PER_BLOCK = {"Q6_K": 2}
 """Scales of a block of 32 inputs where not 1: Q6_K's halves of 16."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
@@ -46,8 +47,8 @@ PACKED_AS = {
     "Q4_K": "Q4_K",
     "Q6_K": "Q6_K",
 }
-"""The layout each GGUF format is packed in, exactly: Q4_K's are Q4_1's
-codes, with float32 scales and mins; the others keep their own bits."""
+"""The layout each GGUF format is packed in, exactly: each its own (the
+K-quants' 6-bit scales and mins as a byte each)."""
 ZERO_POINTS = {"Q4_0": 8, "Q5_0": 16}
 """Formats whose codes are unsigned with a zero point (w = d (q - z)): their
 codes less z fit a signed byte, so they also pack as Q8_0, exactly (what a
@@ -91,7 +92,7 @@ def quantized_panel_bytes(fmt: str, in_features: int) -> int:
     scale_bytes = _SCALE_BYTES.get(fmt, 2) * QUANT_PANEL * scales
     size = blocks * (code_bytes + scale_bytes)
     if fmt in _SUPER_SCALED:
-        size += in_features // QK_K * QUANT_PANEL * 2
+        size += in_features // QK_K * QUANT_PANEL * 2 * (2 if fmt in _HAS_MIN else 1)
     return -(-size // PANEL_ALIGN) * PANEL_ALIGN
 
 
@@ -115,20 +116,17 @@ def _block_rows(
 
 def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     """A K-quant's super-blocks of 256 as blocks of 32: codes [n, k / 32,
-    32] and float32 scales, exact products of its two levels of scales.
+    32], each block's scale multiples (and mins) as bytes and each
+    super-block's float16 scale (and -min) [n, k / 256].
 
     Q4_K: d, dmin (float16), 12 bytes of eight 6-bit scales sc_j and mins
     m_j, 128 bytes of codes (byte l of 32-byte chunk c holds input l of
-    sub-block 2c in its low nibble, of 2c + 1 in its high one); scale
-    d * sc_j and min -dmin * m_j [n, k / 32]. Q6_K: 128 bytes of low
-    nibbles, 64 of high 2-bit pairs, sixteen int8 scales sc_j and d; codes
-    q - 32 and scales d * sc_j [n, k / 32, 2] (each half of 16 inputs).
+    sub-block 2c in its low nibble, of 2c + 1 in its high one): sc_j and m_j
+    [n, k / 32], d and -dmin. Q6_K: `_q6_k_blocks`.
     """
     blocks = _block_rows(raw, fmt, n, k, QK_K, _SUPER_BLOCK_BYTES[fmt], "super-blocks")
     if fmt == "Q6_K":
         return _q6_k_blocks(blocks, n, k)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
     q = blocks[..., 4:16].astype(np.uint8)
     # Sub-blocks 0-3: the low 6 bits of bytes j and j + 4; sub-blocks 4-7:
     # a nibble of byte j + 4 and the top 2 bits of bytes j - 4 and j.
@@ -137,8 +135,10 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
     qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 32)
     codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, S, chunk, nibble, 32]
     return {
-        "d": (d * sc.astype(np.float32)).reshape(n, k // QK),
-        "m": -(dmin * m.astype(np.float32)).reshape(n, k // QK),
+        "d": sc.reshape(n, k // QK),
+        "m": m.reshape(n, k // QK),
+        "super": blocks[..., 0:2].copy().view(np.float16)[..., 0],
+        "super_min": -blocks[..., 2:4].copy().view(np.float16)[..., 0],
         "codes": codes.reshape(n, k // QK, QK),
     }
 
@@ -267,7 +267,9 @@ def pack_quantized_weight(
         packed_codes = codes.reshape(panels, QUANT_PANEL, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     sections = [packed_codes.reshape(panels, -1)]
     names = ("d", "m") if fmt in _HAS_MIN else ("d",)
-    for name in names + (("super",) if fmt in _SUPER_SCALED else ()):
+    if fmt in _SUPER_SCALED:
+        names += ("super", "super_min") if fmt in _HAS_MIN else ("super",)
+    for name in names:
         scales = np.moveaxis(by_panel(parts[name]), 1, -1)  # [P, B or S, (2,) 16]
         sections.append(np.ascontiguousarray(scales).view(np.uint8).reshape(panels, -1))
     width = quantized_panel_bytes(fmt, k)
