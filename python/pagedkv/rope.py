@@ -15,7 +15,9 @@ raises before it writes.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -111,16 +113,29 @@ def _rotate(x: Any, cos: Any, sin: Any, rotary_dim: int, interleave: bool) -> An
     return out.to(x.dtype)
 
 
-def _apply(q, k, pos, freqs, rotary_dim, interleave, inplace):
+def _apply(q, k, pos, freqs, rotary_dim, interleave):
     angles = pos.to(q.device).float()[:, None] * freqs.to(q.device)[None, :]
     cos, sin = angles.cos(), angles.sin()
-    q_out = _rotate(q, cos, sin, rotary_dim, interleave)
-    k_out = _rotate(k, cos, sin, rotary_dim, interleave)
-    if inplace:
-        q.copy_(q_out)
-        k.copy_(k_out)
-        return None
-    return q_out, k_out
+    return _rotate(q, cos, sin, rotary_dim, interleave), _rotate(
+        k, cos, sin, rotary_dim, interleave
+    )
+
+
+def _writing_in_place(rotate: Callable, first: str, second: str) -> Callable:
+    """The ``_inplace`` form of `rotate`: its signature and checks, the two
+    tensors it returns copied into its arguments `first` and `second`."""
+    signature = inspect.signature(rotate)
+
+    def in_place(*args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(*args, **kwargs).arguments
+        first_out, second_out = rotate(*args, **kwargs)
+        arguments[first].copy_(first_out)
+        arguments[second].copy_(second_out)
+
+    in_place.__name__ = in_place.__qualname__ = f"{rotate.__name__}_inplace"
+    in_place.__doc__ = f"`{rotate.__name__}` writing {first} and {second} in place (returns None)."
+    in_place.__signature__ = signature.replace(return_annotation=None)
+    return in_place
 
 
 def apply_rope_pos_ids(
@@ -144,31 +159,7 @@ def apply_rope_pos_ids(
     rotary_dim = _check(q, k, rotary_dim)
     pos = _check_pos_ids(pos_ids, q.shape[0])
     freqs = base_frequencies(rotary_dim, rope_scale, rope_theta)
-    return _apply(q, k, pos, freqs, rotary_dim, interleave, False)
-
-
-def apply_rope_pos_ids_inplace(
-    q: Any,
-    k: Any,
-    pos_ids: Any,
-    rotary_dim: int | None = None,
-    interleave: bool = False,
-    rope_scale: float = 1,
-    rope_theta: float = 1e4,
-) -> None:
-    """`apply_rope_pos_ids` writing q and k in place.
-
-    Examples
-    --------
-    >>> import torch, pagedkv.rope
-    >>> q, k = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 0.0]]])
-    >>> pagedkv.rope.apply_rope_pos_ids_inplace(q, k, torch.tensor([0])); q
-    tensor([[[1., 0.]]])
-    """
-    rotary_dim = _check(q, k, rotary_dim)
-    pos = _check_pos_ids(pos_ids, q.shape[0])
-    freqs = base_frequencies(rotary_dim, rope_scale, rope_theta)
-    _apply(q, k, pos, freqs, rotary_dim, interleave, True)
+    return _apply(q, k, pos, freqs, rotary_dim, interleave)
 
 
 def apply_rope(
@@ -194,36 +185,7 @@ def apply_rope(
     rotary_dim = _check(q, k, rotary_dim)
     pos = _positions_of(indptr, offsets, q.shape[0])
     freqs = base_frequencies(rotary_dim, rope_scale, rope_theta)
-    return _apply(q, k, pos, freqs, rotary_dim, interleave, False)
-
-
-def apply_rope_inplace(
-    q: Any,
-    k: Any,
-    indptr: Any,
-    offsets: Any,
-    rotary_dim: int | None = None,
-    interleave: bool = False,
-    rope_scale: float = 1,
-    rope_theta: float = 1e4,
-) -> None:
-    """`apply_rope` writing q and k in place.
-
-    Examples
-    --------
-    >>> import torch, pagedkv.rope
-    >>> q, k = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]])
-    >>> pagedkv.rope.apply_rope_inplace(q, k, torch.tensor([0, 1]), torch.tensor([0])); k
-    tensor([[[0., 1.]]])
-    """
-    rotary_dim = _check(q, k, rotary_dim)
-    pos = _positions_of(indptr, offsets, q.shape[0])
-    freqs = base_frequencies(rotary_dim, rope_scale, rope_theta)
-    _apply(q, k, pos, freqs, rotary_dim, interleave, True)
-
-
-def _llama31(rotary_dim, rope_scale, rope_theta, low, high, old):
-    return llama31_frequencies(rotary_dim, rope_scale, rope_theta, low, high, old)
+    return _apply(q, k, pos, freqs, rotary_dim, interleave)
 
 
 def apply_llama31_rope(
@@ -250,39 +212,10 @@ def apply_llama31_rope(
     """
     rotary_dim = _check(q, k, rotary_dim)
     pos = _positions_of(indptr, offsets, q.shape[0])
-    freqs = _llama31(
+    freqs = llama31_frequencies(
         rotary_dim, rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len
     )
-    return _apply(q, k, pos, freqs, rotary_dim, interleave, False)
-
-
-def apply_llama31_rope_inplace(
-    q: Any,
-    k: Any,
-    indptr: Any,
-    offsets: Any,
-    rotary_dim: int | None = None,
-    interleave: bool = False,
-    rope_scale: float = 8,
-    rope_theta: float = 5e5,
-    low_freq_factor: float = 1,
-    high_freq_factor: float = 4,
-    old_context_len: int = 8192,
-) -> None:
-    """`apply_llama31_rope` writing q and k in place.
-
-    Examples
-    --------
-    >>> import torch, pagedkv.rope
-    >>> q, k = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 0.0]]])
-    >>> pagedkv.rope.apply_llama31_rope_inplace(q, k, torch.tensor([0, 1]), torch.tensor([0]))
-    """
-    rotary_dim = _check(q, k, rotary_dim)
-    pos = _positions_of(indptr, offsets, q.shape[0])
-    freqs = _llama31(
-        rotary_dim, rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len
-    )
-    _apply(q, k, pos, freqs, rotary_dim, interleave, True)
+    return _apply(q, k, pos, freqs, rotary_dim, interleave)
 
 
 def apply_llama31_rope_pos_ids(
@@ -308,38 +241,10 @@ def apply_llama31_rope_pos_ids(
     """
     rotary_dim = _check(q, k, rotary_dim)
     pos = _check_pos_ids(pos_ids, q.shape[0])
-    freqs = _llama31(
+    freqs = llama31_frequencies(
         rotary_dim, rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len
     )
-    return _apply(q, k, pos, freqs, rotary_dim, interleave, False)
-
-
-def apply_llama31_rope_pos_ids_inplace(
-    q: Any,
-    k: Any,
-    pos_ids: Any,
-    rotary_dim: int | None = None,
-    interleave: bool = False,
-    rope_scale: float = 8,
-    rope_theta: float = 5e5,
-    low_freq_factor: float = 1,
-    high_freq_factor: float = 4,
-    old_context_len: int = 8192,
-) -> None:
-    """`apply_llama31_rope_pos_ids` writing q and k in place.
-
-    Examples
-    --------
-    >>> import torch, pagedkv.rope
-    >>> q, k = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 0.0]]])
-    >>> pagedkv.rope.apply_llama31_rope_pos_ids_inplace(q, k, torch.tensor([0]))
-    """
-    rotary_dim = _check(q, k, rotary_dim)
-    pos = _check_pos_ids(pos_ids, q.shape[0])
-    freqs = _llama31(
-        rotary_dim, rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len
-    )
-    _apply(q, k, pos, freqs, rotary_dim, interleave, True)
+    return _apply(q, k, pos, freqs, rotary_dim, interleave)
 
 
 def _cos_sin_inputs(positions, query, key, head_size, cos_sin_cache):
@@ -390,29 +295,13 @@ def apply_rope_with_cos_sin_cache(
     return q_out, k_out
 
 
-def apply_rope_with_cos_sin_cache_inplace(
-    positions: Any,
-    query: Any,
-    key: Any,
-    head_size: int,
-    cos_sin_cache: Any,
-    is_neox: bool = True,
-) -> None:
-    """`apply_rope_with_cos_sin_cache` writing query and key in place.
-
-    Examples
-    --------
-    >>> import torch, pagedkv.rope
-    >>> q, k = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
-    >>> pagedkv.rope.apply_rope_with_cos_sin_cache_inplace(
-    ...     torch.tensor([0]), q, k, 2, torch.tensor([[0.0, 1.0]])); q
-    tensor([[-2.,  1.]])
-    """
-    q_out, k_out = apply_rope_with_cos_sin_cache(
-        positions, query, key, head_size, cos_sin_cache, is_neox
-    )
-    query.copy_(q_out)
-    key.copy_(k_out)
+apply_rope_inplace = _writing_in_place(apply_rope, "q", "k")
+apply_rope_pos_ids_inplace = _writing_in_place(apply_rope_pos_ids, "q", "k")
+apply_llama31_rope_inplace = _writing_in_place(apply_llama31_rope, "q", "k")
+apply_llama31_rope_pos_ids_inplace = _writing_in_place(apply_llama31_rope_pos_ids, "q", "k")
+apply_rope_with_cos_sin_cache_inplace = _writing_in_place(
+    apply_rope_with_cos_sin_cache, "query", "key"
+)
 
 
 def _fp8_dtype(quantize_dtype: Any, outs: tuple) -> Any:
