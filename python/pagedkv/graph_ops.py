@@ -420,6 +420,21 @@ def rope_append_paged_kv_cache(
     )[0].tensor
 
 
+def _attention_outputs(
+    q: TensorValue, states: object, device: DeviceRef
+) -> tuple[BufferValue, BufferValue, BufferValue, BufferValue]:
+    """The attention ops' output buffers for q [rows, H, D]: o [rows, H, D]
+    in q's dtype, lse [rows, H], and float32 partial states [states, H, D]
+    and [states, H] (one a work item that may split its keys)."""
+    rows, heads, head_dim = q.shape
+    return (
+        ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device)),
+        ops.buffer_create(BufferType(F32, [rows, heads], device=device)),
+        ops.buffer_create(BufferType(F32, [states, heads, head_dim], device=device)),
+        ops.buffer_create(BufferType(F32, [states, heads], device=device)),
+    )
+
+
 def _attention_op(
     q: TensorValue,
     paged_kv_cache: BufferValue,
@@ -438,13 +453,7 @@ def _attention_op(
     device = paged_kv_cache.device
     if device != DeviceRef.CPU():
         attention_work.check_gpu_head_dim(options.head_dim)
-    rows, heads, head_dim = q.shape
-    o = ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device))
-    lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
-    partial_o = ops.buffer_create(
-        BufferType(F32, [work_items.shape[0], heads, head_dim], device=device)
-    )
-    partial_lse = ops.buffer_create(BufferType(F32, [work_items.shape[0], heads], device=device))
+    o, lse, partial_o, partial_lse = _attention_outputs(q, work_items.shape[0], device)
     host = DeviceRef.CPU()
     ops.inplace_custom(
         ATTENTION_OP,
@@ -687,15 +696,12 @@ def mla_attention(
     from .mla import check_mla_dims, mla_float_params, mla_int_params
 
     device = ckv_cache.device
-    rows, heads, ckv_dim = q_nope.shape
+    _, heads, ckv_dim = q_nope.shape
     check_mla_dims(int(ckv_dim), int(q_pe.shape[2]), device.is_gpu())
-    o = ops.buffer_create(BufferType(q_nope.dtype, [rows, heads, ckv_dim], device=device))
-    lse = ops.buffer_create(BufferType(F32, [rows, heads], device=device))
     # Decode items (one query each) may split keys; prefill items write
     # final rows only, so their partial states are one-row placeholders.
     states = work_items.shape[0] if decode else 1
-    partial_o = ops.buffer_create(BufferType(F32, [states, heads, ckv_dim], device=device))
-    partial_lse = ops.buffer_create(BufferType(F32, [states, heads], device=device))
+    o, lse, partial_o, partial_lse = _attention_outputs(q_nope, states, device)
     most = 1 if decode else attention_work.prefill_tile(int(heads), device.is_gpu())
     host = DeviceRef.CPU()
     ops.inplace_custom(
