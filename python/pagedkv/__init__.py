@@ -5,6 +5,12 @@ package validates arguments and dispatches to them, on NumPy arrays or torch
 tensors, writing caches in place.
 """
 
+from .block_tables import (
+    csr_from_block_tables,
+    trtllm_batch_context_with_kv_cache,
+    trtllm_batch_decode_with_kv_cache,
+    xqa_batch_decode_with_kv_cache,
+)
 from .cache.manager import BatchMetadata, CacheStateError, OutOfPagesError, PagedKVCacheManager
 from .cascade import merge_state, merge_state_in_place, merge_states
 from .cascade_attention import (
@@ -60,6 +66,7 @@ __all__ = [
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "copy_pages",
+    "csr_from_block_tables",
     "gather_kv",
     "get_batch_indices_positions",
     "get_seq_lens",
@@ -75,6 +82,9 @@ __all__ = [
     "release_blocks",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
+    "trtllm_batch_context_with_kv_cache",
+    "trtllm_batch_decode_with_kv_cache",
+    "xqa_batch_decode_with_kv_cache",
 ]
 
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..block_tables import trtllm_batch_decode_with_kv_cache, xqa_batch_decode_with_kv_cache
 from ..decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
@@ -26,4 +27,6 @@ __all__ = [
     "gen_batch_decode_module",
     "gen_single_decode_module",
     "single_decode_with_kv_cache",
+    "trtllm_batch_decode_with_kv_cache",
+    "xqa_batch_decode_with_kv_cache",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..block_tables import trtllm_batch_context_with_kv_cache
 from ..prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 from .jit import JitSpec
@@ -21,4 +22,5 @@ __all__ = [
     "gen_batch_prefill_module",
     "gen_single_prefill_module",
     "single_prefill_with_kv_cache",
+    "trtllm_batch_context_with_kv_cache",
 ]

@@ -1,0 +1,402 @@
+"""FlashInfer's block-table entry points: attention over a paged cache whose
+page table is a dense ``block_tables [B, max_pages]`` with ``seq_lens [B]``.
+
+vLLM's and SGLang's FlashInfer backends call these directly (trtllm-gen and
+XQA kernels on NVIDIA GPUs). A block table is a CSR page table with a fixed
+row stride: request b's pages are ``block_tables[b, :ceil(seq_lens[b] /
+page_size)]``. `csr_from_block_tables` turns one into the other on the host
+(the index arrays only; the cache is read where it lies) and the calls run on
+pagedkv's decode and prefill wrappers. The attention scale comes fused, as in
+FlashInfer: ``bmm1_scale = q_scale * k_scale * sm_scale`` and ``bmm2_scale =
+v_scale / o_scale``. Speculative decode (``q_len_per_req > 1``, or
+variable query lengths through ``cum_seq_lens_q``) is causal, aligned to the
+end of each sequence. What only the GPU kernels do (NVFP4 outputs, sinks,
+block sparsity, context parallelism, separate K and V page tables) raises
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._ops.tensors import Array
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+
+@dataclass(frozen=True)
+class CsrPageTable:
+    """A block table's pages as FlashInfer's CSR page table (int32 arrays):
+    indptr [B + 1], indices [indptr[-1]], last_page_len [B]."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+
+
+def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
+    array = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
+    if array.ndim != ndim or array.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must be a {ndim}-D integer array, got {array.dtype} {array.shape}"
+        )
+    return array.astype(np.int64)
+
+
+def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) -> CsrPageTable:
+    """The CSR page table holding the same pages as a block table.
+
+    Parameters
+    ----------
+    block_tables : int array [B, max_pages]
+        Request b's pages in order; entries past its last page are not read.
+    seq_lens : int array [B]
+        Tokens cached for each request (its queries' own included).
+    page_size : int
+        Tokens a page.
+
+    Returns
+    -------
+    CsrPageTable
+        indptr, indices and last_page_len as `BatchDecodeWithPagedKVCacheWrapper.plan`
+        takes them.
+
+    Examples
+    --------
+    >>> import numpy as np, pagedkv
+    >>> t = pagedkv.csr_from_block_tables(np.array([[3, 1, 0], [2, 0, 0]]), np.array([5, 2]), 4)
+    >>> t.indptr.tolist(), t.indices.tolist(), t.last_page_len.tolist()
+    ([0, 2, 3], [3, 1, 2], [1, 2])
+    """
+    table = _host_ints("block_tables", block_tables, 2)
+    lens = _host_ints("seq_lens", seq_lens, 1)
+    if page_size < 1:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if lens.shape[0] != table.shape[0]:
+        raise ValueError(f"seq_lens {lens.shape} and block_tables {table.shape} differ in batch")
+    if lens.size and lens.min() < 0:
+        raise ValueError("seq_lens must not be negative")
+    pages = -(-lens // page_size)
+    if pages.size and pages.max() > table.shape[1]:
+        b = int(np.argmax(pages > table.shape[1]))
+        raise ValueError(
+            f"request {b} holds {int(lens[b])} tokens, {int(pages[b])} pages of {page_size}, "
+            f"past the block table's {table.shape[1]} columns"
+        )
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    keep = np.arange(table.shape[1])[None, :] < pages[:, None]
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
+    return CsrPageTable(indptr, table[keep].astype(np.int32), last.astype(np.int32))
+
+
+_GPU_ONLY = {
+    "o_sf_scale": None,
+    "o_sf_vec_size": None,
+    "sinks": None,
+    "skip_softmax_threshold_scale_factor": None,
+    "kv_cache_sf": None,
+    "mask": None,
+    "multi_ctas_kv_counter_buffer": None,
+    "enable_block_sparse_attention": False,
+    "cp_world": 1,
+    "causal_seqlens_kv_global": None,
+    "bf16q_fp8kv_transform_mode": None,
+    "request_order": None,
+    "request_order_plan": None,
+    "use_fp16_softmax": False,
+    "uses_spcompress": False,
+}
+"""Options of FlashInfer's GPU kernels pagedkv does not have, at the value
+that leaves them off."""
+
+
+def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
+    given = [k for k, v in options.items() if k in _GPU_ONLY and not _is_off(v, _GPU_ONLY[k])]
+    if given:
+        raise ValueError(f"{function}: {', '.join(given)} are not supported by pagedkv")
+    if options.get("uses_shared_paged_kv_idx", True) is not True:
+        raise ValueError(f"{function}: separate K and V page tables are not supported")
+    if options.get("out_dtype") == "nvfp4":
+        raise ValueError(f"{function}: NVFP4 output is not supported")
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    if off is None:
+        return value is None
+    return isinstance(value, (bool, int, float)) and value == off
+
+
+def _scalar(name: str, value: Any) -> float:
+    """A fused scale given as a float or a one-element tensor."""
+    try:
+        number = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a number or a one-element tensor") from e
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    return number
+
+
+def _cache_geometry(kv_cache: Any, kv_layout: str) -> tuple[int, int, int]:
+    """(page_size, num_kv_heads, head_dim) of FlashInfer's paged cache: one
+    tensor [pages, 2, P, H, D] (NHD; [pages, 2, H, P, D] for HND) or a K, V pair."""
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if isinstance(kv_cache, (tuple, list)):
+        shape = tuple(kv_cache[0].shape)
+        if len(kv_cache) != 2 or len(shape) != 4 or tuple(kv_cache[1].shape) != shape:
+            raise ValueError("kv_cache must be one tensor or a pair of equal 4-D K and V tensors")
+    else:
+        full = tuple(kv_cache.shape)
+        if len(full) != 5 or full[1] != 2:
+            raise ValueError(f"kv_cache must be [num_pages, 2, ...] (5-D), got {full}")
+        shape = (full[0], *full[2:])
+    _, a, b, head_dim = shape
+    return (a, b, head_dim) if kv_layout == "NHD" else (b, a, head_dim)
+
+
+def _paged_attention(
+    function: str,
+    query: Array,
+    kv_cache: Any,
+    workspace_buffer: Array,
+    block_tables: Array,
+    seq_lens: Array,
+    qo_indptr: np.ndarray | None,
+    q_len_per_req: int,
+    sm_scale: float,
+    v_scale: float,
+    causal: bool,
+    window_left: int,
+    kv_layout: str,
+    out: Array | None,
+    lse: Array | None,
+    return_lse: bool,
+) -> Any:
+    """One plan and run: the decode wrapper for uniform query lengths, the
+    causal prefill wrapper for ragged ones (qo_indptr)."""
+    page_size, num_kv_heads, head_dim = _cache_geometry(kv_cache, kv_layout)
+    table = csr_from_block_tables(block_tables, seq_lens, page_size)
+    if query.ndim != 3:
+        raise ValueError(f"{function}: query must be [tokens, num_qo_heads, head_dim]")
+    kv_dtype = (kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache).dtype
+    geometry = (query.shape[1], num_kv_heads, head_dim, page_size)
+    if qo_indptr is None:
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            workspace_buffer, kv_layout, use_tensor_cores=q_len_per_req > 1
+        )
+        wrapper.plan(
+            table.indptr, table.indices, table.last_page_len, *geometry,
+            window_left=window_left, sm_scale=sm_scale, q_data_type=query.dtype,
+            kv_data_type=kv_dtype, q_len_per_req=q_len_per_req,
+        )  # fmt: skip
+        return wrapper.run(
+            query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse
+        )
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
+    wrapper.plan(
+        qo_indptr, table.indptr, table.indices, table.last_page_len, *geometry,
+        causal=causal, sm_scale=sm_scale, window_left=window_left,
+        q_data_type=query.dtype, kv_data_type=kv_dtype,
+    )  # fmt: skip
+    return wrapper.run(query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse)
+
+
+def _finish(result: Any, out_dtype: Any, return_lse: bool) -> Any:
+    """The output cast to out_dtype (when another is asked for) beside its lse."""
+    o, lse = result if return_lse else (result, None)
+    if out_dtype is not None and out_dtype != o.dtype:
+        o = o.to(out_dtype) if hasattr(o, "to") else o.astype(out_dtype)
+    return (o, lse) if return_lse else o
+
+
+def trtllm_batch_decode_with_kv_cache(
+    query: Array,
+    kv_cache: Any,
+    workspace_buffer: Array,
+    block_tables: Array,
+    seq_lens: Array,
+    max_seq_len: int,
+    bmm1_scale: Any = 1.0,
+    bmm2_scale: Any = 1.0,
+    window_left: int = -1,
+    out: Array | None = None,
+    out_dtype: Any = None,
+    o_sf_scale: float | None = None,
+    o_sf_vec_size: int | None = None,
+    sinks: Any = None,
+    kv_layout: str = "HND",
+    enable_pdl: bool | None = None,
+    backend: str = "auto",
+    q_len_per_req: int | None = 1,
+    o_scale: float | None = 1.0,
+    mask: Array | None = None,
+    max_q_len: int | None = None,
+    cum_seq_lens_q: Array | None = None,
+    skip_softmax_threshold_scale_factor: float | None = None,
+    kv_cache_sf: Any = None,
+    uses_shared_paged_kv_idx: bool = True,
+    lse: Array | None = None,
+    return_lse: bool = False,
+    bmm1_scale_log2: Array | None = None,
+    multi_ctas_kv_counter_buffer: Array | None = None,
+    enable_block_sparse_attention: bool = False,
+    cp_world: int = 1,
+    cp_rank: int = 0,
+    causal_seqlens_kv_global: Array | None = None,
+    bf16q_fp8kv_transform_mode: str | None = None,
+    request_order: Array | None = None,
+    request_order_plan: Any = None,
+) -> Any:
+    """Decode attention of query [B * q_len_per_req, Hq, D] over the pages
+    block_tables [B, max_pages] names, seq_lens [B] tokens each, FlashInfer
+    0.7's signature (module docstring).
+
+    q_len_per_req > 1, or cum_seq_lens_q [B + 1] with max_q_len for ragged
+    query counts, is speculative decode: each request's queries are its
+    last tokens, causal. bmm1_scale_log2, given, replaces bmm1_scale
+    (``bmm1_scale * log2(e)``). max_seq_len, enable_pdl, backend, o_scale
+    (must be 1) and cp_rank are accepted and read no further. Returns the
+    output (out when given), and its lse [tokens, Hq] with return_lse or lse.
+
+    Examples
+    --------
+    >>> import torch, pagedkv
+    >>> cache = torch.randn(4, 2, 2, 16, 64)       # HND: [pages, 2, Hkv, P, D]
+    >>> q = torch.randn(2, 8, 64)
+    >>> o = pagedkv.trtllm_batch_decode_with_kv_cache(
+    ...     q, cache, None, torch.tensor([[0, 1], [2, 0]]), torch.tensor([20, 5]), 32,
+    ...     bmm1_scale=64 ** -0.5)
+    >>> o.shape
+    torch.Size([2, 8, 64])
+    """
+    options = dict(locals())
+    _refuse_gpu_only("trtllm_batch_decode_with_kv_cache", options)
+    if o_scale not in (None, 1.0):
+        raise ValueError("o_scale must be 1.0 (it belongs to XQA's float8 output)")
+    sm_scale = (
+        _scalar("bmm1_scale", bmm1_scale)
+        if bmm1_scale_log2 is None
+        else _scalar("bmm1_scale_log2", bmm1_scale_log2) / math.log2(math.e)
+    )
+    if (cum_seq_lens_q is None) != (max_q_len is None):
+        raise ValueError("cum_seq_lens_q and max_q_len come together")
+    qo_indptr = None if cum_seq_lens_q is None else _host_ints("cum_seq_lens_q", cum_seq_lens_q, 1)
+    result = _paged_attention(
+        "trtllm_batch_decode_with_kv_cache", query, kv_cache, workspace_buffer,
+        block_tables, seq_lens, qo_indptr, q_len_per_req or 1, sm_scale,
+        _scalar("bmm2_scale", bmm2_scale), True, window_left, kv_layout, out, lse,
+        return_lse or lse is not None,
+    )  # fmt: skip
+    return _finish(result, out_dtype, return_lse or lse is not None)
+
+
+def xqa_batch_decode_with_kv_cache(
+    query: Array,
+    kv_cache: Any,
+    workspace_buffer: Array,
+    block_tables: Array,
+    seq_lens: Array,
+    max_seq_len: int,
+    bmm1_scale: Any = 1.0,
+    bmm2_scale: Any = 1.0,
+    window_left: int = -1,
+    out: Array | None = None,
+    sinks: Any = None,
+    kv_layout: str = "NHD",
+    enable_pdl: bool | None = None,
+    q_len_per_req: int | None = 1,
+    o_scale: float | None = 1.0,
+    mask: Array | None = None,
+    kv_cache_sf: Any = None,
+    q_cu_seq_lens: Array | None = None,
+) -> Array:
+    """`trtllm_batch_decode_with_kv_cache` in XQA's signature (NHD by
+    default; q_cu_seq_lens [B + 1] for ragged speculative queries).
+
+    Examples
+    --------
+    >>> import torch, pagedkv
+    >>> cache = torch.randn(4, 2, 16, 2, 64)       # NHD: [pages, 2, P, Hkv, D]
+    >>> o = pagedkv.xqa_batch_decode_with_kv_cache(
+    ...     torch.randn(1, 8, 64), cache, None, torch.tensor([[3]]), torch.tensor([9]), 16)
+    >>> o.shape
+    torch.Size([1, 8, 64])
+    """
+    _refuse_gpu_only("xqa_batch_decode_with_kv_cache", dict(locals()))
+    ragged = q_cu_seq_lens is not None
+    return trtllm_batch_decode_with_kv_cache(
+        query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len,
+        bmm1_scale, bmm2_scale, window_left, out, kv_layout=kv_layout,
+        q_len_per_req=q_len_per_req, o_scale=o_scale, cum_seq_lens_q=q_cu_seq_lens,
+        max_q_len=max_seq_len if ragged else None,
+    )  # fmt: skip
+
+
+def trtllm_batch_context_with_kv_cache(
+    query: Array,
+    kv_cache: Any,
+    workspace_buffer: Array,
+    block_tables: Array,
+    seq_lens: Array,
+    max_q_len: int,
+    max_kv_len: int,
+    bmm1_scale: Any,
+    bmm2_scale: Any,
+    batch_size: int,
+    cum_seq_lens_q: Array,
+    cum_seq_lens_kv: Array,
+    window_left: int = -1,
+    out: Array | None = None,
+    out_dtype: Any = None,
+    o_sf_scale: float | None = None,
+    o_sf_vec_size: int | None = None,
+    kv_layout: str = "HND",
+    enable_pdl: bool | None = None,
+    sinks: Any = None,
+    kv_cache_sf: Any = None,
+    skip_softmax_threshold_scale_factor: float | None = None,
+    uses_shared_paged_kv_idx: bool = True,
+    causal: bool = True,
+    lse: Array | None = None,
+    return_lse: bool = False,
+    multi_ctas_kv_counter_buffer: Array | None = None,
+    use_fp16_softmax: bool = False,
+    uses_spcompress: bool = False,
+    backend: str = "trtllm-gen",
+) -> Any:
+    """Prefill attention of query [cum_seq_lens_q[-1], Hq, D] over the pages
+    block_tables [B, max_pages] names, seq_lens [B] tokens each (the
+    queries' own included), FlashInfer 0.7's signature (module docstring).
+
+    causal aligns each request's queries to the end of its sequence.
+    cum_seq_lens_kv must agree with seq_lens; batch_size with B; max_q_len,
+    max_kv_len, enable_pdl and backend are accepted and read no further.
+
+    Examples
+    --------
+    >>> import torch, pagedkv
+    >>> cache = torch.randn(4, 2, 2, 16, 64)       # HND: [pages, 2, Hkv, P, D]
+    >>> o = pagedkv.trtllm_batch_context_with_kv_cache(
+    ...     torch.randn(7, 8, 64), cache, None, torch.tensor([[0, 1], [2, 3]]),
+    ...     torch.tensor([20, 3]), 4, 20, 0.125, 1.0, 2, torch.tensor([0, 4, 7]),
+    ...     torch.tensor([0, 20, 23]))
+    >>> o.shape
+    torch.Size([7, 8, 64])
+    """
+    _refuse_gpu_only("trtllm_batch_context_with_kv_cache", dict(locals()))
+    lens = _host_ints("seq_lens", seq_lens, 1)
+    kv_indptr = _host_ints("cum_seq_lens_kv", cum_seq_lens_kv, 1)
+    if batch_size != lens.shape[0] or not np.array_equal(np.diff(kv_indptr), lens):
+        raise ValueError("batch_size and cum_seq_lens_kv must agree with seq_lens")
+    result = _paged_attention(
+        "trtllm_batch_context_with_kv_cache", query, kv_cache, workspace_buffer,
+        block_tables, lens, _host_ints("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
+        _scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale), causal,
+        window_left, kv_layout, out, lse, return_lse or lse is not None,
+    )  # fmt: skip
+    return _finish(result, out_dtype, return_lse or lse is not None)

@@ -1,0 +1,195 @@
+"""FlashInfer's block-table entry points against a float64 reference that
+reads each request's tokens straight out of its block-table row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedkv
+
+torch = pytest.importorskip("torch")
+
+
+def reference(q, cache, layout, table, seq_lens, q_lens, sm_scale, v_scale, causal, window_left):
+    """float64 attention: request b's keys are tokens 0..seq_lens[b]-1 of the
+    pages table[b] names; its q_lens[b] queries sit at the sequence's end."""
+    k_pages, v_pages = cache[:, 0].double(), cache[:, 1].double()
+    if layout == "HND":
+        k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // kv_heads
+    out, row = [], 0
+    for b, (n, qn) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        pages = table[b, : -(-n // page_size)]
+        k = k_pages[pages].reshape(-1, kv_heads, k_pages.shape[-1])[:n]
+        v = v_pages[pages].reshape(-1, kv_heads, v_pages.shape[-1])[:n]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        qb = q[row : row + qn].double()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
+        q_pos = torch.arange(n - qn, n)[:, None]
+        k_pos = torch.arange(n)[None, :]
+        allowed = torch.ones(qn, n, dtype=torch.bool)
+        if causal:
+            allowed &= k_pos <= q_pos
+        if window_left >= 0:
+            allowed &= q_pos - k_pos <= window_left
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v) * v_scale)
+        row += qn
+    return torch.cat(out)
+
+
+def make_case(seed, layout, seq_lens, q_lens, page_size=16, kv_heads=2, group=4, dim=64):
+    gen = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // page_size) for n in seq_lens]
+    width = max(pages_each) + 1
+    num_pages = sum(pages_each) + 3
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(seq_lens), width), 0, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_each):
+        table[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_pages, 2, page_size, kv_heads, dim) if layout == "NHD" else (
+        num_pages, 2, kv_heads, page_size, dim)  # fmt: skip
+    cache = torch.randn(shape, generator=gen)
+    q = torch.randn(sum(q_lens), kv_heads * group, dim, generator=gen)
+    return q, cache, table
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_trtllm_decode_equals_reference(layout, q_len):
+    seq_lens = [37, 16, 5, 100]
+    q, cache, table = make_case(1, layout, seq_lens, [q_len] * 4)
+    sm_scale, v_scale = 0.11, 0.7
+    o, lse = pagedkv.trtllm_batch_decode_with_kv_cache(
+        q, cache, None, table, torch.tensor(seq_lens, dtype=torch.int32), 128,
+        bmm1_scale=sm_scale, bmm2_scale=v_scale, kv_layout=layout,
+        q_len_per_req=q_len, return_lse=True,
+    )  # fmt: skip
+    want = reference(q, cache, layout, table, seq_lens, [q_len] * 4, sm_scale, v_scale, True, -1)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+    assert lse.shape == (q.shape[0], q.shape[1])
+
+
+def test_trtllm_decode_ragged_queries_window_and_scale_log2():
+    seq_lens, q_lens = [40, 9, 70], [2, 1, 4]
+    q, cache, table = make_case(2, "HND", seq_lens, q_lens)
+    sm_scale = 0.125
+    o = pagedkv.trtllm_batch_decode_with_kv_cache(
+        q, cache, None, table, torch.tensor(seq_lens), 80, bmm2_scale=torch.tensor(1.0),
+        window_left=20, max_q_len=4, cum_seq_lens_q=torch.tensor([0, 2, 3, 7]),
+        bmm1_scale_log2=torch.tensor(sm_scale * np.log2(np.e)),
+    )  # fmt: skip
+    want = reference(q, cache, "HND", table, seq_lens, q_lens, sm_scale, 1.0, True, 20)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_xqa_decode_equals_reference():
+    seq_lens = [33, 64]
+    q, cache, table = make_case(3, "NHD", seq_lens, [1, 1])
+    o = pagedkv.xqa_batch_decode_with_kv_cache(
+        q, cache, None, table, torch.tensor(seq_lens), 64, bmm1_scale=0.2
+    )
+    want = reference(q, cache, "NHD", table, seq_lens, [1, 1], 0.2, 1.0, True, -1)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_trtllm_context_equals_reference(causal):
+    seq_lens, q_lens = [50, 17, 8], [50, 5, 8]
+    q, cache, table = make_case(4, "HND", seq_lens, q_lens)
+    o = pagedkv.trtllm_batch_context_with_kv_cache(
+        q, cache, None, table, torch.tensor(seq_lens), 50, 50, 0.1, 0.5, 3,
+        torch.tensor([0, 50, 55, 63]), torch.tensor([0, 50, 67, 75]), causal=causal,
+        out_dtype=torch.float64,
+    )  # fmt: skip
+    want = reference(q, cache, "HND", table, seq_lens, q_lens, 0.1, 0.5, causal, -1)
+    assert o.dtype == torch.float64
+    torch.testing.assert_close(o, want, atol=2e-5, rtol=2e-5)
+
+
+def test_csr_from_block_tables_reads_only_the_used_columns():
+    t = pagedkv.csr_from_block_tables(
+        np.array([[7, 8, 9], [4, 5, 6], [1, 2, 3]]), np.array([33, 0, 16]), 16
+    )
+    assert t.indptr.tolist() == [0, 3, 3, 4]
+    assert t.indices.tolist() == [7, 8, 9, 1]
+    assert t.last_page_len.tolist() == [1, 0, 16]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seq_lens": torch.tensor([40, 200])}, "past the block table"),
+        ({"seq_lens": torch.tensor([40, -1])}, "negative"),
+        ({"sinks": [torch.zeros(8)]}, "sinks"),
+        ({"uses_shared_paged_kv_idx": False}, "separate K and V"),
+        ({"out_dtype": "nvfp4"}, "NVFP4"),
+        ({"bmm1_scale": float("nan")}, "finite"),
+        ({"kv_layout": "NCHW"}, "kv_layout"),
+        ({"block_tables": torch.zeros(2, 3)}, "integer"),
+    ],
+)
+def test_bad_block_table_calls_raise_before_writing(change, message):
+    q, cache, table = make_case(5, "HND", [40, 20], [1, 1])
+    out = torch.full_like(q, 7.0)
+    args = {"seq_lens": torch.tensor([40, 20]), "block_tables": table, "out": out} | change
+    with pytest.raises(ValueError, match=message):
+        pagedkv.trtllm_batch_decode_with_kv_cache(q, cache, None, max_seq_len=64, **args)
+    assert bool((out == 7.0).all())
+
+
+FLASHINFER_0_7_PARAMETERS = {
+    "trtllm_batch_decode_with_kv_cache": (
+        "query kv_cache workspace_buffer block_tables seq_lens max_seq_len bmm1_scale "
+        "bmm2_scale window_left out out_dtype o_sf_scale o_sf_vec_size sinks kv_layout "
+        "enable_pdl backend q_len_per_req o_scale mask max_q_len cum_seq_lens_q "
+        "skip_softmax_threshold_scale_factor kv_cache_sf uses_shared_paged_kv_idx lse "
+        "return_lse bmm1_scale_log2 multi_ctas_kv_counter_buffer enable_block_sparse_attention "
+        "cp_world cp_rank causal_seqlens_kv_global bf16q_fp8kv_transform_mode request_order "
+        "request_order_plan"
+    ),
+    "xqa_batch_decode_with_kv_cache": (
+        "query kv_cache workspace_buffer block_tables seq_lens max_seq_len bmm1_scale "
+        "bmm2_scale window_left out sinks kv_layout enable_pdl q_len_per_req o_scale mask "
+        "kv_cache_sf q_cu_seq_lens"
+    ),
+    "trtllm_batch_context_with_kv_cache": (
+        "query kv_cache workspace_buffer block_tables seq_lens max_q_len max_kv_len bmm1_scale "
+        "bmm2_scale batch_size cum_seq_lens_q cum_seq_lens_kv window_left out out_dtype "
+        "o_sf_scale o_sf_vec_size kv_layout enable_pdl sinks kv_cache_sf "
+        "skip_softmax_threshold_scale_factor uses_shared_paged_kv_idx causal lse return_lse "
+        "multi_ctas_kv_counter_buffer use_fp16_softmax uses_spcompress backend"
+    ),
+}
+"""The parameters of FlashInfer 0.7.2's functions (flashinfer/decode.py and
+prefill.py of its wheel), in order, so positional calls land where they do there."""
+
+
+@pytest.mark.parametrize("name", sorted(FLASHINFER_0_7_PARAMETERS))
+def test_block_table_functions_take_flashinfers_positional_order(name):
+    import inspect
+
+    params = list(inspect.signature(getattr(pagedkv, name)).parameters)
+    assert params == FLASHINFER_0_7_PARAMETERS[name].split()
+
+
+def test_import_flashinfer_serves_the_block_table_functions():
+    import pagedkv.flashinfer_compat as compat
+
+    compat.install()
+    import flashinfer.decode
+    import flashinfer.prefill
+
+    assert flashinfer.decode.trtllm_batch_decode_with_kv_cache is (
+        pagedkv.trtllm_batch_decode_with_kv_cache
+    )
+    assert flashinfer.decode.xqa_batch_decode_with_kv_cache is (
+        pagedkv.xqa_batch_decode_with_kv_cache
+    )
+    assert flashinfer.prefill.trtllm_batch_context_with_kv_cache is (
+        pagedkv.trtllm_batch_context_with_kv_cache
+    )
