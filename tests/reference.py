@@ -177,6 +177,7 @@ def attention(
     v_scale: float = 1.0,
     alibi_from_zero: bool = False,
     mask: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 attention of one request: q [Lq, Hq, D] at q_positions over
     k, v [L, Hkv, D] at positions 0..L-1. Returns o [Lq, Hq, D] and the base-2
@@ -185,7 +186,9 @@ def attention(
     ALiBi biases key j by slope * (j - q_position) (FlashInfer's prefill), or
     with alibi_from_zero by slope * j (FlashInfer's decode kernels): the same
     o, an lse higher by slope * q_position * log2(e). mask [Lq, L] (bool), if
-    given, hides the keys where it is False (FlashInfer's custom mask)."""
+    given, hides the keys where it is False (FlashInfer's custom mask).
+    sinks [Hq], if given, are gpt-oss's sink logits: one more term e^sink in
+    each row's denominator, with no value (FlashInfer's sink_softmax)."""
     q = q.astype(np.float64)
     k = k.astype(np.float64)
     v = v.astype(np.float64)
@@ -214,9 +217,14 @@ def attention(
         visible &= mask
     s = np.where(visible[:, None, :], s, -np.inf)
     top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None]
+    if sink is not None:
+        top = np.maximum(top, sink)
     safe_top = np.where(np.isfinite(top), top, 0)
     p = np.exp(s - safe_top)
     total = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - safe_top)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.einsum("qhk,khd->qhd", np.where(total > 0, p / total, 0), v) * v_scale
         lse = np.where(

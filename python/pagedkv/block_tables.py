@@ -10,9 +10,9 @@ pagedkv's decode and prefill wrappers. The attention scale comes fused, as in
 FlashInfer: ``bmm1_scale = q_scale * k_scale * sm_scale`` and ``bmm2_scale =
 v_scale / o_scale``. Speculative decode (``q_len_per_req > 1``, or
 variable query lengths through ``cum_seq_lens_q``) is causal, aligned to the
-end of each sequence. What only the GPU kernels do (NVFP4 outputs, sinks,
-block sparsity, context parallelism, separate K and V page tables) raises
-before anything is written.
+end of each sequence; sinks are gpt-oss's (pagedkv.attention_sinks). What
+only the GPU kernels do (NVFP4 outputs, block sparsity, context parallelism,
+separate K and V page tables) raises before anything is written.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) 
 _GPU_ONLY = {
     "o_sf_scale": None,
     "o_sf_vec_size": None,
-    "sinks": None,
     "skip_softmax_threshold_scale_factor": None,
     "kv_cache_sf": None,
     "mask": None,
@@ -176,6 +175,7 @@ def _paged_attention(
     out: Array | None,
     lse: Array | None,
     return_lse: bool,
+    sinks: Any,
 ) -> Any:
     """One plan and run: the decode wrapper for uniform query lengths, the
     causal prefill wrapper for ragged ones (qo_indptr)."""
@@ -195,7 +195,7 @@ def _paged_attention(
             kv_data_type=kv_dtype, q_len_per_req=q_len_per_req,
         )  # fmt: skip
         return wrapper.run(
-            query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse
+            query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse, sinks=sinks
         )
     wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
     wrapper.plan(
@@ -203,7 +203,9 @@ def _paged_attention(
         causal=causal, sm_scale=sm_scale, window_left=window_left,
         q_data_type=query.dtype, kv_data_type=kv_dtype,
     )  # fmt: skip
-    return wrapper.run(query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse)
+    return wrapper.run(
+        query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse, sinks=sinks
+    )
 
 
 def _finish(result: Any, out_dtype: Any, return_lse: bool) -> Any:
@@ -290,7 +292,7 @@ def trtllm_batch_decode_with_kv_cache(
         "trtllm_batch_decode_with_kv_cache", query, kv_cache, workspace_buffer,
         block_tables, seq_lens, qo_indptr, q_len_per_req or 1, sm_scale,
         _scalar("bmm2_scale", bmm2_scale), True, window_left, kv_layout, out, lse,
-        return_lse or lse is not None,
+        return_lse or lse is not None, sinks,
     )  # fmt: skip
     return _finish(result, out_dtype, return_lse or lse is not None)
 
@@ -331,7 +333,7 @@ def xqa_batch_decode_with_kv_cache(
     ragged = q_cu_seq_lens is not None
     return trtllm_batch_decode_with_kv_cache(
         query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len,
-        bmm1_scale, bmm2_scale, window_left, out, kv_layout=kv_layout,
+        bmm1_scale, bmm2_scale, window_left, out, sinks=sinks, kv_layout=kv_layout,
         q_len_per_req=q_len_per_req, o_scale=o_scale, cum_seq_lens_q=q_cu_seq_lens,
         max_q_len=max_seq_len if ragged else None,
     )  # fmt: skip
@@ -397,6 +399,6 @@ def trtllm_batch_context_with_kv_cache(
         "trtllm_batch_context_with_kv_cache", query, kv_cache, workspace_buffer,
         block_tables, lens, _host_ints("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
         _scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale), causal,
-        window_left, kv_layout, out, lse, return_lse or lse is not None,
+        window_left, kv_layout, out, lse, return_lse or lse is not None, sinks,
     )  # fmt: skip
     return _finish(result, out_dtype, return_lse or lse is not None)

@@ -29,6 +29,7 @@ from ._plan.work import (
     decode_work,
     heads_per_task,
 )
+from .attention_sinks import merge_sinks, sink_log2_lse
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, plan_kv_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -435,7 +436,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         server that keeps them across layers allocates nothing per call. They
         must not overlap q or the cache. window_left and q_len_per_req, if
         given, must be the planned ones; enable_pdl (a CUDA launch detail) is
-        ignored; sinks must be None. kv_cache_sf: an NVFP4 cache's block
+        ignored. sinks: float [Hq], a logit a head added to each
+        softmax's denominator (pagedkv.attention_sinks). kv_cache_sf: an NVFP4 cache's block
         scales (pagedkv.nvfp4, planned with kv_data_type=uint8; k_scale /
         v_scale its global scales).
 
@@ -452,8 +454,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             paged_kv_cache = attention_cache(
                 paged_kv_cache, kv_cache_sf, self._kv_layout, q, plan.table
             )
+        sink_lse = None
         if sinks is not None:
-            raise ValueError("attention sinks are not supported")
+            sink_lse = sink_log2_lse(sinks, int(self._planned["num_qo_heads"]))
         for name, given in (("window_left", window_left), ("q_len_per_req", q_len_per_req)):
             if given is not None and given != self._planned[name]:
                 raise ValueError(f"{name}={given} differs from the planned {self._planned[name]}")
@@ -469,11 +472,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             qk = None
             if q_scale is not None or k_scale is not None:
                 qk = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
-            return self._multi.run(q, paged_kv_cache, qk, v_scale, return_lse, out=out, lse=lse)
+            return self._multi.run(
+                q, paged_kv_cache, qk, v_scale, return_lse, out=out, lse=lse, sinks=sinks
+            )
         assert self._plan is not None
         o, lse = self._plan.run(
-            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
-        )
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
+            return_lse or sink_lse is not None,
+        )  # fmt: skip
+        if sink_lse is not None:
+            merge_sinks(o, lse, sink_lse)
         return (o, lse) if return_lse else o
 
     def run_return_lse(

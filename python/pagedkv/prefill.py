@@ -34,6 +34,7 @@ from ._plan.work import (
     check_heads,
     prefill_work,
 )
+from .attention_sinks import merge_sinks, sink_log2_lse
 from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dtype
@@ -361,7 +362,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place, as in
         BatchDecodeWithPagedKVCacheWrapper.run. window_left, if given, must
-        be the planned one; enable_pdl is ignored; sinks must be None.
+        be the planned one; enable_pdl is ignored. sinks: float [Hq], a logit
+        a head added to each softmax's denominator (pagedkv.attention_sinks).
 
         Example
         -------
@@ -370,8 +372,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         del enable_pdl
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
+        sink_lse = None
         if sinks is not None:
-            raise ValueError("attention sinks are not supported")
+            sink_lse = sink_log2_lse(sinks, int(self._plan.num_qo_heads))
         planned = self._plan.options.window_left
         if window_left is not None and window_left != planned:
             raise ValueError(f"window_left={window_left} differs from the planned {planned}")
@@ -380,8 +383,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 paged_kv_cache, kv_cache_sf, self._kv_layout, q, self._plan.table
             )
         o, lse = self._plan.run(
-            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse, return_lse
-        )
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
+            return_lse or sink_lse is not None,
+        )  # fmt: skip
+        if sink_lse is not None:
+            merge_sinks(o, lse, sink_lse)
         return (o, lse) if return_lse else o
 
     def run_return_lse(

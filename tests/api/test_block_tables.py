@@ -125,7 +125,7 @@ def test_csr_from_block_tables_reads_only_the_used_columns():
     [
         ({"seq_lens": torch.tensor([40, 200])}, "past the block table"),
         ({"seq_lens": torch.tensor([40, -1])}, "negative"),
-        ({"sinks": [torch.zeros(8)]}, "sinks"),
+        ({"sinks": [torch.zeros(4)]}, "sinks"),
         ({"uses_shared_paged_kv_idx": False}, "separate K and V"),
         ({"out_dtype": "nvfp4"}, "NVFP4"),
         ({"bmm1_scale": float("nan")}, "finite"),

@@ -124,10 +124,15 @@ class AttentionOptions:
             if value is not None:
                 check_float(name, value, positive=True)
 
+    @property
+    def scale(self) -> float:
+        """sm_scale, or FlashInfer's default 1 / sqrt(head_dim)."""
+        return self.sm_scale if self.sm_scale is not None else 1 / math.sqrt(self.head_dim)
+
     def float_params(
         self, q_scale: float | None, k_scale: float | None, v_scale: float | None
     ) -> np.ndarray:
-        sm_scale = self.sm_scale if self.sm_scale is not None else 1 / math.sqrt(self.head_dim)
+        sm_scale = self.scale
         qk_scale = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
         params = np.zeros(FLOAT_PARAMS, np.float32)
         params[F_SM_SCALE] = sm_scale

@@ -7,7 +7,7 @@
 True
 
 The top-level names and the submodules FlashInfer's users and tests import
-(`decode`, `prefill`, `page`, `mla`, `cascade`, `utils`, `jit`, `quantization`,
+(`attention`, `decode`, `prefill`, `page`, `mla`, `cascade`, `utils`, `jit`, `quantization`,
 `fp4_quantization`) map to pagedkv's implementations. Names that exist only
 to drive FlashInfer's CUDA JIT (`jit.*`, `gen_*_module`) are no-ops; names
 pagedkv does not implement raise NotImplementedError when called, so that
@@ -17,6 +17,7 @@ code importing them still loads (see docs/flashinfer.md).
 from __future__ import annotations
 
 from ._install import install
+from .attention import BatchAttentionWithAttentionSinkWrapper
 from .cascade import (
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
     BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
@@ -30,6 +31,8 @@ from .decode import (
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
     fast_decode_plan,
     single_decode_with_kv_cache,
+    trtllm_batch_decode_with_kv_cache,
+    xqa_batch_decode_with_kv_cache,
 )
 from .fp4_quantization import (
     e2m1_and_ufp8sf_scale_to_float,
@@ -57,6 +60,7 @@ from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
+    trtllm_batch_context_with_kv_cache,
 )
 from .quantization import packbits, segment_packbits
 from .rope import (
@@ -73,6 +77,7 @@ from .rope import (
 )
 
 __all__ = [
+    "BatchAttentionWithAttentionSinkWrapper",
     "apply_llama31_rope",
     "apply_llama31_rope_inplace",
     "apply_llama31_rope_pos_ids",
@@ -115,4 +120,7 @@ __all__ = [
     "segment_packbits",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
+    "trtllm_batch_context_with_kv_cache",
+    "trtllm_batch_decode_with_kv_cache",
+    "xqa_batch_decode_with_kv_cache",
 ]
