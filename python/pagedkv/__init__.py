@@ -5,7 +5,7 @@ package validates arguments and dispatches to them, on NumPy arrays or torch
 tensors, writing caches in place.
 """
 
-from .attention import BatchAttentionWithAttentionSinkWrapper
+from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .block_tables import (
     csr_from_block_tables,
     trtllm_batch_context_with_kv_cache,
@@ -50,6 +50,7 @@ from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv
 from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 
 __all__ = [
+    "BatchAttention",
     "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",

@@ -118,6 +118,17 @@ WIDE_INDEX_DTYPES = (
 )
 
 
+def host_int_array(name: str, x: Any, ndim: int) -> np.ndarray:
+    """x's values as a host int64 array of ndim dimensions (a copy from a
+    device), raising ValueError for another rank or a non-integer dtype."""
+    values = to_host_numpy(x) if is_torch(x) else np.asarray(x)
+    if values.ndim != ndim or values.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must be a {ndim}-D integer array, got {values.dtype} {values.shape}"
+        )
+    return values.astype(np.int64)
+
+
 def as_int32_index(name: str, x: Array) -> Array:
     """x itself when it is int32; for another integer dtype (FlashInfer's own
     helpers give int64: `torch.cumsum` of int32 is int64) an int32 copy of x's

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import host_int_array
 from ._ops.tensors import Array
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -36,15 +37,6 @@ class CsrPageTable:
     indptr: np.ndarray
     indices: np.ndarray
     last_page_len: np.ndarray
-
-
-def _host_ints(name: str, value: Any, ndim: int) -> np.ndarray:
-    array = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
-    if array.ndim != ndim or array.dtype.kind not in "iu":
-        raise ValueError(
-            f"{name} must be a {ndim}-D integer array, got {array.dtype} {array.shape}"
-        )
-    return array.astype(np.int64)
 
 
 def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) -> CsrPageTable:
@@ -72,8 +64,8 @@ def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) 
     >>> t.indptr.tolist(), t.indices.tolist(), t.last_page_len.tolist()
     ([0, 2, 3], [3, 1, 2], [1, 2])
     """
-    table = _host_ints("block_tables", block_tables, 2)
-    lens = _host_ints("seq_lens", seq_lens, 1)
+    table = host_int_array("block_tables", block_tables, 2)
+    lens = host_int_array("seq_lens", seq_lens, 1)
     if page_size < 1:
         raise ValueError(f"page_size must be positive, got {page_size}")
     if lens.shape[0] != table.shape[0]:
@@ -287,7 +279,9 @@ def trtllm_batch_decode_with_kv_cache(
     )
     if (cum_seq_lens_q is None) != (max_q_len is None):
         raise ValueError("cum_seq_lens_q and max_q_len come together")
-    qo_indptr = None if cum_seq_lens_q is None else _host_ints("cum_seq_lens_q", cum_seq_lens_q, 1)
+    qo_indptr = (
+        None if cum_seq_lens_q is None else host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1)
+    )
     result = _paged_attention(
         "trtllm_batch_decode_with_kv_cache", query, kv_cache, workspace_buffer,
         block_tables, seq_lens, qo_indptr, q_len_per_req or 1, sm_scale,
@@ -391,13 +385,13 @@ def trtllm_batch_context_with_kv_cache(
     torch.Size([7, 8, 64])
     """
     _refuse_gpu_only("trtllm_batch_context_with_kv_cache", dict(locals()))
-    lens = _host_ints("seq_lens", seq_lens, 1)
-    kv_indptr = _host_ints("cum_seq_lens_kv", cum_seq_lens_kv, 1)
+    lens = host_int_array("seq_lens", seq_lens, 1)
+    kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if batch_size != lens.shape[0] or not np.array_equal(np.diff(kv_indptr), lens):
         raise ValueError("batch_size and cum_seq_lens_kv must agree with seq_lens")
     result = _paged_attention(
         "trtllm_batch_context_with_kv_cache", query, kv_cache, workspace_buffer,
-        block_tables, lens, _host_ints("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
+        block_tables, lens, host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
         _scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale), causal,
         window_left, kv_layout, out, lse, return_lse or lse is not None, sinks,
     )  # fmt: skip

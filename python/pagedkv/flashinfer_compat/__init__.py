@@ -17,7 +17,7 @@ code importing them still loads (see docs/flashinfer.md).
 from __future__ import annotations
 
 from ._install import install
-from .attention import BatchAttentionWithAttentionSinkWrapper
+from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .cascade import (
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
     BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
@@ -77,6 +77,7 @@ from .rope import (
 )
 
 __all__ = [
+    "BatchAttention",
     "BatchAttentionWithAttentionSinkWrapper",
     "apply_llama31_rope",
     "apply_llama31_rope_inplace",

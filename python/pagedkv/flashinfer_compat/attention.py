@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ..attention import BatchAttentionWithAttentionSinkWrapper
+from ..attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 
-__all__ = ["BatchAttentionWithAttentionSinkWrapper"]
+__all__ = ["BatchAttention", "BatchAttentionWithAttentionSinkWrapper"]
