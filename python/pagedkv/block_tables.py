@@ -18,72 +18,15 @@ separate K and V page tables) raises before anything is written.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._checks import host_int_array
 from ._ops.tensors import Array
+from ._plan.block_tables import csr_from_block_tables
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
-
-
-@dataclass(frozen=True)
-class CsrPageTable:
-    """A block table's pages as FlashInfer's CSR page table (int32 arrays):
-    indptr [B + 1], indices [indptr[-1]], last_page_len [B]."""
-
-    indptr: np.ndarray
-    indices: np.ndarray
-    last_page_len: np.ndarray
-
-
-def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) -> CsrPageTable:
-    """The CSR page table holding the same pages as a block table.
-
-    Parameters
-    ----------
-    block_tables : int array [B, max_pages]
-        Request b's pages in order; entries past its last page are not read.
-    seq_lens : int array [B]
-        Tokens cached for each request (its queries' own included).
-    page_size : int
-        Tokens a page.
-
-    Returns
-    -------
-    CsrPageTable
-        indptr, indices and last_page_len as `BatchDecodeWithPagedKVCacheWrapper.plan`
-        takes them.
-
-    Examples
-    --------
-    >>> import numpy as np, pagedkv
-    >>> t = pagedkv.csr_from_block_tables(np.array([[3, 1, 0], [2, 0, 0]]), np.array([5, 2]), 4)
-    >>> t.indptr.tolist(), t.indices.tolist(), t.last_page_len.tolist()
-    ([0, 2, 3], [3, 1, 2], [1, 2])
-    """
-    table = host_int_array("block_tables", block_tables, 2)
-    lens = host_int_array("seq_lens", seq_lens, 1)
-    if page_size < 1:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    if lens.shape[0] != table.shape[0]:
-        raise ValueError(f"seq_lens {lens.shape} and block_tables {table.shape} differ in batch")
-    if lens.size and lens.min() < 0:
-        raise ValueError("seq_lens must not be negative")
-    pages = -(-lens // page_size)
-    if pages.size and pages.max() > table.shape[1]:
-        b = int(np.argmax(pages > table.shape[1]))
-        raise ValueError(
-            f"request {b} holds {int(lens[b])} tokens, {int(pages[b])} pages of {page_size}, "
-            f"past the block table's {table.shape[1]} columns"
-        )
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    keep = np.arange(table.shape[1])[None, :] < pages[:, None]
-    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-    return CsrPageTable(indptr, table[keep].astype(np.int32), last.astype(np.int32))
-
 
 _GPU_ONLY = {
     "o_sf_scale": None,

@@ -16,6 +16,7 @@ from max.dtype import DType
 from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
+from ._plan.block_tables import check_block_tables_agree
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, FixedWork, PageTable, attention_spec
 from ._plan.work import (
@@ -160,6 +161,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_len_per_req: int = 1,
         *,
         window_right: int = 0,
+        is_causal: bool | None = None,
     ) -> None:
         """Prepares the batch described by the CSR page table.
 
@@ -183,8 +185,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             causally to its cache, whose last q_len_per_req tokens are theirs.
         non_blocking
             Accepted and ignored: plan() copies the table to the host anyway.
-        block_tables, seq_lens, window_right
-            FlashInfer's trtllm-gen / cute-dsl inputs: must be None / 0.
+        block_tables, seq_lens
+            FlashInfer's trtllm-gen form of the same table ([B, max_pages],
+            [B]): given, they must name the same pages (ValueError otherwise).
+        window_right
+            FlashInfer's cute-dsl option: must be 0.
+        is_causal
+            None, or what q_len_per_req implies (q_len_per_req > 1), as
+            FlashInfer's fa2 backend takes it.
 
         Options as in FlashInfer; logits_soft_cap None or 0 is off. Integer
         options must fit int32 and float options be finite numbers
@@ -205,8 +213,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_data_type if kv_data_type is not None else data_type, q_data_type
         )
         q_len_per_req = self._check_plan_contract(
-            block_tables, seq_lens, window_right, q_len_per_req, q_data_type, o_data_type
+            window_right, q_len_per_req, is_causal, q_data_type, o_data_type
         )
+        if block_tables is not None or seq_lens is not None:
+            check_block_tables_agree(
+                block_tables, seq_lens, page_size, indptr, indices, last_page_len
+            )
         self._planned = dict(
             indptr=as_int32_index("indptr", indptr),
             indices=as_int32_index("indices", indices),
@@ -235,21 +247,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._frozen_q_len = q_len_per_req if self._fixed is not None else None
 
     def _check_plan_contract(
-        self, block_tables, seq_lens, window_right, q_len_per_req, q_data_type, o_data_type
+        self, window_right, q_len_per_req, is_causal, q_data_type, o_data_type
     ) -> int:
-        """Refuses what plan() does not take (FlashInfer's trtllm-gen inputs,
-        an o dtype other than q's, FlashInfer's contracts for several queries
-        per request, kept so that code written here runs there); returns
-        q_len_per_req checked."""
-        if block_tables is not None or seq_lens is not None or window_right != 0:
-            raise ValueError(
-                "block_tables, seq_lens and window_right != 0 are FlashInfer's trtllm-gen / "
-                "cute-dsl inputs; pagedkv takes the CSR page table"
-            )
+        """Refuses what plan() does not take (cute-dsl's window_right, an
+        is_causal other than q_len_per_req's, an o dtype other than q's,
+        FlashInfer's contracts for several queries per request, kept so that
+        code written here runs there); returns q_len_per_req checked."""
+        if window_right != 0:
+            raise ValueError("window_right != 0 is FlashInfer's cute-dsl input; it must be 0")
         if q_data_type is not None and o_data_type is not None:
             if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
                 raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
+        if is_causal is not None and bool(is_causal) != (q_len_per_req > 1):
+            raise NotImplementedError(
+                "the decode mask follows q_len_per_req (causal when > 1); "
+                "an explicit is_causal override is not supported, as in FlashInfer's fa2"
+            )
         if q_len_per_req > 1 and not self._use_tensor_cores:
             raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
         if q_len_per_req > 1 and self._backend in HOPPER_BACKENDS:

@@ -9,6 +9,7 @@ same options as decode.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,10 +21,12 @@ from ._checks import (
     check_index_array,
     check_int,
     host_index_copy,
+    host_int_array,
     layout_code,
 )
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
+from ._plan.block_tables import check_block_tables_agree
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, PageTable, attention_spec
 from ._plan.work import (
@@ -37,12 +40,36 @@ from ._plan.work import (
 from .attention_sinks import merge_sinks, sink_log2_lse
 from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
+from .lse_forms import finished_lse, staged_lse
 from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dtype
 
 
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """The compiled prefill op for these dtypes and layout."""
     return attention_spec(q_dtype, kv_dtype, layout)
+
+
+def refuse_gpu_variants(
+    skip_softmax_threshold_scale_factor: float | None = None,
+    use_fp16_softmax: bool = False,
+    uses_spcompress: bool = False,
+) -> None:
+    """Raises for FlashInfer's GPU kernel variants pagedkv has no form of
+    (skip-softmax sparsity, float16 softmax, compressed speculative KV)."""
+    given = [
+        name
+        for name, on in (
+            (
+                "skip_softmax_threshold_scale_factor",
+                skip_softmax_threshold_scale_factor is not None,
+            ),
+            ("use_fp16_softmax", bool(use_fp16_softmax)),
+            ("uses_spcompress", bool(uses_spcompress)),
+        )
+        if on
+    ]
+    if given:
+        raise ValueError(f"{', '.join(given)}: GPU kernel variants pagedkv does not have")
 
 
 FIXED_PREFILL_BUFFERS = (
@@ -84,7 +111,13 @@ class BatchPrefillWithPagedKVCacheWrapper:
         mask_indptr_buf: Array | None = None,
         backend: str = "auto",
         jit_args: object = None,
+        jit_kwargs: object = None,
+        variant_owns_mask: bool = False,
     ) -> None:
+        if variant_owns_mask:
+            raise ValueError(
+                "variant_owns_mask belongs to FlashInfer's JIT variants; pagedkv has none"
+            )
         if custom_mask_buf is not None or mask_indptr_buf is not None:
             raise ValueError(
                 "custom_mask_buf and mask_indptr_buf are not supported: pass the mask to plan()"
@@ -100,7 +133,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             )
         elif any(b is not None for b in buffers.values()):
             raise ValueError("the *_buf arguments go with use_cuda_graph=True")
-        if jit_args is not None:
+        if jit_args is not None or jit_kwargs is not None:
             raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         check_backend(backend, PREFILL_BACKENDS)
         self._layout = layout_code(kv_layout)
@@ -169,9 +202,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         fixed_split_size and disable_split_kv are accepted and change nothing
         (prefill work is tiled by queries, never split by keys). The
         parameters are in FlashInfer's order, so positional calls agree.
-        seq_lens, seq_lens_q, block_tables, max_token_per_sequence and
-        max_sequence_kv belong to FlashInfer's trtllm-gen backend; given, they
-        raise ValueError (this wrapper plans from the CSR page table).
+        block_tables and seq_lens (FlashInfer's trtllm-gen form of the
+        table), given, must name the CSR table's pages, and seq_lens_q
+        qo_indptr's counts (ValueError otherwise); max_token_per_sequence and
+        max_sequence_kv, trtllm-gen's launch bounds, are not read.
 
         Example
         -------
@@ -179,11 +213,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
         ...        causal=True, q_data_type=torch.float16)
         """
         del non_blocking, fixed_split_size, disable_split_kv, max_item_len_ptr
-        trtllm = (seq_lens, seq_lens_q, block_tables, max_token_per_sequence, max_sequence_kv)
+        del max_token_per_sequence, max_sequence_kv  # trtllm-gen's launch bounds
         masked = custom_mask is not None or packed_custom_mask is not None
         multi_item = (prefix_len_ptr, token_pos_in_items_ptr)
         dtypes, head_dims = (q_data_type, o_data_type), (head_dim_qk, head_dim_vo)
-        self._check_plan_contract(trtllm, multi_item, masked, window_left, dtypes, head_dims)
+        self._check_plan_contract(multi_item, masked, window_left, dtypes, head_dims)
+        if block_tables is not None or seq_lens is not None:
+            check_block_tables_agree(
+                block_tables, seq_lens, page_size, paged_kv_indptr, paged_kv_indices,
+                paged_kv_last_page_len,
+            )  # fmt: skip
+        if seq_lens_q is not None and not np.array_equal(
+            host_int_array("seq_lens_q", seq_lens_q, 1),
+            np.diff(host_int_array("qo_indptr", qo_indptr, 1)),
+        ):
+            raise ValueError("seq_lens_q must be the query counts qo_indptr gives")
         self._planned = dict(
             qo_indptr=qo_indptr,
             paged_kv_indptr=paged_kv_indptr,
@@ -207,19 +251,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._plan_pages(**self._planned, masks=(custom_mask, packed_custom_mask), multi_item=items)
 
     @staticmethod
-    def _check_plan_contract(trtllm, multi_item, masked, window_left, dtypes, head_dims) -> None:
-        """Refuses what plan() does not take: FlashInfer's trtllm-gen inputs,
-        multi-item scoring with a custom mask, half of its two arrays or a
-        window, an o dtype other than q's, a value head dim other than the
-        query's."""
-        names = ("seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence")
-        names += ("max_sequence_kv",)
-        given = [name for name, value in zip(names, trtllm, strict=True) if value is not None]
-        if given:
-            raise ValueError(
-                f"plan(): {', '.join(given)} belong to FlashInfer's trtllm-gen backend; "
-                "pagedkv plans from paged_kv_indptr, paged_kv_indices and paged_kv_last_page_len"
-            )
+    def _check_plan_contract(multi_item, masked, window_left, dtypes, head_dims) -> None:
+        """Refuses what plan() does not take: multi-item scoring with a
+        custom mask, half of its two arrays or a window, an o dtype other
+        than q's, a value head dim other than the query's."""
         if any(ptr is not None for ptr in multi_item):
             if masked:
                 raise ValueError("multi-item scoring and a custom mask are exclusive")
@@ -353,6 +388,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         window_left: int | None = None,
         sinks: Array | None = None,
         kv_cache_sf: Array | Sequence[Array] | None = None,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
+        skip_softmax_threshold_scale_factor: float | None = None,
+        use_fp16_softmax: bool = False,
+        uses_spcompress: bool = False,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], num_qo_heads, head_dim] over the batch.
 
@@ -364,6 +404,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         BatchDecodeWithPagedKVCacheWrapper.run. window_left, if given, must
         be the planned one; enable_pdl is ignored. sinks: float [Hq], a logit
         a head added to each softmax's denominator (pagedkv.attention_sinks).
+        lse_base ("log2" or "ln") and lse_layout ("NH" or "HN") shape the
+        lse returned (pagedkv.lse_forms). skip_softmax_threshold_scale_factor,
+        use_fp16_softmax and uses_spcompress name GPU kernel variants and
+        must keep their defaults.
 
         Example
         -------
@@ -372,6 +416,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         del enable_pdl
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
+        refuse_gpu_variants(skip_softmax_threshold_scale_factor, use_fp16_softmax, uses_spcompress)
+        lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, return_lse)
         sink_lse = None
         if sinks is not None:
             sink_lse = sink_log2_lse(sinks, int(self._plan.num_qo_heads))
@@ -388,7 +434,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         )  # fmt: skip
         if sink_lse is not None:
             merge_sinks(o, lse, sink_lse)
-        return (o, lse) if return_lse else o
+        if not return_lse:
+            return o
+        return o, finished_lse(lse, lse_base, lse_layout, lse_into)
 
     def run_return_lse(
         self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
@@ -536,3 +584,9 @@ def single_prefill_with_kv_cache(
         kv_data_type=dtype_of(k),
     )
     return wrapper.run(q, kv.cache, k_scale, v_scale, return_lse)
+
+
+single_prefill_with_kv_cache_return_lse = functools.partial(
+    single_prefill_with_kv_cache, return_lse=True
+)
+"""`single_prefill_with_kv_cache` with return_lse=True: (o, lse)."""

@@ -44,7 +44,12 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         backend: str = "auto",
         jit_args: object = None,
         jit_kwargs: object = None,
+        variant_owns_mask: bool = False,
     ) -> None:
+        if variant_owns_mask:
+            raise ValueError(
+                "variant_owns_mask belongs to FlashInfer's JIT variants; pagedkv has none"
+            )
         reject_cuda_graph(use_cuda_graph, "BatchPrefillWithRaggedKVCacheWrapper")
         if any(b is not None for b in (qo_indptr_buf, kv_indptr_buf, jit_kwargs)):
             raise ValueError("qo_indptr_buf, kv_indptr_buf and jit_kwargs are not supported")
@@ -158,6 +163,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         window_left: int | None = None,
         sinks: Array | None = None,
         kv_cache_sf: Sequence[Array] | None = None,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
     ) -> Array | tuple[Array, Array]:
         """Attention of q [qo_indptr[-1], Hq, D] over k, v [kv_indptr[-1], Hkv, D]
         (NHD; [Hkv, kv_indptr[-1], D] for HND). For NVFP4 K/V (uint8, D // 2
@@ -165,7 +172,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         (pagedkv.nvfp4).
 
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
-        with return_lse; `out` and `lse` take them in place.
+        with return_lse; `out` and `lse` take them in place. sinks, lse_base
+        and lse_layout as in BatchPrefillWithPagedKVCacheWrapper.run.
 
         Example
         -------
@@ -199,6 +207,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             enable_pdl=enable_pdl,
             window_left=window_left,
             sinks=sinks,
+            lse_base=lse_base,
+            lse_layout=lse_layout,
         )
 
     def run_return_lse(self, q: Array, k: Array, v: Array, **kwargs: object) -> tuple[Array, Array]:

@@ -291,13 +291,42 @@ def test_paged_prefill_plan_takes_flashinfers_positional_order():
     assert params[1:] == FLASHINFER_PAGED_PREFILL_PLAN
 
 
-def test_trtllm_gen_plan_arguments_are_refused_before_planning():
-    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
-    indptr = np.array([0, 1], np.int32)
-    with pytest.raises(ValueError, match="block_tables belong to FlashInfer's trtllm-gen"):
-        w.plan(indptr, indptr, np.array([0], np.int32), np.array([1], np.int32), 4, 4, 64, 16,
-               block_tables=np.zeros((1, 1), np.int32))  # fmt: skip
-    assert w._planned is None
+@pytest.mark.parametrize("agree", [True, False])
+def test_plan_takes_a_block_table_that_names_the_same_pages(agree):
+    """plan(block_tables=, seq_lens=) (FlashInfer's trtllm-gen form of the
+    table) is checked against the CSR table: the same pages plan, others
+    raise before anything is planned."""
+    indptr, indices = np.array([0, 2, 3], np.int32), np.array([5, 1, 4], np.int32)
+    last = np.array([3, 16], np.int32)
+    table = np.array([[5, 1, 0], [4, 0, 0]], np.int32)
+    seq_lens = np.array([19, 16 if agree else 15], np.int32)
+    decode = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    prefill = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    qo_indptr = np.array([0, 1, 2], np.int32)
+    calls = [
+        lambda: decode.plan(indptr, indices, last, 4, 4, 64, 16, block_tables=table,
+                            seq_lens=seq_lens),
+        lambda: prefill.plan(qo_indptr, indptr, indices, last, 4, 4, 64, 16, block_tables=table,
+                             seq_lens=seq_lens, seq_lens_q=np.array([1, 1])),
+    ]  # fmt: skip
+    for call in calls:
+        if agree:
+            call()
+        else:
+            with pytest.raises(ValueError, match="other pages than the CSR table"):
+                call()
+    assert (prefill._planned is None) != agree
+    with pytest.raises(ValueError, match="seq_lens_q"):
+        prefill.plan(qo_indptr, indptr, indices, last, 4, 4, 64, 16, seq_lens_q=np.array([2, 0]))
+
+
+def test_decode_plan_is_causal_follows_q_len_per_req():
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", use_tensor_cores=True)
+    indptr, indices, last = np.array([0, 1]), np.array([0]), np.array([9])
+    w.plan(indptr, indices, last, 4, 4, 64, 16, is_causal=False)
+    w.plan(indptr, indices, last, 4, 4, 64, 16, q_len_per_req=2, is_causal=True)
+    with pytest.raises(NotImplementedError, match="is_causal"):
+        w.plan(indptr, indices, last, 4, 4, 64, 16, is_causal=True)
 
 
 @pytest.mark.parametrize(
@@ -310,3 +339,45 @@ def test_deprecated_forward_is_not_causal_by_default(wrapper):
     import inspect
 
     assert inspect.signature(wrapper.forward).parameters["causal"].default is False
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_prefill_lse_base_and_layout(kind):
+    """lse_base="ln" is the base-2 lse times ln 2; lse_layout="HN" its
+    transpose, into the caller's [Hq, rows] buffer when given."""
+    rng = np.random.default_rng(5)
+    qo_indptr, kv_indptr = np.array([0, 3, 7], np.int32), np.array([0, 5, 9], np.int32)
+    q = rng.standard_normal((7, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((9, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((9, 2, 64), dtype=np.float32)
+    if kind == "torch":
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    w = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=True)
+    _, lse2 = w.run(q, k, v, return_lse=True)
+    _, lse_ln = w.run(q, k, v, return_lse=True, lse_base="ln")
+    into = np.empty((4, 7), np.float32) if kind == "numpy" else torch.empty(4, 7)
+    _, lse_hn = w.run(q, k, v, return_lse=True, lse_base="ln", lse_layout="HN", lse=into)
+    assert lse_hn is into
+    np.testing.assert_allclose(np.asarray(lse_ln), np.asarray(lse2) * np.log(2), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(lse_hn), np.asarray(lse_ln).T)
+    with pytest.raises(ValueError, match="lse_layout"):
+        w.run(q, k, v, return_lse=True, lse_layout="NHD")
+    with pytest.raises(ValueError, match='lse_layout="HN" must be float32'):
+        w.run(q, k, v, return_lse=True, lse_layout="HN", lse=into[:, :5])
+
+
+def test_flashinfer_0_7_small_names():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((3, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((5, 4, 64), dtype=np.float32)
+    o, lse = pagedkv.prefill.single_prefill_with_kv_cache_return_lse(q, k, k, causal=True)
+    want_o, want_lse = pagedkv.single_prefill_with_kv_cache(q, k, k, causal=True, return_lse=True)
+    np.testing.assert_array_equal(o, want_o)
+    np.testing.assert_array_equal(lse, want_lse)
+    for wrapper in (
+        pagedkv.BatchPrefillWithPagedKVCacheWrapper,
+        pagedkv.BatchPrefillWithRaggedKVCacheWrapper,
+    ):
+        with pytest.raises(ValueError, match="variant_owns_mask"):
+            wrapper(None, "NHD", variant_owns_mask=True)

@@ -60,6 +60,7 @@ from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
     trtllm_batch_context_with_kv_cache,
 )
 from .quantization import packbits, segment_packbits
@@ -121,6 +122,7 @@ __all__ = [
     "segment_packbits",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "trtllm_batch_context_with_kv_cache",
     "trtllm_batch_decode_with_kv_cache",
     "xqa_batch_decode_with_kv_cache",

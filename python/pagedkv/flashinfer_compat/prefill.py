@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..block_tables import trtllm_batch_context_with_kv_cache
-from ..prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
+from ..prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
 from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 from .jit import JitSpec
 
@@ -22,5 +26,6 @@ __all__ = [
     "gen_batch_prefill_module",
     "gen_single_prefill_module",
     "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "trtllm_batch_context_with_kv_cache",
 ]
