@@ -7,8 +7,9 @@
 True
 
 The top-level names and the submodules FlashInfer's users and tests import
-(`attention`, `decode`, `prefill`, `page`, `mla`, `cascade`, `utils`, `jit`, `quantization`,
-`fp4_quantization`) map to pagedkv's implementations. Names that exist only
+(`attention`, `decode`, `prefill`, `page`, `mla`, `cascade`, `sampling`,
+`norm`, `rope`, `utils`, `jit`, `quantization`, `fp4_quantization`)
+map to pagedkv's implementations. Names that exist only
 to drive FlashInfer's CUDA JIT (`jit.*`, `gen_*_module`) are no-ops; names
 pagedkv does not implement raise NotImplementedError when called, so that
 code importing them still loads (see docs/flashinfer.md).
@@ -76,8 +77,34 @@ from .rope import (
     apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
+from .sampling import (
+    chain_speculative_sampling,
+    min_p_sampling_from_probs,
+    sampling_from_logits,
+    sampling_from_probs,
+    softmax,
+    top_k_mask_logits,
+    top_k_renorm_probs,
+    top_k_sampling_from_probs,
+    top_k_top_p_sampling_from_logits,
+    top_k_top_p_sampling_from_probs,
+    top_p_renorm_probs,
+    top_p_sampling_from_probs,
+)
 
 __all__ = [
+    "chain_speculative_sampling",
+    "min_p_sampling_from_probs",
+    "sampling_from_logits",
+    "sampling_from_probs",
+    "softmax",
+    "top_k_mask_logits",
+    "top_k_renorm_probs",
+    "top_k_sampling_from_probs",
+    "top_k_top_p_sampling_from_logits",
+    "top_k_top_p_sampling_from_probs",
+    "top_p_renorm_probs",
+    "top_p_sampling_from_probs",
     "BatchAttention",
     "BatchAttentionWithAttentionSinkWrapper",
     "apply_llama31_rope",

@@ -1,0 +1,320 @@
+"""Token sampling beside attention: FlashInfer's ``flashinfer.sampling`` in
+torch, on the CPU (or wherever the tensors are).
+
+Every entry point takes probabilities (or logits, turned into float32
+probabilities by softmax) [B, V] and draws one token a row:
+
+- top-p keeps the most likely tokens whose mass reaches p: a token stays
+  when the ascending cumulative mass above it exceeds ``1 - p``;
+- top-k keeps the tokens at least as likely as the k-th (ties kept);
+- min-p keeps the tokens at least ``min_p`` times the most likely;
+- ``top_k_top_p`` applies top-k, renormalizes and applies top-p
+  (``filter_apply_order="top_k_first"``), or keeps what both keep on the
+  original distribution (``"joint"``).
+
+Per-row parameters are a float/int or a tensor [B]. ``indices`` [N] maps N
+outputs to rows (many draws from one distribution without copying it).
+Draws are inverse-CDF lookups of uniforms from ``generator``, or from
+``seed``/``offset`` (the same pair gives the same draws). Outputs are int32
+(indices' dtype when given). A row whose kept mass is zero (or NaN) is
+invalid: its output is 0 and ``return_valid=True`` reports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _rows(x: Any, name: str) -> Any:
+    torch = _torch()
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a 2-D floating torch tensor [batch, vocab]")
+    return x.float()
+
+
+def _per_row(value: Any, batch: int, name: str, dtype: Any) -> Any:
+    """A scalar or a tensor [batch] as a tensor [batch, 1] of dtype."""
+    torch = _torch()
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] not in (1, batch):
+            raise ValueError(f"{name} must be a number or a tensor [{batch}]")
+        return value.to(dtype).expand(batch)[:, None]
+    return torch.full((batch, 1), value, dtype=dtype)
+
+
+def _check_nan(probs: Any, check_nan: bool) -> None:
+    if check_nan and bool(_torch().isnan(probs).any()):
+        raise ValueError("Input probs contains NaN.")
+
+
+def top_p_mask(probs: Any, top_p: Any) -> Any:
+    """bool [B, V]: the tokens top-p keeps (the module docstring's rule)."""
+    torch = _torch()
+    p = _per_row(top_p, probs.shape[0], "top_p", torch.float32)
+    ascending, order = torch.sort(probs, dim=-1)
+    keep_sorted = torch.cumsum(ascending, dim=-1) > (1 - p)
+    keep_sorted[:, -1] = True  # the most likely token always stays
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def top_k_mask(probs: Any, top_k: Any) -> Any:
+    """bool [B, V]: the tokens at least as likely as each row's k-th."""
+    torch = _torch()
+    k = _per_row(top_k, probs.shape[0], "top_k", torch.int64).clamp(1, probs.shape[1])
+    descending = torch.sort(probs, dim=-1, descending=True).values
+    return probs >= descending.gather(1, k - 1)
+
+
+def min_p_mask(probs: Any, min_p: Any) -> Any:
+    """bool [B, V]: the tokens at least min_p times the row's most likely."""
+    torch = _torch()
+    p = _per_row(min_p, probs.shape[0], "min_p", torch.float32)
+    return probs >= p * probs.max(dim=-1, keepdim=True).values
+
+
+def _renormalized(probs: Any, keep: Any) -> Any:
+    kept = probs * keep
+    total = kept.sum(dim=-1, keepdim=True)
+    return kept / total.where(total > 0, _torch().ones_like(total))
+
+
+def _uniforms(count: int, generator: Any, seed: Any, offset: Any) -> Any:
+    """count uniforms in [0, 1): from generator, or from (seed, offset)."""
+    torch = _torch()
+    if seed is None and offset is None:
+        return torch.rand(count, generator=generator, dtype=torch.float64)
+    seeds = torch.as_tensor(0 if seed is None else seed, dtype=torch.int64).reshape(-1)
+    offsets = torch.as_tensor(0 if offset is None else offset, dtype=torch.int64).reshape(-1)
+    for name, t in (("seed", seeds), ("offset", offsets)):
+        if t.numel() not in (1, count):
+            raise ValueError(f"{name} must be one value or one per output row ({count})")
+    seeds, offsets = seeds.expand(count), offsets.expand(count)
+    out = torch.empty(count, dtype=torch.float64)
+    for i in range(count):
+        g = torch.Generator().manual_seed(int(seeds[i]) * 1_000_003 + int(offsets[i]) + i)
+        out[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    return out
+
+
+def _draw(
+    probs: Any, indices: Any, generator: Any, seed: Any, offset: Any, return_valid: bool
+) -> Any:
+    """One token an output from rows probs [B, V] (unnormalized allowed)."""
+    torch = _torch()
+    rows = torch.arange(probs.shape[0]) if indices is None else indices.long().cpu()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= probs.shape[0]):
+        raise ValueError(f"indices must be in [0, {probs.shape[0]})")
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    total = cdf[:, -1]
+    valid_rows = torch.isfinite(total) & (total > 0)
+    u = _uniforms(rows.numel(), generator, seed, offset)
+    out = torch.zeros(rows.numel(), dtype=torch.int64)
+    # Rounding may put u * total at the very end: the last token with mass.
+    last = probs.shape[1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
+    for r in torch.unique(rows).tolist():
+        at = (rows == r).nonzero().flatten()
+        if bool(valid_rows[r]):
+            hit = torch.searchsorted(cdf[r], u[at] * total[r], right=True)
+            out[at] = hit.clamp(max=int(last[r]))
+    dtype = torch.int32 if indices is None else indices.dtype
+    samples = out.to(dtype).to(probs.device)
+    if return_valid:
+        return samples, valid_rows[rows].to(probs.device)
+    return samples
+
+
+def softmax(logits: Any, temperature: Any = None, enable_pdl: bool | None = None) -> Any:
+    """float32 softmax of logits [B, V] / temperature (a number or [B]).
+
+    Examples
+    --------
+    >>> import torch, pagedkv.sampling as s
+    >>> s.softmax(torch.tensor([[0.0, 0.0]]))
+    tensor([[0.5000, 0.5000]])
+    """
+    del enable_pdl
+    x = _rows(logits, "logits")
+    if temperature is not None:
+        x = x / _per_row(temperature, x.shape[0], "temperature", _torch().float32)
+    return _torch().softmax(x, dim=-1)
+
+
+def sampling_from_probs(
+    probs, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
+    offset=None, return_valid=False,
+):  # fmt: skip
+    """A token a row of probs [B, V] (or a row a entry of indices).
+
+    Examples
+    --------
+    >>> import torch, pagedkv.sampling as s
+    >>> s.sampling_from_probs(torch.tensor([[0.0, 1.0, 0.0]]))
+    tensor([1], dtype=torch.int32)
+    """
+    p = _rows(probs, "probs")
+    _check_nan(p, check_nan)
+    return _draw(p, indices, generator, seed, offset, return_valid)
+
+
+def sampling_from_logits(
+    logits, indices=None, deterministic=True, generator=None, check_nan=False, seed=None,
+    offset=None,
+):  # fmt: skip
+    """`sampling_from_probs` of softmax(logits)."""
+    return _draw(softmax(logits), indices, generator, seed, offset, False)
+
+
+def top_p_sampling_from_probs(
+    probs, top_p, indices=None, deterministic=True, generator=None, check_nan=False,
+    seed=None, offset=None, return_valid=False,
+):  # fmt: skip
+    """A token a row from the tokens top-p keeps."""
+    p = _rows(probs, "probs")
+    _check_nan(p, check_nan)
+    return _draw(p * top_p_mask(p, top_p), indices, generator, seed, offset, return_valid)
+
+
+def top_k_sampling_from_probs(
+    probs, top_k, indices=None, deterministic=True, generator=None, check_nan=False,
+    seed=None, offset=None, return_valid=False,
+):  # fmt: skip
+    """A token a row from the tokens top-k keeps."""
+    p = _rows(probs, "probs")
+    _check_nan(p, check_nan)
+    return _draw(p * top_k_mask(p, top_k), indices, generator, seed, offset, return_valid)
+
+
+def min_p_sampling_from_probs(
+    probs, min_p, indices=None, deterministic=True, generator=None, check_nan=False,
+    seed=None, offset=None, return_valid=False,
+):  # fmt: skip
+    """A token a row from the tokens min-p keeps."""
+    p = _rows(probs, "probs")
+    _check_nan(p, check_nan)
+    return _draw(p * min_p_mask(p, min_p), indices, generator, seed, offset, return_valid)
+
+
+def _top_k_top_p(probs: Any, top_k: Any, top_p: Any, order: str) -> Any:
+    if order == "top_k_first":
+        renormed = _renormalized(probs, top_k_mask(probs, top_k))
+        return renormed * top_p_mask(renormed, top_p)
+    if order == "joint":
+        return probs * (top_k_mask(probs, top_k) & top_p_mask(probs, top_p))
+    raise ValueError(f"filter_apply_order must be 'top_k_first' or 'joint', got {order!r}")
+
+
+def top_k_top_p_sampling_from_probs(
+    probs, top_k, top_p, indices=None, filter_apply_order="top_k_first", deterministic=True,
+    generator=None, check_nan=False, seed=None, offset=None, return_valid=False,
+):  # fmt: skip
+    """A token a row after top-k and top-p (module docstring)."""
+    p = _rows(probs, "probs")
+    _check_nan(p, check_nan)
+    kept = _top_k_top_p(p, top_k, top_p, filter_apply_order)
+    return _draw(kept, indices, generator, seed, offset, return_valid)
+
+
+def top_k_top_p_sampling_from_logits(
+    logits, top_k, top_p, indices=None, filter_apply_order="top_k_first", deterministic=True,
+    generator=None, check_nan=False, seed=None, offset=None,
+):  # fmt: skip
+    """`top_k_top_p_sampling_from_probs` of softmax(logits)."""
+    kept = _top_k_top_p(softmax(logits), top_k, top_p, filter_apply_order)
+    return _draw(kept, indices, generator, seed, offset, False)
+
+
+def top_p_renorm_probs(probs: Any, top_p: Any, is_deterministic: bool = False) -> Any:
+    """probs [B, V] with what top-p drops zeroed, renormalized (float32)."""
+    p = _rows(probs, "probs")
+    return _renormalized(p, top_p_mask(p, top_p))
+
+
+def top_k_renorm_probs(probs: Any, top_k: Any, is_deterministic: bool = False) -> Any:
+    """probs [B, V] with what top-k drops zeroed, renormalized (float32)."""
+    p = _rows(probs, "probs")
+    return _renormalized(p, top_k_mask(p, top_k)).to(probs.dtype)
+
+
+def top_k_mask_logits(logits: Any, top_k: Any) -> Any:
+    """logits [B, V] with what top-k drops set to -inf (logits' dtype)."""
+    x = _rows(logits, "logits")
+    return x.masked_fill(~top_k_mask(x, top_k), float("-inf")).to(logits.dtype)
+
+
+def chain_speculative_sampling(
+    draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None,
+    maybe_output_emitted_draft_token_num=None, deterministic=True, generator=None, seed=None,
+    offset=None,
+):  # fmt: skip
+    """Speculative sampling (Leviathan et al.; Chen et al.) of a chain of n
+    draft tokens a request: draft_probs [B, n, V], draft_token_ids [B, n],
+    target_probs [B, n + 1, V].
+
+    Draft token i is kept with probability min(1, target / draft); the
+    first one refused is replaced by a draw from the normalized
+    max(0, target - draft) and the rest are -1; when all n are kept a bonus
+    token is drawn from target_probs[:, n]. Returns (output_token_ids
+    [B, n + 1] int32, accepted [B]: draft tokens whose test passed, counted
+    independently, emitted [B]: draft tokens kept before the first
+    refusal), the counts added into the maybe_output_* tensors when given.
+    """
+    torch = _torch()
+    batch, n, _ = draft_probs.shape
+    if tuple(draft_token_ids.shape) != (batch, n) or tuple(target_probs.shape[:2]) != (
+        batch,
+        n + 1,
+    ):
+        raise ValueError("draft_token_ids must be [B, n] and target_probs [B, n + 1, V]")
+    u = _uniforms(batch * (n + 1), generator, seed, offset).reshape(batch, n + 1)
+    out = torch.full((batch, n + 1), -1, dtype=torch.int32)
+    accepted = torch.zeros(batch, dtype=torch.int32)
+    emitted = torch.zeros(batch, dtype=torch.int32)
+    draft, target = draft_probs.double().cpu(), target_probs.double().cpu()
+    tokens = draft_token_ids.long().cpu()
+    for b in range(batch):
+        stopped = False
+        for i in range(n):
+            t = int(tokens[b, i])
+            passed = bool(u[b, i] * draft[b, i, t] < target[b, i, t])
+            accepted[b] += int(passed)
+            if stopped:
+                continue
+            if passed:
+                out[b, i] = t
+                emitted[b] += 1
+                continue
+            residual = (target[b, i] - draft[b, i]).clamp(min=0)
+            out[b, i] = _inverse_cdf(residual, float(u[b, n]))
+            stopped = True
+        if not stopped:
+            out[b, n] = _inverse_cdf(target[b, n], float(u[b, n]))
+    for given, counts in (
+        (maybe_output_accepted_token_num, accepted),
+        (maybe_output_emitted_draft_token_num, emitted),
+    ):
+        if given is not None:
+            given += counts.to(given.device, given.dtype)
+    device = draft_probs.device
+    accepted_out = accepted.to(device) if maybe_output_accepted_token_num is None else (
+        maybe_output_accepted_token_num)  # fmt: skip
+    emitted_out = emitted.to(device) if maybe_output_emitted_draft_token_num is None else (
+        maybe_output_emitted_draft_token_num)  # fmt: skip
+    return out.to(device), accepted_out, emitted_out
+
+
+def _inverse_cdf(weights: Any, u: float) -> int:
+    """The token at mass u of the normalized weights [V] (the last nonzero
+    one when rounding leaves u past the end)."""
+    torch = _torch()
+    cdf = torch.cumsum(weights, dim=0)
+    total = float(cdf[-1])
+    if not total > 0:
+        return 0
+    hit = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=cdf.dtype), right=True))
+    return min(hit, int(torch.nonzero(weights).max()))
