@@ -239,7 +239,8 @@ def mla_gather(
     """The first `length` token rows [length, dim] of request b in an MLA
     cache [pages, page_size, dim], in float64."""
     pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
-    return cache[pages].reshape(-1, cache.shape[-1])[:length].astype(np.float64)
+    rows = len(pages) * cache.shape[1]  # not -1: a rope part may have 0 dims
+    return cache[pages].reshape(rows, cache.shape[-1])[:length].astype(np.float64)
 
 
 def mla_attention(

@@ -25,6 +25,7 @@ from std.utils.numerics import nan, neg_inf
 
 from ..attention.cpu.key_chunks import CHUNK, BlockPrefetch, RowOffsets
 from ..attention.cpu.products import (
+    padded_dim,
     product_rows,
     score_transposed,
     transpose_chunk,
@@ -77,6 +78,8 @@ struct MLATaskState(Movable):
     var _storage: Ptr[F32]
 
     def __init__(out self, rows: Int, ckv_dim: Int, qk_dim: Int):
+        """Scratch for `rows` query rows of ckv_dim and qk_dim elements
+        (`padded_dim` widths)."""
         var at = 0
 
         @always_inline
@@ -165,10 +168,14 @@ def mla_task[
     var count = min(MLA_TASK_ROWS, total_rows - r0)
     var ckv_dim = pages.ckv_dim
     var kpe_dim = pages.kpe_dim
-    var qk_dim = ckv_dim + kpe_dim
+    # Scratch rows are padded to whole blocks, the padding 0 (q, K^T, V):
+    # it adds nothing to scores or outputs.
+    var ckv_pad = padded_dim(ckv_dim)
+    var kpe_pad = padded_dim(kpe_dim)
+    var qk_pad = ckv_pad + kpe_pad
     var b = work.request(item)
     var first_row = work.q_row(item) * num_heads + r0
-    var st = MLATaskState(count, ckv_dim, qk_dim)
+    var st = MLATaskState(count, ckv_pad, qk_pad)
     # K and V loads return kv_load_scale times the values (simd/widen.mojo).
     var unload = 1 / kv_load_scale[kv_dtype]()
     var nope_scale = scales.nope_log2 * unload
@@ -181,32 +188,36 @@ def mla_task[
         var row = first_row + r
         if dots:
             # Raw rows, q_nope then q_pe, two bfloat16 to a float32 slot.
-            var raw = rebind[Ptr[q_dtype]](st.q).unsafe_offset(r * qk_dim)
-            for c in range(ckv_dim):
-                raw[unsafe_offset=c] = q_nope[unsafe_offset=row * ckv_dim + c]
-            for c in range(kpe_dim):
-                raw[unsafe_offset=ckv_dim + c] = q_pe[
+            var raw = rebind[Ptr[q_dtype]](st.q).unsafe_offset(r * qk_pad)
+            for c in range(ckv_pad):
+                raw[unsafe_offset=c] = q_nope[
+                    unsafe_offset=row * ckv_dim + c
+                ] if c < ckv_dim else Scalar[q_dtype](0)
+            for c in range(kpe_pad):
+                raw[unsafe_offset=ckv_pad + c] = q_pe[
                     unsafe_offset=row * kpe_dim + c
-                ]
-        var dst = st.q.unsafe_offset(r * qk_dim)
+                ] if c < kpe_dim else Scalar[q_dtype](0)
+        var dst = st.q.unsafe_offset(r * qk_pad)
         var src = q_nope.unsafe_offset(row * ckv_dim)
-        for c in range(ckv_dim // W):
+        for c in range(ckv_pad // W):
             if not dots:
-                dst.unsafe_offset(c * W).unsafe_store(
-                    load_f32[q_dtype, W](src, c * W) * nope_scale
-                )
-            st.acc.unsafe_offset(r * ckv_dim + c * W).unsafe_store(
+                var x = SIMD[F32, W](0)
+                if c < ckv_dim // W:
+                    x = load_f32[q_dtype, W](src, c * W) * nope_scale
+                dst.unsafe_offset(c * W).unsafe_store(x)
+            st.acc.unsafe_offset(r * ckv_pad + c * W).unsafe_store(
                 SIMD[F32, W](0)
             )
         if not dots:
             var pe = q_pe.unsafe_offset(row * kpe_dim)
-            for c in range(kpe_dim // W):
-                dst.unsafe_offset(ckv_dim + c * W).unsafe_store(
-                    load_f32[q_dtype, W](pe, c * W) * pe_scale
-                )
+            for c in range(kpe_pad // W):
+                var x = SIMD[F32, W](0)
+                if c < kpe_dim // W:
+                    x = load_f32[q_dtype, W](pe, c * W) * pe_scale
+                dst.unsafe_offset(ckv_pad + c * W).unsafe_store(x)
             comptime if paired[kv_dtype]():
-                to_paired_order(dst, ckv_dim)
-                to_paired_order(dst.unsafe_offset(ckv_dim), kpe_dim)
+                to_paired_order(dst, ckv_pad)
+                to_paired_order(dst.unsafe_offset(ckv_pad), kpe_pad)
         st.m[unsafe_offset=r] = neg_inf[F32]()
         st.l[unsafe_offset=r] = 0
         st.row_pos[unsafe_offset=r] = Float32(
@@ -245,18 +256,18 @@ def mla_task[
                 scale_scores(st.scores, count, nope_scale)
         else:
             score_latent[kv_dtype, False](pages, st, count, n, quiet)
-        softmax_block(ckv_dim, params, no_mask, st, count, n, tok)
+        softmax_block(ckv_pad, params, no_mask, st, count, n, tok)
         widen_values[kv_dtype](ckv_dim, pages.ckv, st.ckv_rows, n, st.vw)
-        for s in range(ckv_dim // (2 * W)):
+        for s in range(ckv_pad // (2 * W)):
             product_rows[accumulate=True](
                 count,
                 n,
                 st.scores,
                 CHUNK,
                 st.vw.unsafe_offset(s * 2 * W),
-                ckv_dim,
+                ckv_pad,
                 st.acc.unsafe_offset(s * 2 * W),
-                ckv_dim,
+                ckv_pad,
                 quiet,
                 fetched,
                 0,
@@ -277,9 +288,9 @@ def mla_task[
         if is_nan_f32(total):
             norm = nan[F32]()
             state_lse = nan[F32]()
-        var a = st.acc.unsafe_offset(r * ckv_dim)
+        var a = st.acc.unsafe_offset(r * ckv_pad)
         comptime if paired[kv_dtype]():
-            from_paired_order(a, ckv_dim)
+            from_paired_order(a, ckv_pad)
         if partial:
             # Key-split items hold one query: row r0 + r is head r0 + r.
             var slot = item * num_heads + r0 + r
@@ -319,16 +330,18 @@ def score_latent[
     """Scores of the chunk's n keys (ckv then kpe, one K^T) for the task's
     count rows: widened, from scaled float32 q rows, or with dots from raw
     bfloat16 q rows (two to a slot) and K^T in pairs, unscaled."""
-    var ckv_dim = pages.ckv_dim
-    var qk_dim = ckv_dim + pages.kpe_dim
-    var slots = qk_dim // 2 if dots else qk_dim
-    var kpe_at = (ckv_dim // 2 if dots else ckv_dim) * CHUNK
-    transpose_chunk[kv_dtype, dots](ckv_dim, pages.ckv, st.ckv_rows, n, st.kt)
+    var ckv_pad = padded_dim(pages.ckv_dim)
+    var qk_pad = ckv_pad + padded_dim(pages.kpe_dim)
+    var slots = qk_pad // 2 if dots else qk_pad
+    var kpe_at = (ckv_pad // 2 if dots else ckv_pad) * CHUNK
+    transpose_chunk[kv_dtype, dots](
+        pages.ckv_dim, pages.ckv, st.ckv_rows, n, st.kt
+    )
     transpose_chunk[kv_dtype, dots](
         pages.kpe_dim, pages.kpe, st.kpe_rows, n, st.kt.unsafe_offset(kpe_at)
     )
     score_transposed[dots](
-        qk_dim, st.q, slots, count, st.kt, n, st.scores, quiet
+        qk_pad, st.q, slots, count, st.kt, n, st.scores, quiet
     )
 
 

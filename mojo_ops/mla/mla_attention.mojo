@@ -48,9 +48,13 @@ from .mla_pages import (
     MLAScales,
 )
 
-comptime MLA_DIM_GRANULE = 64
-"""The granule of ckv_dim and kpe_dim (kpe_dim may be 0): whole widening
-blocks on every CPU."""
+comptime MLA_DIM_GRANULE = 16
+"""The granule of ckv_dim and kpe_dim on the CPU (kpe_dim may be 0): whole
+float32 vectors on every CPU; the task pads its scratch rows to whole
+widening blocks (`padded_dim`)."""
+
+comptime MLA_GPU_DIM_GRANULE = 64
+"""The granule of ckv_dim and kpe_dim on a GPU."""
 
 
 @extensibility.register("pagedkv_mla_attention")
@@ -103,7 +107,9 @@ struct MLAAttention:
             or kpe_dim % MLA_DIM_GRANULE != 0
         ):
             raise Error(
-                "pagedkv: MLA dims must be multiples of 64, got ckv ",
+                "pagedkv: MLA dims must be multiples of ",
+                MLA_DIM_GRANULE,
+                ", got ckv ",
                 ckv_dim,
                 " and kpe ",
                 kpe_dim,
@@ -184,12 +190,19 @@ struct MLAAttention:
 
                 sync_parallelize(merge_task, batch_size)
         else:
-            if ckv_dim > MLA_GPU_MAX_CKV or ckv_dim + kpe_dim > MLA_GPU_MAX_QK:
+            if (
+                ckv_dim > MLA_GPU_MAX_CKV
+                or ckv_dim + kpe_dim > MLA_GPU_MAX_QK
+                or ckv_dim % MLA_GPU_DIM_GRANULE != 0
+                or kpe_dim % MLA_GPU_DIM_GRANULE != 0
+            ):
                 raise Error(
                     "pagedkv: on a GPU MLA takes ckv_dim up to ",
                     MLA_GPU_MAX_CKV,
                     " and ckv_dim + kpe_dim up to ",
                     MLA_GPU_MAX_QK,
+                    ", multiples of ",
+                    MLA_GPU_DIM_GRANULE,
                 )
             var blocks = (max_rows + MLA_GPU_ROWS - 1) // MLA_GPU_ROWS
             ctx.enqueue_function[mla_gpu_kernel[output.dtype, kv_dtype]](

@@ -3,7 +3,7 @@ as they are loaded, results rounded back to the output dtype, and the
 "paired" order in which bfloat16 blocks widen without shuffles."""
 
 from std.memory import bitcast
-from std.sys import is_gpu, llvm_intrinsic, simd_width_of
+from std.sys import is_gpu, llvm_intrinsic, simd_width_of, size_of
 from std.sys.info import CompilationTarget
 
 from ..cache.paged_kv_cache import Ptr
@@ -44,7 +44,14 @@ def load_f32[
     dtype: DType, width: Int
 ](p: Ptr[dtype], offset: Int) -> SIMD[F32, width]:
     """Width elements at p + offset, widened to float32."""
-    var raw = p.unsafe_offset(offset).unsafe_load[width=width]()
+    return widen_f32(p.unsafe_offset(offset).unsafe_load[width=width]())
+
+
+@always_inline
+def widen_f32[
+    dtype: DType, width: Int
+](raw: SIMD[dtype, width]) -> SIMD[F32, width]:
+    """Raw lanes widened to float32 (`load_f32` on loaded lanes)."""
     comptime if dtype == DType.bfloat16:
         # bfloat16 is the top half of a float32: a shift, not a conversion.
         var bits = bitcast[DType.uint16, width](raw).cast[DType.uint32]() << 16
@@ -167,15 +174,45 @@ def load_kv[
 def load_block[dtype: DType](p: Ptr[dtype], offset: Int) -> SIMD[F32, BLOCK]:
     """BLOCK elements at p + offset as `load_kv` widens them, in paired order
     if `paired[dtype]`."""
+    return widen_block(p.unsafe_offset(offset).unsafe_load[width=BLOCK]())
+
+
+@always_inline
+def load_block_tail[
+    dtype: DType
+](p: Ptr[dtype], offset: Int, count: Int) -> SIMD[F32, BLOCK]:
+    """`load_block` of the last count (< BLOCK) elements of a row at p +
+    offset, the lanes past them 0: no memory beyond the row is read (a row
+    whose length is not a multiple of BLOCK, the pool's last row included)."""
+    return widen_block(load_raw_tail[dtype, BLOCK](p, offset, count))
+
+
+@always_inline
+def load_raw_tail[
+    dtype: DType, width: Int
+](p: Ptr[dtype], offset: Int, count: Int) -> SIMD[dtype, width]:
+    """The count (< width) elements at p + offset as they lie in memory,
+    lanes past them 0, read one by one."""
+    var raw = bitcast[dtype, width](
+        SIMD[DType.uint8, width * size_of[dtype]()](0)
+    )
+    for i in range(count):
+        raw[i] = p[unsafe_offset=offset + i]
+    return raw
+
+
+@always_inline
+def widen_block[dtype: DType](raw: SIMD[dtype, BLOCK]) -> SIMD[F32, BLOCK]:
+    """A block's raw lanes as `load_block` widens them."""
     comptime if paired[dtype]():
-        var words = bitcast[DType.uint32, W](
-            p.unsafe_offset(offset).unsafe_load[width=BLOCK]()
-        )
+        var words = bitcast[DType.uint32, W](raw)
         var even = bitcast[F32, W](words << 16)
         var odd = bitcast[F32, W](words & 0xFFFF0000)
         return even.join(odd)
+    elif dtype == DType.float8_e4m3fn and not is_gpu():
+        return e4m3_as_float16(raw).cast[F32]()
     else:
-        return load_kv[dtype, BLOCK](p, offset)
+        return widen_f32(raw)
 
 
 @always_inline

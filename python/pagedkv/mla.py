@@ -44,6 +44,7 @@ from ._ops.contract import (
     MIN_HEAD_DIM,
     MLA_DIM_GRANULE,
     MLA_FLOAT_PARAMS,
+    MLA_GPU_DIM_GRANULE,
     MLA_GPU_MAX_CKV,
     MLA_GPU_MAX_QK,
     MLA_INT_PARAMS,
@@ -131,10 +132,12 @@ def check_mla_dims(head_dim_ckv: int, head_dim_kpe: int, is_gpu: bool) -> tuple[
             f" (head_dim_ckv up to {MLA_MAX_CKV_DIM}, head_dim_kpe may be 0),"
             f" got {ckv} and {kpe}"
         )
-    if is_gpu and (ckv > MLA_GPU_MAX_CKV or ckv + kpe > MLA_GPU_MAX_QK):
+    gpu_granule = ckv % MLA_GPU_DIM_GRANULE or kpe % MLA_GPU_DIM_GRANULE
+    if is_gpu and (ckv > MLA_GPU_MAX_CKV or ckv + kpe > MLA_GPU_MAX_QK or gpu_granule):
         raise ValueError(
             f"on a GPU head_dim_ckv is at most {MLA_GPU_MAX_CKV} and head_dim_ckv +"
-            f" head_dim_kpe at most {MLA_GPU_MAX_QK}, got {ckv} and {kpe}"
+            f" head_dim_kpe at most {MLA_GPU_MAX_QK}, both multiples of"
+            f" {MLA_GPU_DIM_GRANULE}, got {ckv} and {kpe}"
         )
     return ckv, kpe
 

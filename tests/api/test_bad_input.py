@@ -200,8 +200,8 @@ def mla_plan_args(**changes):
 
 
 BAD_MLA_PLANS = [
-    ("ckv dim", dict(head_dim_ckv=500), ValueError, "multiples of 64"),
-    ("kpe dim", dict(head_dim_kpe=32), ValueError, "multiples of 64"),
+    ("ckv dim", dict(head_dim_ckv=500), ValueError, "multiples of 16"),
+    ("kpe dim", dict(head_dim_kpe=40), ValueError, "multiples of 16"),
     ("q dtype", dict(q_data_type=np.int32), TypeError, "q dtype must be"),
     ("mixed dtypes", dict(kv_data_type=np.float16), TypeError, "q's dtype"),
     ("fp8 with float32 q", dict(kv_data_type="float8_e4m3fn"), TypeError, "16-bit q"),

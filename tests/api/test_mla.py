@@ -27,7 +27,9 @@ class MLABatch:
     values rounded to the cache and q dtypes; float32 copies for the
     reference."""
 
-    def __init__(self, rng, qo_lens, kv_lens, heads, page_size, q_dtype, kv_dtype, spare=3):
+    def __init__(
+        self, rng, qo_lens, kv_lens, heads, page_size, q_dtype, kv_dtype, spare=3, dims=(CKV, KPE)
+    ):
         self.kv_lens = np.array(kv_lens, np.int32)
         pages = -(-self.kv_lens // page_size)
         total = int(pages.sum()) + spare
@@ -36,10 +38,11 @@ class MLABatch:
         self.qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
         rows = int(self.qo_indptr[-1])
         self.heads, self.page_size = heads, page_size
-        self.ckv = rounded(rng.standard_normal((total, page_size, CKV), np.float32), kv_dtype)
-        self.kpe = rounded(rng.standard_normal((total, page_size, KPE), np.float32), kv_dtype)
-        self.q_nope = rounded(rng.standard_normal((rows, heads, CKV), np.float32), q_dtype)
-        self.q_pe = rounded(rng.standard_normal((rows, heads, KPE), np.float32), q_dtype)
+        self.dims = ckv, kpe = dims
+        self.ckv = rounded(rng.standard_normal((total, page_size, ckv), np.float32), kv_dtype)
+        self.kpe = rounded(rng.standard_normal((total, page_size, kpe), np.float32), kv_dtype)
+        self.q_nope = rounded(rng.standard_normal((rows, heads, ckv), np.float32), q_dtype)
+        self.q_pe = rounded(rng.standard_normal((rows, heads, kpe), np.float32), q_dtype)
 
     def table(self):
         return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_lens
@@ -74,8 +77,7 @@ def plan_and_run(batch: MLABatch, q_dtype, kv_dtype, causal, workspace=None, **r
     wrapper.plan(
         *batch.table(),
         batch.heads,
-        CKV,
-        KPE,
+        *batch.dims,
         batch.page_size,
         causal,
         SM_SCALE,
@@ -114,6 +116,19 @@ def test_ragged_prefill_matches_reference(rng, q_dtype, kv_dtype, causal):
     more queries than keys (its first queries see none)."""
     batch = MLABatch(rng, [5, 0, 1, 9, 6], [40, 3, 17, 9, 4], 16, 16, q_dtype, kv_dtype)
     check(batch, q_dtype, kv_dtype, causal)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", MLA_CONFIGS)
+@pytest.mark.parametrize(
+    ("dims", "heads"), [((256, 32), 40), ((128, 32), 3), ((48, 16), 5), ((80, 0), 7)]
+)
+def test_any_latent_and_rope_dims_of_16(rng, q_dtype, kv_dtype, dims, heads):
+    """Latent and rope dims that are multiples of 16 but not of the widening
+    block (MiniCPM3's 256 and 32, small test models' 128 and 32, 48 and 16,
+    a rope part of 0) and head counts that are not powers of two, decode and
+    prefill, keys split in the long request."""
+    batch = MLABatch(rng, [1, 4, 1], [33, 20, 2500], heads, 16, q_dtype, kv_dtype, dims=dims)
+    check(batch, q_dtype, kv_dtype, causal=True)
 
 
 def test_absorbed_mla_equals_attention_with_up_projections(rng):

@@ -24,7 +24,16 @@ from std.bit import log2_floor
 from std.memory import bitcast, stack_allocation
 
 from ...cache.paged_kv_cache import Ptr
-from ...simd.widen import BLOCK, F32, VECTOR_REGISTERS, W, dot_bf16, load_block
+from ...simd.widen import (
+    BLOCK,
+    F32,
+    VECTOR_REGISTERS,
+    W,
+    dot_bf16,
+    load_block,
+    load_block_tail,
+    load_raw_tail,
+)
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
 
 comptime PRODUCT_ROWS = 12 if VECTOR_REGISTERS >= 32 else 6
@@ -186,6 +195,14 @@ def transpose_square(v: Pointer[mut=True, SIMD[F32, W], _]):
 
 
 @always_inline
+def padded_dim(dim: Int) -> Int:
+    """dim rounded up to whole BLOCKs: the rows of K^T and the row stride of
+    widened V for rows whose length is not a multiple of BLOCK (MLA's latent
+    and rope parts); the q and accumulator rows beside them follow it."""
+    return (dim + BLOCK - 1) // BLOCK * BLOCK
+
+
+@always_inline
 def key_columns(n: Int) -> Int:
     """Columns of K^T the scores of n keys read: n rounded up to the two
     vectors of a `product_tile`."""
@@ -197,19 +214,23 @@ def transpose_keys[
 ](head_dim: Int, k: Ptr[kv_dtype], rows: RowOffsets, n: Int, kt: Ptr[F32]):
     """K^T of a chunk: kt[d * CHUNK + j] = element d of key row j (at k +
     rows[j]) as `load_block` widens it, for j < n, and 0 for the rest of
-    `key_columns(n)`. Square W x W pieces go through registers."""
+    `key_columns(n)`; rows d from head_dim to `padded_dim(head_dim)` are 0.
+    Square W x W pieces go through registers."""
     var lo = stack_allocation[W, SIMD[F32, W]]()
     var hi = stack_allocation[W, SIMD[F32, W]]()
     var j0 = 0
     while j0 < key_columns(n):
         var c = 0
         while c < head_dim:
+            var valid = head_dim - c
             comptime for t in range(W):
                 var block = SIMD[F32, BLOCK](0)
                 if j0 + t < n:
-                    block = load_block[kv_dtype](
-                        k, Int(rows[unsafe_offset=j0 + t]) + c
-                    )
+                    var at = Int(rows[unsafe_offset=j0 + t]) + c
+                    if valid >= BLOCK:
+                        block = load_block[kv_dtype](k, at)
+                    else:
+                        block = load_block_tail[kv_dtype](k, at, valid)
                 lo[unsafe_offset=t] = block.slice[W]()
                 hi[unsafe_offset=t] = block.slice[W, offset=W]()
             transpose_square(lo)
@@ -235,21 +256,26 @@ def transpose_key_pairs(
     """K^T of a bfloat16 chunk in pairs, for `product_tile[dots=True]`: the
     float32 slot kt[p * CHUNK + j] holds elements 2p and 2p + 1 of key row j
     (at k + rows[j]) as they lie in memory, for j < n, and 0 for the rest of
-    `key_columns(n)`; dim a multiple of 2W. No widening: W x W squares of
-    32-bit words go through registers."""
+    `key_columns(n)`; slots from dim / 2 to `padded_dim(dim)` / 2 are 0.
+    No widening: W x W squares of 32-bit words go through registers."""
     var square = stack_allocation[W, SIMD[F32, W]]()
     var j0 = 0
     while j0 < key_columns(n):
         var c = 0
         while c < dim:
+            var valid = dim - c
             comptime for t in range(W):
                 var words = SIMD[F32, W](0)
                 if j0 + t < n:
-                    words = bitcast[F32, W](
-                        k.unsafe_offset(
-                            Int(rows[unsafe_offset=j0 + t]) + c
-                        ).unsafe_load[width=2 * W]()
-                    )
+                    var at = Int(rows[unsafe_offset=j0 + t]) + c
+                    if valid >= 2 * W:
+                        words = bitcast[F32, W](
+                            k.unsafe_offset(at).unsafe_load[width=2 * W]()
+                        )
+                    else:
+                        words = bitcast[F32, W](
+                            load_raw_tail[DType.bfloat16, 2 * W](k, at, valid)
+                        )
                 square[unsafe_offset=t] = words
             transpose_square(square)
             comptime for e in range(W):
@@ -263,15 +289,20 @@ def transpose_key_pairs(
 def widen_values[
     kv_dtype: DType
 ](head_dim: Int, v: Ptr[kv_dtype], rows: RowOffsets, n: Int, vw: Ptr[F32]):
-    """V of a chunk as float32 rows: vw[j * head_dim + d] = element d of value
-    row j (at v + rows[j]) as `load_block` widens it, for j < n."""
+    """V of a chunk as float32 rows `padded_dim(head_dim)` apart: vw[j *
+    stride + d] = element d of value row j (at v + rows[j]) as `load_block`
+    widens it, for j < n, and 0 for d from head_dim to the stride."""
+    var stride = padded_dim(head_dim)
     for j in range(n):
         var row = Int(rows[unsafe_offset=j])
         var c = 0
         while c < head_dim:
-            vw.unsafe_offset(j * head_dim + c).unsafe_store(
-                load_block[kv_dtype](v, row + c)
-            )
+            var block: SIMD[F32, BLOCK]
+            if head_dim - c >= BLOCK:
+                block = load_block[kv_dtype](v, row + c)
+            else:
+                block = load_block_tail[kv_dtype](v, row + c, head_dim - c)
+            vw.unsafe_offset(j * stride + c).unsafe_store(block)
             c += BLOCK
 
 

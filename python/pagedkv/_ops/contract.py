@@ -178,8 +178,11 @@ def mla_operands(**values: object) -> list:
     return [values[name] for name in MLA_OPERANDS]
 
 
-MLA_DIM_GRANULE = 64
-"""ckv and kpe dims are multiples of it, kpe may be 0 (mla/mla_attention.mojo: MLA_DIM_GRANULE)."""
+MLA_DIM_GRANULE = 16
+"""ckv and kpe dims are multiples of it on the CPU, kpe may be 0
+(mla/mla_attention.mojo: MLA_DIM_GRANULE)."""
+MLA_GPU_DIM_GRANULE = 64
+"""ckv and kpe dims are multiples of it on a GPU (mla/mla_attention.mojo)."""
 
 MLA_GPU_MAX_CKV = 512
 MLA_GPU_MAX_QK = 640
