@@ -549,6 +549,11 @@ def test_logprobs_of_a_decode_equal_the_echoed_prompts(server, reference):
     ).choices[0]
     assert len(one.logprobs.token_logprobs) == len(ids) + 1
     assert one.logprobs.token_logprobs[: len(ids)] == elp.token_logprobs
+    # Token-id lists, a choice each: what lm-eval's local-completions sends.
+    two = c.completions.create(model=MODEL, prompt=[ids[:5], ids], max_tokens=0, logprobs=1,
+                               echo=True).choices  # fmt: skip
+    assert [len(ch.logprobs.token_logprobs) for ch in two] == [5, len(ids)]
+    assert two[1].logprobs.token_logprobs[1:] == pytest.approx(elp.token_logprobs[1:], abs=2e-3)
     assert_no_page_in_use(server)
 
 
@@ -583,14 +588,8 @@ def test_logit_bias_and_penalties_over_http(server):
     c = client(server)
     prompt = server.engine.tokenizer.encode("Count: one, two, three,")
     forced = server.engine.tokenizer.encode(" banana")[0]
-    biased = c.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=3,
-        temperature=0,
-        logit_bias={str(forced): 100},
-        logprobs=0,
-    ).choices[0]
+    biased = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100}, logprobs=0).choices[0]  # fmt: skip
     assert biased.text == server.engine.tokenizer.decode([forced] * 3)
     plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     penalized = c.completions.create(

@@ -319,21 +319,23 @@ class Completions:
         try:
             if isinstance(body.prompt, str):
                 texts = [body.prompt]
-            elif not all(isinstance(x, int) for x in body.prompt):
+            elif all(isinstance(x, str) for x in body.prompt):
                 texts = list(body.prompt)
             prompts = [self.engine.tokenizer.prompt_ids(t) for t in texts] if texts else []
         except ValueError as e:
             raise self.reject(400, str(e), "invalid_request_error", param="prompt") from None
         if texts is None:
+            # Token ids: one list, or a list of lists (one prompt each).
+            given = body.prompt if isinstance(body.prompt[0], list) else [body.prompt]
             vocab = self.engine.llm.config.vocab_size
-            if any(not 0 <= x < vocab for x in body.prompt):
+            if any(not 0 <= x < vocab for ids in given for x in ids):
                 raise self.reject(
                     400,
                     f"token ids must be in [0, {vocab})",
                     "invalid_request_error",
                     param="prompt",
                 )
-            prompts = [list(body.prompt)]
+            prompts = [list(ids) for ids in given]
         if any(not p for p in prompts):
             raise self.reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16

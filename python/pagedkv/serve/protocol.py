@@ -84,10 +84,11 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     """POST /v1/completions: `prompt` is a string, a list of strings (each its
-    own choices), or a list of token ids. max_tokens defaults to 16 (as
-    OpenAI's)."""
+    own choices), a list of token ids, or a list of such lists (each its own
+    choices: what lm-eval's local-completions sends). max_tokens defaults to
+    16 (as OpenAI's)."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0)
     """0 only with echo: the prompt's logprobs, no completion."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -101,6 +102,8 @@ class CompletionRequest(_Common):
     def _prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be an empty list")
+        if isinstance(value, list) and any(isinstance(x, list) and not x for x in value):
+            raise ValueError("prompt must not hold an empty list of token ids")
         return value
 
 
