@@ -169,9 +169,13 @@ class DecoderEngine:
         table = (meta.kv_indptr, meta.kv_last_page_len)
         gpu = self.device.is_gpu
         if kind == PREFILL:
+            # Batch-invariant: tiles on the page grid, where every piece of a
+            # prompt starts (prefix hits and recompute resume at page starts).
+            align = self.manager.page_size if self.decode_chunk else None
             return graph_ops.prefill_work(
-                meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu
-            )
+                meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu,
+                align=align,
+            )  # fmt: skip
         shares = self.share_prefixes and not gpu and meta.window_left < 0 and not self.decode_chunk
         return graph_ops.decode_work(
             *table,

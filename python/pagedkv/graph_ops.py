@@ -653,12 +653,15 @@ def prefill_work(
     window_left: int = -1,
     *,
     gpu: bool,
+    align: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a prefill step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_prefill` in a graph on a GPU
     (`gpu`) or on the CPU. It must be the graph's device: the op runs as many
     query tokens per item as that device's tile (`prefill_tile`) and no
-    more, so a CPU plan on a GPU would leave query rows unwritten."""
+    more, so a CPU plan on a GPU would leave query rows unwritten. align:
+    query tiles on a grid of positions (`attention_work.prefill_work`), so
+    prompts prefilled in pieces that start there get the same sums."""
     options = AttentionOptions(head_dim, window_left=window_left)
     items, request_items, _ = attention_work.prefill_work(
         seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size),
@@ -667,6 +670,7 @@ def prefill_work(
         options,
         causal,
         gpu,
+        align,
     )
     return items, request_items
 

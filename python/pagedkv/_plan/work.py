@@ -516,6 +516,7 @@ def prefill_work(
     options: AttentionOptions,
     causal: bool,
     is_gpu: bool,
+    align: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Work items of a prefill over requests of seq_lens [B] cached tokens
     (queries included): tiles of each request's query tokens, each
@@ -524,20 +525,31 @@ def prefill_work(
     Request b's n_b queries are its last n_b tokens: query i sits at position
     seq_len - n_b + i. A CPU tile holds up to CPU_MAX_TASK_ROWS query rows of
     one KV head (tokens x group heads), so every key row read serves them
-    all. Returns items [I, 6], request_items [B + 1] and the most queries in a
-    tile.
+    all. With `align` (a power of two) tiles are at most that many tokens and
+    start at positions that are multiples of it, so a query's tile, and with
+    it every sum the kernel makes for it, is the same whether the prompt is
+    prefilled whole or in pieces that start at multiples of `align`
+    (batch-invariant prefill). Returns items [I, 6], request_items [B + 1]
+    and the most queries in a tile.
     """
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     qo_indptr = qo_indptr.astype(np.int64)
     counts = np.diff(qo_indptr)
     tile = prefill_tile(group, is_gpu)
-    tiles = -(-counts // tile)
+    if align is not None:  # a power of two that divides align
+        tile = 1 << (min(tile, align).bit_length() - 1)
+    starts = seq_lens - counts  # each request's first query position
+    # Tile k of request b covers positions [lo, hi): the grid of `tile`
+    # starts from the first query (no align) or from position 0 (align).
+    offset = np.zeros_like(starts) if align is None else starts % tile
+    tiles = np.where(counts > 0, -(-(counts + offset) // tile), 0)
     request_items = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     request = np.repeat(np.arange(len(counts)), tiles)
     k = np.arange(int(request_items[-1])) - request_items[request]
-    q0 = k * tile
-    queries = np.minimum(tile, counts[request] - q0)
-    q_pos = seq_lens[request] - counts[request] + q0
+    lo = np.maximum(k * tile - offset[request], 0)
+    hi = np.minimum((k + 1) * tile - offset[request], counts[request])
+    q0, queries = lo, hi - lo
+    q_pos = starts[request] + q0
     if options.window_left < 0:
         first = np.zeros_like(q_pos)
     else:
