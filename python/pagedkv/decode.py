@@ -16,7 +16,7 @@ from max.dtype import DType
 from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
-from ._plan.block_tables import check_block_tables_agree
+from ._plan.block_tables import check_trtllm_table
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, FixedWork, PageTable, attention_spec
 from ._plan.work import (
@@ -85,6 +85,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
     stays right across plans; a plan needing more items (a small
     fixed_split_size) raises. Options and scales are captured with the step.
     jit_args (FlashInfer's JIT variants) must be None.
+
+    Under ALiBi the lse run() returns is FlashInfer's decode kernels' (key j
+    biased by slope * j), slope * (L - 1) * log2(e) above the prefill
+    wrapper's for the same query (which biases by slope * (j - (L - 1)), as
+    FlashInfer's prefill does); o is the same either way.
     """
 
     def __init__(
@@ -185,23 +190,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             causally to its cache, whose last q_len_per_req tokens are theirs.
         non_blocking
             Accepted and ignored: plan() copies the table to the host anyway.
-        block_tables, seq_lens
-            FlashInfer's trtllm-gen form of the same table ([B, max_pages],
-            [B]): given, they must name the same pages (ValueError otherwise).
-        window_right
-            FlashInfer's cute-dsl option: must be 0.
-        is_causal
-            None, or what q_len_per_req implies (q_len_per_req > 1), as
-            FlashInfer's fa2 backend takes it.
+        block_tables, seq_lens, window_right, is_causal
+            trtllm-gen's form of the table ([B, max_pages], [B]: it must name
+            the same pages), cute-dsl's window_right (0), fa2's is_causal
+            (None or what q_len_per_req implies).
 
         Options as in FlashInfer; logits_soft_cap None or 0 is off. Integer
         options must fit int32 and float options be finite numbers
         (ValueError otherwise).
-
-        Under ALiBi the returned lse is FlashInfer's decode kernels' (key j
-        biased by slope * j), slope * (L - 1) * log2(e) above the prefill
-        wrapper's for the same query (which biases by slope * (j - (L - 1)),
-        as FlashInfer's prefill does); o is the same either way.
 
         Example
         -------
@@ -215,10 +211,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_len_per_req = self._check_plan_contract(
             window_right, q_len_per_req, is_causal, q_data_type, o_data_type
         )
-        if block_tables is not None or seq_lens is not None:
-            check_block_tables_agree(
-                block_tables, seq_lens, page_size, indptr, indices, last_page_len
-            )
+        check_trtllm_table(block_tables, seq_lens, page_size, (indptr, indices, last_page_len))
         self._planned = dict(
             indptr=as_int32_index("indptr", indptr),
             indices=as_int32_index("indices", indices),

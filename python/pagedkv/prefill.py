@@ -21,12 +21,11 @@ from ._checks import (
     check_index_array,
     check_int,
     host_index_copy,
-    host_int_array,
     layout_code,
 )
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
-from ._plan.block_tables import check_block_tables_agree
+from ._plan.block_tables import check_trtllm_table
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, PageTable, attention_spec
 from ._plan.work import (
@@ -218,16 +217,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         multi_item = (prefix_len_ptr, token_pos_in_items_ptr)
         dtypes, head_dims = (q_data_type, o_data_type), (head_dim_qk, head_dim_vo)
         self._check_plan_contract(multi_item, masked, window_left, dtypes, head_dims)
-        if block_tables is not None or seq_lens is not None:
-            check_block_tables_agree(
-                block_tables, seq_lens, page_size, paged_kv_indptr, paged_kv_indices,
-                paged_kv_last_page_len,
-            )  # fmt: skip
-        if seq_lens_q is not None and not np.array_equal(
-            host_int_array("seq_lens_q", seq_lens_q, 1),
-            np.diff(host_int_array("qo_indptr", qo_indptr, 1)),
-        ):
-            raise ValueError("seq_lens_q must be the query counts qo_indptr gives")
+        csr = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        check_trtllm_table(block_tables, seq_lens, page_size, csr, qo_indptr, seq_lens_q)
         self._planned = dict(
             qo_indptr=qo_indptr,
             paged_kv_indptr=paged_kv_indptr,

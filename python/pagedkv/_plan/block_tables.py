@@ -92,3 +92,24 @@ def check_block_tables_agree(
         for name, x in given.items()
     ):
         raise ValueError("block_tables and seq_lens name other pages than the CSR table")
+
+
+def check_trtllm_table(
+    block_tables: Array | None,
+    seq_lens: Array | None,
+    page_size: int,
+    csr: tuple[Array, Array, Array],
+    qo_indptr: Array | None = None,
+    seq_lens_q: Array | None = None,
+) -> None:
+    """Raises unless FlashInfer's trtllm-gen inputs to a plan(), where given,
+    describe the batch of the CSR table csr (indptr, indices,
+    last_page_len): block_tables with seq_lens its pages, seq_lens_q the
+    query counts of qo_indptr."""
+    if block_tables is not None or seq_lens is not None:
+        check_block_tables_agree(block_tables, seq_lens, page_size, *csr)
+    if seq_lens_q is not None and not np.array_equal(
+        host_int_array("seq_lens_q", seq_lens_q, 1),
+        np.diff(host_int_array("qo_indptr", qo_indptr, 1)),
+    ):
+        raise ValueError("seq_lens_q must be the query counts qo_indptr gives")
