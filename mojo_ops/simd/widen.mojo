@@ -163,11 +163,18 @@ def load_kv[
 ](p: Ptr[dtype], offset: Int) -> SIMD[F32, width]:
     """Width elements of a K or V row at p + offset widened to float32, times
     `kv_load_scale[dtype]()`."""
+    return widen_kv(p.unsafe_offset(offset).unsafe_load[width=width]())
+
+
+@always_inline
+def widen_kv[
+    dtype: DType, width: Int
+](raw: SIMD[dtype, width]) -> SIMD[F32, width]:
+    """Raw K or V lanes as `load_kv` widens them."""
     comptime if dtype == DType.float8_e4m3fn and not is_gpu():
-        var raw = p.unsafe_offset(offset).unsafe_load[width=width]()
         return e4m3_as_float16(raw).cast[F32]()
     else:
-        return load_f32[dtype, width](p, offset)
+        return widen_f32(raw)
 
 
 @always_inline
@@ -209,10 +216,8 @@ def widen_block[dtype: DType](raw: SIMD[dtype, BLOCK]) -> SIMD[F32, BLOCK]:
         var even = bitcast[F32, W](words << 16)
         var odd = bitcast[F32, W](words & 0xFFFF0000)
         return even.join(odd)
-    elif dtype == DType.float8_e4m3fn and not is_gpu():
-        return e4m3_as_float16(raw).cast[F32]()
     else:
-        return widen_f32(raw)
+        return widen_kv(raw)
 
 
 @always_inline
