@@ -67,6 +67,7 @@ class DecoderEngine:
         self.compile_seconds = self.models.seconds
         page = manager.page_size
         chunk = -(-BATCH_INVARIANT_CHUNK // page) * page
+        self.batch_invariant = batch_invariant
         self.decode_chunk = chunk if batch_invariant else None
         """Decode splits every request's keys at multiples of this many tokens
         (None: chunks sized to keep every core busy). A fixed chunk makes a
@@ -171,7 +172,7 @@ class DecoderEngine:
         if kind == PREFILL:
             # Batch-invariant: tiles on the page grid, where every piece of a
             # prompt starts (prefix hits and recompute resume at page starts).
-            align = self.manager.page_size if self.decode_chunk else None
+            align = self.manager.page_size if self.batch_invariant else None
             return graph_ops.prefill_work(
                 meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu,
                 align=align,

@@ -170,6 +170,43 @@ def check_output(name: str, x: Array, shape: tuple[int, ...], dtype: DType, devi
     check_writable(name, x)
 
 
+GPU_ONLY_OPTIONS = {
+    "o_sf_scale": None,
+    "o_sf_vec_size": None,
+    "skip_softmax_threshold_scale_factor": None,
+    "kv_cache_sf": None,
+    "mask": None,
+    "multi_ctas_kv_counter_buffer": None,
+    "enable_block_sparse_attention": False,
+    "cp_world": 1,
+    "causal_seqlens_kv_global": None,
+    "bf16q_fp8kv_transform_mode": None,
+    "request_order": None,
+    "request_order_plan": None,
+    "use_fp16_softmax": False,
+    "uses_spcompress": False,
+}
+"""Options of FlashInfer's GPU kernels pagedkv has no form of (NVFP4
+outputs, skip-softmax sparsity, float16 softmax, block sparsity, context
+parallelism, ...), each at the value that leaves it off."""
+
+
+def refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
+    """Raises ValueError naming the GPU_ONLY_OPTIONS among options that are
+    not at their off value (options a call's arguments by name; others are
+    ignored)."""
+
+    def off(name: str, value: Any) -> bool:
+        default = GPU_ONLY_OPTIONS[name]
+        if default is None:
+            return value is None
+        return isinstance(value, (bool, int, float)) and value == default
+
+    given = [k for k, v in options.items() if k in GPU_ONLY_OPTIONS and not off(k, v)]
+    if given:
+        raise ValueError(f"{function}: {', '.join(given)} are not supported by pagedkv")
+
+
 def reject_cuda_graph(use_cuda_graph: bool, wrapper: str) -> None:
     """Raises for FlashInfer's use_cuda_graph=True on a wrapper that does not
     take fixed buffers (the paged decode and prefill wrappers do)."""

@@ -22,57 +22,24 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import host_int_array
+from ._checks import check_float, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array
 from ._plan.block_tables import csr_from_block_tables
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
-_GPU_ONLY = {
-    "o_sf_scale": None,
-    "o_sf_vec_size": None,
-    "skip_softmax_threshold_scale_factor": None,
-    "kv_cache_sf": None,
-    "mask": None,
-    "multi_ctas_kv_counter_buffer": None,
-    "enable_block_sparse_attention": False,
-    "cp_world": 1,
-    "causal_seqlens_kv_global": None,
-    "bf16q_fp8kv_transform_mode": None,
-    "request_order": None,
-    "request_order_plan": None,
-    "use_fp16_softmax": False,
-    "uses_spcompress": False,
-}
-"""Options of FlashInfer's GPU kernels pagedkv does not have, at the value
-that leaves them off."""
-
 
 def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
-    given = [k for k, v in options.items() if k in _GPU_ONLY and not _is_off(v, _GPU_ONLY[k])]
-    if given:
-        raise ValueError(f"{function}: {', '.join(given)} are not supported by pagedkv")
+    refuse_gpu_only(function, options)
     if options.get("uses_shared_paged_kv_idx", True) is not True:
         raise ValueError(f"{function}: separate K and V page tables are not supported")
     if options.get("out_dtype") == "nvfp4":
         raise ValueError(f"{function}: NVFP4 output is not supported")
 
 
-def _is_off(value: Any, off: Any) -> bool:
-    if off is None:
-        return value is None
-    return isinstance(value, (bool, int, float)) and value == off
-
-
 def _scalar(name: str, value: Any) -> float:
     """A fused scale given as a float or a one-element tensor."""
-    try:
-        number = float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be a number or a one-element tensor") from e
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite, got {number}")
-    return number
+    return check_float(name, value.item() if hasattr(value, "item") else value)
 
 
 def _cache_geometry(kv_cache: Any, kv_layout: str) -> tuple[int, int, int]:

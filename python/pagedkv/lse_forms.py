@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import math
 
-from ._ops.tensors import Array, is_torch
+from max.dtype import DType
+
+from ._checks import check_output
+from ._ops.tensors import Array, device_of, is_torch
 
 LSE_BASES = ("log2", "ln")
 LSE_LAYOUTS = ("NH", "HN")
@@ -32,12 +35,8 @@ def staged_lse(
     if not return_lse or lse_layout == "NH":
         return lse, None
     if lse is not None:
-        want = (int(q.shape[1]), int(q.shape[0]))
-        contiguous = lse.is_contiguous() if is_torch(lse) else lse.flags.c_contiguous
-        if tuple(lse.shape) != want or str(lse.dtype).split(".")[-1] != "float32":
-            raise ValueError(f'lse for lse_layout="HN" must be float32 {want}')
-        if not contiguous:
-            raise ValueError('lse for lse_layout="HN" must be contiguous')
+        shape = (int(q.shape[1]), int(q.shape[0]))
+        check_output('lse (lse_layout="HN")', lse, shape, DType.float32, device_of(q))
     return None, lse
 
 

@@ -22,6 +22,7 @@ from ._checks import (
     check_int,
     host_index_copy,
     layout_code,
+    refuse_gpu_only,
 )
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
@@ -46,29 +47,6 @@ from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dty
 def prefill_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
     """The compiled prefill op for these dtypes and layout."""
     return attention_spec(q_dtype, kv_dtype, layout)
-
-
-def refuse_gpu_variants(
-    skip_softmax_threshold_scale_factor: float | None = None,
-    use_fp16_softmax: bool = False,
-    uses_spcompress: bool = False,
-) -> None:
-    """Raises for FlashInfer's GPU kernel variants pagedkv has no form of
-    (skip-softmax sparsity, float16 softmax, compressed speculative KV)."""
-    given = [
-        name
-        for name, on in (
-            (
-                "skip_softmax_threshold_scale_factor",
-                skip_softmax_threshold_scale_factor is not None,
-            ),
-            ("use_fp16_softmax", bool(use_fp16_softmax)),
-            ("uses_spcompress", bool(uses_spcompress)),
-        )
-        if on
-    ]
-    if given:
-        raise ValueError(f"{', '.join(given)}: GPU kernel variants pagedkv does not have")
 
 
 FIXED_PREFILL_BUFFERS = (
@@ -407,7 +385,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
         del enable_pdl
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
-        refuse_gpu_variants(skip_softmax_threshold_scale_factor, use_fp16_softmax, uses_spcompress)
+        refuse_gpu_only(
+            "run()",
+            {
+                "skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor,
+                "use_fp16_softmax": use_fp16_softmax,
+                "uses_spcompress": uses_spcompress,
+            },
+        )
         lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, return_lse)
         sink_lse = None
         if sinks is not None:
