@@ -77,6 +77,20 @@ def add_parser(sub) -> None:
         "requests that share a prompt's prefix read its pages once)",
     )
     add_weights_arguments(p)
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        default=None,
+        help="publish the page cache's KV events in vLLM's ZeroMQ format on this address "
+        "(bound), e.g. tcp://127.0.0.1:5557, for KV-aware routers (needs the "
+        "`distributed` extra)",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        default=None,
+        help="a ZeroMQ ROUTER address (bound) that replays recent event batches on request",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -108,6 +122,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         say("pagedkv serve: error: --port must be in [0, 65535]")
         return 2
+    publisher = None
+    if args.kv_events is not None:
+        try:
+            from ..distributed.kv_event_publisher import ZmqKvEventPublisher
+
+            publisher = ZmqKvEventPublisher(args.kv_events, replay_endpoint=args.kv_events_replay)
+        except ImportError as e:
+            say(f"pagedkv serve: error: {e.name} is missing: pip install 'pagedkv[distributed]'")
+            return 2
+        except ValueError as e:
+            say(f"pagedkv serve: error: --kv-events: {e}")
+            return 2
     try:
         llm = load(
             args.model,
@@ -120,7 +146,12 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ModelError as e:
         say(f"pagedkv serve: error: {e}")
+        if publisher is not None:
+            publisher.close()
         return 2
+    if publisher is not None:
+        llm.manager.subscribe(publisher)
+        say(f"KV events on {publisher.endpoint}")
     say(
         f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
@@ -140,4 +171,6 @@ def run_serve(args: argparse.Namespace) -> int:
             args.max_streams_per_key,
         ),
     )
+    if publisher is not None:
+        publisher.close()
     return 0
