@@ -16,11 +16,11 @@ import pytest
 zmq = pytest.importorskip("zmq", reason="the distributed extra (pyzmq) is not installed")
 pytest.importorskip("msgpack", reason="the distributed extra (msgpack) is not installed")
 
-from pagedkv.serve.server import free_port  # noqa: E402
 from pagedkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from pagedkv.cache.manager import PagedKVCacheManager  # noqa: E402
 from pagedkv.distributed.kv_event_publisher import ZmqKvEventPublisher  # noqa: E402
 from pagedkv.distributed.kv_event_wire import block_hash_int, decode_batch  # noqa: E402
+from pagedkv.serve.server import free_port  # noqa: E402
 
 PAGE = 4
 TIMEOUT_MS = 5000

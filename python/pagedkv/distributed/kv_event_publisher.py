@@ -68,7 +68,9 @@ class ZmqKvEventPublisher:
         buffer_batches: int = 10_000,
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZeroMQ address like tcp://host:port, got {endpoint!r}")
+            raise ValueError(
+                f"endpoint must be a ZeroMQ address like tcp://host:port, got {endpoint!r}"
+            )
         self._context = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
