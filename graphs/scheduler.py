@@ -294,6 +294,10 @@ class Scheduler:
     observer : object, optional
         Gets `first_token(seconds)`, `token_gap(seconds)` and
         `finished(reason)` calls (metrics).
+    shared_prefixes : pagedkv.distributed.prefix_store.SharedPrefixCache, optional
+        A page store shared with other instances: a prompt's pages that
+        miss the pool are looked up there before they are prefilled, and
+        every page the steps cache is published to it.
 
     Examples
     --------
@@ -314,6 +318,7 @@ class Scheduler:
         policy: str = "fcfs",
         keep_logits: bool = False,
         observer=None,
+        shared_prefixes=None,
     ) -> None:
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs and max_prefill_tokens must be >= 1")
@@ -332,6 +337,7 @@ class Scheduler:
         self.policy = policy
         self.keep_logits = keep_logits
         self.observer = observer
+        self.shared_prefixes = shared_prefixes
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._waiting: list[_Live] = []
@@ -469,12 +475,25 @@ class Scheduler:
                 # reserve() changed nothing: make room the way step (1) does.
                 self._preempt_last()
                 continue
+            except Exception:
+                self._publish(False)
+                raise
+            self._publish(True)
             self.stats.last_decode_seconds = time.perf_counter() - t0
             for (live, s), row in zip(batch, logits, strict=True):
                 self._emit(live, s, self._choose(live, s, row), row)
             break
         for live in [x for x in self._running.values() if not x.live_samples()]:
             self._finish(live)
+
+    def _publish(self, ran: bool) -> None:
+        """Hands the pages a step cached to the shared store once the step
+        has written them; forgets them when it failed."""
+        if self.shared_prefixes is not None:
+            if ran:
+                self.shared_prefixes.publish()
+            else:
+                self.shared_prefixes.discard()
 
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples may take:
@@ -581,6 +600,8 @@ class Scheduler:
                     # next one; prompt logprobs need every prompt token's.
                     every_row = sample is None and live.req.prompt_logprobs is not None
                     cached = self.manager.add(sid, [] if every_row else context[:-1])
+                    if self.shared_prefixes is not None and not every_row:
+                        cached = self.shared_prefixes.fetch(sid, context[:-1], cached)
                     flags.append(every_row)
                     live.holds_pages = True
                     if sample is None:
@@ -594,7 +615,9 @@ class Scheduler:
                 logits, prompt_rows = self.engine.prefill(ids, suffixes, every_row=flags)
             else:
                 logits, prompt_rows = self.engine.prefill(ids, suffixes), [None] * len(ids)
+            self._publish(True)
         except OutOfPagesError:
+            self._publish(False)
             # The admission estimate was short: put them back, whole (the
             # next step admits fewer, down to the first alone).
             for live in admitted:
@@ -605,6 +628,7 @@ class Scheduler:
                 self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
             return
         except Exception as e:
+            self._publish(False)
             for live in admitted:
                 self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
             return

@@ -317,3 +317,40 @@ class Gate:
     def decode(self, *args):
         assert self.opened.wait(self.timeout)
         return self.inner.decode(*args)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A Redis server of its own on a loopback port (the system's
+    `redis-server`), with nothing persisted; yields its URL."""
+    import shutil
+    import subprocess
+    import time
+
+    redis = pytest.importorskip("redis", reason="the distributed extra (redis) is not installed")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    from pagedkv.serve.server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)

@@ -81,6 +81,8 @@ class LLM:
         manager: the `PagedKVCacheManager` owning one pool per layer.
         engine: the `DecoderEngine` running prefill and decode steps.
         stats: the `RunStats` of the last `generate` call.
+        model_id: what computes the KV pages (name, weights form, GGUF
+            file): instances share cached pages only when theirs agree.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class LLM:
         )
         self.compile_seconds = time.perf_counter() - t0
         self.stats: RunStats | None = None
+        self.model_id = name
         self._next_id = 0
 
     def prompt_ids(
@@ -322,5 +325,6 @@ def load(
         f"{weights} weights, {kv_dtype} cache) ..."
     )
     llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant)
+    llm.model_id = f"{spec.name}|{weights}|{path.name}"
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
     return llm

@@ -86,6 +86,13 @@ def add_parser(sub) -> None:
         "`distributed` extra)",
     )
     p.add_argument(
+        "--prefix-store",
+        metavar="URL",
+        default=None,
+        help="share cached prompt pages with other instances through this Redis server, "
+        "e.g. redis://127.0.0.1:6379/0 (needs the `distributed` extra)",
+    )
+    p.add_argument(
         "--kv-events-replay",
         metavar="ENDPOINT",
         default=None,
@@ -122,18 +129,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         say("pagedkv serve: error: --port must be in [0, 65535]")
         return 2
-    publisher = None
-    if args.kv_events is not None:
-        try:
-            from ..distributed.kv_event_publisher import ZmqKvEventPublisher
-
-            publisher = ZmqKvEventPublisher(args.kv_events, replay_endpoint=args.kv_events_replay)
-        except ImportError as e:
-            say(f"pagedkv serve: error: {e.name} is missing: pip install 'pagedkv[distributed]'")
-            return 2
-        except ValueError as e:
-            say(f"pagedkv serve: error: --kv-events: {e}")
-            return 2
+    try:
+        publisher, store = open_distributed(args)
+    except FlagError as e:
+        say(f"pagedkv serve: error: {e}")
+        return 2
     try:
         llm = load(
             args.model,
@@ -149,9 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         return 2
-    if publisher is not None:
-        llm.manager.subscribe(publisher)
-        say(f"KV events on {publisher.endpoint}")
+    shared_prefixes = attach_distributed(llm, publisher, store, say)
     say(
         f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
@@ -164,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         policy=args.scheduling_policy,
+        shared_prefixes=shared_prefixes,
         limits=ServeLimits(
             args.max_body_bytes,
             args.max_prompt_tokens,
@@ -174,3 +173,55 @@ def run_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         publisher.close()
     return 0
+
+
+class FlagError(Exception):
+    """A flag `serve` refuses; the message is the line it prints."""
+
+
+def open_distributed(args: argparse.Namespace):
+    """(KV event publisher, prefix store) as the flags ask (None where not),
+    opened before the model loads so that a bad address fails at once."""
+    publisher = store = None
+    try:
+        if args.kv_events is not None:
+            from ..distributed.kv_event_publisher import ZmqKvEventPublisher
+
+            try:
+                publisher = ZmqKvEventPublisher(
+                    args.kv_events, replay_endpoint=args.kv_events_replay
+                )
+            except ValueError as e:
+                raise FlagError(f"--kv-events: {e}") from e
+        if args.prefix_store is not None:
+            from ..distributed.prefix_store import RedisPageStore
+
+            try:
+                store = RedisPageStore(args.prefix_store)
+            except ValueError as e:
+                raise FlagError(f"--prefix-store: {e}") from e
+    except ImportError as e:
+        raise FlagError(f"{e.name} is missing: pip install 'pagedkv[distributed]'") from e
+    except FlagError:
+        if publisher is not None:
+            publisher.close()
+        raise
+    return publisher, store
+
+
+def attach_distributed(llm, publisher, store, say):
+    """Subscribes the publisher to the model's manager and binds the store
+    to it; returns the `SharedPrefixCache` (or None) for the scheduler."""
+    if publisher is not None:
+        llm.manager.subscribe(publisher)
+        say(f"KV events on {publisher.endpoint}")
+    if store is None:
+        return None
+    from ..distributed.prefix_store import SharedPrefixCache
+
+    try:
+        store.client.ping()
+        say(f"sharing prompt pages through {store.url}")
+    except Exception as e:  # a store that is down is a miss until it answers
+        say(f"prefix store {store.url} does not answer yet ({type(e).__name__}); serving without")
+    return SharedPrefixCache(llm.manager, store, llm.model_id)

@@ -90,6 +90,8 @@ class ServingEngine:
     observer : object, optional
         Gets `first_token(seconds)`, `token_gap(seconds)` and
         `finished(reason)` calls from the engine thread (metrics).
+    shared_prefixes : pagedkv.distributed.prefix_store.SharedPrefixCache, optional
+        A page store shared with other instances (see the scheduler).
 
     Examples
     --------
@@ -106,6 +108,7 @@ class ServingEngine:
         max_prefill_tokens: int = 4096,
         policy: str = "fcfs",
         observer=None,
+        shared_prefixes=None,
     ) -> None:
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
@@ -122,6 +125,7 @@ class ServingEngine:
             max_prefill_tokens=max_prefill_tokens,
             policy=policy,
             observer=observer,
+            shared_prefixes=shared_prefixes,
         )
         self.max_num_seqs = max_num_seqs
         self.stats = EngineStats(pages_total=self.manager.num_pages)
