@@ -1,4 +1,4 @@
-"""The `pagedkv` command: demo (the main job), generate, serve, bench and check-gpu.
+"""The `pagedkv` command: demo (the main job), generate, serve, route, bench and check-gpu.
 
 Bad flags and impossible configurations end with a one-line error naming
 the problem and how to fix it, and exit status 2; no traceback.
@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     from ..serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from ..distributed.route_cli import add_parser as add_route_parser
+
+    add_route_parser(sub)
     _add_bench_and_check_gpu(sub)
     return parser
 
@@ -155,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             from ..serve.cli import run_serve
 
             return run_serve(args)
+        if args.command == "route":
+            from ..distributed.route_cli import run_route
+
+            return run_route(args)
         if args.command == "bench":
             return _bench(args)
         from .._ops.gpu_check import main as check_gpu

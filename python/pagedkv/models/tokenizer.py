@@ -242,3 +242,32 @@ class TextStream:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(seen) :]
+
+
+def load_tokenizer(name: str, gguf: str | None = None) -> ChatTokenizer:
+    """The chat tokenizer of a catalogue model, from its GGUF's metadata
+    alone (no weights are read): what a router needs to see prompts as the
+    model's replicas do.
+
+    Raises:
+        ModelError: unknown name, failed fetch, or an unreadable GGUF.
+
+    Examples
+    --------
+    >>> load_tokenizer("smollm2-135m-instruct").prompt_ids("Hi")  # doctest: +SKIP
+    [12289]
+    """
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    from .catalog import model_spec
+    from .fetch import fetch_gguf
+
+    path = Path(gguf) if gguf is not None else fetch_gguf(model_spec(name).name)
+    try:
+        reader = GGUFReader(path)
+        metadata = {key: field.contents() for key, field in reader.fields.items()}
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise ModelError(f"{path} is not a readable GGUF ({type(e).__name__}: {e})") from None
+    return ChatTokenizer.from_gguf_metadata(metadata)

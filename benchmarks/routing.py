@@ -1,0 +1,177 @@
+"""Two `pagedkv serve` replicas behind `pagedkv route`: KV-aware routing
+(Dynamo's KV indexer reading the replicas' KV events) against round-robin,
+in one run, on a workload of many system prompts.
+
+    python benchmarks/routing.py [--prompts 12] [--per-prompt 8] [--clients 8]
+        [--kv-memory BYTES] [--max-tokens 16] [--quick]
+
+The workload: `--prompts` distinct system prompts of about 600 tokens (a
+tenant's instructions each), `--per-prompt` questions after each, in one
+shuffled order, `--clients` concurrent streaming clients. Each replica's
+pool (`--kv-memory`, default 128 MiB: about 5,800 tokens of SmolLM2's
+float16 cache) holds about half the system prompts, as a fleet's replicas
+hold a share of its tenants'. For each policy, fresh replicas (cold caches,
+each warmed with one short request) and a fresh router; the answers' usage
+says how many prompt tokens each replica served from its cache. Prints the
+prefix-hit rate (cached / prompt tokens), time to first token p50 and p99,
+seconds for the whole workload and output tokens/s, per policy and as
+KV-aware / round-robin, after the CPU and its ISA flags.
+
+The replicas share this machine's cores: absolute times are not a
+cluster's, but both policies run on the same replicas' code and cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+from datetime import datetime
+
+import httpx
+import numpy as np
+from serve_vs_llamacpp import Workload, replay, warm_up
+
+from llamacpp import MODEL, Server, ServerError, cpu_info, machine_line, pagedkv_commit
+
+WORDS = (
+    "account billing contract delivery engine filter garden harbor invoice journey kettle ledger "
+    "meadow network orchard parcel quarry ribbon signal timber uniform valley window yarn zephyr "
+    "amber beacon canyon dolphin ember falcon glacier horizon island jasmine koala lantern mosaic"
+).split()
+
+
+def system_prompt(k: int, words: int) -> str:
+    """Tenant k's instructions: about `words` words, none shared with another tenant's
+    past its first few tokens."""
+    rng = random.Random(k)
+    body = " ".join(rng.choice(WORDS) for _ in range(words))
+    return f"You are the assistant of tenant {k}. Follow these notes: {body}."
+
+
+def chats(prompts: int, per_prompt: int, words: int, seed: int) -> list[list[dict]]:
+    jobs = [
+        [
+            {"role": "system", "content": system_prompt(k, words)},
+            {"role": "user", "content": f"Question {q} of tenant {k}: what should I do next?"},
+        ]
+        for k in range(prompts)
+        for q in range(per_prompt)
+    ]
+    random.Random(seed).shuffle(jobs)
+    return jobs
+
+
+def run_policy(policy: str, args, jobs: list[list[dict]]) -> dict:
+    """Fresh replicas and router for one policy; the workload's figures."""
+    ports = [str(free) for free in _free_ports(2)]
+    events = [f"tcp://127.0.0.1:{p}" for p in ports]
+    replicas = [
+        Server(f"replica-{i}", _serve(args, events[i]), start_timeout=900.0) for i in range(2)
+    ]
+    router = None
+    try:
+        for r in replicas:
+            r.start()
+            warm_up(r.url, MODEL)
+        command = [sys.executable, "-m", "pagedkv", "route", "--policy", policy]
+        for r in replicas:
+            command += ["--replica", r.url]
+        command += ["--kv-events", ",".join(events), "--indexer-port", str(_free_ports(1)[0])]
+        router = Server(f"router-{policy}", command, start_timeout=120.0).start()
+        w = Workload(policy, args.clients, len(jobs), args.max_tokens)
+        answers, seconds, _ = asyncio.run(replay(router.url, w, jobs))
+        stats = httpx.get(router.url + "/router/stats", timeout=10).json()
+    finally:
+        if router is not None:
+            router.stop()
+        for r in replicas:
+            r.stop()
+    ok = [a for a in answers if a.error is None]
+    ttft = np.array([a.ttft for a in ok])
+    return {
+        "policy": policy,
+        "finished": len(ok),
+        "errors": len(answers) - len(ok),
+        "hit_rate": sum(a.cached_tokens for a in ok) / max(1, sum(a.prompt_tokens for a in ok)),
+        "ttft_p50": float(np.percentile(ttft, 50)) if ok else float("nan"),
+        "ttft_p99": float(np.percentile(ttft, 99)) if ok else float("nan"),
+        "seconds": seconds,
+        "tokens_per_s": sum(a.tokens for a in ok) / seconds,
+        "routed": stats["routed"],
+    }
+
+
+def _serve(args, events: str) -> list[str]:
+    return [
+        sys.executable, "-m", "pagedkv", "serve", "--kv-memory", str(args.kv_memory),
+        "--kv-events", events,
+    ]  # fmt: skip
+
+
+def _free_ports(n: int) -> list[int]:
+    from pagedkv.serve.server import free_port
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def table(results: list[dict]) -> str:
+    kv, rr = results
+    rows = [
+        ("prefix-hit rate", "hit_rate", "{:.1%}"),
+        ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
+        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"),
+        ("seconds for all", "seconds", "{:.1f}"),
+        ("output tokens/s", "tokens_per_s", "{:.1f}"),
+    ]
+    lines = ["| metric | KV-aware | round-robin | KV-aware / round-robin |", "|---|---|---|---|"]
+    for label, key, fmt in rows:
+        ratio = kv[key] / rr[key] if rr[key] else float("nan")
+        lines.append(f"| {label} | {fmt.format(kv[key])} | {fmt.format(rr[key])} | {ratio:.2f}x |")
+    lines.append(f"| requests per replica | {kv['routed']} | {rr['routed']} | |")
+    lines.append(f"| finished / errors | {kv['finished']} / {kv['errors']} | "
+                 f"{rr['finished']} / {rr['errors']} | |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--per-prompt", type=int, default=8)
+    p.add_argument("--words", type=int, default=250, help="words per system prompt")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--kv-memory", type=int, default=128 << 20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a smoke run: 4 prompts x 2")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.per_prompt, args.clients = 4, 2, 4
+    jobs = chats(args.prompts, args.per_prompt, args.words, args.seed)
+    print(machine_line(cpu_info()), flush=True)
+    print(f"pagedkv {pagedkv_commit()}, {datetime.now():%Y-%m-%d %H:%M}", flush=True)
+    print(
+        f"{len(jobs)} chats ({args.prompts} system prompts x {args.per_prompt}), "
+        f"{args.clients} clients, {args.max_tokens} tokens each, "
+        f"--kv-memory {args.kv_memory} per replica",
+        flush=True,
+    )
+    results = []
+    for policy in ("kv", "round-robin"):
+        try:
+            results.append(run_policy(policy, args, jobs))
+        except ServerError as e:
+            print(f"{policy}: failed: {e}", file=sys.stderr)
+            return 1
+        r = results[-1]
+        print(f"  {policy}: hit rate {r['hit_rate']:.1%}, {r['seconds']:.1f} s", flush=True)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
