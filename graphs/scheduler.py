@@ -47,6 +47,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -54,6 +55,7 @@ import numpy as np
 from pagedkv.cache.manager import OutOfPagesError
 
 from .engine import DecoderEngine
+from .kv_connector import KVConnector, KVTransferError
 from .sampling import (
     GREEDY,
     NO_ADJUSTMENTS,
@@ -100,6 +102,9 @@ class Request:
     `PromptLogprobs` event before the first token); the prompt is then
     computed whole, not read from the prefix cache.
     adjustments: logit bias and penalties applied before choosing a token.
+    kv_transfer: vLLM's ``kv_transfer_params`` as the client sent them (a
+    prefill instance's pages to pull, or a request to keep them for a
+    decode instance); the connectors read them.
     """
 
     request_id: str
@@ -115,6 +120,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     adjustments: LogitAdjustments = NO_ADJUSTMENTS
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,8 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    kv_transfer_params: dict | None = None
+    """What a connector kept for another instance (vLLM's field)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,7 @@ class _Live:
     started: bool = False
     cached_tokens: int = 0
     holds_pages: bool = False
+    kv_transfer_params: dict | None = None
 
     def live_samples(self) -> list[Sequence]:
         return [s for s in self.samples if s.finish_reason is None]
@@ -294,10 +303,10 @@ class Scheduler:
     observer : object, optional
         Gets `first_token(seconds)`, `token_gap(seconds)` and
         `finished(reason)` calls (metrics).
-    shared_prefixes : pagedkv.distributed.prefix_store.SharedPrefixCache, optional
-        A page store shared with other instances: a prompt's pages that
-        miss the pool are looked up there before they are prefilled, and
-        every page the steps cache is published to it.
+    connectors : sequence of KVConnector
+        Where pages come from or go to besides the pool (pagedkv.graphs.
+        kv_connector): a page store shared with other instances, a prefill
+        instance's pages pulled over NIXL; asked in order.
 
     Examples
     --------
@@ -318,7 +327,7 @@ class Scheduler:
         policy: str = "fcfs",
         keep_logits: bool = False,
         observer=None,
-        shared_prefixes=None,
+        connectors: Seq[KVConnector] = (),
     ) -> None:
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs and max_prefill_tokens must be >= 1")
@@ -337,7 +346,7 @@ class Scheduler:
         self.policy = policy
         self.keep_logits = keep_logits
         self.observer = observer
-        self.shared_prefixes = shared_prefixes
+        self.connectors = tuple(connectors)
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._waiting: list[_Live] = []
@@ -348,6 +357,16 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
+
+    @property
+    def connectors_busy(self) -> bool:
+        """A connector needs poll() calls even with nothing to schedule."""
+        return any(c.busy for c in self.connectors)
+
+    def poll_connectors(self) -> None:
+        """Lets the connectors act on what arrived (step() does this too)."""
+        for connector in self.connectors:
+            connector.poll()
 
     @property
     def num_waiting(self) -> int:
@@ -456,6 +475,7 @@ class Scheduler:
         """One step: preemption, admission and prefill, one decode."""
         self.stats.steps += 1
         self.stats.last_prefill_seconds = self.stats.last_decode_seconds = None
+        self.poll_connectors()
         self._preempt_for_decode()
         admitted = self._admit()
         if admitted:
@@ -487,13 +507,9 @@ class Scheduler:
             self._finish(live)
 
     def _publish(self, ran: bool) -> None:
-        """Hands the pages a step cached to the shared store once the step
-        has written them; forgets them when it failed."""
-        if self.shared_prefixes is not None:
-            if ran:
-                self.shared_prefixes.publish()
-            else:
-                self.shared_prefixes.discard()
+        """Tells the connectors a step has run (or failed)."""
+        for connector in self.connectors:
+            connector.after_step(ran)
 
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples may take:
@@ -588,29 +604,22 @@ class Scheduler:
     def _prefill(self, admitted: list[_Live]) -> None:
         """Prefills the admitted requests in one batch; each gets its next
         token (a new request's samples are forked first)."""
-        entries = []  # (live, the resumed sample or None for a new request)
-        ids, suffixes, flags = [], [], []
         for live in admitted:
             self._running[live.req.request_id] = live
         try:
+            opened = []
             for live in admitted:
-                for sample, context in live.contexts():
-                    sid = sample.seq_id if sample is not None else seq_id(live.req, 0)
-                    # The last token is always computed: its logits give the
-                    # next one; prompt logprobs need every prompt token's.
-                    every_row = sample is None and live.req.prompt_logprobs is not None
-                    cached = self.manager.add(sid, [] if every_row else context[:-1])
-                    if self.shared_prefixes is not None and not every_row:
-                        cached = self.shared_prefixes.fetch(sid, context[:-1], cached)
-                    flags.append(every_row)
-                    live.holds_pages = True
-                    if sample is None:
-                        live.cached_tokens = cached
-                        self.stats.prompt_tokens += len(context)
-                        self.stats.prompt_tokens_cached += cached
-                    entries.append((live, sample))
-                    ids.append(sid)
-                    suffixes.append(context[cached:])
+                try:
+                    opened += self._open(live)
+                except KVTransferError as e:
+                    self._fail(live, str(e))
+            admitted = [live for live in admitted if live.req.request_id in self._running]
+            if not opened:
+                return
+            entries = [(live, sample) for live, sample, _, _, _ in opened]
+            ids = [sid for _, _, sid, _, _ in opened]
+            suffixes = [suffix for _, _, _, suffix, _ in opened]
+            flags = [every_row for _, _, _, _, every_row in opened]
             if any(flags):
                 logits, prompt_rows = self.engine.prefill(ids, suffixes, every_row=flags)
             else:
@@ -620,7 +629,7 @@ class Scheduler:
             self._publish(False)
             # The admission estimate was short: put them back, whole (the
             # next step admits fewer, down to the first alone).
-            for live in admitted:
+            for live in [x for x in admitted if x.req.request_id in self._running]:
                 self._running.pop(live.req.request_id)
                 self._release(live)
                 bisect.insort(self._waiting, live, key=self._key)
@@ -629,7 +638,7 @@ class Scheduler:
             return
         except Exception as e:
             self._publish(False)
-            for live in admitted:
+            for live in [x for x in admitted if x.req.request_id in self._running]:
                 self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
             return
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
@@ -669,6 +678,29 @@ class Scheduler:
                 )
                 self._emit(live, s, token, row)
 
+    def _open(self, live: _Live) -> list[tuple[_Live, Sequence | None, str, list[int], bool]]:
+        """Adds the request's sequences to the manager (prefix hits, then
+        what the connectors bring): (live, sample, seq id, tokens to
+        prefill, every_row) for each. Raises KVTransferError when a
+        connector cannot bring what the request names."""
+        opened = []
+        for sample, context in live.contexts():
+            sid = sample.seq_id if sample is not None else seq_id(live.req, 0)
+            # The last token is always computed: its logits give the next
+            # one; prompt logprobs need every prompt token's.
+            every_row = sample is None and live.req.prompt_logprobs is not None
+            cached = self.manager.add(sid, [] if every_row else context[:-1])
+            live.holds_pages = True
+            if not every_row:
+                for connector in self.connectors:
+                    cached = connector.fetch(sid, context[:-1], cached, live.req)
+            if sample is None:
+                live.cached_tokens = cached
+                self.stats.prompt_tokens += len(context)
+                self.stats.prompt_tokens_cached += cached
+            opened.append((live, sample, sid, context[cached:], every_row))
+        return opened
+
     @staticmethod
     def _choose(live: _Live, s: Sequence, row: np.ndarray) -> int:
         """The sample's next token from the model's logits row [vocab]."""
@@ -699,6 +731,9 @@ class Scheduler:
         if s.finish_reason is not None:
             text += s.stops.flush()
             if s.seq_id in self.manager:
+                for connector in self.connectors:
+                    kept = connector.on_finish(live.req, s.seq_id)
+                    live.kv_transfer_params = kept or live.kv_transfer_params
                 self.manager.release(s.seq_id)
         logprob = None
         if live.req.logprobs is not None:
@@ -709,7 +744,10 @@ class Scheduler:
         del self._running[live.req.request_id]
         self._release(live)
         done = Done(
-            len(live.req.prompt), sum(len(s.tokens) for s in live.samples), live.cached_tokens
+            len(live.req.prompt),
+            sum(len(s.tokens) for s in live.samples),
+            live.cached_tokens,
+            live.kv_transfer_params,
         )
         self._send(live, done)
         if self.observer is not None:

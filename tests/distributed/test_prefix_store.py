@@ -170,7 +170,7 @@ def serve(weights, requests, url=None, namespace=None):
         if url is None
         else SharedPrefixCache(engine.manager, RedisPageStore(url), "demo", namespace=namespace)
     )
-    scheduler = Scheduler(engine, keep_logits=True, shared_prefixes=store)
+    scheduler = Scheduler(engine, keep_logits=True, connectors=[store] if store else [])
     sequences, _ = scheduler.run(requests)
     engine.manager.validate()
     assert engine.manager.num_used_pages == 0

@@ -724,6 +724,30 @@ class PagedKVCacheManager:
 
     # -------------------------------------------------- pins, events, reset
 
+    def forget(self, request_id: Hashable, start: int) -> None:
+        """Drops the prefix keys of the request's pages from token `start` (a
+        multiple of page_size) on, in every layer group: their contents are
+        not what the keys promise (a transfer into them failed), so no prefix
+        hit may serve them. The pages stay the request's; its later pages
+        are not cached. Emits BlockRemoved.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]); m.reserve(["a"], 9)
+        >>> m.forget("a", 4); m.release("a")
+        >>> m.cached_prefix_length([1, 2, 3, 4, 5, 6, 7, 8, 9])
+        4
+        """
+        request = self._request("request_id", request_id)
+        if not isinstance(start, numbers.Integral) or start < 0 or start % self.page_size:
+            raise ValueError(f"start must be a multiple of page_size >= 0, got {start!r}")
+        first = start // self.page_size
+        for group in self._groups:
+            group.pool.forget(request.pages[group.index, first : request.num_pages].tolist())
+        request.chain = None
+        self._after_mutation()
+
     def pin(self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None) -> int:
         """Keeps the cached pages holding `tokens`' leading full pages cached
         until unpin(): no allocation evicts them. Returns the tokens pinned

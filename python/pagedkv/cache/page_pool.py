@@ -340,6 +340,24 @@ class PagePool:
 
     # ----------------------------------------------------- prefix cache
 
+    def forget(self, pages: Sequence[int]) -> None:
+        """Drops the keys of owned ``pages`` (their contents are not what the
+        keys promise): no lookup finds them again; one BlockRemoved."""
+        removed = []
+        for page in pages:
+            key = self.hash_of_page.pop(int(page), None)
+            if key is None:
+                continue
+            del self.page_of_hash[key]
+            self.pinned.discard(int(page))
+            if self.origin is not None:
+                self.origin.pop(int(page), None)
+            removed.append(key)
+        if removed:
+            self.events.emit(
+                BlockRemoved(block_hashes=removed, medium=self.medium, group_idx=self.group_idx)
+            )
+
     def touch(self, pages: Sequence[int]) -> None:
         """Marks evictable ``pages`` as just released (a second tier read
         them, or already held what the first tier evicted)."""

@@ -31,6 +31,7 @@ import numpy as np
 from ..cache.kv_events import BlockStored, KVCacheEvent
 from ..cache.manager import PagedKVCacheManager
 from ..cache.page_pool import OutOfPagesError, chain_keys, salt_root
+from ..graphs.kv_connector import KVConnector
 
 __all__ = ["PageCodec", "PrefixStoreStats", "RedisPageStore", "SharedPrefixCache"]
 
@@ -120,8 +121,9 @@ class PrefixStoreStats:
     """Store calls that failed (unreachable, timed out): treated as misses."""
 
 
-class SharedPrefixCache:
-    """One manager's prefix cache extended through a page store.
+class SharedPrefixCache(KVConnector):
+    """One manager's prefix cache extended through a page store: a
+    scheduler connector (pagedkv.graphs.kv_connector).
 
     Parameters
     ----------
@@ -139,8 +141,8 @@ class SharedPrefixCache:
     Notes
     -----
     The scheduler calls :meth:`fetch` right after ``manager.add`` and
-    :meth:`publish` after every step that ran; :meth:`discard` after a step
-    that failed (its pages may hold nothing valid).
+    :meth:`after_step` after every step: it publishes what a step that ran
+    cached, and forgets what a failed one cached (it may hold nothing valid).
 
     Examples
     --------
@@ -185,6 +187,7 @@ class SharedPrefixCache:
         request_id: Hashable,
         tokens: Sequence[int] | np.ndarray,
         cached_tokens: int,
+        request=None,
         salt: str | bytes | None = None,
     ) -> int:
         """Extends a just-added request by the store's pages that follow its
@@ -267,6 +270,12 @@ class SharedPrefixCache:
     def discard(self) -> None:
         """Forgets the pages cached since the last publish (a failed step)."""
         self._pending = []
+
+    def after_step(self, ran: bool) -> None:
+        if ran:
+            self.publish()
+        else:
+            self.discard()
 
     def _error(self, what: str, error: Exception) -> None:
         if not self.stats.errors:

@@ -149,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         return 2
-    shared_prefixes = attach_distributed(llm, publisher, store, say)
+    connectors = attach_distributed(llm, publisher, store, say)
     say(
         f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
@@ -162,7 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         policy=args.scheduling_policy,
-        shared_prefixes=shared_prefixes,
+        connectors=connectors,
         limits=ServeLimits(
             args.max_body_bytes,
             args.max_prompt_tokens,
@@ -211,12 +211,12 @@ def open_distributed(args: argparse.Namespace):
 
 def attach_distributed(llm, publisher, store, say):
     """Subscribes the publisher to the model's manager and binds the store
-    to it; returns the `SharedPrefixCache` (or None) for the scheduler."""
+    to it; returns the scheduler's connectors."""
     if publisher is not None:
         llm.manager.subscribe(publisher)
         say(f"KV events on {publisher.endpoint}")
     if store is None:
-        return None
+        return []
     from ..distributed.prefix_store import SharedPrefixCache
 
     try:
@@ -224,4 +224,4 @@ def attach_distributed(llm, publisher, store, say):
         say(f"sharing prompt pages through {store.url}")
     except Exception as e:  # a store that is down is a miss until it answers
         say(f"prefix store {store.url} does not answer yet ({type(e).__name__}); serving without")
-    return SharedPrefixCache(llm.manager, store, llm.model_id)
+    return [SharedPrefixCache(llm.manager, store, llm.model_id)]

@@ -34,6 +34,9 @@ from pagedkv.models.tokenizer import TextStream
 
 log = logging.getLogger("pagedkv.serve")
 
+CONNECTOR_POLL_SECONDS = 0.02
+"""How often an idle engine lets busy connectors act (pages held for a puller)."""
+
 __all__ = [
     "Delta",
     "Done",
@@ -90,8 +93,9 @@ class ServingEngine:
     observer : object, optional
         Gets `first_token(seconds)`, `token_gap(seconds)` and
         `finished(reason)` calls from the engine thread (metrics).
-    shared_prefixes : pagedkv.distributed.prefix_store.SharedPrefixCache, optional
-        A page store shared with other instances (see the scheduler).
+    connectors : sequence of pagedkv.graphs.kv_connector.KVConnector
+        Where pages come from or go to besides the pool (a shared page
+        store, a prefill instance over NIXL; see the scheduler).
 
     Examples
     --------
@@ -108,7 +112,7 @@ class ServingEngine:
         max_prefill_tokens: int = 4096,
         policy: str = "fcfs",
         observer=None,
-        shared_prefixes=None,
+        connectors=(),
     ) -> None:
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
@@ -125,7 +129,7 @@ class ServingEngine:
             max_prefill_tokens=max_prefill_tokens,
             policy=policy,
             observer=observer,
-            shared_prefixes=shared_prefixes,
+            connectors=connectors,
         )
         self.max_num_seqs = max_num_seqs
         self.stats = EngineStats(pages_total=self.manager.num_pages)
@@ -251,6 +255,9 @@ class ServingEngine:
                     ):
                         self._publish()
                         self._idle.set()
+                        if scheduler.connectors_busy:
+                            self._lock.wait(CONNECTOR_POLL_SECONDS)
+                            break
                         self._lock.wait()
                     if self._stopping:
                         break
@@ -270,6 +277,8 @@ class ServingEngine:
                         sink(Failed(str(e)))
                 for rid in cancels:
                     scheduler.cancel(rid)
+                if not scheduler.has_work and scheduler.connectors_busy:
+                    scheduler.poll_connectors()
                 if scheduler.has_work:
                     try:
                         scheduler.step()
