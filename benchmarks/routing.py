@@ -2,15 +2,16 @@
 (Dynamo's KV indexer reading the replicas' KV events) against round-robin,
 in one run, on a workload of many system prompts.
 
-    python benchmarks/routing.py [--prompts 12] [--per-prompt 8] [--clients 8]
+    python benchmarks/routing.py [--prompts 20] [--per-prompt 6] [--clients 8]
         [--kv-memory BYTES] [--max-tokens 16] [--quick]
 
-The workload: `--prompts` distinct system prompts of about 600 tokens (a
+The workload: `--prompts` distinct system prompts of about 330 tokens (a
 tenant's instructions each), `--per-prompt` questions after each, in one
 shuffled order, `--clients` concurrent streaming clients. Each replica's
 pool (`--kv-memory`, default 128 MiB: about 5,800 tokens of SmolLM2's
-float16 cache) holds about half the system prompts, as a fleet's replicas
-hold a share of its tenants'. For each policy, fresh replicas (cold caches,
+float16 cache, less what the requests in flight hold) cannot keep all
+twenty system prompts but keeps half of them, as a fleet's replicas hold a
+share of its tenants'. For each policy, fresh replicas (cold caches,
 each warmed with one short request) and a fresh router; the answers' usage
 says how many prompt tokens each replica served from its cache. Prints the
 prefix-hit rate (cached / prompt tokens), time to first token p50 and p99,
@@ -140,8 +141,8 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=12)
-    p.add_argument("--per-prompt", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--per-prompt", type=int, default=6)
     p.add_argument("--words", type=int, default=250, help="words per system prompt")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)

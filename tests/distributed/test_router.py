@@ -26,17 +26,17 @@ PAGE = 4
 
 
 def test_the_cheapest_replica_wins():
-    """Cost = pages to prefill + pages in flight: the holder of a prefix wins
-    while idle, loses once its queue outweighs the prefix, and equals take
-    turns."""
+    """Cost = pages to prefill + pages the requests in flight added: the
+    holder of a prefix wins until its load outweighs the prefix, and equals
+    take turns."""
     router = PrefixRouter(["http://a", "http://b"], PAGE)
-    prompt = list(range(8 * PAGE))
-    assert router.decide(prompt, {1: 6 * PAGE}) == Route(1, 6 * PAGE, 9)
-    # Replica 1 now costs 1 page to prefill + 9 in flight; replica 0 costs 9.
-    busy = router.decide(prompt, {1: 6 * PAGE})
-    assert busy == Route(0, 0, 9)
-    router.done(busy)
-    assert router.in_flight == [0, 1] and router.active_pages == [0, 9]
+    prompt = list(range(8 * PAGE))  # 9 pages with the partial last one
+    assert router.decide(prompt, {1: 6 * PAGE}) == Route(1, 6 * PAGE, 3)
+    # Replica 1 holds 8 pages now (remembered): 1 to prefill + 3 in flight.
+    assert router.decide(prompt, {}) == Route(1, 8 * PAGE, 1)
+    assert router.in_flight == [0, 2] and router.active_pages == [0, 4]
+    router.active_pages[1] += 20  # busy: 1 + 24 against 9 at the idle replica
+    assert router.decide(prompt, {}) == Route(0, 0, 9)
     # Idle replicas with nothing cached: equals take turns.
     idle = PrefixRouter(["http://a", "http://b"], PAGE)
     picks = []
@@ -123,7 +123,7 @@ def test_an_indexer_that_is_down_leaves_routing_to_memory():
     first = router.choose(list(range(4 * PAGE)))
     router.done(first)
     again = router.choose(list(range(4 * PAGE)) + [1])
-    assert again == Route(first.replica, 4 * PAGE, 5) and router.stats.indexer_errors == 2
+    assert again == Route(first.replica, 4 * PAGE, 1) and router.stats.indexer_errors == 2
     router.close()
 
 

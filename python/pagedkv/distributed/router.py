@@ -5,12 +5,12 @@ indexer (`python -m dynamo.indexer`, from ``ai-dynamo-runtime``) follows
 them and answers, for a prompt's token ids, how many leading tokens each
 replica holds. The router sends each OpenAI request to the replica with
 the least work: the pages it would prefill (those of the prompt it does
-not hold) plus the pages of the prompts in flight there, as Dynamo's own
-router weighs them. What the indexer cannot know yet (a prompt routed a moment ago
-whose prefill has not finished) the router remembers itself: the page
-chains of the prompts it routed, per replica, for as long as the indexer
-has not confirmed them (bounded). ``policy="round-robin"`` ignores both,
-for comparison.
+not hold) plus the pages the requests in flight there added to its pool,
+as Dynamo's own router weighs new and active blocks. What the indexer
+cannot know yet (a prompt routed a moment ago whose prefill has not
+finished) the router remembers itself: the page chains of the prompts it
+routed, and where (the most recent, bounded). ``policy="round-robin"``
+ignores both, for comparison.
 
 The router forwards the request's body unchanged and streams the answer
 back unchanged; it only reads the prompt (chat messages through the
@@ -46,7 +46,8 @@ class Route:
     held_tokens: int
     """Prompt tokens the replica was expected to hold (indexer or remembered)."""
     pages: int
-    """The load it adds there while in flight (the prompt's pages)."""
+    """The load it adds there while in flight: the prompt's pages the
+    replica did not hold."""
 
 
 @dataclass
@@ -89,7 +90,7 @@ class PrefixRouter:
     --------
     >>> router = PrefixRouter(["http://a", "http://b"], page_size=2, policy="kv")
     >>> first = router.choose([1, 2, 3, 4, 5]); router.done(first)
-    >>> router.choose([1, 2, 3, 4, 9]) == Route(first.replica, 4, 3)
+    >>> router.choose([1, 2, 3, 4, 9]) == Route(first.replica, 4, 1)
     True
     """
 
@@ -117,7 +118,7 @@ class PrefixRouter:
         self.overlap_weight = overlap_weight
         self.in_flight = [0] * len(self.replicas)
         self.active_pages = [0] * len(self.replicas)
-        """Prompt pages of the requests in flight at each replica (its load)."""
+        """Pages the requests in flight at each replica added to its pool (its load)."""
         self.stats = RouterStats(routed=[0] * len(self.replicas))
         self._turn = itertools.cycle(range(len(self.replicas)))
         self._remembered: OrderedDict[bytes, int] = OrderedDict()
@@ -195,12 +196,15 @@ class PrefixRouter:
                 self._remembered.move_to_end(key)
             while len(self._remembered) > self._capacity:
                 self._remembered.popitem(last=False)
+        # Its load there: the pages it adds (those shared with what the
+        # replica holds count once, as they do in its pool).
+        added = pages - min(held, pages)
         self.in_flight[best] += 1
-        self.active_pages[best] += pages
+        self.active_pages[best] += added
         self.stats.routed[best] += 1
         self.stats.prompt_tokens += len(token_ids)
         self.stats.matched_tokens += min(held * self.page_size, len(token_ids))
-        return Route(best, held * self.page_size, pages)
+        return Route(best, held * self.page_size, added)
 
     def done(self, route: Route) -> None:
         """The request routed there has finished (or failed)."""
