@@ -32,6 +32,7 @@ from ..cache.kv_events import BlockStored, KVCacheEvent
 from ..cache.manager import PagedKVCacheManager
 from ..cache.page_pool import OutOfPagesError, chain_keys, salt_root
 from ..graphs.kv_connector import KVConnector
+from .page_layout import page_layout
 
 __all__ = ["PageCodec", "PrefixStoreStats", "RedisPageStore", "SharedPrefixCache"]
 
@@ -160,12 +161,7 @@ class SharedPrefixCache(KVConnector):
     ) -> None:
         self.manager = manager
         self.store = store
-        layout = (
-            f"{model_id}|{manager.dtype.name}|{manager.kv_layout}|{manager.page_size}|"
-            f"{manager.num_kv_heads}|{manager.head_dim}|{manager.num_layers}|"
-            f"{manager.layer_groups}"
-        )
-        self.codec = PageCodec(layout)
+        self.codec = PageCodec(page_layout(manager, model_id))
         self.prefix = f"{namespace}:{self.codec.fingerprint.hex()}:"
         self.stats = PrefixStoreStats()
         self._pending: list[bytes] = []

@@ -1,0 +1,215 @@
+"""Prefill/decode page transfer over NIXL (pagedkv.distributed.nixl_transfer),
+two managers in one process on loopback UCX: pages read bitwise, only
+those the decode side lacks, kept pages released on the reader's notice or
+after their time; a peer that cannot be reached or read fails the request
+with a clear error, and nothing half-read stays cached."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl", reason="nixl is not installed")
+
+from pagedkv.cache.manager import PagedKVCacheManager  # noqa: E402
+from pagedkv.distributed.nixl_transfer import (  # noqa: E402
+    NixlPageTransfer,
+    check_kv_transfer_params,
+)
+from pagedkv.graphs.kv_connector import KVTransferError  # noqa: E402
+from pagedkv.graphs.scheduler import Request  # noqa: E402
+
+PAGE = 4
+LAYERS = 3
+
+
+def manager() -> PagedKVCacheManager:
+    return PagedKVCacheManager(24, PAGE, 2, 8, num_layers=LAYERS, dtype="float16")
+
+
+def fill(m: PagedKVCacheManager, rid, rng) -> None:
+    for pool in m.pools:
+        for page in m.pages(rid):
+            pool[page] = rng.standard_normal(pool.shape[1:]).astype(pool.dtype)
+
+
+@pytest.fixture
+def pair():
+    """(prefill connector, decode connector) over fresh managers."""
+    prefill = NixlPageTransfer(manager(), "prefill", "demo", port=1234)
+    decode = NixlPageTransfer(manager(), "decode", "demo", peer_metadata=lambda h, p: meta(h, p))
+
+    def meta(host, port):
+        assert (host, port) == ("127.0.0.1", 1234)
+        return prefill.metadata()
+
+    return prefill, decode
+
+
+def prefilled(prefill: NixlPageTransfer, prompt: list[int], rng) -> tuple[Request, dict]:
+    """The prefill side's half: the prompt computed (random pages), the
+    request ended, its pages kept; returns the request and the params."""
+    m = prefill.manager
+    req = Request("r1", tuple(prompt), 1, kv_transfer={"do_remote_decode": True})
+    m.add("r1-0", prompt[:-1])
+    m.reserve(["r1-0"], len(prompt))
+    fill(m, "r1-0", rng)
+    params = prefill.on_finish(req, "r1-0")
+    m.release("r1-0")
+    return req, params
+
+
+def wait_released(prefill: NixlPageTransfer) -> None:
+    deadline = time.monotonic() + 10
+    while prefill.busy:
+        assert time.monotonic() < deadline, "the reader's notice never arrived"
+        prefill.poll()
+        time.sleep(0.01)
+
+
+def test_decode_reads_the_prompts_pages_bitwise(pair):
+    """The decode side reads every full page of prompt[:-1] in one READ;
+    each layer's page equals the prefill side's bit for bit; the notice
+    releases the prefill side's kept pages."""
+    prefill, decode = pair
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 500, 5 * PAGE + 2).tolist()
+    req, params = prefilled(prefill, prompt, rng)
+    assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 5
+    assert prefill.busy and prefill.manager.num_used_pages >= 5
+
+    m = decode.manager
+    request = Request("d1", tuple(prompt), 8, kv_transfer=params)
+    cached = m.add("d1-0", prompt[:-1])
+    assert decode.fetch("d1-0", prompt[:-1], cached, request) == 5 * PAGE
+    for layer in range(LAYERS):
+        for slot, remote in enumerate(params["remote_block_ids"]):
+            got = m.pools[layer][int(m.pages("d1-0")[slot])]
+            assert got.tobytes() == prefill.manager.pools[layer][remote].tobytes()
+    page_bytes = m.pools[0][0].nbytes
+    assert decode.stats.pulled_pages == 5
+    assert decode.stats.pulled_bytes == 5 * page_bytes * LAYERS
+    wait_released(prefill)
+    assert prefill.stats.handed_over == 1 and prefill.manager.num_used_pages == 0
+    m.release("d1-0")
+    assert m.cached_prefix_length(prompt) == 5 * PAGE  # read pages serve later hits
+
+
+def test_pages_held_locally_are_not_read(pair):
+    """With the prompt's first 3 pages cached on the decode side, only the
+    last 2 move; a prompt held whole moves nothing but the notice."""
+    prefill, decode = pair
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 500, 5 * PAGE + 1).tolist()
+    m = decode.manager
+    m.add("local", prompt[: 3 * PAGE])
+    m.reserve(["local"], 3 * PAGE)
+    m.release("local")
+    _, params = prefilled(prefill, prompt, rng)
+    cached = m.add("d1-0", prompt[:-1])
+    assert cached == 3 * PAGE
+    request = Request("d1", tuple(prompt), 8, kv_transfer=params)
+    assert decode.fetch("d1-0", prompt[:-1], cached, request) == 5 * PAGE
+    assert decode.stats.pulled_pages == 2 and decode.stats.skipped_pages == 3
+    for layer in range(LAYERS):
+        for slot in (3, 4):
+            got = m.pools[layer][int(m.pages("d1-0")[slot])]
+            want = prefill.manager.pools[layer][params["remote_block_ids"][slot]]
+            assert got.tobytes() == want.tobytes()
+    wait_released(prefill)
+
+    _, params = prefilled(prefill, prompt, rng)
+    cached = m.add("d2-0", prompt[:-1])
+    request = Request("d2", tuple(prompt), 8, kv_transfer=params)
+    assert decode.fetch("d2-0", prompt[:-1], cached, request) == 5 * PAGE
+    assert decode.stats.pulled_pages == 2
+    wait_released(prefill)
+
+
+def test_unread_pages_are_released_in_time(pair):
+    prefill, _ = pair
+    prefill.hold_seconds = 0.0
+    prefilled(prefill, list(range(3 * PAGE)), np.random.default_rng(2))
+    prefill.poll()
+    assert not prefill.busy and prefill.stats.expired == 1
+    assert prefill.manager.num_used_pages == 0
+
+
+def test_an_unreachable_peer_fails_the_request_cleanly():
+    """A peer nobody answers for: a clear error before any page is reserved."""
+
+    def unreachable(host, port):
+        raise ConnectionRefusedError(f"{host}:{port}")
+
+    decode = NixlPageTransfer(manager(), "decode", "demo", peer_metadata=unreachable)
+    m = decode.manager
+    prompt = list(range(3 * PAGE + 1))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [0, 1, 2],
+        "remote_engine_id": "gone",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_request_id": "x",
+    }
+    m.add("d-0", prompt[:-1])
+    with pytest.raises(KVTransferError, match="cannot reach the prefill instance at 127.0.0.1:9"):
+        decode.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
+    m.release("d-0")
+    m.validate()
+    assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
+
+
+def test_a_failed_read_leaves_no_page_cached(pair):
+    """Pages the peer does not have: the read fails after the reservation;
+    the reserved pages lose their keys, so no later prompt is served them."""
+    prefill, decode = pair
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 500, 3 * PAGE + 1).tolist()
+    _, params = prefilled(prefill, prompt, rng)
+    params = {**params, "remote_block_ids": [0, 1, 10_000]}
+    m = decode.manager
+    m.add("d-0", prompt[:-1])
+    with pytest.raises(KVTransferError, match="not in the peer's pool"):
+        decode.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
+    m.release("d-0")
+    m.validate()
+    assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
+
+
+def test_a_peer_of_another_layout_is_refused(pair):
+    prefill, _ = pair
+    other = NixlPageTransfer(
+        PagedKVCacheManager(24, PAGE, 2, 8, num_layers=LAYERS),  # float32
+        "decode",
+        "demo",
+        peer_metadata=lambda h, p: prefill.metadata(),
+    )
+    _, params = prefilled(prefill, list(range(2 * PAGE + 1)), np.random.default_rng(4))
+    prompt = list(range(2 * PAGE + 1))
+    other.manager.add("d-0", prompt[:-1])
+    with pytest.raises(KVTransferError, match="lays out pages"):
+        other.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
+
+
+@pytest.mark.parametrize(
+    "params,role,n,message",
+    [
+        ({"do_remote_decode": True}, None, 1, "--role prefill or --role decode"),
+        ({"do_remote_decode": True}, "decode", 1, "needs a server started with --role prefill"),
+        ({"do_remote_decode": True}, "prefill", 2, "n = 1"),
+        ({"do_remote_prefill": True, "remote_block_ids": "x"}, "decode", 1, "remote_block_ids"),
+        (
+            {"do_remote_prefill": True, "remote_block_ids": [1], "remote_host": "h"},
+            "decode",
+            1,
+            "remote_port must be a int",
+        ),
+        ({"do_remote_decode": False, "do_remote_prefill": False}, None, 1, None),
+    ],
+)
+def test_params_are_checked(params, role, n, message):
+    got = check_kv_transfer_params(params, role, n)
+    assert (got is None) if message is None else (message in got)
