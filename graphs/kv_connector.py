@@ -34,6 +34,9 @@ class KVConnector:
 
     busy: bool = False
     """Whether poll() has work while nothing else runs."""
+    transfer_role: str | None = None
+    """"prefill" or "decode" for a connector that moves a request's pages
+    between instances (the server then accepts kv_transfer_params)."""
 
     def fetch(
         self, request_id: Hashable, tokens: Sequence[int], cached_tokens: int, request=None

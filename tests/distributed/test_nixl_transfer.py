@@ -213,3 +213,59 @@ def test_a_peer_of_another_layout_is_refused(pair):
 def test_params_are_checked(params, role, n, message):
     got = check_kv_transfer_params(params, role, n)
     assert (got is None) if message is None else (message in got)
+
+
+def test_a_prefill_and_a_decode_scheduler_answer_as_one(weights):
+    """The demo model on three engines (batch-invariant): a prefill
+    scheduler computes each prompt and keeps its pages, a decode scheduler
+    reads them and generates; its tokens and logits are those of one
+    scheduler doing both, and both sides end with every page free."""
+    from conftest import DEMO_CONFIG, engine_with_pool
+    from pagedkv.graphs.scheduler import Done, Scheduler
+
+    rng = np.random.default_rng(6)
+    prompts = [tuple(rng.integers(0, DEMO_CONFIG.vocab_size, n).tolist()) for n in (40, 57, 33)]
+    engines = [engine_with_pool(weights, 48, batch_invariant=True) for _ in range(3)]
+    prefill = NixlPageTransfer(engines[0].manager, "prefill", "demo")
+    decode = NixlPageTransfer(
+        engines[1].manager, "decode", "demo", peer_metadata=lambda h, p: prefill.metadata()
+    )
+    first = Scheduler(engines[0], connectors=[prefill])
+    asked = [
+        Request(f"r{i}", p, 1, kv_transfer={"do_remote_decode": True})
+        for i, p in enumerate(prompts)
+    ]
+    params = []
+
+    def keep(event) -> None:
+        if isinstance(event, Done):
+            params.append(event.kv_transfer_params)
+
+    for req in asked:
+        first.submit(req, keep)
+    while first.has_work:
+        first.step()
+    assert len(params) == 3 and all(p["do_remote_prefill"] for p in params)
+
+    second = Scheduler(engines[1], keep_logits=True, connectors=[decode])
+    got, _ = second.run(
+        [
+            Request(f"d{i}", p, 8, kv_transfer=k)
+            for i, (p, k) in enumerate(zip(prompts, params, strict=True))
+        ]
+    )
+    want, _ = Scheduler(engines[2], keep_logits=True).run(
+        [Request(f"o{i}", p, 8) for i, p in enumerate(prompts)]
+    )
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=0, atol=1e-4)
+    full_pages = sum((len(p) - 1) // 16 for p in prompts)
+    assert decode.stats.pulled_pages == full_pages
+    assert decode.stats.pulled_bytes == full_pages * engines[1].manager.pools[0][0].nbytes * len(
+        engines[1].manager.pools
+    )
+    wait_released(prefill)
+    for engine in engines[:2]:
+        engine.manager.validate()
+        assert engine.manager.num_used_pages == 0

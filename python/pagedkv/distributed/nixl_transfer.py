@@ -187,7 +187,7 @@ class NixlPageTransfer(KVConnector):
             )
         nixl_agent, nixl_agent_config = _load_nixl()
         self.manager = manager
-        self.role = role
+        self.role = self.transfer_role = role
         self.layout = page_layout(manager, model_id)
         self.engine_id = uuid.uuid4().hex
         self.host, self.port = host, port
@@ -203,20 +203,23 @@ class NixlPageTransfer(KVConnector):
         self._holds: dict[str, tuple[str, float]] = {}
         self._peers: dict[str, _Peer] = {}
         self.stats = TransferStats()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._holds)
-
-    def metadata(self) -> dict:
-        """What a decode instance needs to read this one's pages (JSON)."""
-        return {
+        # Made once: the HTTP thread serves it while the engine thread uses
+        # the agent, which is not thread-safe.
+        self._metadata = {
             "engine_id": self.engine_id,
             "agent_name": self.agent.name,
             "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "layout": self.layout,
             "layers": [list(layer) for layer in self.layers],
         }
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._holds)
+
+    def metadata(self) -> dict:
+        """What a decode instance needs to read this one's pages (JSON; any thread)."""
+        return dict(self._metadata)
 
     # ------------------------------------------------------------ prefill side
 

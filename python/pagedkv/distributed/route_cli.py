@@ -1,8 +1,11 @@
-"""`pagedkv route`: a KV-aware router in front of `pagedkv serve` replicas.
+"""`pagedkv route`: a KV-aware router in front of `pagedkv serve` replicas,
+or (`--prefill URL --decode URL`) the proxy of prefill/decode
+disaggregation.
 
-With ``--kv-events`` it starts Dynamo's KV indexer itself, subscribed to
-the replicas' event addresses in order; with ``--indexer`` it asks one
-that runs already. Bad flags are one line on stderr and exit status 2.
+With ``--kv-events`` the router starts Dynamo's KV indexer itself,
+subscribed to the replicas' event addresses in order; with ``--indexer``
+it asks one that runs already. Bad flags are one line on stderr and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -21,10 +24,25 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--replica",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat; in the order of "
         "--kv-events)",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="instead of replicas: a `serve --role prefill` instance (repeat), with --decode",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a `serve --role decode` instance (repeat): the proxy of prefill/decode "
+        "disaggregation",
     )
     p.add_argument(
         "--kv-events",
@@ -78,6 +96,12 @@ def run_route(args: argparse.Namespace) -> int:
         print(f"pagedkv route: error: {message}", file=sys.stderr, flush=True)
         return 2
 
+    if args.prefill or args.decode:
+        if args.replica or not (args.prefill and args.decode):
+            return fail("give --prefill and --decode instances, or --replica ones, not both")
+        return run_disagg_proxy(args)
+    if not args.replica:
+        return fail("give --replica URLs (or --prefill and --decode ones)")
     endpoints = args.kv_events.split(",") if args.kv_events else []
     if endpoints and len(endpoints) != len(args.replica):
         return fail("--kv-events names one address per --replica, in the same order")
@@ -116,4 +140,20 @@ def run_route(args: argparse.Namespace) -> int:
         if indexer is not None:
             indexer.terminate()
             indexer.wait(10)
+    return 0
+
+
+def run_disagg_proxy(args: argparse.Namespace) -> int:
+    """`pagedkv route --prefill URL --decode URL`: the disaggregation proxy."""
+    import uvicorn
+
+    from .disagg_proxy import create_disagg_app
+
+    print(
+        f"disaggregation proxy on http://{args.host}:{args.port}/v1: prefill on "
+        f"{', '.join(args.prefill)}, decode on {', '.join(args.decode)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(create_disagg_app(args.prefill, args.decode), host=args.host, port=args.port)
     return 0

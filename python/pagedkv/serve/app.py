@@ -15,6 +15,7 @@ with Retry-After when the waiting queue is full or the engine is down.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 
@@ -84,6 +85,18 @@ def create_app(
         if not engine.alive:
             return JSONResponse({"status": "error", "reason": engine.fatal}, status_code=503)
         return {"status": "ok"}
+
+    if engine.kv_transfer is not None:
+
+        @app.get("/kv_transfer/metadata")
+        async def kv_transfer_metadata():
+            """What a decode instance needs to read this instance's pages."""
+            return engine.kv_transfer.metadata()
+
+        @app.get("/kv_transfer/stats")
+        async def kv_transfer_stats():
+            """Pages kept, handed over and read since the server started."""
+            return dataclasses.asdict(engine.kv_transfer.stats)
 
     @app.get("/metrics")
     async def prometheus():

@@ -93,6 +93,20 @@ def add_parser(sub) -> None:
         "e.g. redis://127.0.0.1:6379/0 (needs the `distributed` extra)",
     )
     p.add_argument(
+        "--role",
+        choices=("prefill", "decode"),
+        default=None,
+        help="prefill/decode disaggregation over NIXL: a prefill instance keeps a prompt's "
+        "pages for a decode instance, which reads them (vLLM's kv_transfer_params; needs "
+        "the `distributed` extra)",
+    )
+    p.add_argument(
+        "--kv-transfer-host",
+        metavar="HOST",
+        default=None,
+        help="the address decode instances reach this prefill instance at (default --host)",
+    )
+    p.add_argument(
         "--kv-events-replay",
         metavar="ENDPOINT",
         default=None,
@@ -149,7 +163,13 @@ def run_serve(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         return 2
-    connectors = attach_distributed(llm, publisher, store, say)
+    try:
+        connectors = attach_distributed(llm, publisher, store, args, say)
+    except ValueError as e:  # a model the page transfer cannot move
+        say(f"pagedkv serve: error: --role: {e}")
+        if publisher is not None:
+            publisher.close()
+        return 2
     say(
         f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
@@ -200,6 +220,8 @@ def open_distributed(args: argparse.Namespace):
                 store = RedisPageStore(args.prefix_store)
             except ValueError as e:
                 raise FlagError(f"--prefix-store: {e}") from e
+        if args.role is not None:
+            import nixl  # noqa: F401 - fail before the model loads
     except ImportError as e:
         raise FlagError(f"{e.name} is missing: pip install 'pagedkv[distributed]'") from e
     except FlagError:
@@ -209,19 +231,28 @@ def open_distributed(args: argparse.Namespace):
     return publisher, store
 
 
-def attach_distributed(llm, publisher, store, say):
+def attach_distributed(llm, publisher, store, args, say) -> list:
     """Subscribes the publisher to the model's manager and binds the store
-    to it; returns the scheduler's connectors."""
+    and the NIXL page transfer to it; returns the scheduler's connectors."""
+    connectors = []
     if publisher is not None:
         llm.manager.subscribe(publisher)
         say(f"KV events on {publisher.endpoint}")
-    if store is None:
-        return []
-    from ..distributed.prefix_store import SharedPrefixCache
+    if store is not None:
+        from ..distributed.prefix_store import SharedPrefixCache
 
-    try:
-        store.client.ping()
-        say(f"sharing prompt pages through {store.url}")
-    except Exception as e:  # a store that is down is a miss until it answers
-        say(f"prefix store {store.url} does not answer yet ({type(e).__name__}); serving without")
-    return [SharedPrefixCache(llm.manager, store, llm.model_id)]
+        try:
+            store.client.ping()
+            say(f"sharing prompt pages through {store.url}")
+        except Exception as e:  # a store that is down is a miss until it answers
+            say(f"prefix store {store.url} does not answer yet ({type(e).__name__})")
+        connectors.append(SharedPrefixCache(llm.manager, store, llm.model_id))
+    if args.role is not None:
+        from ..distributed.nixl_transfer import NixlPageTransfer
+
+        host = args.kv_transfer_host or args.host
+        connectors.append(
+            NixlPageTransfer(llm.manager, args.role, llm.model_id, host=host, port=args.port)
+        )
+        say(f"{args.role} instance: KV pages move over NIXL (metadata at {host}:{args.port})")
+    return connectors

@@ -112,6 +112,15 @@ class Completions:
                 "invalid_request_error",
                 param="logit_bias",
             )
+        if body.kv_transfer_params:
+            from ..distributed.nixl_transfer import check_kv_transfer_params
+
+            role = self.engine.kv_transfer.transfer_role if self.engine.kv_transfer else None
+            problem = check_kv_transfer_params(body.kv_transfer_params, role, body.n)
+            if problem is None and body.stream and body.kv_transfer_params.get("do_remote_decode"):
+                problem = "do_remote_decode answers with kv_transfer_params: stream must be false"
+            if problem is not None:
+                raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
         adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
         sampling = SamplingParams(body.temperature, body.top_p, body.seed)
         if chat:
@@ -159,6 +168,7 @@ class Completions:
                     logprobs=asked.logprobs,
                     prompt_logprobs=asked.prompt_logprobs,
                     adjustments=asked.adjustments,
+                    kv_transfer=body.kv_transfer_params,
                 )
 
                 def sink(event, p=p):
@@ -290,18 +300,22 @@ class Completions:
             return StreamingResponse(
                 stream, media_type="text/event-stream", background=BackgroundTask(release)
             )
-        usage = [0, 0, 0]
+        usage, kept = [0, 0, 0], None
         async for p, event in self.events(request, queue, ids, True):
             if isinstance(event, Done):
                 usage = _add(usage, _counts(event, asked.completion))
+                kept = event.kv_transfer_params or kept
             else:
                 choices.on_event(p, event)
-        return {
+        answer = {
             **common,
             "object": "chat.completion" if chat else "text_completion",
             "choices": choices.answers(),
             "usage": _usage(*usage),
         }
+        if kept is not None:
+            answer["kv_transfer_params"] = kept
+        return answer
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest):
         try:

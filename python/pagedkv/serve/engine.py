@@ -132,6 +132,8 @@ class ServingEngine:
             connectors=connectors,
         )
         self.max_num_seqs = max_num_seqs
+        self.kv_transfer = next((c for c in connectors if c.transfer_role), None)
+        """The connector that moves pages between instances (None: none)."""
         self.stats = EngineStats(pages_total=self.manager.num_pages)
         self._lock = threading.Condition()
         self._inbox: list[tuple[GenerationRequest, Sink, float]] = []
