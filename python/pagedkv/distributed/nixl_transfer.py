@@ -288,7 +288,10 @@ class NixlPageTransfer(KVConnector):
         count = full - first
         self.stats.skipped_pages += min(first, full)
         if count <= 0:
-            self.agent.send_notif(peer.agent, rid)
+            try:  # every page is here: the notice only frees the peer's sooner
+                self.agent.send_notif(peer.agent, rid)
+            except Exception:  # nixl raises its own error types
+                self._peers.pop(params["remote_engine_id"], None)
             return cached_tokens
         m.reserve([request_id], count * size)
         try:
@@ -361,9 +364,11 @@ class NixlPageTransfer(KVConnector):
                 state = agent.check_xfer_state(handle)
             handle.release()
         except Exception as e:  # nixl raises its own error types
-            raise KVTransferError(f"the page read failed ({type(e).__name__}: {e})") from None
+            raise KVTransferError(
+                f"cannot read pages from the prefill instance ({type(e).__name__}: {e})"
+            ) from None
         if state != "DONE":
-            raise KVTransferError(f"the page read ended in state {state}")
+            raise KVTransferError(f"the read of pages from the prefill instance ended in {state}")
         return sum(length for _, length, _ in local)
 
 
