@@ -161,6 +161,15 @@ class NixlPageTransfer(KVConnector):
     peer_metadata : callable(host, port) -> dict, optional
         How a decode instance gets a peer's `metadata()` (default: HTTP GET
         of ``http://host:port/kv_transfer/metadata``).
+    progress_thread : bool
+        Run nixl's progress thread, which busy-polls a core for good. Without
+        it (the default) a reader progresses its read while it waits for it
+        and the pages' owner progresses in `poll()` (every scheduler step,
+        or every 20 ms while it keeps pages): enough for shared memory and
+        RDMA, where reads need nothing of the owner. UCX over TCP between
+        hosts needs the owner's progress to serve a read quickly: give its
+        prefill instances the thread there. Two agents in one process need
+        it too (the reader's wait blocks the owner's thread).
 
     Examples
     --------
@@ -178,6 +187,7 @@ class NixlPageTransfer(KVConnector):
         hold_seconds: float = 120.0,
         transfer_timeout: float = 30.0,
         peer_metadata=None,
+        progress_thread: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -194,7 +204,8 @@ class NixlPageTransfer(KVConnector):
         self.hold_seconds = hold_seconds
         self.transfer_timeout = transfer_timeout
         self._peer_metadata = peer_metadata or _http_metadata
-        self.agent = nixl_agent(f"pagedkv-{self.engine_id}", nixl_agent_config(backends=["UCX"]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self.agent = nixl_agent(f"pagedkv-{self.engine_id}", config)
         self.layers = [_region(pool) for pool in manager.pools]
         self._registered = self.agent.register_memory(
             [(address, page_bytes * pages, 0, "") for address, page_bytes, pages in self.layers],

@@ -107,6 +107,12 @@ def add_parser(sub) -> None:
         help="the address decode instances reach this prefill instance at (default --host)",
     )
     p.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="run nixl's progress thread (a core busy for good): for UCX over TCP between "
+        "hosts, where a prefill instance must progress the reads of its pages",
+    )
+    p.add_argument(
         "--kv-events-replay",
         metavar="ENDPOINT",
         default=None,
@@ -252,7 +258,14 @@ def attach_distributed(llm, publisher, store, args, say) -> list:
 
         host = args.kv_transfer_host or args.host
         connectors.append(
-            NixlPageTransfer(llm.manager, args.role, llm.model_id, host=host, port=args.port)
+            NixlPageTransfer(
+                llm.manager,
+                args.role,
+                llm.model_id,
+                host=host,
+                port=args.port,
+                progress_thread=args.nixl_progress_thread,
+            )
         )
         say(f"{args.role} instance: KV pages move over NIXL (metadata at {host}:{args.port})")
     return connectors
