@@ -131,8 +131,9 @@ def main() -> int:
         return 1
     print(table(split, one))
     print(
-        f"decode instance: {stats['pulled_pages']} pages read ({stats['pulled_bytes']} bytes), "
-        f"{stats['skipped_pages']} held already, {stats['failures']} failures"
+        f"decode instance: {stats['pulled_pages']} pages read ({stats['pulled_bytes']} bytes "
+        f"in {stats['read_seconds']:.3f} s), {stats['skipped_pages']} held already, "
+        f"{stats['failures']} failures"
     )
     return 0
 

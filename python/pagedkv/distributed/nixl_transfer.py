@@ -92,6 +92,8 @@ class TransferStats:
     """Kept pages released unread after hold_seconds."""
     pulled_pages: int = 0
     pulled_bytes: int = 0
+    read_seconds: float = 0.0
+    """Time spent in reads (the decode side waits for each)."""
     skipped_pages: int = 0
     """Pages of remote prompts the decode side held already (not read)."""
     failures: int = 0
@@ -305,6 +307,7 @@ class NixlPageTransfer(KVConnector):
                 self._peers.pop(params["remote_engine_id"], None)
             return cached_tokens
         m.reserve([request_id], count * size)
+        t0 = time.perf_counter()
         try:
             moved = self._read(peer, request_id, remote, first, count, rid)
         except KVTransferError:
@@ -314,6 +317,7 @@ class NixlPageTransfer(KVConnector):
             raise
         self.stats.pulled_pages += count
         self.stats.pulled_bytes += moved
+        self.stats.read_seconds += time.perf_counter() - t0
         return cached_tokens + count * size
 
     def _peer(self, params: dict) -> _Peer:
