@@ -184,6 +184,10 @@ def test_demo_runs_and_checks_itself():
         (["demo", "--device", "tpu"], "--device must be cpu or gpu"),
         (["demo", "--requests", "x"], "invalid int value"),
         (["bench", "--dtypes", "float64"], "--dtypes takes"),
+        (["serve", "--kv-events", "127.0.0.1:5557"], "--kv-events: endpoint must be a ZeroMQ"),
+        (["serve", "--prefix-store", "http://127.0.0.1:1"], "--prefix-store: Redis URL must"),
+        (["route"], "give --replica URLs"),
+        (["route", "--prefill", "http://a"], "give --prefill and --decode instances"),
     ],
 )
 def test_cli_errors_are_one_line_with_status_2(flags, message):

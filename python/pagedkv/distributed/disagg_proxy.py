@@ -19,7 +19,9 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+
+from .proxying import add_openai_routes, proxy_error, relay
 
 __all__ = ["create_disagg_app", "prefill_body"]
 
@@ -65,27 +67,26 @@ def create_disagg_app(prefill: list[str], decode: list[str]) -> FastAPI:
 
     app = FastAPI(title="pagedkv disaggregation proxy", lifespan=lifespan)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "proxy_error"}}, status)
-
     async def forward(request: Request, path: str, chat: bool):
         try:
             body = json.loads(await request.body())
         except ValueError:
-            return error(400, "the body is not JSON")
+            return proxy_error(400, "the body is not JSON")
         if not isinstance(body, dict):
-            return error(400, "the body is not a JSON object")
+            return proxy_error(400, "the body is not a JSON object")
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
         first = next(turns[0])
         try:
             answer = await client.post(first + path, json=prefill_body(body, chat), headers=headers)
         except httpx.HTTPError as e:
-            return error(502, f"prefill instance {first} did not answer: {type(e).__name__}")
+            return proxy_error(502, f"prefill instance {first} did not answer: {type(e).__name__}")
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json")
         params = answer.json().get("kv_transfer_params")
         if not params:
-            return error(502, f"prefill instance {first} kept no pages (is it --role prefill?)")
+            return proxy_error(
+                502, f"prefill instance {first} kept no pages (is it --role prefill?)"
+            )
         second = next(turns[1])
         try:
             upstream = await client.send(
@@ -98,42 +99,14 @@ def create_disagg_app(prefill: list[str], decode: list[str]) -> FastAPI:
                 stream=True,
             )
         except httpx.HTTPError as e:
-            return error(502, f"decode instance {second} did not answer: {type(e).__name__}")
-        kept = {
-            "content-type": upstream.headers.get("content-type", "application/json"),
-            "x-pagedkv-prefill": first,
-            "x-pagedkv-decode": second,
-        }
-        if body.get("stream"):
-            return StreamingResponse(
-                _relay(upstream), status_code=upstream.status_code, headers=kept
-            )
-        content = b"".join([chunk async for chunk in _relay(upstream)])
-        return Response(content, status_code=upstream.status_code, headers=kept)
+            return proxy_error(502, f"decode instance {second} did not answer: {type(e).__name__}")
+        served = {"x-pagedkv-prefill": first, "x-pagedkv-decode": second}
+        return await relay(upstream, bool(body.get("stream")), served)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await forward(request, "/v1/chat/completions", chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/v1/completions", chat=False)
-
-    @app.get("/v1/models")
-    async def models():
-        answer = await client.get(decode[0] + "/v1/models")
-        return Response(answer.content, answer.status_code, media_type="application/json")
+    add_openai_routes(app, forward, client, decode[0])
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "prefill": prefill, "decode": decode}
 
     return app
-
-
-async def _relay(upstream: httpx.Response):
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    finally:
-        await upstream.aclose()

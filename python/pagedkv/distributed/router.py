@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .proxying import add_openai_routes, proxy_error, relay
 
 __all__ = ["PrefixRouter", "Route", "RouterStats", "create_router_app"]
 
@@ -285,38 +286,15 @@ def create_router_app(router: PrefixRouter, tokenizer=None):
             )
         except httpx.HTTPError as e:
             router.done(route)
-            message = f"replica {router.replicas[replica]} did not answer: {type(e).__name__}"
-            return JSONResponse(
-                {"error": {"message": message, "type": "service_unavailable"}}, status_code=502
+            return proxy_error(
+                502, f"replica {router.replicas[replica]} did not answer: {type(e).__name__}"
             )
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        return await relay(
+            upstream, stream, {"x-pagedkv-replica": str(replica)}, lambda: router.done(route)
+        )
 
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-                router.done(route)
-
-        kept = {"content-type": upstream.headers.get("content-type", "application/json")}
-        kept["x-pagedkv-replica"] = str(replica)
-        if isinstance(body, dict) and body.get("stream"):
-            return StreamingResponse(relay(), status_code=upstream.status_code, headers=kept)
-        content = b"".join([chunk async for chunk in relay()])
-        return Response(content, status_code=upstream.status_code, headers=kept)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await forward(request, "/v1/chat/completions", chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/v1/completions", chat=False)
-
-    @app.get("/v1/models")
-    async def models():
-        answer = await client.get(router.replicas[0] + "/v1/models")
-        return Response(answer.content, answer.status_code, media_type="application/json")
+    add_openai_routes(app, forward, client, router.replicas[0])
 
     @app.get("/health")
     async def health():
