@@ -13,10 +13,12 @@ float16 cache, less what the requests in flight hold) cannot keep all
 twenty system prompts but keeps half of them, as a fleet's replicas hold a
 share of its tenants'. For each policy, fresh replicas (cold caches,
 each warmed with one short request) and a fresh router; the answers' usage
-says how many prompt tokens each replica served from its cache. Prints the
+says how many prompt tokens each replica served from its cache. The
+policies alternate for `--rounds` rounds each. Prints each round, then the
 prefix-hit rate (cached / prompt tokens), time to first token p50 and p99,
-seconds for the whole workload and output tokens/s, per policy and as
-KV-aware / round-robin, after the CPU and its ISA flags.
+seconds for the whole workload and output tokens/s, per policy (the
+rounds' mean) and as KV-aware / round-robin, after the CPU and its ISA
+flags.
 
 The replicas share this machine's cores: absolute times are not a
 cluster's, but both policies run on the same replicas' code and cores.
@@ -120,6 +122,18 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
+def mean_run(rounds: list[dict]) -> dict:
+    """The rounds' figures averaged (counts summed)."""
+    first = rounds[0]
+    out = {
+        k: float(np.mean([r[k] for r in rounds])) for k, v in first.items() if isinstance(v, float)
+    }
+    out["routed"] = [int(x) for x in np.sum([r["routed"] for r in rounds], axis=0)]
+    out["finished"] = sum(r["finished"] for r in rounds)
+    out["errors"] = sum(r["errors"] for r in rounds)
+    return out
+
+
 def table(results: list[dict]) -> str:
     kv, rr = results
     rows = [
@@ -148,10 +162,11 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-memory", type=int, default=128 << 20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a smoke run: 4 prompts x 2")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per policy")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 4 prompts x 2, 1 round")
     args = p.parse_args()
     if args.quick:
-        args.prompts, args.per_prompt, args.clients = 4, 2, 4
+        args.prompts, args.per_prompt, args.clients, args.rounds = 4, 2, 4, 1
     jobs = chats(args.prompts, args.per_prompt, args.words, args.seed)
     print(machine_line(cpu_info()), flush=True)
     print(f"pagedkv {pagedkv_commit()}, {datetime.now():%Y-%m-%d %H:%M}", flush=True)
@@ -161,15 +176,21 @@ def main() -> int:
         f"--kv-memory {args.kv_memory} per replica",
         flush=True,
     )
-    results = []
-    for policy in ("kv", "round-robin"):
-        try:
-            results.append(run_policy(policy, args, jobs))
-        except ServerError as e:
-            print(f"{policy}: failed: {e}", file=sys.stderr)
-            return 1
-        r = results[-1]
-        print(f"  {policy}: hit rate {r['hit_rate']:.1%}, {r['seconds']:.1f} s", flush=True)
+    runs: dict[str, list[dict]] = {"kv": [], "round-robin": []}
+    for _ in range(args.rounds):  # alternating: the host's drift falls on both
+        for policy in runs:
+            try:
+                runs[policy].append(run_policy(policy, args, jobs))
+            except ServerError as e:
+                print(f"{policy}: failed: {e}", file=sys.stderr)
+                return 1
+            r = runs[policy][-1]
+            print(
+                f"  {policy}: hit rate {r['hit_rate']:.1%}, TTFT p50 {r['ttft_p50']:.2f} s, "
+                f"{r['seconds']:.1f} s",
+                flush=True,
+            )
+    results = [mean_run(runs["kv"]), mean_run(runs["round-robin"])]
     print(table(results))
     return 0
 

@@ -179,3 +179,13 @@ def test_two_replicas_behind_the_router_answer_as_one(tmp_path):
             router.stop()
         for r in replicas:
             r.stop()
+
+
+def test_remembered_routes_expire():
+    """Past remember_seconds only the indexer says where a prefix is: a
+    replica that evicted it since stops drawing its prompts."""
+    router = PrefixRouter(["http://a", "http://b"], PAGE, remember_seconds=0.0)
+    prompt = list(range(4 * PAGE))
+    first = router.decide(prompt, {})
+    router.done(first)
+    assert router.decide(prompt, {}).held_tokens == 0

@@ -8,8 +8,8 @@ the least work: the pages it would prefill (those of the prompt it does
 not hold) plus the pages the requests in flight there added to its pool,
 as Dynamo's own router weighs new and active blocks. What the indexer
 cannot know yet (a prompt routed a moment ago whose prefill has not
-finished) the router remembers itself: the page chains of the prompts it
-routed, and where (the most recent, bounded). ``policy="round-robin"``
+finished) the router remembers itself for a few seconds: the page chains
+of the prompts it routed, and where. ``policy="round-robin"``
 ignores both, for comparison.
 
 The router forwards the request's body unchanged and streams the answer
@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class PrefixRouter:
         The indexer's model name for the replicas.
     remembered_pages : int
         Page chains of routed prompts kept (least recently routed dropped).
+    remember_seconds : float
+        How long a routed prompt counts as held where it went without the
+        indexer saying so: long enough for its prefill and events, short
+        enough that pages the replica has evicted since stop drawing
+        prompts there (the indexer's answer is the truth after that).
     overlap_weight : float
         What a page to prefill costs against a page in flight (Dynamo's
         ``overlap_score_weight``).
@@ -103,6 +109,7 @@ class PrefixRouter:
         policy: str = "kv",
         model_name: str = "default",
         remembered_pages: int = 65536,
+        remember_seconds: float = 10.0,
         overlap_weight: float = 1.0,
     ) -> None:
         if policy not in POLICIES:
@@ -122,8 +129,9 @@ class PrefixRouter:
         """Pages the requests in flight at each replica added to its pool (its load)."""
         self.stats = RouterStats(routed=[0] * len(self.replicas))
         self._turn = itertools.cycle(range(len(self.replicas)))
-        self._remembered: OrderedDict[bytes, int] = OrderedDict()
+        self._remembered: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self._capacity = remembered_pages
+        self.remember_seconds = remember_seconds
         self._indexer = httpx.Client(timeout=1.0) if self.indexer_url else None
 
     def _chain(self, token_ids: Sequence[int]) -> list[bytes]:
@@ -177,13 +185,13 @@ class PrefixRouter:
         if self.policy == "round-robin":
             best, held = start, 0
         else:
-            chain = self._chain(token_ids)
+            chain, now = self._chain(token_ids), time.monotonic()
             held_by = [0] * n
             for replica, tokens in indexed.items():
                 held_by[replica] = tokens // self.page_size
             for i, key in enumerate(chain):
-                replica = self._remembered.get(key)
-                if replica is None:
+                replica, when = self._remembered.get(key, (None, 0.0))
+                if replica is None or now - when > self.remember_seconds:
                     break
                 held_by[replica] = max(held_by[replica], i + 1)
             order = [(start + k) % n for k in range(n)]
@@ -193,7 +201,7 @@ class PrefixRouter:
             )
             held = held_by[best]
             for key in chain:
-                self._remembered[key] = best
+                self._remembered[key] = (best, now)
                 self._remembered.move_to_end(key)
             while len(self._remembered) > self._capacity:
                 self._remembered.popitem(last=False)
