@@ -55,8 +55,8 @@ def serve(*flags: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv", "serve", *flags]
 
 
-def run_split(jobs, w: Workload) -> tuple[dict, dict]:
-    prefill = Server("prefill", serve("--role", "prefill"), start_timeout=900.0)
+def run_split(jobs, w: Workload, prefill_flags: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    prefill = Server("prefill", serve("--role", "prefill", *prefill_flags), start_timeout=900.0)
     decode = Server("decode", serve("--role", "decode"), start_timeout=900.0)
     proxy = None
     try:
@@ -110,6 +110,11 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="give the prefill instance nixl's progress thread (serve's flag)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 prompts x 1, 8 tokens")
     args = p.parse_args()
     if args.quick:
@@ -124,7 +129,8 @@ def main() -> int:
         flush=True,
     )
     try:
-        split, stats = run_split(jobs, w)
+        flags = ("--nixl-progress-thread",) if args.nixl_progress_thread else ()
+        split, stats = run_split(jobs, w, flags)
         one = run_one(jobs, w)
     except ServerError as e:
         print(f"failed: {e}", file=sys.stderr)

@@ -38,8 +38,7 @@ def fill(m: PagedKVCacheManager, rid, rng) -> None:
 @pytest.fixture
 def pair():
     """(prefill connector, decode connector) over fresh managers."""
-    # In one process the reader's wait blocks the owner: it needs nixl's thread.
-    prefill = NixlPageTransfer(manager(), "prefill", "demo", port=1234, progress_thread=True)
+    prefill = NixlPageTransfer(manager(), "prefill", "demo", port=1234)
     decode = NixlPageTransfer(manager(), "decode", "demo", peer_metadata=lambda h, p: meta(h, p))
 
     def meta(host, port):
@@ -227,7 +226,7 @@ def test_a_prefill_and_a_decode_scheduler_answer_as_one(weights):
     rng = np.random.default_rng(6)
     prompts = [tuple(rng.integers(0, DEMO_CONFIG.vocab_size, n).tolist()) for n in (40, 57, 33)]
     engines = [engine_with_pool(weights, 48, batch_invariant=True) for _ in range(3)]
-    prefill = NixlPageTransfer(engines[0].manager, "prefill", "demo", progress_thread=True)
+    prefill = NixlPageTransfer(engines[0].manager, "prefill", "demo")
     decode = NixlPageTransfer(
         engines[1].manager, "decode", "demo", peer_metadata=lambda h, p: prefill.metadata()
     )

@@ -36,7 +36,9 @@ from __future__ import annotations
 import base64
 import ctypes
 import os
+import queue
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Hashable, Sequence
@@ -164,14 +166,14 @@ class NixlPageTransfer(KVConnector):
         How a decode instance gets a peer's `metadata()` (default: HTTP GET
         of ``http://host:port/kv_transfer/metadata``).
     progress_thread : bool
-        Run nixl's progress thread, which busy-polls a core for good. Without
-        it (the default) a reader progresses its read while it waits for it
-        and the pages' owner progresses in `poll()` (every scheduler step,
-        or every 20 ms while it keeps pages): enough for shared memory and
-        RDMA, where reads need nothing of the owner. UCX over TCP between
-        hosts needs the owner's progress to serve a read quickly: give its
-        prefill instances the thread there. Two agents in one process need
-        it too (the reader's wait blocks the owner's thread).
+        Run nixl's own progress thread, which busy-polls a core for good.
+        Without it (the default) a reader progresses its read while it waits
+        for it, and an owner of kept pages (a prefill instance) progresses
+        its agent from a thread of its own every `progress_interval` seconds
+        while it keeps any: reads over UCX's TCP and shared-memory transports
+        need the owner's progress, RDMA reads do not.
+    progress_interval : float
+        The owner's progress period.
 
     Examples
     --------
@@ -190,6 +192,7 @@ class NixlPageTransfer(KVConnector):
         transfer_timeout: float = 30.0,
         peer_metadata=None,
         progress_thread: bool = False,
+        progress_interval: float = 0.0005,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -216,6 +219,12 @@ class NixlPageTransfer(KVConnector):
         self._holds: dict[str, tuple[str, float]] = {}
         self._peers: dict[str, _Peer] = {}
         self.stats = TransferStats()
+        self.progress_interval = progress_interval
+        self._notices: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._reading = threading.Event()
+        self._closed = False
+        if role == "prefill":
+            threading.Thread(target=self._progress, name="pagedkv-nixl", daemon=True).start()
         # Made once: the HTTP thread serves it while the engine thread uses
         # the agent, which is not thread-safe.
         self._metadata = {
@@ -245,6 +254,7 @@ class NixlPageTransfer(KVConnector):
         full = (len(request.prompt) - 1) // m.page_size  # the decode side computes the rest
         m.fork(seq_id, hold)
         self._holds[request.request_id] = (hold, time.monotonic() + self.hold_seconds)
+        self._reading.set()
         self.stats.held = len(self._holds)
         pages = [m.pages(hold, g)[:full].tolist() for g in range(len(m.layer_groups))]
         return {
@@ -262,10 +272,9 @@ class NixlPageTransfer(KVConnector):
         """Releases the pages whose reader's notice arrived, or whose time is up."""
         if not self._holds:
             return
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                if self._release(message.decode(errors="replace")):
-                    self.stats.handed_over += 1
+        while not self._notices.empty():
+            if self._release(self._notices.get()):
+                self.stats.handed_over += 1
         now = time.monotonic()
         for rid in [r for r, (_, deadline) in self._holds.items() if deadline < now]:
             self._release(rid)
@@ -276,7 +285,27 @@ class NixlPageTransfer(KVConnector):
         if held is not None:
             self.manager.release(held[0])
         self.stats.held = len(self._holds)
+        if not self._holds:
+            self._reading.clear()
         return held is not None
+
+    def _progress(self) -> None:
+        """The owner's side of reads (its own thread): while pages are kept,
+        progresses the agent every `progress_interval` seconds and queues
+        the readers' notices for poll(). The scheduler's thread touches the
+        agent no more once it is made, so the two never share it."""
+        while not self._closed:
+            if not self._reading.wait(0.5):
+                continue
+            for messages in self.agent.get_new_notifs().values():
+                for message in messages:
+                    self._notices.put(message.decode(errors="replace"))
+            time.sleep(self.progress_interval)
+
+    def close(self) -> None:
+        """Stops the owner's progress thread."""
+        self._closed = True
+        self._reading.set()
 
     # ------------------------------------------------------------- decode side
 
