@@ -30,6 +30,7 @@ from ._plan.work import (
     decode_work,
     heads_per_task,
 )
+from ._plan.workspace import WorkspaceMethods
 from .attention_sinks import merge_sinks, sink_log2_lse
 from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, plan_kv_dtype
@@ -60,7 +61,7 @@ def split_chunk(table: PageTable, disable_split_kv: bool, fixed_split_size) -> i
     return None
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
     """Decode attention for a batch of requests with one query token each.
 
     >>> w = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -138,6 +139,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def use_tensor_cores(self) -> bool:
         """What the constructor was given (FlashInfer's kernel choice)."""
         return self._use_tensor_cores
+
+    def _plain(self) -> BatchDecodeWithPagedKVCacheWrapper:
+        """A wrapper of the same layout and backend without fixed buffers."""
+        return BatchDecodeWithPagedKVCacheWrapper(None, self._kv_layout, backend=self._backend)
 
     def plan(
         self,

@@ -37,6 +37,7 @@ from ._plan.work import (
     check_heads,
     prefill_work,
 )
+from ._plan.workspace import WorkspaceMethods
 from .attention_sinks import merge_sinks, sink_log2_lse
 from .custom_mask import custom_mask_rows, multi_item_mask
 from .fixed_buffers import FixedIndexBuffers
@@ -58,7 +59,7 @@ FIXED_PREFILL_BUFFERS = (
 """The constructor's fixed buffers (use_cuda_graph), in plan()'s order."""
 
 
-class BatchPrefillWithPagedKVCacheWrapper:
+class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
     """Ragged multi-token attention over the paged cache.
 
     >>> w = BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -113,6 +114,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if jit_args is not None or jit_kwargs is not None:
             raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
         check_backend(backend, PREFILL_BACKENDS)
+        self._backend = backend
+        self._multi = None
         self._layout = layout_code(kv_layout)
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
@@ -123,6 +126,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         """Whether plan() writes into the caller's fixed buffers (use_cuda_graph)."""
         return self._fixed is not None
+
+    def _plain(self) -> BatchPrefillWithPagedKVCacheWrapper:
+        """A wrapper of the same layout and backend without fixed buffers."""
+        return BatchPrefillWithPagedKVCacheWrapper(None, self._kv_layout, backend=self._backend)
 
     def plan(
         self,

@@ -26,9 +26,9 @@ PAGE = 4
 
 
 def test_the_cheapest_replica_wins():
-    """Cost = pages to prefill + pages the requests in flight added: the
-    holder of a prefix wins until its load outweighs the prefix, and equals
-    take turns."""
+    """Cost = pages to prefill + pages the requests in flight added (one
+    each once prefilled): the holder of a prefix wins until its load
+    outweighs the prefix, and equals take turns."""
     router = PrefixRouter(["http://a", "http://b"], PAGE)
     prompt = list(range(8 * PAGE))  # 9 pages with the partial last one
     assert router.decide(prompt, {1: 6 * PAGE}) == Route(1, 6 * PAGE, 3)
@@ -36,7 +36,12 @@ def test_the_cheapest_replica_wins():
     assert router.decide(prompt, {}) == Route(1, 8 * PAGE, 1)
     assert router.in_flight == [0, 2] and router.active_pages == [0, 4]
     router.active_pages[1] += 20  # busy: 1 + 24 against 9 at the idle replica
-    assert router.decide(prompt, {}) == Route(0, 0, 9)
+    busy = router.decide(prompt, {})
+    assert busy == Route(0, 0, 9)
+    router.prefilled(busy)  # its first token came back: it weighs one page now
+    assert router.active_pages[0] == 1
+    router.done(busy)
+    assert router.active_pages[0] == 0 and router.in_flight[0] == 0
     # Idle replicas with nothing cached: equals take turns.
     idle = PrefixRouter(["http://a", "http://b"], PAGE)
     picks = []

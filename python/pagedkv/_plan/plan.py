@@ -236,6 +236,8 @@ class AttentionPlan:
             return to_buffer(new_like(table.like, np.ascontiguousarray(values)))
 
         partial_shape = (max(len(items), 1), num_qo_heads, options.head_dim)
+        self.float_workspace_bytes = 4 * partial_shape[0] * num_qo_heads * options.head_dim
+        """The float32 split scratch run() keeps in the caller's workspace buffer."""
         # run() reads the plan's own copies: later edits to the caller's arrays
         # cannot desynchronise the metadata from the page table.
         # table_views: the caller's fixed buffers holding the table

@@ -23,15 +23,21 @@ async def relay(
     stream: bool,
     headers: dict[str, str],
     on_close: Callable[[], None] | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> Response:
     """The upstream answer (sent with ``stream=True``) passed on unchanged:
-    streamed when the client asked for a stream, else gathered. The
-    upstream is closed, and `on_close` called, once it is read."""
+    streamed when the client asked for a stream, else gathered. `on_first`
+    is called when its first bytes arrive; the upstream is closed, and
+    `on_close` called, once it is read."""
     kept = {"content-type": upstream.headers.get("content-type", "application/json"), **headers}
 
     async def chunks():
+        first = on_first
         try:
             async for chunk in upstream.aiter_raw():
+                if first is not None:
+                    first()
+                    first = None
                 yield chunk
         finally:
             await upstream.aclose()

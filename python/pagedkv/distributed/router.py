@@ -40,7 +40,7 @@ log = logging.getLogger("pagedkv.router")
 POLICIES = ("kv", "round-robin")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Route:
     """Where one request went."""
 
@@ -48,8 +48,14 @@ class Route:
     held_tokens: int
     """Prompt tokens the replica was expected to hold (indexer or remembered)."""
     pages: int
-    """The load it adds there while in flight: the prompt's pages the
-    replica did not hold."""
+    """The load it adds there until its prefill is done: the prompt's pages
+    the replica did not hold (one page after, while it decodes)."""
+    weight: int = field(default=-1, compare=False)
+    """What it weighs there now (`pages`, then 1)."""
+
+    def __post_init__(self) -> None:
+        if self.weight < 0:
+            self.weight = self.pages
 
 
 @dataclass
@@ -215,10 +221,18 @@ class PrefixRouter:
         self.stats.matched_tokens += min(held * self.page_size, len(token_ids))
         return Route(best, held * self.page_size, added)
 
+    def prefilled(self, route: Route) -> None:
+        """The replica has sent the request's first bytes: its prefill is
+        done, and it weighs one page from now on."""
+        light = min(route.weight, 1)
+        self.active_pages[route.replica] -= route.weight - light
+        route.weight = light
+
     def done(self, route: Route) -> None:
         """The request routed there has finished (or failed)."""
         self.in_flight[route.replica] -= 1
-        self.active_pages[route.replica] -= route.pages
+        self.active_pages[route.replica] -= route.weight
+        route.weight = 0
 
     def close(self) -> None:
         if self._indexer is not None:
@@ -299,7 +313,11 @@ def create_router_app(router: PrefixRouter, tokenizer=None):
             )
         stream = isinstance(body, dict) and bool(body.get("stream"))
         return await relay(
-            upstream, stream, {"x-pagedkv-replica": str(replica)}, lambda: router.done(route)
+            upstream,
+            stream,
+            {"x-pagedkv-replica": str(replica)},
+            on_close=lambda: router.done(route),
+            on_first=lambda: router.prefilled(route),
         )
 
     add_openai_routes(app, forward, client, router.replicas[0])
