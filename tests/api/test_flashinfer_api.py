@@ -381,3 +381,30 @@ def test_flashinfer_0_7_small_names():
     ):
         with pytest.raises(ValueError, match="variant_owns_mask"):
             wrapper(None, "NHD", variant_owns_mask=True)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_workspace_methods_of_0_7(kind):
+    """workspace_size names the float32 split scratch plan() keeps; after
+    reset_workspace_buffer a plan keeps it inside the new buffer (and the
+    wrapper measured is unchanged); resolved_backend says "cpu" once planned."""
+    pages = np.arange(64, dtype=np.int32)
+    indptr, last = np.array([0, 3, 64], np.int32), np.array([5, 16], np.int32)
+    if kind == "decode":
+        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper()
+        args = (indptr, pages, last, 8, 2, 64, 16)
+    else:
+        w = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+        args = (np.array([0, 4, 9], np.int32), indptr, pages, last, 8, 2, 64, 16)
+    assert w.resolved_backend == "auto"
+    size, int_size = w.workspace_size(*args)
+    assert int_size == 0 and size > 0 and size % (4 * 8 * 64) == 0
+    assert w._plan is None  # measuring planned nothing here
+    workspace = np.zeros(size + 64, np.uint8)
+    w.reset_workspace_buffer(workspace, np.zeros(8, np.uint8))
+    w.plan(*args)
+    assert w._plan.float_workspace_bytes == size
+    assert np.shares_memory(w._plan.buffers["partial_o"].to_numpy(), workspace)
+    assert w.resolved_backend == "cpu"
+    with pytest.raises(TypeError):
+        w.reset_workspace_buffer([0, 1, 2])
