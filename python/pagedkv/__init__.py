@@ -46,6 +46,7 @@ from .page import (
     get_batch_indices_positions,
     get_seq_lens,
 )
+from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
 from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
 
@@ -57,12 +58,14 @@ __all__ = [
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchMLAPagedAttentionWrapper",
     "BatchMetadata",
+    "BatchPODWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CacheStateError",
     "MultiLevelCascadeAttentionWrapper",
     "OutOfPagesError",
+    "PODWithPagedKVCacheWrapper",
     "PagedKVCacheManager",
     "allocate_blocks",
     "append_kv",

@@ -7,8 +7,9 @@
 True
 
 The top-level names and the submodules FlashInfer's users and tests import
-(`attention`, `decode`, `prefill`, `page`, `mla`, `cascade`, `sampling`,
-`norm`, `rope`, `utils`, `jit`, `quantization`, `fp4_quantization`)
+(`attention`, `decode`, `prefill`, `pod`, `page`, `mla`, `cascade`,
+`sampling`, `norm`, `rope`, `utils`, `jit`, `quantization`,
+`fp4_quantization`)
 map to pagedkv's implementations. Names that exist only
 to drive FlashInfer's CUDA JIT (`jit.*`, `gen_*_module`) are no-ops; names
 pagedkv does not implement raise NotImplementedError when called, so that
@@ -57,6 +58,7 @@ from .page import (
     nvfp4_quantize_append_paged_kv_cache,
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
 )
+from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -120,11 +122,13 @@ __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchMLAPagedAttentionWrapper",
+    "BatchPODWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
+    "PODWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
     "e2m1_and_ufp8sf_scale_to_float",
