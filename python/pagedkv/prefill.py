@@ -25,7 +25,7 @@ from ._checks import (
     refuse_gpu_only,
 )
 from ._ops.kernels import OpSpec
-from ._ops.tensors import Array, device_of, dtype_of, new_like
+from ._ops.tensors import Array, check_array, contiguous, device_of, dtype_of, is_torch, new_like
 from ._plan.block_tables import check_trtllm_table
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, PageTable, attention_spec
@@ -120,6 +120,9 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
         self._plan: AttentionPlan | None = None
+        self._head_dim_vo = 0
+        """The value head dim planned (below the query's: DeepSeek's
+        non-absorbed MLA prefill, V padded with zeros for the kernel)."""
         self._planned: dict | None = None
 
     @property
@@ -225,6 +228,8 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         )
         items = (*multi_item, token_pos_in_items_len) if prefix_len_ptr is not None else None
         self._plan_pages(**self._planned, masks=(custom_mask, packed_custom_mask), multi_item=items)
+        self._planned["head_dim_vo"] = head_dim_vo
+        self._head_dim_vo = head_dim_vo or head_dim_qk
 
     @staticmethod
     def _check_plan_contract(multi_item, masked, window_left, dtypes, head_dims) -> None:
@@ -245,8 +250,10 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
                 raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         head_dim_qk, head_dim_vo = head_dims
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            raise ValueError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk ({head_dim_qk})")
+        if head_dim_vo is not None and not 1 <= head_dim_vo <= head_dim_qk:
+            raise ValueError(
+                f"head_dim_vo ({head_dim_vo}) must be in [1, head_dim_qk ({head_dim_qk})]"
+            )
 
     def _plan_pages(
         self,
@@ -400,7 +407,9 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 "uses_spcompress": uses_spcompress,
             },
         )
-        lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, return_lse)
+        # A caller's lse buffer is filled even without return_lse.
+        want_lse = return_lse or lse is not None
+        lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, want_lse)
         sink_lse = None
         if sinks is not None:
             sink_lse = sink_log2_lse(sinks, int(self._plan.num_qo_heads))
@@ -411,15 +420,22 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             paged_kv_cache = attention_cache(
                 paged_kv_cache, kv_cache_sf, self._kv_layout, q, self._plan.table
             )
+        narrow = self._head_dim_vo < self._plan.options.head_dim
+        if narrow:
+            paged_kv_cache, into = values_padded(paged_kv_cache, self._plan.options.head_dim), out
+            out = None
         o, lse = self._plan.run(
             q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
-            return_lse or sink_lse is not None,
+            want_lse or sink_lse is not None,
         )  # fmt: skip
+        if narrow:
+            o = values_narrowed(o, self._head_dim_vo, into)
         if sink_lse is not None:
             merge_sinks(o, lse, sink_lse)
-        if not return_lse:
+        if not want_lse:
             return o
-        return o, finished_lse(lse, lse_base, lse_layout, lse_into)
+        lse = finished_lse(lse, lse_base, lse_layout, lse_into)
+        return (o, lse) if return_lse else o
 
     def run_return_lse(
         self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
@@ -537,12 +553,13 @@ def single_prefill_with_kv_cache(
         k, v = dequantize_ragged_for_attention(k, v, kv_cache_sf, q)
     if o_dtype is not None and as_dtype(o_dtype, "o_dtype") != dtype_of(q):
         raise ValueError("o_dtype must be None or q's dtype: o is written in q's dtype")
-    kv = one_page_kv(q, k, v, kv_layout, q_dims=3)
+    kv = one_page_kv(q, k, v, kv_layout, q_dims=3, narrow_values=True)
     queries, num_qo_heads, head_dim = (int(n) for n in q.shape)
+    head_dim_vo = int(v.shape[-1])
     if custom_mask is not None or packed_custom_mask is not None:
         causal = False  # a custom mask replaces causal
     if queries == 0 or kv.length == 0:
-        return attention_of_nothing(q, return_lse)
+        return attention_of_nothing(q[..., :head_dim_vo], return_lse)
     wrapper = BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout)
     wrapper.plan(
         new_like(q, np.array([0, queries], np.int32)),
@@ -553,6 +570,7 @@ def single_prefill_with_kv_cache(
         kv.num_kv_heads,
         head_dim,
         kv.length,
+        head_dim_vo=head_dim_vo,
         custom_mask=custom_mask,
         packed_custom_mask=packed_custom_mask,
         causal=causal,
@@ -573,3 +591,39 @@ single_prefill_with_kv_cache_return_lse = functools.partial(
     single_prefill_with_kv_cache, return_lse=True
 )
 """`single_prefill_with_kv_cache` with return_lse=True: (o, lse)."""
+
+
+def values_padded(cache: Array | Sequence[Array], head_dim: int) -> tuple[Array, Array]:
+    """A (K, V) cache whose V rows are shorter than the query's head dim, V
+    widened to `head_dim` with zeros: the kernel's one head dim, and the
+    same attention (zero value lanes add nothing). A copy of V."""
+    if isinstance(cache, (list, tuple)) and len(cache) == 2:
+        k, v = cache
+        check_array("paged_kv_cache[1]", v)
+        extra = head_dim - int(v.shape[-1])
+        if extra < 0:
+            raise ValueError(f"V rows have {v.shape[-1]} lanes, more than head_dim_qk {head_dim}")
+        if is_torch(v):
+            import torch
+
+            return k, torch.nn.functional.pad(v, (0, extra))
+        return k, np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, extra)])
+    raise ValueError("head_dim_vo below head_dim_qk needs the cache as a (K, V) pair")
+
+
+def values_narrowed(o: Array, head_dim_vo: int, out: Array | None) -> Array:
+    """The first head_dim_vo lanes of each output row (the zero-padded
+    value lanes dropped), in `out` when given."""
+    narrowed = o[..., :head_dim_vo]
+    if out is None:
+        return contiguous(narrowed)
+    check_array("out", out)
+    if tuple(out.shape) != tuple(narrowed.shape) or dtype_of(out) != dtype_of(o):
+        raise ValueError(
+            f"out must be {tuple(narrowed.shape)} in q's dtype, got {tuple(out.shape)}"
+        )
+    if is_torch(out):
+        out.copy_(narrowed)
+    else:
+        out[...] = narrowed
+    return out

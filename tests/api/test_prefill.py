@@ -248,3 +248,60 @@ def test_prefill_bad_input():
 @pytest.mark.parametrize("config,shape,options,causal,page_size", CASES)
 def test_prefill_on_gpu(config, shape, options, causal, page_size):
     check_prefill_case(config, shape, options, causal, page_size, device="cuda")
+
+
+QK, VO = 192, 128
+"""DeepSeek's non-absorbed MLA prefill: 192-lane queries and keys, 128-lane values."""
+
+
+def test_value_rows_shorter_than_the_queries():
+    """head_dim_vo 128 under head_dim_qk 192, in single_prefill, the ragged
+    wrapper (torch bfloat16 too) and the paged wrapper over a (K, V) pair:
+    o has 128 lanes and equals float64 attention with the 192-lane scale."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((20, 4, QK), dtype=np.float32)
+    k = rng.standard_normal((30, 2, QK), dtype=np.float32)
+    v = rng.standard_normal((30, 2, VO), dtype=np.float32)
+    want_single, _ = reference.attention(q, k, v, np.arange(10, 30), causal=True)
+    o = pagedkv.single_prefill_with_kv_cache(q, k, v, causal=True)
+    np.testing.assert_allclose(o, want_single, rtol=1e-5, atol=1e-5)
+
+    qo, kv = np.array([0, 8, 20], np.int32), np.array([0, 10, 30], np.int32)
+    want = np.concatenate(
+        [
+            reference.attention(q[0:8], k[0:10], v[0:10], np.arange(2, 10), causal=True)[0],
+            reference.attention(q[8:20], k[10:30], v[10:30], np.arange(8, 20), causal=True)[0],
+        ]
+    )
+    ragged = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(qo, kv, 4, 2, QK, VO, causal=True)
+    np.testing.assert_allclose(ragged.run(q, k, v), want, rtol=1e-5, atol=1e-5)
+    # A caller's lse buffer is filled without return_lse (FlashInfer's tests read it).
+    _, lse = ragged.run(q, k, v, return_lse=True)
+    buffer = np.full_like(lse, np.nan)
+    ragged.run(q, k, v, lse=buffer)
+    np.testing.assert_array_equal(buffer, lse)
+    ragged_bf16 = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged_bf16.plan(qo, kv, 4, 2, QK, VO, causal=True)
+    o_bf16 = ragged_bf16.run(*(cast(x, "bfloat16") for x in (q, k, v)))
+    assert tuple(o_bf16.shape) == (20, 4, VO)
+    np.testing.assert_allclose(as_f64(o_bf16), want, rtol=2e-2, atol=2e-2)
+
+    # The same K/V as a paged (K, V) pair: 8 pages of 4 tokens in order;
+    # request 0 reads tokens 0..9 (pages 0-2), request 1 tokens 8..29 (2-7).
+    k_pages = np.concatenate([k, np.zeros((2, 2, QK), np.float32)]).reshape(8, 4, 2, QK)
+    v_pages = np.concatenate([v, np.zeros((2, 2, VO), np.float32)]).reshape(8, 4, 2, VO)
+    paged = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
+    indptr, last = np.array([0, 3, 9], np.int32), np.array([2, 2], np.int32)
+    indices = np.array([0, 1, 2, 2, 3, 4, 5, 6, 7], np.int32)
+    want1 = reference.attention(q[8:20], k[8:30], v[8:30], np.arange(10, 22), causal=True)[0]
+    paged.plan(qo, indptr, indices, last, 4, 2, QK, 4, head_dim_vo=VO, causal=True)
+    out = np.empty((20, 4, VO), np.float32)
+    got = paged.run(q, (k_pages, v_pages), out=out)
+    assert got is out
+    np.testing.assert_allclose(got[:8], want[:8], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[8:], want1, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\(K, V\) pair"):
+        paged.run(q, np.zeros((7, 2, 4, 2, QK), np.float32))
+    with pytest.raises(ValueError, match="head_dim_vo"):
+        paged.plan(qo, indptr, indices, last, 4, 2, VO, 4, head_dim_vo=QK)

@@ -31,13 +31,22 @@ class OnePageKV:
     last_page_len: Array
 
 
-def one_page_kv(q: Array, k: Array, v: Array, kv_layout: str, q_dims: int) -> OnePageKV:
+def one_page_kv(
+    q: Array, k: Array, v: Array, kv_layout: str, q_dims: int, narrow_values: bool = False
+) -> OnePageKV:
     """Checks q (q_dims dimensions, head_dim last), k and v (the same [L, Hkv,
-    D] or [Hkv, L, D] as kv_layout says) and views k, v as one page."""
+    D] or [Hkv, L, D] as kv_layout says; with narrow_values v's rows may be
+    shorter than k's) and views k, v as one page."""
     layout_code(kv_layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
-    if len(q.shape) != q_dims or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
+    same = tuple(k.shape) == tuple(v.shape) or (
+        narrow_values
+        and len(v.shape) == 3
+        and tuple(k.shape[:-1]) == tuple(v.shape[:-1])
+        and 0 < v.shape[-1] <= k.shape[-1]
+    )
+    if len(q.shape) != q_dims or len(k.shape) != 3 or not same:
         q_form = "[Hq, D]" if q_dims == 2 else "[qo_len, Hq, D]"
         raise ValueError(
             f"q must be {q_form} and k, v the same [L, Hkv, D] (NHD) / [Hkv, L, D] (HND); "
