@@ -132,6 +132,26 @@ def test_publisher_sends_numbered_batches_and_replays_them():
         publisher.close()
 
 
+def test_only_the_full_attention_group_is_published():
+    """A manager with a window group: its events (pages given back as the
+    window passes) stay home unless asked for; group 0's go out."""
+    m = PagedKVCacheManager(16, PAGE, 1, 8, num_layers=2, layer_groups=[((0,), None), ((1,), 4)])
+    publisher = ZmqKvEventPublisher("tcp://127.0.0.1:0")
+    everything = ZmqKvEventPublisher("tcp://127.0.0.1:0", groups=None)
+    try:
+        seen = []
+        m.subscribe(seen.append)
+        m.add("a", list(range(12)))
+        m.reserve(["a"], 12)
+        m.reserve(["a"], 4)  # the window gives pages back
+        assert {e.group_idx for e in seen} == {0, 1}
+        assert all(everything.wants(e) for e in seen)
+        assert [publisher.wants(e) for e in seen] == [e.group_idx == 0 for e in seen]
+    finally:
+        publisher.close()
+        everything.close()
+
+
 def test_a_bad_endpoint_is_a_clear_error():
     with pytest.raises(ValueError, match="ZeroMQ address"):
         ZmqKvEventPublisher("127.0.0.1:5557")

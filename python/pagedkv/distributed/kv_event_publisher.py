@@ -19,6 +19,7 @@ import itertools
 import queue
 import threading
 from collections import deque
+from collections.abc import Collection
 
 import zmq
 
@@ -48,6 +49,12 @@ class ZmqKvEventPublisher:
         Written into every batch (vLLM's ``data_parallel_rank``).
     buffer_batches : int
         Batches kept for replay.
+    groups : collection of int, optional
+        The layer groups whose events go out (events of a manager without
+        groups always do). Default: group 0, the model's full-attention
+        layers, whose pages are the prefix a later prompt hits. A window
+        group gives pages back as its window passes: its removals would
+        tell a router the replica lost a prefix it still serves.
 
     Examples
     --------
@@ -66,6 +73,7 @@ class ZmqKvEventPublisher:
         topic: str = "",
         data_parallel_rank: int = 0,
         buffer_batches: int = 10_000,
+        groups: Collection[int] | None = (0,),
     ) -> None:
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(
@@ -92,6 +100,7 @@ class ZmqKvEventPublisher:
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
+        self._groups = None if groups is None else frozenset(groups)
         self._topic = topic.encode()
         self._rank = int(data_parallel_rank)
         self._events: queue.SimpleQueue[KVCacheEvent | None] = queue.SimpleQueue()
@@ -103,7 +112,13 @@ class ZmqKvEventPublisher:
 
     def __call__(self, event: KVCacheEvent) -> None:
         """The subscriber: queues one event (the manager's thread)."""
-        self._events.put(event)
+        if self.wants(event):
+            self._events.put(event)
+
+    def wants(self, event: KVCacheEvent) -> bool:
+        """Whether the event goes out (its layer group is published)."""
+        group = getattr(event, "group_idx", None)
+        return group is None or self._groups is None or group in self._groups
 
     def close(self, timeout: float = 2.0) -> None:
         """Sends what is queued, then closes the sockets."""
