@@ -724,12 +724,20 @@ class PagedKVCacheManager:
 
     # -------------------------------------------------- pins, events, reset
 
-    def forget(self, request_id: Hashable, start: int) -> None:
-        """Drops the prefix keys of the request's pages from token `start` (a
-        multiple of page_size) on, in every layer group: their contents are
-        not what the keys promise (a transfer into them failed), so no prefix
-        hit may serve them. The pages stay the request's; its later pages
-        are not cached. Emits BlockRemoved.
+    def forget(
+        self,
+        request_id: Hashable,
+        start: int,
+        stop: int | None = None,
+        groups: Sequence[int] | None = None,
+    ) -> None:
+        """Drops the prefix keys of the request's pages holding tokens `start`
+        (a multiple of page_size) up to `stop` (default: its end), in the
+        layer groups named (default: all): their contents are not what the
+        keys promise (a transfer into them failed, or skipped them), so no
+        prefix hit may serve them. The pages stay the request's. Forgetting
+        to the end in every group also stops its later pages from being
+        cached. Emits BlockRemoved.
 
         Examples
         --------
@@ -743,9 +751,12 @@ class PagedKVCacheManager:
         if not isinstance(start, numbers.Integral) or start < 0 or start % self.page_size:
             raise ValueError(f"start must be a multiple of page_size >= 0, got {start!r}")
         first = start // self.page_size
-        for group in self._groups:
-            group.pool.forget(request.pages[group.index, first : request.num_pages].tolist())
-        request.chain = None
+        last = request.num_pages if stop is None else -(-int(stop) // self.page_size)
+        chosen = [self._groups[self._group_index(g)] for g in groups] if groups else self._groups
+        for group in chosen:
+            group.pool.forget(request.pages[group.index, first:last].tolist())
+        if stop is None and groups is None:
+            request.chain = None
         self._after_mutation()
 
     def pin(self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None) -> int:

@@ -23,9 +23,10 @@ disaggregation proxy written for vLLM drives pagedkv too:
    ``hold_seconds``. The decode instance prefills the prompt's last partial
    page itself and decodes on.
 
-Pages the decode instance holds already are not read. A peer that cannot be
-reached, or whose pools are laid out differently, fails the request with a
-message saying so; the pages reserved for it are released and their keys
+Pages the decode instance holds already are not read, nor, in a layer
+group with a sliding window, pages no query of the decode side will see. A
+peer that cannot be reached, or whose pools are laid out differently, fails
+the request with a message saying so; the pages reserved for it are released and their keys
 dropped (`PagedKVCacheManager.forget`), so nothing half-read is ever
 served. `_load_nixl` says how nixl's wheel is made to work beside MAX's
 own NIXL core.
@@ -33,6 +34,7 @@ own NIXL core.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import ctypes
 import os
@@ -41,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +109,9 @@ class _Peer:
     agent: str
     layers: list[tuple[int, int, int]]
     """Each layer pool's (address, page bytes, pages) on the peer."""
+    null_pages: list[int]
+    """Each layer group's placeholder page on the peer (a window group's
+    slots before its window hold it)."""
 
 
 def check_kv_transfer_params(params: dict, role: str | None, n: int) -> str | None:
@@ -196,10 +202,6 @@ class NixlPageTransfer(KVConnector):
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if any(window is not None for _, window in manager.layer_groups):
-            raise ValueError(
-                "moving pages between instances needs a model without sliding-window layers"
-            )
         nixl_agent, nixl_agent_config = _load_nixl()
         self.manager = manager
         self.role = self.transfer_role = role
@@ -223,8 +225,11 @@ class NixlPageTransfer(KVConnector):
         self._notices: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._reading = threading.Event()
         self._closed = False
+        self._thread = None
         if role == "prefill":
-            threading.Thread(target=self._progress, name="pagedkv-nixl", daemon=True).start()
+            self._thread = threading.Thread(target=self._progress, name="pagedkv-nixl", daemon=True)
+            self._thread.start()
+        _LIVE.add(self)
         # Made once: the HTTP thread serves it while the engine thread uses
         # the agent, which is not thread-safe.
         self._metadata = {
@@ -233,6 +238,7 @@ class NixlPageTransfer(KVConnector):
             "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "layout": self.layout,
             "layers": [list(layer) for layer in self.layers],
+            "null_pages": [int(page) for page in manager.null_pages],
         }
 
     @property
@@ -297,15 +303,23 @@ class NixlPageTransfer(KVConnector):
         while not self._closed:
             if not self._reading.wait(0.5):
                 continue
-            for messages in self.agent.get_new_notifs().values():
+            agent = self.agent
+            if agent is None:
+                return
+            for messages in agent.get_new_notifs().values():
                 for message in messages:
                     self._notices.put(message.decode(errors="replace"))
             time.sleep(self.progress_interval)
 
     def close(self) -> None:
-        """Stops the owner's progress thread."""
+        """Stops the owner's progress thread and lets the agent go. At exit
+        every connector is closed first: an agent torn down while a thread
+        is inside nixl, or after UCX's own teardown, aborts the process."""
         self._closed = True
         self._reading.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        self.agent = None
 
     # ------------------------------------------------------------- decode side
 
@@ -335,15 +349,19 @@ class NixlPageTransfer(KVConnector):
             except Exception:  # nixl raises its own error types
                 self._peers.pop(params["remote_engine_id"], None)
             return cached_tokens
+        skipped = self._window_slots(peer, remote, first, full)
         m.reserve([request_id], count * size)
         t0 = time.perf_counter()
         try:
-            moved = self._read(peer, request_id, remote, first, count, rid)
+            moved = self._read(peer, request_id, remote, first, count, rid, skipped)
         except KVTransferError:
             m.forget(request_id, cached_tokens)
             self.stats.failures += 1
             self._peers.pop(params["remote_engine_id"], None)
             raise
+        for g, stop in enumerate(skipped):
+            if stop > first:  # slots the window no longer shows: not read, not cached
+                m.forget(request_id, first * size, stop * size, groups=[g])
         self.stats.pulled_pages += count
         self.stats.pulled_bytes += moved
         self.stats.read_seconds += time.perf_counter() - t0
@@ -374,12 +392,32 @@ class NixlPageTransfer(KVConnector):
                 f"this one as {self.layout!r}"
             )
         self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
-        peer = self._peers[engine] = _Peer(meta["agent_name"], [tuple(x) for x in meta["layers"]])
+        layers = [tuple(x) for x in meta["layers"]]
+        peer = self._peers[engine] = _Peer(meta["agent_name"], layers, list(meta["null_pages"]))
         return peer
 
-    def _read(self, peer: _Peer, request_id, remote, first: int, count: int, note: bytes) -> int:
-        """One READ of slots first .. first + count - 1 of every layer; the
-        bytes moved."""
+    def _window_slots(self, peer: _Peer, remote, first: int, full: int) -> list[int]:
+        """Per layer group, the slot before which no query of the decode
+        side sees the group's pages (0 for full attention): those are not
+        read. Raises KVTransferError when the peer lacks a page a query
+        will see (its window passed it already)."""
+        m, size = self.manager, self.manager.page_size
+        stops = []
+        for g, (_, window) in enumerate(m.layer_groups):
+            stop = 0 if window is None else max(0, (full * size - window + 1) // size)
+            null = peer.null_pages[g]
+            if window is not None and any(remote[g][s] == null for s in range(stop, full)):
+                raise KVTransferError(
+                    f"the prefill instance no longer holds the window's pages of layer group {g}"
+                )
+            stops.append(stop)
+        return stops
+
+    def _read(
+        self, peer: _Peer, request_id, remote, first: int, count: int, note: bytes, skipped
+    ) -> int:
+        """One READ of slots first .. first + count - 1 of every layer (from
+        skipped[g] on in layer group g); the bytes moved."""
         m = self.manager
         local_pages = [m.pages(request_id, g) for g in range(len(m.layer_groups))]
         local, far = [], []
@@ -387,13 +425,16 @@ class NixlPageTransfer(KVConnector):
             zip(self.layers, peer.layers, strict=True)
         ):
             g = m.group_of_layer[layer]
-            for slot in range(first, first + count):
+            for slot in range(max(first, skipped[g]), first + count):
                 page = int(remote[g][slot])
                 if remote_bytes != page_bytes or page >= remote_pages:
                     raise KVTransferError(f"remote page {page} is not in the peer's pool")
                 local.append((address + int(local_pages[g][slot]) * page_bytes, page_bytes, 0))
                 far.append((base + page * page_bytes, page_bytes, 0))
         agent = self.agent
+        if not local:
+            agent.send_notif(peer.agent, note)
+            return 0
         try:
             handle = agent.initialize_xfer(
                 "READ",
@@ -414,6 +455,15 @@ class NixlPageTransfer(KVConnector):
         if state != "DONE":
             raise KVTransferError(f"the read of pages from the prefill instance ended in {state}")
         return sum(length for _, length, _ in local)
+
+
+_LIVE: weakref.WeakSet[NixlPageTransfer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for connector in list(_LIVE):
+        connector.close()
 
 
 def _region(pool) -> tuple[int, int, int]:
