@@ -271,12 +271,12 @@ def test_a_prefill_and_a_decode_scheduler_answer_as_one(weights):
         assert engine.manager.num_used_pages == 0
 
 
-def test_a_window_group_reads_only_what_its_window_shows():
-    """Layer groups as Gemma 3's (a full group and an 8-token window): the
-    full group's pages all move; the window group's only from the slot its
-    window starts at for the decode side's first query; the slots before
-    it are neither read nor cached. A peer whose window passed a page the
-    decode side needs fails the request."""
+def test_a_window_group_reads_the_pages_its_peer_still_holds():
+    """Layer groups as Gemma 3's (a full group and an 8-token window): every
+    page the prefill side still holds moves, in both groups, so that a later
+    prompt sharing a shorter prefix finds its window here; slots the peer's
+    window gave back are neither read nor cached. A peer whose window passed
+    a page the decode side's first query needs fails the request."""
     groups = [((0, 2), None), ((1,), 2 * PAGE)]
 
     def grouped():
@@ -295,31 +295,32 @@ def test_a_window_group_reads_only_what_its_window_shows():
     for layer, pool in enumerate(src.pools):
         for page in src.pages("r1-0", src.group_of_layer[layer]):
             pool[page] = rng.standard_normal(pool.shape[1:]).astype(pool.dtype)
-    params = prefill.on_finish(
-        Request("r1", tuple(prompt), 1, kv_transfer={"do_remote_decode": True}), "r1-0"
-    )
+    asked = Request("r1", tuple(prompt), 1, kv_transfer={"do_remote_decode": True})
+    params = prefill.on_finish(asked, "r1-0")
     src.release("r1-0")
     assert len(params["remote_block_ids"]) == 2  # one list per layer group
+    null = src.null_pages[1]
+    given_back = [null, null] + params["remote_block_ids"][1][2:]  # as if the window passed
+    params = {**params, "remote_block_ids": [params["remote_block_ids"][0], given_back]}
 
     m = decode.manager
     request = Request("d1", tuple(prompt), 8, kv_transfer=params)
     assert decode.fetch("d1-0", prompt[:-1], m.add("d1-0", prompt[:-1]), request) == 6 * PAGE
-    stop = (6 * PAGE - 2 * PAGE + 1) // PAGE  # the window's first slot for token 24
     for layer, pool in enumerate(m.pools):
         g = m.group_of_layer[layer]
-        for slot in range(stop if g == 1 else 0, 6):
+        for slot in range(2 if g == 1 else 0, 6):
             mine = pool[int(m.pages("d1-0", g)[slot])]
             theirs = src.pools[layer][params["remote_block_ids"][g][slot]]
             assert mine.tobytes() == theirs.tobytes(), (layer, slot)
     window_keys = m.page_pools[1].hash_of_page
-    assert all(int(m.pages("d1-0", 1)[s]) not in window_keys for s in range(stop))
-    assert all(int(m.pages("d1-0", 1)[s]) in window_keys for s in range(stop, 6))
+    assert [int(m.pages("d1-0", 1)[s]) in window_keys for s in range(6)] == [False] * 2 + [True] * 4
     wait_released(prefill)
     m.release("d1-0")
     m.validate()
+    # A prompt sharing 5 of the 6 pages hits all 5 here (its window: slots 3-4).
+    assert m.cached_prefix_length(prompt[: 5 * PAGE] + [999]) == 5 * PAGE
 
-    gone = [list(params["remote_block_ids"][0]), list(params["remote_block_ids"][1])]
-    gone[1][5] = prefill.manager.null_pages[1]  # a page the window still shows
+    gone = [params["remote_block_ids"][0], [null] * 5 + given_back[5:]]
     m.add("d2-0", prompt[:-1])
     bad = Request("d2", tuple(prompt), 8, kv_transfer={**params, "remote_block_ids": gone})
     with pytest.raises(KVTransferError, match="no longer holds the window's pages"):

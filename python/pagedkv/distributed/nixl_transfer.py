@@ -24,7 +24,8 @@ disaggregation proxy written for vLLM drives pagedkv too:
    page itself and decodes on.
 
 Pages the decode instance holds already are not read, nor, in a layer
-group with a sliding window, pages no query of the decode side will see. A
+group with a sliding window, the slots whose pages the prefill instance
+has given back. A
 peer that cannot be reached, or whose pools are laid out differently, fails
 the request with a message saying so; the pages reserved for it are released and their keys
 dropped (`PagedKVCacheManager.forget`), so nothing half-read is ever
@@ -397,19 +398,25 @@ class NixlPageTransfer(KVConnector):
         return peer
 
     def _window_slots(self, peer: _Peer, remote, first: int, full: int) -> list[int]:
-        """Per layer group, the slot before which no query of the decode
-        side sees the group's pages (0 for full attention): those are not
-        read. Raises KVTransferError when the peer lacks a page a query
-        will see (its window passed it already)."""
+        """Per layer group, the slot before which the peer holds no page (a
+        window group's slots its window passed hold the placeholder page; 0
+        for full attention): those are not read. Every page the peer still
+        holds is, so that later prompts sharing a shorter prefix find their
+        window here too. Raises KVTransferError when the peer lacks a page a
+        query of the decode side will see."""
         m, size = self.manager, self.manager.page_size
         stops = []
         for g, (_, window) in enumerate(m.layer_groups):
-            stop = 0 if window is None else max(0, (full * size - window + 1) // size)
-            null = peer.null_pages[g]
-            if window is not None and any(remote[g][s] == null for s in range(stop, full)):
-                raise KVTransferError(
-                    f"the prefill instance no longer holds the window's pages of layer group {g}"
-                )
+            stop = 0
+            if window is not None:
+                null = peer.null_pages[g]
+                while stop < full and remote[g][stop] == null:
+                    stop += 1
+                if stop > max(0, (full * size - window + 1) // size):
+                    raise KVTransferError(
+                        f"the prefill instance no longer holds the window's pages of "
+                        f"layer group {g}"
+                    )
             stops.append(stop)
         return stops
 
