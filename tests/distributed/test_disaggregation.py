@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation end to end (slow set): `pagedkv serve --role
 prefill`, `--role decode` and `pagedkv route --prefill --decode` as three
-processes on loopback, beside one `pagedkv serve`: 16 chats answer with
+processes on loopback, beside one `pagedkv serve`, for SmolLM2 and for
+Gemma 3 (sliding-window layers): 16 chats answer with
 the same greedy tokens, the pages read are the prompts' full pages (bytes =
 pages x page bytes), and a decode request whose prefill peer is gone fails
 with a clear error and leaks no page."""
@@ -19,15 +20,17 @@ from serve_vs_llamacpp import PROMPTS  # noqa: E402
 
 from llamacpp import Server, pagedkv_serve_command  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a helpful assistant. Answer in one or two sentences. " * 6
-PAGE_BYTES = 2 * 16 * 3 * 64 * 2 * 30
-"""One float16 page of SmolLM2-135M over its 30 layers (16 tokens, 3 KV heads of 64)."""
+MODELS = {
+    # One float16 page over every layer: 16 tokens x KV heads x head dim x layers.
+    "smollm2-135m-instruct": 2 * 16 * 3 * 64 * 2 * 30,
+    "gemma3-270m": 2 * 16 * 1 * 256 * 2 * 18,
+}
 
 
-def chat(url: str, question: str, **extra) -> httpx.Response:
+def chat(url: str, question: str, model: str, **extra) -> httpx.Response:
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": question},
@@ -45,10 +48,11 @@ def pages_used(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_disaggregated_pair_answers_as_one_server():
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_disaggregated_pair_answers_as_one_server(model):
     # Batch-invariant: a prompt computed in two pieces (the pages read, then
     # the last partial page) gives the logits of one whole prefill.
-    flags = ("--batch-invariant",)
+    flags = ("--batch-invariant", "--model", model)
     servers = {
         "prefill": Server("prefill", pagedkv_serve_command(*flags, "--role", "prefill")),
         "decode": Server("decode", pagedkv_serve_command(*flags, "--role", "decode")),
@@ -64,7 +68,7 @@ def test_a_disaggregated_pair_answers_as_one_server():
         questions = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(16)]
         prompt_pages = 0
         for q in questions:
-            split, whole = chat(proxy.url, q), chat(servers["one"].url, q)
+            split, whole = chat(proxy.url, q, model), chat(servers["one"].url, q, model)
             assert split.status_code == 200, split.text
             text = split.json()["choices"][0]["message"]["content"]
             assert text == whole.json()["choices"][0]["message"]["content"], q
@@ -74,7 +78,7 @@ def test_a_disaggregated_pair_answers_as_one_server():
         # them in the decode pool and read only their own.
         assert stats["pulled_pages"] + stats["skipped_pages"] == prompt_pages
         assert stats["skipped_pages"] > 0 and stats["failures"] == 0
-        assert stats["pulled_bytes"] == stats["pulled_pages"] * PAGE_BYTES
+        assert stats["pulled_bytes"] == stats["pulled_pages"] * MODELS[model]
         kept = httpx.get(servers["prefill"].url + "/kv_transfer/stats").json()
         assert kept["handed_over"] == 16 and kept["held"] == 0
 
@@ -84,13 +88,14 @@ def test_a_disaggregated_pair_answers_as_one_server():
         first = chat(
             servers["prefill"].url,
             question,
+            model,
             max_tokens=1,
             kv_transfer_params={"do_remote_decode": True},
         )
         params = first.json()["kv_transfer_params"]
         servers["prefill"].stop()
         used = pages_used(servers["decode"].url)
-        lost = chat(servers["decode"].url, question, kv_transfer_params=params)
+        lost = chat(servers["decode"].url, question, model, kv_transfer_params=params)
         assert lost.status_code == 500
         assert "the prefill instance" in lost.json()["error"]["message"]
         assert pages_used(servers["decode"].url) == used
