@@ -526,7 +526,7 @@ def llama_template_args(gguf: Path) -> list[str]:
     return ["--jinja", "--chat-template-file", str(path)]
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--servers",
@@ -564,6 +564,11 @@ def main() -> int:
     )
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_llama_arguments(parser)
+    return parser
+
+
+def main() -> int:
+    parser = _parser()
     args = parser.parse_args()
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]

@@ -77,6 +77,11 @@ def add_parser(sub) -> None:
         "requests that share a prompt's prefix read its pages once)",
     )
     add_weights_arguments(p)
+    add_distributed_arguments(p)
+
+
+def add_distributed_arguments(p) -> None:
+    """The flags that reach past one instance (docs/distributed.md)."""
     p.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
