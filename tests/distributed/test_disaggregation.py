@@ -96,7 +96,9 @@ def test_a_disaggregated_pair_answers_as_one_server(model):
         servers["prefill"].stop()
         used = pages_used(servers["decode"].url)
         lost = chat(servers["decode"].url, question, model, kv_transfer_params=params)
-        assert lost.status_code == 500
+        # 500: the read fails (the decode side knew the peer); an unknown
+        # peer that does not answer is refused before submission (502).
+        assert lost.status_code in (500, 502)
         assert "the prefill instance" in lost.json()["error"]["message"]
         assert pages_used(servers["decode"].url) == used
     finally:

@@ -162,6 +162,35 @@ def test_an_unreachable_peer_fails_the_request_cleanly():
     assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
 
 
+def test_metadata_is_fetched_once_and_off_the_scheduler(pair):
+    """prefetch() (the server's thread) fetches and checks a peer's
+    metadata; the scheduler's fetch() then finds it ready. An unreachable
+    peer is a message, not an exception."""
+    prefill, _ = pair
+    calls = []
+
+    def metadata(host, port):
+        calls.append((host, port))
+        return prefill.metadata()
+
+    decode = NixlPageTransfer(manager(), "decode", "demo", peer_metadata=metadata)
+    _, params = prefilled(prefill, list(range(3 * PAGE + 1)), np.random.default_rng(9))
+    assert decode.prefetch(params) is None and len(calls) == 1
+    prompt = list(range(3 * PAGE + 1))
+    decode.manager.add("d-0", prompt[:-1])
+    request = Request("d", tuple(prompt), 4, kv_transfer=params)
+    assert decode.fetch("d-0", prompt[:-1], 0, request) == 3 * PAGE
+    assert len(calls) == 1
+    wait_released(prefill)
+    gone = {**params, "remote_engine_id": "other", "remote_port": 9}
+
+    def refuse(host, port):
+        raise ConnectionRefusedError
+
+    decode._peer_metadata = refuse
+    assert "cannot reach the prefill instance at 127.0.0.1:9" in decode.prefetch(gone)
+
+
 def test_a_failed_read_leaves_no_page_cached(pair):
     """Pages the peer does not have: the read fails after the reservation;
     the reserved pages lose their keys, so no later prompt is served them."""

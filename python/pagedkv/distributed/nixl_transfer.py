@@ -221,6 +221,8 @@ class NixlPageTransfer(KVConnector):
         )
         self._holds: dict[str, tuple[str, float]] = {}
         self._peers: dict[str, _Peer] = {}
+        self._fetched: dict[str, dict] = {}
+        self._fetched_lock = threading.Lock()
         self.stats = TransferStats()
         self.progress_interval = progress_interval
         self._notices: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -348,7 +350,7 @@ class NixlPageTransfer(KVConnector):
             try:  # every page is here: the notice only frees the peer's sooner
                 self.agent.send_notif(peer.agent, rid)
             except Exception:  # nixl raises its own error types
-                self._peers.pop(params["remote_engine_id"], None)
+                self._forget_peer(params["remote_engine_id"])
             return cached_tokens
         skipped = self._window_slots(peer, remote, first, full)
         m.reserve([request_id], count * size)
@@ -358,7 +360,7 @@ class NixlPageTransfer(KVConnector):
         except KVTransferError:
             m.forget(request_id, cached_tokens)
             self.stats.failures += 1
-            self._peers.pop(params["remote_engine_id"], None)
+            self._forget_peer(params["remote_engine_id"])
             raise
         for g, stop in enumerate(skipped):
             if stop > first:  # slots the window no longer shows: not read, not cached
@@ -368,34 +370,65 @@ class NixlPageTransfer(KVConnector):
         self.stats.read_seconds += time.perf_counter() - t0
         return cached_tokens + count * size
 
-    def _peer(self, params: dict) -> _Peer:
+    def prefetch(self, params: dict) -> str | None:
+        """Fetches and checks the metadata of the prefill instance the params
+        name, for the scheduler's thread to find ready; returns why it cannot
+        be used, or None. Any thread (the server calls it before it submits
+        a request, so that the scheduler never waits on HTTP)."""
+        try:
+            self._metadata_of(params)
+        except KVTransferError as e:
+            return str(e)
+        return None
+
+    def _metadata_of(self, params: dict) -> dict:
+        """The peer's checked metadata (cached by engine id; any thread)."""
         engine = params["remote_engine_id"]
-        peer = self._peers.get(engine)
-        if peer is not None:
-            return peer
+        with self._fetched_lock:
+            meta = self._fetched.get(engine)
+        if meta is not None:
+            return meta
         host, port = params["remote_host"], params["remote_port"]
         try:
             meta = self._peer_metadata(host, port)
         except Exception as e:
-            self.stats.failures += 1
             raise KVTransferError(
                 f"cannot reach the prefill instance at {host}:{port} ({type(e).__name__}: {e})"
             ) from None
         if meta.get("engine_id") != engine:
-            self.stats.failures += 1
             raise KVTransferError(
                 f"the prefill instance at {host}:{port} is not engine {engine} (restarted?)"
             )
         if meta.get("layout") != self.layout:
-            self.stats.failures += 1
             raise KVTransferError(
                 f"the prefill instance at {host}:{port} lays out pages as {meta.get('layout')!r}, "
                 f"this one as {self.layout!r}"
             )
+        with self._fetched_lock:
+            self._fetched[engine] = meta
+        return meta
+
+    def _peer(self, params: dict) -> _Peer:
+        """The peer as the agent knows it (the scheduler's thread only)."""
+        engine = params["remote_engine_id"]
+        peer = self._peers.get(engine)
+        if peer is not None:
+            return peer
+        try:
+            meta = self._metadata_of(params)
+        except KVTransferError:
+            self.stats.failures += 1
+            raise
         self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
         layers = [tuple(x) for x in meta["layers"]]
         peer = self._peers[engine] = _Peer(meta["agent_name"], layers, list(meta["null_pages"]))
         return peer
+
+    def _forget_peer(self, engine: str) -> None:
+        """A peer that failed is asked for its metadata again next time."""
+        self._peers.pop(engine, None)
+        with self._fetched_lock:
+            self._fetched.pop(engine, None)
 
     def _window_slots(self, peer: _Peer, remote, first: int, full: int) -> list[int]:
         """Per layer group, the slot before which the peer holds no page (a

@@ -221,6 +221,7 @@ class Completions:
         `texts`: the prompts as echo returns them (default: decoded)."""
         asked = self.check(body, chat)
         max_tokens = self.within_limits(prompts, max_tokens, chat)
+        await self.reach_prefill_peer(body)
         key = request.headers.get("authorization") or (
             request.client.host if request.client else ""
         )
@@ -242,6 +243,16 @@ class Completions:
         finally:
             if not handed_off:
                 release()
+
+    async def reach_prefill_peer(self, body) -> None:
+        """A request whose pages a prefill instance keeps: its metadata is
+        fetched here, off the engine's thread (502 when it cannot be)."""
+        params = body.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        problem = await asyncio.to_thread(self.engine.kv_transfer.prefetch, params)
+        if problem is not None:
+            raise self.reject(502, problem, "bad_gateway", param="kv_transfer_params")
 
     def within_limits(self, prompts: list[list[int]], max_tokens, chat: bool):
         """max_tokens as the limits allow it (400 beyond them)."""
