@@ -25,12 +25,13 @@ disaggregation proxy written for vLLM drives pagedkv too:
 
 Pages the decode instance holds already are not read, nor, in a layer
 group with a sliding window, the slots whose pages the prefill instance
-has given back. A
-peer that cannot be reached, or whose pools are laid out differently, fails
-the request with a message saying so; the pages reserved for it are released and their keys
-dropped (`PagedKVCacheManager.forget`), so nothing half-read is ever
-served. `_load_nixl` says how nixl's wheel is made to work beside MAX's
-own NIXL core.
+has given back. A peer that cannot be reached, or whose pools are laid out
+differently, fails the request with a message saying so (`prefetch`, from
+the server's handler, before it is submitted); a read that fails releases
+the pages reserved for it and drops their keys
+(`PagedKVCacheManager.forget`), so nothing half-read is ever served.
+`_load_nixl` says how nixl's wheel is made to work beside MAX's own NIXL
+core.
 """
 
 from __future__ import annotations
