@@ -143,6 +143,8 @@ class PODWithPagedKVCacheWrapper:
         """(prefill output, decode output); see the class docstring. The
         decode side's ``*_d`` options are the plan's in FlashInfer and
         ignored here too; a custom mask or causal mask for it is refused."""
+        if self._decode._plan is None and self._decode._multi is None:
+            raise RuntimeError("run() called before plan()")
         _refuse(custom_mask_d=custom_mask_d, packed_custom_mask_d=packed_custom_mask_d)
         _refuse(causal_d=causal_d)
         out_p = single_prefill_with_kv_cache(

@@ -422,7 +422,9 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             )
         narrow = self._head_dim_vo < self._plan.options.head_dim
         if narrow:
-            paged_kv_cache, into = values_padded(paged_kv_cache, self._plan.options.head_dim), out
+            table = self._plan.table
+            widened = values_padded(paged_kv_cache, table.indices, self._plan.options.head_dim)
+            paged_kv_cache, into = widened, out
             out = None
         o, lse = self._plan.run(
             q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
@@ -593,22 +595,32 @@ single_prefill_with_kv_cache_return_lse = functools.partial(
 """`single_prefill_with_kv_cache` with return_lse=True: (o, lse)."""
 
 
-def values_padded(cache: Array | Sequence[Array], head_dim: int) -> tuple[Array, Array]:
+def values_padded(
+    cache: Array | Sequence[Array], pages: np.ndarray, head_dim: int
+) -> tuple[Array, Array]:
     """A (K, V) cache whose V rows are shorter than the query's head dim, V
-    widened to `head_dim` with zeros: the kernel's one head dim, and the
-    same attention (zero value lanes add nothing). A copy of V."""
-    if isinstance(cache, (list, tuple)) and len(cache) == 2:
-        k, v = cache
-        check_array("paged_kv_cache[1]", v)
-        extra = head_dim - int(v.shape[-1])
-        if extra < 0:
-            raise ValueError(f"V rows have {v.shape[-1]} lanes, more than head_dim_qk {head_dim}")
-        if is_torch(v):
-            import torch
+    widened to `head_dim` with zero lanes: the kernel's one head dim, and
+    the same attention (zero value lanes add nothing). Only the pages the
+    plan reads (`pages`, host ids) are copied; the rest of the new pool is
+    never read."""
+    if not (isinstance(cache, (list, tuple)) and len(cache) == 2):
+        raise ValueError("head_dim_vo below head_dim_qk needs the cache as a (K, V) pair")
+    k, v = cache
+    check_array("paged_kv_cache[1]", v)
+    if int(v.shape[-1]) > head_dim:
+        raise ValueError(f"V rows have {v.shape[-1]} lanes, more than head_dim_qk {head_dim}")
+    used = np.unique(pages)
+    shape = (*v.shape[:-1], head_dim)
+    if is_torch(v):
+        import torch
 
-            return k, torch.nn.functional.pad(v, (0, extra))
-        return k, np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, extra)])
-    raise ValueError("head_dim_vo below head_dim_qk needs the cache as a (K, V) pair")
+        widened = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        index = torch.from_numpy(used.astype(np.int64)).to(v.device)
+        widened[index, ..., : v.shape[-1]] = v[index]
+    else:
+        widened = np.zeros(shape, v.dtype)  # untouched pages cost no copy
+        widened[used, ..., : v.shape[-1]] = v[used]
+    return k, widened
 
 
 def values_narrowed(o: Array, head_dim_vo: int, out: Array | None) -> Array:

@@ -51,6 +51,8 @@ def test_pod_runs_one_prefill_beside_a_batch_decode(causal):
     np.testing.assert_allclose(o_d, want_d, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="causal_d is not supported"):
         pod.run(q_p, k_p, v_p, q_d, pool, causal_d=True)
+    with pytest.raises(RuntimeError, match="before plan"):
+        pagedkv.PODWithPagedKVCacheWrapper().run(q_p, k_p, v_p, q_d, pool)
 
 
 def test_batch_pod_runs_paged_prefill_beside_paged_decode():

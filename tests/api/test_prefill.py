@@ -294,6 +294,9 @@ def test_value_rows_shorter_than_the_queries():
     paged = pagedkv.BatchPrefillWithPagedKVCacheWrapper()
     indptr, last = np.array([0, 3, 9], np.int32), np.array([2, 2], np.int32)
     indices = np.array([0, 1, 2, 2, 3, 4, 5, 6, 7], np.int32)
+    # Two spare pages the plan never reads (not copied when V is widened).
+    k_pages = np.concatenate([k_pages, np.full((2, 4, 2, QK), np.nan, np.float32)])
+    v_pages = np.concatenate([v_pages, np.full((2, 4, 2, VO), np.nan, np.float32)])
     want1 = reference.attention(q[8:20], k[8:30], v[8:30], np.arange(10, 22), causal=True)[0]
     paged.plan(qo, indptr, indices, last, 4, 2, QK, 4, head_dim_vo=VO, causal=True)
     out = np.empty((20, 4, VO), np.float32)

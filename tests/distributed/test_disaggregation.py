@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import httpx
 import pytest
@@ -79,7 +80,13 @@ def test_a_disaggregated_pair_answers_as_one_server(model):
         assert stats["pulled_pages"] + stats["skipped_pages"] == prompt_pages
         assert stats["skipped_pages"] > 0 and stats["failures"] == 0
         assert stats["pulled_bytes"] == stats["pulled_pages"] * MODELS[model]
-        kept = httpx.get(servers["prefill"].url + "/kv_transfer/stats").json()
+        # The last notices reach the prefill side asynchronously (bounded wait).
+        deadline = time.monotonic() + 60
+        while True:
+            kept = httpx.get(servers["prefill"].url + "/kv_transfer/stats").json()
+            if kept["held"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert kept["handed_over"] == 16 and kept["held"] == 0
 
         # The prefill peer named by these params is gone (a question of

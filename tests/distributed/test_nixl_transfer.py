@@ -128,6 +128,26 @@ def test_pages_held_locally_are_not_read(pair):
     wait_released(prefill)
 
 
+def test_a_resumed_sample_recomputes(pair):
+    """A preempted decode-side sample comes back with its tokens so far: the
+    peer released its pages at the first read, so nothing is read again."""
+    _, decode = pair
+    prompt = list(range(3 * PAGE + 1))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [0, 1, 2],
+        "remote_engine_id": "e",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "remote_request_id": "r",
+    }
+    resumed = prompt + [7, 8]  # prompt and two generated tokens
+    decode.manager.add("d-0", resumed[:-1])
+    request = Request("d", tuple(prompt), 4, kv_transfer=params)
+    assert decode.fetch("d-0", resumed[:-1], 0, request) == 0
+    assert decode.stats.pulled_pages == 0 and decode.stats.failures == 0
+
+
 def test_unread_pages_are_released_in_time(pair):
     prefill, _ = pair
     prefill.hold_seconds = 0.0

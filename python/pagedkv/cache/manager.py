@@ -750,6 +750,8 @@ class PagedKVCacheManager:
         request = self._request("request_id", request_id)
         if not isinstance(start, numbers.Integral) or start < 0 or start % self.page_size:
             raise ValueError(f"start must be a multiple of page_size >= 0, got {start!r}")
+        if stop is not None and (not isinstance(stop, numbers.Integral) or stop < start):
+            raise ValueError(f"stop must be an integer >= start ({start}), got {stop!r}")
         first = start // self.page_size
         last = request.num_pages if stop is None else -(-int(stop) // self.page_size)
         chosen = [self._groups[self._group_index(g)] for g in groups] if groups else self._groups

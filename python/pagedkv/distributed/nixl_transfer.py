@@ -333,6 +333,10 @@ class NixlPageTransfer(KVConnector):
         params = getattr(request, "kv_transfer", None)
         if self.role != "decode" or not params or not params.get("do_remote_prefill"):
             return cached_tokens
+        if len(tokens) != len(request.prompt) - 1:
+            # A preempted sample coming back (prompt and tokens so far): the
+            # peer released its pages at the first read, so it recomputes.
+            return cached_tokens
         m = self.manager
         size = m.page_size
         remote = params["remote_block_ids"]
