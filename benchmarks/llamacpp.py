@@ -263,6 +263,7 @@ def llama_version(binary: Path) -> str:
             parts.append(f"llama-server {line.strip()}")
     except (OSError, subprocess.TimeoutExpired):
         pass
+    parts += llama_isa(binary)
     for folder in list(binary.resolve().parents)[:5]:
         for info in [folder / "PKG-INFO", *folder.glob("src/*/PKG-INFO")]:
             if not info.is_file():
@@ -279,6 +280,21 @@ def llama_version(binary: Path) -> str:
             parts.append(f"built from the {sdist}")
             return "; ".join(parts)
     return "; ".join(parts) or "unknown"
+
+
+def llama_isa(binary: Path) -> list[str]:
+    """How a llama-server's CPU backend was built, from the CMakeCache.txt
+    of its build folder (build/bin/llama-server): "GGML_NATIVE" (the build
+    host's ISA) or the GGML_* instruction sets turned on; [] if unknown."""
+    cache = binary.resolve().parent.parent / "CMakeCache.txt"
+    if not cache.is_file():
+        return []
+    flags = dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", cache.read_text(errors="replace"), re.M))
+    if flags.get("GGML_NATIVE") == "ON":
+        return ["built with GGML_NATIVE (this host's ISA)"]
+    isa = ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI")
+    on = [name for name in isa if flags.get(f"GGML_{name}") == "ON"]
+    return [f"built for {' '.join(on) or 'the baseline ISA'} (GGML_NATIVE off)"]
 
 
 def llama_server_command(binary: Path, gguf: Path, threads: int, *args: str) -> list[str]:

@@ -29,6 +29,12 @@ table (rows: workloads, columns: servers, then each pagedkv variant's figure
 divided by llama.cpp's), after the CPU, its ISA flags, llama.cpp's version
 and the date. A server that does not start is a failed column, not a crash.
 `--quick` is a smoke run with small counts.
+
+The header names the code path each side runs: the ISA pagedkv's kernels
+were compiled for (the host's, or PAGEDKV_CPU_TARGET's) and how llama.cpp
+was built. On an AVX-512 host, `PAGEDKV_CPU_TARGET=x86-64-v3` with
+`--llama-server` pointing at a build with GGML_NATIVE off and only AVX2,
+FMA, F16C and BMI2 on compares the two AVX2 code paths.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from llamacpp import (
     pagedkv_commit,
     pagedkv_serve_command,
 )
+from pagedkv._ops.cpu_target import kernel_isa_line
 from pagedkv.models.fetch import fetch_gguf
 from pagedkv.models.tokenizer import FAMILY_CHAT_TEMPLATES
 
@@ -601,7 +608,7 @@ def main() -> int:
         f"llama.cpp: {version}; -t {threads} {shlex.join(LLAMA_ARGS)} {args.llama_args}".strip()
         if llama
         else "llama.cpp: not run",
-        f"pagedkv: {pagedkv_commit()}",
+        f"pagedkv: {pagedkv_commit()}; {kernel_isa_line()}",
         f"date: {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
         f"model: {gguf.name}; temperature 0, ignore_eos, usage-counted tokens; "
         f"shared-prefix system prompt {prefix_tokens} tokens",

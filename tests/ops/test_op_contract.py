@@ -54,6 +54,7 @@ PAIRS = [
     ("BIT_READ_PADDING", contract.MASK_READ_PADDING),
     ("ITEM_FIELDS", contract.ITEM_FIELDS),
     ("LINEAR_PANEL", contract.LINEAR_PANEL),
+    ("CPU_ISA_FIELDS", len(contract.CPU_ISA_FIELDS)),
 ]
 
 

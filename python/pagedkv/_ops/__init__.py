@@ -4,6 +4,8 @@
 - contract.py: every code an op and its Python caller share (layouts,
   formats, parameters, op names): one home on this side.
 - tensors.py: NumPy arrays and torch tensors as MAX buffers, devices.
+- cpu_target.py: the CPU the kernels compile for (PAGEDKV_CPU_TARGET) and a
+  probe of the branches a compile took.
 - compile_cache.py: compiled MAX models kept on disk, named by what built them.
 - kernels.py: building the kernel package and running ops from Python.
 

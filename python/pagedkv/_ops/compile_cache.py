@@ -11,7 +11,8 @@ The name covers everything the artifact depends on:
 - the build: MAX's and Mojo's versions and every pagedkv source file (the
   kernels and the Python that builds graphs), so an edit or an upgrade
   compiles afresh instead of loading a stale artifact;
-- the host: the CPU's architecture and features, or the GPU's architecture;
+- the host: the CPU's architecture and features (and the virtual CPU target
+  the kernels are compiled for, if one is set), or the GPU's architecture;
 - the caller's key: what the graphs are (op specs, model shape, dtype).
 
 Artifacts live in <cache_root()>/compiled/<build>/. PAGEDKV_COMPILE_CACHE=0
@@ -29,6 +30,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .cpu_target import apply_cpu_target
 from .paths import cache_root, mojo_ops_path
 from .tensors import Device, accelerator
 
@@ -64,8 +66,10 @@ def build_digest() -> str:
 @functools.cache
 def host_digest(device: Device) -> str:
     """What a compile for `device` on this host depends on: the CPU's
-    architecture and features, and a GPU's architecture."""
-    parts = [platform.machine(), platform.system()]
+    architecture and features (and the virtual CPU target the kernels are
+    compiled for instead, if one is set: cpu_target.py), and a GPU's
+    architecture."""
+    parts = [platform.machine(), platform.system(), apply_cpu_target()]
     try:
         with open("/proc/cpuinfo") as f:
             parts += sorted({line for line in f if line.startswith(("flags", "Features"))})

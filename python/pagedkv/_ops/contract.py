@@ -146,6 +146,22 @@ QLINEAR_EPILOGUES = {"none": 0, "add": 1}
 """The quantized product's `epilogue` parameter (quantized/qlinear.mojo:
 NO_EPILOGUE, ADD_RESIDUAL)."""
 
+CPU_ISA_OP = "pagedkv_cpu_isa"
+"""The probe of what the CPU kernels were compiled for (simd/isa.mojo)."""
+
+CPU_ISA_FIELDS = (
+    "x86",
+    "avx2",
+    "avx512f",
+    "vnni",
+    "maddubs",
+    "sdot",
+    "dot_bf16",
+    "f32_lanes",
+    "vector_registers",
+)
+"""The probe's int32 output, in order (simd/isa.mojo: CPU_ISA_FIELDS counts them)."""
+
 MASK_READ_PADDING = 8
 """Zero bytes after a packed custom mask (attention/custom_mask.mojo: BIT_READ_PADDING)."""
 

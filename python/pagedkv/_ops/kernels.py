@@ -30,6 +30,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, Module, TensorType, ops
 
 from .compile_cache import load_or_compile
+from .cpu_target import apply_cpu_target
 from .paths import cache_root, mojo_ops_path
 from .tensors import Array, Device, accelerator, is_torch, to_buffer
 
@@ -134,6 +135,7 @@ def session(device: Device) -> Any:
     from max.driver import CPU
     from max.engine import InferenceSession
 
+    apply_cpu_target()  # before anything compiles: it applies from then on
     devices = [CPU()]
     if device.is_gpu:
         devices.append(accelerator(device))

@@ -1,0 +1,111 @@
+"""The CPU the kernels are compiled for.
+
+MAX compiles pagedkv's CPU kernels for the host's CPU: its widest vectors
+and the dot products it has (AVX-512 with VNNI and BF16 on a Zen 4 or a
+recent Xeon, AVX2 elsewhere, NEON on Arm), each a `comptime` branch of the
+kernels. PAGEDKV_CPU_TARGET names another LLVM CPU instead (`x86-64-v3`:
+AVX2 and FMA without AVX-512 or VNNI; `znver3`, `skylake-avx512`,
+`neoverse-n1`, `generic`), through MAX's virtual CPU target. The kernels
+then take that CPU's branches, so one host runs and tests another's code
+path, and the compiled artifacts suit hosts of that CPU. It applies from
+the first compile of the process on; the compile cache names artifacts by
+it (compile_cache.host_digest).
+
+`kernel_isa()` runs a probe op compiled like every other kernel and says
+which branches the compile took.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from max.dtype import DType
+
+from .contract import CPU_ISA_FIELDS, CPU_ISA_OP
+
+ENV = "PAGEDKV_CPU_TARGET"
+
+
+def apply_cpu_target() -> str:
+    """Sets MAX's virtual CPU target from PAGEDKV_CPU_TARGET, if set and
+    not already the target; returns the target ("" for the host's CPU).
+
+    Called before the process's first compile (`kernels.session`).
+
+    Raises
+    ------
+    ValueError
+        The variable names a CPU LLVM does not know, or "native".
+    """
+    import max.driver
+
+    wanted = os.environ.get(ENV, "").strip()
+    if wanted and wanted != max.driver.get_virtual_cpu_target():
+        check_cpu_name(wanted)
+        max.driver.set_virtual_cpu_target(wanted)
+    return max.driver.get_virtual_cpu_target()
+
+
+@functools.cache
+def check_cpu_name(cpu: str) -> None:
+    """Raises ValueError unless LLVM knows `cpu` for this host's
+    architecture: MAX takes any name and an unknown one aborts the process
+    at its first compile, so the Mojo compiler is asked first (about a
+    second: it compiles an empty module for that CPU)."""
+    if cpu == "native":
+        raise ValueError(f"{ENV}=native: unset it to compile for the host's CPU")
+    if cpu == "generic":  # MAX's own name for the architecture's baseline
+        return
+    from mojo.run import subprocess_run_mojo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = Path(tmp) / "empty.mojo"
+        empty.write_text("")
+        result = subprocess_run_mojo(
+            ["build", "--target-cpu", cpu, "--emit", "asm", str(empty), "-o", str(empty) + ".s"],
+            capture_output=True,
+            text=True,
+        )
+    if result.returncode != 0:
+        said = result.stderr.strip().splitlines() or ["the Mojo compiler refused it"]
+        raise ValueError(f"{ENV}={cpu!r}: {said[-1].split('error:', 1)[-1].strip()}")
+
+
+@functools.cache
+def kernel_isa() -> dict[str, int]:
+    """What the CPU kernels were compiled for, by field of CPU_ISA_FIELDS:
+    flags (0 or 1) and the float32 lanes and vector registers.
+
+    Examples
+    --------
+    >>> from pagedkv._ops.cpu_target import kernel_isa
+    >>> kernel_isa()["f32_lanes"] in (4, 8, 16)
+    True
+    """
+    from .kernels import Operand, OpSpec, run_op
+    from .tensors import CPU
+
+    values = np.zeros(len(CPU_ISA_FIELDS), np.int32)
+    spec = OpSpec.of(CPU_ISA_OP, [Operand(DType.int32, 1, mutable=True)])
+    run_op(spec, [values], CPU)
+    return dict(zip(CPU_ISA_FIELDS, (int(v) for v in values), strict=True))
+
+
+def kernel_isa_line() -> str:
+    """`kernel_isa()` in words, with the target it came from: for the
+    first lines of a benchmark's output."""
+    import max.driver
+
+    isa = kernel_isa()
+    vectors = " ".join(name for name in ("avx2", "avx512f") if isa[name]) or "baseline vectors"
+    int8 = "/".join(name for name in ("vnni", "maddubs", "sdot") if isa[name]) or "widening"
+    target = max.driver.get_virtual_cpu_target() or "the host CPU"
+    return (
+        f"kernels compiled for {target}: {vectors}, int8 dot products by {int8}, "
+        f"bf16 dot products {'yes' if isa['dot_bf16'] else 'no'}, "
+        f"{isa['f32_lanes']} float32 lanes, {isa['vector_registers']} vector registers"
+    )

@@ -1,0 +1,113 @@
+"""PAGEDKV_CPU_TARGET: the kernels compile for the CPU it names.
+
+The probe op (simd/isa.mojo) reports the branches a compile took. Without
+the variable they follow the host's /proc/cpuinfo; with `x86-64-v3` they
+are AVX2's (8 float32 lanes, `vpmaddubsw` pairs, no AVX-512), whatever the
+host has, and the compile cache names those artifacts apart. The slow set
+runs the quantized, linear and attention kernels' tests on an x86 host
+under `x86-64-v3`, so the AVX2 code paths are checked against their float64
+references on AVX-512 hosts too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv._ops import cpu_target
+from pagedkv._ops.contract import CPU_ISA_FIELDS
+
+ROOT = Path(__file__).resolve().parents[2]
+X86 = platform.machine() in ("x86_64", "AMD64")
+AVX2_TARGET = "x86-64-v3"
+
+PROBE = """
+import json
+from pagedkv._ops.compile_cache import artifact_path
+from pagedkv._ops.cpu_target import kernel_isa
+from pagedkv._ops.tensors import CPU
+print(json.dumps({"isa": kernel_isa(), "artifact": str(artifact_path(("probe",), CPU))}))
+"""
+
+
+def probe(target: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != cpu_target.ENV}
+    if target is not None:
+        env[cpu_target.ENV] = target
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def host_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not X86 or not Path("/proc/cpuinfo").exists(), reason="reads x86 cpuinfo")
+@pytest.mark.skipif(bool(os.environ.get(cpu_target.ENV)), reason="a CPU target is set")
+def test_kernels_compile_for_the_host_by_default():
+    isa = cpu_target.kernel_isa()
+    flags = host_flags()
+    assert set(isa) == set(CPU_ISA_FIELDS)
+    assert isa["x86"] == 1
+    assert isa["avx2"] == int("avx2" in flags)
+    assert isa["avx512f"] == int("avx512f" in flags)
+    assert isa["f32_lanes"] == (16 if "avx512f" in flags else 8)
+    # vpdpbusd at the vector width: AVX512_VNNI with AVX-512, AVX-VNNI without.
+    vnni = "avx512_vnni" in flags if "avx512f" in flags else "avx_vnni" in flags
+    assert isa["vnni"] == int(vnni)
+    assert isa["maddubs"] == int("avx2" in flags and not vnni)
+    assert isa["dot_bf16"] == int("avx512_bf16" in flags)
+
+
+@pytest.mark.skipif(not X86, reason="an x86 target")
+def test_a_cpu_target_takes_its_branches_and_its_own_artifacts():
+    host, avx2 = probe(None), probe(AVX2_TARGET)
+    assert host.returncode == 0, host.stderr[-2000:]
+    assert avx2.returncode == 0, avx2.stderr[-2000:]
+    host, avx2 = json.loads(host.stdout), json.loads(avx2.stdout)
+    isa = avx2["isa"]
+    assert (isa["avx2"], isa["avx512f"], isa["vnni"], isa["maddubs"]) == (1, 0, 0, 1)
+    assert (isa["f32_lanes"], isa["vector_registers"], isa["dot_bf16"]) == (8, 16, 0)
+    assert avx2["artifact"] != host["artifact"]
+
+
+@pytest.mark.parametrize("name", ["no-such-cpu", "native"])
+def test_an_unknown_cpu_is_a_value_error_not_an_abort(monkeypatch, name):
+    monkeypatch.setenv(cpu_target.ENV, name)
+    with pytest.raises(ValueError, match=cpu_target.ENV):
+        cpu_target.check_cpu_name(name)
+
+
+AVX2_SUITES = [
+    "tests/ops/test_qlinear.py",
+    "tests/ops/test_decoder_layer.py",
+    "tests/ops/test_linear.py",
+    "tests/api/test_decode.py",
+    "tests/api/test_prefill.py",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="an x86 target")
+def test_the_avx2_code_paths_pass_the_kernel_tests():
+    env = {**os.environ, cpu_target.ENV: AVX2_TARGET}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_SUITES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
