@@ -135,8 +135,8 @@ def mla_chunk_rows[
     var n = min(CHUNK, end - first)
     for j in range(n):
         var slot = pages.token_slot(b, first + j)
-        ckv_rows[unsafe_offset=j] = Int64(slot * pages.ckv_dim)
-        kpe_rows[unsafe_offset=j] = Int64(slot * pages.kpe_dim)
+        ckv_rows[unsafe_offset=j] = Int64(slot * pages.ckv_stride)
+        kpe_rows[unsafe_offset=j] = Int64(slot * pages.kpe_stride)
     return n
 
 

@@ -128,10 +128,12 @@ def mla_gpu_kernel[
             var slot = pages.token_slot(b, tok + j)
             var value: Float32
             if d < ckv_dim:
-                value = load_kv[kv_dtype, 1](pages.ckv, slot * ckv_dim + d)[0]
+                value = load_kv[kv_dtype, 1](
+                    pages.ckv, slot * pages.ckv_stride + d
+                )[0]
             else:
                 value = load_kv[kv_dtype, 1](
-                    pages.kpe, slot * kpe_dim + d - ckv_dim
+                    pages.kpe, slot * pages.kpe_stride + d - ckv_dim
                 )[0]
             k_s[unsafe_offset=j * MLA_GPU_MAX_QK + d] = value
             idx += MLA_GPU_THREADS

@@ -60,11 +60,15 @@ comptime MLA_GPU_DIM_GRANULE = 64
 @extensibility.register("pagedkv_mla_attention")
 struct MLAAttention:
     """MLA attention of q_nope [rows, H, ckv_dim] and q_pe [rows, H,
-    kpe_dim] over ckv_cache [pages, page_size, ckv_dim] and kpe_cache
-    [pages, page_size, kpe_dim] into output [rows, H, ckv_dim] and lse
-    [rows, H]. The caches are declared mutable though only read, so that in
-    a graph they are the buffer values the MLA append writes (ordered after
-    it, never copied)."""
+    kpe_dim] over ckv_cache [pages, page_size, >= ckv_dim] and kpe_cache
+    [pages, page_size, >= kpe_dim] into output [rows, H, ckv_dim] and lse
+    [rows, H]. q's widths are the dims; a cache's last dim is its row
+    stride: ckv is the first ckv_dim elements of each ckv_cache row, kpe
+    the last kpe_dim of each kpe_cache row, so FlashInfer's packed cache
+    [pages, page_size, ckv_dim + kpe_dim] is read in place as both. The
+    caches are declared mutable though only read, so that in a graph they
+    are the buffer values the MLA append writes (ordered after it, never
+    copied)."""
 
     @staticmethod
     def execute[
@@ -88,11 +92,14 @@ struct MLAAttention:
     ) raises:
         comptime kv_dtype = kv_element_type[ckv_cache.dtype, kv_format]()
         var heads = q_nope.dim_size(1)
-        var ckv_dim = ckv_cache.dim_size(2)
-        var kpe_dim = kpe_cache.dim_size(2)
+        var ckv_dim = q_nope.dim_size(2)
+        var kpe_dim = q_pe.dim_size(2)
+        var ckv_stride = ckv_cache.dim_size(2)
+        var kpe_stride = kpe_cache.dim_size(2)
         if (
-            q_nope.dim_size(2) != ckv_dim
-            or q_pe.dim_size(2) != kpe_dim
+            ckv_stride < ckv_dim
+            or kpe_stride < kpe_dim
+            or output.dim_size(2) != ckv_dim
             or q_pe.dim_size(0) != q_nope.dim_size(0)
             or q_pe.dim_size(1) != heads
             or kpe_cache.dim_size(1) != ckv_cache.dim_size(1)
@@ -116,12 +123,16 @@ struct MLAAttention:
             )
         var pages = MLAPages[kv_dtype](
             rebind[Ptr[kv_dtype]](ptr_of(ckv_cache)),
-            rebind[Ptr[kv_dtype]](ptr_of(kpe_cache)),
+            rebind[Ptr[kv_dtype]](ptr_of(kpe_cache)).unsafe_offset(
+                kpe_stride - kpe_dim
+            ),
             ptr_of(kv_indices),
             ptr_of(kv_indptr),
             ckv_cache.dim_size(1),
             ckv_dim,
             kpe_dim,
+            ckv_stride,
+            kpe_stride,
         )
         var scales = MLAScales(
             float_params[F_MLA_SM_SCALE],

@@ -1,10 +1,14 @@
 """MLA's paged latent cache as the attention op reads it, and its options.
 
-Two one-head NHD pools share one page table: ckv [pages, page_size, ckv_dim]
-(the compressed latent, which is both K's first part and V) and kpe [pages,
-page_size, kpe_dim] (the rope part of K). Token `tok` of request b lives in
-page kv_indices[kv_indptr[b] + tok // page_size] at slot tok % page_size;
-plan() checked that every page a work item reads exists.
+Two one-head NHD pools share one page table: ckv (the compressed latent,
+which is both K's first part and V, ckv_dim wide) and kpe (the rope part of
+K, kpe_dim wide). Each pool's token rows lie a row stride apart, which may
+exceed its width: in FlashInfer's packed cache [pages, page_size, ckv_dim +
+kpe_dim] both pools are the one tensor, ckv the first ckv_dim elements of a
+row and kpe the last kpe_dim, both with the packed row as their stride.
+Token `tok` of request b lives in page kv_indices[kv_indptr[b] + tok //
+page_size] at slot tok % page_size; plan() checked that every page a work
+item reads exists.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
@@ -33,6 +37,10 @@ struct MLAPages[kv_dtype: DType](DevicePassable, TrivialRegisterPassable):
     var page_size: Int
     var ckv_dim: Int
     var kpe_dim: Int
+    var ckv_stride: Int
+    """Elements from one token's ckv row to the next (ckv_dim or more)."""
+    var kpe_stride: Int
+    """Elements from one token's kpe row to the next (kpe_dim or more)."""
 
     comptime device_type: AnyType = Self
 
@@ -54,7 +62,11 @@ struct MLAPages[kv_dtype: DType](DevicePassable, TrivialRegisterPassable):
         page_size: Int,
         ckv_dim: Int,
         kpe_dim: Int,
+        ckv_stride: Int,
+        kpe_stride: Int,
     ):
+        """The pools from their first elements: ckv points at token row 0's
+        first latent element, kpe at its first rope element."""
         self.ckv = ckv
         self.kpe = kpe
         self.indices = indices
@@ -62,6 +74,8 @@ struct MLAPages[kv_dtype: DType](DevicePassable, TrivialRegisterPassable):
         self.page_size = page_size
         self.ckv_dim = ckv_dim
         self.kpe_dim = kpe_dim
+        self.ckv_stride = ckv_stride
+        self.kpe_stride = kpe_stride
 
     @always_inline
     def token_slot(self, b: Int, tok: Int) -> Int:

@@ -31,6 +31,7 @@ from .functional import (
     release_blocks,
 )
 from .mla import BatchMLAPagedAttentionWrapper
+from .mla_inputs import MLAPlanMetadata
 from .nvfp4 import (
     nvfp4_kv_dequantize,
     nvfp4_kv_dequantize_paged,
@@ -63,6 +64,7 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "CacheStateError",
+    "MLAPlanMetadata",
     "MultiLevelCascadeAttentionWrapper",
     "OutOfPagesError",
     "PODWithPagedKVCacheWrapper",

@@ -695,7 +695,10 @@ def mla_attention(
 
     work_items, request_items: from `mla_work` for this step, with the same
     decode and causal. The caches are buffer values: an MLA append before
-    this op on the same values is ordered first.
+    this op on the same values is ordered first. FlashInfer's packed cache
+    [pages, page_size, ckv_dim + kpe_dim] is read in place when passed as
+    both: a cache's last dim is its row stride, ckv the first ckv_dim
+    elements of a row, kpe the last kpe_dim (mojo_ops/mla/mla_pages.mojo).
     """
     from .mla import check_mla_dims, mla_float_params, mla_int_params
 

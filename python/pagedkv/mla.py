@@ -61,7 +61,6 @@ from ._ops.tensors import (
     dtype_of,
     empty,
     empty_like,
-    is_contiguous,
     new_like,
     storage_dtype,
     storage_view,
@@ -69,9 +68,17 @@ from ._ops.tensors import (
 )
 from ._plan.plan import F32, FP8_DTYPES, HOST_F32, HOST_INDEX, Q_DTYPES, _workspace_view
 from ._plan.work import AttentionOptions, as_dtype, check_backend, decode_work, prefill_work
+from .attention_sinks import merge_sinks, sink_log2_lse
 from .fixed_buffers import FixedIndexBuffers
+from .mla_inputs import (
+    MLAPlanMetadata,
+    MLARunContract,
+    cache_operands,
+    split_parts,
+    structural_input,
+)
 
-__all__ = ["BatchMLAPagedAttentionWrapper"]
+__all__ = ["BatchMLAPagedAttentionWrapper", "MLAPlanMetadata"]
 
 MLA_BACKENDS = ("auto", "fa2")
 """One MLA kernel per device: FlashInfer's "auto" and "fa2" name it."""
@@ -332,21 +339,42 @@ class BatchMLAPagedAttentionWrapper:
 
     def plan(
         self,
-        qo_indptr: Array,
-        kv_indptr: Array,
-        kv_indices: Array,
-        kv_len_arr: Array,
-        num_heads: int,
-        head_dim_ckv: int,
-        head_dim_kpe: int,
-        page_size: int,
-        causal: bool,
-        sm_scale: float,
-        q_data_type: Any,
-        kv_data_type: Any,
+        qo_indptr: Array | None = None,
+        kv_indptr: Array | None = None,
+        kv_indices: Array | None = None,
+        kv_len_arr: Array | None = None,
+        num_heads: int | None = None,
+        head_dim_ckv: int | None = None,
+        head_dim_kpe: int | None = None,
+        page_size: int | None = None,
+        causal: bool | None = None,
+        sm_scale: float | None = None,
+        q_data_type: Any = None,
+        kv_data_type: Any = None,
         use_profiler: bool = False,
+        *,
+        metadata: MLAPlanMetadata | None = None,
+        cum_seq_lens_q: Array | None = None,
+        block_tables: Array | None = None,
+        seq_lens: Array | None = None,
+        max_q_len: int | None = None,
+        query_layout: str | None = None,
+        kv_cache_layout: str | None = None,
+        lse_mode: str = "none",
+        output_dtype: Any = None,
+        output_scale: str = "none",
+        scale_mode: str = "default",
+        skip_softmax: bool = False,
+        enable_pdl: bool | None = None,
+        use_sinks: bool = False,
     ) -> None:
         """Checks a batch's page table and prepares its run.
+
+        FlashInfer 0.7.2's plan(): the page table as ``metadata=``
+        (`MLAPlanMetadata.csr`, ``.dense`` or ``.dual``), or in the older
+        flat forms (the CSR arrays first, positional or by name, or the dense
+        ones by name). The options after ``metadata`` declare what run()
+        will be given; run() raises on a call that breaks them.
 
         Parameters
         ----------
@@ -363,7 +391,7 @@ class BatchMLAPagedAttentionWrapper:
         num_heads : int
             Query heads (128 in DeepSeek-V3, 16 per GPU of an 8-way split).
         head_dim_ckv, head_dim_kpe : int
-            Latent and rope widths (512 and 64 in DeepSeek); multiples of 64,
+            Latent and rope widths (512 and 64 in DeepSeek); multiples of 16,
             head_dim_kpe may be 0.
         page_size : int
             Tokens per page.
@@ -377,22 +405,97 @@ class BatchMLAPagedAttentionWrapper:
             float8_e4m3fn / float8_e5m2 beside a 16-bit q.
         use_profiler : bool, optional
             Not supported (False).
+        metadata : MLAPlanMetadata, keyword-only
+            The page table (in place of the flat arrays).
+        cum_seq_lens_q, block_tables, seq_lens, max_q_len : keyword-only
+            The dense page table in the flat form.
+        query_layout, kv_cache_layout : {"packed", "split"}, keyword-only
+            The form run() is given (default "packed" with metadata,
+            "split" with the flat forms). "packed" also takes split parts
+            that are the adjacent halves of one tensor's rows.
+        lse_mode : {"none", "base2", "basee"}, keyword-only
+            Whether run() returns an lse and in which base. A flat CSR plan
+            with "none" lets each run() decide, as FlashInfer's does.
+        use_sinks : bool, keyword-only
+            run() is given sinks (a logit a head, gpt-oss's).
+        output_dtype, output_scale, scale_mode, skip_softmax, enable_pdl
+            FlashInfer's other declarations: q's dtype, "none",
+            "default" (or "kv-per-tensor" with fp8 caches, implied), False
+            and None or False are what the kernel takes; others raise.
+
+        Examples
+        --------
+        >>> import numpy as np, pagedkv
+        >>> mla = pagedkv.BatchMLAPagedAttentionWrapper(np.empty(1 << 20, np.uint8))
+        >>> table = pagedkv.MLAPlanMetadata.dense(
+        ...     np.array([0, 1]), np.array([[2, 0]]), np.array([20]))
+        >>> mla.plan(metadata=table, num_heads=16, head_dim_ckv=512, head_dim_kpe=64,
+        ...          page_size=16, causal=True, sm_scale=0.07, q_data_type=np.float32,
+        ...          kv_data_type=np.float32, lse_mode="base2")
+        >>> cache = np.zeros((3, 16, 576), np.float32)    # packed [ckv | kpe] rows
+        >>> o, lse = mla.run(query=np.ones((1, 16, 576), np.float32), kv_cache=cache,
+        ...                  return_lse=True)
+        >>> o.shape, lse.shape
+        ((1, 16, 512), (1, 16))
         """
+        flat = MLAPlanMetadata(
+            qo_indptr, kv_indptr, kv_indices, kv_len_arr, cum_seq_lens_q, block_tables,
+            seq_lens, max_q_len,
+        )  # fmt: skip
+        table = MLAPlanMetadata.of_plan(metadata, flat)
+        required = dict(
+            num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
+            page_size=page_size, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+        )  # fmt: skip
+        missing = [name for name, value in required.items() if value is None]
+        if missing:
+            raise TypeError(f"plan() is missing {', '.join(missing)}")
         if use_profiler:
             raise ValueError("use_profiler=True is not supported: pagedkv has no kernel profiler")
-        is_gpu = self.device.is_gpu
         num_heads = check_int("num_heads", num_heads, 1)
-        ckv_dim, kpe_dim = check_mla_dims(head_dim_ckv, head_dim_kpe, is_gpu)
+        ckv_dim, kpe_dim = check_mla_dims(head_dim_ckv, head_dim_kpe, self.device.is_gpu)
         page_size = check_int("page_size", page_size, 1)
         sm_scale = check_float("sm_scale", sm_scale, positive=True)
         q_dtype = as_dtype(q_data_type, "q_data_type")
         kv_dtype = as_dtype(kv_data_type, "kv_data_type")
         check_mla_dtypes(q_dtype, kv_dtype)
-        qo, kv_ptr, indices, kv_lens, used = _checked_table(
-            qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size
+        contract = MLARunContract.planned(
+            flat=metadata is None,
+            flat_csr=metadata is None and flat.has_csr(),
+            lse_mode=lse_mode,
+            query_layout=query_layout,
+            kv_cache_layout=kv_cache_layout,
+            output_matches_q=output_dtype is None
+            or as_dtype(output_dtype, "output_dtype") == q_dtype,
+            output_scale=output_scale,
+            scale_mode=scale_mode,
+            fp8_cache=kv_dtype in FP8_DTYPES,
+            skip_softmax=skip_softmax,
+            enable_pdl=enable_pdl,
+            use_sinks=use_sinks,
         )
+        self._prepare(table.csr_table(page_size), num_heads, (ckv_dim, kpe_dim), page_size,
+                      bool(causal), sm_scale, (q_dtype, kv_dtype))  # fmt: skip
+        self._contract = contract
+        self._planned = True
+
+    def _prepare(
+        self,
+        csr: tuple[Array, Array, Array, Array],
+        num_heads: int,
+        dims: tuple[int, int],
+        page_size: int,
+        causal: bool,
+        sm_scale: float,
+        dtypes: tuple[DType, DType],
+    ) -> None:
+        """plan()'s work on checked options: the CSR table (qo_indptr,
+        kv_indptr, kv_indices, kv_len_arr) checked, the work split, the
+        buffers run() passes the kernel, the compiled op."""
+        qo, kv_ptr, indices, kv_lens, used = _checked_table(*csr, page_size)
         items, request_items, kv_split, most = mla_work(
-            qo, kv_lens, page_size, num_heads, bool(causal), is_gpu
+            qo, kv_lens, page_size, num_heads, causal, self.device.is_gpu
         )
         like = self._workspace
 
@@ -412,24 +515,24 @@ class BatchMLAPagedAttentionWrapper:
             "work_items": resident(items),
             "request_items": resident(request_items),
             "partial_o": to_buffer(
-                _workspace_view(self._workspace, (states, num_heads, ckv_dim), like)
+                _workspace_view(self._workspace, (states, num_heads, dims[0]), like)
             ),
             "partial_lse": to_buffer(empty(like, (states, num_heads), F32)),
-            "int_params": to_buffer(mla_int_params(bool(causal), kv_split, most)),
+            "int_params": to_buffer(mla_int_params(causal, kv_split, most)),
         }
         self._rows = int(qo[-1])
         self._num_heads = num_heads
-        self._dims = (ckv_dim, kpe_dim)
+        self._dims = dims
         self._page_size = page_size
         self._max_page_id = int(used.max()) if len(used) else -1
         self._sm_scale = sm_scale
-        self._dtypes = (q_dtype, kv_dtype)
-        self._model = compiled_op(mla_spec(q_dtype, kv_dtype), self.device)
-        self._planned = True
+        self._dtypes = dtypes
+        self._model = compiled_op(mla_spec(*dtypes), self.device)
 
     def _check_inputs(self, q_nope, q_pe, ckv_cache, kpe_cache) -> None:
         """Checks run()'s queries and caches against the plan (shapes,
-        dtypes, device, contiguity, pages the table names)."""
+        dtypes, device, pages the table names); the caches' layout is
+        `cache_operands`' to check."""
         q_dtype, kv_dtype = self._dtypes
         ckv_dim, kpe_dim = self._dims
         rows, heads = self._rows, self._num_heads
@@ -459,8 +562,6 @@ class BatchMLAPagedAttentionWrapper:
                 raise TypeError(f"{name} is {dtype_of(x).name} but the plan has {kv_dtype.name}")
             if device_of(x) != self.device:
                 raise ValueError(f"{name} is on {device_of(x)}, the plan on {self.device}")
-            if not is_contiguous(x):
-                raise ValueError(f"{name} must be contiguous (the kernel reads it in place)")
         if self._max_page_id >= num_pages:
             raise ValueError(
                 f"the page table uses page {self._max_page_id} but the caches hold"
@@ -469,10 +570,10 @@ class BatchMLAPagedAttentionWrapper:
 
     def run(
         self,
-        q_nope: Array,
-        q_pe: Array,
-        ckv_cache: Array,
-        kpe_cache: Array,
+        q_nope: Array | None = None,
+        q_pe: Array | None = None,
+        ckv_cache: Array | None = None,
+        kpe_cache: Array | None = None,
         out: Array | None = None,
         lse: Array | None = None,
         return_lse: bool = False,
@@ -482,34 +583,56 @@ class BatchMLAPagedAttentionWrapper:
         return_lse_base_on_e: bool = False,
         o_scale: float | None = None,
         *,
+        query: Any = None,
+        kv_cache: Any = None,
         ckv_scale: float | None = None,
         ckv_scale_arr: Array | None = None,
         kpe_scale: float | None = None,
+        sinks: Any = None,
+        skip_softmax_threshold_scale_factor: float | None = None,
+        bmm1_scale: Any = None,
+        bmm2_scale: Any = None,
     ) -> Array | tuple[Array, Array]:
         """MLA attention of the planned batch.
 
+        FlashInfer 0.7.2's run(): the queries as ``query=`` and the caches as
+        ``kv_cache=``, each a packed tensor (``[..., ckv_dim + kpe_dim]``)
+        or a split pair, in the layout plan() declared; or in the older form,
+        q_nope, q_pe, ckv_cache, kpe_cache. A packed cache, or the two halves
+        of one, is read where it lies (rows of one stride); queries are
+        copied when not contiguous.
+
         Parameters
         ----------
+        query : array or (q_nope, q_pe), keyword-only
+            [nnz_qo, num_heads, head_dim_ckv + head_dim_kpe], or the parts.
+        kv_cache : array or (ckv_cache, kpe_cache), keyword-only
+            [pages, page_size, head_dim_ckv + head_dim_kpe], or the pools.
         q_nope : array, shape (nnz_qo, num_heads, head_dim_ckv)
             Queries in the latent space (W_UK absorbed).
         q_pe : array, shape (nnz_qo, num_heads, head_dim_kpe)
             Their rope part.
         ckv_cache : array, shape (pages, page_size, head_dim_ckv)
         kpe_cache : array, shape (pages, page_size, head_dim_kpe)
-            The caches ``append_paged_mla_kv_cache`` fills.
+            The caches ``append_paged_mla_kv_cache`` fills: contiguous, or
+            the halves of one packed cache.
         out, lse : arrays, optional
             Where to write o [nnz_qo, num_heads, head_dim_ckv] (q's dtype) and
-            lse [nnz_qo, num_heads] (float32).
+            lse [nnz_qo, num_heads] (float32, filled even without return_lse).
         return_lse : bool
             Return (o, lse) rather than o.
         return_lse_base_on_e : bool
-            The returned lse in base e rather than base 2.
+            The lse in base e rather than base 2.
         ckv_scale, kpe_scale : float, keyword-only
             Per-tensor scales of fp8 caches (real = stored * scale); required
             with fp8 caches, refused otherwise.
-        profiler_buffer, kv_len, page_table, o_scale, ckv_scale_arr
-            FlashInfer's profiler, cutlass-backend and per-group fp8
-            arguments: not supported (None).
+        sinks : array [num_heads], keyword-only
+            Each head's sink logit (a plan with use_sinks=True): it joins every
+            row's softmax denominator, and the lse counts it.
+        profiler_buffer, kv_len, page_table, o_scale, ckv_scale_arr,
+        skip_softmax_threshold_scale_factor, bmm1_scale, bmm2_scale
+            FlashInfer's profiler, cutlass-backend, per-group fp8,
+            skip-softmax and BMM-scale arguments: not supported (None).
 
         Returns
         -------
@@ -517,15 +640,55 @@ class BatchMLAPagedAttentionWrapper:
         """
         if not self._planned:
             raise RuntimeError("plan() must be called before run()")
+        query = structural_input("query", query, q_nope, q_pe, "q_nope and q_pe")
+        kv_cache = structural_input("kv_cache", kv_cache, ckv_cache, kpe_cache,
+                                    "ckv_cache and kpe_cache")  # fmt: skip
         unsupported = dict(profiler_buffer=profiler_buffer, kv_len=kv_len, page_table=page_table)
-        unsupported |= dict(o_scale=o_scale, ckv_scale_arr=ckv_scale_arr)
+        unsupported |= dict(o_scale=o_scale, ckv_scale_arr=ckv_scale_arr, bmm1_scale=bmm1_scale)
+        unsupported |= dict(
+            bmm2_scale=bmm2_scale,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+        )
         for name, value in unsupported.items():
             if value is not None:
                 raise ValueError(f"{name} is not supported by pagedkv's MLA kernel")
-        self._check_inputs(q_nope, q_pe, ckv_cache, kpe_cache)
+        contract = self._contract
+        lse_mode = contract.lse_wanted(return_lse, lse, return_lse_base_on_e)
+        contract.check_sinks(sinks)
         ckv_scale, kpe_scale = _cache_scales(self._dtypes[1], ckv_scale, kpe_scale)
+        out, lse = self.run_scaled(
+            split_parts("query", query, self._dims, contract.query_layout),
+            split_parts("kv_cache", kv_cache, self._dims, contract.kv_cache_layout),
+            out,
+            lse,
+            (self._sm_scale, ckv_scale or 1.0, kpe_scale or 1.0),
+            sinks,
+        )
+        if lse_mode == "basee":
+            lse *= math.log(2.0)
+        return (out, lse) if return_lse else out
+
+    def run_scaled(
+        self,
+        query: tuple[Array, Array],
+        kv_cache: tuple[Array, Array],
+        out: Array | None,
+        lse: Array | None,
+        scales: tuple[float, float, float],
+        sinks: Any = None,
+    ) -> tuple[Array, Array]:
+        """The planned batch's (o, base-2 lse) for query (q_nope, q_pe) over
+        kv_cache (ckv, kpe) with scales (sm_scale, ckv_scale, kpe_scale) as
+        the kernel applies them: scores (q_nope . ckv * ckv_scale + q_pe .
+        kpe * kpe_scale) * sm_scale, o scaled by ckv_scale; sinks merged in.
+        run()'s checked options arrive here, and the block-table entry
+        points' fused scales (pagedkv.mla_block_tables)."""
+        q_nope, q_pe = query
+        self._check_inputs(q_nope, q_pe, *kv_cache)
+        ckv_rows, kpe_rows = cache_operands(*kv_cache)
         q_dtype, (ckv_dim, _) = self._dtypes[0], self._dims
         rows, heads = self._rows, self._num_heads
+        sink_lse = None if sinks is None else sink_log2_lse(sinks, heads)
         if out is None:
             out = empty_like(q_nope)
         else:
@@ -534,6 +697,9 @@ class BatchMLAPagedAttentionWrapper:
             lse = empty(q_nope, (rows, heads), F32)
         else:
             check_output("lse", lse, (rows, heads), F32, self.device)
+        ckv_operand = storage_view(ckv_rows)
+        # One packed cache is one operand twice (wrapped once).
+        kpe_operand = ckv_operand if kpe_rows is ckv_rows else storage_view(kpe_rows)
         b = self._buffers
         run_model(
             self._model,
@@ -544,23 +710,17 @@ class BatchMLAPagedAttentionWrapper:
                 partial_lse=b["partial_lse"],
                 q_nope=contiguous(q_nope),
                 q_pe=contiguous(q_pe),
-                ckv_cache=storage_view(ckv_cache),
-                kpe_cache=storage_view(kpe_cache),
+                ckv_cache=ckv_operand,
+                kpe_cache=kpe_operand,
                 kv_indices=b["kv_indices"],
                 kv_indptr=b["kv_indptr"],
                 work_items=b["work_items"],
                 request_items=b["request_items"],
-                float_params=mla_float_params(
-                    self._sm_scale,
-                    1.0 if ckv_scale is None else ckv_scale,
-                    1.0 if kpe_scale is None else kpe_scale,
-                ),
+                float_params=mla_float_params(*scales),
                 int_params=b["int_params"],
             ),
             self.device,
         )
-        if not return_lse:
-            return out
-        if return_lse_base_on_e:
-            lse *= math.log(2.0)
+        if sink_lse is not None:
+            merge_sinks(out, lse, sink_lse)
         return out, lse
