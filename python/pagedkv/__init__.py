@@ -31,6 +31,11 @@ from .functional import (
     release_blocks,
 )
 from .mla import BatchMLAPagedAttentionWrapper
+from .mla_block_tables import (
+    trtllm_batch_decode_with_kv_cache_mla,
+    trtllm_prefill_with_kv_cache_mla,
+    xqa_batch_decode_with_kv_cache_mla,
+)
 from .mla_inputs import MLAPlanMetadata
 from .nvfp4 import (
     nvfp4_kv_dequantize,
@@ -92,7 +97,10 @@ __all__ = [
     "single_prefill_with_kv_cache",
     "trtllm_batch_context_with_kv_cache",
     "trtllm_batch_decode_with_kv_cache",
+    "trtllm_batch_decode_with_kv_cache_mla",
+    "trtllm_prefill_with_kv_cache_mla",
     "xqa_batch_decode_with_kv_cache",
+    "xqa_batch_decode_with_kv_cache_mla",
 ]
 
 __version__ = "0.1.0"

@@ -11,6 +11,10 @@ from ..decode import (
     single_decode_with_kv_cache,
 )
 from ..fast_decode_plan import fast_decode_plan
+from ..mla_block_tables import (
+    trtllm_batch_decode_with_kv_cache_mla,
+    xqa_batch_decode_with_kv_cache_mla,
+)
 from .jit import JitSpec
 
 
@@ -28,5 +32,7 @@ __all__ = [
     "gen_single_decode_module",
     "single_decode_with_kv_cache",
     "trtllm_batch_decode_with_kv_cache",
+    "trtllm_batch_decode_with_kv_cache_mla",
     "xqa_batch_decode_with_kv_cache",
+    "xqa_batch_decode_with_kv_cache_mla",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..block_tables import trtllm_batch_context_with_kv_cache
+from ..mla_block_tables import trtllm_prefill_with_kv_cache_mla
 from ..prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     single_prefill_with_kv_cache,
@@ -28,4 +29,5 @@ __all__ = [
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
     "trtllm_batch_context_with_kv_cache",
+    "trtllm_prefill_with_kv_cache_mla",
 ]
