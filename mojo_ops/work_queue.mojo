@@ -25,6 +25,7 @@ from std.memory import stack_allocation
 from std.ffi import external_call
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
+from std.time import perf_counter_ns
 
 comptime MAX_PHASES = 16
 """Phases one `parallel_phases` call takes at most."""
@@ -33,23 +34,49 @@ comptime MAX_PHASES = 16
 comptime LINE_WORDS = 8
 """64-bit words in a 64-byte cache line."""
 
-comptime SPINS_BEFORE_YIELD = 256
-"""Spins a waiting core makes before it yields the core to another thread
-at each turn: a few microseconds, about what a task of a small product
-takes."""
+comptime SPIN_NS_BEFORE_YIELD = 100_000
+"""How long a waiting core spins before it starts yielding the core to
+other threads: longer than any wait a phase's own tasks cause (a task is a
+few to some tens of microseconds), so a core yields only when the task it
+waits for is not running, its thread descheduled."""
+
+comptime TURNS_PER_CLOCK_READ = 64
+"""Spins between two reads of the clock while a core waits."""
 
 
-@always_inline
-def wait_turn(turn: Int):
-    """One turn of a wait: a `pause` (x86) for the first SPINS_BEFORE_YIELD
-    turns, then `sched_yield`. On a VM the scheduler may put two of MAX's
-    workers on one core; a waiter that only spun would then hold the core
-    that the task it waits for needs, for a whole time slice."""
-    if turn < SPINS_BEFORE_YIELD:
+struct Waiter:
+    """One core's wait at a phase's end: `pause` (x86) while the wait is
+    short, `sched_yield` once it has lasted SPIN_NS_BEFORE_YIELD.
+
+    Why not yield sooner: a yield hands the core to whatever else is
+    runnable (MAX's demoted poller, a neighbour process, however low its
+    priority) for up to a time slice, and a decode step ends hundreds of
+    phases: a waiter that yielded after a few microseconds made a decode
+    step several times as long beside a single niced busy loop
+    (docs/design.md, "Kernel notes"). Why yield at all: when the thread running the awaited task is
+    descheduled (more runnable threads than cores: two processes' workers),
+    a waiter that only spun would hold a core that thread may need."""
+
+    var turn: Int
+    var start: Int
+
+    def __init__(out self):
+        self.turn = 0
+        self.start = 0
+
+    @always_inline
+    def wait(mut self):
+        """One turn of the wait."""
+        self.turn += 1
+        if self.turn % TURNS_PER_CLOCK_READ == 0:
+            var now = perf_counter_ns()
+            if self.start == 0:
+                self.start = now
+            elif now - self.start >= SPIN_NS_BEFORE_YIELD:
+                _ = external_call["sched_yield", Int32]()
+                return
         comptime if CompilationTarget.is_x86():
             llvm_intrinsic["llvm.x86.sse2.pause", NoneType]()
-    else:
-        _ = external_call["sched_yield", Int32]()
 
 
 struct Phases(TrivialRegisterPassable):
@@ -119,10 +146,9 @@ def parallel_phases[
                 ran += 1
             if ran > 0:
                 _ = Atomic.fetch_add(finished, Int64(ran))
-            var turn = 0
+            var waiter = Waiter()
             while Int(Atomic.load[ordering=Ordering.ACQUIRE](finished)) < n:
-                wait_turn(turn)
-                turn += 1
+                waiter.wait()
 
     sync_parallelize(worker, workers)
 
