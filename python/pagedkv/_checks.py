@@ -176,7 +176,6 @@ GPU_ONLY_OPTIONS = {
     "skip_softmax_threshold_scale_factor": None,
     "kv_cache_sf": None,
     "mask": None,
-    "multi_ctas_kv_counter_buffer": None,
     "enable_block_sparse_attention": False,
     "cp_world": 1,
     "causal_seqlens_kv_global": None,

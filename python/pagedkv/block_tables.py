@@ -24,7 +24,7 @@ import numpy as np
 
 from ._checks import check_float, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array
-from ._plan.block_tables import csr_from_block_tables
+from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -180,6 +180,9 @@ def trtllm_batch_decode_with_kv_cache(
     """
     options = dict(locals())
     _refuse_gpu_only("trtllm_batch_decode_with_kv_cache", options)
+    check_multi_ctas_kv_counter_buffer(
+        multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[1], query
+    )
     if o_scale not in (None, 1.0):
         raise ValueError("o_scale must be 1.0 (it belongs to XQA's float8 output)")
     sm_scale = (
@@ -299,6 +302,9 @@ def trtllm_batch_context_with_kv_cache(
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if batch_size != lens.shape[0] or not np.array_equal(np.diff(kv_indptr), lens):
         raise ValueError("batch_size and cum_seq_lens_kv must agree with seq_lens")
+    check_multi_ctas_kv_counter_buffer(
+        multi_ctas_kv_counter_buffer, batch_size, query.shape[1], query
+    )
     result = _paged_attention(
         "trtllm_batch_context_with_kv_cache", query, kv_cache, workspace_buffer,
         block_tables, lens, host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,

@@ -16,8 +16,8 @@ A request's queries are its last tokens, causal. The scales come fused:
 and float8 queries, as FlashInfer's (an fp8 query is widened to bfloat16,
 a copy of the query, not of the cache); pagedkv also takes float16 and
 float32 queries, whose outputs keep their dtype. What only FlashInfer's GPU
-kernels do (sparse MLA, context parallelism, skip-softmax, float16 softmax,
-counters of multi-CTA kernels) raises ValueError before anything is written.
+kernels do (sparse MLA, context parallelism, skip-softmax, float16 softmax)
+raises ValueError before anything is written.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from max.dtype import DType
 
 from ._checks import check_float, check_int, check_output, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_torch
-from ._plan.block_tables import csr_from_block_tables
+from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.plan import FP8_DTYPES
 from .mla import BatchMLAPagedAttentionWrapper
 
@@ -290,8 +290,11 @@ def trtllm_batch_decode_with_kv_cache_mla(
         XQA's limits (one query a request, no lse, no sinks).
     sparse_mla_top_k, sparse_mla_top_k_lens, enable_dcp, cp_world,
     causal_seqlens_kv_global, skip_softmax_threshold_scale_factor,
-    multi_ctas_kv_counter_buffer, use_fp16_softmax
+    use_fp16_softmax
         GPU-only: refused unless off.
+    multi_ctas_kv_counter_buffer : optional
+        FlashInfer's trtllm-gen counters: checked as FlashInfer checks them
+        (device, contiguous, 16-byte aligned, large enough), left as they are.
     enable_pdl, is_var_seq, uses_shared_paged_kv_idx, cute_dsl_impl,
     kv_scale_format, cp_rank
         Accepted and read no further.
@@ -321,6 +324,10 @@ def trtllm_batch_decode_with_kv_cache_mla(
         _check_xqa_limits(query, cum_seq_lens_q, max_q_len, sinks, lse, return_lse)
     if seq_lens is None:
         raise ValueError("trtllm_batch_decode_with_kv_cache_mla: seq_lens is required")
+    check_array("query", query)
+    check_multi_ctas_kv_counter_buffer(
+        multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[-2], query
+    )
     dims = (check_int("kv_lora_rank", kv_lora_rank, 1),
             check_int("qk_rope_head_dim", qk_rope_head_dim, 0))  # fmt: skip
     o, lse = _mla_paged_attention(

@@ -64,11 +64,13 @@ def test_trtllm_decode_equals_reference(layout, q_len):
     seq_lens = [37, 16, 5, 100]
     q, cache, table = make_case(1, layout, seq_lens, [q_len] * 4)
     sm_scale, v_scale = 0.11, 0.7
+    counters = torch.zeros(4 * 8 * 4, dtype=torch.uint8)  # FlashInfer's size: 4 requests x 8 heads
     o, lse = pagedkv.trtllm_batch_decode_with_kv_cache(
         q, cache, None, table, torch.tensor(seq_lens, dtype=torch.int32), 128,
         bmm1_scale=sm_scale, bmm2_scale=v_scale, kv_layout=layout,
-        q_len_per_req=q_len, return_lse=True,
+        q_len_per_req=q_len, return_lse=True, multi_ctas_kv_counter_buffer=counters,
     )  # fmt: skip
+    assert not counters.any()
     want = reference(q, cache, layout, table, seq_lens, [q_len] * 4, sm_scale, v_scale, True, -1)
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
     assert lse.shape == (q.shape[0], q.shape[1])
@@ -131,6 +133,8 @@ def test_csr_from_block_tables_reads_only_the_used_columns():
         ({"bmm1_scale": float("nan")}, "finite"),
         ({"kv_layout": "NCHW"}, "kv_layout"),
         ({"block_tables": torch.zeros(2, 3)}, "integer"),
+        ({"multi_ctas_kv_counter_buffer": torch.zeros(8, dtype=torch.uint8)}, "too small"),
+        ({"multi_ctas_kv_counter_buffer": torch.zeros(128, 2)[:, 0]}, "contiguous"),
     ],
 )
 def test_bad_block_table_calls_raise_before_writing(change, message):

@@ -71,14 +71,18 @@ def decode(q, cache, table, seq_lens, **kwargs):
 @pytest.mark.parametrize("four_d", [False, True])
 def test_trtllm_mla_decode_equals_reference(q_len, four_d):
     """A long request whose keys split, an exact page and short ones; the
-    4-D cache form; bmm2 scales the output; lse in base 2."""
+    4-D cache form; bmm2 scales the output; lse in base 2; a multi-CTA
+    counter buffer taken and left zero."""
     seq_lens = [300, 16, 5, 40]
     q, cache, table = make_case(1, seq_lens, q_len)
     bmm1, bmm2 = 0.09, 0.6
+    counters = torch.zeros(4 * HEADS * 4, dtype=torch.uint8)  # FlashInfer's size for 4 x 8
     o, lse = decode(
         q, cache.unsqueeze(1) if four_d else cache, table, seq_lens,
         bmm1_scale=bmm1, bmm2_scale=torch.tensor([bmm2]), return_lse=True,
+        multi_ctas_kv_counter_buffer=counters,
     )  # fmt: skip
+    assert not counters.any()
     want_o, want_lse = reference(
         q.reshape(-1, HEADS, CKV + KPE), cache, table, seq_lens, [q_len] * 4, bmm1, bmm2
     )
@@ -162,7 +166,7 @@ REFUSED = [
     (dict(cp_world=2), ValueError, "cp_world"),
     (dict(skip_softmax_threshold_scale_factor=1e-3), ValueError, "skip_softmax"),
     (dict(use_fp16_softmax=True), ValueError, "use_fp16_softmax"),
-    (dict(multi_ctas_kv_counter_buffer=torch.zeros(8)), ValueError, "multi_ctas"),
+    (dict(multi_ctas_kv_counter_buffer=torch.zeros(4, dtype=torch.uint8)), ValueError, "small"),
     (dict(backend="cake"), ValueError, "backend"),
     (dict(bmm1_scale=0.0), ValueError, "bmm1_scale"),
     (dict(bmm2_scale=torch.tensor([1.0, 2.0])), ValueError, "bmm2_scale"),

@@ -9,11 +9,12 @@ arrays only) and check that both forms, when both are given, agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .._checks import host_int_array
-from .._ops.tensors import Array
+from .._ops.tensors import Array, check_array, device_of, is_contiguous, is_torch
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,52 @@ def check_trtllm_table(
         np.diff(host_int_array("qo_indptr", qo_indptr, 1)),
     ):
         raise ValueError("seq_lens_q must be the query counts qo_indptr gives")
+
+
+def sm_count(device: Any) -> int:
+    """The streaming multiprocessors of a CUDA device; 1 for any other (the
+    CPU has no multi-CTA kernels to count). FlashInfer sizes its multi-CTA
+    counter buffers by it (`multi_ctas_kv_counter_bytes`)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def multi_ctas_kv_counter_bytes(batch_size: int, num_qo_heads: int, sms: int) -> int:
+    """Bytes of FlashInfer's trtllm-gen multi-CTA KV counters: one int32
+    semaphore per (request, head), at least one per SM, rounded up to 8."""
+    return -(-max(batch_size * num_qo_heads, sms) // 8) * 8 * 4
+
+
+def check_multi_ctas_kv_counter_buffer(
+    buffer: Array | None, batch_size: int, num_qo_heads: int, like: Array
+) -> None:
+    """Raises ValueError unless buffer (given) is what FlashInfer's trtllm-gen
+    calls take: on like's device, contiguous, 16-byte aligned and large
+    enough. pagedkv's kernels need no counters, so it is left as it is
+    (zeros, as FlashInfer's kernels leave it)."""
+    if buffer is None:
+        return
+    check_array("multi_ctas_kv_counter_buffer", buffer)
+    if device_of(buffer) != device_of(like):
+        raise ValueError("multi_ctas_kv_counter_buffer must be on the same device as query")
+    if not is_contiguous(buffer):
+        raise ValueError("multi_ctas_kv_counter_buffer must be contiguous")
+    if is_torch(buffer):
+        size, address = buffer.numel() * buffer.element_size(), buffer.data_ptr()
+    else:
+        size, address = buffer.nbytes, buffer.__array_interface__["data"][0]
+    if size and address % 16:
+        raise ValueError(
+            f"multi_ctas_kv_counter_buffer must be 16-byte aligned, got data_ptr % 16 ="
+            f" {address % 16}"
+        )
+    device = like.device if is_torch(like) else "cpu"
+    need = multi_ctas_kv_counter_bytes(batch_size, num_qo_heads, sm_count(device))
+    if size < need:
+        raise ValueError(
+            f"multi_ctas_kv_counter_buffer is too small: got {size} bytes, need {need} bytes"
+        )

@@ -12,6 +12,8 @@ import math
 from enum import Enum
 from typing import Any
 
+from .._plan.block_tables import multi_ctas_kv_counter_bytes, sm_count
+
 FA2_CAPABILITY = (8, 0)
 
 
@@ -62,6 +64,40 @@ def is_sm110a_supported(device: Any) -> bool:
 
 def is_sm120a_supported(device: Any) -> bool:
     return _is_arch(device, 12)
+
+
+def is_sm12x_supported(device: Any) -> bool:
+    return _is_arch(device, 12)
+
+
+def get_device_sm_count(device: Any) -> int:
+    """A CUDA device's SM count; 1 for any other (pagedkv's block-table calls
+    size FlashInfer's multi-CTA counter buffers by the same answer)."""
+    return sm_count(device)
+
+
+def get_trtllm_gen_multi_ctas_kv_counter_bytes(
+    batch_size: int, num_qo_heads: int, sm_count: int
+) -> int:
+    """Bytes of FlashInfer's trtllm-gen multi-CTA KV counters."""
+    return multi_ctas_kv_counter_bytes(batch_size, num_qo_heads, sm_count)
+
+
+class FP4Tensor:
+    """FlashInfer's NVFP4 tensor: packed e2m1 bytes, their e4m3 scales, and
+    the shape before packing."""
+
+    def __init__(
+        self,
+        data: Any,
+        scale: Any,
+        scale_start_index: int = 0,
+        original_shape: tuple[int, ...] | None = None,
+    ) -> None:
+        self.data = data
+        self.scale = scale
+        self.scale_start_index = scale_start_index
+        self.original_shape = original_shape
 
 
 def is_fa3_backend_supported(*args: Any, **kwargs: Any) -> bool:
