@@ -10,14 +10,21 @@ qk_rope_head_dim]`` (or ``[pages, 1, page_size, ...]``), with a dense
 CSR table on the host (`csr_from_block_tables`, as for the other block-table
 calls in pagedkv.block_tables) and the call runs on
 `BatchMLAPagedAttentionWrapper`, which reads the packed cache where it lies.
-A request's queries are its last tokens, causal. The scales come fused:
+A request's queries are its last tokens, causal. With ``sparse_mla_top_k``
+(DeepSeek's sparse attention) ``block_tables`` holds each query row's
+``top_k`` cache slots instead (``page x page_size + slot``, -1 padding): the
+cache is seen as one-token pages, each query row a request of its own over
+the front of its slots, as many as its causal position sees keys. The
+scales come fused:
 ``bmm1_scale`` is the softmax scale with q's and k's scales folded in,
 ``bmm2_scale`` multiplies the output. The output is bfloat16 for bfloat16
 and float8 queries, as FlashInfer's (an fp8 query is widened to bfloat16,
 a copy of the query, not of the cache); pagedkv also takes float16 and
 float32 queries, whose outputs keep their dtype. What only FlashInfer's GPU
-kernels do (sparse MLA, context parallelism, skip-softmax, float16 softmax)
-raises ValueError before anything is written.
+kernels do (the no-rope sparse kernel's per-row lengths, context
+parallelism, skip-softmax, float16 softmax) raises ValueError before anything
+is written. ``workspace_buffer`` is neither read nor written: FlashInfer's
+kernels lay it out as their own, and the wrapper keeps its scratch apart.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 from max.dtype import DType
 
 from ._checks import check_float, check_int, check_output, host_int_array, refuse_gpu_only
-from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_torch
+from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous, is_torch
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.plan import FP8_DTYPES
 from .mla import BatchMLAPagedAttentionWrapper
@@ -45,7 +52,6 @@ def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
     or a backend name it does not have."""
     refuse_gpu_only(function, {**options, "use_fp16_softmax": bool(options["use_fp16_softmax"])})
     mla_only = {
-        "sparse_mla_top_k": options["sparse_mla_top_k"] != 0,
         "sparse_mla_top_k_lens": options["sparse_mla_top_k_lens"] is not None,
         "enable_dcp": bool(options["enable_dcp"]),
     }
@@ -163,30 +169,81 @@ def _checked_lse(lse: Array | None, tokens: int, heads: int, device: Any) -> Arr
     return lse.reshape(tokens, heads)
 
 
+def _sparse_table(
+    indices: Array, qo_indptr: np.ndarray, seq_lens: np.ndarray, top_k: int
+) -> tuple[np.ndarray, ...]:
+    """Sparse MLA's page table over one-token pages: query row t is a request
+    of its own whose keys are cache slots (page x page_size + slot) from row
+    t of indices ([B, q_len, top_k] or [tokens, top_k]). As in FlashInfer's
+    kernel, a row takes at most as many entries as its causal position sees
+    keys (query i of n in a request of L tokens: L - n + i + 1), from the
+    front; negative entries are padding. Returns (qo_indptr, kv_indptr,
+    kv_indices, kv_lens) of the one-token-page batch."""
+    tokens = int(qo_indptr[-1])
+    ndim = len(indices.shape) if hasattr(indices, "shape") else np.ndim(indices)
+    table = host_int_array("block_tables", indices, ndim)
+    if table.shape[-1] != top_k or table.size != tokens * top_k:
+        raise ValueError(
+            f"sparse MLA's block_tables are the query rows' {top_k} cache slots"
+            f" ([B, q_len, {top_k}] or [tokens, {top_k}]), got {list(table.shape)}"
+        )
+    counts = np.diff(qo_indptr.astype(np.int64))
+    request = np.repeat(np.arange(len(counts)), counts)
+    index = np.arange(tokens) - qo_indptr[request]
+    sees = seq_lens[request] - counts[request] + index + 1
+    used = (table.reshape(tokens, top_k) >= 0) & (np.arange(top_k)[None, :] < sees[:, None])
+    kv_lens = used.sum(axis=1)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    rows = np.arange(tokens + 1, dtype=np.int32)
+    return (
+        rows,
+        kv_indptr,
+        table.reshape(tokens, top_k)[used].astype(np.int32),
+        kv_lens.astype(np.int32),
+    )
+
+
+def _token_rows(cache: Array) -> Array:
+    """A contiguous packed cache [pages, page_size, D] as one-token pages
+    [pages x page_size, 1, D] (a view)."""
+    if not is_contiguous(cache):
+        raise ValueError("sparse MLA reads the cache as token rows: it must be contiguous")
+    return cache.reshape(-1, 1, cache.shape[-1])
+
+
 def _mla_paged_attention(
     query: Array,
     kv_cache: Array,
-    workspace_buffer: Array | None,
     dims: tuple[int, int],
     block_tables: Array,
     seq_lens: Array,
     scales: tuple[float, float],
-    cum_seq_lens_q: Array | None,
-    max_q_len: int | None,
-    sinks: Any,
-    out: Array | None,
-    lse: Array | None,
+    cum_seq_lens_q: Array | None = None,
+    max_q_len: int | None = None,
+    sinks: Any = None,
+    out: Array | None = None,
+    lse: Array | None = None,
+    sparse_top_k: int = 0,
 ) -> tuple[Array, Array]:
     """One plan and run of the MLA wrapper: (o shaped as query's rows with
-    kv_lora_rank lanes, lse [tokens, H] base 2, the caller's when given)."""
+    kv_lora_rank lanes, lse [tokens, H] base 2, the caller's when given).
+    A request's queries are its last tokens, causal; with sparse_top_k,
+    block_tables holds each query row's cache slots instead (`_sparse_table`)."""
     width = sum(dims)
     cache = _packed_cache(kv_cache, width)
-    page_size = int(cache.shape[1])
     lens = host_int_array("seq_lens", seq_lens, 1)
-    table = csr_from_block_tables(_page_rows(block_tables), lens, page_size)
     rows, qo_indptr = _query_rows(query, width, len(lens), cum_seq_lens_q, max_q_len)
     rows = _widened(rows)
     tokens, heads = int(rows.shape[0]), int(rows.shape[1])
+    if sparse_top_k:
+        qo_indptr, kv_indptr, kv_indices, kv_lens = _sparse_table(
+            block_tables, qo_indptr, lens, sparse_top_k
+        )
+        cache, page_size, causal = _token_rows(cache), 1, False
+    else:
+        page_size, causal = int(cache.shape[1]), True
+        table = csr_from_block_tables(_page_rows(block_tables), lens, page_size)
+        kv_indptr, kv_indices, kv_lens = table.indptr, table.indices, lens.astype(np.int32)
     device = device_of(query)
     out_rows = None
     if out is not None:
@@ -194,14 +251,14 @@ def _mla_paged_attention(
         out_rows = out.reshape(tokens, heads, dims[0])
     lse_rows = _checked_lse(lse, tokens, heads, device)
     bmm1, bmm2 = scales
-    wrapper = BatchMLAPagedAttentionWrapper(
-        empty(query, (0,), DType.uint8) if workspace_buffer is None else workspace_buffer
-    )
+    # FlashInfer's kernels lay the workspace out as their own (tests check
+    # that nothing lands past their slab): the wrapper keeps its scratch apart.
+    wrapper = BatchMLAPagedAttentionWrapper(empty(query, (0,), DType.uint8))
     # bmm2 multiplies the output: the kernel's ckv scale scales o and both
     # parts of the scores, so the plan's sm_scale is bmm1 / bmm2.
     wrapper.plan(
-        qo_indptr, table.indptr, table.indices, lens.astype(np.int32), heads, *dims,
-        page_size, True, bmm1 / bmm2, dtype_of(rows), dtype_of(cache),
+        qo_indptr, kv_indptr, kv_indices, kv_lens, heads, *dims, page_size, causal,
+        bmm1 / bmm2, dtype_of(rows), dtype_of(cache),
     )  # fmt: skip
     o, lse_rows = wrapper.run_scaled(
         (rows[..., : dims[0]], rows[..., dims[0] :]),
@@ -260,14 +317,16 @@ def trtllm_batch_decode_with_kv_cache_mla(
     kv_cache : array [pages, page_size, kv_lora_rank + qk_rope_head_dim]
         ``ckv || kpe`` rows (or [pages, 1, page_size, ...]), read in place.
     workspace_buffer : array or None
-        Scratch for split keys' partial states (used when large enough).
+        FlashInfer's kernels' scratch: not used (module docstring).
     qk_nope_head_dim : int
         Not read (FlashInfer's own marks it for removal).
     kv_lora_rank, qk_rope_head_dim : int
         The latent and rope widths (multiples of 16; the rope's may be 0).
     block_tables : int array [B, max_pages]
         Request b's pages, the first ceil(seq_lens[b] / page_size) read;
-        [B, 2, max_pages] with equal K and V rows is taken too.
+        [B, 2, max_pages] with equal K and V rows is taken too. With
+        sparse_mla_top_k: each query row's cache slots, [B, q_len, top_k]
+        ([tokens, top_k] with cum_seq_lens_q), negative entries padding.
     seq_lens : int array [B]
         Tokens cached per request, its queries' included.
     max_seq_len : int
@@ -288,9 +347,12 @@ def trtllm_batch_decode_with_kv_cache_mla(
     backend : {"auto", "trtllm-gen", "cute-dsl", "xqa"}
         FlashInfer's kernel names, all pagedkv's one MLA kernel; "xqa" keeps
         XQA's limits (one query a request, no lse, no sinks).
-    sparse_mla_top_k, sparse_mla_top_k_lens, enable_dcp, cp_world,
-    causal_seqlens_kv_global, skip_softmax_threshold_scale_factor,
-    use_fp16_softmax
+    sparse_mla_top_k : int
+        0, or the width of block_tables' sparse rows (module docstring):
+        query i of n in a request of L tokens attends the first L - n + i + 1
+        entries of its row (negative ones skipped).
+    sparse_mla_top_k_lens, enable_dcp, cp_world, causal_seqlens_kv_global,
+    skip_softmax_threshold_scale_factor, use_fp16_softmax
         GPU-only: refused unless off.
     multi_ctas_kv_counter_buffer : optional
         FlashInfer's trtllm-gen counters: checked as FlashInfer checks them
@@ -322,6 +384,8 @@ def trtllm_batch_decode_with_kv_cache_mla(
         )
     if backend == "xqa":
         _check_xqa_limits(query, cum_seq_lens_q, max_q_len, sinks, lse, return_lse)
+        if sparse_mla_top_k:
+            raise ValueError("XQA MLA does not support sparse_mla_top_k")
     if seq_lens is None:
         raise ValueError("trtllm_batch_decode_with_kv_cache_mla: seq_lens is required")
     check_array("query", query)
@@ -331,9 +395,10 @@ def trtllm_batch_decode_with_kv_cache_mla(
     dims = (check_int("kv_lora_rank", kv_lora_rank, 1),
             check_int("qk_rope_head_dim", qk_rope_head_dim, 0))  # fmt: skip
     o, lse = _mla_paged_attention(
-        query, kv_cache, workspace_buffer, dims, block_tables, seq_lens,
+        query, kv_cache, dims, block_tables, seq_lens,
         (_scale("bmm1_scale", bmm1_scale), _scale("bmm2_scale", bmm2_scale)),
         cum_seq_lens_q, max_q_len, sinks, out, lse,
+        check_int("sparse_mla_top_k", sparse_mla_top_k, 0),
     )  # fmt: skip
     if return_lse_base == "basee":
         lse *= float(np.log(2.0))
@@ -415,9 +480,8 @@ def xqa_batch_decode_with_kv_cache_mla(
         shape = (query.shape[0], query.shape[2], dims[0])
         check_output("out", out, shape, _kernel_q_dtype(dtype_of(query)), device_of(query))
     o, _ = _mla_paged_attention(
-        query, kv_cache, workspace_buffer, dims, block_tables, seq_lens,
+        query, kv_cache, dims, block_tables, seq_lens,
         (_scale("bmm1_scale", bmm1_scale), _scale("bmm2_scale", bmm2_scale)),
-        None, None, None, None if out is None else out.reshape(query.shape[:-1] + (dims[0],)),
-        None,
+        out=None if out is None else out.reshape(query.shape[:-1] + (dims[0],)),
     )  # fmt: skip
     return o if out is None else out

@@ -142,6 +142,30 @@ def test_bfloat16_and_separate_k_v_rows_that_agree():
     assert torch.equal(o, again)
 
 
+def test_sparse_mla_attends_the_front_of_each_rows_slots():
+    """sparse_mla_top_k: block_tables holds each query row's cache slots
+    (-1 padding); query i of n in a request of L tokens takes the first
+    L - n + i + 1 entries, as FlashInfer's kernel does."""
+    gen = torch.Generator().manual_seed(8)
+    top_k, seq_lens = 8, [7, 30]
+    cache = torch.randn(5, PAGE, CKV + KPE, generator=gen)
+    q = torch.randn(2, 2, HEADS, CKV + KPE, generator=gen)
+    slots = torch.randint(0, 5 * PAGE, (2, 2, top_k), generator=gen, dtype=torch.int32)
+    slots[1, 0, 5:] = -1
+    o, lse = decode(q, cache, slots, seq_lens, sparse_mla_top_k=top_k, bmm1_scale=0.1,
+                    bmm2_scale=0.5, return_lse=True)  # fmt: skip
+    flat = cache.reshape(-1, CKV + KPE).double()
+    for b, j in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        sees = seq_lens[b] - 2 + j + 1
+        keep = [int(x) for x in slots[b, j, :sees] if x >= 0]
+        kv = flat[keep]
+        s = torch.einsum("hd,kd->hk", q[b, j].double(), kv) * 0.1
+        want = torch.softmax(s, -1) @ kv[:, :CKV] * 0.5
+        torch.testing.assert_close(o[b, j].double(), want, atol=2e-5, rtol=2e-5)
+        want_lse = torch.logsumexp(s, -1) / math.log(2)
+        torch.testing.assert_close(lse[2 * b + j].double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_xqa_mla_fills_out_of_its_own_shape():
     """XQA's signature: out [B, H, kv_lora_rank] filled and returned."""
     seq_lens = [31, 64]
@@ -161,7 +185,8 @@ def test_xqa_mla_fills_out_of_its_own_shape():
 
 
 REFUSED = [
-    (dict(sparse_mla_top_k=64), ValueError, "sparse_mla_top_k"),
+    (dict(sparse_mla_top_k=64), ValueError, "sparse MLA's block_tables"),
+    (dict(sparse_mla_top_k_lens=torch.ones(2, dtype=torch.int32)), ValueError, "top_k_lens"),
     (dict(enable_dcp=True), ValueError, "enable_dcp"),
     (dict(cp_world=2), ValueError, "cp_world"),
     (dict(skip_softmax_threshold_scale_factor=1e-3), ValueError, "skip_softmax"),
