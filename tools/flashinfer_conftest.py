@@ -2,7 +2,8 @@
 tools/run_flashinfer_tests.py; not a test of this repository).
 
 It maps ``import flashinfer`` to pagedkv, answers the CUDA device queries the
-tests make (FlashInfer's FA2 capability, the host's memory), keeps a covering sample of each
+tests make (the GPU generation a file targets, else FlashInfer's FA2
+capability; the host's memory), keeps a covering sample of each
 test function's parameter grid, bounds each test's time, and writes every
 outcome to $PAGEDKV_FI_RESULTS as JSON lines.
 """
@@ -16,10 +17,43 @@ import pytest
 import torch
 
 import pagedkv.flashinfer_compat as compat
+from pagedkv.flashinfer_compat import utils as compat_utils
 
 compat.install()
-# The tests gate on the GPU generation; the CPU stands in for an sm_80 GPU.
-torch.cuda.get_device_capability = lambda *args, **kwargs: compat.utils.FA2_CAPABILITY
+
+GENERATIONS = {
+    name: tuple(capability)
+    for name, capability in json.loads(os.environ.get("PAGEDKV_FI_GENERATIONS", "{}")).items()
+}
+"""Test files written for one GPU generation, and the capability the CPU
+answers them with (run_flashinfer_tests.GENERATIONS); others get FA2's."""
+_capability = [compat_utils.FA2_CAPABILITY]
+
+
+def _stand_in_capability(*args, **kwargs):
+    """The generation the running (or importing) test file targets."""
+    return _capability[0]
+
+
+def _target(path) -> None:
+    _capability[0] = GENERATIONS.get(os.path.basename(str(path)), compat_utils.FA2_CAPABILITY)
+
+
+# Answered for every device: the tests ask about "cuda" devices, which here
+# are the CPU. Replaced before any test module imports the names, so their
+# own bindings and compat's is_sm*_supported read the stand-in.
+compat_utils.get_compute_capability = _stand_in_capability
+torch.cuda.get_device_capability = _stand_in_capability
+
+
+def pytest_collectstart(collector):
+    """A module's import-time checks (skipif marks) see its generation."""
+    if isinstance(collector, pytest.Module):
+        _target(collector.path)
+
+
+def pytest_runtest_setup(item):
+    _target(item.path)
 
 
 class _StandInProperties:
@@ -87,6 +121,14 @@ def pytest_runtest_call(item):
         signal.alarm(0)
 
 
+def pytest_collectreport(report):
+    """A file that fails to import counts as one failure, with its error."""
+    if RESULTS is None or not report.failed:
+        return
+    message = str(report.longrepr).strip().splitlines()
+    _record(report.nodeid, "collect", "failed", message[-1] if message else "")
+
+
 def pytest_runtest_logreport(report):
     if RESULTS is None:
         return
@@ -102,15 +144,10 @@ def pytest_runtest_logreport(report):
         message = str(report.longrepr[2])
     elif report.longrepr is not None:
         message = str(report.longrepr).splitlines()[-1]
+    _record(report.nodeid, report.when, report.outcome, message)
+
+
+def _record(nodeid: str, when: str, outcome: str, message: str) -> None:
     with open(RESULTS, "a") as f:
-        f.write(
-            json.dumps(
-                {
-                    "nodeid": report.nodeid,
-                    "when": report.when,
-                    "outcome": report.outcome,
-                    "message": message,
-                }
-            )
-            + "\n"
-        )
+        record = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": message}
+        f.write(json.dumps(record) + "\n")

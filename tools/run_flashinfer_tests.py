@@ -11,7 +11,10 @@ tools/flashinfer_conftest.py replaces FlashInfer's conftest files: it maps
 for each test function, a covering sample of its parameter grid (every
 value of every parameter at least once). The summary counts passes and
 failures per file and groups failures by message; failures that need CUDA
-itself (streams, CUDA graphs) are counted apart. See docs/flashinfer.md.
+itself (streams, CUDA graphs) are counted apart; a file that fails to
+import counts as one failure. Files written for one GPU generation are
+answered with it (GENERATIONS). FlashInfer's test helpers import einops and
+tvm_ffi: `pip install einops apache-tvm-ffi`. See docs/flashinfer.md.
 """
 
 from __future__ import annotations
@@ -55,6 +58,21 @@ and non-contiguous decode, LSE, cascade / shared prefix, logits cap, sliding
 window and ALiBi (tests/attention/ at PINNED_COMMIT). DeepSeek's MLA tests
 (test_deepseek_mla.py) run with --files and --memory-cap: one case's own
 reference needs more memory than a small host has."""
+
+GENERATIONS = {
+    "test_trtllm_gen_attention_decode.py": (10, 0),
+    "test_trtllm_gen_attention_prefill.py": (10, 0),
+    "test_trtllm_gen_mla.py": (10, 0),
+    "test_trtllm_gen_attention_decode_xqa.py": (9, 0),
+    "test_xqa_batch_decode.py": (9, 0),
+    "test_xqa_mla_batch_decode.py": (12, 0),
+    "test_attention_sink.py": (9, 0),
+}
+"""Files written for one GPU generation, and the (major, minor) their
+capability checks are answered with (trtllm-gen: SM100; XQA and FA3's sink
+tests: SM90; XQA's MLA kernel: SM120), so that their API and numbers are
+tested on the CPU rather than skipped. Every other file gets FlashInfer's FA2
+generation, (8, 0)."""
 
 DEVICE = re.compile(r"""(["'])cuda(:0)?\1""")
 DEVICE_INDEX = re.compile(r"\.to\(0\)")
@@ -185,6 +203,7 @@ def main() -> None:
         PAGEDKV_FI_SEED=str(args.seed),
         PAGEDKV_FI_TIMEOUT=str(args.timeout),
         PAGEDKV_FI_FULL_GRID="1" if args.full_grid else "0",
+        PAGEDKV_FI_GENERATIONS=json.dumps(GENERATIONS),
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", "."]
     command += ["-o", "addopts=", "--tb=no", "-rN", *targets]

@@ -408,3 +408,39 @@ def test_workspace_methods_of_0_7(kind):
     assert w.resolved_backend == "cpu"
     with pytest.raises(TypeError):
         w.reset_workspace_buffer([0, 1, 2])
+
+
+def test_names_flashinfers_0_7_tests_import():
+    """The helpers and stand-ins FlashInfer's trtllm-gen, XQA, MLA and sink
+    tests import: what they answer on the CPU, and that a missing kernel
+    says so when called (never a wrong number)."""
+    torch = pytest.importorskip("torch")
+    import pagedkv.flashinfer_compat as compat
+
+    compat.install()
+    import flashinfer
+    import flashinfer.cute_dsl.utils
+    import flashinfer.fp4_quantization
+    import flashinfer.jit.attention
+    import flashinfer.jit.attention.variants
+    import flashinfer.jit.utils
+    import flashinfer.prefill
+    import flashinfer.utils
+
+    assert flashinfer.jit.utils.filename_safe_dtype_map[torch.bfloat16] == "bf16"
+    assert not flashinfer.cute_dsl.utils.is_cute_dsl_arch_supported(10, 0)
+    assert flashinfer.utils.get_device_sm_count(torch.device("cpu")) == 1
+    # FlashInfer's size: one int32 a (request, head), at least one an SM, a multiple of 8.
+    assert flashinfer.utils.get_trtllm_gen_multi_ctas_kv_counter_bytes(3, 5, 1) == 16 * 4
+    assert flashinfer.utils.get_trtllm_gen_multi_ctas_kv_counter_bytes(1, 1, 132) == 136 * 4
+    assert flashinfer.SfLayout.layout_linear.name == "layout_linear"
+    flashinfer.jit.build_jit_specs(
+        [flashinfer.jit.attention.gen_batch_prefill_attention_sink_module()]
+    )
+    for missing in (
+        flashinfer.fp4_quantization.nvfp4_quantize_paged_kv_cache,
+        flashinfer.prefill.trtllm_ragged_attention_deepseek,
+        flashinfer.BatchDecodeMlaWithPagedKVCacheWrapper,
+    ):
+        with pytest.raises(NotImplementedError, match="not implemented by pagedkv"):
+            missing()

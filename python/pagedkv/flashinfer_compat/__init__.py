@@ -19,6 +19,7 @@ code importing them still loads (see docs/flashinfer.md).
 from __future__ import annotations
 
 from ._install import install
+from ._missing import missing_class
 from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
 from .cascade import (
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
@@ -37,6 +38,7 @@ from .decode import (
     xqa_batch_decode_with_kv_cache,
 )
 from .fp4_quantization import (
+    SfLayout,
     e2m1_and_ufp8sf_scale_to_float,
     nvfp4_kv_dequantize,
     nvfp4_kv_dequantize_paged,
@@ -94,7 +96,14 @@ from .sampling import (
     top_p_sampling_from_probs,
 )
 
+BatchDecodeMlaWithPagedKVCacheWrapper = missing_class(
+    "BatchDecodeMlaWithPagedKVCacheWrapper",
+    "FlashInfer's older MLA decode wrapper; use BatchMLAPagedAttentionWrapper",
+)
+
 __all__ = [
+    "BatchDecodeMlaWithPagedKVCacheWrapper",
+    "SfLayout",
     "chain_speculative_sampling",
     "min_p_sampling_from_probs",
     "sampling_from_logits",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import JitSpec
+from .. import JitSpec
 
 
 def _generator(name: str) -> Any:
@@ -26,3 +26,4 @@ gen_batch_prefill_module = _generator("gen_batch_prefill_module")
 gen_batch_mla_module = _generator("gen_batch_mla_module")
 gen_pod_module = _generator("gen_pod_module")
 gen_batch_pod_module = _generator("gen_batch_pod_module")
+gen_batch_prefill_attention_sink_module = _generator("gen_batch_prefill_attention_sink_module")
