@@ -47,6 +47,13 @@ AMD EPYC (Zen 4, AVX-512 VNNI), several runs each:
   nor an epilogue of four vector operations per row and block instead of
   eight (the zero point folded into the min, the activations' d * sum
   kept by the quantizer: kept, for M = 4's 1.03-1.09x) moved it.
+- AVX2's paths on the same host (`mojo run --target-cpu x86-64-v3 ...`,
+  the kernels' `vpmaddubsw` form): M = 1 took 1.28-1.31x the plain read
+  (the layers' products 19-21 GB/s against 27 with VNNI; the Q8_0 head
+  26-28 GB/s either way), M = 4 10.7 ms and M = 32 39.4 ms. Summing a
+  block's 4- to 6-bit dot products in int16 pairs before widening them
+  (simd/int8_dot.mojo's add_pair_dot) took M = 4 to 8.2 ms and M = 32 to
+  33.0 ms; M = 1 did not move.
 - In the real decode step (30 fused layer ops), the weights on 2 MiB
   pages took as long as on the memory-mapped 4 KiB pages (alternating
   engines in one process: 7.93 against 7.77 ms median).

@@ -28,13 +28,18 @@ from ..cache.paged_kv_cache import Ptr
 from ..cache.tensor_access import ptr_of
 from ..simd.int8_dot import (
     BYTES,
+    MADDUBS,
     SIGNED_CODES,
     WI,
     Acc,
     Bytes,
+    Pairs,
+    add_pair_dot,
     broadcast_word,
     dot_s8s8,
     dot_u8s8,
+    pair_dot_steps,
+    widen_pairs,
 )
 from ..simd.widen import F32, VECTOR_REGISTERS
 from max.runtime.asyncrt import parallelism_level
@@ -159,6 +164,10 @@ def tile[
     comptime SIGNED = BITS == 8 and SIGNED_CODES
     comptime PARTS = scales_per_block(fmt)
     comptime PART_GROUPS = GROUPS // PARTS
+    # Without VNNI, 4- to 6-bit codes sum their dot products in int16 pairs
+    # for PAIR_STEPS steps before widening them to int32 (add_pair_dot).
+    comptime PAIRED = MADDUBS and BITS <= 6
+    comptime PAIR_STEPS = pair_dot_steps(BITS)
     var blocks = x.blocks
     var k_dim = x.k_dim
     var scales = panel.unsafe_offset(blocks * CODE_BYTES)
@@ -172,8 +181,11 @@ def tile[
         acc[unsafe_offset=i] = 0
     for b in range(blocks):
         var isum = stack_allocation[PARTS * rows * NV, Acc]()
+        var pairs = stack_allocation[PARTS * rows * NV, Pairs]()
         comptime for i in range(PARTS * rows * NV):
             isum[unsafe_offset=i] = 0
+            comptime if PAIRED:
+                pairs[unsafe_offset=i] = 0
         var codes = panel.unsafe_offset(b * CODE_BYTES)
         var xb = x.q.unsafe_offset(b * QK)
         if ahead != 0:
@@ -201,17 +213,36 @@ def tile[
                         comptime at = (g % PER_GROUP) * 2 * TOP
                         lo |= top_bits[at, TOP](top)
                         hi |= top_bits[at + TOP, TOP](top)
+                    # The part's steps so far, this group's two included.
+                    comptime steps = (g % PART_GROUPS + 1) * 2
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 8 * g)
                         var i = (part * rows + r) * NV + v
-                        isum[unsafe_offset=i] = dot_u8s8(
-                            isum[unsafe_offset=i], lo, broadcast_word(xr)
-                        )
-                        isum[unsafe_offset=i] = dot_u8s8(
-                            isum[unsafe_offset=i],
-                            hi,
-                            broadcast_word(xr.unsafe_offset(4)),
-                        )
+                        comptime if PAIRED:
+                            var p = add_pair_dot(
+                                pairs[unsafe_offset=i], lo, broadcast_word(xr)
+                            )
+                            p = add_pair_dot(
+                                p, hi, broadcast_word(xr.unsafe_offset(4))
+                            )
+                            comptime if (
+                                steps % PAIR_STEPS == 0
+                                or steps == 2 * PART_GROUPS
+                            ):
+                                isum[unsafe_offset=i] = widen_pairs(
+                                    isum[unsafe_offset=i], p
+                                )
+                                p = 0
+                            pairs[unsafe_offset=i] = p
+                        else:
+                            isum[unsafe_offset=i] = dot_u8s8(
+                                isum[unsafe_offset=i], lo, broadcast_word(xr)
+                            )
+                            isum[unsafe_offset=i] = dot_u8s8(
+                                isum[unsafe_offset=i],
+                                hi,
+                                broadcast_word(xr.unsafe_offset(4)),
+                            )
                 else:
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 4 * g)

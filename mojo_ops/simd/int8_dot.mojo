@@ -104,6 +104,37 @@ def dot_u8s8(acc: Acc, a: Bytes, b: SBytes) -> Acc:
         return acc + _widened_dot(a.cast[I32](), b.cast[I32]())
 
 
+comptime Pairs = SIMD[DType.int16, 2 * WI]
+"""int16 lanes of pair sums, `vpmaddubsw`'s output (MADDUBS targets)."""
+
+
+def pair_dot_steps(code_bits: Int) -> Int:
+    """How many `add_pair_dot` steps of codes below 2^code_bits by
+    activations in [-127, 127] an int16 lane sums exactly: each adds at
+    most 2 * (2^code_bits - 1) * 127 to it (8 steps for 4-bit codes, 4 for
+    5-bit, 2 for 6-bit)."""
+    return 32767 // (2 * ((1 << code_bits) - 1) * 127)
+
+
+@always_inline
+def add_pair_dot(pairs: Pairs, a: Bytes, b: SBytes) -> Pairs:
+    """pairs + the products a * b summed in pairs (one `vpmaddubsw`), a
+    unsigned, b signed, MADDUBS targets only.
+
+    Where several dot products of a block go into one int32 sum, adding
+    them first in int16 (`pair_dot_steps` of them) and widening once
+    (`widen_pairs`) saves `dot_u8s8`'s `vpmaddwd` and add per step: on
+    AVX2 that step is three operations against VNNI's one."""
+    return pairs + _maddubs(a, b)
+
+
+@always_inline
+def widen_pairs(acc: Acc, pairs: Pairs) -> Acc:
+    """acc + pairs summed by twos into int32 lanes: what `dot_u8s8` adds
+    for the products `pairs` summed."""
+    return acc + _madd_ones(pairs)
+
+
 @always_inline
 def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
     """Returns acc[i] + sum_j a[4i + j] * b[4i + j], both signed, for b in

@@ -164,6 +164,50 @@ def test_qlinear_matches_float64(qlinear_model, rows):
         assert (err <= tol).all(), f"{product}: error {err.max()} (tolerance {tol.min()})"
 
 
+MAX_CODE_BYTES = {
+    "Q4_0": (2, 18, 0xFF),
+    "Q4_1": (4, 20, 0xFF),
+    "Q5_0": (2, 22, 0xFF),
+    "Q8_0": (2, 34, 0x7F),
+    "Q4_K": (16, 144, 0xFF),
+    "Q6_K": (0, 192, 0xFF),
+}
+"""(first, end, value): the bytes of a block (a super-block for the
+K-quants) that hold its codes, and the value that makes every code its
+largest (4 bits: 15, 5 bits: 31, 6 bits: 63, Q8_0: 127)."""
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_largest_codes_by_largest_activations_sum_exactly(qlinear_model, sign):
+    """Every code at its largest, every activation at +-127: the dot
+    products' partial sums are as large as they get, so a sum kept in too
+    narrow an integer (int16 pairs without VNNI: simd/int8_dot.mojo's
+    pair_dot_steps) wraps and misses the reference by far."""
+    rng = np.random.default_rng(11)
+    rows = 3
+    args, cases = [], []
+    for fmt, n, k, prologue, _, dt in PRODUCTS:
+        raw = gguf_blocks(rng, fmt, rng.standard_normal((n, k)).astype(np.float32))
+        first, end, value = MAX_CODE_BYTES[fmt]
+        blocks = raw.reshape(n, -1, {"Q4_K": 144, "Q6_K": 210}.get(fmt, end))
+        blocks[..., first:end] = value
+        raw = blocks.reshape(raw.shape)
+        x = np.full((rows, x_width(k, prologue)), 1.0, np.float32)
+        if prologue == "swiglu":
+            x[:, k:] = sign  # silu(1) * sign in every input
+        else:
+            x *= sign
+        x_arg = torch.from_numpy(x).to(torch.bfloat16) if dt == DType.bfloat16 else x
+        gamma = np.ones(k, np.float32)
+        args += [x_arg, pack_quantized_weight(raw, fmt, n, k).panels, gamma]
+        args.append(np.zeros((rows, n), np.float32))
+        cases.append(reference(x, raw, fmt, prologue, gamma, None))
+    outs = qlinear_model.execute(*(Buffer.from_dlpack(a) for a in args))
+    for out, (want, tol), product in zip(outs, cases, PRODUCTS, strict=True):
+        err = np.abs(out.to_numpy().astype(np.float64) - want)
+        assert (err <= tol).all(), f"{product}: error {err.max()} (tolerance {tol.min()})"
+
+
 def test_quantized_activations_stay_close_to_float(qlinear_model):
     """Against the unquantized product, the error is what 8-bit activations
     allow: each input rounded by up to half a step of max|x| / 127 (about
