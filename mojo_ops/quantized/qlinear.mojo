@@ -95,14 +95,16 @@ counter is a small part of its time. With PREFETCH_AHEAD, a one-row
 product of SmolLM2's or Gemma 3's layers streamed 25-32 GB/s against 19-25
 with tasks of 16 KiB and no prefetch
 (benchmarks/kernel_investigations/qlinear_cpu_stream.mojo)."""
-comptime PREFETCH_AHEAD = 4096
+comptime PREFETCH_AHEAD = 8192
 """How far ahead of a panel's first register tile its codes are asked into
 the L2 (a run of panels is one stream, so this reaches into the next one).
 A block's loads feed a chain of dot products that waits on them, and the
 core stops issuing loads once its vector scheduler fills with such waiting
 operations, a few blocks ahead: the prefetches, which wait on nothing, keep
-more of the stream in flight. Into the L1 (prefetcht0) they did not help;
-2 KiB ahead was too little, 8 KiB no better."""
+more of the stream in flight. 8 KiB ahead streamed the layers' one-row
+products faster than 4 KiB and 16 KiB, most on AVX2, whose products take
+twice the operations a byte (they reached the plain read's speed there,
+from 1.3x its time); into the L1 (prefetcht0) they did not help."""
 comptime TASKS_PER_CORE = 4
 """Tasks per core a one-tile product keeps at least, so that a core slowed
 by a neighbour leaves the others little to wait for."""
