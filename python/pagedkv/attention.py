@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_float, host_int_array
+from ._checks import host_int_array
 from ._ops.tensors import Array
+from .attention_sinks import q_scale_for
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
@@ -76,10 +77,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         return_lse, as the base wrapper's run()."""
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
-        check_float("sm_scale", sm_scale, positive=True)
-        # The kernel multiplies q.k by the plan's scale and by q_scale: the
-        # ratio makes the product sm_scale's.
-        q_scale = sm_scale / self._plan.options.scale
+        q_scale = q_scale_for(sm_scale, self._plan.options.scale)
         return super().run(
             q, paged_kv_cache, q_scale=q_scale, out=out, lse=lse, return_lse=return_lse,
             enable_pdl=enable_pdl, sinks=sink,

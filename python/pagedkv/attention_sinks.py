@@ -17,8 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_float
 from ._ops.tensors import Array, is_torch
 from .cascade import merge_state_in_place
+
+SINK_VARIANT = "AttentionSink"
+"""The name of FlashInfer's attention-sink JIT variant (its
+``jit.attention.variants.attention_sink_decl``)."""
 
 
 def sink_log2_lse(sinks: Any, num_qo_heads: int) -> np.ndarray:
@@ -56,3 +61,43 @@ def merge_sinks(o: Array, lse: Array, sink_lse: np.ndarray) -> None:
     else:
         v_other = np.zeros_like(o)
     merge_state_in_place(o, lse, v_other, s_other)
+
+
+def sink_variant(jit_args: Any, jit_kwargs: Any) -> bool:
+    """Whether a wrapper's jit_args name FlashInfer's attention-sink variant:
+    its extra run() arguments are the tensor ``sink`` and the scalar
+    ``sm_scale`` (FlashInfer's gpt-oss tests build it so), which pagedkv runs
+    as ``sinks=`` and the softmax scale. False for no jit_args; ValueError
+    for any other JIT variant, or jit_kwargs other than use_sliding_window
+    (the window comes from plan()'s window_left).
+
+    Examples
+    --------
+    >>> sink_variant(None, None)
+    False
+    """
+    if jit_args is None:
+        if jit_kwargs is not None:
+            raise ValueError("jit_kwargs come with jit_args")
+        return False
+    names = list(jit_args) if isinstance(jit_args, (list, tuple)) else []
+    if (
+        len(names) < 12
+        or list(names[7]) != ["sink"]
+        or list(names[9]) != ["sm_scale"]
+        or names[11] != SINK_VARIANT
+    ):
+        raise ValueError(
+            "jit_args drives FlashInfer's JIT; pagedkv runs only its attention-sink variant"
+            f" ({SINK_VARIANT}: tensor 'sink', scalar 'sm_scale')"
+        )
+    if jit_kwargs is not None and set(jit_kwargs) - {"use_sliding_window"}:
+        raise ValueError(f"jit_kwargs {sorted(jit_kwargs)}: only use_sliding_window is taken")
+    return True
+
+
+def q_scale_for(sm_scale: Any, planned_scale: float) -> float:
+    """The q_scale that makes a run's scores scaled by sm_scale: the kernel
+    multiplies q.k by the plan's scale and by q_scale, so their product is
+    sm_scale (the sink wrappers take sm_scale with each run)."""
+    return check_float("sm_scale", sm_scale, positive=True) / planned_scale

@@ -10,11 +10,13 @@ a copy: the page table is kv_indptr itself, pages 0..nnz_kv-1 in order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ._checks import as_int32_index, check_index_array, host_index_copy, reject_cuda_graph
 from ._ops.tensors import Array, check_array, contiguous, new_like
+from .attention_sinks import q_scale_for, sink_variant
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -29,7 +31,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     The constructor takes FlashInfer's arguments in FlashInfer's order;
     use_cuda_graph=True raises (not supported here) and the *_buf arguments
     must be None. kv_layout "HND" takes k, v as
-    [Hkv, nnz_kv, D] and copies them to NHD on each run().
+    [Hkv, nnz_kv, D] and copies them to NHD on each run(). jit_args may name
+    FlashInfer's attention-sink variant (pagedkv.attention_sinks.sink_variant),
+    whose run(q, k, v, sink, sm_scale) takes the sinks and the softmax scale.
     """
 
     def __init__(
@@ -51,8 +55,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                 "variant_owns_mask belongs to FlashInfer's JIT variants; pagedkv has none"
             )
         reject_cuda_graph(use_cuda_graph, "BatchPrefillWithRaggedKVCacheWrapper")
-        if any(b is not None for b in (qo_indptr_buf, kv_indptr_buf, jit_kwargs)):
-            raise ValueError("qo_indptr_buf, kv_indptr_buf and jit_kwargs are not supported")
+        if qo_indptr_buf is not None or kv_indptr_buf is not None:
+            raise ValueError("qo_indptr_buf and kv_indptr_buf go with use_cuda_graph=True")
+        self._sink_variant = sink_variant(jit_args, jit_kwargs)
         # The inner wrapper pages the ragged rows as NHD one-token pages.
         self._paged = BatchPrefillWithPagedKVCacheWrapper(
             float_workspace_buffer,
@@ -60,7 +65,6 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             custom_mask_buf=custom_mask_buf,
             mask_indptr_buf=mask_indptr_buf,
             backend=backend,
-            jit_args=jit_args,
         )
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -152,7 +156,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         q: Array,
         k: Array,
         v: Array,
-        *,
+        *variant_args: Any,
         q_scale: float | None = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
@@ -174,6 +178,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place. sinks, lse_base
         and lse_layout as in BatchPrefillWithPagedKVCacheWrapper.run.
+        variant_args: with the attention-sink variant's jit_args, its
+        (sink [Hq], sm_scale), which replace sinks and the plan's scale.
 
         Example
         -------
@@ -181,6 +187,16 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         """
         if self._nnz_kv is None:
             raise RuntimeError("run() called before plan()")
+        if variant_args:
+            if not self._sink_variant or len(variant_args) != 2:
+                raise TypeError(
+                    "run() takes q, k, v, and (sink, sm_scale) only with the attention-sink"
+                    " variant's jit_args"
+                )
+            if sinks is not None or q_scale is not None:
+                raise ValueError("the sink variant's (sink, sm_scale) replace sinks and q_scale")
+            sinks = variant_args[0]
+            q_scale = q_scale_for(variant_args[1], self._paged._plan.options.scale)
         if kv_cache_sf is not None:
             k, v = dequantize_ragged_for_attention(k, v, kv_cache_sf, q)
         pages = []

@@ -84,6 +84,45 @@ def test_ragged_prefill_with_sinks_matches_reference():
         np.testing.assert_allclose(o[qs], want, rtol=1e-5, atol=1e-5)
 
 
+SINK_JIT_ARGS = (
+    "batch_prefill_attention_sink_f32_swa_False_fa2", torch.float32, torch.float32,
+    torch.float32, torch.int32, D, D, ["sink"], ["float"], ["sm_scale"], ["double"],
+    "AttentionSink", "",
+)  # fmt: skip
+"""FlashInfer's attention-sink JIT variant as its gpt-oss tests name it."""
+
+
+def test_ragged_sink_variant_takes_sink_and_scale_with_each_run():
+    """jit_args naming FlashInfer's AttentionSink variant: run(q, k, v, sink,
+    sm_scale) replaces the plan's scale and adds the sinks; other variants
+    and stray run() arguments are refused."""
+    rng = np.random.default_rng(7)
+    qo_indptr, kv_indptr = np.array([0, 4, 9], np.int32), np.array([0, 10, 15], np.int32)
+    q = rng.standard_normal((9, HQ, D), dtype=np.float32)
+    k = rng.standard_normal((15, HKV, D), dtype=np.float32)
+    v = rng.standard_normal((15, HKV, D), dtype=np.float32)
+    sinks = (rng.random(HQ) * 5).astype(np.float32)
+    w = pagedkv.BatchPrefillWithRaggedKVCacheWrapper(
+        None, "NHD", backend="fa3", jit_args=SINK_JIT_ARGS,
+        jit_kwargs={"use_sliding_window": False},
+    )  # fmt: skip
+    w.plan(qo_indptr, kv_indptr, HQ, HKV, D, causal=True)
+    for sm_scale in (0.07, 0.2):
+        o = w.run(q, k, v, sinks, sm_scale)
+        for b in range(2):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+            n, length = qs.stop - qs.start, ks.stop - ks.start
+            want, _ = reference.attention(q[qs], k[ks], v[ks], np.arange(length - n, length),
+                                          sm_scale=sm_scale, sinks=sinks)  # fmt: skip
+            np.testing.assert_allclose(o[qs], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention-sink variant"):
+        pagedkv.BatchPrefillWithRaggedKVCacheWrapper(jit_args=SINK_JIT_ARGS[:11] + ("Other", ""))
+    plain = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+    plain.plan(qo_indptr, kv_indptr, HQ, HKV, D)
+    with pytest.raises(TypeError, match="sink variant's jit_args|attention-sink"):
+        plain.run(q, k, v, sinks, 0.1)
+
+
 def test_sink_wrapper_takes_sink_and_scale_with_each_run():
     batch, pool, q, sinks = case(4, [33, 64], [3, 64])
     w = pagedkv.BatchAttentionWithAttentionSinkWrapper(None, "NHD", head_dim_qk=D, head_dim_vo=D)

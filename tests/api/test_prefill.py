@@ -228,8 +228,8 @@ def test_prefill_bad_input():
     table = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
         pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", True)
-    with pytest.raises(ValueError, match="no fa3 kernel"):
-        pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    with pytest.raises(ValueError, match="no cudnn kernel"):
+        pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="cudnn")
     w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, backend="fa2")
     with pytest.raises(ValueError, match="never decrease"):
         w.plan(np.array([0, 11, 10], np.int32), *table, 4, 2, 64, 16)
