@@ -3,7 +3,7 @@
 
     python benchmarks/serve_vs_llamacpp.py [--servers pagedkv-f32,pagedkv-bf16,llamacpp]
         [--workloads one-client,32-clients,shared-prefix] [--quick] [--json PATH]
-        [--llama-server PATH | --build-llama] [--time-limit 300]
+        [--llama-server PATH | --build-llama] [--time-limit 300] [--rounds 1]
 
 Each server runs alone (a subprocess on a loopback port, stopped before the
 next starts): each `pagedkv serve` variant (a row of PAGEDKV_VARIANTS: extra
@@ -28,7 +28,9 @@ inter-token latency the gaps between chunks with text. Prints one markdown
 table (rows: workloads, columns: servers, then each pagedkv variant's figure
 divided by llama.cpp's), after the CPU, its ISA flags, llama.cpp's version
 and the date. A server that does not start is a failed column, not a crash.
-`--quick` is a smoke run with small counts.
+`--quick` is a smoke run with small counts. `--rounds N` runs every
+server N times, alternating, and shows the medians, then each round's
+tokens/s ratio (this host's neighbours move a row by 10-20% between runs).
 
 The header names the code path each side runs: the ISA pagedkv's kernels
 were compiled for (the host's, or PAGEDKV_CPU_TARGET's) and how llama.cpp
@@ -520,6 +522,52 @@ def format_table(header: list[str], results: dict, workloads: list[Workload]) ->
     return "\n".join(lines + [""] + notes)
 
 
+MEDIAN_KEYS = ("seconds", "tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+"""A workload's figures that `median_result` takes the median of."""
+
+
+def median_result(runs: list[dict]) -> dict:
+    """One server's rounds as one result: each workload's figures the
+    median over the rounds that ran it (None where one of them has none),
+    its failures and token counts those of all rounds together."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = {"command": runs[0]["command"], "workloads": {}, "load_before": {}}
+    failures = [r["failed"] for r in runs if "failed" in r]
+    if failures:
+        merged["failed"] = "; ".join(failures)
+    for name in runs[0]["workloads"]:
+        done = [r["workloads"][name] for r in runs if name in r["workloads"]]
+        w = dict(done[0])
+        for key in MEDIAN_KEYS:
+            values = [d[key] for d in done]
+            w[key] = None if None in values else float(np.median(values))
+        w["finished"] = min(d["finished"] for d in done)
+        w["time_limit_hit"] = any(d["time_limit_hit"] for d in done)
+        w["errors"] = sum(d["errors"] for d in done)
+        w["token_count_mismatches"] = [x for d in done for x in d["token_count_mismatches"]]
+        merged["workloads"][name] = w
+        merged["load_before"][name] = max(r["load_before"].get(name, 0.0) for r in runs)
+    return merged
+
+
+def round_ratios(rounds: dict[str, list[dict]], workloads: list[Workload]) -> str:
+    """Each round's tokens/s of every pagedkv column over llama.cpp's, per
+    workload: how far the host moved the ratio between rounds."""
+    if LLAMACPP not in rounds:
+        return ""
+    lines = ["Tokens/s ratios by round (pagedkv / llama.cpp):"]
+    for name in (n for n in rounds if n != LLAMACPP):
+        for w in workloads:
+            ratios = []
+            for ours, theirs in zip(rounds[name], rounds[LLAMACPP], strict=True):
+                a = ours["workloads"].get(w.name, {}).get("tokens_per_s")
+                b = theirs["workloads"].get(w.name, {}).get("tokens_per_s")
+                ratios.append(f"{a / b:.2f}x" if a and b else "-")
+            lines.append(f"- {name}, {w.name}: {', '.join(ratios)}")
+    return "\n".join(lines)
+
+
 def llama_template_args(gguf: Path) -> list[str]:
     """llama-server flags that give it pagedkv's chat template where the
     GGUF carries none (Gemma's turn format): the same prompts on both sides.
@@ -565,6 +613,13 @@ def _parser() -> argparse.ArgumentParser:
         "--llama-args",
         default="",
         help="extra llama-server flags after -np 32 -c 65536, one string (e.g. '--poll 0')",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times, alternating (the table shows medians, and "
+        "each round's tokens/s ratio follows it; default %(default)s)",
     )
     parser.add_argument(
         "--keep-logs", action="store_true", help="keep the servers' output in temporary files"
@@ -615,18 +670,28 @@ def main() -> int:
     ]
     print("\n".join(header), flush=True)
 
-    results = {}
+    commands = {}
     for name in servers:
         if name == LLAMACPP:
             extra = LLAMA_ARGS + llama_template_args(gguf) + shlex.split(args.llama_args)
-            command = llama_server_command(llama, gguf, threads, *extra)
+            commands[name] = llama_server_command(llama, gguf, threads, *extra)
         else:
             extra = PAGEDKV_VARIANTS[name] + shlex.split(args.pagedkv_args)
-            command = pagedkv_serve_command("--model", args.model, *extra)
-        results[name] = run_server(name, command, workloads, args.keep_logs)
+            commands[name] = pagedkv_serve_command("--model", args.model, *extra)
+    rounds: dict[str, list[dict]] = {name: [] for name in servers}
+    for r in range(args.rounds):
+        # Every other round runs the servers in reverse, so that a machine
+        # that drifts over the run favours none of them.
+        for name in servers if r % 2 == 0 else servers[::-1]:
+            if args.rounds > 1:
+                print(f"\nround {r + 1} of {args.rounds}", end="", flush=True)
+            rounds[name].append(run_server(name, commands[name], workloads, args.keep_logs))
+    results = {name: median_result(runs) for name, runs in rounds.items()}
 
     print()
     print(format_table(header, results, workloads))
+    if args.rounds > 1:
+        print(round_ratios(rounds, workloads))
     if args.json:
         record = {
             "cpu": cpu,
@@ -635,6 +700,7 @@ def main() -> int:
             "header": header,
             "workloads": [asdict(w) for w in workloads],
             "servers": results,
+            "rounds": rounds,
         }
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"\nwrote {args.json}")
