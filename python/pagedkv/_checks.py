@@ -175,7 +175,6 @@ GPU_ONLY_OPTIONS = {
     "o_sf_vec_size": None,
     "skip_softmax_threshold_scale_factor": None,
     "kv_cache_sf": None,
-    "mask": None,
     "enable_block_sparse_attention": False,
     "cp_world": 1,
     "causal_seqlens_kv_global": None,

@@ -10,9 +10,11 @@ pagedkv's decode and prefill wrappers. The attention scale comes fused, as in
 FlashInfer: ``bmm1_scale = q_scale * k_scale * sm_scale`` and ``bmm2_scale =
 v_scale / o_scale``. Speculative decode (``q_len_per_req > 1``, or
 variable query lengths through ``cum_seq_lens_q``) is causal, aligned to the
-end of each sequence; sinks are gpt-oss's (pagedkv.attention_sinks). What
-only the GPU kernels do (NVFP4 outputs, block sparsity, context parallelism,
-separate K and V page tables) raises before anything is written.
+end of each sequence, or with XQA's full draft ``mask`` not causal among the
+draft tokens (`draft_mask_is_causal`); sinks are gpt-oss's
+(pagedkv.attention_sinks). What only the GPU kernels do (NVFP4 outputs,
+block sparsity, context parallelism, separate K and V page tables, tree
+draft masks) raises before anything is written.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_float, host_int_array, refuse_gpu_only
-from ._ops.tensors import Array
+from ._ops.tensors import Array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -35,6 +37,32 @@ def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
         raise ValueError(f"{function}: separate K and V page tables are not supported")
     if options.get("out_dtype") == "nvfp4":
         raise ValueError(f"{function}: NVFP4 output is not supported")
+
+
+def draft_mask_is_causal(mask: Array, q_lens: np.ndarray) -> bool:
+    """Reads FlashInfer's packed speculative-decode mask [B, q_len, words]
+    (bit j of row i, little-endian in uint16 or uint32 words: draft token i
+    sees draft token j; every earlier token is seen): True for the causal
+    mask (j <= i), False for the full one, ValueError for any other (tree
+    masks are not supported). q_lens [B]: each request's draft tokens."""
+    bits = to_host_numpy(mask)
+    if bits.ndim != 3 or bits.dtype.kind not in "iu" or bits.shape[0] != len(q_lens):
+        raise ValueError(f"mask must be [B, q_len, words] of integers, got {bits.shape}")
+    if len(q_lens) and (
+        bits.shape[1] < q_lens.max() or bits.shape[2] * bits.itemsize * 8 < q_lens.max()
+    ):
+        raise ValueError(f"mask {bits.shape} is too small for {q_lens.max()} draft tokens")
+    bits = np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=-1, bitorder="little")
+    kinds = set()
+    for b, n in enumerate(q_lens):
+        block = bits[b, :n, :n].astype(bool)
+        lower = np.tril(np.ones((n, n), bool))
+        kinds.add("causal" if np.array_equal(block, lower) else "full" if block.all() else "other")
+    if "other" in kinds or len(kinds) > 1:
+        raise ValueError(
+            "mask: only the causal or the full draft mask is supported (not tree masks)"
+        )
+    return kinds != {"full"}
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -162,10 +190,16 @@ def trtllm_batch_decode_with_kv_cache(
 
     q_len_per_req > 1, or cum_seq_lens_q [B + 1] with max_q_len for ragged
     query counts, is speculative decode: each request's queries are its
-    last tokens, causal. bmm1_scale_log2, given, replaces bmm1_scale
-    (``bmm1_scale * log2(e)``). max_seq_len, enable_pdl, backend, o_scale
-    (must be 1) and cp_rank are accepted and read no further. Returns the
-    output (out when given), and its lse [tokens, Hq] with return_lse or lse.
+    last tokens, causal; mask [B, q_len, words], FlashInfer's packed draft
+    mask, may say causal or full (no mask among the drafts), nothing else.
+    bmm1_scale_log2, given, replaces bmm1_scale (``bmm1_scale * log2(e)``).
+    o_scale (positive) is checked and read no further: FlashInfer's kernels
+    split the output's factor between it and bmm2_scale, whose product with
+    1 / o_scale they store, the same number. max_seq_len, enable_pdl,
+    backend and cp_rank are accepted and read no further.
+    multi_ctas_kv_counter_buffer is checked as FlashInfer checks it and left
+    as it is (pagedkv's kernels count nothing). Returns the output (out when
+    given), and its lse [tokens, Hq] with return_lse or lse.
 
     Examples
     --------
@@ -183,8 +217,8 @@ def trtllm_batch_decode_with_kv_cache(
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[1], query
     )
-    if o_scale not in (None, 1.0):
-        raise ValueError("o_scale must be 1.0 (it belongs to XQA's float8 output)")
+    if o_scale is not None:
+        check_float("o_scale", o_scale, positive=True)
     sm_scale = (
         _scalar("bmm1_scale", bmm1_scale)
         if bmm1_scale_log2 is None
@@ -195,10 +229,18 @@ def trtllm_batch_decode_with_kv_cache(
     qo_indptr = (
         None if cum_seq_lens_q is None else host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1)
     )
+    q_len = q_len_per_req or 1
+    causal = True
+    if mask is not None:
+        batch = len(seq_lens)
+        q_lens = np.full(batch, q_len) if qo_indptr is None else np.diff(qo_indptr)
+        causal = draft_mask_is_causal(mask, q_lens)
+        if not causal and qo_indptr is None:
+            qo_indptr = np.arange(batch + 1) * q_len  # the prefill kernel's non-causal form
     result = _paged_attention(
         "trtllm_batch_decode_with_kv_cache", query, kv_cache, workspace_buffer,
-        block_tables, seq_lens, qo_indptr, q_len_per_req or 1, sm_scale,
-        _scalar("bmm2_scale", bmm2_scale), True, window_left, kv_layout, out, lse,
+        block_tables, seq_lens, qo_indptr, q_len, sm_scale,
+        _scalar("bmm2_scale", bmm2_scale), causal, window_left, kv_layout, out, lse,
         return_lse or lse is not None, sinks,
     )  # fmt: skip
     return _finish(result, out_dtype, return_lse or lse is not None)
@@ -241,7 +283,7 @@ def xqa_batch_decode_with_kv_cache(
     return trtllm_batch_decode_with_kv_cache(
         query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len,
         bmm1_scale, bmm2_scale, window_left, out, sinks=sinks, kv_layout=kv_layout,
-        q_len_per_req=q_len_per_req, o_scale=o_scale, cum_seq_lens_q=q_cu_seq_lens,
+        q_len_per_req=q_len_per_req, o_scale=o_scale, mask=mask, cum_seq_lens_q=q_cu_seq_lens,
         max_q_len=max_seq_len if ragged else None,
     )  # fmt: skip
 
@@ -283,8 +325,11 @@ def trtllm_batch_context_with_kv_cache(
     queries' own included), FlashInfer 0.7's signature (module docstring).
 
     causal aligns each request's queries to the end of its sequence.
-    cum_seq_lens_kv must agree with seq_lens; batch_size with B; max_q_len,
-    max_kv_len, enable_pdl and backend are accepted and read no further.
+    batch_size must be B and cum_seq_lens_kv have B + 1 entries, not read
+    further: the pages and lengths come from block_tables and seq_lens, as
+    FlashInfer's kernel reads them (its own tests pass page counts there).
+    max_q_len, max_kv_len, enable_pdl and backend are accepted and read no
+    further.
 
     Examples
     --------
@@ -300,8 +345,8 @@ def trtllm_batch_context_with_kv_cache(
     _refuse_gpu_only("trtllm_batch_context_with_kv_cache", dict(locals()))
     lens = host_int_array("seq_lens", seq_lens, 1)
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
-    if batch_size != lens.shape[0] or not np.array_equal(np.diff(kv_indptr), lens):
-        raise ValueError("batch_size and cum_seq_lens_kv must agree with seq_lens")
+    if batch_size != lens.shape[0] or kv_indptr.shape[0] != batch_size + 1:
+        raise ValueError("batch_size and cum_seq_lens_kv [B + 1] must agree with seq_lens [B]")
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, batch_size, query.shape[1], query
     )

@@ -99,6 +99,40 @@ def test_xqa_decode_equals_reference():
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def packed_draft_mask(rows: np.ndarray) -> torch.Tensor:
+    """FlashInfer's packed draft mask of bool rows [B, q, q]: bit j of row i
+    in little-endian uint32 words, handed over as uint16 (its tests' form)."""
+    batch, q_len, _ = rows.shape
+    padded = np.zeros((batch, q_len, -(-q_len // 32) * 32), bool)
+    padded[..., :q_len] = rows
+    return torch.from_numpy(np.packbits(padded, axis=-1, bitorder="little").view(np.uint16))
+
+
+@pytest.mark.parametrize("kind", ["causal", "full"])
+def test_xqa_draft_mask_causal_or_full_and_any_o_scale(kind):
+    """XQA's speculative-decode mask: causal draft rows, or full ones (every
+    draft sees every draft); o_scale leaves the stored output bmm2 x attention."""
+    seq_lens, q_len = [40, 70], 3
+    q, cache, table = make_case(8, "NHD", seq_lens, [q_len, q_len])
+    rows = (
+        np.tril(np.ones((q_len, q_len), bool))
+        if kind == "causal"
+        else np.ones((q_len, q_len), bool)
+    )
+    o = pagedkv.xqa_batch_decode_with_kv_cache(
+        q, cache, None, table, torch.tensor(seq_lens), 70, bmm1_scale=0.1, bmm2_scale=0.5,
+        q_len_per_req=q_len, o_scale=0.7, mask=packed_draft_mask(np.stack([rows, rows])),
+    )  # fmt: skip
+    want = reference(q, cache, "NHD", table, seq_lens, [q_len] * 2, 0.1, 0.5, kind == "causal", -1)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+    tree = np.stack([rows, np.eye(q_len, dtype=bool)])
+    with pytest.raises(ValueError, match="tree masks"):
+        pagedkv.xqa_batch_decode_with_kv_cache(
+            q, cache, None, table, torch.tensor(seq_lens), 70, q_len_per_req=q_len,
+            mask=packed_draft_mask(tree),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_trtllm_context_equals_reference(causal):
     seq_lens, q_lens = [50, 17, 8], [50, 5, 8]
