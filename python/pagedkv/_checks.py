@@ -189,10 +189,25 @@ outputs, skip-softmax sparsity, float16 softmax, block sparsity, context
 parallelism, ...), each at the value that leaves it off."""
 
 
-def refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
+APPROXIMATIONS = ("skip_softmax_threshold_scale_factor",)
+"""GPU_ONLY_OPTIONS that only trade accuracy for speed: a call that takes
+them (the block-table calls, as FlashInfer's trtllm-gen kernels do) computes
+their exact limit, skipping nothing."""
+
+
+def refuse_gpu_only(
+    function: str, options: dict[str, Any], approximations: tuple[str, ...] = ()
+) -> None:
     """Raises ValueError naming the GPU_ONLY_OPTIONS among options that are
     not at their off value (options a call's arguments by name; others are
-    ignored)."""
+    ignored). Those named in approximations (from APPROXIMATIONS) are taken
+    instead when they are finite non-negative numbers."""
+    for name in approximations:
+        value = options.get(name)
+        if value is not None:
+            if check_float(name, value.item() if hasattr(value, "item") else value) < 0:
+                raise ValueError(f"{function}: {name} must not be negative, got {value}")
+    options = {k: v for k, v in options.items() if k not in approximations}
 
     def off(name: str, value: Any) -> bool:
         default = GPU_ONLY_OPTIONS[name]

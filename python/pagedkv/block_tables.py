@@ -14,7 +14,9 @@ end of each sequence, or with XQA's full draft ``mask`` not causal among the
 draft tokens (`draft_mask_is_causal`); sinks are gpt-oss's
 (pagedkv.attention_sinks). What only the GPU kernels do (NVFP4 outputs,
 block sparsity, context parallelism, separate K and V page tables, tree
-draft masks) raises before anything is written.
+draft masks) raises before anything is written. Skip-softmax sparsity
+(``skip_softmax_threshold_scale_factor``) trades accuracy for speed: it is
+taken, and the attention computed exactly, skipping nothing (its limit).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_float, host_int_array, refuse_gpu_only
+from ._checks import APPROXIMATIONS, check_float, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -32,7 +34,7 @@ from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
 def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
-    refuse_gpu_only(function, options)
+    refuse_gpu_only(function, options, APPROXIMATIONS)
     if options.get("uses_shared_paged_kv_idx", True) is not True:
         raise ValueError(f"{function}: separate K and V page tables are not supported")
     if options.get("out_dtype") == "nvfp4":

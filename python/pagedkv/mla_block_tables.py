@@ -22,9 +22,10 @@ and float8 queries, as FlashInfer's (an fp8 query is widened to bfloat16,
 a copy of the query, not of the cache); pagedkv also takes float16 and
 float32 queries, whose outputs keep their dtype. What only FlashInfer's GPU
 kernels do (the no-rope sparse kernel's per-row lengths, context
-parallelism, skip-softmax, float16 softmax) raises ValueError before anything
-is written. ``workspace_buffer`` is neither read nor written: FlashInfer's
-kernels lay it out as their own, and the wrapper keeps its scratch apart.
+parallelism, float16 softmax) raises ValueError before anything is written;
+skip-softmax sparsity is taken and computed exactly (skipping nothing).
+``workspace_buffer`` is neither read nor written: FlashInfer's kernels lay
+it out as their own, and the wrapper keeps its scratch apart.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from ._checks import check_float, check_int, check_output, host_int_array, refuse_gpu_only
+from ._checks import (
+    APPROXIMATIONS,
+    check_float,
+    check_int,
+    check_output,
+    host_int_array,
+    refuse_gpu_only,
+)
 from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous, is_torch
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.plan import FP8_DTYPES
@@ -50,7 +58,8 @@ LSE_BASES = (None, "base2", "basee")
 def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
     """Raises ValueError for the options only FlashInfer's GPU kernels take,
     or a backend name it does not have."""
-    refuse_gpu_only(function, {**options, "use_fp16_softmax": bool(options["use_fp16_softmax"])})
+    options = {**options, "use_fp16_softmax": bool(options["use_fp16_softmax"])}
+    refuse_gpu_only(function, options, APPROXIMATIONS)
     mla_only = {
         "sparse_mla_top_k_lens": options["sparse_mla_top_k_lens"] is not None,
         "enable_dcp": bool(options["enable_dcp"]),
@@ -351,8 +360,10 @@ def trtllm_batch_decode_with_kv_cache_mla(
         0, or the width of block_tables' sparse rows (module docstring):
         query i of n in a request of L tokens attends the first L - n + i + 1
         entries of its row (negative ones skipped).
+    skip_softmax_threshold_scale_factor : float, optional
+        Skip-softmax sparsity: taken, nothing skipped (exact attention).
     sparse_mla_top_k_lens, enable_dcp, cp_world, causal_seqlens_kv_global,
-    skip_softmax_threshold_scale_factor, use_fp16_softmax
+    use_fp16_softmax
         GPU-only: refused unless off.
     multi_ctas_kv_counter_buffer : optional
         FlashInfer's trtllm-gen counters: checked as FlashInfer checks them

@@ -93,7 +93,8 @@ def test_trtllm_mla_decode_equals_reference(q_len, four_d):
 
 def test_ragged_queries_sinks_natural_lse_and_given_buffers():
     """cum_seq_lens_q with a max_q_len above the longest; sinks as a list of
-    one tensor (trtllm-gen's form); out and a [tokens, H] lse filled in place."""
+    one tensor (trtllm-gen's form); out and a [tokens, H] lse filled in place;
+    skip-softmax taken and nothing skipped (exact attention)."""
     seq_lens, q_lens = [50, 9, 33], [2, 1, 4]
     q, cache, table = make_case(2, seq_lens, 1)
     gen = torch.Generator().manual_seed(3)
@@ -104,7 +105,7 @@ def test_ragged_queries_sinks_natural_lse_and_given_buffers():
     o, lse_out = decode(
         rows, cache, table, seq_lens, out=out, lse=lse, return_lse=True, bmm1_scale=0.1,
         sinks=[sinks], cum_seq_lens_q=torch.tensor([0, 2, 3, 7], dtype=torch.int32),
-        max_q_len=5, return_lse_base="basee",
+        max_q_len=5, return_lse_base="basee", skip_softmax_threshold_scale_factor=0.5,
     )  # fmt: skip
     assert o is out and lse_out is lse
     want_o, want_lse = reference(rows, cache, table, seq_lens, q_lens, 0.1, 1.0, sinks)
@@ -189,7 +190,7 @@ REFUSED = [
     (dict(sparse_mla_top_k_lens=torch.ones(2, dtype=torch.int32)), ValueError, "top_k_lens"),
     (dict(enable_dcp=True), ValueError, "enable_dcp"),
     (dict(cp_world=2), ValueError, "cp_world"),
-    (dict(skip_softmax_threshold_scale_factor=1e-3), ValueError, "skip_softmax"),
+    (dict(skip_softmax_threshold_scale_factor=-1.0), ValueError, "skip_softmax"),
     (dict(use_fp16_softmax=True), ValueError, "use_fp16_softmax"),
     (dict(multi_ctas_kv_counter_buffer=torch.zeros(4, dtype=torch.uint8)), ValueError, "small"),
     (dict(backend="cake"), ValueError, "backend"),
