@@ -12,9 +12,14 @@ v_scale / o_scale``. Speculative decode (``q_len_per_req > 1``, or
 variable query lengths through ``cum_seq_lens_q``) is causal, aligned to the
 end of each sequence, or with XQA's full draft ``mask`` not causal among the
 draft tokens (`draft_mask_is_causal`); sinks are gpt-oss's
-(pagedkv.attention_sinks). What only the GPU kernels do (NVFP4 outputs,
-block sparsity, context parallelism, separate K and V page tables, tree
-draft masks) raises before anything is written. Skip-softmax sparsity
+(pagedkv.attention_sinks). An fp8 query is widened to bfloat16 (a copy of
+the query, not of the cache) and the output written in ``out_dtype``, else
+``out``'s dtype, else the query's, as FlashInfer's. TRT-LLM's separate K and
+V page tables are taken where they agree or describe its interleaved pool
+(`_shared_page_table`). ``workspace_buffer`` is neither read nor written
+(FlashInfer's kernels lay it out as their own). What only the GPU kernels
+do (NVFP4 outputs, block sparsity, context parallelism, other separate K
+and V tables, tree draft masks) raises before anything is written. Skip-softmax sparsity
 (``skip_softmax_threshold_scale_factor``) trades accuracy for speed: it is
 taken, and the attention computed exactly, skipping nothing (its limit).
 """
@@ -27,16 +32,15 @@ from typing import Any
 import numpy as np
 
 from ._checks import APPROXIMATIONS, check_float, host_int_array, refuse_gpu_only
-from ._ops.tensors import Array, to_host_numpy
+from ._ops.tensors import Array, dtype_of, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
+from ._plan.plan import FP8_DTYPES
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
 def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
     refuse_gpu_only(function, options, APPROXIMATIONS)
-    if options.get("uses_shared_paged_kv_idx", True) is not True:
-        raise ValueError(f"{function}: separate K and V page tables are not supported")
     if options.get("out_dtype") == "nvfp4":
         raise ValueError(f"{function}: NVFP4 output is not supported")
 
@@ -90,62 +94,122 @@ def _cache_geometry(kv_cache: Any, kv_layout: str) -> tuple[int, int, int]:
     return (a, b, head_dim) if kv_layout == "NHD" else (b, a, head_dim)
 
 
+def widened_query(query: Array) -> Array:
+    """An fp8 query as bfloat16 (pagedkv's kernels take fp8 caches beside a
+    16-bit q: a copy of the query, never of the cache); any other as it is."""
+    if dtype_of(query) not in FP8_DTYPES:
+        return query
+    import torch
+
+    return query.to(torch.bfloat16)
+
+
+def _shared_page_table(
+    kv_cache: Any, block_tables: Array, seq_lens: Array, page_size: int, shared: bool
+) -> tuple[Any, Any]:
+    """(cache, [B, max_pages] table) for pagedkv's one page table of K and V.
+    TRT-LLM's separate tables [B, 2, max_pages] (K's row, V's row) are taken
+    when the rows agree, or in its interleaved pool: one tensor [2N, ...]
+    whose K page p is row 2p and V page p row 2p + 1, a (pool, pool) pair
+    read as the one-tensor cache [N, 2, ...] (a view) with table K // 2."""
+    if len(block_tables.shape) != (2 if shared else 3):
+        raise ValueError(
+            "separate K and V page tables (uses_shared_paged_kv_idx=False) come as"
+            " block_tables [B, 2, max_pages], a shared one as [B, max_pages]"
+        )
+    if shared:
+        return kv_cache, block_tables
+    table = host_int_array("block_tables", block_tables, 3)
+    lens = host_int_array("seq_lens", seq_lens, 1)
+    if table.shape[1] != 2 or table.shape[0] != lens.shape[0]:
+        raise ValueError(
+            f"block_tables must be [B, max_pages] or [B, 2, max_pages], got {table.shape}"
+        )
+    used = np.arange(table.shape[2])[None, :] < -(-lens[:, None] // page_size)
+    k_rows, v_rows = table[:, 0], table[:, 1]
+    if np.array_equal(k_rows[used], v_rows[used]):
+        return kv_cache, k_rows
+    pool = kv_cache[0] if isinstance(kv_cache, (tuple, list)) else None
+    interleaved = (
+        pool is not None
+        and kv_cache[1] is pool
+        and pool.shape[0] % 2 == 0
+        and (k_rows[used] % 2 == 0).all()
+        and np.array_equal(v_rows[used], k_rows[used] + 1)
+    )
+    if not interleaved:
+        raise ValueError(
+            "separate K and V page tables are taken when their rows agree, or as TRT-LLM's"
+            " interleaved pool (one tensor, K page 2p, V page 2p + 1)"
+        )
+    try:
+        cache = pool.view(pool.shape[0] // 2, 2, *pool.shape[1:])
+    except RuntimeError:
+        raise ValueError("the interleaved K/V pool must be contiguous across pages") from None
+    return cache, np.where(used, k_rows // 2, 0)
+
+
 def _paged_attention(
     function: str,
     query: Array,
     kv_cache: Any,
-    workspace_buffer: Array,
     block_tables: Array,
     seq_lens: Array,
     qo_indptr: np.ndarray | None,
     q_len_per_req: int,
-    sm_scale: float,
-    v_scale: float,
+    scales: tuple[float, float],
     causal: bool,
     window_left: int,
     kv_layout: str,
-    out: Array | None,
-    lse: Array | None,
-    return_lse: bool,
+    outputs: tuple[Array | None, Any, Array | None],
     sinks: Any,
-) -> Any:
+    shared: bool,
+) -> tuple[Array, Array]:
     """One plan and run: the decode wrapper for uniform query lengths, the
-    causal prefill wrapper for ragged ones (qo_indptr)."""
+    prefill wrapper for ragged ones (qo_indptr), on an fp8 query widened to
+    bfloat16. outputs: (out, out_dtype, lse) as the caller gave them; the
+    output comes back in out_dtype (else out's, else the query's), in out
+    when given, beside the lse (the caller's, filled, when given)."""
+    page_size = _cache_geometry(kv_cache, kv_layout)[0]
+    kv_cache, block_tables = _shared_page_table(kv_cache, block_tables, seq_lens, page_size, shared)
     page_size, num_kv_heads, head_dim = _cache_geometry(kv_cache, kv_layout)
     table = csr_from_block_tables(block_tables, seq_lens, page_size)
-    if query.ndim != 3:
+    if len(query.shape) != 3:
         raise ValueError(f"{function}: query must be [tokens, num_qo_heads, head_dim]")
+    out, out_dtype, lse = outputs
+    want = out_dtype if out_dtype is not None else out.dtype if out is not None else query.dtype
+    query = widened_query(query)
+    direct = out if out is not None and out.dtype == query.dtype else None
     kv_dtype = (kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache).dtype
     geometry = (query.shape[1], num_kv_heads, head_dim, page_size)
+    sm_scale, v_scale = scales
+    # FlashInfer's kernels lay the workspace out as their own: the wrappers
+    # keep their scratch apart (no workspace).
     if qo_indptr is None:
         wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            workspace_buffer, kv_layout, use_tensor_cores=q_len_per_req > 1
+            None, kv_layout, use_tensor_cores=q_len_per_req > 1
         )
         wrapper.plan(
             table.indptr, table.indices, table.last_page_len, *geometry,
             window_left=window_left, sm_scale=sm_scale, q_data_type=query.dtype,
             kv_data_type=kv_dtype, q_len_per_req=q_len_per_req,
         )  # fmt: skip
-        return wrapper.run(
-            query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse, sinks=sinks
-        )
-    wrapper = BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, kv_layout)
-    wrapper.plan(
-        qo_indptr, table.indptr, table.indices, table.last_page_len, *geometry,
-        causal=causal, sm_scale=sm_scale, window_left=window_left,
-        q_data_type=query.dtype, kv_data_type=kv_dtype,
-    )  # fmt: skip
-    return wrapper.run(
-        query, kv_cache, v_scale=v_scale, return_lse=return_lse, out=out, lse=lse, sinks=sinks
+    else:
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(None, kv_layout)
+        wrapper.plan(
+            qo_indptr, table.indptr, table.indices, table.last_page_len, *geometry,
+            causal=causal, sm_scale=sm_scale, window_left=window_left,
+            q_data_type=query.dtype, kv_data_type=kv_dtype,
+        )  # fmt: skip
+    o, lse = wrapper.run(
+        query, kv_cache, v_scale=v_scale, return_lse=True, out=direct, lse=lse, sinks=sinks
     )
-
-
-def _finish(result: Any, out_dtype: Any, return_lse: bool) -> Any:
-    """The output cast to out_dtype (when another is asked for) beside its lse."""
-    o, lse = result if return_lse else (result, None)
-    if out_dtype is not None and out_dtype != o.dtype:
-        o = o.to(out_dtype) if hasattr(o, "to") else o.astype(out_dtype)
-    return (o, lse) if return_lse else o
+    if o.dtype != want:
+        o = o.to(want) if hasattr(o, "to") else o.astype(want)
+    if out is not None and o is not out:
+        out[...] = o
+        o = out
+    return o, lse
 
 
 def trtllm_batch_decode_with_kv_cache(
@@ -201,7 +265,8 @@ def trtllm_batch_decode_with_kv_cache(
     backend and cp_rank are accepted and read no further.
     multi_ctas_kv_counter_buffer is checked as FlashInfer checks it and left
     as it is (pagedkv's kernels count nothing). Returns the output (out when
-    given), and its lse [tokens, Hq] with return_lse or lse.
+    given), and its lse [tokens, Hq] with return_lse; a given lse is filled
+    either way.
 
     Examples
     --------
@@ -239,13 +304,12 @@ def trtllm_batch_decode_with_kv_cache(
         causal = draft_mask_is_causal(mask, q_lens)
         if not causal and qo_indptr is None:
             qo_indptr = np.arange(batch + 1) * q_len  # the prefill kernel's non-causal form
-    result = _paged_attention(
-        "trtllm_batch_decode_with_kv_cache", query, kv_cache, workspace_buffer,
-        block_tables, seq_lens, qo_indptr, q_len, sm_scale,
-        _scalar("bmm2_scale", bmm2_scale), causal, window_left, kv_layout, out, lse,
-        return_lse or lse is not None, sinks,
+    o, lse = _paged_attention(
+        "trtllm_batch_decode_with_kv_cache", query, kv_cache, block_tables, seq_lens,
+        qo_indptr, q_len, (sm_scale, _scalar("bmm2_scale", bmm2_scale)), causal,
+        window_left, kv_layout, (out, out_dtype, lse), sinks, uses_shared_paged_kv_idx,
     )  # fmt: skip
-    return _finish(result, out_dtype, return_lse or lse is not None)
+    return (o, lse) if return_lse else o
 
 
 def xqa_batch_decode_with_kv_cache(
@@ -352,10 +416,10 @@ def trtllm_batch_context_with_kv_cache(
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, batch_size, query.shape[1], query
     )
-    result = _paged_attention(
-        "trtllm_batch_context_with_kv_cache", query, kv_cache, workspace_buffer,
-        block_tables, lens, host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
-        _scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale), causal,
-        window_left, kv_layout, out, lse, return_lse or lse is not None, sinks,
+    o, lse = _paged_attention(
+        "trtllm_batch_context_with_kv_cache", query, kv_cache, block_tables, lens,
+        host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
+        (_scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale)), causal,
+        window_left, kv_layout, (out, out_dtype, lse), sinks, uses_shared_paged_kv_idx,
     )  # fmt: skip
-    return _finish(result, out_dtype, return_lse or lse is not None)
+    return (o, lse) if return_lse else o

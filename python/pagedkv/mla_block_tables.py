@@ -47,6 +47,7 @@ from ._checks import (
 from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous, is_torch
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.plan import FP8_DTYPES
+from .block_tables import widened_query
 from .mla import BatchMLAPagedAttentionWrapper
 
 MLA_BLOCK_TABLE_BACKENDS = ("auto", "trtllm-gen", "cute-dsl", "xqa")
@@ -157,15 +158,6 @@ def _kernel_q_dtype(q_dtype: DType) -> DType:
     return DType.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
 
 
-def _widened(rows: Array) -> Array:
-    """rows in `_kernel_q_dtype` (a copy of an fp8 query; others as they are)."""
-    if dtype_of(rows) not in FP8_DTYPES:
-        return rows
-    import torch
-
-    return rows.to(torch.bfloat16)
-
-
 def _checked_lse(lse: Array | None, tokens: int, heads: int, device: Any) -> Array | None:
     """The caller's lse as [tokens, H] rows: FlashInfer takes [tokens, H] or
     [B, q_len, H] float32, contiguous."""
@@ -242,7 +234,7 @@ def _mla_paged_attention(
     cache = _packed_cache(kv_cache, width)
     lens = host_int_array("seq_lens", seq_lens, 1)
     rows, qo_indptr = _query_rows(query, width, len(lens), cum_seq_lens_q, max_q_len)
-    rows = _widened(rows)
+    rows = widened_query(rows)
     tokens, heads = int(rows.shape[0]), int(rows.shape[1])
     if sparse_top_k:
         qo_indptr, kv_indptr, kv_indices, kv_lens = _sparse_table(

@@ -99,6 +99,34 @@ def test_xqa_decode_equals_reference():
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def test_trtllm_interleaved_kv_pool_fp8_query_and_a_given_lse():
+    """TRT-LLM's separate K and V tables over its interleaved pool (K page
+    2p, V page 2p + 1: the one-tensor cache seen whole); an fp8 query and
+    cache, the output in the query's dtype unless out_dtype says otherwise;
+    a given lse filled without return_lse (only o returned)."""
+    seq_lens = [37, 16, 70]
+    q, cache, table = make_case(9, "HND", seq_lens, [1, 1, 1])
+    pool = cache.reshape(cache.shape[0] * 2, *cache.shape[2:])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    lse = torch.full((3, q.shape[1]), float("nan"))
+    o = pagedkv.trtllm_batch_decode_with_kv_cache(
+        q, (pool, pool), None, torch.stack([2 * table, 2 * table + 1], dim=1), lens, 80,
+        bmm1_scale=0.1, uses_shared_paged_kv_idx=False, lse=lse,
+    )  # fmt: skip
+    want = reference(q, cache, "HND", table, seq_lens, [1, 1, 1], 0.1, 1.0, True, -1)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+    assert torch.isfinite(lse).all()
+    q8, cache8 = q.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn)
+    want8 = reference(q8.float(), cache8.float(), "HND", table, seq_lens, [1] * 3, 0.1, 1.0,
+                      True, -1)  # fmt: skip
+    for out_dtype, tol in ((None, 0.1), (torch.bfloat16, 2e-2)):
+        o8 = pagedkv.trtllm_batch_decode_with_kv_cache(
+            q8, cache8, None, table, lens, 80, bmm1_scale=0.1, out_dtype=out_dtype
+        )
+        assert o8.dtype == (out_dtype or torch.float8_e4m3fn)
+        torch.testing.assert_close(o8.double(), want8, atol=tol, rtol=tol)
+
+
 def packed_draft_mask(rows: np.ndarray) -> torch.Tensor:
     """FlashInfer's packed draft mask of bool rows [B, q, q]: bit j of row i
     in little-endian uint32 words, handed over as uint16 (its tests' form)."""
