@@ -76,7 +76,10 @@ generation, (8, 0)."""
 
 DEVICE = re.compile(r"""(["'])cuda(:0)?\1""")
 DEVICE_INDEX = re.compile(r"\.to\(0\)")
-NEEDS_CUDA = re.compile(r"not compiled with CUDA|CUDA graph|torch\.cuda|cudaStream|CUDA driver")
+NEEDS_CUDA = re.compile(
+    r"not compiled with CUDA|CUDA graph|torch\.cuda|cudaStream|CUDA driver"
+    r"|Cannot access accelerator device|Expected a cuda device"
+)
 TOO_LARGE = re.compile(r"can't allocate memory|Unable to allocate")
 """A test whose own reference outgrows the --memory-cap (the tests are sized
 for a GPU's memory): the cap turns the OOM killer into this error."""
