@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._checks import INT32_MAX, as_int32_index, check_int, layout_code
+from ._checks import INT32_MAX, as_int32_index, check_int, layout_code, refuse_gpu_only
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
 from ._plan.block_tables import check_trtllm_table
@@ -438,6 +438,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         q_len_per_req: int | None = None,
         sinks: Array | None = None,
         kv_cache_sf: Array | Sequence[Array] | None = None,
+        skip_softmax_threshold_scale_factor: float | None = None,
     ) -> Array | tuple[Array, Array]:
         """Attention of q [B, num_qo_heads, head_dim] over the planned batch.
 
@@ -451,7 +452,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         ignored. sinks: float [Hq], a logit a head added to each
         softmax's denominator (pagedkv.attention_sinks). kv_cache_sf: an NVFP4 cache's block
         scales (pagedkv.nvfp4, planned with kv_data_type=uint8; k_scale /
-        v_scale its global scales).
+        v_scale its global scales). skip_softmax_threshold_scale_factor
+        names a GPU kernel variant and must stay None.
 
         Example
         -------
@@ -460,6 +462,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         del enable_pdl
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
+        refuse_gpu_only(
+            "run()", {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor}
+        )
         if kv_cache_sf is not None:
             plan = self._plan if self._multi is None else self._multi._plan
             assert plan is not None

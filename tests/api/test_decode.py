@@ -401,8 +401,8 @@ def test_decode_bad_input():
     q = rng.standard_normal((2, 4, 64), dtype=np.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="fast")
-    with pytest.raises(ValueError, match="no trtllm-gen kernel"):
-        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="trtllm-gen")
+    with pytest.raises(ValueError, match="no cudnn kernel"):
+        pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend="cudnn")
     with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
         pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", True)
     with pytest.raises(ValueError, match="page table is on the CPU"):

@@ -89,6 +89,21 @@ def test_decode_split_options_keep_the_result(split):
     assert np.diff(items).tolist() == want_items
 
 
+def test_decode_backend_trtllm_gen_is_auto():
+    """Code written for sm_100 asks the decode wrapper for "trtllm-gen": the
+    same kernel and numbers as "auto"; skip-softmax stays refused there."""
+    batch, pool, q = decode_case(3, lens=(70, 5))
+    outs = []
+    for backend in ("auto", "trtllm-gen"):
+        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", backend=backend)
+        w.plan(*table(batch), 8, 2, 64, 16)
+        outs.append(w.run(q, pool, skip_softmax_threshold_scale_factor=None))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[1], decode_reference(batch, pool, q)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="skip_softmax_threshold_scale_factor"):
+        w.run(q, pool, skip_softmax_threshold_scale_factor=0.1)
+
+
 def test_decode_with_several_query_tokens_per_request():
     """q_len_per_req = 3: each request's last 3 tokens attend causally."""
     batch, pool, _ = decode_case(3, lens=(40, 5))

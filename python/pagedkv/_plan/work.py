@@ -164,7 +164,7 @@ class AttentionOptions:
         return params
 
 
-DECODE_BACKENDS = ("auto", "generic", "tma", "mma", "fa2", "fa3")
+DECODE_BACKENDS = ("auto", "generic", "tma", "mma", "fa2", "fa3", "trtllm-gen")
 """GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/attention/gpu/sm90.mojo),
 "mma" its tensor-core form (gpu/tensor_core.mojo: q.K and p.V as mma.sync,
 16-bit q and cache of one dtype, head dims 64 and 128, up to 16 query heads
@@ -172,7 +172,8 @@ per KV head), "generic" the kernel for every GPU; "auto" runs the Hopper
 kernel where it applies (sm_90, the batch's dtypes and shape: the kernel
 decides) and the generic one elsewhere. FlashInfer's names run unchanged:
 "fa2" (its kernel for every GPU) is the generic kernel, "fa3" (its Hopper
-kernel) the Hopper one."""
+kernel) the Hopper one, "trtllm-gen" (its Blackwell kernel, which code
+written for sm_100 asks for) "auto"."""
 HOPPER_BACKENDS = ("tma", "mma", "fa3")
 MMA_MAX_GROUP = 16
 EXPERIMENTAL_KERNELS = "PAGEDKV_EXPERIMENTAL_KERNELS"
@@ -210,7 +211,7 @@ def decode_kernel(
     batch (the kernel checks its GPU and dtypes itself, and "auto" falls back
     there). page_size None: not known yet (a symbolic graph dimension)."""
     check_backend(backend, DECODE_BACKENDS)
-    if backend == "auto":
+    if backend in ("auto", "trtllm-gen"):
         return GPU_KERNEL_AUTO if is_gpu else GPU_KERNEL_GENERIC
     if backend in ("generic", "fa2"):
         return GPU_KERNEL_GENERIC
