@@ -170,6 +170,8 @@ def tile[
     # for PAIR_STEPS steps before widening them to int32 (add_pair_dot).
     comptime PAIRED = MADDUBS and BITS <= 6
     comptime PAIR_STEPS = pair_dot_steps(BITS)
+    # A group adds two steps (its low and high nibbles) before a widening.
+    comptime assert not PAIRED or PAIR_STEPS % 2 == 0, "pairs of steps fit"
     var blocks = x.blocks
     var k_dim = x.k_dim
     var scales = panel.unsafe_offset(blocks * CODE_BYTES)
