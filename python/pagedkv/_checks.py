@@ -269,20 +269,31 @@ class CacheGeometry:
         return [storage_view(x).reshape(x.shape[0], 1, *x.shape[1:]) for x in self.arrays]
 
 
+def _one_token_pages(x: Any, layout: int, rank: int) -> Any:
+    """x with the page dim of one token inserted (a view) when it has rank - 1
+    dims: P goes before H in NHD (layout 0), after it in HND; else x."""
+    if not (isinstance(x, np.ndarray) or is_torch(x)) or len(x.shape) != rank - 1:
+        return x
+    axis = -3 if layout == 0 else -2
+    return x.unsqueeze(axis) if is_torch(x) else np.expand_dims(x, axis)
+
+
 def cache_geometry(
     name: str, paged_kv_cache: Array | Sequence[Array], kv_layout: str, *, written: bool = True
 ) -> CacheGeometry:
     """Checks a pool and reads its geometry.
 
     paged_kv_cache: [pages, 2, P, H, D] (NHD) or [pages, 2, H, P, D] (HND), or a
-    (K, V) pair of [pages, P, H, D] / [pages, H, P, D] arrays. written: the
-    call writes the pool, so it must be writable (False for reads alone).
+    (K, V) pair of [pages, P, H, D] / [pages, H, P, D] arrays. Pages of one
+    token may leave out P, as FlashInfer takes them ([pages, 2, H, D], or
+    [pages, H, D] each): they are seen with it (a view). written: the call
+    writes the pool, so it must be writable (False for reads alone).
     """
     layout = layout_code(kv_layout)
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"{name} as a sequence must be a (k_cache, v_cache) pair")
-        arrays = tuple(paged_kv_cache)
+        arrays = tuple(_one_token_pages(x, layout, 4) for x in paged_kv_cache)
         for part, x in zip(("k_cache", "v_cache"), arrays, strict=True):
             check_array(f"{name} {part}", x)
             if len(x.shape) != 4:
@@ -301,6 +312,7 @@ def cache_geometry(
         page = tuple(arrays[0].shape[1:])
     else:
         check_array(name, paged_kv_cache)
+        paged_kv_cache = _one_token_pages(paged_kv_cache, layout, 5)
         arrays = (paged_kv_cache,)
         shape = tuple(paged_kv_cache.shape)
         if len(shape) != 5 or shape[1] != 2:

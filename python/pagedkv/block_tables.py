@@ -46,24 +46,34 @@ def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
 
 
 def draft_mask_is_causal(mask: Array, q_lens: np.ndarray) -> bool:
-    """Reads FlashInfer's packed speculative-decode mask [B, q_len, words]
-    (bit j of row i, little-endian in uint16 or uint32 words: draft token i
-    sees draft token j; every earlier token is seen): True for the causal
-    mask (j <= i), False for the full one, ValueError for any other (tree
-    masks are not supported). q_lens [B]: each request's draft tokens."""
-    bits = to_host_numpy(mask)
-    if bits.ndim != 3 or bits.dtype.kind not in "iu" or bits.shape[0] != len(q_lens):
-        raise ValueError(f"mask must be [B, q_len, words] of integers, got {bits.shape}")
-    if len(q_lens) and (
-        bits.shape[1] < q_lens.max() or bits.shape[2] * bits.itemsize * 8 < q_lens.max()
-    ):
-        raise ValueError(f"mask {bits.shape} is too small for {q_lens.max()} draft tokens")
-    bits = np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=-1, bitorder="little")
+    """Reads FlashInfer's packed speculative-decode mask, [B, q_len, words]
+    (or [tokens, words] for ragged queries, each request's rows in turn):
+    bit j of a request's row i, little-endian in uint16 or uint32 words,
+    says its draft token i sees its draft token j (every earlier token is
+    seen). True for the causal mask (j <= i), False for the full one,
+    ValueError for any other (tree masks are not supported). q_lens [B]:
+    each request's draft tokens."""
+    words = to_host_numpy(mask)
+    if words.ndim not in (2, 3) or words.dtype.kind not in "iu":
+        raise ValueError(f"mask must be [B, q_len, words] or [tokens, words], got {words.shape}")
+    most = int(q_lens.max()) if len(q_lens) else 0
+    if words.ndim == 3:
+        fits = words.shape[0] == len(q_lens) and words.shape[1] >= most
+        rows = [words[b, :n] for b, n in enumerate(q_lens)]
+    else:
+        fits = words.shape[0] == int(q_lens.sum())
+        starts = np.concatenate([[0], np.cumsum(q_lens)])
+        rows = [words[s : s + n] for s, n in zip(starts, q_lens, strict=False)]
+    if not fits or words.shape[-1] * words.itemsize * 8 < most:
+        raise ValueError(f"mask {words.shape} does not hold rows of {most} draft tokens")
     kinds = set()
-    for b, n in enumerate(q_lens):
-        block = bits[b, :n, :n].astype(bool)
-        lower = np.tril(np.ones((n, n), bool))
-        kinds.add("causal" if np.array_equal(block, lower) else "full" if block.all() else "other")
+    for row in rows:
+        n = len(row)
+        bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), axis=-1, bitorder="little")
+        block = bits[:, :n].astype(bool)
+        if n > 1 or not block.all():  # one draft token: causal and full alike
+            causal = np.array_equal(block, np.tril(np.ones((n, n), bool)))
+            kinds.add("causal" if causal else "full" if block.all() else "other")
     if "other" in kinds or len(kinds) > 1:
         raise ValueError(
             "mask: only the causal or the full draft mask is supported (not tree masks)"

@@ -153,6 +153,19 @@ def test_xqa_draft_mask_causal_or_full_and_any_o_scale(kind):
     )  # fmt: skip
     want = reference(q, cache, "NHD", table, seq_lens, [q_len] * 2, 0.1, 0.5, kind == "causal", -1)
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
+    ragged = [2, 1]  # q_cu_seq_lens: a [tokens, words] mask, each request's rows in turn
+    q_ragged = q[: sum(ragged)]
+    flat = np.zeros((1, sum(ragged), q_len), bool)
+    flat[0, :2, :2], flat[0, 2, :1] = rows[:2, :2], True
+    o = pagedkv.xqa_batch_decode_with_kv_cache(
+        q_ragged, cache, None, table, torch.tensor(seq_lens), 70, bmm1_scale=0.1,
+        q_len_per_req=2, mask=packed_draft_mask(flat)[0],
+        q_cu_seq_lens=torch.tensor([0, 2, 3], dtype=torch.int32),
+    )  # fmt: skip
+    want = reference(
+        q_ragged, cache, "NHD", table, seq_lens, ragged, 0.1, 1.0, kind == "causal", -1
+    )
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=2e-5)
     tree = np.stack([rows, np.eye(q_len, dtype=bool)])
     with pytest.raises(ValueError, match="tree masks"):
         pagedkv.xqa_batch_decode_with_kv_cache(

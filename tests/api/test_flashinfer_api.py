@@ -104,6 +104,24 @@ def test_decode_backend_trtllm_gen_is_auto():
         w.run(q, pool, skip_softmax_threshold_scale_factor=0.1)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_one_token_pages_may_leave_out_the_page_dim(kv_layout):
+    """FlashInfer's page_size-1 caches without their page dim: a (K, V) pair
+    of [pages, H, D], or [pages, 2, H, D]; the same numbers as with it."""
+    rng = np.random.default_rng(8)
+    pages = rng.standard_normal((30, 2, 2, 64), dtype=np.float32)
+    full = np.expand_dims(pages, 2 if kv_layout == "NHD" else 3)
+    q = rng.standard_normal((5, 8, 64), dtype=np.float32)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, kv_layout)
+    w.plan(np.array([0, 2, 5], np.int32), np.array([0, 12, 30], np.int32),
+           np.arange(30, dtype=np.int32), np.array([1, 1], np.int32), 8, 2, 64, 1,
+           causal=True)  # fmt: skip
+    want = w.run(q, full)
+    np.testing.assert_array_equal(w.run(q, pages), want)
+    pair = tuple(np.ascontiguousarray(pages[:, i]) for i in (0, 1))
+    np.testing.assert_array_equal(w.run(q, pair), want)
+
+
 def test_decode_with_several_query_tokens_per_request():
     """q_len_per_req = 3: each request's last 3 tokens attend causally."""
     batch, pool, _ = decode_case(3, lens=(40, 5))

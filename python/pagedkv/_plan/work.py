@@ -179,9 +179,10 @@ MMA_MAX_GROUP = 16
 EXPERIMENTAL_KERNELS = "PAGEDKV_EXPERIMENTAL_KERNELS"
 """Set to 1 to run kernels not yet verified on a GPU: "mma" (built and
 compiled for sm_90, its correctness and speed not yet measured)."""
-PREFILL_BACKENDS = ("auto", "fa2", "fa3")
-"""Prefill has one kernel a device: FlashInfer's "auto", "fa2" and "fa3" (its
-Hopper kernel, which code written for sm_90 asks for) name it."""
+PREFILL_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen")
+"""Prefill has one kernel a device: FlashInfer's "auto", "fa2", "fa3" and
+"trtllm-gen" (its Hopper and Blackwell kernels, which code written for sm_90
+or sm_100 asks for) name it."""
 
 
 def check_backend(backend: str, known: tuple[str, ...]) -> None:
