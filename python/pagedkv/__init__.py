@@ -54,7 +54,7 @@ from .page import (
 )
 from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, single_prefill_with_kv_cache
-from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
+from .prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper, trtllm_ragged_attention_deepseek
 
 __all__ = [
     "BatchAttention",
@@ -99,6 +99,7 @@ __all__ = [
     "trtllm_batch_decode_with_kv_cache",
     "trtllm_batch_decode_with_kv_cache_mla",
     "trtllm_prefill_with_kv_cache_mla",
+    "trtllm_ragged_attention_deepseek",
     "xqa_batch_decode_with_kv_cache",
     "xqa_batch_decode_with_kv_cache_mla",
 ]

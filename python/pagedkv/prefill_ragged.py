@@ -14,9 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import as_int32_index, check_index_array, host_index_copy, reject_cuda_graph
+from ._checks import (
+    APPROXIMATIONS,
+    as_int32_index,
+    check_float,
+    check_index_array,
+    host_index_copy,
+    host_int_array,
+    refuse_gpu_only,
+    reject_cuda_graph,
+)
 from ._ops.tensors import Array, check_array, contiguous, new_like
 from .attention_sinks import q_scale_for, sink_variant
+from .block_tables import widened_query
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -267,3 +277,106 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
         """forward(..., return_lse=True): FlashInfer's deprecated name."""
         return self.forward(*args, return_lse=True, **kwargs)
+
+
+RAGGED_DEEPSEEK_BACKENDS = ("trtllm-gen", "cute-dsl", "trtllm-native")
+"""FlashInfer's kernels for trtllm_ragged_attention_deepseek; pagedkv's ragged
+prefill plays each."""
+
+
+def trtllm_ragged_attention_deepseek(
+    query: Array,
+    key: Array,
+    value: Array,
+    workspace_buffer: Array | None,
+    seq_lens: Array,
+    max_q_len: int,
+    max_kv_len: int,
+    bmm1_scale: Any,
+    bmm2_scale: Any,
+    o_sf_scale: float,
+    batch_size: int,
+    window_left: int,
+    cum_seq_lens_q: Array,
+    cum_seq_lens_kv: Array,
+    enable_pdl: bool | None,
+    is_causal: bool,
+    return_lse: bool,
+    attention_sinks: Array | None = None,
+    skip_softmax_threshold_scale_factor: float | None = None,
+    out: Array | None = None,
+    lse: Array | None = None,
+    sage_attn_sfs: tuple = (None, None, None, None),
+    num_elts_per_sage_attn_blk: tuple = (0, 0, 0, 0),
+    backend: str = "trtllm-gen",
+    q_seq_lens_cpu: Array | None = None,
+    kv_seq_lens_cpu: Array | None = None,
+    use_fp16_softmax: bool | None = None,
+    uses_spcompress: bool | None = None,
+    skip_all_rows_active_check: bool = True,
+) -> Any:
+    """FlashInfer 0.7.2's ragged prefill of DeepSeek's non-absorbed MLA (or
+    any head dims, the value's up to the query's) on the ragged wrapper.
+
+    Request b's queries are rows cum_seq_lens_q[b]:[b + 1] of query [tokens,
+    Hq, head_dim_qk], its keys and values rows cum_seq_lens_kv[b]:[b + 1] of
+    key [kv_tokens, Hkv, head_dim_qk] and value [kv_tokens, Hkv,
+    head_dim_vo]; seq_lens [B] must be their counts. bmm1_scale is the
+    softmax scale, bmm2_scale the output's factor (numbers or one-element
+    tensors); is_causal aligns each request's queries to its last keys.
+    attention_sinks are gpt-oss's (pagedkv.attention_sinks);
+    skip_softmax_threshold_scale_factor is taken and nothing skipped (exact
+    attention). An fp8 query is widened to bfloat16. NVFP4 output
+    (o_sf_scale other than -1 or None), SageAttention scales, float16
+    softmax and spcompress are refused. max_q_len, max_kv_len, enable_pdl,
+    the CPU length mirrors and skip_all_rows_active_check are accepted and
+    read no further; workspace_buffer is neither read nor written.
+
+    Returns
+    -------
+    o [tokens, Hq, head_dim_vo] (out when given), and with return_lse its lse
+    [tokens, Hq] float32 base 2 (lse when given, filled either way).
+
+    Examples
+    --------
+    >>> import torch, pagedkv
+    >>> q, k, v = torch.randn(5, 4, 192), torch.randn(9, 4, 192), torch.randn(9, 4, 128)
+    >>> o = pagedkv.trtllm_ragged_attention_deepseek(
+    ...     q, k, v, None, torch.tensor([4, 5]), 3, 5, 192 ** -0.5, 1.0, -1, 2, -1,
+    ...     torch.tensor([0, 2, 5]), torch.tensor([0, 4, 9]), None, True, False)
+    >>> o.shape
+    torch.Size([5, 4, 128])
+    """
+    function = "trtllm_ragged_attention_deepseek"
+    options = {
+        "use_fp16_softmax": bool(use_fp16_softmax),
+        "uses_spcompress": bool(uses_spcompress),
+        "skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor,
+    }
+    refuse_gpu_only(function, options, APPROXIMATIONS)
+    if o_sf_scale not in (None, -1, -1.0):
+        raise ValueError(f"{function}: NVFP4 output (o_sf_scale) is not supported by pagedkv")
+    if any(x is not None for x in sage_attn_sfs):
+        raise ValueError(f"{function}: SageAttention scales are not supported by pagedkv")
+    if backend not in RAGGED_DEEPSEEK_BACKENDS:
+        raise ValueError(f"{function}: backend must be one of {RAGGED_DEEPSEEK_BACKENDS}")
+    lens = host_int_array("seq_lens", seq_lens, 1)
+    kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
+    if len(lens) != batch_size or not np.array_equal(np.diff(kv_indptr), lens):
+        raise ValueError(f"{function}: batch_size and cum_seq_lens_kv must agree with seq_lens")
+    scales = []
+    for name, value_ in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
+        number = value_.reshape(()).item() if hasattr(value_, "reshape") else value_
+        scales.append(check_float(name, number, positive=True))
+    query = widened_query(query)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    wrapper.plan(
+        cum_seq_lens_q, kv_indptr.astype(np.int32), int(query.shape[1]), int(key.shape[1]),
+        int(query.shape[2]), int(value.shape[2]), causal=is_causal, sm_scale=scales[0],
+        window_left=window_left, q_data_type=query.dtype, kv_data_type=key.dtype,
+    )  # fmt: skip
+    o, lse = wrapper.run(
+        query, key, value, v_scale=scales[1], out=out, lse=lse, return_lse=True,
+        sinks=attention_sinks,
+    )  # fmt: skip
+    return (o, lse) if return_lse else o

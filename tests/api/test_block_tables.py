@@ -272,3 +272,34 @@ def test_import_flashinfer_serves_the_block_table_functions():
     assert flashinfer.prefill.trtllm_batch_context_with_kv_cache is (
         pagedkv.trtllm_batch_context_with_kv_cache
     )
+
+
+def test_trtllm_ragged_attention_deepseek_equals_reference():
+    """DeepSeek's non-absorbed prefill (query and key 192 wide, value 128):
+    causal queries at each request's end, sinks, bmm2 on the output, the lse
+    base 2 in the caller's buffer; seq_lens must be cum_seq_lens_kv's counts."""
+    import reference
+
+    rng = np.random.default_rng(10)
+    q_lens, kv_lens = [3, 5], [9, 5]
+    q = torch.from_numpy(rng.standard_normal((8, 4, 192), dtype=np.float32))
+    k = torch.from_numpy(rng.standard_normal((14, 2, 192), dtype=np.float32))
+    v = torch.from_numpy(rng.standard_normal((14, 2, 128), dtype=np.float32))
+    sinks = torch.from_numpy((rng.random(4) * 3).astype(np.float32))
+    lse = torch.full((8, 4), float("nan"))
+    args = (q, k, v, None, torch.tensor(kv_lens), 5, 9, 0.07, 0.5, -1, 2, -1,
+            torch.tensor([0, 3, 8]), torch.tensor([0, 9, 14]), None, True, True)  # fmt: skip
+    o, got_lse = pagedkv.trtllm_ragged_attention_deepseek(*args, attention_sinks=sinks, lse=lse)
+    assert got_lse is lse
+    for b, (qs, ks) in enumerate([(slice(0, 3), slice(0, 9)), (slice(3, 8), slice(9, 14))]):
+        positions = np.arange(kv_lens[b] - q_lens[b], kv_lens[b])
+        want_o, want_lse = reference.attention(
+            q[qs].numpy(), k[ks].numpy(), v[ks].numpy(), positions, sm_scale=0.07, v_scale=0.5,
+            sinks=sinks.numpy(),
+        )  # fmt: skip
+        np.testing.assert_allclose(o[qs].numpy(), want_o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[qs].numpy(), want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="agree with seq_lens"):
+        pagedkv.trtllm_ragged_attention_deepseek(*args[:4], torch.tensor([9, 4]), *args[5:])
+    with pytest.raises(ValueError, match="NVFP4"):
+        pagedkv.trtllm_ragged_attention_deepseek(*args[:9], 300.0, *args[10:])

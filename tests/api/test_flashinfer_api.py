@@ -472,7 +472,6 @@ def test_names_flashinfers_0_7_tests_import():
     )
     for missing in (
         flashinfer.fp4_quantization.nvfp4_quantize_paged_kv_cache,
-        flashinfer.prefill.trtllm_ragged_attention_deepseek,
         flashinfer.BatchDecodeMlaWithPagedKVCacheWrapper,
     ):
         with pytest.raises(NotImplementedError, match="not implemented by pagedkv"):

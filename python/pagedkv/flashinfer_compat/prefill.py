@@ -11,14 +11,8 @@ from ..prefill import (
     single_prefill_with_kv_cache,
     single_prefill_with_kv_cache_return_lse,
 )
-from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper
-from ._missing import missing_function
+from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper, trtllm_ragged_attention_deepseek
 from .jit import JitSpec
-
-trtllm_ragged_attention_deepseek = missing_function(
-    "prefill.trtllm_ragged_attention_deepseek",
-    "use BatchPrefillWithRaggedKVCacheWrapper (head_dim_qk 192, head_dim_vo 128)",
-)
 
 
 def gen_single_prefill_module(*args: Any, **kwargs: Any) -> JitSpec:
