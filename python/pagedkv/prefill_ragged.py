@@ -24,7 +24,7 @@ from ._checks import (
     refuse_gpu_only,
     reject_cuda_graph,
 )
-from ._ops.tensors import Array, check_array, contiguous, new_like
+from ._ops.tensors import Array, check_array, contiguous, new_like, to_host_numpy
 from .attention_sinks import q_scale_for, sink_variant
 from .block_tables import widened_query
 from .nvfp4 import dequantize_ragged_for_attention
@@ -321,7 +321,8 @@ def trtllm_ragged_attention_deepseek(
     Request b's queries are rows cum_seq_lens_q[b]:[b + 1] of query [tokens,
     Hq, head_dim_qk], its keys and values rows cum_seq_lens_kv[b]:[b + 1] of
     key [kv_tokens, Hkv, head_dim_qk] and value [kv_tokens, Hkv,
-    head_dim_vo]; seq_lens [B] must be their counts. bmm1_scale is the
+    head_dim_vo]; seq_lens (B values, [B] or FlashInfer's tests' [B, 1, 1,
+    1]) must be their counts. bmm1_scale is the
     softmax scale, bmm2_scale the output's factor (numbers or one-element
     tensors); is_causal aligns each request's queries to its last keys.
     attention_sinks are gpt-oss's (pagedkv.attention_sinks);
@@ -360,7 +361,8 @@ def trtllm_ragged_attention_deepseek(
         raise ValueError(f"{function}: SageAttention scales are not supported by pagedkv")
     if backend not in RAGGED_DEEPSEEK_BACKENDS:
         raise ValueError(f"{function}: backend must be one of {RAGGED_DEEPSEEK_BACKENDS}")
-    lens = host_int_array("seq_lens", seq_lens, 1)
+    # FlashInfer's tests give seq_lens as [B, 1, 1, 1]: B values in any shape.
+    lens = host_int_array("seq_lens", to_host_numpy(seq_lens).reshape(-1), 1)
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if len(lens) != batch_size or not np.array_equal(np.diff(kv_indptr), lens):
         raise ValueError(f"{function}: batch_size and cum_seq_lens_kv must agree with seq_lens")

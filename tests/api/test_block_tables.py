@@ -287,7 +287,7 @@ def test_trtllm_ragged_attention_deepseek_equals_reference():
     v = torch.from_numpy(rng.standard_normal((14, 2, 128), dtype=np.float32))
     sinks = torch.from_numpy((rng.random(4) * 3).astype(np.float32))
     lse = torch.full((8, 4), float("nan"))
-    args = (q, k, v, None, torch.tensor(kv_lens), 5, 9, 0.07, 0.5, -1, 2, -1,
+    args = (q, k, v, None, torch.tensor(kv_lens).view(2, 1, 1, 1), 5, 9, 0.07, 0.5, -1, 2, -1,
             torch.tensor([0, 3, 8]), torch.tensor([0, 9, 14]), None, True, True)  # fmt: skip
     o, got_lse = pagedkv.trtllm_ragged_attention_deepseek(*args, attention_sinks=sinks, lse=lse)
     assert got_lse is lse
