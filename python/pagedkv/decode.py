@@ -13,7 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._checks import INT32_MAX, as_int32_index, check_int, layout_code, refuse_gpu_only
+from ._checks import (
+    APPROXIMATIONS,
+    INT32_MAX,
+    as_int32_index,
+    check_int,
+    layout_code,
+    refuse_gpu_only,
+)
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
 from ._plan.block_tables import check_trtllm_table
@@ -453,7 +460,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         softmax's denominator (pagedkv.attention_sinks). kv_cache_sf: an NVFP4 cache's block
         scales (pagedkv.nvfp4, planned with kv_data_type=uint8; k_scale /
         v_scale its global scales). skip_softmax_threshold_scale_factor
-        names a GPU kernel variant and must stay None.
+        must stay None, except with backend "trtllm-gen" (whose FlashInfer
+        kernel takes it): nothing is skipped there, the attention is exact.
 
         Example
         -------
@@ -463,7 +471,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
         refuse_gpu_only(
-            "run()", {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor}
+            "run()",
+            {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor},
+            APPROXIMATIONS if self._backend == "trtllm-gen" else (),
         )
         if kv_cache_sf is not None:
             plan = self._plan if self._multi is None else self._multi._plan

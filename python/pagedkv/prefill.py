@@ -16,6 +16,7 @@ import numpy as np
 from max.dtype import DType
 
 from ._checks import (
+    APPROXIMATIONS,
     INT32_MAX,
     as_int32_index,
     check_index_array,
@@ -388,9 +389,11 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         be the planned one; enable_pdl is ignored. sinks: float [Hq], a logit
         a head added to each softmax's denominator (pagedkv.attention_sinks).
         lse_base ("log2" or "ln") and lse_layout ("NH" or "HN") shape the
-        lse returned (pagedkv.lse_forms). skip_softmax_threshold_scale_factor,
-        use_fp16_softmax and uses_spcompress name GPU kernel variants and
-        must keep their defaults.
+        lse returned (pagedkv.lse_forms). use_fp16_softmax and
+        uses_spcompress name GPU kernel variants and must keep their
+        defaults; so must skip_softmax_threshold_scale_factor, except with
+        backend "trtllm-gen" (whose FlashInfer kernel takes it): nothing is
+        skipped there, the attention is exact.
 
         Example
         -------
@@ -406,6 +409,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 "use_fp16_softmax": use_fp16_softmax,
                 "uses_spcompress": uses_spcompress,
             },
+            APPROXIMATIONS if self._backend == "trtllm-gen" else (),
         )
         # A caller's lse buffer is filled even without return_lse.
         want_lse = return_lse or lse is not None

@@ -91,17 +91,21 @@ def test_decode_split_options_keep_the_result(split):
 
 def test_decode_backend_trtllm_gen_is_auto():
     """Code written for sm_100 asks the decode wrapper for "trtllm-gen": the
-    same kernel and numbers as "auto"; skip-softmax stays refused there."""
+    same kernel and numbers as "auto", skip-softmax taken there and nothing
+    skipped; other backends refuse it."""
     batch, pool, q = decode_case(3, lens=(70, 5))
     outs = []
     for backend in ("auto", "trtllm-gen"):
         w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", backend=backend)
         w.plan(*table(batch), 8, 2, 64, 16)
-        outs.append(w.run(q, pool, skip_softmax_threshold_scale_factor=None))
+        skip = 0.1 if backend == "trtllm-gen" else None
+        outs.append(w.run(q, pool, skip_softmax_threshold_scale_factor=skip))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[1], decode_reference(batch, pool, q)[0], rtol=1e-5, atol=1e-5)
+    auto = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    auto.plan(*table(batch), 8, 2, 64, 16)
     with pytest.raises(ValueError, match="skip_softmax_threshold_scale_factor"):
-        w.run(q, pool, skip_softmax_threshold_scale_factor=0.1)
+        auto.run(q, pool, skip_softmax_threshold_scale_factor=0.1)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
