@@ -15,6 +15,8 @@ For query row (token t, head h) and cached token j::
 Query i of a request with n queries and L cached tokens sits at position
 L - n + i; causal attention sees keys up to there. fp8 caches carry
 per-tensor scales (``ckv_scale``, ``kpe_scale``: real = stored * scale).
+FlashInfer 0.7.2's packed cache [pages, page_size, ckv_dim + kpe_dim] (or
+the halves of one) is read where it lies (pagedkv.mla_inputs).
 """
 
 from __future__ import annotations
