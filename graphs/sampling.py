@@ -1,8 +1,9 @@
-"""Choosing the next token from a row of logits: greedy, or temperature and
-nucleus (top-p) sampling from a seeded generator.
+"""Choosing the next token from a row of logits: greedy, or temperature,
+top-k, nucleus (top-p) and min-p sampling from a seeded generator.
 
 Sampling works on float64 probabilities so that a seed gives the same token
-on every machine for the same logits.
+on every machine for the same logits. Which tokens stay is decided by the
+rules of pagedkv.sampling (FlashInfer's sampling API), not a copy of them.
 """
 
 from __future__ import annotations
@@ -11,26 +12,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.sampling import min_p_mask, top_k_mask, top_p_mask
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request picks its tokens.
 
     temperature 0 is greedy (argmax; ties go to the lowest id). Otherwise
-    logits are divided by `temperature`, the smallest set of tokens whose
-    probability reaches `top_p` is kept, and a token is drawn from it with a
+    logits are divided by `temperature`; the `top_k` most likely tokens stay
+    (0 or -1: all, as vLLM's), then, renormalized, the smallest set of them
+    whose probability reaches `top_p`, then those at least `min_p` times as
+    likely as the most likely; a token is drawn from what stays with a
     generator seeded by `seed` (different for each sample of a request).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 (off), got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -45,16 +56,19 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature
-    probs = np.exp(scaled - scaled.max())
+    probs = np.exp(scaled - scaled.max())[None]
     probs /= probs.sum()
+    if params.top_k > 0:
+        probs = _renormalized(probs * top_k_mask(probs, params.top_k))
     if params.top_p < 1:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, params.top_p)) + 1]
-        kept = np.zeros_like(probs)
-        kept[keep] = probs[keep]
-        probs = kept / kept.sum()
-    return int(rng.choice(probs.size, p=probs))
+        probs = probs * top_p_mask(probs, params.top_p)
+    if params.min_p > 0:
+        probs = probs * min_p_mask(probs, params.min_p)
+    return int(rng.choice(probs.shape[1], p=_renormalized(probs)[0]))
+
+
+def _renormalized(probs: np.ndarray) -> np.ndarray:
+    return probs / probs.sum()
 
 
 @dataclass(frozen=True)

@@ -54,28 +54,85 @@ def _check_nan(probs: Any, check_nan: bool) -> None:
 
 
 def top_p_mask(probs: Any, top_p: Any) -> Any:
-    """bool [B, V]: the tokens top-p keeps (the module docstring's rule)."""
-    torch = _torch()
-    p = _per_row(top_p, probs.shape[0], "top_p", torch.float32)
-    ascending, order = torch.sort(probs, dim=-1)
-    keep_sorted = torch.cumsum(ascending, dim=-1) > (1 - p)
-    keep_sorted[:, -1] = True  # the most likely token always stays
-    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    """bool [B, V]: the tokens top-p keeps, those less likely tokens than
+    which hold under `top_p` of the mass (the most likely always stays).
+
+    probs: [B, V], a NumPy array or a torch tensor (the mask comes back as
+    the same kind, on the same device); top_p: a number or one a row [B].
+    The engine's sampler (pagedkv.graphs.sampling) keeps tokens by these
+    same rules. Equal probabilities are ordered by token id, lower first,
+    so a row always gives the same mask.
+
+    Examples
+    --------
+    >>> import numpy as np, pagedkv.sampling as s
+    >>> s.top_p_mask(np.array([[0.5, 0.3, 0.2]]), 0.7)
+    array([[ True,  True, False]])
+    """
+    return _on_rows(_top_p_rule, probs, top_p, "top_p")
 
 
 def top_k_mask(probs: Any, top_k: Any) -> Any:
-    """bool [B, V]: the tokens at least as likely as each row's k-th."""
-    torch = _torch()
-    k = _per_row(top_k, probs.shape[0], "top_k", torch.int64).clamp(1, probs.shape[1])
-    descending = torch.sort(probs, dim=-1, descending=True).values
-    return probs >= descending.gather(1, k - 1)
+    """bool [B, V]: the tokens at least as likely as each row's k-th (ties
+    kept; k is clamped to [1, V]). probs and the mask as in top_p_mask."""
+    return _on_rows(_top_k_rule, probs, top_k, "top_k")
 
 
 def min_p_mask(probs: Any, min_p: Any) -> Any:
-    """bool [B, V]: the tokens at least min_p times the row's most likely."""
+    """bool [B, V]: the tokens at least min_p times the row's most likely.
+    probs and the mask as in top_p_mask."""
+    return _on_rows(_min_p_rule, probs, min_p, "min_p")
+
+
+def _on_rows(rule: Any, probs: Any, value: Any, name: str) -> Any:
+    """rule(probs [B, V], value [B, 1]) on NumPy, for a NumPy or torch probs."""
+    import numpy as np
+
+    if isinstance(probs, np.ndarray):
+        if probs.ndim != 2:
+            raise ValueError(f"probs must be [batch, vocab], got shape {probs.shape}")
+        return rule(probs, _column(np.asarray(value), probs.shape[0], name))
     torch = _torch()
-    p = _per_row(min_p, probs.shape[0], "min_p", torch.float32)
-    return probs >= p * probs.max(dim=-1, keepdim=True).values
+    rows = probs.detach().cpu().numpy()
+    given = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    return torch.from_numpy(rule(rows, _column(given, rows.shape[0], name))).to(probs.device)
+
+
+def _column(value: Any, batch: int, name: str) -> Any:
+    """A number or [1] or [batch] array as [batch, 1]."""
+    if value.ndim > 1 or value.size not in (1, batch):
+        raise ValueError(f"{name} must be a number or one value a row ({batch})")
+    return value.reshape(-1, 1) if value.size == batch else value.reshape(1, 1)
+
+
+def _top_p_rule(probs: Any, p: Any) -> Any:
+    import numpy as np
+
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    descending = np.take_along_axis(probs, order, axis=-1)
+    above = np.cumsum(descending, axis=-1) - descending
+    keep_sorted = above < p.astype(probs.dtype)
+    keep_sorted[:, 0] = True
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    return keep
+
+
+def _top_k_rule(probs: Any, k: Any) -> Any:
+    import numpy as np
+
+    vocab = probs.shape[1]
+    keep = np.ones(probs.shape, bool)
+    for row, k_row in enumerate(np.broadcast_to(k, (probs.shape[0], 1))[:, 0]):
+        k_row = min(max(int(k_row), 1), vocab)
+        if k_row < vocab:
+            # The k-th largest without sorting the row.
+            keep[row] = probs[row] >= np.partition(probs[row], vocab - k_row)[vocab - k_row]
+    return keep
+
+
+def _min_p_rule(probs: Any, p: Any) -> Any:
+    return probs >= p.astype(probs.dtype) * probs.max(axis=-1, keepdims=True)
 
 
 def _renormalized(probs: Any, keep: Any) -> Any:

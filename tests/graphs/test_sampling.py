@@ -1,5 +1,6 @@
-"""Choosing tokens (pagedkv.graphs.sampling): logit adjustments and log
-probabilities against float64 computations written out here."""
+"""Choosing tokens (pagedkv.graphs.sampling): which tokens sampling keeps,
+logit adjustments and log probabilities against float64 computations
+written out here."""
 
 from __future__ import annotations
 
@@ -9,7 +10,60 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pagedkv.graphs.sampling import LogitAdjustments, greedy_tokens, log_softmax, token_logprob
+from pagedkv.graphs.sampling import (
+    LogitAdjustments,
+    SamplingParams,
+    greedy_tokens,
+    log_softmax,
+    sample_token,
+    token_logprob,
+)
+
+
+def kept_distribution(logits, temperature, top_k, top_p, min_p):
+    """The distribution sampling draws from, in float64, token by token:
+    top-k (0: off), renormalize, top-p (a token stays while the mass of the
+    tokens ranked above it, by probability then id, is under top_p), min-p."""
+    x = np.asarray(logits, np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    ranked = sorted(range(len(p)), key=lambda t: (-p[t], t))
+    if top_k > 0:
+        kth = p[ranked[min(top_k, len(p)) - 1]]
+        p = np.where(p >= kth, p, 0.0)
+        p /= p.sum()
+    above = 0.0
+    keep = np.zeros(len(p), bool)
+    for t in ranked:
+        keep[t] = above < top_p or t == ranked[0]
+        above += p[t]
+    p = np.where(keep & (p >= min_p * p.max()), p, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(3, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.3), (5, 0.8, 0.1), (-1, 1.0, 0.0)],
+)
+def test_sampling_draws_from_the_kept_tokens_in_proportion(top_k, top_p, min_p):
+    """Over 4000 seeded draws (a fixed set: the test is deterministic), every
+    token drawn is one the rules keep, and each kept token's share is its
+    probability to within 0.03."""
+    logits = np.random.default_rng(3).normal(0, 1.5, 12).astype(np.float32)
+    params = SamplingParams(0.8, top_p, top_k=top_k, min_p=min_p)
+    want = kept_distribution(logits, 0.8, top_k, top_p, min_p)
+    draws = [sample_token(logits, params, np.random.default_rng(s)) for s in range(4000)]
+    counts = np.bincount(draws, minlength=len(logits)) / len(draws)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(want))
+    np.testing.assert_allclose(counts, want, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("top_k", -2), ("min_p", 1.5), ("min_p", -0.1), ("top_p", 0.0)]
+)
+def test_sampling_params_refuse_values_out_of_range(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(1.0, **{field: value})
 
 
 def test_log_softmax_sums_to_one_and_survives_extreme_logits():

@@ -203,6 +203,12 @@ def test_n_samples_stop_seed_and_cached_prompt_tokens(server, reference):
     assert [ch.message.content for ch in sampled[0].choices] == [
         ch.message.content for ch in sampled[1].choices
     ]
+    # top_k (vLLM's extension) 1 leaves the most likely token only: greedy.
+    only_best = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=3,
+        extra_body={"top_k": 1},
+    )  # fmt: skip
+    assert only_best.choices[0].message.content == reference["chat"][5].text
     assert_no_page_in_use(server)
 
 
@@ -347,6 +353,16 @@ def test_queue_full_is_503_with_retry_after(server, gated):
             "top_p",
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": -2},
+            400,
+            "top_k",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5},
+            400,
+            "min_p",
+        ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
             400,

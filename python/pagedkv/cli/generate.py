@@ -78,6 +78,8 @@ def run_generate(args: argparse.Namespace) -> int:
             chat=args.chat,
             temperature=args.temperature,
             top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
             seed=args.seed,
             system_prompt=args.system,
             on_text=stream.on_text,

@@ -103,6 +103,8 @@ def _add_generate(sub) -> None:
         "--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)"
     )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus (default %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="k most likely tokens (0: all)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="min-p (default %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument(
         "--json",

@@ -127,6 +127,8 @@ class LLM:
         seed: int | None = None,
         system_prompt: str | None = None,
         on_text: Callable[[int, str, bool], None] | None = None,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[Completion]:
         """Serves every prompt together and returns their completions in order.
 
@@ -142,6 +144,10 @@ class LLM:
         temperature, top_p, seed : float, float, int or None
             Greedy when temperature is 0 (the default); otherwise sampling
             with nucleus `top_p`, reproducible for a given `seed`.
+        top_k, min_p : int, float
+            Sampling keeps the top_k most likely tokens (0: all) and those at
+            least min_p times as likely as the most likely
+            (pagedkv.graphs.sampling.SamplingParams).
         on_text : callable(index, text, finished), optional
             Called with each prompt's newly decoded text as tokens arrive
             (streaming; text is held back while it ends inside a UTF-8
@@ -166,7 +172,7 @@ class LLM:
             raise TypeError("prompts must be a list of strings, not one string")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        sampling = SamplingParams(temperature, top_p, seed)
+        sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
         ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
         stop = self.tokenizer.stop_ids
         requests = []

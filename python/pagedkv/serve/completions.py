@@ -122,7 +122,9 @@ class Completions:
             if problem is not None:
                 raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
         adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
-        sampling = SamplingParams(body.temperature, body.top_p, body.seed)
+        sampling = SamplingParams(
+            body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p
+        )
         if chat:
             if body.top_logprobs is not None and not body.logprobs:
                 raise self.reject(

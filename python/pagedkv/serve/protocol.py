@@ -35,6 +35,12 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    """vLLM's and llama.cpp's extension: sample from the k most likely
+    tokens only (0 or -1: all)."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """vLLM's and llama.cpp's extension: drop the tokens less likely than
+    min_p times the most likely."""
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
