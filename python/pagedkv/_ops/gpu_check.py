@@ -58,34 +58,40 @@ cache (each pair is a compile of its own)."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compiles every GPU path for each architecture in argv (default sm_90), one
-    process per architecture; `--no-demo` skips the demo graphs. Returns the exit status."""
-    args = list(argv if argv is not None else sys.argv[1:])
-    demo = "--no-demo" not in args
-    archs = [a for a in args if a != "--no-demo"] or ["sm_90"]
-    if len(archs) > 1:
-        # One architecture per process: the virtual device is process-wide.
-        import subprocess
+    """Compiles every GPU path for each architecture in argv (default sm_90), each
+    in a process of its own; `--no-demo` skips the demo graphs. Returns the exit status.
 
-        flags = [] if demo else ["--no-demo"]
-        for arch in archs:
-            result = subprocess.run([sys.executable, "-m", "pagedkv._ops.gpu_check", arch, *flags])
-            if result.returncode:
-                return result.returncode
-        return 0
+    A child process per architecture: the virtual device is process-wide, and
+    MAX's virtual-device teardown can abort a process after a successful
+    compile, which the child's os._exit avoids.
+    """
+    import subprocess
+
+    args = list(argv if argv is not None else sys.argv[1:])
+    flags = [a for a in args if a == "--no-demo"]
+    for arch in [a for a in args if a != "--no-demo"] or ["sm_90"]:
+        result = subprocess.run([sys.executable, "-m", "pagedkv._ops.gpu_check", arch, *flags])
+        if result.returncode:
+            return result.returncode
+    return 0
+
+
+def compile_here(arch: str, demo: bool) -> int:
+    """Compiles every GPU path for `arch` in this process; returns the exit status."""
     t0 = time.perf_counter()
-    count = compile_for(archs[0])
-    print(f"{archs[0]}: {count} ops compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    count = compile_for(arch)
+    print(f"{arch}: {count} ops compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     if demo:
         t0 = time.perf_counter()
         compile_demo_graphs()
-        print(f"{archs[0]}: demo graphs compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{arch}: demo graphs compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
+    argv = sys.argv[1:]
+    archs = [a for a in argv if a != "--no-demo"]
+    code = compile_here(archs[0], "--no-demo" not in argv) if len(archs) == 1 else main(argv)
     sys.stdout.flush()
-    # MAX's virtual-device teardown can abort after a successful compile;
-    # the verdict is already printed.
+    # The verdict is printed; skip the teardown that can abort (see main).
     os._exit(code)
