@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from ._checks import APPROXIMATIONS, check_float, host_int_array, refuse_gpu_only
-from ._ops.tensors import Array, dtype_of, to_host_numpy
+from ._ops.tensors import Array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
-from ._plan.plan import FP8_DTYPES
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -102,16 +101,6 @@ def _cache_geometry(kv_cache: Any, kv_layout: str) -> tuple[int, int, int]:
         shape = (full[0], *full[2:])
     _, a, b, head_dim = shape
     return (a, b, head_dim) if kv_layout == "NHD" else (b, a, head_dim)
-
-
-def widened_query(query: Array) -> Array:
-    """An fp8 query as bfloat16 (pagedkv's kernels take fp8 caches beside a
-    16-bit q: a copy of the query, never of the cache); any other as it is."""
-    if dtype_of(query) not in FP8_DTYPES:
-        return query
-    import torch
-
-    return query.to(torch.bfloat16)
 
 
 def _shared_page_table(
@@ -188,8 +177,6 @@ def _paged_attention(
         raise ValueError(f"{function}: query must be [tokens, num_qo_heads, head_dim]")
     out, out_dtype, lse = outputs
     want = out_dtype if out_dtype is not None else out.dtype if out is not None else query.dtype
-    query = widened_query(query)
-    direct = out if out is not None and out.dtype == query.dtype else None
     kv_dtype = (kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache).dtype
     geometry = (query.shape[1], num_kv_heads, head_dim, page_size)
     sm_scale, v_scale = scales
@@ -202,24 +189,18 @@ def _paged_attention(
         wrapper.plan(
             table.indptr, table.indices, table.last_page_len, *geometry,
             window_left=window_left, sm_scale=sm_scale, q_data_type=query.dtype,
-            kv_data_type=kv_dtype, q_len_per_req=q_len_per_req,
+            kv_data_type=kv_dtype, o_data_type=want, q_len_per_req=q_len_per_req,
         )  # fmt: skip
     else:
         wrapper = BatchPrefillWithPagedKVCacheWrapper(None, kv_layout)
         wrapper.plan(
             qo_indptr, table.indptr, table.indices, table.last_page_len, *geometry,
             causal=causal, sm_scale=sm_scale, window_left=window_left,
-            q_data_type=query.dtype, kv_data_type=kv_dtype,
+            q_data_type=query.dtype, kv_data_type=kv_dtype, o_data_type=want,
         )  # fmt: skip
-    o, lse = wrapper.run(
-        query, kv_cache, v_scale=v_scale, return_lse=True, out=direct, lse=lse, sinks=sinks
+    return wrapper.run(
+        query, kv_cache, v_scale=v_scale, return_lse=True, out=out, lse=lse, sinks=sinks
     )
-    if o.dtype != want:
-        o = o.to(want) if hasattr(o, "to") else o.astype(want)
-    if out is not None and o is not out:
-        out[...] = o
-        o = out
-    return o, lse
 
 
 def trtllm_batch_decode_with_kv_cache(

@@ -24,6 +24,14 @@ from ._checks import (
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
 from ._plan.block_tables import check_trtllm_table
+from ._plan.io_dtypes import (
+    check_out_dtype,
+    kernel_out,
+    kernel_q_dtype,
+    output_dtype,
+    output_in,
+    widened_query,
+)
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, FixedWork, PageTable, attention_spec
 from ._plan.work import (
@@ -132,6 +140,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         self._plan: AttentionPlan | None = None
         self._multi: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._planned: dict | None = None
+        self._o_dtype: DType | None = None
+        """The output dtype plan() asked for (None: the query's)."""
         self._frozen_q_len: int | None = None
         """use_cuda_graph: the first plan's q_len_per_req, which later plans keep."""
         self._fixed_work: FixedWork | None = None
@@ -190,8 +200,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         q_data_type, kv_data_type
             torch, NumPy or MAX dtypes, or names: fix the dtypes and compile
             now; left None they are taken from the first run(). data_type is
-            FlashInfer's deprecated name for kv_data_type; o_data_type must be
-            None or q's dtype.
+            FlashInfer's deprecated name for kv_data_type. An fp8 query is
+            widened to bfloat16 for the kernel (pagedkv._plan.io_dtypes).
+        o_data_type
+            The output's dtype (None: the query's, as given).
         fixed_split_size, disable_split_kv
             FlashInfer's split-KV controls: chunks of fixed_split_size pages,
             or one chunk per request. Results agree with the default split
@@ -217,12 +229,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         ...        data_type=torch.float16, disable_split_kv=True)
         """
         del non_blocking
+        q_kernel = (
+            None if q_data_type is None else kernel_q_dtype(as_dtype(q_data_type, "q_data_type"))
+        )
         kv_data_type = plan_kv_dtype(  # uint8: NVFP4
-            kv_data_type if kv_data_type is not None else data_type, q_data_type
+            kv_data_type if kv_data_type is not None else data_type, q_kernel
         )
-        q_len_per_req = self._check_plan_contract(
-            window_right, q_len_per_req, is_causal, q_data_type, o_data_type
-        )
+        q_len_per_req = self._check_plan_contract(window_right, q_len_per_req, is_causal)
+        self._o_dtype = output_dtype(o_data_type, as_dtype)
         check_trtllm_table(block_tables, seq_lens, page_size, (indptr, indices, last_page_len))
         self._planned = dict(
             indptr=as_int32_index("indptr", indptr),
@@ -251,26 +265,24 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             self._plan_one_token(**self._planned)
         self._frozen_q_len = q_len_per_req if self._fixed is not None else None
 
-    def _check_plan_contract(
-        self, window_right, q_len_per_req, is_causal, q_data_type, o_data_type
-    ) -> int:
+    def _check_plan_contract(self, window_right, q_len_per_req, is_causal) -> int:
         """Refuses what plan() does not take (cute-dsl's window_right, an
-        is_causal other than q_len_per_req's, an o dtype other than q's,
-        FlashInfer's contracts for several queries per request, kept so that
-        code written here runs there); returns q_len_per_req checked."""
+        is_causal other than q_len_per_req's, FlashInfer's contracts for
+        several queries per request, kept so that code written here runs
+        there); returns q_len_per_req checked."""
         if window_right != 0:
             raise ValueError("window_right != 0 is FlashInfer's cute-dsl input; it must be 0")
-        if q_data_type is not None and o_data_type is not None:
-            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
-                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         q_len_per_req = check_int("q_len_per_req", q_len_per_req, 1)
         if is_causal is not None and bool(is_causal) != (q_len_per_req > 1):
             raise NotImplementedError(
                 "the decode mask follows q_len_per_req (causal when > 1); "
                 "an explicit is_causal override is not supported, as in FlashInfer's fa2"
             )
-        if q_len_per_req > 1 and not self._use_tensor_cores:
-            raise ValueError("q_len_per_req > 1 needs use_tensor_cores=True, as in FlashInfer")
+        if q_len_per_req > 1 and not (self._use_tensor_cores or self._backend == "trtllm-gen"):
+            raise ValueError(
+                "q_len_per_req > 1 needs use_tensor_cores=True (or backend='trtllm-gen'), "
+                "as in FlashInfer"
+            )
         if q_len_per_req > 1 and self._backend in HOPPER_BACKENDS:
             raise NotImplementedError(
                 f"q_len_per_req > 1 runs on the fa2 (generic) backend, not {self._backend!r}"
@@ -360,7 +372,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
                 per_task, causal=True, max_queries=1, kv_split=True, gpu_kernel=gpu_kernel
             ),
             q_rows=table.batch_size,
-            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
+            q_dtype=kernel_q_dtype(
+                None if q_data_type is None else as_dtype(q_data_type, "q_data_type")
+            ),
             kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
             workspace=self._workspace,
             lse_shift=(
@@ -420,7 +434,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             logits_soft_cap=p["logits_soft_cap"],
             rope_scale=p["rope_scale"],
             rope_theta=p["rope_theta"],
-            q_data_type=p["q_data_type"],
+            # run() widens an fp8 query and casts the output itself.
+            q_data_type=kernel_q_dtype(
+                None if p["q_data_type"] is None else as_dtype(p["q_data_type"], "q_data_type")
+            ),
             kv_data_type=p["kv_data_type"],
         )
 
@@ -450,7 +467,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         """Attention of q [B, num_qo_heads, head_dim] over the planned batch.
 
         paged_kv_cache: [pages, 2, ...page...] or a (k_cache, v_cache) pair, in
-        the wrapper's layout. Returns o [B, Hq, D] (q's dtype), and lse [B, Hq]
+        the wrapper's layout. Returns o [B, Hq, D] (the planned o_data_type,
+        else q's dtype; an fp8 q is widened for the kernel), and lse [B, Hq]
         (float32, base 2) with return_lse. As in FlashInfer, `out` and `lse`
         (used with return_lse) take the results in place of new arrays: a
         server that keeps them across layers allocates nothing per call. They
@@ -462,6 +480,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         v_scale its global scales). skip_softmax_threshold_scale_factor
         must stay None, except with backend "trtllm-gen" (whose FlashInfer
         kernel takes it): nothing is skipped there, the attention is exact.
+        With backend "trtllm-gen", q_len_per_req may differ from the planned
+        one, as in FlashInfer (run() then plans again).
 
         Example
         -------
@@ -475,6 +495,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor},
             APPROXIMATIONS if self._backend == "trtllm-gen" else (),
         )
+        o_dtype = self._o_dtype or dtype_of(q)
+        check_out_dtype(out, o_dtype)
+        q = widened_query(q)
         if kv_cache_sf is not None:
             plan = self._plan if self._multi is None else self._multi._plan
             assert plan is not None
@@ -484,6 +507,16 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         sink_lse = None
         if sinks is not None:
             sink_lse = sink_log2_lse(sinks, int(self._planned["num_qo_heads"]))
+        if (
+            self._backend == "trtllm-gen"
+            and q_len_per_req is not None
+            and q_len_per_req != self._planned["q_len_per_req"]
+        ):
+            # FlashInfer's trtllm-gen wrapper takes the query length at run
+            # time; here it is a plan of its own.
+            self.plan(
+                **{**self._planned, "q_len_per_req": q_len_per_req}, o_data_type=self._o_dtype
+            )
         for name, given in (("window_left", window_left), ("q_len_per_req", q_len_per_req)):
             if given is not None and given != self._planned[name]:
                 raise ValueError(f"{name}={given} differs from the planned {self._planned[name]}")
@@ -499,16 +532,19 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             qk = None
             if q_scale is not None or k_scale is not None:
                 qk = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
-            return self._multi.run(
-                q, paged_kv_cache, qk, v_scale, return_lse, out=out, lse=lse, sinks=sinks
+            o, lse = self._multi.run(
+                q, paged_kv_cache, qk, v_scale, True, out=kernel_out(out, q), lse=lse, sinks=sinks
             )
+            o = output_in(o, o_dtype, out)
+            return (o, lse) if return_lse else o
         assert self._plan is not None
         o, lse = self._plan.run(
-            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
-            return_lse or sink_lse is not None,
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, kernel_out(out, q),
+            lse, return_lse or sink_lse is not None,
         )  # fmt: skip
         if sink_lse is not None:
             merge_sinks(o, lse, sink_lse)
+        o = output_in(o, o_dtype, out)
         return (o, lse) if return_lse else o
 
     def run_return_lse(

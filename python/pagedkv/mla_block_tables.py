@@ -46,8 +46,8 @@ from ._checks import (
 )
 from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous, is_torch
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
+from ._plan.io_dtypes import widened_query
 from ._plan.plan import FP8_DTYPES
-from .block_tables import widened_query
 from .mla import BatchMLAPagedAttentionWrapper
 
 MLA_BLOCK_TABLE_BACKENDS = ("auto", "trtllm-gen", "cute-dsl", "xqa")

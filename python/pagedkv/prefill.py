@@ -28,6 +28,14 @@ from ._checks import (
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, check_array, contiguous, device_of, dtype_of, is_torch, new_like
 from ._plan.block_tables import check_trtllm_table
+from ._plan.io_dtypes import (
+    check_out_dtype,
+    kernel_out,
+    kernel_q_dtype,
+    output_dtype,
+    output_in,
+    widened_query,
+)
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, PageTable, attention_spec
 from ._plan.work import (
@@ -121,6 +129,8 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         self._kv_layout = kv_layout
         self._workspace = float_workspace_buffer
         self._plan: AttentionPlan | None = None
+        self._o_dtype: DType | None = None
+        """The output dtype plan() asked for (None: the query's)."""
         self._head_dim_vo = 0
         """The value head dim planned (below the query's: DeepSeek's
         non-absorbed MLA prefill, V padded with zeros for the kernel)."""
@@ -186,7 +196,9 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         Multi-item scoring (prefix_len_ptr, token_pos_in_items_ptr,
         token_pos_in_items_len; max_item_len_ptr, a kernel hint, is not read)
         runs as the custom mask it stands for (pagedkv.custom_mask.multi_item_mask).
-        o_data_type must be None or q_data_type; non_blocking,
+        An fp8 q_data_type is widened to bfloat16 for the kernel, and
+        o_data_type, given, is the output's dtype (else the query's, as
+        given; pagedkv._plan.io_dtypes). non_blocking,
         fixed_split_size and disable_split_kv are accepted and change nothing
         (prefill work is tiled by queries, never split by keys). The
         parameters are in FlashInfer's order, so positional calls agree.
@@ -204,8 +216,11 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         del max_token_per_sequence, max_sequence_kv  # trtllm-gen's launch bounds
         masked = custom_mask is not None or packed_custom_mask is not None
         multi_item = (prefix_len_ptr, token_pos_in_items_ptr)
-        dtypes, head_dims = (q_data_type, o_data_type), (head_dim_qk, head_dim_vo)
-        self._check_plan_contract(multi_item, masked, window_left, dtypes, head_dims)
+        self._check_plan_contract(multi_item, masked, window_left, (head_dim_qk, head_dim_vo))
+        self._o_dtype = output_dtype(o_data_type, as_dtype)
+        q_kernel = (
+            None if q_data_type is None else kernel_q_dtype(as_dtype(q_data_type, "q_data_type"))
+        )
         csr = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         check_trtllm_table(block_tables, seq_lens, page_size, csr, qo_indptr, seq_lens_q)
         self._planned = dict(
@@ -224,8 +239,8 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             logits_soft_cap=logits_soft_cap,
             rope_scale=rope_scale,
             rope_theta=rope_theta,
-            q_data_type=q_data_type,
-            kv_data_type=plan_kv_dtype(kv_data_type, q_data_type),  # uint8: NVFP4
+            q_data_type=q_kernel,
+            kv_data_type=plan_kv_dtype(kv_data_type, q_kernel),  # uint8: NVFP4
         )
         items = (*multi_item, token_pos_in_items_len) if prefix_len_ptr is not None else None
         self._plan_pages(**self._planned, masks=(custom_mask, packed_custom_mask), multi_item=items)
@@ -233,10 +248,10 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         self._head_dim_vo = head_dim_vo or head_dim_qk
 
     @staticmethod
-    def _check_plan_contract(multi_item, masked, window_left, dtypes, head_dims) -> None:
+    def _check_plan_contract(multi_item, masked, window_left, head_dims) -> None:
         """Refuses what plan() does not take: multi-item scoring with a
-        custom mask, half of its two arrays or a window, an o dtype other
-        than q's, a value head dim other than the query's."""
+        custom mask, half of its two arrays or a window, a value head dim
+        larger than the query's."""
         if any(ptr is not None for ptr in multi_item):
             if masked:
                 raise ValueError("multi-item scoring and a custom mask are exclusive")
@@ -246,10 +261,6 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 )
             if window_left >= 0:
                 raise ValueError("multi-item scoring with window_left is not supported")
-        q_data_type, o_data_type = dtypes
-        if q_data_type is not None and o_data_type is not None:
-            if as_dtype(o_data_type, "o_data_type") != as_dtype(q_data_type, "q_data_type"):
-                raise ValueError("o_data_type must be q_data_type: o is written in q's dtype")
         head_dim_qk, head_dim_vo = head_dims
         if head_dim_vo is not None and not 1 <= head_dim_vo <= head_dim_qk:
             raise ValueError(
@@ -383,7 +394,8 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         kv_cache_sf: an NVFP4 cache's block scales (pagedkv.nvfp4, planned
         with kv_data_type=uint8; k_scale / v_scale its global scales).
 
-        Returns o (q's shape and dtype), and lse [rows, Hq] (float32, base 2)
+        Returns o (q's shape; the planned o_data_type, else q's dtype; an fp8
+        q is widened for the kernel), and lse [rows, Hq] (float32, base 2)
         with return_lse; `out` and `lse` take them in place, as in
         BatchDecodeWithPagedKVCacheWrapper.run. window_left, if given, must
         be the planned one; enable_pdl is ignored. sinks: float [Hq], a logit
@@ -411,6 +423,9 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             },
             APPROXIMATIONS if self._backend == "trtllm-gen" else (),
         )
+        o_dtype = self._o_dtype or dtype_of(q)
+        check_out_dtype(out, o_dtype)
+        q = widened_query(q)
         # A caller's lse buffer is filled even without return_lse.
         want_lse = return_lse or lse is not None
         lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, want_lse)
@@ -425,19 +440,20 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 paged_kv_cache, kv_cache_sf, self._kv_layout, q, self._plan.table
             )
         narrow = self._head_dim_vo < self._plan.options.head_dim
+        direct = None if narrow else kernel_out(out, q)
         if narrow:
             table = self._plan.table
             widened = values_padded(paged_kv_cache, table.indices, self._plan.options.head_dim)
-            paged_kv_cache, into = widened, out
-            out = None
+            paged_kv_cache = widened
         o, lse = self._plan.run(
-            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, out, lse,
+            q, paged_kv_cache, self._kv_layout, q_scale, k_scale, v_scale, direct, lse,
             want_lse or sink_lse is not None,
         )  # fmt: skip
         if narrow:
-            o = values_narrowed(o, self._head_dim_vo, into)
+            o = values_narrowed(o, self._head_dim_vo, kernel_out(out, q))
         if sink_lse is not None:
             merge_sinks(o, lse, sink_lse)
+        o = output_in(o, o_dtype, out)
         if not want_lse:
             return o
         lse = finished_lse(lse, lse_base, lse_layout, lse_into)

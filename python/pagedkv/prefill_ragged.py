@@ -25,8 +25,8 @@ from ._checks import (
     reject_cuda_graph,
 )
 from ._ops.tensors import Array, check_array, contiguous, new_like, to_host_numpy
+from ._plan.io_dtypes import widened_query
 from .attention_sinks import q_scale_for, sink_variant
-from .block_tables import widened_query
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 

@@ -152,6 +152,27 @@ def test_decode_with_several_query_tokens_per_request():
         cuda_cores.plan(*table(batch), 8, 2, 64, 16, q_len_per_req=3)
 
 
+def test_trtllm_gen_decode_takes_the_query_length_at_run_time():
+    """backend='trtllm-gen' (as FlashInfer's) takes q_len_per_req in run()
+    other than the planned one, without tensor cores; each run is the causal
+    attention of its own query length."""
+    batch, pool, _ = decode_case(3, lens=(40, 5))
+    rng = np.random.default_rng(6)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", backend="trtllm-gen")
+    w.plan(*table(batch), 8, 2, 64, 16)
+    gathered = reference.gather(
+        pool, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for q_len in (3, 1, 2):
+        q = rng.standard_normal((2 * q_len, 8, 64), dtype=np.float32)
+        o = w.run(q, pool, q_len_per_req=q_len)
+        for b, (k, v) in enumerate(gathered):
+            rows = slice(q_len * b, q_len * (b + 1))
+            positions = np.arange(len(k) - q_len, len(k))
+            want = reference.attention(q[rows], k, v, positions)[0]
+            np.testing.assert_allclose(o[rows], want, rtol=1e-5, atol=1e-5)
+
+
 def test_single_decode_takes_flashinfer_positional_order():
     """(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale,
     k_scale, v_scale, window_left, logits_soft_cap, sm_scale, ...)."""
