@@ -54,8 +54,9 @@ def _check_nan(probs: Any, check_nan: bool) -> None:
 
 
 def top_p_mask(probs: Any, top_p: Any) -> Any:
-    """bool [B, V]: the tokens top-p keeps, those less likely tokens than
-    which hold under `top_p` of the mass (the most likely always stays).
+    """bool [B, V]: the tokens top-p keeps: a token stays when it and the
+    tokens less likely than it hold more than 1 - top_p of the mass (the
+    most likely always stays).
 
     probs: [B, V], a NumPy array or a torch tensor (the mask comes back as
     the same kind, on the same device); top_p: a number or one a row [B].
@@ -108,11 +109,16 @@ def _column(value: Any, batch: int, name: str) -> Any:
 def _top_p_rule(probs: Any, p: Any) -> Any:
     import numpy as np
 
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    descending = np.take_along_axis(probs, order, axis=-1)
-    above = np.cumsum(descending, axis=-1) - descending
-    keep_sorted = above < p.astype(probs.dtype)
-    keep_sorted[:, 0] = True
+    # Ascending, equal probabilities by id from the highest: the lowest ids
+    # of a tie are the last dropped.
+    order = np.argsort(-probs, axis=-1, kind="stable")[:, ::-1]
+    ascending = np.take_along_axis(probs, order, axis=-1)
+    # A token stays when its mass and all less likely tokens' exceeds 1 - p.
+    # Accumulated in float64, rounded to probs' dtype (as torch's CPU cumsum
+    # does, which FlashInfer's references use).
+    cdf = np.cumsum(ascending, axis=-1, dtype=np.float64).astype(probs.dtype)
+    keep_sorted = cdf > (1 - p).astype(probs.dtype)
+    keep_sorted[:, -1] = True
     keep = np.empty_like(keep_sorted)
     np.put_along_axis(keep, order, keep_sorted, axis=-1)
     return keep
