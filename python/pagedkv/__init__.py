@@ -43,6 +43,7 @@ from .nvfp4 import (
     nvfp4_kv_quantize,
     nvfp4_quantize_append_paged_kv_cache,
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+    nvfp4_quantize_paged_kv_cache,
 )
 from .page import (
     append_paged_kv_cache,
@@ -92,6 +93,7 @@ __all__ = [
     "nvfp4_kv_quantize",
     "nvfp4_quantize_append_paged_kv_cache",
     "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
+    "nvfp4_quantize_paged_kv_cache",
     "release_blocks",
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",

@@ -18,8 +18,10 @@ the query, not of the cache) and the output written in ``out_dtype``, else
 V page tables are taken where they agree or describe its interleaved pool
 (`_shared_page_table`). ``workspace_buffer`` is neither read nor written
 (FlashInfer's kernels lay it out as their own). What only the GPU kernels
-do (NVFP4 outputs, block sparsity, context parallelism, other separate K
-and V tables, tree draft masks) raises before anything is written. Skip-softmax sparsity
+do (block sparsity, context parallelism, other separate K and V tables,
+tree draft masks) raises before anything is written. NVFP4 outputs
+(``out_dtype="nvfp4"`` with ``o_sf_scale``) are quantized from a float32
+output (pagedkv._plan.nvfp4_output). Skip-softmax sparsity
 (``skip_softmax_threshold_scale_factor``) trades accuracy for speed: it is
 taken, and the attention computed exactly, skipping nothing (its limit).
 """
@@ -34,14 +36,34 @@ import numpy as np
 from ._checks import APPROXIMATIONS, check_float, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
+from ._plan.nvfp4_output import check_nvfp4_request, nvfp4_output, wants_nvfp4
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .nvfp4 import trtllm_v_scales_linear
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
-def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
+def _refuse_gpu_only(function: str, options: dict[str, Any], nvfp4_kv: bool = False) -> bool:
+    """Raises for what only the GPU kernels do; returns whether the call
+    asks for an NVFP4 output (checked, its o_sf options taken). nvfp4_kv:
+    the call takes kv_cache_sf (an NVFP4 cache in trtllm-gen's layout)."""
+    if nvfp4_kv:
+        options = {**options, "kv_cache_sf": None}
+    nvfp4 = wants_nvfp4(options.get("out"), options.get("out_dtype"))
+    if nvfp4:
+        check_nvfp4_request(
+            function, options["query"], options["out"], options.get("o_sf_scale"),
+            options.get("o_sf_vec_size"),
+        )  # fmt: skip
+        options = {**options, "o_sf_scale": None, "o_sf_vec_size": None}
     refuse_gpu_only(function, options, APPROXIMATIONS)
-    if options.get("out_dtype") == "nvfp4":
-        raise ValueError(f"{function}: NVFP4 output is not supported")
+    return nvfp4
+
+
+def _finish(o: Array, lse: Array, nvfp4: bool, options: dict[str, Any], return_lse: bool) -> Any:
+    """The call's result: o (as NVFP4 when asked), with lse when asked."""
+    if nvfp4:
+        o = nvfp4_output(o, options["o_sf_scale"], options["out"])
+    return (o, lse) if return_lse else o
 
 
 def draft_mask_is_causal(mask: Array, q_lens: np.ndarray) -> bool:
@@ -163,15 +185,27 @@ def _paged_attention(
     outputs: tuple[Array | None, Any, Array | None],
     sinks: Any,
     shared: bool,
+    kv_cache_sf: Any = None,
 ) -> tuple[Array, Array]:
     """One plan and run: the decode wrapper for uniform query lengths, the
     prefill wrapper for ragged ones (qo_indptr), on an fp8 query widened to
     bfloat16. outputs: (out, out_dtype, lse) as the caller gave them; the
     output comes back in out_dtype (else out's, else the query's), in out
-    when given, beside the lse (the caller's, filled, when given)."""
+    when given, beside the lse (the caller's, filled, when given).
+    kv_cache_sf: an NVFP4 cache's (K, V) block scales in trtllm-gen's
+    layout (V's interleaved: pagedkv.nvfp4.TRTLLM_V_SCALE_ORDER); the global
+    decode scales come folded into the bmm scales."""
+    if kv_cache_sf is not None:
+        if not shared:
+            raise ValueError(f"{function}: an NVFP4 cache needs a shared page table")
+        if not isinstance(kv_cache_sf, (tuple, list)) or len(kv_cache_sf) != 2:
+            raise ValueError(f"{function}: kv_cache_sf must be a (K, V) pair of block scales")
+        kv_cache_sf = (kv_cache_sf[0], trtllm_v_scales_linear(kv_cache_sf[1], kv_layout))
     page_size = _cache_geometry(kv_cache, kv_layout)[0]
     kv_cache, block_tables = _shared_page_table(kv_cache, block_tables, seq_lens, page_size, shared)
     page_size, num_kv_heads, head_dim = _cache_geometry(kv_cache, kv_layout)
+    if kv_cache_sf is not None:
+        head_dim *= 2  # two e2m1 codes a byte
     table = csr_from_block_tables(block_tables, seq_lens, page_size)
     if len(query.shape) != 3:
         raise ValueError(f"{function}: query must be [tokens, num_qo_heads, head_dim]")
@@ -199,8 +233,9 @@ def _paged_attention(
             q_data_type=query.dtype, kv_data_type=kv_dtype, o_data_type=want,
         )  # fmt: skip
     return wrapper.run(
-        query, kv_cache, v_scale=v_scale, return_lse=True, out=out, lse=lse, sinks=sinks
-    )
+        query, kv_cache, v_scale=v_scale, return_lse=True, out=out, lse=lse, sinks=sinks,
+        kv_cache_sf=kv_cache_sf,
+    )  # fmt: skip
 
 
 def trtllm_batch_decode_with_kv_cache(
@@ -271,7 +306,7 @@ def trtllm_batch_decode_with_kv_cache(
     torch.Size([2, 8, 64])
     """
     options = dict(locals())
-    _refuse_gpu_only("trtllm_batch_decode_with_kv_cache", options)
+    nvfp4 = _refuse_gpu_only("trtllm_batch_decode_with_kv_cache", options, nvfp4_kv=True)
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[1], query
     )
@@ -295,12 +330,13 @@ def trtllm_batch_decode_with_kv_cache(
         causal = draft_mask_is_causal(mask, q_lens)
         if not causal and qo_indptr is None:
             qo_indptr = np.arange(batch + 1) * q_len  # the prefill kernel's non-causal form
+    outputs = (None, "float32", lse) if nvfp4 else (out, out_dtype, lse)
     o, lse = _paged_attention(
         "trtllm_batch_decode_with_kv_cache", query, kv_cache, block_tables, seq_lens,
         qo_indptr, q_len, (sm_scale, _scalar("bmm2_scale", bmm2_scale)), causal,
-        window_left, kv_layout, (out, out_dtype, lse), sinks, uses_shared_paged_kv_idx,
+        window_left, kv_layout, outputs, sinks, uses_shared_paged_kv_idx, kv_cache_sf,
     )  # fmt: skip
-    return (o, lse) if return_lse else o
+    return _finish(o, lse, nvfp4, options, return_lse)
 
 
 def xqa_batch_decode_with_kv_cache(
@@ -399,7 +435,8 @@ def trtllm_batch_context_with_kv_cache(
     >>> o.shape
     torch.Size([7, 8, 64])
     """
-    _refuse_gpu_only("trtllm_batch_context_with_kv_cache", dict(locals()))
+    options = dict(locals())
+    nvfp4 = _refuse_gpu_only("trtllm_batch_context_with_kv_cache", options, nvfp4_kv=True)
     lens = host_int_array("seq_lens", seq_lens, 1)
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if batch_size != lens.shape[0] or kv_indptr.shape[0] != batch_size + 1:
@@ -411,6 +448,7 @@ def trtllm_batch_context_with_kv_cache(
         "trtllm_batch_context_with_kv_cache", query, kv_cache, block_tables, lens,
         host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
         (_scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale)), causal,
-        window_left, kv_layout, (out, out_dtype, lse), sinks, uses_shared_paged_kv_idx,
+        window_left, kv_layout, (None, "float32", lse) if nvfp4 else (out, out_dtype, lse),
+        sinks, uses_shared_paged_kv_idx, kv_cache_sf,
     )  # fmt: skip
-    return (o, lse) if return_lse else o
+    return _finish(o, lse, nvfp4, options, return_lse)

@@ -179,6 +179,37 @@ def dequantize_float32(
     return out.reshape(*packed.shape[:-1], d)
 
 
+class FP4Tensor:
+    """An NVFP4 tensor as FlashInfer's attention outputs one: ``data`` the
+    packed e2m1 codes, uint8 [..., D // 2] (the module docstring's packing),
+    ``scale`` the e4m3 scales of blocks of 16 along each row of data's
+    leading dim (the rest flattened), float8_e4m3fn [R, C] with R a multiple
+    of 128, in the 128x4 swizzled layout of NVIDIA's FP4 GEMMs
+    (`swizzled_scale_offsets`), ``scale_start_index`` the scale row of
+    data's first row, ``original_shape`` the shape before packing."""
+
+    def __init__(
+        self,
+        data: Any,
+        scale: Any,
+        scale_start_index: int = 0,
+        original_shape: tuple[int, ...] | None = None,
+    ) -> None:
+        self.data = data
+        self.scale = scale
+        self.scale_start_index = scale_start_index
+        self.original_shape = original_shape
+
+
+def swizzled_scale_offsets(cols_total: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Offsets into a [R, cols_total] scale tensor in the 128x4 swizzled
+    layout (R % 128 == 0, cols_total % 4 == 0) of logical (rows, cols):
+    stored as [R // 128][cols_total // 4][row % 32][(row % 128) // 32][col % 4]."""
+    rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
+    tile = (rows // 128) * (cols_total // 4) + cols // 4
+    return ((tile * 32 + rows % 32) * 4 + (rows % 128) // 32) * 4 + cols % 4
+
+
 # ---------------------------------------------------------------- host views
 
 
@@ -712,6 +743,100 @@ def _scatter_output(out: Array, b_idx: np.ndarray, t_idx: np.ndarray, values: np
 
 
 # ------------------------------------------------------- attention's hooks
+
+
+TRTLLM_V_SCALE_ORDER = {"NHD": (0, 1, 4, 3, 5, 2), "HND": (0, 1, 2, 4, 5, 3)}
+"""TRT-LLM's V block-scale layout, by cache layout: the linear scales
+[pages, P, H, S] (NHD; [pages, H, P, S] for HND) viewed as [pages, P / 4,
+4, H, 4, S / 4] (HND: [pages, H, P / 4, 4, 4, S / 4]) and permuted so: groups
+of 4 tokens interleaved within each page and head (FlashInfer's
+nvfp4_quantize_paged_kv_cache). K's scales stay linear."""
+
+
+def _trtllm_v_scale_view(shape: tuple[int, ...], kv_layout: str) -> tuple[int, ...]:
+    if kv_layout == "NHD":
+        pages, page_size, heads, blocks = shape
+        return (pages, page_size // 4, 4, heads, 4, blocks // 4)
+    pages, heads, page_size, blocks = shape
+    return (pages, heads, page_size // 4, 4, 4, blocks // 4)
+
+
+def _check_trtllm_v_scales(shape: tuple[int, ...], kv_layout: str) -> None:
+    page_size = shape[1] if kv_layout == "NHD" else shape[2]
+    if len(shape) != 4 or page_size % 4 or shape[3] % 4:
+        raise ValueError(
+            "TRT-LLM's V scale layout needs scales [pages, ...] of 4 dims with page_size % 4"
+            f" == 0 and head_dim % 64 == 0, got {list(shape)}"
+        )
+
+
+def trtllm_v_scales_linear(v_scales: Array, kv_layout: str) -> Array:
+    """V's block scales in TRT-LLM's layout (TRTLLM_V_SCALE_ORDER) back in
+    the linear layout pagedkv's NVFP4 caches use (a permuted copy)."""
+    layout_code(kv_layout)
+    shape = tuple(v_scales.shape)
+    _check_trtllm_v_scales(shape, kv_layout)
+    order = TRTLLM_V_SCALE_ORDER[kv_layout]
+    view = _trtllm_v_scale_view(shape, kv_layout)
+    permuted = tuple(view[i] for i in order)
+    inverse = tuple(int(i) for i in np.argsort(order))
+    return v_scales.reshape(permuted).permute(inverse).reshape(shape).contiguous()
+
+
+def nvfp4_quantize_paged_kv_cache(
+    k_cache: Array,
+    v_cache: Array,
+    kv_layout: str = "HND",
+    k_global_sf: Array | None = None,
+    v_global_sf: Array | None = None,
+) -> tuple[tuple[Array, Array], tuple[Array, Array], float, float]:
+    """FlashInfer's NVFP4 cache for its trtllm-gen kernels, from float caches
+    k_cache and v_cache [pages, P, H, D] (NHD; [pages, H, P, D] HND), torch.
+
+    k_global_sf, v_global_sf: the global *encode* scales (float32, one
+    element), by default 448 / amax of the cache. Returns ((k, v) packed
+    uint8 [..., D // 2], (k, v) block scales float8_e4m3fn [..., D // 16], K's
+    linear and V's in TRT-LLM's layout (TRTLLM_V_SCALE_ORDER), 1 /
+    k_global_sf, 1 / v_global_sf): the global decode scales, which callers
+    fold into bmm1_scale and bmm2_scale. Each block is quantized with the
+    "kv_quant" recipe (the module docstring). Needs page_size % 4 == 0 and
+    D % 64 == 0.
+
+    Examples
+    --------
+    >>> import torch, pagedkv
+    >>> k, v = torch.randn(2, 2, 2, 16, 64).unbind(0)    # HND
+    >>> (kq, vq), (ks, vs), k_dec, v_dec = pagedkv.nvfp4.nvfp4_quantize_paged_kv_cache(k, v)
+    >>> kq.shape, vs.shape
+    (torch.Size([2, 2, 16, 32]), torch.Size([2, 2, 16, 4]))
+    """
+    import torch
+
+    layout_code(kv_layout)
+    if not (is_torch(k_cache) and is_torch(v_cache)) or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must be torch tensors of one shape")
+    if len(k_cache.shape) != 4 or k_cache.shape[-1] % 64:
+        raise ValueError(f"caches must be [pages, ...] of 4 dims, head_dim % 64 == 0, got "
+                         f"{list(k_cache.shape)}")  # fmt: skip
+    scale_shape = (*k_cache.shape[:-1], k_cache.shape[-1] // BLOCK)
+    _check_trtllm_v_scales(scale_shape, kv_layout)
+    packed, scales, decode_scales = [], [], []
+    for cache, given in ((k_cache, k_global_sf), (v_cache, v_global_sf)):
+        host = _host(cache).astype(np.float32)
+        if given is None:
+            amax = float(np.abs(host).max()) if host.size else 0.0
+            encode = float(np.float32(448.0) / np.float32(max(amax, 1e-12)))
+        else:
+            encode = _positive_finite("global_sf", given)
+        data, sf = quantize(host, 1.0 / encode, recipe="kv_quant")
+        packed.append(torch.from_numpy(data).to(cache.device))
+        scales.append(torch.from_numpy(sf).view(torch.float8_e4m3fn).to(cache.device))
+        decode_scales.append(1.0 / encode)
+    view = _trtllm_v_scale_view(scale_shape, kv_layout)
+    scales[1] = (
+        scales[1].reshape(view).permute(TRTLLM_V_SCALE_ORDER[kv_layout]).reshape(scale_shape)
+    ).contiguous()
+    return (packed[0], packed[1]), (scales[0], scales[1]), decode_scales[0], decode_scales[1]
 
 
 def is_nvfp4_kv_dtype(kv_data_type: object) -> bool:

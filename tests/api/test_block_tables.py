@@ -205,6 +205,8 @@ def test_csr_from_block_tables_reads_only_the_used_columns():
         ({"sinks": [torch.zeros(4)]}, "sinks"),
         ({"uses_shared_paged_kv_idx": False}, "separate K and V"),
         ({"out_dtype": "nvfp4"}, "NVFP4"),
+        ({"out_dtype": "nvfp4", "o_sf_scale": 300.0}, "FP4Tensor"),
+        ({"o_sf_scale": 300.0}, "o_sf_scale"),
         ({"bmm1_scale": float("nan")}, "finite"),
         ({"kv_layout": "NCHW"}, "kv_layout"),
         ({"block_tables": torch.zeros(2, 3)}, "integer"),
@@ -219,6 +221,96 @@ def test_bad_block_table_calls_raise_before_writing(change, message):
     with pytest.raises(ValueError, match=message):
         pagedkv.trtllm_batch_decode_with_kv_cache(q, cache, None, max_seq_len=64, **args)
     assert bool((out == 7.0).all())
+
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def linear_scales(swizzled, rows, blocks):
+    """The [rows, blocks] block scales of a 128x4-swizzled [R, C] scale
+    tensor, unswizzled with reshapes (as FlashInfer's tests read them)."""
+    full_rows, cols = swizzled.shape
+    tiles = swizzled.reshape(full_rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(full_rows, cols)[rows, :blocks].float()
+
+
+@pytest.mark.parametrize("start", [None, 37])
+def test_trtllm_nvfp4_output_decodes_to_the_attention(start):
+    """out_dtype="nvfp4": each block of 16 values of a token's row has the
+    e4m3 scale of amax * o_sf_scale / 6 (to within e4m3's rounding), and
+    e2m1 * scale / o_sf_scale is the float32 output to within half the
+    widest e2m1 step (1) of that scale; an FP4Tensor given as out is written
+    from its scale_start_index, its other scale rows left as they were."""
+    q, cache, table = make_case(6, "HND", [40, 20, 33], [1, 1, 1])
+    args = (q, cache, None, table, torch.tensor([40, 20, 33]), 64)
+    exact = pagedkv.trtllm_batch_decode_with_kv_cache(*args, bmm1_scale=0.125)
+    out = None
+    if start is not None:
+        scale = torch.full((256, 32), 0.5).to(torch.float8_e4m3fn)
+        out = pagedkv.nvfp4.FP4Tensor(torch.zeros(3, 8, 32, dtype=torch.uint8), scale, start)
+    o = pagedkv.trtllm_batch_decode_with_kv_cache(
+        *args, bmm1_scale=0.125, out=out, out_dtype="nvfp4", o_sf_scale=300.0
+    )
+    first = o.scale_start_index
+    assert first == (start or 0) and (out is None or o is out)
+    scales = linear_scales(o.scale, slice(first, first + 3), 32)
+    blocks = exact.reshape(3, 32, 16)
+    want_scales = blocks.abs().amax(-1) * 300.0 / 6
+    torch.testing.assert_close(scales, want_scales, rtol=1 / 8, atol=2**-9)
+    codes = torch.stack([o.data & 0xF, o.data >> 4], -1).reshape(3, 32, 16).long()
+    decoded = E2M1[codes] * scales[..., None] / 300.0
+    assert bool(((decoded - blocks).abs() <= scales[..., None] / 300.0 + 1e-6).all())
+    if out is not None:
+        rest = torch.ones(256, dtype=torch.bool)
+        rest[first : first + 3] = False
+        untouched = linear_scales(o.scale, rest, 32)
+        assert bool((untouched == 0.5).all())
+
+
+def decode_fp4(packed, scales):
+    """e2m1 codes [..., D // 2] times their block scales (float8 [..., D // 16])."""
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    values = E2M1[codes.long()].reshape(*scales.shape, 16)
+    return (values * scales.float()[..., None]).reshape(codes.shape)
+
+
+def unswizzle_v_scales(stored, layout):
+    """TRT-LLM's V scales as FlashInfer documents them: in each page's and
+    head's [P, S] tile, linear [t, s] sits at (t // 4) * 4 * S + s * 4 + t % 4."""
+    tiles = stored if layout == "HND" else stored.transpose(1, 2)
+    pages, heads, page_size, blocks = tiles.shape
+    t = torch.arange(page_size)[:, None]
+    s = torch.arange(blocks)[None, :]
+    where = (t // 4) * 4 * blocks + s * 4 + t % 4
+    linear = tiles.reshape(pages, heads, -1)[:, :, where.reshape(-1)].reshape(tiles.shape)
+    return linear if layout == "HND" else linear.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_trtllm_decode_over_flashinfers_nvfp4_cache(layout):
+    """nvfp4_quantize_paged_kv_cache's cache (V's scales in TRT-LLM's
+    layout), its global decode scales folded into bmm1 and bmm2 as
+    FlashInfer's callers do: the float64 attention of the cache it decodes to."""
+    seq_lens = [40, 20, 33]
+    q, cache, table = make_case(7, layout, seq_lens, [1, 1, 1])
+    (k, v), (k_sf, v_sf), k_dec, v_dec = pagedkv.nvfp4_quantize_paged_kv_cache(
+        cache[:, 0], cache[:, 1], kv_layout=layout
+    )
+    k_float = decode_fp4(k, k_sf) * k_dec
+    v_float = decode_fp4(v, unswizzle_v_scales(v_sf, layout)) * v_dec
+    assert (k_float - cache[:, 0]).abs().max() < 0.5  # a coarse check of the decode itself
+    o = pagedkv.trtllm_batch_decode_with_kv_cache(
+        q, (k, v), None, table, torch.tensor(seq_lens), 64, bmm1_scale=0.125 * k_dec,
+        bmm2_scale=v_dec, kv_layout=layout, kv_cache_sf=(k_sf, v_sf),
+    )  # fmt: skip
+    decoded = torch.stack([k_float, v_float], 1)
+    want = reference(q, decoded, layout, table, seq_lens, [1, 1, 1], 0.125, 1.0, True, -1)
+    torch.testing.assert_close(o, want.float(), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="shared page table"):
+        pagedkv.trtllm_batch_decode_with_kv_cache(
+            q, (k, v), None, torch.stack([table, table], 1), torch.tensor(seq_lens), 64,
+            kv_layout=layout, kv_cache_sf=(k_sf, v_sf), uses_shared_paged_kv_idx=False,
+        )  # fmt: skip
 
 
 FLASHINFER_0_7_PARAMETERS = {

@@ -1,7 +1,7 @@
-"""``flashinfer.fp4_quantization``: the NVFP4 KV-cache helpers (pagedkv.nvfp4).
+"""``flashinfer.fp4_quantization``: the NVFP4 KV-cache helpers (pagedkv.nvfp4),
+trtllm-gen's NVFP4 cache (`nvfp4_quantize_paged_kv_cache`) included.
 
-FlashInfer's other FP4 names (GEMM and MoE quantizers, swizzled scale
-layouts) are not provided.
+FlashInfer's other FP4 names (GEMM and MoE quantizers) are not provided.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ..nvfp4 import (
     nvfp4_kv_dequantize,
     nvfp4_kv_dequantize_paged,
     nvfp4_kv_quantize,
+    nvfp4_quantize_paged_kv_cache,
 )
 from ._missing import missing_function
 
@@ -27,10 +28,6 @@ class SfLayout(Enum):
 
 nvfp4_quantize = missing_function(
     "fp4_quantization.nvfp4_quantize", "FlashInfer's NVFP4 GEMM quantizer (swizzled scales)"
-)
-nvfp4_quantize_paged_kv_cache = missing_function(
-    "fp4_quantization.nvfp4_quantize_paged_kv_cache",
-    "use pagedkv.nvfp4_kv_quantize or the NVFP4 appends",
 )
 
 __all__ = [

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from .._plan.block_tables import multi_ctas_kv_counter_bytes, sm_count
+from ..nvfp4 import FP4Tensor as FP4Tensor  # FlashInfer keeps it in utils
 
 FA2_CAPABILITY = (8, 0)
 
@@ -81,23 +82,6 @@ def get_trtllm_gen_multi_ctas_kv_counter_bytes(
 ) -> int:
     """Bytes of FlashInfer's trtllm-gen multi-CTA KV counters."""
     return multi_ctas_kv_counter_bytes(batch_size, num_qo_heads, sm_count)
-
-
-class FP4Tensor:
-    """FlashInfer's NVFP4 tensor: packed e2m1 bytes, their e4m3 scales, and
-    the shape before packing."""
-
-    def __init__(
-        self,
-        data: Any,
-        scale: Any,
-        scale_start_index: int = 0,
-        original_shape: tuple[int, ...] | None = None,
-    ) -> None:
-        self.data = data
-        self.scale = scale
-        self.scale_start_index = scale_start_index
-        self.original_shape = original_shape
 
 
 def is_fa3_backend_supported(*args: Any, **kwargs: Any) -> bool:
