@@ -26,6 +26,7 @@ from ._checks import (
 )
 from ._ops.tensors import Array, check_array, contiguous, new_like, to_host_numpy
 from ._plan.io_dtypes import widened_query
+from ._plan.work import PREFILL_BACKENDS, RAGGED_ONLY_BACKENDS, check_backend
 from .attention_sinks import q_scale_for, sink_variant
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -67,6 +68,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         reject_cuda_graph(use_cuda_graph, "BatchPrefillWithRaggedKVCacheWrapper")
         if qo_indptr_buf is not None or kv_indptr_buf is not None:
             raise ValueError("qo_indptr_buf and kv_indptr_buf go with use_cuda_graph=True")
+        check_backend(backend, PREFILL_BACKENDS + RAGGED_ONLY_BACKENDS)
         self._sink_variant = sink_variant(jit_args, jit_kwargs)
         # The inner wrapper pages the ragged rows as NHD one-token pages.
         self._paged = BatchPrefillWithPagedKVCacheWrapper(
@@ -74,7 +76,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             "NHD",
             custom_mask_buf=custom_mask_buf,
             mask_indptr_buf=mask_indptr_buf,
-            backend=backend,
+            backend="auto" if backend in RAGGED_ONLY_BACKENDS else backend,
         )
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")

@@ -281,6 +281,13 @@ def test_value_rows_shorter_than_the_queries():
     buffer = np.full_like(lse, np.nan)
     ragged.run(q, k, v, lse=buffer)
     np.testing.assert_array_equal(buffer, lse)
+    # FlashInfer's ragged-only backends name the same kernel (its tests take
+    # "cutlass" as their reference); the paged wrapper has no such backend.
+    cutlass = pagedkv.BatchPrefillWithRaggedKVCacheWrapper(backend="cutlass")
+    cutlass.plan(qo, kv, 4, 2, QK, VO, causal=True)
+    np.testing.assert_allclose(cutlass.run(q, k, v), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        pagedkv.BatchPrefillWithPagedKVCacheWrapper(backend="cutlass")
     ragged_bf16 = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
     ragged_bf16.plan(qo, kv, 4, 2, QK, VO, causal=True)
     o_bf16 = ragged_bf16.run(*(cast(x, "bfloat16") for x in (q, k, v)))

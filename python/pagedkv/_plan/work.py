@@ -183,6 +183,10 @@ PREFILL_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen")
 """Prefill has one kernel a device: FlashInfer's "auto", "fa2", "fa3" and
 "trtllm-gen" (its Hopper and Blackwell kernels, which code written for sm_90
 or sm_100 asks for) name it."""
+RAGGED_ONLY_BACKENDS = ("cutlass", "fmha_v2")
+"""FlashInfer's ragged-prefill kernels of its own (the SM100 FMHA and
+TRT-LLM's fmha_v2): on the ragged wrapper they too name pagedkv's one
+prefill kernel."""
 
 
 def check_backend(backend: str, known: tuple[str, ...]) -> None:
