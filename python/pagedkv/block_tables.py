@@ -195,14 +195,21 @@ def _paged_attention(
     kv_cache_sf: an NVFP4 cache's (K, V) block scales in trtllm-gen's
     layout (V's interleaved: pagedkv.nvfp4.TRTLLM_V_SCALE_ORDER); the global
     decode scales come folded into the bmm scales."""
+    page_size = _cache_geometry(kv_cache, kv_layout)[0]
+    pool = kv_cache
+    kv_cache, block_tables = _shared_page_table(kv_cache, block_tables, seq_lens, page_size, shared)
     if kv_cache_sf is not None:
-        if not shared:
-            raise ValueError(f"{function}: an NVFP4 cache needs a shared page table")
         if not isinstance(kv_cache_sf, (tuple, list)) or len(kv_cache_sf) != 2:
             raise ValueError(f"{function}: kv_cache_sf must be a (K, V) pair of block scales")
+        if kv_cache is not pool:  # TRT-LLM's interleaved pool: its scales interleave alike
+            if kv_cache_sf[0] is not kv_cache_sf[1]:
+                raise ValueError(
+                    f"{function}: an interleaved K/V pool takes its scales as one pool too"
+                )
+            sf_pool = kv_cache_sf[0]
+            pairs = sf_pool.view(sf_pool.shape[0] // 2, 2, *sf_pool.shape[1:])
+            kv_cache_sf = (pairs[:, 0], pairs[:, 1])
         kv_cache_sf = (kv_cache_sf[0], trtllm_v_scales_linear(kv_cache_sf[1], kv_layout))
-    page_size = _cache_geometry(kv_cache, kv_layout)[0]
-    kv_cache, block_tables = _shared_page_table(kv_cache, block_tables, seq_lens, page_size, shared)
     page_size, num_kv_heads, head_dim = _cache_geometry(kv_cache, kv_layout)
     if kv_cache_sf is not None:
         head_dim *= 2  # two e2m1 codes a byte

@@ -306,10 +306,20 @@ def test_trtllm_decode_over_flashinfers_nvfp4_cache(layout):
     decoded = torch.stack([k_float, v_float], 1)
     want = reference(q, decoded, layout, table, seq_lens, [1, 1, 1], 0.125, 1.0, True, -1)
     torch.testing.assert_close(o, want.float(), atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="shared page table"):
+    # TRT-LLM's interleaved pool (K page 2p, V page 2p + 1), scales alike.
+    pool = torch.stack([k, v], 1).flatten(0, 1)
+    sf_pool = torch.stack([k_sf, v_sf], 1).flatten(0, 1)
+    o_pool = pagedkv.trtllm_batch_decode_with_kv_cache(
+        q, (pool, pool), None, torch.stack([2 * table, 2 * table + 1], 1),
+        torch.tensor(seq_lens), 64, bmm1_scale=0.125 * k_dec, bmm2_scale=v_dec,
+        kv_layout=layout, kv_cache_sf=(sf_pool, sf_pool), uses_shared_paged_kv_idx=False,
+    )  # fmt: skip
+    torch.testing.assert_close(o_pool, want.float(), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="one pool"):
         pagedkv.trtllm_batch_decode_with_kv_cache(
-            q, (k, v), None, torch.stack([table, table], 1), torch.tensor(seq_lens), 64,
-            kv_layout=layout, kv_cache_sf=(k_sf, v_sf), uses_shared_paged_kv_idx=False,
+            q, (pool, pool), None, torch.stack([2 * table, 2 * table + 1], 1),
+            torch.tensor(seq_lens), 64, kv_layout=layout,
+            kv_cache_sf=(sf_pool, sf_pool.clone()), uses_shared_paged_kv_idx=False,
         )  # fmt: skip
 
 
