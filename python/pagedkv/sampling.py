@@ -173,18 +173,27 @@ def _draw(
     rows = torch.arange(probs.shape[0]) if indices is None else indices.long().cpu()
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= probs.shape[0]):
         raise ValueError(f"indices must be in [0, {probs.shape[0]})")
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    total = cdf[:, -1]
-    valid_rows = torch.isfinite(total) & (total > 0)
+    # float32 prefix sums: torch accumulates them in float64 on the CPU, so
+    # each is its exact sum rounded once.
+    cdf = torch.cumsum(probs.float(), dim=-1)
+    total = cdf[:, -1:].contiguous()
+    valid_rows = (torch.isfinite(total) & (total > 0))[:, 0]
+    # The last token whose mass reaches the total: where rounding puts
+    # u * total at the very end, the draw is that token.
+    last = torch.searchsorted(cdf, total).clamp(max=probs.shape[1] - 1)[:, 0]
     u = _uniforms(rows.numel(), generator, seed, offset)
-    out = torch.zeros(rows.numel(), dtype=torch.int64)
-    # Rounding may put u * total at the very end: the last token with mass.
-    last = probs.shape[1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
-    for r in torch.unique(rows).tolist():
-        at = (rows == r).nonzero().flatten()
-        if bool(valid_rows[r]):
-            hit = torch.searchsorted(cdf[r], u[at] * total[r], right=True)
-            out[at] = hit.clamp(max=int(last[r]))
+    if rows.numel() <= probs.shape[0]:  # one batched search (cdf's rows gathered)
+        picked = cdf if indices is None else cdf[rows]
+        target = (u[:, None] * picked[:, -1:].double()).to(cdf.dtype).contiguous()
+        out = torch.searchsorted(picked, target, right=True)[:, 0]
+        out = torch.minimum(out, last[rows])
+    else:  # many draws from few rows: one search a row, no copy of cdf's rows
+        out = torch.zeros(rows.numel(), dtype=torch.int64)
+        for r in torch.unique(rows).tolist():
+            at = (rows == r).nonzero().flatten()
+            target = (u[at] * float(total[r, 0])).to(cdf.dtype)
+            out[at] = torch.searchsorted(cdf[r], target, right=True).clamp(max=int(last[r]))
+    out = torch.where(valid_rows[rows], out, 0)
     dtype = torch.int32 if indices is None else indices.dtype
     samples = out.to(dtype).to(probs.device)
     if return_valid:
