@@ -163,33 +163,18 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
 
     def plan(
         self,
-        indptr: Array,
-        indices: Array,
-        last_page_len: Array,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        pos_encoding_mode: str = "NONE",
-        window_left: int = -1,
-        logits_soft_cap: float | None = None,
-        q_data_type: object = None,
-        kv_data_type: object = None,
-        o_data_type: object = None,
-        data_type: object = None,
-        sm_scale: float | None = None,
-        rope_scale: float | None = None,
-        rope_theta: float | None = None,
-        non_blocking: bool = True,
-        block_tables: Array | None = None,
-        seq_lens: Array | None = None,
-        fixed_split_size: int | None = None,
-        disable_split_kv: bool = False,
+        indptr: Array, indices: Array, last_page_len: Array, num_qo_heads: int, num_kv_heads: int,
+        head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+        logits_soft_cap: float | None = None, q_data_type: object = None,
+        kv_data_type: object = None, o_data_type: object = None, data_type: object = None,
+        sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None, non_blocking: bool = True,
+        block_tables: Array | None = None, seq_lens: Array | None = None,
+        fixed_split_size: int | None = None, disable_split_kv: bool = False,
         q_len_per_req: int = 1,
         *,
-        window_right: int = 0,
-        is_causal: bool | None = None,
-    ) -> None:
+        window_right: int = 0, is_causal: bool | None = None,
+    ) -> None:  # fmt: skip
         """Prepares the batch described by the CSR page table.
 
         Parameters

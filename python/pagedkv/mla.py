@@ -341,76 +341,48 @@ class BatchMLAPagedAttentionWrapper:
 
     def plan(
         self,
-        qo_indptr: Array | None = None,
-        kv_indptr: Array | None = None,
-        kv_indices: Array | None = None,
-        kv_len_arr: Array | None = None,
-        num_heads: int | None = None,
-        head_dim_ckv: int | None = None,
-        head_dim_kpe: int | None = None,
-        page_size: int | None = None,
-        causal: bool | None = None,
-        sm_scale: float | None = None,
-        q_data_type: Any = None,
-        kv_data_type: Any = None,
-        use_profiler: bool = False,
+        qo_indptr: Array | None = None, kv_indptr: Array | None = None,
+        kv_indices: Array | None = None, kv_len_arr: Array | None = None,
+        num_heads: int | None = None, head_dim_ckv: int | None = None,
+        head_dim_kpe: int | None = None, page_size: int | None = None,
+        causal: bool | None = None, sm_scale: float | None = None, q_data_type: Any = None,
+        kv_data_type: Any = None, use_profiler: bool = False,
         *,
-        metadata: MLAPlanMetadata | None = None,
-        cum_seq_lens_q: Array | None = None,
-        block_tables: Array | None = None,
-        seq_lens: Array | None = None,
-        max_q_len: int | None = None,
-        query_layout: str | None = None,
-        kv_cache_layout: str | None = None,
-        lse_mode: str = "none",
-        output_dtype: Any = None,
-        output_scale: str = "none",
-        scale_mode: str = "default",
-        skip_softmax: bool = False,
-        enable_pdl: bool | None = None,
-        use_sinks: bool = False,
-    ) -> None:
+        metadata: MLAPlanMetadata | None = None, cum_seq_lens_q: Array | None = None,
+        block_tables: Array | None = None, seq_lens: Array | None = None,
+        max_q_len: int | None = None, query_layout: str | None = None,
+        kv_cache_layout: str | None = None, lse_mode: str = "none", output_dtype: Any = None,
+        output_scale: str = "none", scale_mode: str = "default", skip_softmax: bool = False,
+        enable_pdl: bool | None = None, use_sinks: bool = False,
+    ) -> None:  # fmt: skip
         """Checks a batch's page table and prepares its run.
 
         FlashInfer 0.7.2's plan(): the page table as ``metadata=``
-        (`MLAPlanMetadata.csr`, ``.dense`` or ``.dual``), or in the older
-        flat forms (the CSR arrays first, positional or by name, or the dense
-        ones by name). The options after ``metadata`` declare what run()
-        will be given; run() raises on a call that breaks them.
+        (`MLAPlanMetadata.csr`, ``.dense`` or ``.dual``), or in the older flat
+        forms. The options after ``metadata`` declare what run() will be
+        given; run() raises on a call that breaks them.
 
         Parameters
         ----------
-        qo_indptr : int array, shape (B + 1,)
-            Request b's queries are rows qo_indptr[b]:qo_indptr[b + 1] of
-            q_nope and q_pe (0, 1, .., B for a decode).
-        kv_indptr : int array, shape (B + 1,) or longer
-            Request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]];
-            entries past B + 1 are not read (as in FlashInfer).
-        kv_indices : int array
-            Page ids into the caches.
-        kv_len_arr : int array, shape (B,)
-            Tokens cached per request, its queries' included.
-        num_heads : int
-            Query heads (128 in DeepSeek-V3, 16 per GPU of an 8-way split).
+        qo_indptr, kv_indptr, kv_indices, kv_len_arr : int arrays
+            The CSR page table: request b's queries are rows
+            qo_indptr[b]:qo_indptr[b + 1] of the query, its pages
+            kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (entries of kv_indptr
+            past B + 1 not read, as in FlashInfer), its tokens kv_len_arr[b]
+            (its queries' included).
+        num_heads, page_size : int
+            Query heads (128 in DeepSeek-V3) and tokens per page.
         head_dim_ckv, head_dim_kpe : int
             Latent and rope widths (512 and 64 in DeepSeek); multiples of 16,
             head_dim_kpe may be 0.
-        page_size : int
-            Tokens per page.
-        causal : bool
-            Whether query i of n sees only keys up to position L - n + i.
-        sm_scale : float
-            Softmax scale, usually 1 / sqrt(128 + 64) (the head dim before
-            absorption).
+        causal, sm_scale : bool, float
+            Whether query i of n sees only keys up to position L - n + i; the
+            softmax scale, usually 1 / sqrt(128 + 64).
         q_data_type, kv_data_type : dtype
             float32, float16 or bfloat16 queries; caches of q's dtype, or
-            float8_e4m3fn / float8_e5m2 beside a 16-bit q.
-        use_profiler : bool, optional
-            Not supported (False).
-        metadata : MLAPlanMetadata, keyword-only
-            The page table (in place of the flat arrays).
-        cum_seq_lens_q, block_tables, seq_lens, max_q_len : keyword-only
-            The dense page table in the flat form.
+            float8_e4m3fn / float8_e5m2 beside a 16-bit q. use_profiler: False.
+        metadata : MLAPlanMetadata; or cum_seq_lens_q, block_tables, seq_lens, max_q_len
+            The page table in place of the CSR arrays (the latter: dense, flat).
         query_layout, kv_cache_layout : {"packed", "split"}, keyword-only
             The form run() is given (default "packed" with metadata,
             "split" with the flat forms). "packed" also takes split parts
@@ -445,38 +417,24 @@ class BatchMLAPagedAttentionWrapper:
             seq_lens, max_q_len,
         )  # fmt: skip
         table = MLAPlanMetadata.of_plan(metadata, flat)
-        required = dict(
-            num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
-            page_size=page_size, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-        )  # fmt: skip
-        missing = [name for name, value in required.items() if value is None]
-        if missing:
-            raise TypeError(f"plan() is missing {', '.join(missing)}")
         if use_profiler:
             raise ValueError("use_profiler=True is not supported: pagedkv has no kernel profiler")
-        num_heads = check_int("num_heads", num_heads, 1)
-        ckv_dim, kpe_dim = check_mla_dims(head_dim_ckv, head_dim_kpe, self.device.is_gpu)
-        page_size = check_int("page_size", page_size, 1)
-        sm_scale = check_float("sm_scale", sm_scale, positive=True)
-        q_dtype = as_dtype(q_data_type, "q_data_type")
-        kv_dtype = as_dtype(kv_data_type, "kv_data_type")
-        check_mla_dtypes(q_dtype, kv_dtype)
+        num_heads, (ckv_dim, kpe_dim), page_size, sm_scale, (q_dtype, kv_dtype) = _plan_geometry(
+            dict(
+                num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
+                page_size=page_size, causal=causal, sm_scale=sm_scale,
+                q_data_type=q_data_type, kv_data_type=kv_data_type,
+            ),
+            self.device.is_gpu,
+        )  # fmt: skip
+        same_dtype = output_dtype is None or as_dtype(output_dtype, "output_dtype") == q_dtype
         contract = MLARunContract.planned(
-            flat=metadata is None,
-            flat_csr=metadata is None and flat.has_csr(),
-            lse_mode=lse_mode,
-            query_layout=query_layout,
-            kv_cache_layout=kv_cache_layout,
-            output_matches_q=output_dtype is None
-            or as_dtype(output_dtype, "output_dtype") == q_dtype,
-            output_scale=output_scale,
-            scale_mode=scale_mode,
-            fp8_cache=kv_dtype in FP8_DTYPES,
-            skip_softmax=skip_softmax,
-            enable_pdl=enable_pdl,
+            flat=metadata is None, flat_csr=metadata is None and flat.has_csr(),
+            lse_mode=lse_mode, query_layout=query_layout, kv_cache_layout=kv_cache_layout,
+            output_matches_q=same_dtype, output_scale=output_scale, scale_mode=scale_mode,
+            fp8_cache=kv_dtype in FP8_DTYPES, skip_softmax=skip_softmax, enable_pdl=enable_pdl,
             use_sinks=use_sinks,
-        )
+        )  # fmt: skip
         self._prepare(table.csr_table(page_size), num_heads, (ckv_dim, kpe_dim), page_size,
                       bool(causal), sm_scale, (q_dtype, kv_dtype))  # fmt: skip
         self._contract = contract
@@ -726,3 +684,23 @@ class BatchMLAPagedAttentionWrapper:
         if sink_lse is not None:
             merge_sinks(out, lse, sink_lse)
         return out, lse
+
+
+def _plan_geometry(
+    required: dict[str, Any], is_gpu: bool
+) -> tuple[int, tuple[int, int], int, float, tuple[DType, DType]]:
+    """plan()'s required arguments checked: (num_heads, (ckv, kpe dims),
+    page_size, sm_scale, (q dtype, kv dtype)); TypeError names the missing."""
+    missing = [name for name, value in required.items() if value is None]
+    if missing:
+        raise TypeError(f"plan() is missing {', '.join(missing)}")
+    q_dtype = as_dtype(required["q_data_type"], "q_data_type")
+    kv_dtype = as_dtype(required["kv_data_type"], "kv_data_type")
+    check_mla_dtypes(q_dtype, kv_dtype)
+    return (
+        check_int("num_heads", required["num_heads"], 1),
+        check_mla_dims(required["head_dim_ckv"], required["head_dim_kpe"], is_gpu),
+        check_int("page_size", required["page_size"], 1),
+        check_float("sm_scale", required["sm_scale"], positive=True),
+        (q_dtype, kv_dtype),
+    )

@@ -274,40 +274,19 @@ def _mla_paged_attention(
 
 
 def trtllm_batch_decode_with_kv_cache_mla(
-    query: Array,
-    kv_cache: Array,
-    workspace_buffer: Array | None,
-    qk_nope_head_dim: int,
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-    block_tables: Array,
-    seq_lens: Array | None,
-    max_seq_len: int,
-    sparse_mla_top_k: int = 0,
-    out: Array | None = None,
-    bmm1_scale: Any = 1.0,
-    bmm2_scale: Any = 1.0,
-    sinks: Any = None,
-    skip_softmax_threshold_scale_factor: float | None = None,
-    enable_pdl: bool | None = None,
-    backend: str = "auto",
-    is_var_seq: bool = True,
-    uses_shared_paged_kv_idx: bool = True,
-    lse: Array | None = None,
-    return_lse: bool = False,
-    cute_dsl_impl: str = "auto",
-    kv_scale_format: str = "auto",
-    cum_seq_lens_q: Array | None = None,
-    max_q_len: int | None = None,
-    multi_ctas_kv_counter_buffer: Array | None = None,
-    sparse_mla_top_k_lens: Array | None = None,
-    enable_dcp: bool = False,
-    cp_world: int = 1,
-    cp_rank: int = 0,
-    causal_seqlens_kv_global: Array | None = None,
-    use_fp16_softmax: bool | None = None,
-    return_lse_base: str | None = None,
-) -> Any:
+    query: Array, kv_cache: Array, workspace_buffer: Array | None, qk_nope_head_dim: int,
+    kv_lora_rank: int, qk_rope_head_dim: int, block_tables: Array, seq_lens: Array | None,
+    max_seq_len: int, sparse_mla_top_k: int = 0, out: Array | None = None,
+    bmm1_scale: Any = 1.0, bmm2_scale: Any = 1.0, sinks: Any = None,
+    skip_softmax_threshold_scale_factor: float | None = None, enable_pdl: bool | None = None,
+    backend: str = "auto", is_var_seq: bool = True, uses_shared_paged_kv_idx: bool = True,
+    lse: Array | None = None, return_lse: bool = False, cute_dsl_impl: str = "auto",
+    kv_scale_format: str = "auto", cum_seq_lens_q: Array | None = None,
+    max_q_len: int | None = None, multi_ctas_kv_counter_buffer: Array | None = None,
+    sparse_mla_top_k_lens: Array | None = None, enable_dcp: bool = False, cp_world: int = 1,
+    cp_rank: int = 0, causal_seqlens_kv_global: Array | None = None,
+    use_fp16_softmax: bool | None = None, return_lse_base: str | None = None,
+) -> Any:  # fmt: skip
     """MLA decode (absorbed) over a packed latent cache and a block table,
     FlashInfer 0.7.2's signature (module docstring).
 
@@ -379,19 +358,7 @@ def trtllm_batch_decode_with_kv_cache_mla(
     >>> o.shape
     torch.Size([2, 1, 16, 512])
     """
-    options = dict(locals())
-    _refuse_gpu_only("trtllm_batch_decode_with_kv_cache_mla", options)
-    if return_lse_base not in LSE_BASES:
-        raise ValueError(
-            f"return_lse_base must be 'basee', 'base2' or None, got {return_lse_base!r}"
-        )
-    if backend == "xqa":
-        _check_xqa_limits(query, cum_seq_lens_q, max_q_len, sinks, lse, return_lse)
-        if sparse_mla_top_k:
-            raise ValueError("XQA MLA does not support sparse_mla_top_k")
-    if seq_lens is None:
-        raise ValueError("trtllm_batch_decode_with_kv_cache_mla: seq_lens is required")
-    check_array("query", query)
+    _check_decode_call(dict(locals()))
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[-2], query
     )
@@ -406,6 +373,25 @@ def trtllm_batch_decode_with_kv_cache_mla(
     if return_lse_base == "basee":
         lse *= float(np.log(2.0))
     return (o, lse) if return_lse else o
+
+
+def _check_decode_call(options: dict[str, Any]) -> None:
+    """Raises for what trtllm_batch_decode_with_kv_cache_mla's call (its
+    arguments by name) asks and pagedkv does not do, before anything runs."""
+    _refuse_gpu_only("trtllm_batch_decode_with_kv_cache_mla", options)
+    base = options["return_lse_base"]
+    if base not in LSE_BASES:
+        raise ValueError(f"return_lse_base must be 'basee', 'base2' or None, got {base!r}")
+    if options["backend"] == "xqa":
+        _check_xqa_limits(
+            *(options[k] for k in ("query", "cum_seq_lens_q", "max_q_len", "sinks", "lse")),
+            options["return_lse"],
+        )
+        if options["sparse_mla_top_k"]:
+            raise ValueError("XQA MLA does not support sparse_mla_top_k")
+    if options["seq_lens"] is None:
+        raise ValueError("trtllm_batch_decode_with_kv_cache_mla: seq_lens is required")
+    check_array("query", options["query"])
 
 
 def _check_xqa_limits(query, cum_seq_lens_q, max_q_len, sinks, lse, return_lse) -> None:
