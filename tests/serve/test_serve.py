@@ -327,105 +327,37 @@ def test_queue_full_is_503_with_retry_after(server, gated):
         engine.max_waiting = limit
 
 
+def hi(**fields) -> dict:
+    """A chat request saying "hi", with `fields` added."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL}, 400, "messages"),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
-            400,
-            "max_tokens",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
-            400,
-            "messages",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
-            400,
-            "temperature",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
-            400,
-            "top_p",
-        ),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": -2},
-            400,
-            "top_k",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5},
-            400,
-            "min_p",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-            400,
-            "top_logprobs",
-        ),
-        (
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "logprobs": True,
-                "top_logprobs": 21,
-            },
-            400,
-            "top_logprobs",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
-            400,
-            "tools",
-        ),
-        (
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "logit_bias": {"x": 1},
-            },
-            400,
-            "logit_bias",
-        ),
-        (
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "logit_bias": {"99999999": 1},
-            },
-            400,
-            "logit_bias",
-        ),
-        (
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "presence_penalty": 3,
-            },
-            400,
-            "presence_penalty",
-        ),
+        (hi(max_tokens=0), 400, "max_tokens"),
+        (hi(max_tokens=10**6), 400, "messages"),
+        (hi(temperature=-1), 400, "temperature"),
+        (hi(top_p=0), 400, "top_p"),
+        (hi(n=0), 400, "n"),
+        (hi(top_k=-2), 400, "top_k"),
+        (hi(min_p=1.5), 400, "min_p"),
+        (hi(top_logprobs=2), 400, "top_logprobs"),
+        (hi(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+        (hi(tools=[{}]), 400, "tools"),
+        (hi(logit_bias={"x": 1}), 400, "logit_bias"),
+        (hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
+        (hi(presence_penalty=3), 400, "presence_penalty"),
         (
             {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
             400,
             "messages.0.role",
         ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]},
-            400,
-            "stop",
-        ),
-        (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": "high"},
-            400,
-            "priority",
-        ),
-        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        (hi(stop=[""]), 400, "stop"),
+        (hi(priority="high"), 400, "priority"),
+        (hi(model="gpt-4"), 404, "model"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
     ],
 )
