@@ -173,32 +173,77 @@ def _draw(
     rows = torch.arange(probs.shape[0]) if indices is None else indices.long().cpu()
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= probs.shape[0]):
         raise ValueError(f"indices must be in [0, {probs.shape[0]})")
-    # float32 prefix sums: torch accumulates them in float64 on the CPU, so
-    # each is its exact sum rounded once.
-    cdf = torch.cumsum(probs.float(), dim=-1)
-    total = cdf[:, -1:].contiguous()
-    valid_rows = (torch.isfinite(total) & (total > 0))[:, 0]
-    # The last token whose mass reaches the total: where rounding puts
-    # u * total at the very end, the draw is that token.
-    last = torch.searchsorted(cdf, total).clamp(max=probs.shape[1] - 1)[:, 0]
     u = _uniforms(rows.numel(), generator, seed, offset)
-    if rows.numel() <= probs.shape[0]:  # one batched search (cdf's rows gathered)
-        picked = cdf if indices is None else cdf[rows]
-        target = (u[:, None] * picked[:, -1:].double()).to(cdf.dtype).contiguous()
-        out = torch.searchsorted(picked, target, right=True)[:, 0]
-        out = torch.minimum(out, last[rows])
-    else:  # many draws from few rows: one search a row, no copy of cdf's rows
+    p = probs.float().contiguous()
+    if rows.numel() <= p.shape[0]:  # a draw a row: no prefix sums over whole rows
+        out, valid = _inverse_cdf_by_blocks(p if indices is None else p[rows], u)
+    else:  # many draws from few rows: each row's prefix sums once
         out = torch.zeros(rows.numel(), dtype=torch.int64)
+        valid = torch.zeros(rows.numel(), dtype=torch.bool)
         for r in torch.unique(rows).tolist():
             at = (rows == r).nonzero().flatten()
-            target = (u[at] * float(total[r, 0])).to(cdf.dtype)
-            out[at] = torch.searchsorted(cdf[r], target, right=True).clamp(max=int(last[r]))
-    out = torch.where(valid_rows[rows], out, 0)
+            out[at], valid[at] = _inverse_cdf_of_row(p[r], u[at])
+    out = torch.where(valid, out, 0)
     dtype = torch.int32 if indices is None else indices.dtype
     samples = out.to(dtype).to(probs.device)
     if return_valid:
-        return samples, valid_rows[rows].to(probs.device)
+        return samples, valid.to(probs.device)
     return samples
+
+
+CDF_BLOCK = 1024
+"""Tokens a block in `_inverse_cdf_by_blocks`' two-level search."""
+
+
+def _inverse_cdf_by_blocks(p: Any, u: Any) -> tuple[Any, Any]:
+    """(token [M], valid [M]) at mass u [M] (float64, in [0, 1)) of each row
+    of p [M, V] (float32, contiguous, unnormalized): the block of CDF_BLOCK
+    tokens holding it from the blocks' sums, then the token inside.
+    A token without mass is never drawn; where rounding puts u * total past
+    the end, the last token with mass is. valid: the row's mass is finite
+    and positive."""
+    torch = _torch()
+    rows, vocab = p.shape
+    whole = vocab // CDF_BLOCK
+    sums = []
+    if whole:
+        blocks = p.as_strided((rows, whole, CDF_BLOCK), (vocab, CDF_BLOCK, 1))
+        sums.append(blocks.sum(-1))
+    if vocab % CDF_BLOCK:
+        sums.append(p[:, whole * CDF_BLOCK :].sum(-1, keepdim=True))
+    # torch sums float32 blocks pairwise (accurate to float32's rounding);
+    # the blocks' running total is float64.
+    block_cdf = torch.cumsum(torch.cat(sums, 1).double(), 1)
+    total = block_cdf[:, -1:].contiguous()
+    target = (u[:, None] * total).contiguous()
+    # The first block whose cumulative mass exceeds the target (never one
+    # without mass), at most the last block with mass.
+    block = torch.minimum(
+        torch.searchsorted(block_cdf, target, right=True),
+        torch.searchsorted(block_cdf, total),
+    ).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK)
+    inside = columns < vocab
+    cdf = torch.cumsum(p.gather(1, columns.clamp(max=vocab - 1)).double() * inside, 1)
+    token = torch.minimum(
+        torch.searchsorted(cdf, (target - before).clamp(min=0), right=True),
+        torch.searchsorted(cdf, cdf[:, -1:].contiguous()),
+    ).clamp(max=CDF_BLOCK - 1)
+    valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
+    return (block * CDF_BLOCK + token)[:, 0], valid
+
+
+def _inverse_cdf_of_row(row: Any, u: Any) -> tuple[Any, Any]:
+    """(tokens [N], valid [N]) at masses u [N] of one row [V] (as
+    `_inverse_cdf_by_blocks`, with the row's prefix sums: for many draws)."""
+    torch = _torch()
+    cdf = torch.cumsum(row.double(), 0)
+    total = cdf[-1]
+    last = torch.searchsorted(cdf, total[None])
+    token = torch.searchsorted(cdf, u * total, right=True).clamp(max=int(last[0]))
+    valid = bool(torch.isfinite(total) and total > 0)
+    return token, torch.full(u.shape, valid)
 
 
 def softmax(logits: Any, temperature: Any = None, enable_pdl: bool | None = None) -> Any:
