@@ -162,7 +162,8 @@ def summarize(results: list[dict]) -> dict:
 def memory_cap(gib: float | None):
     """A preexec_fn capping the pytest process's address space at gib GiB
     (None: no cap). The cap counts mapped, not resident, memory, and MAX maps
-    more as a run goes on: for a few files at a time, not the whole sample."""
+    more as a run goes on: for a few files at a time (--per-file), not the
+    whole sample in one process."""
     if gib is None:
         return None
 
@@ -192,6 +193,11 @@ def main() -> None:
     parser.add_argument(
         "--memory-cap", type=float, default=None, help="GiB the pytest process may map"
     )
+    parser.add_argument(
+        "--per-file",
+        action="store_true",
+        help="one pytest process a file (each under --memory-cap)",
+    )
     args = parser.parse_args()
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="pagedkv-flashinfer-"))
@@ -209,10 +215,16 @@ def main() -> None:
         PAGEDKV_FI_GENERATIONS=json.dumps(GENERATIONS),
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", "."]
-    command += ["-o", "addopts=", "--tb=no", "-rN", *targets]
+    command += ["-o", "addopts=", "--tb=no", "-rN"]
     if args.k:
         command += ["-k", args.k]
-    subprocess.run(command, cwd=work, env=env, check=False, preexec_fn=memory_cap(args.memory_cap))
+    # MAX maps more memory with every op a process compiles: a process a
+    # file keeps a large file's references under the cap late in a run.
+    for batch in [[t] for t in targets] if args.per_file else [targets]:
+        subprocess.run(
+            command + batch, cwd=work, env=env, check=False,
+            preexec_fn=memory_cap(args.memory_cap),
+        )  # fmt: skip
     results_path.touch()
     results = [json.loads(line) for line in results_path.read_text().splitlines()]
     summary = summarize(results)
