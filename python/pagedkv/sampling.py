@@ -38,13 +38,32 @@ def _rows(x: Any, name: str) -> Any:
     return x.float()
 
 
+def _check_param(shape: tuple[int, ...], batch: int, name: str) -> None:
+    """FlashInfer's rule for a sampling parameter given as an array: one
+    value a row, [batch] (a number is the other form); its messages."""
+    if len(shape) == 0:
+        raise ValueError(
+            f"{name}: Expected a 1D tensor of shape (batch_size,) or scalar for the sampling "
+            "parameter, but got a 0-dimensional tensor."
+        )
+    if len(shape) > 1:
+        raise ValueError(
+            f"{name}: Expected a 1D tensor or scalar for the sampling parameter, but got a "
+            f"{len(shape)}D tensor."
+        )
+    if shape[0] != batch:
+        raise ValueError(
+            f"{name}: Sampling parameter tensor batch size mismatch: expected length {batch} "
+            f"to match the reference tensor batch size, but got length {shape[0]}."
+        )
+
+
 def _per_row(value: Any, batch: int, name: str, dtype: Any) -> Any:
-    """A scalar or a tensor [batch] as a tensor [batch, 1] of dtype."""
+    """A number or a tensor [batch] as a tensor [batch, 1] of dtype."""
     torch = _torch()
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.shape[0] not in (1, batch):
-            raise ValueError(f"{name} must be a number or a tensor [{batch}]")
-        return value.to(dtype).expand(batch)[:, None]
+        _check_param(tuple(value.shape), batch, name)
+        return value.to(dtype)[:, None]
     return torch.full((batch, 1), value, dtype=dtype)
 
 
@@ -92,18 +111,21 @@ def _on_rows(rule: Any, probs: Any, value: Any, name: str) -> Any:
     if isinstance(probs, np.ndarray):
         if probs.ndim != 2:
             raise ValueError(f"probs must be [batch, vocab], got shape {probs.shape}")
-        return rule(probs, _column(np.asarray(value), probs.shape[0], name))
+        return rule(probs, _column(value, probs.shape[0], name))
     torch = _torch()
     rows = probs.detach().cpu().numpy()
-    given = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    given = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
     return torch.from_numpy(rule(rows, _column(given, rows.shape[0], name))).to(probs.device)
 
 
 def _column(value: Any, batch: int, name: str) -> Any:
-    """A number or [1] or [batch] array as [batch, 1]."""
-    if value.ndim > 1 or value.size not in (1, batch):
-        raise ValueError(f"{name} must be a number or one value a row ({batch})")
-    return value.reshape(-1, 1) if value.size == batch else value.reshape(1, 1)
+    """A number, or an array [batch] (`_check_param`), as an array [1 or batch, 1]."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        _check_param(value.shape, batch, name)
+        return value.reshape(-1, 1)
+    return np.full((1, 1), value)
 
 
 def _top_p_rule(probs: Any, p: Any) -> Any:

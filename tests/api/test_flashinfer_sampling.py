@@ -155,3 +155,22 @@ def test_chain_speculative_sampling_keeps_the_target_distribution():
     for row, e in zip(out[:200], emitted[:200], strict=True):
         assert bool((row[int(e) + 1 :] == -1).all()) and bool((row[: int(e) + 1] >= 0).all())
     assert bool((accepted >= emitted).all())
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (lambda t: t.full((3, 2), 0.5), "got a 2D tensor"),
+        (lambda t: t.tensor(0.5), "got a 0-dimensional tensor"),
+        (lambda t: t.tensor([0.5]), "batch size mismatch"),
+    ],
+)
+def test_parameter_tensors_have_one_value_a_row(given, message):
+    """FlashInfer's rule and messages: a number, or a tensor [batch]."""
+    probs = torch.softmax(torch.randn(3, 40), -1)
+    with pytest.raises(ValueError, match=message):
+        sampling.top_p_sampling_from_probs(probs, given(torch))
+    with pytest.raises(ValueError, match=message):
+        sampling.softmax(probs, given(torch))
+    kept = sampling.top_k_renorm_probs(probs, torch.tensor([1, 2, 40]))
+    assert (kept > 0).sum(-1).tolist() == [1, 2, 40]
