@@ -9,6 +9,7 @@ import numpy as np
 
 from ._checks import host_int_array
 from ._ops.tensors import Array
+from ._plan.workspace import check_prewarm
 from .attention_sinks import q_scale_for
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -143,12 +144,8 @@ class BatchAttention:
         self._planned = True
 
     def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
-        """FlashInfer loads a kernel for K and V of different strides here;
-        pagedkv's kernel reads either, so this only checks its arguments."""
-        if variant != "independent":
-            raise ValueError(f"variant must be 'independent', got {variant!r}")
-        if not self._planned:
-            raise RuntimeError("plan() must complete before prewarming a paged-KV-stride variant")
+        """Checks the call, as FlashInfer 0.7's (pagedkv._plan.workspace.check_prewarm)."""
+        check_prewarm(variant, self._planned)
 
     def run(
         self,

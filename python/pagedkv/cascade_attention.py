@@ -134,6 +134,10 @@ class MultiLevelCascadeAttentionWrapper:
 
     begin_forward = plan
 
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """Checks the call, as FlashInfer 0.7's (pagedkv._plan.workspace.check_prewarm)."""
+        self._levels[-1].prewarm_paged_kv_stride_variant(variant)
+
     def run(self, q: Array, paged_kv_cache: Array | Sequence[Array]) -> Array:
         """o [queries, Hq, D] of q [queries, Hq, D] over every level's keys."""
         o, lse = self._levels[-1].run(q, paged_kv_cache, return_lse=True)

@@ -497,3 +497,23 @@ def test_names_flashinfers_0_7_tests_import():
     )
     with pytest.raises(NotImplementedError, match="not implemented by pagedkv"):
         flashinfer.BatchDecodeMlaWithPagedKVCacheWrapper()
+
+
+def test_prewarm_paged_kv_stride_variant_checks_the_call_on_every_wrapper():
+    """FlashInfer 0.7's decode, prefill, cascade wrappers and BatchAttention
+    take it after plan(); pagedkv's kernels read any strides, so it loads
+    nothing and only refuses a call before plan() or another variant."""
+    batch, pool, _ = decode_case(3, lens=(40, 5))
+    decode = pagedkv.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    prefill = pagedkv.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    cascade = pagedkv.MultiLevelCascadeAttentionWrapper(1, None, "NHD")
+    for w in (decode, prefill, cascade):
+        with pytest.raises(RuntimeError, match="plan"):
+            w.prewarm_paged_kv_stride_variant()
+    decode.plan(*table(batch), 8, 2, 64, 16)
+    prefill.plan(np.array([0, 1, 2], np.int32), *table(batch), 8, 2, 64, 16)
+    cascade.plan([np.array([0, 1, 2], np.int32)], *([t] for t in table(batch)), 8, 2, 64, 16)
+    for w in (decode, prefill, cascade):
+        w.prewarm_paged_kv_stride_variant()
+        with pytest.raises(ValueError, match="independent"):
+            w.prewarm_paged_kv_stride_variant("shared")

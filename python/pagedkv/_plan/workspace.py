@@ -11,8 +11,20 @@ from .._checks import check_array, check_writable
 from .._ops.tensors import Array
 
 
+def check_prewarm(variant: str, planned: bool) -> None:
+    """FlashInfer's ``prewarm_paged_kv_stride_variant``: it loads a kernel for
+    K and V of different strides before graph capture; pagedkv's kernels
+    read either as they are, so this only checks the call (a plan first,
+    the one variant FlashInfer has)."""
+    if variant != "independent":
+        raise ValueError(f"variant must be 'independent', got {variant!r}")
+    if not planned:
+        raise RuntimeError("plan() must complete before prewarming a paged-KV-stride variant")
+
+
 class WorkspaceMethods:
-    """`reset_workspace_buffer`, `workspace_size` and `resolved_backend` for
+    """`reset_workspace_buffer`, `workspace_size`, `resolved_backend` and
+    `prewarm_paged_kv_stride_variant` for
     a wrapper that keeps its scratch in ``self._workspace``, its backend in
     ``self._backend``, its last plan in ``self._plan`` and makes a plain
     wrapper of its own settings with ``self._plain()``."""
@@ -54,6 +66,16 @@ class WorkspaceMethods:
         probe.plan(*args, **kwargs)
         plan = probe._plan if probe._plan is not None else probe._multi._plan
         return plan.float_workspace_bytes, 0
+
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """Checks the call, as FlashInfer 0.7's (`check_prewarm`); loads nothing.
+
+        Examples
+        --------
+        >>> w.prewarm_paged_kv_stride_variant()  # after plan()  # doctest: +SKIP
+        """
+        planned = getattr(self, "_plan", None) is not None or getattr(self, "_multi", None)
+        check_prewarm(variant, bool(planned))
 
     @property
     def resolved_backend(self) -> str:
