@@ -78,6 +78,16 @@ def check_float(name: str, value: Any, *, positive: bool = False) -> float:
     return number
 
 
+def check_scale(name: str, value: Any, *, positive: bool = False) -> float:
+    """check_float of a scale given as a number or a one-element array (the
+    fused bmm scales of FlashInfer's block-table and ragged calls)."""
+    if hasattr(value, "shape"):
+        if int(np.prod(value.shape)) != 1:
+            raise ValueError(f"{name} as a tensor must hold one value")
+        value = value.reshape(()).item()
+    return check_float(name, value, positive=positive)
+
+
 def check_writable(name: str, x: Array) -> None:
     """Raises unless x can be written in place: MAX copies a read-only NumPy
     array, so a write into one would be lost without an error."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import APPROXIMATIONS, check_float, host_int_array, refuse_gpu_only
+from ._checks import APPROXIMATIONS, check_float, check_scale, host_int_array, refuse_gpu_only
 from ._ops.tensors import Array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.nvfp4_output import check_nvfp4_request, nvfp4_output, wants_nvfp4
@@ -100,11 +100,6 @@ def draft_mask_is_causal(mask: Array, q_lens: np.ndarray) -> bool:
             "mask: only the causal or the full draft mask is supported (not tree masks)"
         )
     return kinds != {"full"}
-
-
-def _scalar(name: str, value: Any) -> float:
-    """A fused scale given as a float or a one-element tensor."""
-    return check_float(name, value.item() if hasattr(value, "item") else value)
 
 
 def _cache_geometry(kv_cache: Any, kv_layout: str) -> tuple[int, int, int]:
@@ -320,9 +315,9 @@ def trtllm_batch_decode_with_kv_cache(
     if o_scale is not None:
         check_float("o_scale", o_scale, positive=True)
     sm_scale = (
-        _scalar("bmm1_scale", bmm1_scale)
+        check_scale("bmm1_scale", bmm1_scale)
         if bmm1_scale_log2 is None
-        else _scalar("bmm1_scale_log2", bmm1_scale_log2) / math.log2(math.e)
+        else check_scale("bmm1_scale_log2", bmm1_scale_log2) / math.log2(math.e)
     )
     if (cum_seq_lens_q is None) != (max_q_len is None):
         raise ValueError("cum_seq_lens_q and max_q_len come together")
@@ -340,7 +335,7 @@ def trtllm_batch_decode_with_kv_cache(
     outputs = (None, "float32", lse) if nvfp4 else (out, out_dtype, lse)
     o, lse = _paged_attention(
         "trtllm_batch_decode_with_kv_cache", query, kv_cache, block_tables, seq_lens,
-        qo_indptr, q_len, (sm_scale, _scalar("bmm2_scale", bmm2_scale)), causal,
+        qo_indptr, q_len, (sm_scale, check_scale("bmm2_scale", bmm2_scale)), causal,
         window_left, kv_layout, outputs, sinks, uses_shared_paged_kv_idx, kv_cache_sf,
     )  # fmt: skip
     return _finish(o, lse, nvfp4, options, return_lse)
@@ -454,7 +449,7 @@ def trtllm_batch_context_with_kv_cache(
     o, lse = _paged_attention(
         "trtllm_batch_context_with_kv_cache", query, kv_cache, block_tables, lens,
         host_int_array("cum_seq_lens_q", cum_seq_lens_q, 1), 1,
-        (_scalar("bmm1_scale", bmm1_scale), _scalar("bmm2_scale", bmm2_scale)), causal,
+        (check_scale("bmm1_scale", bmm1_scale), check_scale("bmm2_scale", bmm2_scale)), causal,
         window_left, kv_layout, (None, "float32", lse) if nvfp4 else (out, out_dtype, lse),
         sinks, uses_shared_paged_kv_idx, kv_cache_sf,
     )  # fmt: skip

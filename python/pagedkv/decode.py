@@ -214,9 +214,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         ...        data_type=torch.float16, disable_split_kv=True)
         """
         del non_blocking
-        q_kernel = (
-            None if q_data_type is None else kernel_q_dtype(as_dtype(q_data_type, "q_data_type"))
-        )
+        q_kernel = kernel_q_dtype(q_data_type, as_dtype)  # run() widens an fp8 query
         kv_data_type = plan_kv_dtype(  # uint8: NVFP4
             kv_data_type if kv_data_type is not None else data_type, q_kernel
         )
@@ -234,7 +232,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             pos_encoding_mode=pos_encoding_mode,
             window_left=window_left,
             logits_soft_cap=logits_soft_cap,
-            q_data_type=q_data_type,
+            q_data_type=q_kernel,
             kv_data_type=kv_data_type,
             sm_scale=sm_scale,
             rope_scale=rope_scale,
@@ -357,9 +355,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
                 per_task, causal=True, max_queries=1, kv_split=True, gpu_kernel=gpu_kernel
             ),
             q_rows=table.batch_size,
-            q_dtype=kernel_q_dtype(
-                None if q_data_type is None else as_dtype(q_data_type, "q_data_type")
-            ),
+            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
             kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
             workspace=self._workspace,
             lse_shift=(
@@ -419,10 +415,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             logits_soft_cap=p["logits_soft_cap"],
             rope_scale=p["rope_scale"],
             rope_theta=p["rope_theta"],
-            # run() widens an fp8 query and casts the output itself.
-            q_data_type=kernel_q_dtype(
-                None if p["q_data_type"] is None else as_dtype(p["q_data_type"], "q_data_type")
-            ),
+            q_data_type=p["q_data_type"],
             kv_data_type=p["kv_data_type"],
         )
 

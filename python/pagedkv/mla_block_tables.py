@@ -38,16 +38,15 @@ from max.dtype import DType
 
 from ._checks import (
     APPROXIMATIONS,
-    check_float,
     check_int,
     check_output,
+    check_scale,
     host_int_array,
     refuse_gpu_only,
 )
-from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous, is_torch
+from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
-from ._plan.io_dtypes import widened_query
-from ._plan.plan import FP8_DTYPES
+from ._plan.io_dtypes import widened_dtype, widened_query
 from .mla import BatchMLAPagedAttentionWrapper
 
 MLA_BLOCK_TABLE_BACKENDS = ("auto", "trtllm-gen", "cute-dsl", "xqa")
@@ -73,15 +72,6 @@ def _refuse_gpu_only(function: str, options: dict[str, Any]) -> None:
             f"{function}: backend must be one of {MLA_BLOCK_TABLE_BACKENDS},"
             f" got {options['backend']!r}"
         )
-
-
-def _scale(name: str, value: Any) -> float:
-    """A fused scale given as a positive number or a one-element tensor."""
-    if is_torch(value) or isinstance(value, np.ndarray):
-        if int(np.prod(value.shape)) != 1:
-            raise ValueError(f"{name} as a tensor must hold one value")
-        value = value.reshape(()).item()
-    return check_float(name, value, positive=True)
 
 
 def _page_rows(block_tables: Array) -> np.ndarray:
@@ -150,12 +140,6 @@ def _query_rows(
         if batch and counts.max() > most:
             raise ValueError(f"a request has more queries than max_q_len = {most}")
     return query, qo.astype(np.int32)
-
-
-def _kernel_q_dtype(q_dtype: DType) -> DType:
-    """The query dtype the kernel runs, and so the output's: bfloat16 for an
-    fp8 query (the kernel takes fp8 caches beside a 16-bit q), else q's."""
-    return DType.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
 
 
 def _checked_lse(lse: Array | None, tokens: int, heads: int, device: Any) -> Array | None:
@@ -366,7 +350,8 @@ def trtllm_batch_decode_with_kv_cache_mla(
             check_int("qk_rope_head_dim", qk_rope_head_dim, 0))  # fmt: skip
     o, lse = _mla_paged_attention(
         query, kv_cache, dims, block_tables, seq_lens,
-        (_scale("bmm1_scale", bmm1_scale), _scale("bmm2_scale", bmm2_scale)),
+        (check_scale("bmm1_scale", bmm1_scale, positive=True),
+         check_scale("bmm2_scale", bmm2_scale, positive=True)),
         cum_seq_lens_q, max_q_len, sinks, out, lse,
         check_int("sparse_mla_top_k", sparse_mla_top_k, 0),
     )  # fmt: skip
@@ -467,10 +452,11 @@ def xqa_batch_decode_with_kv_cache_mla(
     if out is not None:
         check_array("query", query)
         shape = (query.shape[0], query.shape[2], dims[0])
-        check_output("out", out, shape, _kernel_q_dtype(dtype_of(query)), device_of(query))
+        check_output("out", out, shape, widened_dtype(dtype_of(query)), device_of(query))
     o, _ = _mla_paged_attention(
         query, kv_cache, dims, block_tables, seq_lens,
-        (_scale("bmm1_scale", bmm1_scale), _scale("bmm2_scale", bmm2_scale)),
+        (check_scale("bmm1_scale", bmm1_scale, positive=True),
+         check_scale("bmm2_scale", bmm2_scale, positive=True)),
         out=None if out is None else out.reshape(query.shape[:-1] + (dims[0],)),
     )  # fmt: skip
     return o if out is None else out

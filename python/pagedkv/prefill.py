@@ -198,9 +198,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         multi_item = (prefix_len_ptr, token_pos_in_items_ptr)
         self._check_plan_contract(multi_item, masked, window_left, (head_dim_qk, head_dim_vo))
         self._o_dtype = output_dtype(o_data_type, as_dtype)
-        q_kernel = (
-            None if q_data_type is None else kernel_q_dtype(as_dtype(q_data_type, "q_data_type"))
-        )
+        q_kernel = kernel_q_dtype(q_data_type, as_dtype)  # run() widens an fp8 query
         csr = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         check_trtllm_table(block_tables, seq_lens, page_size, csr, qo_indptr, seq_lens_q)
         self._planned = dict(

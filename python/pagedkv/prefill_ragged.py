@@ -17,8 +17,8 @@ import numpy as np
 from ._checks import (
     APPROXIMATIONS,
     as_int32_index,
-    check_float,
     check_index_array,
+    check_scale,
     host_index_copy,
     host_int_array,
     refuse_gpu_only,
@@ -368,10 +368,8 @@ def trtllm_ragged_attention_deepseek(
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if len(lens) != batch_size or not np.array_equal(np.diff(kv_indptr), lens):
         raise ValueError(f"{function}: batch_size and cum_seq_lens_kv must agree with seq_lens")
-    scales = []
-    for name, value_ in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
-        number = value_.reshape(()).item() if hasattr(value_, "reshape") else value_
-        scales.append(check_float(name, number, positive=True))
+    scales = [check_scale("bmm1_scale", bmm1_scale, positive=True),
+              check_scale("bmm2_scale", bmm2_scale, positive=True)]  # fmt: skip
     query = widened_query(query)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
     wrapper.plan(

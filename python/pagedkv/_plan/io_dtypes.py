@@ -33,9 +33,15 @@ def widened_query(query: Array) -> Array:
     return query.to(torch.bfloat16)
 
 
-def kernel_q_dtype(q_dtype: DType | None) -> DType | None:
-    """The dtype the kernel multiplies a query of q_dtype in (None stays None)."""
+def widened_dtype(q_dtype: DType) -> DType:
+    """The dtype the kernel multiplies a query of q_dtype in: bfloat16 for fp8."""
     return DType.bfloat16 if q_dtype in FP8_DTYPES else q_dtype
+
+
+def kernel_q_dtype(q_data_type: object, as_dtype: Any) -> DType | None:
+    """`widened_dtype` of a plan's q_data_type (None stays None). as_dtype:
+    the wrappers' dtype parser."""
+    return None if q_data_type is None else widened_dtype(as_dtype(q_data_type, "q_data_type"))
 
 
 def output_dtype(o_data_type: object, as_dtype: Any) -> DType | None:
