@@ -762,8 +762,7 @@ def _trtllm_v_scale_view(shape: tuple[int, ...], kv_layout: str) -> tuple[int, .
 
 
 def _check_trtllm_v_scales(shape: tuple[int, ...], kv_layout: str) -> None:
-    page_size = shape[1] if kv_layout == "NHD" else shape[2]
-    if len(shape) != 4 or page_size % 4 or shape[3] % 4:
+    if len(shape) != 4 or shape[1 if kv_layout == "NHD" else 2] % 4 or shape[3] % 4:
         raise ValueError(
             "TRT-LLM's V scale layout needs scales [pages, ...] of 4 dims with page_size % 4"
             f" == 0 and head_dim % 64 == 0, got {list(shape)}"
@@ -780,7 +779,10 @@ def trtllm_v_scales_linear(v_scales: Array, kv_layout: str) -> Array:
     view = _trtllm_v_scale_view(shape, kv_layout)
     permuted = tuple(view[i] for i in order)
     inverse = tuple(int(i) for i in np.argsort(order))
-    return v_scales.reshape(permuted).permute(inverse).reshape(shape).contiguous()
+    if is_torch(v_scales):
+        return v_scales.reshape(permuted).permute(inverse).reshape(shape).contiguous()
+    linear = np.asarray(v_scales).reshape(permuted).transpose(inverse).reshape(shape)
+    return np.ascontiguousarray(linear)
 
 
 def nvfp4_quantize_paged_kv_cache(

@@ -17,7 +17,9 @@ outputs to rows (many draws from one distribution without copying it).
 Draws are inverse-CDF lookups of uniforms from ``generator``, or from
 ``seed``/``offset`` (the same pair gives the same draws). Outputs are int32
 (indices' dtype when given). A row whose kept mass is zero (or NaN) is
-invalid: its output is 0 and ``return_valid=True`` reports it.
+invalid: its output is 0 and ``return_valid=True`` reports it. Which
+tokens a filter keeps is decided on the host, in NumPy (`top_p_mask`,
+`top_k_mask`, `min_p_mask`: the engine's sampler calls the same rules).
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def _on_rows(rule: Any, probs: Any, value: Any, name: str) -> Any:
             raise ValueError(f"probs must be [batch, vocab], got shape {probs.shape}")
         return rule(probs, _column(value, probs.shape[0], name))
     torch = _torch()
-    rows = probs.detach().cpu().numpy()
+    rows = probs.detach().cpu()
+    rows = (rows if rows.dtype in (torch.float32, torch.float64) else rows.float()).numpy()
     given = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
     return torch.from_numpy(rule(rows, _column(given, rows.shape[0], name))).to(probs.device)
 

@@ -13,11 +13,11 @@ rows are left as they are, so two calls may share one tensor.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
+from .._checks import check_float
 from .._ops.tensors import Array, is_torch
 from ..nvfp4 import BLOCK, FP4Tensor, quantize, swizzled_scale_offsets
 
@@ -39,8 +39,9 @@ def check_nvfp4_request(
         raise ValueError(f"{function}: an NVFP4 output needs a torch query [T, Hq, D]")
     if o_sf_vec_size not in (None, BLOCK):
         raise ValueError(f"{function}: only o_sf_vec_size = {BLOCK} is supported")
-    if not isinstance(o_sf_scale, (int, float)) or not math.isfinite(o_sf_scale) or o_sf_scale <= 0:
-        raise ValueError(f"{function}: an NVFP4 output needs a positive finite o_sf_scale")
+    if o_sf_scale is None:
+        raise ValueError(f"{function}: an NVFP4 output needs o_sf_scale")
+    check_float("o_sf_scale", o_sf_scale, positive=True)
     tokens, heads, head_dim = query.shape
     if head_dim % BLOCK:
         raise ValueError(f"{function}: an NVFP4 output needs head_dim % {BLOCK} == 0")
