@@ -55,6 +55,7 @@ from max.graph import (
 )
 
 from pagedkv import graph_ops
+from pagedkv._ops.contract import pool_row_width
 from pagedkv._ops.linear_panels import (
     linear_panels_shape,
     pack_linear_weight,
@@ -194,10 +195,11 @@ def _input_types(
     # A window group's pool has one page more (its null page): each group's
     # pools have their own page count.
     windows = group_windows(c)
+    row_width = pool_row_width(dtype, c.head_dim)
     return types + [
         BufferType(
             dtype,
-            [f"pages_{windows.index(c.window(i))}", 2, page_size, c.num_kv_heads, c.head_dim],
+            [f"pages_{windows.index(c.window(i))}", 2, page_size, c.num_kv_heads, row_width],
             device=device,
         )
         for i in range(c.num_layers)

@@ -286,3 +286,42 @@ def mla_attention(
         o[first:end] = np.einsum("thj,jd->thd", p / safe[..., None], c)
         lse[first:end] = np.where(live, (np.log(safe) + top[..., 0]) / np.log(2), -np.inf)
     return o, lse
+
+
+def int8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x [..., D] as int8 codes [..., D] and float32 scales [...]: per
+    row, s = max |x| / 127 and codes round(x / s), ties to even (0 for a
+    zero row). Written from the format's definition, in float64."""
+    x = np.asarray(x, np.float64)
+    amax = np.abs(x).max(axis=-1)
+    safe = np.where(amax > 0, amax, 1.0)[..., None]
+    codes = np.where(amax[..., None] > 0, np.rint(x * (127 / safe)), 0).astype(np.int8)
+    return codes, (amax / 127).astype(np.float32)
+
+
+def int8_roundtrip(x: np.ndarray) -> np.ndarray:
+    """What an int8 pool keeps of rows x [..., D], in float64."""
+    codes, scales = int8_quantize(x)
+    return codes * scales[..., None].astype(np.float64)
+
+
+def int8_pages(x: np.ndarray) -> np.ndarray:
+    """Float pages x [..., A, B, D] (a pool's [P, H, D] or [H, P, D] halves)
+    as an int8 pool's [..., A, B, D + 4]: each half's codes in the same order,
+    then its rows' float32 scales [A, B]."""
+    codes, scales = int8_quantize(x)
+    lead, (a, b, d) = x.shape[:-3], x.shape[-3:]
+    packed = np.concatenate(
+        [codes.reshape(*lead, a * b * d), scales.reshape(*lead, a * b).view(np.int8)], axis=-1
+    )
+    return packed.reshape(*lead, a, b, d + 4)
+
+
+def int8_page_values(pages: np.ndarray) -> np.ndarray:
+    """The float64 values [..., A, B, D] an int8 pool's pages [..., A, B, D + 4] hold."""
+    lead, (a, b, width) = pages.shape[:-3], pages.shape[-3:]
+    d = width - 4
+    flat = np.ascontiguousarray(pages).reshape(*lead, a * b * width)
+    codes = flat[..., : a * b * d].reshape(*lead, a, b, d)
+    scales = flat[..., a * b * d :].copy().view(np.float32).reshape(*lead, a, b)
+    return codes * scales[..., None].astype(np.float64)

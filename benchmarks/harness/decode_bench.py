@@ -47,8 +47,11 @@ class DecodeShape:
     def label(self) -> str:
         return f"({self.batch}, {self.seq_len}, {self.num_qo_heads}, {self.num_kv_heads})"
 
-    def kv_bytes(self, itemsize: int) -> int:
-        return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * itemsize
+    def kv_bytes(self, itemsize: int, row_width: int | None = None) -> int:
+        """K/V bytes of the batch, rows row_width elements wide (head_dim
+        unless given: an int8 pool's rows also hold their scales)."""
+        row = row_width or self.head_dim
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * row * itemsize
 
 
 CPU_SHAPES = (
@@ -100,9 +103,8 @@ def make_case(
     npg = -(-s.seq_len // s.page_size)
     num_pages = s.batch * npg
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(
-        (num_pages + 1, 2, s.page_size, s.num_kv_heads, s.head_dim), generator=gen
-    ).to(getattr(torch, dtype))
+    pool = torch.randn((num_pages + 1, 2, s.page_size, s.num_kv_heads, s.head_dim), generator=gen)
+    pool = _int8_pool(pool) if dtype == "int8" else pool.to(getattr(torch, dtype))
     pool[num_pages] = 0
     q = torch.randn((s.batch, s.num_qo_heads, s.head_dim), generator=gen)
     q = q.to(getattr(torch, q_dtype) if q_dtype else pool.dtype)
@@ -113,6 +115,32 @@ def make_case(
         pool, q = pool.to(device), q.to(device)
     pool = _like_pool(pool, pool)
     return DecodeCase(s, q, pool, table, indptr, table.reshape(-1).copy(), last)
+
+
+def _int8_pool(pool):
+    """The float pool [pages, 2, P, H, D] (NHD) as an int8 pool [pages, 2,
+    P, H, D + 4], quantized by pagedkv's own append: one request owning
+    every page in order."""
+    import torch
+
+    import pagedkv
+
+    pages, _, page_size, heads, head_dim = pool.shape
+    out = torch.zeros((pages, 2, page_size, heads, head_dim + 4), dtype=torch.int8)
+    tokens = pages * page_size
+    keys = pool[:, 0].reshape(tokens, heads, head_dim).contiguous()
+    values = pool[:, 1].reshape(tokens, heads, head_dim).contiguous()
+    pagedkv.append_paged_kv_cache(
+        keys,
+        values,
+        torch.zeros(tokens, dtype=torch.int32),
+        torch.arange(tokens, dtype=torch.int32),
+        out,
+        torch.arange(pages, dtype=torch.int32),
+        torch.tensor([0, pages], dtype=torch.int32),
+        torch.tensor([page_size], dtype=torch.int32),
+    )
+    return out
 
 
 def _like_pool(x, pool):
@@ -253,7 +281,7 @@ def run_cpu_decode_bench(
     return machine, rows
 
 
-KV_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float32")
+KV_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "float32")
 
 
 @dataclass
@@ -277,7 +305,8 @@ def run_kv_dtype_bench(
         }
         timings = time_round_robin({kv: pagedkv_decode(c) for kv, c in cases.items()}, reps=reps)
         for kv, t in timings.items():
-            nbytes = shape.kv_bytes(cases[kv].pool.element_size())
+            pool = cases[kv].pool
+            nbytes = shape.kv_bytes(pool.element_size(), pool.shape[-1])
             rows.append(KVDtypeRow(shape, kv, t, nbytes / t.median_ms / 1e6))
         del cases
     return rows

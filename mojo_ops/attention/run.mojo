@@ -130,6 +130,8 @@ def run_attention[
             max(Int(int_params[INT_HEADS_PER_TASK]), 1),
             mask,
         )
+    elif cache.dtype == DType.int8:
+        raise Error("pagedkv: int8 pools are read on the CPU")
     else:
         run_attention_gpu(
             cache,

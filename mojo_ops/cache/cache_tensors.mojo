@@ -16,7 +16,7 @@ dim) come from the pool itself: one compile serves them all.
 from extensibility import InputTensor, ManagedTensorSlice
 from max.gpu.host import DeviceContext
 
-from .paged_kv_cache import KVLayout, PagedKVCache
+from .paged_kv_cache import KVLayout, PagedKVCache, row_scale_elems
 from .tensor_access import ptr_of
 
 
@@ -24,10 +24,11 @@ from .tensor_access import ptr_of
 def page_dims[
     layout: KVLayout
 ](pool: ManagedTensorSlice[rank=5, ...]) -> Tuple[Int, Int, Int]:
-    """(page_size, num_kv_heads, head_dim) of a [pages, kv, ...page...] pool."""
+    """(page_size, num_kv_heads, head_dim) of a [pages, kv, ...page...] pool
+    (an int8 pool's rows hold their scales past head_dim)."""
     var a = pool.dim_size(2)
     var b = pool.dim_size(3)
-    var d = pool.dim_size(4)
+    var d = pool.dim_size(4) - row_scale_elems[pool.dtype]()
     comptime if layout == KVLayout.NHD:
         return (a, b, d)
     return (b, a, d)
@@ -59,6 +60,15 @@ def cache_from_tensors[
             " entries",
         )
     var dims = page_dims[layout](k_cache)
+    if dims[2] < 1:
+        raise Error(
+            (
+                "pagedkv: an int8 pool's rows are head_dim codes and a 4-byte"
+                " scale; axis 4 has "
+            ),
+            k_cache.dim_size(4),
+            " entries",
+        )
     comptime Cache = PagedKVCache[k_cache.dtype, layout]
     if kv == 2:
         return Cache.from_pool(

@@ -35,6 +35,18 @@ comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 comptime IndexPtr = Ptr[DType.int32]
 
 
+comptime INT8_ROW_SCALE_BYTES = 4
+"""Bytes of one row's scale in an int8 pool: a float32."""
+
+
+def row_scale_elems[dtype: DType]() -> Int:
+    """Elements a `dtype` pool's page holds per (token, head) row past the
+    rows themselves: 4 for int8, whose pages (K's half, V's half) are the
+    rows' head_dim codes and then each row's float32 scale
+    (cache/int8_rows.mojo); 0 for every other dtype."""
+    return INT8_ROW_SCALE_BYTES if dtype == DType.int8 else 0
+
+
 def tma_element[dtype: DType]() -> DType:
     """The element type a TMA descriptor moves `dtype` as: 1-byte types as
     uint8 (the descriptor has no fp8 e5m2; a copy needs no element type)."""
@@ -159,7 +171,11 @@ struct PagedKVCache[
     @staticmethod
     def page_elems(page_size: Int, num_kv_heads: Int, head_dim: Int) -> Int:
         """Elements of K (or of V) in one page."""
-        return page_size * num_kv_heads * head_dim
+        return (
+            page_size
+            * num_kv_heads
+            * (head_dim + row_scale_elems[Self.dtype]())
+        )
 
     @staticmethod
     def from_pool(
@@ -252,6 +268,9 @@ struct PagedKVCache[
         """The same bytes read as `element` (of the same size): fp8 pools travel
         through the graph as uint8, since MAX has no fp8 tensors on the CPU."""
         comptime assert (
+            row_scale_elems[element]() == row_scale_elems[Self.dtype]()
+        ), "int8 pools keep their scales in their rows"
+        comptime assert (
             size_of[element]() == size_of[Self.dtype]()
         ), "bitcast needs an element type of the same size"
         return PagedKVCache[
@@ -308,6 +327,25 @@ struct PagedKVCache[
             return self.head_dim()
         return self.page_size() * self.head_dim()
 
+    @always_inline
+    def row_scales[kv: KV](self, page: Int) -> Ptr[DType.float32]:
+        """The row scales of K's (or V's) half of an int8 pool's page
+        (see `row_scale_elems`): the scale of (token t, head h) at
+        `scale_index(t, h)`."""
+        comptime assert row_scale_elems[Self.dtype]() > 0, "an int8 pool"
+        var rows = self.page_size() * self.num_kv_heads() * self.head_dim()
+        return rebind[Ptr[DType.float32]](
+            self._base[kv]().unsafe_offset(page * self.page_stride + rows)
+        )
+
+    @always_inline
+    def scale_index(self, t: Int, head: Int) -> Int:
+        """Where (token slot t, head) sits among a page's row scales: in
+        the page's own token and head order."""
+        comptime if Self.layout == KVLayout.NHD:
+            return t * self.num_kv_heads() + head
+        return head * self.page_size() + t
+
     # ---- page table --------------------------------------------------------
 
     @always_inline
@@ -342,7 +380,9 @@ struct PagedKVCache[
         The pool is viewed as a matrix whose rows are `token_stride()` elements
         wide, so the element (head, d) of that token sits at
         `row_idx(b, tok) * token_stride() + col_idx(head) + d` from the base of
-        K (or of V).
+        K (or of V). Not for an int8 pool, whose pages hold their row scales
+        past their rows (the TMA tiles, which use it, run on GPUs, which
+        take no int8 pools).
         """
         var rows_per_page = self.page_stride // self.token_stride()
         return self.page_id(b, tok) * rows_per_page + tok % self.page_size()
@@ -376,7 +416,10 @@ struct PagedKVCache[
         `token_stride()`.
         """
         return self._base[kv]().unsafe_offset(
-            self.row_idx(b, tok) * self.token_stride() + self.col_idx(head) + d
+            self.page_id(b, tok) * self.page_stride
+            + (tok % self.page_size()) * self.token_stride()
+            + self.col_idx(head)
+            + d
         )
 
     @always_inline

@@ -9,7 +9,8 @@ raises before a single element is written.
 CPU: tokens are split across all cores; each token's row moves with full-width
 vector loads and stores. GPU: one thread block per (token, K or V), each
 thread moving 16-byte vectors, so consecutive threads touch consecutive
-addresses.
+addresses. Float rows appended to an int8 pool are quantized into its rows
+instead (cache/int8_rows.mojo), on the CPU.
 """
 
 import extensibility
@@ -22,7 +23,14 @@ from std.math import ceildiv
 from std.sys import num_physical_cores, size_of
 
 from ..cache.cache_tensors import cache_from_tensors, check_rows
-from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
+from ..cache.paged_kv_cache import (
+    KV,
+    IndexPtr,
+    KVLayout,
+    PagedKVCache,
+    Ptr,
+    row_scale_elems,
+)
 from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
@@ -31,6 +39,7 @@ from ..cache.tensor_access import (
     ptr_of,
     vector_width,
 )
+from ..cache.int8_rows import store_int8_head
 from ..cache.token_rows import move_token
 from .page_table import HostPageTable, check_append_targets
 
@@ -174,8 +183,8 @@ def append_paged_kv[
     target: StaticString
 ](
     cache: PagedKVCache,
-    append_key: InputTensor[dtype=cache.dtype, rank=3, ...],
-    append_value: InputTensor[dtype=cache.dtype, rank=3, ...],
+    append_key: InputTensor[rank=3, ...],
+    append_value: InputTensor[dtype=append_key.dtype, rank=3, ...],
     batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
     positions: InputTensor[dtype=DType.int32, rank=1, ...],
     kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
@@ -183,7 +192,19 @@ def append_paged_kv[
     kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
-    """Checks everything, then writes key/value [nnz, H, D] into the pages."""
+    """Checks everything, then writes key/value [nnz, H, D] into the pages:
+    copied when they have the pool's dtype, quantized (on the CPU) when the
+    pool is int8 and they are float rows (cache/int8_rows.mojo)."""
+    comptime quantizes = cache.dtype == DType.int8 and (
+        append_key.dtype.is_floating_point()
+    )
+    comptime if append_key.dtype != cache.dtype and not quantizes:
+        raise Error(
+            "pagedkv: append takes rows of the pool's dtype, or float rows"
+            " into an int8 pool"
+        )
+    elif quantizes and target != "cpu":
+        raise Error("pagedkv: int8 pools are written on the CPU")
     var nnz = batch_indices.dim_size(0)
     var heads = cache.num_kv_heads()
     check_rows("append_key", append_key, nnz, heads, cache.head_dim())
@@ -197,16 +218,70 @@ def append_paged_kv[
         kv_last_page_len,
         ctx,
     )
-    scatter_tokens[target, KV.K, KV.V](
-        cache,
-        ptr_of(append_key),
-        cache,
-        ptr_of(append_value),
-        ptr_of(batch_indices),
-        ptr_of(positions),
-        nnz,
-        ctx,
-    )
+    comptime if quantizes:
+        quantize_tokens(
+            cache,
+            ptr_of(append_key),
+            ptr_of(append_value),
+            ptr_of(batch_indices),
+            ptr_of(positions),
+            nnz,
+        )
+    else:
+        scatter_tokens[target, KV.K, KV.V](
+            cache,
+            rebind[Ptr[cache.dtype]](ptr_of(append_key)),
+            cache,
+            rebind[Ptr[cache.dtype]](ptr_of(append_value)),
+            ptr_of(batch_indices),
+            ptr_of(positions),
+            nnz,
+            ctx,
+        )
+
+
+def quantize_tokens[
+    src_dtype: DType
+](
+    cache: PagedKVCache,
+    keys: Ptr[src_dtype],
+    values: Ptr[src_dtype],
+    batch_indices: IndexPtr,
+    positions: IndexPtr,
+    nnz: Int,
+):
+    """Writes float keys and values [nnz, H, D] into an int8 pool as int8
+    rows, on all cores."""
+    if nnz == 0:
+        return
+    var heads = cache.num_kv_heads()
+    var d = cache.head_dim()
+    var tasks = min(nnz, 4 * num_physical_cores())
+
+    def run_task(
+        t: Int,
+    ) {
+        var cache,
+        var keys,
+        var values,
+        var batch_indices,
+        var positions,
+        var heads,
+        var d,
+        var nnz,
+        var tasks,
+    }:
+        for i in range(t * nnz // tasks, (t + 1) * nnz // tasks):
+            var b = Int(batch_indices[unsafe_offset=i])
+            var pos = Int(positions[unsafe_offset=i])
+            for h in range(heads):
+                var at = (i * heads + h) * d
+                store_int8_head[KV.K](cache, keys.unsafe_offset(at), b, pos, h)
+                store_int8_head[KV.V](
+                    cache, values.unsafe_offset(at), b, pos, h
+                )
+
+    sync_parallelize(run_task, tasks)
 
 
 @extensibility.register("pagedkv_append_paged_kv_cache")
@@ -220,8 +295,8 @@ struct AppendPagedKVCache:
     ](
         k_cache: MutableInputTensor[rank=5, ...],
         v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=5, ...],
-        append_key: InputTensor[dtype=k_cache.dtype, rank=3, ...],
-        append_value: InputTensor[dtype=k_cache.dtype, rank=3, ...],
+        append_key: InputTensor[rank=3, ...],
+        append_value: InputTensor[dtype=append_key.dtype, rank=3, ...],
         batch_indices: InputTensor[dtype=DType.int32, rank=1, ...],
         positions: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],

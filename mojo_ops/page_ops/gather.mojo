@@ -13,7 +13,14 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
 from ..cache.cache_tensors import cache_from_tensors, check_rows
-from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
+from ..cache.paged_kv_cache import (
+    KV,
+    IndexPtr,
+    KVLayout,
+    PagedKVCache,
+    Ptr,
+    row_scale_elems,
+)
 from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
@@ -56,6 +63,8 @@ def gather_kv[
     ctx: DeviceContext,
 ) raises:
     """Checks the page table and seq_indptr, then copies every cached token."""
+    comptime if row_scale_elems[cache.dtype]() > 0:
+        raise Error("pagedkv: gather copies rows as they are, not int8 rows")
     var total = out_k.dim_size(0)
     check_rows("out_k", out_k, total, cache.num_kv_heads(), cache.head_dim())
     check_rows("out_v", out_v, total, cache.num_kv_heads(), cache.head_dim())

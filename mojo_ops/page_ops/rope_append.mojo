@@ -10,7 +10,8 @@ by rotate-half RoPE at that position,
     x'[j + D/2] = x[j + D/2] cos[pos, j] + x[j] sin[pos, j]      j < D/2
 
 with cos and sin [max_positions, D/2] float32 tables, in float32; keys and
-values are rounded to the pool's dtype as they are stored, queries to
+values are rounded to the pool's dtype as they are stored (an int8 pool's
+rows quantized, with their scales: cache/int8_rows.mojo), queries to
 qkv's. The page table and the targets are checked first (append.mojo's
 `check_append`), so a bad call raises before anything is written. What a
 step graph spent in a dozen split, multiply, concat and cast ops per layer
@@ -22,7 +23,10 @@ from extensibility import InputTensor, OutputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
+from std.memory.alloc import unsafe_alloc
+
 from ..cache.cache_tensors import cache_from_tensors
+from ..cache.int8_rows import store_int8_head
 from ..cache.paged_kv_cache import KV, KVLayout, PagedKVCache, Ptr
 from ..cache.tensor_access import ptr_of
 from ..simd.widen import F32, load_f32, narrow
@@ -134,6 +138,8 @@ struct RopeAppendRows[dtype: DType, kv_dtype: DType, layout: KVLayout](
         var hq = self.num_qo_heads
         var row = (hq + 2 * kv_heads) * d
         var tokens = row_block(t, self.nnz, ROWS_PER_TASK)
+        # One rotated key head in float32, for an int8 pool's rows.
+        var head_f32 = rebind[Ptr[F32]](unsafe_alloc[Float32](d))
         for i in range(tokens[0], tokens[1]):
             var b = Int(self.batch_indices[unsafe_offset=i])
             var pos = Int(self.positions[unsafe_offset=i])
@@ -151,18 +157,27 @@ struct RopeAppendRows[dtype: DType, kv_dtype: DType, layout: KVLayout](
             var keys = src.unsafe_offset(hq * d)
             var values = keys.unsafe_offset(kv_heads * d)
             for h in range(kv_heads):
-                rotate_head(
-                    keys.unsafe_offset(h * d),
-                    self.cache.block_paged_ptr[KV.K](b, pos, h),
-                    c,
-                    s,
-                    half,
-                )
-                convert_head(
-                    values.unsafe_offset(h * d),
-                    self.cache.block_paged_ptr[KV.V](b, pos, h),
-                    d,
-                )
+                comptime if Self.kv_dtype == DType.int8:
+                    # Codes and a scale: the key rotated in float32 first.
+                    rotate_head(keys.unsafe_offset(h * d), head_f32, c, s, half)
+                    store_int8_head[KV.K](self.cache, head_f32, b, pos, h)
+                    store_int8_head[KV.V](
+                        self.cache, values.unsafe_offset(h * d), b, pos, h
+                    )
+                else:
+                    rotate_head(
+                        keys.unsafe_offset(h * d),
+                        self.cache.block_paged_ptr[KV.K](b, pos, h),
+                        c,
+                        s,
+                        half,
+                    )
+                    convert_head(
+                        values.unsafe_offset(h * d),
+                        self.cache.block_paged_ptr[KV.V](b, pos, h),
+                        d,
+                    )
+        head_f32.unsafe_free()
 
 
 def check_rope_append(

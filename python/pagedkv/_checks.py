@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from ._ops.contract import KV_LAYOUTS
+from ._ops.contract import KV_LAYOUTS, pool_head_dim
 from ._ops.tensors import (
     Array,
     Device,
@@ -43,7 +43,13 @@ CACHE_DTYPES = (
     DType.bfloat16,
     DType.float8_e4m3fn,
     DType.float8_e5m2,
+    DType.int8,
 )
+"""A pool's dtypes. An int8 pool's rows are head_dim codes and a float32
+scale (`pool_row_width`): float rows appended to it are quantized, and the
+CPU attention kernel reads it."""
+ROW_DTYPES_OF_INT8_POOLS = (DType.float32, DType.float16, DType.bfloat16)
+"""What `append_paged_kv_cache` quantizes into an int8 pool."""
 
 
 INT32_MAX = 2**31 - 1
@@ -342,9 +348,17 @@ def cache_geometry(
             f"({', '.join(d.name for d in CACHE_DTYPES)})"
         )
     if layout == 0:
-        page_size, heads, head_dim = page
+        page_size, heads, row_width = page
     else:
-        heads, page_size, head_dim = page
+        heads, page_size, row_width = page
+    head_dim = pool_head_dim(dtype, int(row_width))
+    if head_dim < 1:
+        raise ValueError(
+            f"{name}: an int8 pool's rows are head_dim codes and a 4-byte scale, "
+            f"got rows of {row_width}"
+        )
+    if dtype == DType.int8 and device_of(arrays[0]).is_gpu:
+        raise ValueError(f"{name}: int8 pools are read and written on the CPU")
     return CacheGeometry(
         arrays=arrays,
         layout=layout,
@@ -375,8 +389,8 @@ def check_page_table_arrays(
 
 
 def check_rows(name: str, x: Array, geometry: CacheGeometry, nnz: int | None = None) -> int:
-    """Checks new tokens' rows [nnz, num_kv_heads, head_dim] against the cache;
-    returns nnz."""
+    """Checks new tokens' rows [nnz, num_kv_heads, head_dim] against the cache
+    (the cache's dtype, or a float dtype for an int8 cache); returns nnz."""
     check_array(name, x)
     want = (geometry.num_kv_heads, geometry.head_dim)
     if len(x.shape) != 3 or tuple(x.shape[1:]) != want:
@@ -386,7 +400,13 @@ def check_rows(name: str, x: Array, geometry: CacheGeometry, nnz: int | None = N
         )
     if nnz is not None and x.shape[0] != nnz:
         raise ValueError(f"{name} has {x.shape[0]} rows, expected {nnz}")
-    if dtype_of(x) != geometry.dtype:
+    if geometry.dtype == DType.int8:
+        if dtype_of(x) not in ROW_DTYPES_OF_INT8_POOLS:
+            raise TypeError(
+                f"{name} is {dtype_of(x).name}: an int8 cache takes float32, float16 or "
+                "bfloat16 rows, which it quantizes"
+            )
+    elif dtype_of(x) != geometry.dtype:
         raise TypeError(f"{name} is {dtype_of(x).name} but the cache is {geometry.dtype.name}")
     check_device(name, x, geometry.device)
     return int(x.shape[0])

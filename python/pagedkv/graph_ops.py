@@ -43,6 +43,7 @@ from ._ops.contract import (
     ROPE_APPEND_OP,
     attention_operands,
     mla_operands,
+    pool_head_dim,
 )
 from ._plan import work as attention_work
 from ._plan.work import AttentionOptions, heads_per_task
@@ -260,6 +261,12 @@ class QuantizedLayerWeights:
         }
 
 
+def _pool_heads(paged_kv_cache: BufferValue, kv_layout: str) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of a [pages, 2, ...page...] pool."""
+    heads = int(paged_kv_cache.shape[3 if kv_layout == "NHD" else 2])
+    return heads, pool_head_dim(paged_kv_cache.dtype, int(paged_kv_cache.shape[4]))
+
+
 def quantized_decoder_layer(
     x: TensorValue,
     paged_kv_cache: BufferValue,
@@ -317,8 +324,7 @@ def quantized_decoder_layer(
     """
     if activation not in DECODER_ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(DECODER_ACTIVATIONS)}")
-    page_dim = 3 if kv_layout == "NHD" else 2
-    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
+    heads, head_dim = _pool_heads(paged_kv_cache, kv_layout)
     options = AttentionOptions(head_dim, window_left=window_left)
     if decode:
         int_params = options.int_params(
@@ -395,8 +401,7 @@ def rope_append_paged_kv_cache(
     Returns:
         q [nnz, Hq, D], qkv's dtype.
     """
-    page_dim = 3 if kv_layout == "NHD" else 2
-    heads, head_dim = int(paged_kv_cache.shape[page_dim]), int(paged_kv_cache.shape[4])
+    heads, head_dim = _pool_heads(paged_kv_cache, kv_layout)
     if int(qkv.shape[1]) != (num_qo_heads + 2 * heads) * head_dim:
         raise ValueError(f"qkv {qkv.shape} is not [nnz, (num_qo_heads + 2 * {heads}) * {head_dim}]")
     q = TensorType(qkv.dtype, [qkv.shape[0], num_qo_heads, head_dim], device=qkv.device)

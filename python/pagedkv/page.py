@@ -86,12 +86,13 @@ def check_page_table_on_host(
     return int(summary[0]), int(summary[1])
 
 
-def append_spec(dtype: DType, layout: int) -> OpSpec:
+def append_spec(dtype: DType, layout: int, rows_dtype: DType | None = None) -> OpSpec:
     """k_cache, v_cache (CacheGeometry.kernel_operands), key, value,
     batch_indices, positions, page table. A copy moves bytes: fp8 data enters
-    as uint8 (see storage_view)."""
+    as uint8 (see storage_view). rows_dtype: the rows', where they are not the
+    pool's (float rows into an int8 pool, which quantizes them)."""
     pool = Operand(storage_dtype(dtype), 5, mutable=True)
-    rows = Operand(storage_dtype(dtype), 3)
+    rows = Operand(storage_dtype(rows_dtype or dtype), 3)
     return OpSpec.of(APPEND_OP, [pool, pool, rows, rows, *[INDEX] * 5], layout=layout)
 
 
@@ -307,11 +308,13 @@ def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwarg
       ``append_indptr[b]:append_indptr[b + 1]`` at the end of its sequence
       (the older form in FlashInfer's docs).
 
-    append_key, append_value: [nnz, num_kv_heads, head_dim], the cache's dtype.
+    append_key, append_value: [nnz, num_kv_heads, head_dim], the cache's dtype
+    (float32, float16 or bfloat16 for an int8 cache, which quantizes them).
     paged_kv_cache: [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size,
     D] (HND), or a (k_cache, v_cache) pair of [pages, page_size, H, D] /
-    [pages, H, page_size, D]. Page table (int32, or another integer dtype
-    narrowed to it after checking): kv_indptr [B + 1],
+    [pages, H, page_size, D]; an int8 cache's last axis is D + 4 (pagedkv's
+    own format: a page's row codes, then their float32 scales). Page table
+    (int32, or another integer dtype narrowed to it after checking): kv_indptr [B + 1],
     kv_indices [kv_indptr[-1]], kv_last_page_len [B], describing the batch
     after the append.
     """
@@ -361,7 +364,7 @@ def _append(
     kv_last_page_len: Array,
 ) -> None:
     run_op(
-        append_spec(geometry.dtype, geometry.layout),
+        append_spec(geometry.dtype, geometry.layout, dtype_of(append_key)),
         [
             *geometry.kernel_operands(),
             storage_view(contiguous(append_key)),
@@ -463,6 +466,8 @@ def gather_kv(
     reads the page table on the host.
     """
     geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout, written=False)
+    if geometry.dtype == DType.int8:
+        raise TypeError("gather_kv copies rows as they are; an int8 pool's are codes and scales")
     batch_size = check_page_table_arrays(geometry, kv_indices, kv_indptr, kv_last_page_len)
     host = [
         host_index_copy(n, x)

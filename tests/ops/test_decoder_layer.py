@@ -25,6 +25,7 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 
 import reference
 from pagedkv import graph_ops
+from pagedkv._ops.contract import pool_row_width
 from pagedkv._ops.quantized_panels import pack_quantized_weight, quantized_panels_shape
 from pagedkv.graphs.model import DecoderConfig, rope_tables
 from pagedkv.graphs.numpy_reference import quantize_activations
@@ -52,9 +53,10 @@ SHAPES = {
 EPS = 1e-5
 
 
-def graph_inputs() -> list:
+def graph_inputs(pool_dtype: DType = DType.float32) -> list:
     cpu = DeviceRef.CPU()
     c = CONFIG
+    row = pool_row_width(pool_dtype, c.head_dim)
 
     def index(name):
         return TensorType(DType.int32, [name], device=cpu)
@@ -64,7 +66,7 @@ def graph_inputs() -> list:
         for fmt, shape in zip(FORMATS, SHAPES.values(), strict=True)
     ]
     return [
-        BufferType(DType.float32, ["pages", 2, P, c.num_kv_heads, c.head_dim], cpu),
+        BufferType(pool_dtype, ["pages", 2, P, c.num_kv_heads, row], cpu),
         TensorType(DType.float32, ["rows", c.hidden_size], cpu),
         TensorType(DType.float32, [c.hidden_size], cpu),
         TensorType(DType.float32, [c.hidden_size], cpu),
@@ -81,11 +83,11 @@ def graph_inputs() -> list:
     ]
 
 
-def build(module: Module, name: str, decode: bool) -> None:
+def build(module: Module, name: str, decode: bool, pool_dtype: DType = DType.float32) -> None:
     c = CONFIG
     with Graph(
         name,
-        input_types=graph_inputs(),
+        input_types=graph_inputs(pool_dtype),
         custom_extensions=graph_ops.custom_extensions(),
         module=module,
     ) as g:
@@ -123,6 +125,11 @@ def decoder_layer_decode(module: Module) -> None:
 @suite_graph("decoder_layer_prefill")
 def decoder_layer_prefill(module: Module) -> None:
     build(module, "decoder_layer_prefill", decode=False)
+
+
+@suite_graph("decoder_layer_decode_int8")
+def decoder_layer_decode_int8(module: Module) -> None:
+    build(module, "decoder_layer_decode_int8", decode=True, pool_dtype=DType.int8)
 
 
 @suite_graph("rope_append")
@@ -184,9 +191,10 @@ class Layer:
     def qkv(self, x: np.ndarray) -> np.ndarray:
         return self.product(self.norm(x, self.attn_norm), "wqkv")
 
-    def forward(self, x, positions, cached_k, cached_v):
+    def forward(self, x, positions, cached_k, cached_v, stored=lambda rows: rows):
         """The layer on one request's new rows x [T, H] at positions [T],
-        after keys and values cached [L, Hkv, D]; returns (out, k, v)."""
+        after keys and values cached [L, Hkv, D], attending to its new keys
+        and values as `stored` keeps them; returns (out, k, v)."""
         c = CONFIG
         t, d = x.shape[0], c.head_dim
         nq, nk = c.num_qo_heads * d, c.num_kv_heads * d
@@ -194,7 +202,8 @@ class Layer:
         q = self.rotate(qkv[:, :nq].reshape(t, c.num_qo_heads, d), positions)
         k = self.rotate(qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, d), positions)
         v = qkv[:, nq + nk :].reshape(t, c.num_kv_heads, d)
-        keys, values = np.concatenate([cached_k, k]), np.concatenate([cached_v, v])
+        keys = np.concatenate([cached_k, stored(k)])
+        values = np.concatenate([cached_v, stored(v)])
         o, _ = reference.attention(q, keys, values, positions)
         h = x + self.product(o.reshape(t, nq), "wo")
         gu = self.product(self.norm(h, self.mlp_norm), "w_gate_up")
@@ -300,6 +309,40 @@ def test_decoder_layer_matches_float64(cached, new, decode):
         touched[batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]] = True
     assert pool[~touched].tobytes() == before[~touched].tobytes()
     assert got.shape == (batch.nnz, c.hidden_size)
+
+
+def test_decoder_layer_decodes_over_an_int8_pool():
+    """Cached rows of magnitudes 0.05-20x apart, so that a scale read from
+    another row, or none, is far off; the new keys and values stored as int8
+    rows with their scales (within a code of the reference's) and attended
+    as stored, keys split across items; other pages untouched. (Prefill
+    over int8 pages: tests/api/test_int8_cache.py.)"""
+    cached, new = [300, 17, 0], [1, 1, 1]
+    rng = np.random.default_rng(7 + sum(cached))
+    layer = Layer(rng)
+    batch, pool, x, bi, pos, work = step(rng, cached, new, True)
+    pool *= rng.uniform(0.05, 20, (*pool.shape[:-1], 1)).astype(np.float32)
+    before = reference.int8_pages(pool)
+    pool8 = before.copy()
+    got = run_layer(suite_model("decoder_layer_decode_int8"), layer, pool8, x, batch, bi, pos, work)
+    cached_values = reference.int8_page_values(before)
+    values = reference.int8_page_values(pool8)
+    touched = np.zeros(pool.shape[0], bool)
+    for b in range(batch.batch_size):
+        rows = slice(batch.append_indptr[b], batch.append_indptr[b + 1])
+        k0, v0 = cached_kv(cached_values, batch, b, cached[b])
+        want, k, v = layer.forward(x[rows], pos[rows], k0, v0, reference.int8_roundtrip)
+        err = np.abs(got[rows] - want)
+        bound = 5e-3 * np.sqrt(np.mean(want**2)) + 1e-3 * np.abs(want)
+        assert (err <= bound).all(), f"request {b}: {err.max()}"
+        k_all, v_all = cached_kv(values, batch, b, cached[b] + new[b])
+        np.testing.assert_array_equal(k_all[: cached[b]], k0)
+        for got_rows, want_rows in ((k_all[cached[b] :], k), (v_all[cached[b] :], v)):
+            code = np.abs(want_rows).max(axis=-1, keepdims=True) / 127
+            bound = 0.5 * code + 2e-3 * np.abs(want_rows).max()
+            assert (np.abs(got_rows - want_rows) <= bound).all()
+        touched[batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]] = True
+    assert pool8[~touched].tobytes() == before[~touched].tobytes()
 
 
 def test_rope_append_rotates_and_appends():

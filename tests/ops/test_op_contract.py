@@ -42,6 +42,7 @@ PAIRS = [
     ("KV_AS_STORED", contract.KV_AS_STORED),
     ("KV_FP8_E4M3", contract.FP8_FORMATS[DType.float8_e4m3fn]),
     ("KV_FP8_E5M2", contract.FP8_FORMATS[DType.float8_e5m2]),
+    ("INT8_ROW_SCALE_BYTES", contract.INT8_ROW_SCALE_BYTES),
     ("POS_NONE", contract.POS_ENCODING_MODES["NONE"]),
     ("POS_ROPE_LLAMA", contract.POS_ENCODING_MODES["ROPE_LLAMA"]),
     ("POS_ALIBI", contract.POS_ENCODING_MODES["ALIBI"]),

@@ -13,7 +13,8 @@ The task walks its keys in chunks of CHUNK tokens, which may span pages
 (see key_chunks.mojo). Per chunk: scores for all its query rows
 (scores.mojo), then a base-2 online softmax with per-row masks (causal,
 window, a custom mask; softmax.mojo), then V folded into the rows' accumulators
-(accumulate.mojo). K, and then V, are read in blocks of a few tokens
+(accumulate.mojo). An int8 pool's row scales multiply the chunk's scores
+before the softmax and its probabilities after it. K, and then V, are read in blocks of a few tokens
 (block_sizes.mojo): all the task's heads of a block's tokens before the
 next block, so that reads stay within a few adjacent token rows, which the
 hardware prefetchers stream; meanwhile the next block is prefetched
@@ -34,7 +35,7 @@ accumulator rows follow.
 from std.math import log2
 from std.utils.numerics import nan, neg_inf
 
-from ...cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
+from ...cache.paged_kv_cache import KV, DYNAMIC, KVLayout, PagedKVCache, Ptr
 from ...simd.exp2 import is_nan_f32
 from ...simd.widen import (
     BLOCK,
@@ -277,7 +278,17 @@ def item_heads_task[
             )
         if keep_raw_q:
             scale_scores(st.scores, heads * head_rows, q_scale)
+        comptime if kv_dtype == DType.int8:
+            scale_by_row_scales[KV.K](
+                st, cache, b, tok, n, h0, heads, head_rows
+            )
         softmax_rows(head_dim, params, mask, st, heads * head_rows, n, tok)
+        comptime if kv_dtype == DType.int8:
+            # After the softmax has summed the probabilities: V's scales
+            # weight only what the rows accumulate.
+            scale_by_row_scales[KV.V](
+                st, cache, b, tok, n, h0, heads, head_rows
+            )
         var next_k = BlockPrefetch[kv_dtype](
             k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
         )
@@ -331,6 +342,52 @@ def item_heads_task[
         q_row0,
         v_scale,
     )
+
+
+@always_inline
+def scale_by_row_scales[
+    kv: KV
+](
+    st: TaskState,
+    cache: PagedKVCache,
+    b: Int,
+    first: Int,
+    n: Int,
+    h0: Int,
+    heads: Int,
+    head_rows: Int,
+):
+    """Multiplies column j of each row of st.scores (a chunk's scores, or
+    its probabilities) by the K (or V) scale of request b's token first + j
+    at the row's head: rows hh * head_rows .. of head h0 + hh (an int8
+    pool, cache/int8_rows.mojo)."""
+    var scales = st.row_scales
+    var page_size = cache.page_size()
+    for hh in range(heads):
+        var j = 0
+        while j < n:
+            var tok = first + j
+            var slot = tok % page_size
+            var page_scales = cache.row_scales[kv](cache.page_id(b, tok))
+            var run = min(page_size - slot, n - j)
+            for t in range(run):
+                scales[unsafe_offset=j + t] = page_scales[
+                    unsafe_offset=cache.scale_index(slot + t, h0 + hh)
+                ]
+            j += run
+        for r in range(hh * head_rows, (hh + 1) * head_rows):
+            var row = st.scores.unsafe_offset(r * CHUNK)
+            j = 0
+            while j + W <= n:
+                var at = row.unsafe_offset(j)
+                at.unsafe_store(
+                    at.unsafe_load[width=W]()
+                    * scales.unsafe_offset(j).unsafe_load[width=W]()
+                )
+                j += W
+            while j < n:
+                row[unsafe_offset=j] *= scales[unsafe_offset=j]
+                j += 1
 
 
 @always_inline

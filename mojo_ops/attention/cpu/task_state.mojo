@@ -28,6 +28,8 @@ struct TaskState(Movable):
     products.mojo), V widened."""
     var kt: Ptr[F32]
     """K^T of a chunk, for a task of products."""
+    var row_scales: Ptr[F32]
+    """One head's K or V row scales over a chunk (int8 pools)."""
     var rows: RowOffsets
     """Offsets of this chunk's rows, then of the next chunk's, then the
     rotated keys' rows (j * head_dim)."""
@@ -54,6 +56,7 @@ struct TaskState(Movable):
         var freq_at = take(at, D)  # D // 2 float64s
         var krot_at = take(at, CHUNK * D)
         var kt_at = take(at, CHUNK * D)
+        var row_scales_at = take(at, CHUNK)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
         self._storage = rebind[Ptr[F32]](
             unsafe_alloc[Float32](at, alignment=64)
@@ -71,6 +74,7 @@ struct TaskState(Movable):
         )
         self.krot = self._storage.unsafe_offset(krot_at)
         self.kt = self._storage.unsafe_offset(kt_at)
+        self.row_scales = self._storage.unsafe_offset(row_scales_at)
         self.rows = rebind[RowOffsets](self._storage.unsafe_offset(rows_at))
 
     def __deinit__(deinit self):

@@ -18,6 +18,24 @@ KV_AS_STORED = 0
 FP8_FORMATS = {DType.float8_e4m3fn: 1, DType.float8_e5m2: 2}
 """`kv_format` of an fp8 pool, passed as uint8 (attention/run.mojo: KV_FP8_E4M3, KV_FP8_E5M2)."""
 
+INT8_ROW_SCALE_BYTES = 4
+"""Bytes an int8 pool's page holds per (token, head) row past the rows' codes:
+the row's float32 scale, all of a page half's scales after its rows
+(cache/paged_kv_cache.mojo: INT8_ROW_SCALE_BYTES, cache/int8_rows.mojo)."""
+
+
+def pool_row_width(dtype: DType, head_dim: int) -> int:
+    """A `dtype` pool's last axis for head_dim: head_dim, or head_dim + 4 for
+    int8, whose page [P, H, D + 4] (or [H, P, D + 4]) holds its rows' codes
+    and then their scales."""
+    return head_dim + (INT8_ROW_SCALE_BYTES if dtype == DType.int8 else 0)
+
+
+def pool_head_dim(dtype: DType, row_width: int) -> int:
+    """head_dim of a `dtype` pool whose last axis is row_width."""
+    return row_width - (INT8_ROW_SCALE_BYTES if dtype == DType.int8 else 0)
+
+
 POS_ENCODING_MODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}
 """int_params[INT_POS_ENCODING] (attention/params.mojo: POS_NONE, POS_ROPE_LLAMA, POS_ALIBI)."""
 

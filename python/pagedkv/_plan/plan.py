@@ -50,7 +50,9 @@ __all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
 
 Q_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 FP8_DTYPES = tuple(FP8_FORMATS)
-KV_DTYPES = Q_DTYPES + FP8_DTYPES
+KV_DTYPES = Q_DTYPES + FP8_DTYPES + (DType.int8,)
+"""K/V dtypes the attention op reads: int8 pools (rows of codes and a scale,
+`pagedkv._ops.contract.pool_row_width`) on the CPU."""
 
 F32 = DType.float32
 HOST_F32 = Operand(F32, 1, on_host=True)

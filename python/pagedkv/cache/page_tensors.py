@@ -16,14 +16,17 @@ import numpy as np
 from max.dtype import DType
 
 from .._checks import layout_code
+from .._ops.contract import pool_row_width
 from .._ops.tensors import Array, new_like
 from .._plan.work import as_dtype
 from ..page import copy_pages
 from ..runtime.huge_pages import huge_page_zeros
 
-POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.float8_e4m3fn)
+POOL_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.float8_e4m3fn, DType.int8)
 """The element types a pool may have (float8 pools are torch tensors: NumPy
-has no float8)."""
+has no float8). An int8 pool's rows are head_dim codes and a float32 scale
+(`pool_row_width`), written by the rope-append and decoder-layer ops, read
+by the CPU attention kernel."""
 
 
 class PageTensors:
@@ -34,12 +37,13 @@ class PageTensors:
     num_pages, page_size, num_kv_heads, head_dim, num_layers : int
         The pools' geometry (each >= 1).
     dtype : str or dtype
-        "float32", "float16", "bfloat16" or "float8_e4m3fn" (torch pools), or
-        a torch / NumPy / MAX dtype.
+        "float32", "float16", "bfloat16", "float8_e4m3fn" (torch pools) or
+        "int8" (CPU only), or a torch / NumPy / MAX dtype.
     kv_layout : str
         "NHD": pools are [num_pages, 2, page_size, num_kv_heads, head_dim];
         "HND": [num_pages, 2, num_kv_heads, page_size, head_dim] (FlashInfer's
-        one-tensor form).
+        one-tensor form). An int8 pool's last axis is head_dim + 4: each
+        row's codes, then its float32 scale's bytes.
     device : str
         "cpu", or "cuda[:i]" / "gpu[:i]" for torch pools on that GPU.
     use_torch : bool
@@ -82,13 +86,16 @@ class PageTensors:
         pool_dtype = as_dtype(dtype, "dtype")
         if pool_dtype not in POOL_DTYPES:
             raise TypeError(
-                f"dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {pool_dtype.name}"
+                "dtype must be float32, float16, bfloat16, float8_e4m3fn or int8, "
+                f"got {pool_dtype.name}"
             )
         layout_code(kv_layout)
         kind, _, index = str(device).partition(":")
         if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()):
             raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}")
         torch_device = "cpu" if kind == "cpu" else f"cuda:{index or 0}"
+        if pool_dtype == DType.int8 and torch_device != "cpu":
+            raise ValueError("int8 pools are read on the CPU; use float16 or bfloat16 on a GPU")
         if torch_device != "cpu":
             import torch
 
@@ -103,10 +110,11 @@ class PageTensors:
         self.kv_layout = kv_layout
         self.device = torch_device
         """"cpu" or "cuda:i": where the pools are."""
+        row = pool_row_width(pool_dtype, self.head_dim)
         page = (
-            (self.page_size, self.num_kv_heads, self.head_dim)
+            (self.page_size, self.num_kv_heads, row)
             if kv_layout == "NHD"
-            else (self.num_kv_heads, self.page_size, self.head_dim)
+            else (self.num_kv_heads, self.page_size, row)
         )
         shape = (self.num_pages, 2, *page)
         if pin_memory and torch_device != "cpu":

@@ -9,7 +9,9 @@
   a GPU, where the quantized products do not run).
 
 The cache's dtype is free beside GGUF weights and the weights' own dtype
-beside float ones (the float step graphs keep one dtype throughout).
+beside float ones (the float step graphs keep one dtype throughout). An
+int8 cache keeps each (token, head) row as int8 codes and a float32 scale:
+53% of float16's bytes at head_dim 64.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ WEIGHTS = ("gguf", "f32", "bf16")
 blocks multiplied in place with float32 activations (CPU); "f32" and
 "bf16", dequantized to float32 or bfloat16, activations in the same dtype
 (the float32 form matches transformers token for token)."""
-KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "int8")
 DEFAULT_KV_DTYPE = {"gguf": "float16", "f32": "float32", "bf16": "bfloat16"}
 """The cache's dtype unless told otherwise: llama.cpp's default (float16)
 beside GGUF weights, the weights' own dtype beside float ones."""
@@ -44,8 +46,8 @@ def add_weights_arguments(parser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default=None,
-        help="KV cache dtype with --weights gguf: float16 (default), bfloat16, float32 or "
-        "float8_e4m3fn (a byte per element)",
+        help="KV cache dtype with --weights gguf: float16 (default), bfloat16, float32, "
+        "float8_e4m3fn or int8 (a byte per element; int8 rows keep a scale each)",
     )
 
 

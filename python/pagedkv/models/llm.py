@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv._ops.contract import pool_row_width
 from pagedkv._ops.kernels import build_kernel_package_in_background
 from pagedkv._ops.quantized_panels import PACKED_AS
+from pagedkv._plan.work import as_dtype
 from pagedkv.cache.manager import PagedKVCacheManager
 from pagedkv.graphs.engine import DecoderEngine
 from pagedkv.graphs.model import DecoderConfig
@@ -233,8 +235,9 @@ def _manager(
     Every group gets as many pages: a sequence never holds more pages in a
     window group than in a global one, so admission by the global group's
     free pages never runs a window group dry."""
-    itemsize = 4 if kv_dtype == "float32" else 2
-    page_bytes = 2 * page_size * c.num_kv_heads * c.head_dim * itemsize * c.num_layers
+    dtype = as_dtype(kv_dtype, "kv_dtype")
+    row_bytes = pool_row_width(dtype, c.head_dim) * dtype.size_in_bytes
+    page_bytes = 2 * page_size * c.num_kv_heads * row_bytes * c.num_layers
     num_pages = kv_memory // page_bytes
     if num_pages < 1:
         raise ModelError(f"kv_memory {kv_memory} bytes holds no page of {page_bytes} bytes")
@@ -272,10 +275,11 @@ def load(
         the default there); "f32" or "bf16": dequantized, with activations
         in the same dtype ("bf16" is the default on a GPU). See `WEIGHTS`.
     kv_dtype : str, optional
-        The KV cache's dtype: "float32", "float16", "bfloat16" or
-        "float8_e4m3fn" (a byte per element, unscaled; accuracy in
-        docs/performance.md) with "gguf" weights (default "float16"); the
-        weights' dtype otherwise.
+        The KV cache's dtype: "float32", "float16", "bfloat16",
+        "float8_e4m3fn" (a byte per element, unscaled) or "int8" (a byte
+        per element and a float32 scale per token and head; accuracy of
+        both in docs/performance.md) with "gguf" weights (default
+        "float16"); the weights' dtype otherwise.
     device : str
         "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
     page_size : int

@@ -1,0 +1,172 @@
+"""int8 pools (pagedkv's 8-bit cache: each row's codes and a float32 scale)
+through the FlashInfer-style API: float rows appended are quantized, and
+decode and prefill read them, against float64 references written from the
+format (reference.int8_pages).
+
+Rows of the pool's keys differ in magnitude by up to 200x, so a scale taken
+from another row or head, or none, is far outside the tolerances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv
+import reference
+
+P, HKV, D = 16, 2, 64
+
+
+def filled_pool(rng, lens, layout="NHD", rows_dtype=torch.float32, pair=False):
+    """An int8 pool holding random keys and values for requests of `lens`
+    tokens (pages in a shuffled order, two spare), appended by pagedkv; and
+    the page table and the float rows appended."""
+    pages = [-(-n // P) for n in lens]
+    num_pages = sum(pages) + 2
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    last = np.array([(n - 1) % P + 1 for n in lens], np.int32)
+    page = (P, HKV, D) if layout == "NHD" else (HKV, P, D)
+    # Stale rows in every slot, which no request's keys may reach.
+    pool = torch.from_numpy(reference.int8_pages(rng.standard_normal((num_pages, 2, *page))))
+    nnz = sum(lens)
+    magnitude = rng.uniform(0.1, 20, (nnz, HKV, 1))
+    keys = torch.tensor(rng.standard_normal((nnz, HKV, D)) * magnitude).to(rows_dtype)
+    values = torch.tensor(rng.standard_normal((nnz, HKV, D))).to(rows_dtype)
+    seq = reference.seq_lens(indptr, last, P)
+    append_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    bi, pos = reference.batch_indices_positions(append_indptr, seq, nnz)
+    cache = (pool[:, 0].clone(), pool[:, 1].clone()) if pair else pool
+    pagedkv.append_paged_kv_cache(keys, values, bi, pos, cache, indices, indptr, last, layout)
+    if pair:
+        pool = torch.stack(cache, dim=1)
+    return pool, indices, indptr, last, keys, values
+
+
+def request_rows(pool, indices, indptr, b, n, layout):
+    """Request b's first n keys and values [n, HKV, D] as the pool holds them."""
+    pages = reference.int8_page_values(pool.numpy()[indices[indptr[b] : indptr[b + 1]]])
+    if layout == "HND":
+        pages = pages.transpose(0, 1, 3, 2, 4)
+    return pages[:, 0].reshape(-1, HKV, D)[:n], pages[:, 1].reshape(-1, HKV, D)[:n]
+
+
+@pytest.mark.parametrize(
+    "layout,rows_dtype,pair",
+    [("NHD", torch.float32, False), ("HND", torch.bfloat16, False), ("NHD", torch.float16, True)],
+)
+def test_append_quantizes_rows_with_their_scales(layout, rows_dtype, pair):
+    lens = [40, 1, 17]
+    pool, indices, indptr, _, keys, values = filled_pool(
+        np.random.default_rng(1), lens, layout, rows_dtype, pair
+    )
+    start = 0
+    for b, n in enumerate(lens):
+        k, v = request_rows(pool, indices, indptr, b, n, layout)
+        for got, rows in ((k, keys[start : start + n]), (v, values[start : start + n])):
+            rows = rows.to(torch.float64).numpy()
+            step = np.abs(rows).max(axis=-1, keepdims=True) / 127
+            # Within a code of the exact value: half a code, and float32's
+            # rounding of the scaled row on either side of a tie.
+            assert (np.abs(got - rows) <= 0.5 * step * (1 + 1e-5)).all()
+            np.testing.assert_allclose(got, reference.int8_roundtrip(rows), rtol=0, atol=step.max())
+        start += n
+
+
+def test_append_leaves_other_pages_untouched():
+    rng = np.random.default_rng(2)
+    pages = 4
+    pool = torch.from_numpy(rng.integers(-127, 128, (pages, 2, P, HKV, D + 4), dtype=np.int8))
+    before = pool.clone()
+    keys = torch.randn(3, HKV, D)
+    pagedkv.append_paged_kv_cache(
+        keys,
+        keys,
+        torch.zeros(3, dtype=torch.int32),
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        pool,
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+    )
+    assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])
+    assert not torch.equal(pool[2], before[2])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_an_int8_pool(q_dtype):
+    rng = np.random.default_rng(3)
+    lens = [300, 1, 33]
+    pool, indices, indptr, last, *_ = filled_pool(rng, lens)
+    hq = 8
+    q = torch.randn(len(lens), hq, D).to(q_dtype)
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8))
+    w.plan(indptr, indices, last, hq, HKV, D, P, q_data_type=q_dtype, kv_data_type=torch.int8)
+    o = w.run(q, pool)
+    for b, n in enumerate(lens):
+        k, v = request_rows(pool, indices, indptr, b, n, "NHD")
+        q_b = q[b : b + 1].to(torch.float64).numpy()
+        want, _ = reference.attention(q_b, k, v, np.array([n - 1]))
+        tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-5
+        np.testing.assert_allclose(o[b].to(torch.float64).numpy(), want[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_prefill_reads_an_int8_pool(layout):
+    """Causal prefill of each request's last tokens: 20 queries of a group
+    of 4 take the matrix-product path, 1 query the steps."""
+    rng = np.random.default_rng(4)
+    lens, new = [50, 20, 7], [20, 20, 1]
+    pool, indices, indptr, last, *_ = filled_pool(rng, lens, layout)
+    hq = 8
+    qo_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = torch.randn(int(qo_indptr[-1]), hq, D)
+    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(
+        torch.empty(1 << 24, dtype=torch.uint8), kv_layout=layout
+    )
+    w.plan(qo_indptr, indptr, indices, last, hq, HKV, D, P, causal=True, kv_data_type=torch.int8)
+    o = w.run(q, pool)
+    for b, n in enumerate(lens):
+        k, v = request_rows(pool, indices, indptr, b, n, layout)
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        positions = np.arange(n - new[b], n)
+        want, _ = reference.attention(q[rows].to(torch.float64).numpy(), k, v, positions)
+        np.testing.assert_allclose(o[rows].to(torch.float64).numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_int8_calls_raise_before_writing():
+    pool = torch.zeros(2, 2, P, HKV, D + 4, dtype=torch.int8)
+    table = (
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+    )
+    where = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    codes = torch.ones(1, HKV, D, dtype=torch.int8)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16 rows"):
+        pagedkv.append_paged_kv_cache(codes, codes, *where, pool, *table)
+    with pytest.raises(ValueError, match="must be \\[nnz, 2, 64\\]"):
+        rows = torch.ones(1, HKV, D + 4)
+        pagedkv.append_paged_kv_cache(rows, rows, *where, pool, *table)
+    with pytest.raises(ValueError, match="4-byte scale"):
+        tiny = torch.zeros(2, 2, P, HKV, 4, dtype=torch.int8)
+        empty = torch.ones(1, HKV, 0)
+        pagedkv.append_paged_kv_cache(empty, empty, *where, tiny, *table)
+    with pytest.raises(TypeError, match="codes and scales"):
+        pagedkv.gather_kv(pool, *table)
+    assert not pool.any()
+
+
+def test_the_page_manager_keeps_int8_pages_whole():
+    """An int8 manager's pools hold each page's scales ([..., D + 4]); a
+    copy-on-write page copy moves codes and scales together."""
+    manager = pagedkv.PagedKVCacheManager(4, P, HKV, D, num_layers=2, dtype="int8")
+    pool = manager.page_tensors.pools[1]
+    assert tuple(pool.shape) == (4, 2, P, HKV, D + 4) and pool.dtype == np.int8
+    pool[1] = np.random.default_rng(5).integers(-127, 128, pool[1].shape, dtype=np.int8)
+    manager.page_tensors.copy_pages([1], [3])
+    assert pool[3].tobytes() == pool[1].tobytes()
+    with pytest.raises(ValueError, match="CPU"):
+        pagedkv.PagedKVCacheManager(4, P, HKV, D, dtype="int8", device="cuda")
