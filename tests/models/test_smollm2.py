@@ -247,22 +247,26 @@ def step_logprobs(llm, prompts: list[list[int]], steps: int, forced=None):
 
 
 @pytest.mark.slow
-def test_float8_cache_stays_near_the_float16_cache():
-    """A float8 (e4m3) KV cache holds a byte per element, half of float16's,
-    and its logits, teacher-forced on the float16 cache's greedy tokens,
-    agree on the top token at 80% of steps or more, with log-probabilities
-    of that token within 2 nats (observed: 92%, 0.09 nats on average; a
-    cache of wrong values agrees at a few percent). This small model's
-    greedy steps are often near ties: pagedkv's float16 cache and
-    llama.cpp's agree at 94.5%."""
+@pytest.mark.parametrize(
+    "kv_dtype,min_agreement,max_error", [("int8", 0.9, 1.0), ("float8_e4m3fn", 0.8, 2.0)]
+)
+def test_8bit_caches_stay_near_the_float16_cache(kv_dtype, min_agreement, max_error):
+    """An 8-bit KV cache (int8 with a scale per token and head, the gguf
+    default; or plain e4m3) holds about a byte per element, half of
+    float16's, and its logits, teacher-forced on the float16 cache's greedy
+    tokens, agree on the top token at most steps, with log-probabilities of
+    that token close (observed on 16 prompts x 64 steps: int8 96% and 0.05
+    nats on average, e4m3 95% and 0.07; a cache of wrong values agrees at a
+    few percent). This small model's greedy steps are often near ties:
+    pagedkv's float16 cache and llama.cpp's agree at 94.5%."""
     half = load("smollm2-135m-instruct", weights="gguf", kv_dtype="float16")
-    fp8 = load("smollm2-135m-instruct", weights="gguf", kv_dtype="float8_e4m3fn")
-    assert fp8.manager.pools[0].element_size() == 1
+    small = load("smollm2-135m-instruct", weights="gguf", kv_dtype=kv_dtype)
+    assert small.manager.pools[0].element_size() == 1
     prompts = [r["prompt_token_ids"] for r in REFERENCE["records"][:6]]
     want, forced = step_logprobs(half, prompts, 24)
-    got, _ = step_logprobs(fp8, prompts, 24, forced)
+    got, _ = step_logprobs(small, prompts, 24, forced)
     agree = (want.argmax(-1) == got.argmax(-1)).mean()
     top = want.argmax(-1)[..., None]
     error = np.abs(np.take_along_axis(want, top, -1) - np.take_along_axis(got, top, -1))
-    print(f"float8 cache: top-1 {agree:.1%}, |logprob error| mean {error.mean():.3f}")
-    assert agree >= 0.8 and error.max() < 2.0
+    print(f"{kv_dtype} cache: top-1 {agree:.1%}, |logprob error| mean {error.mean():.3f}")
+    assert agree >= min_agreement and error.max() < max_error

@@ -138,13 +138,14 @@ class PagedKVCacheManager:
         Pools, one per layer; a page id names the same slot in each pool of
         a layer group.
     dtype : str or dtype
-        "float32", "float16", "bfloat16" or "float8_e4m3fn" (torch pools), or
-        a torch / NumPy / MAX dtype.
+        "float32", "float16", "bfloat16", "float8_e4m3fn" (torch pools) or
+        "int8" (CPU only), or a torch / NumPy / MAX dtype.
     kv_layout : str
         "NHD" pools are [num_pages, 2, page_size, num_kv_heads, head_dim],
         "HND" pools [num_pages, 2, num_kv_heads, page_size, head_dim]:
         FlashInfer's one-tensor form, ready for append_paged_kv_cache and the
-        decode wrapper.
+        decode wrapper. An int8 pool's last axis is head_dim + 4: each page
+        holds its rows' codes, then their float32 scales.
     device : str
         "cpu", or "cuda[:i]" / "gpu[:i]" for torch pools on that GPU
         (copy-on-write copies then run there).

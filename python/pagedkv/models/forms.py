@@ -24,9 +24,11 @@ blocks multiplied in place with float32 activations (CPU); "f32" and
 "bf16", dequantized to float32 or bfloat16, activations in the same dtype
 (the float32 form matches transformers token for token)."""
 KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "int8")
-DEFAULT_KV_DTYPE = {"gguf": "float16", "f32": "float32", "bf16": "bfloat16"}
-"""The cache's dtype unless told otherwise: llama.cpp's default (float16)
-beside GGUF weights, the weights' own dtype beside float ones."""
+DEFAULT_KV_DTYPE = {"gguf": "int8", "f32": "float32", "bf16": "bfloat16"}
+"""The cache's dtype unless told otherwise: int8 beside GGUF weights (the
+fastest on the CPU, half of float16's bytes, and as close to llama.cpp's
+float16 cache as float16 is in greedy agreement: docs/performance.md), the
+weights' own dtype beside float ones."""
 
 
 def default_weights(device: str) -> str:
@@ -46,8 +48,9 @@ def add_weights_arguments(parser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default=None,
-        help="KV cache dtype with --weights gguf: float16 (default), bfloat16, float32, "
-        "float8_e4m3fn or int8 (a byte per element; int8 rows keep a scale each)",
+        help="KV cache dtype with --weights gguf: int8 (the default: a byte per element and "
+        "a scale per token and head), float16 (llama.cpp's default), bfloat16, float32 or "
+        "float8_e4m3fn (a byte per element)",
     )
 
 

@@ -275,11 +275,11 @@ def load(
         the default there); "f32" or "bf16": dequantized, with activations
         in the same dtype ("bf16" is the default on a GPU). See `WEIGHTS`.
     kv_dtype : str, optional
-        The KV cache's dtype: "float32", "float16", "bfloat16",
-        "float8_e4m3fn" (a byte per element, unscaled) or "int8" (a byte
-        per element and a float32 scale per token and head; accuracy of
-        both in docs/performance.md) with "gguf" weights (default
-        "float16"); the weights' dtype otherwise.
+        The KV cache's dtype: "int8" (a byte per element and a float32
+        scale per token and head), "float16", "bfloat16", "float32" or
+        "float8_e4m3fn" (a byte per element, unscaled; accuracy of the
+        8-bit caches in docs/performance.md) with "gguf" weights (default
+        "int8"); the weights' dtype otherwise.
     device : str
         "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
     page_size : int
