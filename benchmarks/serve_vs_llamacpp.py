@@ -81,7 +81,7 @@ PAGEDKV_VARIANTS = {
     "pagedkv-f32": ["--weights", "f32"],
     "pagedkv-bf16": ["--weights", "bf16"],
     "pagedkv-gguf": ["--weights", "gguf"],
-    "pagedkv-gguf-int8kv": ["--weights", "gguf", "--kv-dtype", "int8"],
+    "pagedkv-gguf-f16kv": ["--weights", "gguf", "--kv-dtype", "float16"],
 }
 """`pagedkv serve` flags of each pagedkv column: a new variant is one line."""
 LLAMA_ARGS = ["-np", "32", "-c", "65536"]
