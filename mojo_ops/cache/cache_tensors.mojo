@@ -25,7 +25,7 @@ def page_dims[
     layout: KVLayout
 ](pool: ManagedTensorSlice[rank=5, ...]) -> Tuple[Int, Int, Int]:
     """(page_size, num_kv_heads, head_dim) of a [pages, kv, ...page...] pool
-    (an int8 pool's rows hold their scales past head_dim)."""
+    (an int8 pool's last axis is head_dim + 4: cache/int8_rows.mojo)."""
     var a = pool.dim_size(2)
     var b = pool.dim_size(3)
     var d = pool.dim_size(4) - row_scale_elems[pool.dtype]()
@@ -63,8 +63,8 @@ def cache_from_tensors[
     if dims[2] < 1:
         raise Error(
             (
-                "pagedkv: an int8 pool's rows are head_dim codes and a 4-byte"
-                " scale; axis 4 has "
+                "pagedkv: an int8 pool's last axis is head_dim + 4 (each"
+                " row's codes and a 4-byte scale); it has "
             ),
             k_cache.dim_size(4),
             " entries",

@@ -269,7 +269,7 @@ struct PagedKVCache[
         through the graph as uint8, since MAX has no fp8 tensors on the CPU."""
         comptime assert (
             row_scale_elems[element]() == row_scale_elems[Self.dtype]()
-        ), "int8 pools keep their scales in their rows"
+        ), "an int8 pool's pages hold their rows' scales"
         comptime assert (
             size_of[element]() == size_of[Self.dtype]()
         ), "bitcast needs an element type of the same size"

@@ -23,14 +23,8 @@ from std.math import ceildiv
 from std.sys import num_physical_cores, size_of
 
 from ..cache.cache_tensors import cache_from_tensors, check_rows
-from ..cache.paged_kv_cache import (
-    KV,
-    IndexPtr,
-    KVLayout,
-    PagedKVCache,
-    Ptr,
-    row_scale_elems,
-)
+from ..cache.int8_rows import store_int8_head
+from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
 from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
@@ -39,7 +33,6 @@ from ..cache.tensor_access import (
     ptr_of,
     vector_width,
 )
-from ..cache.int8_rows import store_int8_head
 from ..cache.token_rows import move_token
 from .page_table import HostPageTable, check_append_targets
 
@@ -195,14 +188,13 @@ def append_paged_kv[
     """Checks everything, then writes key/value [nnz, H, D] into the pages:
     copied when they have the pool's dtype, quantized (on the CPU) when the
     pool is int8 and they are float rows (cache/int8_rows.mojo)."""
-    comptime quantizes = cache.dtype == DType.int8 and (
-        append_key.dtype.is_floating_point()
-    )
-    comptime if append_key.dtype != cache.dtype and not quantizes:
+    comptime quantizes = cache.dtype == DType.int8
+    comptime if quantizes and not append_key.dtype.is_floating_point():
         raise Error(
-            "pagedkv: append takes rows of the pool's dtype, or float rows"
-            " into an int8 pool"
+            "pagedkv: an int8 pool takes float rows, which append quantizes"
         )
+    elif not quantizes and append_key.dtype != cache.dtype:
+        raise Error("pagedkv: append takes rows of the pool's dtype")
     elif quantizes and target != "cpu":
         raise Error("pagedkv: int8 pools are written on the CPU")
     var nnz = batch_indices.dim_size(0)

@@ -354,8 +354,8 @@ def cache_geometry(
     head_dim = pool_head_dim(dtype, int(row_width))
     if head_dim < 1:
         raise ValueError(
-            f"{name}: an int8 pool's rows are head_dim codes and a 4-byte scale, "
-            f"got rows of {row_width}"
+            f"{name}: an int8 pool's last axis is head_dim + 4 (each row's codes and a "
+            f"4-byte scale), got {row_width}"
         )
     if dtype == DType.int8 and device_of(arrays[0]).is_gpu:
         raise ValueError(f"{name}: int8 pools are read and written on the CPU")

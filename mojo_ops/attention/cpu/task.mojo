@@ -13,12 +13,12 @@ The task walks its keys in chunks of CHUNK tokens, which may span pages
 (see key_chunks.mojo). Per chunk: scores for all its query rows
 (scores.mojo), then a base-2 online softmax with per-row masks (causal,
 window, a custom mask; softmax.mojo), then V folded into the rows' accumulators
-(accumulate.mojo). An int8 pool's row scales multiply the chunk's scores
-before the softmax and its probabilities after it. K, and then V, are read in blocks of a few tokens
-(block_sizes.mojo): all the task's heads of a block's tokens before the
-next block, so that reads stay within a few adjacent token rows, which the
-hardware prefetchers stream; meanwhile the next block is prefetched
-(BlockPrefetch). Heads of one or two query rows each (GQA group 1 or 2) are
+(accumulate.mojo); an int8 pool's row scales multiply the chunk's scores
+before the softmax and its probabilities after it. K, and then V, are read
+in blocks of a few tokens (block_sizes.mojo): all the task's heads of a
+block's tokens before the next block, so that reads stay within a few
+adjacent token rows, which the hardware prefetchers stream; meanwhile the
+next block is prefetched (BlockPrefetch). Heads of one or two query rows each (GQA group 1 or 2) are
 taken several at a time, so that each token's read is a run of adjacent
 heads; heads of more rows take the block in sub-blocks of a few tokens
 (`sub_block_tokens`), all heads of one before the next (read_order.mojo).
@@ -35,7 +35,7 @@ accumulator rows follow.
 from std.math import log2
 from std.utils.numerics import nan, neg_inf
 
-from ...cache.paged_kv_cache import KV, DYNAMIC, KVLayout, PagedKVCache, Ptr
+from ...cache.paged_kv_cache import DYNAMIC, KV, KVLayout, PagedKVCache, Ptr
 from ...simd.exp2 import is_nan_f32
 from ...simd.widen import (
     BLOCK,

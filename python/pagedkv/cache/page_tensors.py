@@ -43,7 +43,7 @@ class PageTensors:
         "NHD": pools are [num_pages, 2, page_size, num_kv_heads, head_dim];
         "HND": [num_pages, 2, num_kv_heads, page_size, head_dim] (FlashInfer's
         one-tensor form). An int8 pool's last axis is head_dim + 4: each
-        row's codes, then its float32 scale's bytes.
+        page holds its rows' codes, then their float32 scales.
     device : str
         "cpu", or "cuda[:i]" / "gpu[:i]" for torch pools on that GPU.
     use_torch : bool
