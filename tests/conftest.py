@@ -210,6 +210,9 @@ def compiled_ops(request):
                 for q, kv, layout in PREFILL_CONFIGS
             ]
             + [mla_spec(DType[q], DType[kv]) for q, kv in MLA_CONFIGS]
+            # tests/api/test_int8_cache.py's reads of int8 pools.
+            + [decode_spec(DType[q], DType.int8, 0) for q in ("float32", "bfloat16")]
+            + [prefill_spec(DType.float32, DType.int8, layout) for layout in (0, 1)]
         )
     )
     pairs = sorted({(q, kv) for q, kv, _, _ in DECODE_CONFIGS})
@@ -217,7 +220,7 @@ def compiled_ops(request):
     attention_ops = {s.name for s in attention}
     page_and_merge = [
         s
-        for s in op_specs(("float32", "float16", "bfloat16"), pairs)
+        for s in op_specs(("float32", "float16", "bfloat16", "int8"), pairs)
         if s.name not in attention_ops
     ]
     if suite_graphs.registered():

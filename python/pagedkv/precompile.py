@@ -32,19 +32,34 @@ from .prefill import prefill_spec
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
 
+def default_pair(kv_dtype: str) -> tuple[str, str]:
+    """The (q, kv) dtypes precompiled for a cache dtype: q in the cache's
+    dtype, float32 beside an int8 cache."""
+    return ("float32" if kv_dtype == "int8" else kv_dtype, kv_dtype)
+
+
 def op_specs(
     dtypes: Iterable[str] = DEFAULT_DTYPES,
     decode_dtypes: Iterable[tuple[str, str]] | None = None,
     mla_dtypes: Iterable[tuple[str, str]] | None = None,
 ) -> list[OpSpec]:
-    """Every op variant for these cache dtypes and both layouts;
-    decode for the (q, kv) dtype pairs (default: each dtype with itself);
-    MLA attention for mla_dtypes (default: the decode pairs MLA takes)."""
+    """Every op variant for these cache dtypes and both layouts (for an
+    int8 cache, appends of float32, float16 and bfloat16 rows); decode for
+    the (q, kv) dtype pairs (default: `default_pair` of each dtype); MLA
+    attention for mla_dtypes (default: the decode pairs MLA takes)."""
     dtypes = list(dtypes)
     specs = [SEQ_LENS, BATCH_INDICES_POSITIONS, CHECK_PAGE_TABLE, COPY_PAGES]
-    pairs = [(d, d) for d in dtypes] if decode_dtypes is None else list(decode_dtypes)
+    pairs = [default_pair(d) for d in dtypes] if decode_dtypes is None else list(decode_dtypes)
     for name in dtypes:
         dtype = DType[name]
+        if dtype == DType.int8:
+            # Float rows quantized on append; no gather, no MLA cache.
+            specs += [
+                append_spec(dtype, layout, DType[rows])
+                for rows in DEFAULT_DTYPES
+                for layout in KV_LAYOUTS.values()
+            ]
+            continue
         specs.append(mla_append_spec(dtype))
         for layout in KV_LAYOUTS.values():
             specs.append(append_spec(dtype, layout))

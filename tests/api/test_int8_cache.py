@@ -12,9 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from max.dtype import DType
 
 import pagedkv
 import reference
+from pagedkv.page import append_spec, gather_spec
+from pagedkv.precompile import default_pair, op_specs
 
 P, HKV, D = 16, 2, 64
 
@@ -170,3 +173,10 @@ def test_the_page_manager_keeps_int8_pages_whole():
     assert pool[3].tobytes() == pool[1].tobytes()
     with pytest.raises(ValueError, match="CPU"):
         pagedkv.PagedKVCacheManager(4, P, HKV, D, dtype="int8", device="cuda")
+
+
+def test_precompile_takes_int8_caches_with_float_rows():
+    specs = op_specs(["int8"])
+    assert append_spec(DType.int8, 0, DType.bfloat16) in specs
+    assert append_spec(DType.int8, 0) not in specs and gather_spec(DType.int8, 0) not in specs
+    assert default_pair("int8") == ("float32", "int8")
