@@ -261,7 +261,7 @@ def test_8bit_caches_stay_near_the_float16_cache(kv_dtype, min_agreement, max_er
     pagedkv's float16 cache and llama.cpp's agree at 94.5%."""
     half = load("smollm2-135m-instruct", weights="gguf", kv_dtype="float16")
     small = load("smollm2-135m-instruct", weights="gguf", kv_dtype=kv_dtype)
-    assert small.manager.pools[0].element_size() == 1
+    assert small.manager.pools[0].dtype.itemsize == 1
     prompts = [r["prompt_token_ids"] for r in REFERENCE["records"][:6]]
     want, forced = step_logprobs(half, prompts, 24)
     got, _ = step_logprobs(small, prompts, 24, forced)
