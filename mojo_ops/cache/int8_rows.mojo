@@ -75,3 +75,18 @@ def store_int8_head[
         ),
         cache.head_dim(),
     )
+
+
+@always_inline
+def load_int8_head[
+    kv: KV
+](cache: PagedKVCache, dst: Ptr[F32], b: Int, pos: Int, head: Int):
+    """Writes the values [head_dim] of the K (or V) row of `head` at
+    position pos of request b in an int8 pool into dst: code * scale."""
+    var t = pos % cache.page_size()
+    var codes = rebind[Ptr[I8]](cache.block_paged_ptr[kv](b, pos, head))
+    var scale = cache.row_scales[kv](cache.page_id(b, pos))[
+        unsafe_offset=cache.scale_index(t, head)
+    ]
+    for j in range(cache.head_dim()):
+        dst[unsafe_offset=j] = codes[unsafe_offset=j].cast[F32]() * scale

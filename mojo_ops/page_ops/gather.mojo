@@ -2,7 +2,8 @@
 
 Request b's tokens land in rows seq_indptr[b] .. seq_indptr[b + 1] of
 [total_tokens, num_kv_heads, head_dim] outputs (NHD order whatever the pool's
-layout). For debugging and for references; decode never gathers.
+layout), in the pool's dtype, or an int8 pool's values in float32 (CPU).
+For debugging and for references; decode never gathers.
 """
 
 import extensibility
@@ -13,14 +14,8 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
 from ..cache.cache_tensors import cache_from_tensors, check_rows
-from ..cache.paged_kv_cache import (
-    KV,
-    IndexPtr,
-    KVLayout,
-    PagedKVCache,
-    Ptr,
-    row_scale_elems,
-)
+from ..cache.int8_rows import load_int8_head
+from ..cache.paged_kv_cache import KV, IndexPtr, KVLayout, PagedKVCache, Ptr
 from ..cache.tensor_access import (
     GPU_VECTOR_BYTES,
     VECTOR_BYTES,
@@ -54,17 +49,23 @@ def gather_kv[
     target: StaticString
 ](
     cache: PagedKVCache,
-    out_k: MutableInputTensor[dtype=cache.dtype, rank=3, ...],
-    out_v: MutableInputTensor[dtype=cache.dtype, rank=3, ...],
+    out_k: MutableInputTensor[rank=3, ...],
+    out_v: MutableInputTensor[dtype=out_k.dtype, rank=3, ...],
     kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
     kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
     kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
     seq_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
-    """Checks the page table and seq_indptr, then copies every cached token."""
-    comptime if row_scale_elems[cache.dtype]() > 0:
-        raise Error("pagedkv: gather copies rows as they are, not int8 rows")
+    """Checks the page table and seq_indptr, then copies every cached token
+    (an int8 pool's as float32 values: cache/int8_rows.mojo)."""
+    comptime dequantizes = cache.dtype == DType.int8
+    comptime if dequantizes and out_k.dtype != DType.float32:
+        raise Error("pagedkv: gather gives an int8 pool's values in float32")
+    elif not dequantizes and out_k.dtype != cache.dtype:
+        raise Error("pagedkv: gather gives rows in the pool's dtype")
+    elif dequantizes and target != "cpu":
+        raise Error("pagedkv: int8 pools are read on the CPU")
     var total = out_k.dim_size(0)
     check_rows("out_k", out_k, total, cache.num_kv_heads(), cache.head_dim())
     check_rows("out_v", out_v, total, cache.num_kv_heads(), cache.head_dim())
@@ -102,9 +103,33 @@ def gather_kv[
     if total == 0:
         return
 
-    var k = ptr_of(out_k)
-    var v = ptr_of(out_v)
     var seq = ptr_of(seq_indptr)
+    comptime if dequantizes:
+        var values = (
+            rebind[Ptr[DType.float32]](ptr_of(out_k)),
+            rebind[Ptr[DType.float32]](ptr_of(out_v)),
+        )
+        var heads = cache.num_kv_heads()
+        var d = cache.head_dim()
+
+        def dequantize_request(
+            b: Int,
+        ) {var cache, var values, var seq, var heads, var d}:
+            var first = Int(seq[unsafe_offset=b])
+            for tok in range(cache.cache_length(b)):
+                for h in range(heads):
+                    var at = ((first + tok) * heads + h) * d
+                    load_int8_head[KV.K](
+                        cache, values[0].unsafe_offset(at), b, tok, h
+                    )
+                    load_int8_head[KV.V](
+                        cache, values[1].unsafe_offset(at), b, tok, h
+                    )
+
+        sync_parallelize(dequantize_request, batch_size)
+        return
+    var k = rebind[Ptr[cache.dtype]](ptr_of(out_k))
+    var v = rebind[Ptr[cache.dtype]](ptr_of(out_v))
     comptime if target == "cpu":
         comptime width = vector_width[cache.dtype, VECTOR_BYTES]()
 
@@ -154,8 +179,8 @@ struct GatherKV:
     ](
         out_k: MutableInputTensor[rank=3, ...],
         out_v: MutableInputTensor[dtype=out_k.dtype, rank=3, ...],
-        k_cache: InputTensor[dtype=out_k.dtype, rank=5, ...],
-        v_cache: InputTensor[dtype=out_k.dtype, rank=5, ...],
+        k_cache: InputTensor[rank=5, ...],
+        v_cache: InputTensor[dtype=k_cache.dtype, rank=5, ...],
         kv_indices: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],

@@ -105,10 +105,16 @@ def mla_append_spec(dtype: DType) -> OpSpec:
 
 def gather_spec(dtype: DType, layout: int) -> OpSpec:
     """out_k, out_v, k_cache, v_cache (CacheGeometry.kernel_operands), page
-    table, seq_indptr."""
-    rows = Operand(storage_dtype(dtype), 3, mutable=True)
+    table, seq_indptr. An int8 pool's rows come out as float32 values."""
+    rows = Operand(gathered_dtype(dtype), 3, mutable=True)
     pool = Operand(storage_dtype(dtype), 5)
     return OpSpec.of(GATHER_OP, [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
+
+
+def gathered_dtype(dtype: DType) -> DType:
+    """What `gather_kv` gives for a pool of dtype: its rows as stored (fp8
+    as bytes), an int8 pool's as float32 values (codes times scales)."""
+    return DType.float32 if dtype == DType.int8 else storage_dtype(dtype)
 
 
 def seq_lens_from_page_table(
@@ -460,14 +466,13 @@ def gather_kv(
     """The contiguous K and V cached for a batch, or for one request of it.
 
     Returns ``(k, v, seq_indptr)`` with k, v ``[sum(seq_lens), H, D]`` (NHD
-    order, whatever the pool's layout) and request b's tokens in rows
+    order, whatever the pool's layout; the pool's dtype, float32 values for
+    an int8 pool) and request b's tokens in rows
     ``seq_indptr[b]:seq_indptr[b + 1]``; with ``request=b``, ``(k, v)`` of that
     request alone, ``[seq_len(b), H, D]``. A debugging and reference tool: it
     reads the page table on the host.
     """
     geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout, written=False)
-    if geometry.dtype == DType.int8:
-        raise TypeError("gather_kv copies rows as they are; an int8 pool's are codes and scales")
     batch_size = check_page_table_arrays(geometry, kv_indices, kv_indptr, kv_last_page_len)
     host = [
         host_index_copy(n, x)
@@ -496,8 +501,9 @@ def gather_kv(
     seq_lens = seq_lens_from_page_table(indptr, last, geometry.page_size)
     seq_indptr = new_like(kv_indptr, np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
     shape = (int(seq_lens.sum()), geometry.num_kv_heads, geometry.head_dim)
-    k = empty(geometry.arrays[0], shape, geometry.dtype)
-    v = empty(geometry.arrays[0], shape, geometry.dtype)
+    out_dtype = DType.float32 if geometry.dtype == DType.int8 else geometry.dtype
+    k = empty(geometry.arrays[0], shape, out_dtype)
+    v = empty(geometry.arrays[0], shape, out_dtype)
     run_op(
         gather_spec(geometry.dtype, geometry.layout),
         [

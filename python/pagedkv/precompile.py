@@ -44,7 +44,8 @@ def op_specs(
     mla_dtypes: Iterable[tuple[str, str]] | None = None,
 ) -> list[OpSpec]:
     """Every op variant for these cache dtypes and both layouts (for an
-    int8 cache, appends of float32, float16 and bfloat16 rows); decode for
+    int8 cache, appends of float32, float16 and bfloat16 rows, and no MLA);
+    decode for
     the (q, kv) dtype pairs (default: `default_pair` of each dtype); MLA
     attention for mla_dtypes (default: the decode pairs MLA takes)."""
     dtypes = list(dtypes)
@@ -53,12 +54,10 @@ def op_specs(
     for name in dtypes:
         dtype = DType[name]
         if dtype == DType.int8:
-            # Float rows quantized on append; no gather, no MLA cache.
-            specs += [
-                append_spec(dtype, layout, DType[rows])
-                for rows in DEFAULT_DTYPES
-                for layout in KV_LAYOUTS.values()
-            ]
+            # Float rows quantized on append; no MLA cache.
+            for layout in KV_LAYOUTS.values():
+                specs += [append_spec(dtype, layout, DType[rows]) for rows in DEFAULT_DTYPES]
+                specs.append(gather_spec(dtype, layout))
             continue
         specs.append(mla_append_spec(dtype))
         for layout in KV_LAYOUTS.values():
