@@ -16,6 +16,9 @@ shuffled pool whose other pages must stay as they were.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -26,7 +29,9 @@ from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
 import reference
 from pagedkv import graph_ops
 from pagedkv._ops.contract import pool_row_width
+from pagedkv._ops.kernels import prepare
 from pagedkv._ops.quantized_panels import pack_quantized_weight, quantized_panels_shape
+from pagedkv._ops.tensors import CPU
 from pagedkv.graphs.model import DecoderConfig, rope_tables
 from pagedkv.graphs.numpy_reference import quantize_activations
 from suite_graphs import suite_graph, suite_model
@@ -127,19 +132,13 @@ def decoder_layer_prefill(module: Module) -> None:
     build(module, "decoder_layer_prefill", decode=False)
 
 
-@suite_graph("decoder_layer_decode_int8")
-def decoder_layer_decode_int8(module: Module) -> None:
-    build(module, "decoder_layer_decode_int8", decode=True, pool_dtype=DType.int8)
-
-
-@suite_graph("rope_append")
-def rope_append_graph(module: Module) -> None:
+def rope_append_graph(module: Module, name: str, pool_dtype: DType = DType.float32) -> None:
     c = CONFIG
     cpu = DeviceRef.CPU()
-    types = graph_inputs()
+    types = graph_inputs(pool_dtype)
     types[1] = TensorType(DType.float32, ["rows", c.qkv_size], cpu)
     with Graph(
-        "rope_append",
+        name,
         input_types=[types[0], types[1], *types[8:15]],
         custom_extensions=graph_ops.custom_extensions(),
         module=module,
@@ -155,6 +154,16 @@ def rope_append_graph(module: Module) -> None:
                 *(v.tensor for v in index),
             )
         )
+
+
+@suite_graph("rope_append")
+def rope_append_float32(module: Module) -> None:
+    rope_append_graph(module, "rope_append")
+
+
+@suite_graph("rope_append_int8")
+def rope_append_int8(module: Module) -> None:
+    rope_append_graph(module, "rope_append_int8", DType.int8)
 
 
 class Layer:
@@ -311,12 +320,14 @@ def test_decoder_layer_matches_float64(cached, new, decode):
     assert got.shape == (batch.nnz, c.hidden_size)
 
 
+@pytest.mark.slow
 def test_decoder_layer_decodes_over_an_int8_pool():
     """Cached rows of magnitudes 0.05-20x apart, so that a scale read from
     another row, or none, is far off; the new keys and values stored as int8
     rows with their scales (within a code of the reference's) and attended
-    as stored, keys split across items; other pages untouched. (Prefill
-    over int8 pages: tests/api/test_int8_cache.py.)"""
+    as stored, keys split across items; other pages untouched. Slow: a
+    decoder layer of its own to compile (the default suite covers the
+    int8 rope-append here and int8 attention in tests/api/test_int8_cache.py)."""
     cached, new = [300, 17, 0], [1, 1, 1]
     rng = np.random.default_rng(7 + sum(cached))
     layer = Layer(rng)
@@ -324,7 +335,13 @@ def test_decoder_layer_decodes_over_an_int8_pool():
     pool *= rng.uniform(0.05, 20, (*pool.shape[:-1], 1)).astype(np.float32)
     before = reference.int8_pages(pool)
     pool8 = before.copy()
-    got = run_layer(suite_model("decoder_layer_decode_int8"), layer, pool8, x, batch, bi, pos, work)
+    models = prepare(
+        [],
+        CPU,
+        graphs=lambda m: build(m, "decoder_layer_int8", decode=True, pool_dtype=DType.int8),
+        key=("tests.decoder_layer_int8", hashlib.sha256(Path(__file__).read_bytes()).hexdigest()),
+    )
+    got = run_layer(models["decoder_layer_int8"], layer, pool8, x, batch, bi, pos, work)
     cached_values = reference.int8_page_values(before)
     values = reference.int8_page_values(pool8)
     touched = np.zeros(pool.shape[0], bool)
@@ -369,6 +386,39 @@ def test_rope_append_rotates_and_appends():
         assert v_all[start:].astype(np.float32).tobytes() == values.tobytes()
         k0, v0 = cached_kv(before, batch, b, start)
         assert k_all[:start].tobytes() == k0.tobytes() and v_all[:start].tobytes() == v0.tobytes()
+
+
+def test_rope_append_quantizes_into_an_int8_pool():
+    """Rotated keys and the values stored as int8 rows with their scales
+    (within half a code of the float64 rotation), queries as float32
+    rotations; the pool's other rows untouched."""
+    rng = np.random.default_rng(11)
+    c = CONFIG
+    layer = Layer(rng)
+    batch, pool, _, bi, pos, _ = step(rng, [3, 40], [5, 2], False)
+    before = reference.int8_pages(pool)
+    pool8 = before.copy()
+    qkv = rng.standard_normal((batch.nnz, c.qkv_size)).astype(np.float32)
+    qkv *= rng.uniform(0.05, 20, (batch.nnz, 1)).astype(np.float32)
+    args = [pool8, qkv, layer.cos, layer.sin, bi, pos, batch.kv_indices, batch.kv_indptr]
+    args.append(batch.kv_last_page_len)
+    model = suite_model("rope_append_int8")
+    q = model.execute(*(Buffer.from_numpy(a) for a in args))[0].to_numpy()
+    d, nq, nk = c.head_dim, c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    want_q = layer.rotate(qkv[:, :nq].reshape(-1, c.num_qo_heads, d).astype(np.float64), pos)
+    np.testing.assert_allclose(q, want_q, rtol=1e-5, atol=1e-5 * np.abs(want_q).max())
+    want_k = layer.rotate(qkv[:, nq : nq + nk].reshape(-1, c.num_kv_heads, d), pos)
+    want_v = qkv[:, nq + nk :].reshape(-1, c.num_kv_heads, d).astype(np.float64)
+    values = reference.int8_page_values(pool8)
+    touched = np.zeros(pool8.shape[0], bool)
+    for b, start in enumerate((3, 40)):
+        rows = slice(batch.append_indptr[b], batch.append_indptr[b + 1])
+        k_all, v_all = cached_kv(values, batch, b, start + batch.append_lens[b])
+        for got, want in ((k_all[start:], want_k[rows]), (v_all[start:], want_v[rows])):
+            code = np.abs(want).max(axis=-1, keepdims=True) / 127
+            assert (np.abs(got - want) <= 0.5 * code * (1 + 1e-4)).all()
+        touched[batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]] = True
+    assert pool8[~touched].tobytes() == before[~touched].tobytes()
 
 
 def test_positions_past_the_tables_write_nothing():
