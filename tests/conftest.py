@@ -195,6 +195,7 @@ def compiled_ops(request):
     from pagedkv._ops.tensors import CPU
     from pagedkv.decode import decode_spec
     from pagedkv.mla import mla_spec
+    from pagedkv.page import append_spec, gather_spec
     from pagedkv.precompile import op_specs
     from pagedkv.prefill import prefill_spec
 
@@ -210,8 +211,8 @@ def compiled_ops(request):
                 for q, kv, layout in PREFILL_CONFIGS
             ]
             + [mla_spec(DType[q], DType[kv]) for q, kv in MLA_CONFIGS]
-            # tests/api/test_int8_cache.py's reads of int8 pools.
-            + [decode_spec(DType[q], DType.int8, 0) for q in ("float32", "bfloat16")]
+            # tests/api/test_int8_cache.py's reads of int8 pools (decode's
+            # and prefill's specs are one op).
             + [prefill_spec(DType.float32, DType.int8, layout) for layout in (0, 1)]
         )
     )
@@ -220,9 +221,14 @@ def compiled_ops(request):
     attention_ops = {s.name for s in attention}
     page_and_merge = [
         s
-        for s in op_specs(("float32", "float16", "bfloat16", "int8"), pairs)
+        for s in op_specs(("float32", "float16", "bfloat16"), pairs)
         if s.name not in attention_ops
     ]
+    # The int8 appends and gathers tests/api/test_int8_cache.py runs.
+    page_and_merge += [
+        append_spec(DType.int8, layout, DType[rows])
+        for layout, rows in ((0, "float32"), (1, "bfloat16"), (0, "float16"))
+    ] + [gather_spec(DType.int8, layout) for layout in (0, 1)]
     if suite_graphs.registered():
         suite_graphs.keep(
             prepare(
