@@ -106,15 +106,15 @@ def mla_append_spec(dtype: DType) -> OpSpec:
 def gather_spec(dtype: DType, layout: int) -> OpSpec:
     """out_k, out_v, k_cache, v_cache (CacheGeometry.kernel_operands), page
     table, seq_indptr. An int8 pool's rows come out as float32 values."""
-    rows = Operand(gathered_dtype(dtype), 3, mutable=True)
+    rows = Operand(storage_dtype(gathered_dtype(dtype)), 3, mutable=True)
     pool = Operand(storage_dtype(dtype), 5)
     return OpSpec.of(GATHER_OP, [rows, rows, pool, pool, *[INDEX] * 4], layout=layout)
 
 
 def gathered_dtype(dtype: DType) -> DType:
-    """What `gather_kv` gives for a pool of dtype: its rows as stored (fp8
-    as bytes), an int8 pool's as float32 values (codes times scales)."""
-    return DType.float32 if dtype == DType.int8 else storage_dtype(dtype)
+    """What `gather_kv` gives for a pool of dtype: its rows as stored, an
+    int8 pool's as float32 values (codes times scales)."""
+    return DType.float32 if dtype == DType.int8 else dtype
 
 
 def seq_lens_from_page_table(
@@ -501,9 +501,8 @@ def gather_kv(
     seq_lens = seq_lens_from_page_table(indptr, last, geometry.page_size)
     seq_indptr = new_like(kv_indptr, np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
     shape = (int(seq_lens.sum()), geometry.num_kv_heads, geometry.head_dim)
-    out_dtype = DType.float32 if geometry.dtype == DType.int8 else geometry.dtype
-    k = empty(geometry.arrays[0], shape, out_dtype)
-    v = empty(geometry.arrays[0], shape, out_dtype)
+    k = empty(geometry.arrays[0], shape, gathered_dtype(geometry.dtype))
+    v = empty(geometry.arrays[0], shape, gathered_dtype(geometry.dtype))
     run_op(
         gather_spec(geometry.dtype, geometry.layout),
         [

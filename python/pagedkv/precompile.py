@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from max.dtype import DType
 
-from ._checks import KV_LAYOUTS
+from ._checks import KV_LAYOUTS, ROW_DTYPES_OF_INT8_POOLS
 from ._ops.kernels import OpSpec, compile_stats, prepare
 from ._ops.tensors import Device
 from ._plan.plan import CHECK_PAGE_TABLE
@@ -56,7 +56,7 @@ def op_specs(
         if dtype == DType.int8:
             # Float rows quantized on append; no MLA cache.
             for layout in KV_LAYOUTS.values():
-                specs += [append_spec(dtype, layout, DType[rows]) for rows in DEFAULT_DTYPES]
+                specs += [append_spec(dtype, layout, rows) for rows in ROW_DTYPES_OF_INT8_POOLS]
                 specs.append(gather_spec(dtype, layout))
             continue
         specs.append(mla_append_spec(dtype))
