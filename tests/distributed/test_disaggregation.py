@@ -23,9 +23,11 @@ from llamacpp import Server, pagedkv_serve_command  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in one or two sentences. " * 6
 MODELS = {
-    # One float16 page over every layer: 16 tokens x KV heads x head dim x layers.
-    "smollm2-135m-instruct": 2 * 16 * 3 * 64 * 2 * 30,
-    "gemma3-270m": 2 * 16 * 1 * 256 * 2 * 18,
+    # One page over every layer of the GGUF models' default int8 cache:
+    # K and V x 16 tokens x KV heads x (head-dim int8 codes + a float32 scale)
+    # x layers.
+    "smollm2-135m-instruct": 2 * 16 * 3 * (64 + 4) * 30,
+    "gemma3-270m": 2 * 16 * 1 * (256 + 4) * 18,
 }
 
 
