@@ -139,9 +139,15 @@ def widen_pairs(acc: Acc, pairs: Pairs) -> Acc:
 def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
     """Returns acc[i] + sum_j a[4i + j] * b[4i + j], both signed, for b in
     [-127, 127]; exact on every target."""
-    comptime if MADDUBS:
+    comptime if MADDUBS and WI == 8:
         # |a| is at most 128, which vpmaddubsw takes as unsigned; the sign
-        # moves to b (vpsignb), so that pairs of products stay within int16.
+        # moves to b (one vpsignb: b * sign(a), 0 where a is 0, where |a|
+        # is 0 too), so that pairs of products stay within int16.
+        var magnitude = bitcast[DType.uint8, BYTES](abs(a))
+        var signed = llvm_intrinsic["llvm.x86.avx2.psign.b", SBytes](b, a)
+        return acc + _madd_ones(_maddubs(magnitude, signed))
+    elif MADDUBS:
+        # AVX-512 has no vpsignb: the same with a select.
         var negative = a.lt(0)
         var magnitude = bitcast[DType.uint8, BYTES](negative.select(-a, a))
         return acc + _madd_ones(_maddubs(magnitude, negative.select(-b, b)))
