@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -392,6 +393,27 @@ def warm_up(url: str, model: str) -> None:
         raise ServerError(f"the warm-up request failed: {answers[0].error}")
 
 
+def engine_steps(url: str) -> dict[str, float] | None:
+    """pagedkv's step histogram from /metrics: seconds and counts of its
+    prefill and decode calls so far (None for a server without it)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = re.findall(r'^pagedkv_step_seconds_(sum|count)\{phase="(\w+)"\} (\S+)$', text, re.M)
+    return {f"{phase}_{what}": float(v) for what, phase, v in found} or None
+
+
+def step_share(before: dict | None, after: dict | None, seconds: float) -> dict:
+    """The engine's calls during a workload: prefill and decode seconds and
+    counts, and the share of the wall time they took."""
+    if not before or not after:
+        return {}
+    got = {k: after[k] - before.get(k, 0.0) for k in after}
+    got["engine_share"] = (got.get("prefill_sum", 0.0) + got.get("decode_sum", 0.0)) / seconds
+    return {"steps": got}
+
+
 def run_server(
     name: str, command: list[str], workloads: list[Workload], keep_log: bool = False
 ) -> dict:
@@ -410,8 +432,10 @@ def run_server(
                 raise ServerError(f"{name} exited: {server.log_tail(3)}")
             warm_up(server.url, w.model)
             result["load_before"][w.name] = os.getloadavg()[0]
+            steps = engine_steps(server.url)
             answers, seconds, cut = asyncio.run(replay(server.url, w))
             r = summarize(w, answers, seconds, cut)
+            r |= step_share(steps, engine_steps(server.url), seconds)
             result["workloads"][w.name] = r
             print(f"  {w.name}: {progress_line(r)}", flush=True)
     except ServerError as e:
@@ -432,6 +456,13 @@ def progress_line(r: dict) -> str:
         f"{r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50']:.3f} s, "
         f"ITL p50 {1e3 * r['itl_p50']:.1f} ms, prompt tokens {r['prompt_tokens'][:3]}"
     )
+    if "steps" in r:
+        st = r["steps"]
+        line += (
+            f"; engine calls {100 * st['engine_share']:.0f}% of the time: "
+            f"{st.get('prefill_count', 0):.0f} prefills {st.get('prefill_sum', 0):.1f} s, "
+            f"{st.get('decode_count', 0):.0f} decode steps {st.get('decode_sum', 0):.1f} s"
+        )
     if r["errors"]:
         line += f", {r['errors']} errors ({r['first_error']})"
     if r["token_count_mismatches"]:

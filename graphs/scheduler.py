@@ -301,8 +301,9 @@ class Scheduler:
     keep_logits : bool
         Keep the logits row behind every token in its `Sequence`.
     observer : object, optional
-        Gets `first_token(seconds)`, `token_gap(seconds)` and
-        `finished(reason)` calls (metrics).
+        Gets `first_token(seconds)`, `token_gap(seconds)`,
+        `finished(reason)` and `step(phase, seconds)` calls (metrics; phase
+        "prefill" or "decode", the engine call's time).
     connectors : sequence of KVConnector
         Where pages come from or go to besides the pool (pagedkv.graphs.
         kv_connector): a page store shared with other instances, a prefill
@@ -482,6 +483,8 @@ class Scheduler:
             t0 = time.perf_counter()
             self._prefill(admitted)
             self.stats.last_prefill_seconds = time.perf_counter() - t0
+            if self.observer is not None:
+                self.observer.step("prefill", self.stats.last_prefill_seconds)
         for live in [x for x in self._running.values() if not x.live_samples()]:
             self._finish(live)
         while self._running:
@@ -500,6 +503,8 @@ class Scheduler:
                 raise
             self._publish(True)
             self.stats.last_decode_seconds = time.perf_counter() - t0
+            if self.observer is not None:
+                self.observer.step("decode", self.stats.last_decode_seconds)
             for (live, s), row in zip(batch, logits, strict=True):
                 self._emit(live, s, self._choose(live, s, row), row)
             break

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -253,10 +254,24 @@ def test_ignore_eos_generates_max_tokens(server, reference):
     assert_no_page_in_use(server)
 
 
+def step_counts(text: str) -> dict[str, float]:
+    """The step histogram's counts by phase, from /metrics text."""
+    found = re.findall(r'^pagedkv_step_seconds_count\{phase="(\w+)"\} (\S+)$', text, re.M)
+    return {phase: float(count) for phase, count in found}
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in client(server).models.list()] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    before = step_counts(httpx.get(server.url + "/metrics").text)
+    client(server).completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     text = httpx.get(server.url + "/metrics").text
+    # One prefill gives the first token; two decode steps the other two.
+    after = step_counts(text)
+    assert after["prefill"] - before.get("prefill", 0) == 1
+    assert after["decode"] - before.get("decode", 0) == 2
     for name in (
         "pagedkv_requests_running",
         "pagedkv_requests_waiting",

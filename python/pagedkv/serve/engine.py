@@ -91,8 +91,9 @@ class ServingEngine:
     policy : str
         The scheduler's queue order: "fcfs" or "priority".
     observer : object, optional
-        Gets `first_token(seconds)`, `token_gap(seconds)` and
-        `finished(reason)` calls from the engine thread (metrics).
+        Gets `first_token(seconds)`, `token_gap(seconds)`,
+        `finished(reason)` and `step(phase, seconds)` calls from the engine
+        thread (metrics).
     connectors : sequence of pagedkv.graphs.kv_connector.KVConnector
         Where pages come from or go to besides the pool (a shared page
         store, a prefill instance over NIXL; see the scheduler).

@@ -13,6 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Seconds: decode steps of a small model to a long queue behind a burst."""
 
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""Seconds of one engine call: a one-token decode to a long prompt's prefill."""
+
 
 class ServeMetrics:
     """The server's Prometheus metrics; also the engine's observer.
@@ -40,6 +43,13 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.steps = Histogram(
+            "pagedkv_step_seconds",
+            "Time of each engine call (prefill of the admitted requests, or one decode step)",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.sequences = Counter(
             "pagedkv_sequences_finished",
             "Sequences (samples) ended, by finish reason",
@@ -64,6 +74,9 @@ class ServeMetrics:
 
     def token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def step(self, phase: str, seconds: float) -> None:
+        self.steps.labels(phase).observe(seconds)
 
     def finished(self, reason: str) -> None:
         self.sequences.labels(reason).inc()
