@@ -242,6 +242,14 @@ def compiled_ops(request):
         prepare(page_and_merge + attention, CPU)
 
 
+def pytest_configure(config):
+    """Starts building the Mojo kernel package (seconds, once per source
+    version) while pytest collects: every compile of the run waits for it."""
+    from pagedkv._ops.kernels import build_kernel_package_in_background
+
+    build_kernel_package_in_background()
+
+
 def pytest_collection_finish(session):
     """Starts the selected GPU compile checks (minutes each) in the
     background, beside the CPU tests (see background.py)."""
