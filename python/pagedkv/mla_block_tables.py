@@ -282,8 +282,9 @@ def trtllm_batch_decode_with_kv_cache_mla(
         ``ckv || kpe`` rows (or [pages, 1, page_size, ...]), read in place.
     workspace_buffer : array or None
         FlashInfer's kernels' scratch: not used (module docstring).
-    qk_nope_head_dim : int
-        Not read (FlashInfer's own marks it for removal).
+    qk_nope_head_dim, max_seq_len : int
+        Not read (FlashInfer marks the first for removal; the second is a
+        scheduling hint of its kernels).
     kv_lora_rank, qk_rope_head_dim : int
         The latent and rope widths (multiples of 16; the rope's may be 0).
     block_tables : int array [B, max_pages]
@@ -293,8 +294,6 @@ def trtllm_batch_decode_with_kv_cache_mla(
         ([tokens, top_k] with cum_seq_lens_q), negative entries padding.
     seq_lens : int array [B]
         Tokens cached per request, its queries' included.
-    max_seq_len : int
-        Not read (a scheduling hint of FlashInfer's kernels).
     bmm1_scale, bmm2_scale : float or one-element tensor
         The softmax scale (q and k scales folded in) and the output's factor.
     out : array, optional
