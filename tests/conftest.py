@@ -154,15 +154,25 @@ DECODE_CONFIGS = [
 # module as the rest (a graph of its own costs a fixed ~30 s).
 TASK_ONLY_DECODE_CONFIGS = [("bfloat16", "bfloat16", "NHD")]
 
+# (q dtype, kv dtype, layout) that only the block-table APIs' tests run:
+# TRT-LLM's fp8 query (widened to bfloat16) over an e4m3 cache.
+API_ONLY_DECODE_CONFIGS = [("bfloat16", "float8_e4m3fn", "HND")]
+
 # (q dtype, kv dtype, layout) of every decode graph the suite compiles.
 COMPILED_DECODE_CONFIGS = list(
-    dict.fromkeys([c[:3] for c in DECODE_CONFIGS] + TASK_ONLY_DECODE_CONFIGS)
+    dict.fromkeys(
+        [c[:3] for c in DECODE_CONFIGS] + TASK_ONLY_DECODE_CONFIGS + API_ONLY_DECODE_CONFIGS
+    )
 )
 
 
 # (q dtype, kv dtype) of the MLA tests in the main suite; the other pairs
 # are in the slow set (each pair is a compile of its own).
 MLA_CONFIGS = [("float32", "float32"), ("bfloat16", "bfloat16")]
+
+# (q dtype, kv dtype) of MLA that only the block-table API's tests run:
+# FlashInfer's fp8 MLA, its query widened to bfloat16.
+API_ONLY_MLA_CONFIGS = [("bfloat16", "float8_e4m3fn")]
 
 
 # (q dtype, kv dtype, layout) the prefill tests cover.
@@ -204,13 +214,13 @@ def compiled_ops(request):
         dict.fromkeys(
             [
                 decode_spec(DType[q], DType[kv], layouts[layout])
-                for q, kv, layout in [c[:3] for c in DECODE_CONFIGS] + TASK_ONLY_DECODE_CONFIGS
+                for q, kv, layout in COMPILED_DECODE_CONFIGS
             ]
             + [
                 prefill_spec(DType[q], DType[kv], layouts[layout])
                 for q, kv, layout in PREFILL_CONFIGS
             ]
-            + [mla_spec(DType[q], DType[kv]) for q, kv in MLA_CONFIGS]
+            + [mla_spec(DType[q], DType[kv]) for q, kv in MLA_CONFIGS + API_ONLY_MLA_CONFIGS]
             # tests/api/test_int8_cache.py's reads of int8 pools (decode's
             # and prefill's specs are one op).
             + [prefill_spec(DType.float32, DType.int8, layout) for layout in (0, 1)]

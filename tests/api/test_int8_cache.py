@@ -22,10 +22,17 @@ from pagedkv.precompile import default_pair, op_specs
 P, HKV, D = 16, 2, 64
 
 
-def filled_pool(rng, lens, layout="NHD", rows_dtype=torch.float32, pair=False):
+ROWS_OF_LAYOUT = {"NHD": torch.float32, "HND": torch.bfloat16}
+"""The rows appended into each layout's pool unless a test says: the appends
+the suite compiles in its module (conftest), not one of their own."""
+
+
+def filled_pool(rng, lens, layout="NHD", rows_dtype=None, pair=False):
     """An int8 pool holding random keys and values for requests of `lens`
-    tokens (pages in a shuffled order, two spare), appended by pagedkv; and
-    the page table and the float rows appended."""
+    tokens (pages in a shuffled order, two spare), appended by pagedkv from
+    rows of `rows_dtype` (ROWS_OF_LAYOUT's by default); and the page table
+    and the float rows appended."""
+    rows_dtype = rows_dtype or ROWS_OF_LAYOUT[layout]
     pages = [-(-n // P) for n in lens]
     num_pages = sum(pages) + 2
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
