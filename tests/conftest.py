@@ -201,6 +201,7 @@ def compiled_ops(request):
         return
     from max.dtype import DType
 
+    from pagedkv._ops.cpu_target import isa_probe_spec
     from pagedkv._ops.kernels import prepare
     from pagedkv._ops.tensors import CPU
     from pagedkv.decode import decode_spec
@@ -239,6 +240,8 @@ def compiled_ops(request):
         append_spec(DType.int8, layout, DType[rows])
         for layout, rows in ((0, "float32"), (1, "bfloat16"), (0, "float16"))
     ] + [gather_spec(DType.int8, layout) for layout in (0, 1)]
+    # tests/ops/test_cpu_target.py's probe of the host's branches.
+    page_and_merge.append(isa_probe_spec())
     if suite_graphs.registered():
         suite_graphs.keep(
             prepare(

@@ -86,13 +86,20 @@ def kernel_isa() -> dict[str, int]:
     >>> kernel_isa()["f32_lanes"] in (4, 8, 16)
     True
     """
-    from .kernels import Operand, OpSpec, run_op
+    from .kernels import run_op
     from .tensors import CPU
 
     values = np.zeros(len(CPU_ISA_FIELDS), np.int32)
-    spec = OpSpec.of(CPU_ISA_OP, [Operand(DType.int32, 1, mutable=True)])
-    run_op(spec, [values], CPU)
+    run_op(isa_probe_spec(), [values], CPU)
     return dict(zip(CPU_ISA_FIELDS, (int(v) for v in values), strict=True))
+
+
+def isa_probe_spec():
+    """The probe op `kernel_isa` runs: it fills one int32 per field of
+    CPU_ISA_FIELDS. A program that prepares its ops together may include it."""
+    from .kernels import Operand, OpSpec
+
+    return OpSpec.of(CPU_ISA_OP, [Operand(DType.int32, 1, mutable=True)])
 
 
 def kernel_isa_line() -> str:
