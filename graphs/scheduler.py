@@ -13,6 +13,13 @@ prefill budget counts the tokens a prefill computes), (3) decodes one
 token for every running sequence in one batch,
 handing each token to the request's sink as it is chosen.
 
+Prefill is chunked: a step computes at most `max_prefill_tokens` prompt
+tokens, so a prompt longer than that is prefilled over several steps, a
+chunk a step (the prompts still being prefilled first, then new ones), and
+the running streams decode a token between every two chunks. Its first
+token comes with its last chunk. A request asking for prompt logprobs, and
+a preempted one being recomputed, are prefilled whole.
+
 The queue order is the policy: "fcfs" serves requests in the order they
 were submitted, "priority" by `Request.priority` (lower first, as vLLM's),
 then in submission order. Preemption takes the request that comes last in
@@ -208,6 +215,9 @@ class _Live:
     cached_tokens: int = 0
     holds_pages: bool = False
     kv_transfer_params: dict | None = None
+    pending: list[int] = field(default_factory=list)
+    """Prompt tokens a chunked prefill has still to compute (after those
+    its first sequence holds); empty once the prompt is in."""
 
     def live_samples(self) -> list[Sequence]:
         return [s for s in self.samples if s.finish_reason is None]
@@ -294,8 +304,10 @@ class Scheduler:
         At most this many requests wait; `submit` raises `QueueFullError`
         beyond (None: unbounded).
     max_prefill_tokens : int
-        Prompt tokens prefilled in one step beyond the first request, so
-        that a burst of long prompts does not stall running streams for long.
+        Prompt tokens prefilled in one step, so that long prompts, or a
+        burst of them, do not stall running streams for long: a longer
+        prompt is prefilled in chunks over several steps (the module
+        docstring).
     policy : str
         The queue order: "fcfs" or "priority".
     keep_logits : bool
@@ -478,15 +490,15 @@ class Scheduler:
         self.stats.last_prefill_seconds = self.stats.last_decode_seconds = None
         self.poll_connectors()
         self._preempt_for_decode()
-        admitted = self._admit()
-        if admitted:
+        continuing = [x for x in self._running.values() if x.pending]
+        admitted = self._admit(self.max_prefill_tokens - self._chunk_tokens(continuing))
+        if admitted or continuing:
             t0 = time.perf_counter()
-            self._prefill(admitted)
+            self._prefill(admitted, continuing)
             self.stats.last_prefill_seconds = time.perf_counter() - t0
             if self.observer is not None:
                 self.observer.step("prefill", self.stats.last_prefill_seconds)
-        for live in [x for x in self._running.values() if not x.live_samples()]:
-            self._finish(live)
+        self._finish_ended()
         while self._running:
             batch = [(x, s) for x in self._running.values() for s in x.live_samples()]
             t0 = time.perf_counter()
@@ -508,8 +520,18 @@ class Scheduler:
             for (live, s), row in zip(batch, logits, strict=True):
                 self._emit(live, s, self._choose(live, s, row), row)
             break
-        for live in [x for x in self._running.values() if not x.live_samples()]:
+        self._finish_ended()
+
+    def _finish_ended(self) -> None:
+        """Finishes the running requests whose samples have all ended (not
+        one still prefilling its prompt)."""
+        for live in [x for x in self._running.values() if not x.live_samples() and not x.pending]:
             self._finish(live)
+
+    def _chunk_tokens(self, continuing: list[_Live]) -> int:
+        """Prompt tokens the next chunks of these prefills take this step:
+        their pending tokens, in queue order, up to the step's budget."""
+        return min(sum(len(x.pending) for x in continuing), self.max_prefill_tokens)
 
     def _publish(self, ran: bool) -> None:
         """Tells the connectors a step has run (or failed)."""
@@ -518,11 +540,17 @@ class Scheduler:
 
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples may take:
-        one per sample whose last page is full or shared (copy-on-write).
-        Layer group 0's pages tell: a fork shares its pages in every group."""
+        one per sample whose last page is full or shared (copy-on-write);
+        and the pages a request prefilling in chunks still has to fill, with
+        one for each of its samples' first decode. Layer group 0's pages
+        tell: a fork shares its pages in every group."""
         m, refcounts = self.manager, self.manager.refcounts(0)
         need = 0
         for live in lives:
+            if live.pending:
+                held = m.seq_len(seq_id(live.req, 0))
+                filled = pages_for(held + len(live.pending), m.page_size)
+                need += filled - pages_for(held, m.page_size) + live.req.n
             for s in live.live_samples():
                 n = m.seq_len(s.seq_id)
                 if n % m.page_size == 0 or refcounts[m.pages(s.seq_id, 0)[-1]] > 1:
@@ -547,17 +575,22 @@ class Scheduler:
             return
         self._running.pop(last.req.request_id)
         self._release(last)
+        last.pending = []  # readmitted, it opens its prompt again
         bisect.insort(self._waiting, last, key=self._key)
         self.stats.preemptions += 1
 
-    def _admit(self) -> list[_Live]:
+    def _admit(self, prefill_budget: int) -> list[_Live]:
         """Takes waiting requests, first in queue order, while their prefill
-        and the coming decode step fit the pool and the sequence limit. A
-        new request whose first uncached page an admitted one computes is
-        passed over this step (`_prefill_cost`)."""
+        and the coming decode step fit the pool and the sequence limit, and
+        their prompt tokens `prefill_budget` (the first one needs only some
+        of it: `_prefill` takes its prompt in chunks). A new request whose
+        first uncached page an admitted one computes is passed over this
+        step (`_prefill_cost`)."""
         size = self.manager.page_size
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
+        # A prompt still being prefilled will fork its samples.
         seqs = self.num_running_sequences
+        seqs += sum(x.req.n for x in self._running.values() if x.pending)
         tokens = 0
         admitted = []
         computing: set[tuple[int, ...]] = set()
@@ -573,9 +606,9 @@ class Scheduler:
             )
             new_seqs = len(live.live_samples()) if live.started else live.req.n
             new_tokens, first_page = self._prefill_cost(live, contexts)
-            if need > budget or seqs + new_seqs > self.max_num_seqs:
+            if need > budget or seqs + new_seqs > self.max_num_seqs or prefill_budget < 1:
                 break
-            if admitted and tokens + new_tokens > self.max_prefill_tokens:
+            if admitted and tokens + new_tokens > prefill_budget:
                 break
             if first_page is not None and first_page in computing:
                 i += 1
@@ -606,19 +639,23 @@ class Scheduler:
         first = tuple(prompt[cached : cached + size]) if len(prompt) - 1 - cached >= size else None
         return len(prompt) - cached, first
 
-    def _prefill(self, admitted: list[_Live]) -> None:
-        """Prefills the admitted requests in one batch; each gets its next
-        token (a new request's samples are forked first)."""
+    def _prefill(self, admitted: list[_Live], continuing: list[_Live]) -> None:
+        """Prefills in one batch the next chunks of the prompts being
+        prefilled (`continuing`), then the admitted requests, within the
+        step's budget (`_chunked`); each whose prompt is then in gets its
+        next token (a new request's samples are forked first)."""
         for live in admitted:
             self._running[live.req.request_id] = live
+        batch = continuing + admitted
         try:
-            opened = []
+            opened = [(x, None, seq_id(x.req, 0), x.pending, False) for x in continuing]
             for live in admitted:
                 try:
                     opened += self._open(live)
                 except KVTransferError as e:
                     self._fail(live, str(e))
-            admitted = [live for live in admitted if live.req.request_id in self._running]
+            batch = [live for live in batch if live.req.request_id in self._running]
+            opened = self._chunked(opened)
             if not opened:
                 return
             entries = [(live, sample) for live, sample, _, _, _ in opened]
@@ -634,22 +671,25 @@ class Scheduler:
             self._publish(False)
             # The admission estimate was short: put them back, whole (the
             # next step admits fewer, down to the first alone).
-            for live in [x for x in admitted if x.req.request_id in self._running]:
+            for live in [x for x in batch if x.req.request_id in self._running]:
                 self._running.pop(live.req.request_id)
                 self._release(live)
+                live.pending = []
                 bisect.insort(self._waiting, live, key=self._key)
             if not self._running:
                 self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
             return
         except Exception as e:
             self._publish(False)
-            for live in [x for x in admitted if x.req.request_id in self._running]:
+            for live in [x for x in batch if x.req.request_id in self._running]:
                 self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
             return
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
         for (live, sample), row, rows in zip(entries, logits, prompt_rows, strict=True):
             if sample is not None:  # a resumed sample continues where it stopped
                 self._emit(live, sample, self._choose(live, sample, row), row)
+                continue
+            if live.pending:  # a chunk within the prompt: no token yet
                 continue
             live.started = True
             req = live.req
@@ -682,6 +722,23 @@ class Scheduler:
                     else sample_token(first, req.sampling, s.rng)
                 )
                 self._emit(live, s, token, row)
+
+    def _chunked(self, opened: list) -> list:
+        """`_open`'s entries cut to the step's prefill budget, in order: the
+        prompt of a new request (one asking for prompt logprobs aside) is
+        taken as far as the budget lasts, the rest kept in its `pending`
+        for the next steps (all of it where nothing is left); the others are
+        taken whole (admission made them fit)."""
+        left, taken = self.max_prefill_tokens, []
+        for live, sample, sid, suffix, every_row in opened:
+            if sample is None and not every_row:
+                cut = max(min(len(suffix), left), 0)
+                suffix, live.pending = suffix[:cut], suffix[cut:]
+                if not suffix:
+                    continue
+            left -= len(suffix)
+            taken.append((live, sample, sid, suffix, every_row))
+        return taken
 
     def _open(self, live: _Live) -> list[tuple[_Live, Sequence | None, str, list[int], bool]]:
         """Adds the request's sequences to the manager (prefix hits, then

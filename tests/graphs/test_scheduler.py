@@ -28,18 +28,20 @@ def prompts(seed: int, count: int, length: int) -> list[tuple[int, ...]]:
     return [tuple(rng.integers(0, CONFIG.vocab_size, length).tolist()) for _ in range(count)]
 
 
-def test_preempted_requests_recompute_the_reference_tokens(weights):
+@pytest.mark.parametrize("prefill_budget", [4096, 8])
+def test_preempted_requests_recompute_the_reference_tokens(weights, prefill_budget):
     """A pool a quarter the size of the requests' full lengths: admission is
     optimistic, so decode steps run out and requests are preempted and
     prefilled again from prompt + tokens so far; every token still matches
-    the NumPy model's, and every page comes back."""
+    the NumPy model's, and every page comes back. With a budget of 8 prompt
+    tokens a step, prompts are prefilled in chunks meanwhile."""
     engine = engine_with_pool(weights, 8)
     requests = [
         Request(f"r{i}", p, max_tokens=40, n=2 if i == 1 else 1)
         for i, p in enumerate(prompts(11, 4, 20))
     ]
     # Full length: 60 tokens, 4 pages a sample, 20 pages in all.
-    scheduler = Scheduler(engine, keep_logits=True)
+    scheduler = Scheduler(engine, max_prefill_tokens=prefill_budget, keep_logits=True)
     sequences, stats = scheduler.run(requests)
     assert stats.preemptions > 0
     assert [len(s.tokens) for s in sequences] == [40] * 5
@@ -279,3 +281,54 @@ def test_a_shared_prompt_is_prefilled_once_and_other_requests_go_on(weights):
     assert engine.manager.num_used_pages == 0
     check = check_sequences(CONFIG, weights, sequences)
     assert check.passed, check.mismatches
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(weights):
+    """With a budget of one page of prompt tokens a step, a prompt of four
+    pages and a bit arriving beside a running stream is prefilled a page a
+    step; the stream gets a token every step meanwhile; the long request's
+    two samples fork after its last chunk; every token matches the NumPy
+    model's and every page comes back."""
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    short, long = prompts(31, 1, 5)[0], prompts(32, 1, 4 * size + 6)[0]
+    requests = [
+        Request("short", short, max_tokens=12),
+        Request("long", long, max_tokens=4, n=2, arrival_step=1),
+    ]
+    prefills: list[list[int]] = []
+    prefill = engine.prefill
+
+    def recorded(ids, tokens, *args, **kwargs):
+        prefills.append([len(t) for t in tokens])
+        return prefill(ids, tokens, *args, **kwargs)
+
+    engine.prefill = recorded
+    order: list[str] = []
+    scheduler = Scheduler(engine, max_prefill_tokens=size, keep_logits=True)
+    sequences, _ = scheduler.run(
+        requests, on_token=lambda s, token: order.append(s.request.request_id)
+    )
+    assert prefills == [[5], [size], [size], [size], [size], [6]]
+    # The stream's first two tokens, then one with each of the first four
+    # chunks; the last chunk's step prefills before it decodes.
+    assert order.index("long") == 2 + 4
+    assert [len(s.tokens) for s in sequences] == [12, 4, 4]
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+
+
+def test_a_request_cancelled_between_chunks_releases_its_pages(weights):
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    scheduler = Scheduler(engine, max_prefill_tokens=size)
+    events: list = []
+    scheduler.submit(Request("long", prompts(33, 1, 5 * size)[0], max_tokens=4), events.append)
+    scheduler.step()
+    scheduler.step()
+    assert engine.manager.num_used_pages == 2 and scheduler.has_work and not events
+    assert scheduler.cancel("long")
+    assert engine.manager.num_used_pages == 0 and not scheduler.has_work
+    engine.manager.validate()

@@ -29,6 +29,13 @@ def add_parser(sub) -> None:
         help="sequences decoded together in one step (default %(default)s)",
     )
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks "
+        "while the running streams decode between them (default %(default)s)",
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=256,
@@ -141,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     positive = (
         ("--max-num-seqs", args.max_num_seqs),
+        ("--max-prefill-tokens", args.max_prefill_tokens),
         ("--max-waiting", args.max_waiting),
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-prompt-tokens", args.max_prompt_tokens),
@@ -191,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_waiting=args.max_waiting,
         policy=args.scheduling_policy,
         connectors=connectors,

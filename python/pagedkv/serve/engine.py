@@ -86,8 +86,9 @@ class ServingEngine:
     max_waiting : int
         At most this many requests wait for admission; more are refused.
     max_prefill_tokens : int
-        Prompt tokens prefilled in one step (beyond one request), so that a
-        burst of long prompts does not stall the running streams for long.
+        Prompt tokens prefilled in one step, so that long prompts, or a
+        burst of them, do not stall the running streams for long: a longer
+        prompt is prefilled in chunks over several steps.
     policy : str
         The scheduler's queue order: "fcfs" or "priority".
     observer : object, optional
