@@ -31,9 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=4096,
+        default=512,  # ServingEngine's default
         help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks "
-        "while the running streams decode between them (default %(default)s)",
+        "while the running streams decode between them (default %(default)s, llama.cpp's "
+        "default micro-batch)",
     )
     p.add_argument(
         "--max-waiting",
