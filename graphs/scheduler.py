@@ -726,13 +726,22 @@ class Scheduler:
     def _chunked(self, opened: list) -> list:
         """`_open`'s entries cut to the step's prefill budget, in order: the
         prompt of a new request (one asking for prompt logprobs aside) is
-        taken as far as the budget lasts, the rest kept in its `pending`
-        for the next steps (all of it where nothing is left); the others are
-        taken whole (admission made them fit)."""
+        taken as far as the budget lasts, in whole pages, the rest kept in
+        its `pending` for the next steps (all of it where nothing is left);
+        the others are taken whole (admission made them fit)."""
         left, taken = self.max_prefill_tokens, []
+        size = self.manager.page_size
         for live, sample, sid, suffix, every_row in opened:
             if sample is None and not every_row:
                 cut = max(min(len(suffix), left), 0)
+                if cut < len(suffix):
+                    # Chunks end on page boundaries (a prompt's uncached part
+                    # starts on one), so that each fills whole pages and
+                    # where a prompt is cut does not depend on its batch;
+                    # a budget under a page is taken as it is when nothing
+                    # else uses it.
+                    whole = cut - cut % size
+                    cut = whole if whole or left < self.max_prefill_tokens else cut
                 suffix, live.pending = suffix[:cut], suffix[cut:]
                 if not suffix:
                     continue

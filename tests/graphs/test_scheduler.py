@@ -332,3 +332,26 @@ def test_a_request_cancelled_between_chunks_releases_its_pages(weights):
     assert scheduler.cancel("long")
     assert engine.manager.num_used_pages == 0 and not scheduler.has_work
     engine.manager.validate()
+
+
+def test_chunks_end_on_page_boundaries_whatever_else_is_prefilled(weights):
+    """A budget of two pages and a half: a prompt's chunk is cut at a page
+    boundary; its last chunk and a new prompt's first share a step, the new
+    one taking the whole pages of what is left."""
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    first, second = prompts(34, 1, 3 * size + 5)[0], prompts(35, 1, 40)[0]
+    prefills: list[list[int]] = []
+    prefill = engine.prefill
+
+    def recorded(ids, tokens, *args, **kwargs):
+        prefills.append([len(t) for t in tokens])
+        return prefill(ids, tokens, *args, **kwargs)
+
+    engine.prefill = recorded
+    scheduler = Scheduler(engine, max_prefill_tokens=2 * size + 8, keep_logits=True)
+    sequences, _ = scheduler.run([Request("a", first, 3), Request("b", second, 3)])
+    assert prefills == [[2 * size], [size + 5, size], [40 - size]]
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+    assert engine.manager.num_used_pages == 0
