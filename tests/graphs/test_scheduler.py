@@ -28,6 +28,20 @@ def prompts(seed: int, count: int, length: int) -> list[tuple[int, ...]]:
     return [tuple(rng.integers(0, CONFIG.vocab_size, length).tolist()) for _ in range(count)]
 
 
+def record_prefills(engine) -> list[list[int]]:
+    """The token counts of each prefill call the engine gets from now on, a
+    list per call (the engine's prefill is wrapped)."""
+    prefills: list[list[int]] = []
+    prefill = engine.prefill
+
+    def recorded(ids, tokens, *args, **kwargs):
+        prefills.append([len(t) for t in tokens])
+        return prefill(ids, tokens, *args, **kwargs)
+
+    engine.prefill = recorded
+    return prefills
+
+
 @pytest.mark.parametrize("prefill_budget", [4096, 8])
 def test_preempted_requests_recompute_the_reference_tokens(weights, prefill_budget):
     """A pool a quarter the size of the requests' full lengths: admission is
@@ -264,14 +278,7 @@ def test_a_shared_prompt_is_prefilled_once_and_other_requests_go_on(weights):
     requests = [Request(f"s{i}", shared + tails[i], max_tokens=4) for i in range(3)]
     requests.append(Request("other", prompts(23, 1, 3 * size)[0], max_tokens=4))
     scheduler = Scheduler(engine, keep_logits=True)
-    prefills: list[list[int]] = []
-    prefill = engine.prefill
-
-    def recorded(ids, tokens, *args, **kwargs):
-        prefills.append([len(t) for t in tokens])
-        return prefill(ids, tokens, *args, **kwargs)
-
-    engine.prefill = recorded
+    prefills = record_prefills(engine)
     sequences, _ = scheduler.run(requests)
     # The first step: s0 and the unrelated request, each computing its
     # whole prompt; the next: s1 and s2, only their own tails.
@@ -296,14 +303,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(weights):
         Request("short", short, max_tokens=12),
         Request("long", long, max_tokens=4, n=2, arrival_step=1),
     ]
-    prefills: list[list[int]] = []
-    prefill = engine.prefill
-
-    def recorded(ids, tokens, *args, **kwargs):
-        prefills.append([len(t) for t in tokens])
-        return prefill(ids, tokens, *args, **kwargs)
-
-    engine.prefill = recorded
+    prefills = record_prefills(engine)
     order: list[str] = []
     scheduler = Scheduler(engine, max_prefill_tokens=size, keep_logits=True)
     sequences, _ = scheduler.run(
@@ -341,14 +341,7 @@ def test_chunks_end_on_page_boundaries_whatever_else_is_prefilled(weights):
     engine = engine_with_pool(weights, 64)
     size = engine.manager.page_size
     first, second = prompts(34, 1, 3 * size + 5)[0], prompts(35, 1, 40)[0]
-    prefills: list[list[int]] = []
-    prefill = engine.prefill
-
-    def recorded(ids, tokens, *args, **kwargs):
-        prefills.append([len(t) for t in tokens])
-        return prefill(ids, tokens, *args, **kwargs)
-
-    engine.prefill = recorded
+    prefills = record_prefills(engine)
     scheduler = Scheduler(engine, max_prefill_tokens=2 * size + 8, keep_logits=True)
     sequences, _ = scheduler.run([Request("a", first, 3), Request("b", second, 3)])
     assert prefills == [[2 * size], [size + 5, size], [40 - size]]
