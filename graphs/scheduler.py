@@ -17,8 +17,9 @@ Prefill is chunked: a step computes at most `max_prefill_tokens` prompt
 tokens, so a prompt longer than that is prefilled over several steps, a
 chunk a step (the prompts still being prefilled first, then new ones), and
 the running streams decode a token between every two chunks. Its first
-token comes with its last chunk. A request asking for prompt logprobs, and
-a preempted one being recomputed, are prefilled whole.
+token comes with its last chunk. A preempted request's recompute is
+chunked the same way (it decodes again once all its samples' contexts are
+in); a request asking for prompt logprobs is prefilled whole.
 
 The queue order is the policy: "fcfs" serves requests in the order they
 were submitted, "priority" by `Request.priority` (lower first, as vLLM's),
@@ -215,9 +216,10 @@ class _Live:
     cached_tokens: int = 0
     holds_pages: bool = False
     kv_transfer_params: dict | None = None
-    pending: list[int] = field(default_factory=list)
-    """Prompt tokens a chunked prefill has still to compute (after those
-    its first sequence holds); empty once the prompt is in."""
+    pending: dict[str, tuple[Sequence | None, list[int]]] = field(default_factory=dict)
+    """What a chunked prefill has still to compute, by sequence id: the
+    sample it is for (None: a new request's prompt) and the tokens after
+    those the sequence holds; empty once every context is in."""
 
     def live_samples(self) -> list[Sequence]:
         return [s for s in self.samples if s.finish_reason is None]
@@ -500,7 +502,12 @@ class Scheduler:
                 self.observer.step("prefill", self.stats.last_prefill_seconds)
         self._finish_ended()
         while self._running:
-            batch = [(x, s) for x in self._running.values() for s in x.live_samples()]
+            # A request still prefilling a context decodes once all are in.
+            batch = [
+                (x, s) for x in self._running.values() if not x.pending for s in x.live_samples()
+            ]
+            if not batch:
+                break
             t0 = time.perf_counter()
             try:
                 logits = self.engine.decode(
@@ -531,7 +538,8 @@ class Scheduler:
     def _chunk_tokens(self, continuing: list[_Live]) -> int:
         """Prompt tokens the next chunks of these prefills take this step:
         their pending tokens, in queue order, up to the step's budget."""
-        return min(sum(len(x.pending) for x in continuing), self.max_prefill_tokens)
+        pending = sum(len(tokens) for x in continuing for _, tokens in x.pending.values())
+        return min(pending, self.max_prefill_tokens)
 
     def _publish(self, ran: bool) -> None:
         """Tells the connectors a step has run (or failed)."""
@@ -541,16 +549,17 @@ class Scheduler:
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples may take:
         one per sample whose last page is full or shared (copy-on-write);
-        and the pages a request prefilling in chunks still has to fill, with
-        one for each of its samples' first decode. Layer group 0's pages
-        tell: a fork shares its pages in every group."""
+        and the pages a chunked prefill still has to fill, with one for each
+        sample's first decode of a new request. Layer group 0's pages tell:
+        a fork shares its pages in every group."""
         m, refcounts = self.manager, self.manager.refcounts(0)
         need = 0
         for live in lives:
-            if live.pending:
-                held = m.seq_len(seq_id(live.req, 0))
-                filled = pages_for(held + len(live.pending), m.page_size)
-                need += filled - pages_for(held, m.page_size) + live.req.n
+            for sid, (_, tokens) in live.pending.items():
+                held = m.seq_len(sid)
+                need += pages_for(held + len(tokens), m.page_size) - pages_for(held, m.page_size)
+            if live.pending and not live.started:
+                need += live.req.n
             for s in live.live_samples():
                 n = m.seq_len(s.seq_id)
                 if n % m.page_size == 0 or refcounts[m.pages(s.seq_id, 0)[-1]] > 1:
@@ -575,7 +584,7 @@ class Scheduler:
             return
         self._running.pop(last.req.request_id)
         self._release(last)
-        last.pending = []  # readmitted, it opens its prompt again
+        last.pending = {}  # readmitted, it opens its contexts again
         bisect.insort(self._waiting, last, key=self._key)
         self.stats.preemptions += 1
 
@@ -590,7 +599,7 @@ class Scheduler:
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         # A prompt still being prefilled will fork its samples.
         seqs = self.num_running_sequences
-        seqs += sum(x.req.n for x in self._running.values() if x.pending)
+        seqs += sum(x.req.n for x in self._running.values() if x.pending and not x.started)
         tokens = 0
         admitted = []
         computing: set[tuple[int, ...]] = set()
@@ -648,7 +657,11 @@ class Scheduler:
             self._running[live.req.request_id] = live
         batch = continuing + admitted
         try:
-            opened = [(x, None, seq_id(x.req, 0), x.pending, False) for x in continuing]
+            opened = [
+                (x, sample, sid, tokens, False)
+                for x in continuing
+                for sid, (sample, tokens) in x.pending.items()
+            ]
             for live in admitted:
                 try:
                     opened += self._open(live)
@@ -658,7 +671,7 @@ class Scheduler:
             opened = self._chunked(opened)
             if not opened:
                 return
-            entries = [(live, sample) for live, sample, _, _, _ in opened]
+            entries = [(live, sample, sid) for live, sample, sid, _, _ in opened]
             ids = [sid for _, _, sid, _, _ in opened]
             suffixes = [suffix for _, _, _, suffix, _ in opened]
             flags = [every_row for _, _, _, _, every_row in opened]
@@ -674,7 +687,7 @@ class Scheduler:
             for live in [x for x in batch if x.req.request_id in self._running]:
                 self._running.pop(live.req.request_id)
                 self._release(live)
-                live.pending = []
+                live.pending = {}
                 bisect.insort(self._waiting, live, key=self._key)
             if not self._running:
                 self._fail(self._waiting.pop(0), "the KV pool cannot hold this request")
@@ -685,11 +698,11 @@ class Scheduler:
                 self._fail(live, f"internal error in a prefill: {type(e).__name__}: {e}")
             return
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
-        for (live, sample), row, rows in zip(entries, logits, prompt_rows, strict=True):
+        for (live, sample, sid), row, rows in zip(entries, logits, prompt_rows, strict=True):
+            if sid in live.pending:  # a chunk within a context: no token yet
+                continue
             if sample is not None:  # a resumed sample continues where it stopped
                 self._emit(live, sample, self._choose(live, sample, row), row)
-                continue
-            if live.pending:  # a chunk within the prompt: no token yet
                 continue
             live.started = True
             req = live.req
@@ -724,15 +737,16 @@ class Scheduler:
                 self._emit(live, s, token, row)
 
     def _chunked(self, opened: list) -> list:
-        """`_open`'s entries cut to the step's prefill budget, in order: the
-        prompt of a new request (one asking for prompt logprobs aside) is
+        """`_open`'s entries cut to the step's prefill budget, in order: a
+        context (a new prompt, or a preempted sample's prompt + tokens) is
         taken as far as the budget lasts, in whole pages, the rest kept in
-        its `pending` for the next steps (all of it where nothing is left);
-        the others are taken whole (admission made them fit)."""
+        its request's `pending` for the next steps (all of it where nothing
+        is left); a prompt asking for prompt logprobs is taken whole
+        (admission made it fit)."""
         left, taken = self.max_prefill_tokens, []
         size = self.manager.page_size
         for live, sample, sid, suffix, every_row in opened:
-            if sample is None and not every_row:
+            if not every_row:
                 cut = max(min(len(suffix), left), 0)
                 if cut < len(suffix):
                     # Chunks end on page boundaries (a prompt's uncached part
@@ -742,7 +756,11 @@ class Scheduler:
                     # else uses it.
                     whole = cut - cut % size
                     cut = whole if whole or left < self.max_prefill_tokens else cut
-                suffix, live.pending = suffix[:cut], suffix[cut:]
+                suffix, rest = suffix[:cut], suffix[cut:]
+                if rest:
+                    live.pending[sid] = (sample, rest)
+                else:
+                    live.pending.pop(sid, None)
                 if not suffix:
                     continue
             left -= len(suffix)

@@ -47,8 +47,9 @@ def test_preempted_requests_recompute_the_reference_tokens(weights, prefill_budg
     """A pool a quarter the size of the requests' full lengths: admission is
     optimistic, so decode steps run out and requests are preempted and
     prefilled again from prompt + tokens so far; every token still matches
-    the NumPy model's, and every page comes back. With a budget of 8 prompt
-    tokens a step, prompts are prefilled in chunks meanwhile."""
+    the NumPy model's, and every page comes back. With a budget of 8
+    tokens a step, prompts and recomputes are prefilled in chunks of at
+    most 8 tokens meanwhile."""
     engine = engine_with_pool(weights, 8)
     requests = [
         Request(f"r{i}", p, max_tokens=40, n=2 if i == 1 else 1)
@@ -56,8 +57,10 @@ def test_preempted_requests_recompute_the_reference_tokens(weights, prefill_budg
     ]
     # Full length: 60 tokens, 4 pages a sample, 20 pages in all.
     scheduler = Scheduler(engine, max_prefill_tokens=prefill_budget, keep_logits=True)
+    prefills = record_prefills(engine)
     sequences, stats = scheduler.run(requests)
     assert stats.preemptions > 0
+    assert max(sum(call) for call in prefills) <= prefill_budget
     assert [len(s.tokens) for s in sequences] == [40] * 5
     assert all(s.finish_reason == "length" for s in sequences)
     assert stats.peak_used_pages <= 8
