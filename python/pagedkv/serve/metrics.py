@@ -45,7 +45,7 @@ class ServeMetrics:
         )
         self.steps = Histogram(
             "pagedkv_step_seconds",
-            "Time of each engine call (prefill of the admitted requests, or one decode step)",
+            "Time of each engine call (a step's prefill, or its decode)",
             ["phase"],
             buckets=STEP_BUCKETS,
             registry=r,
