@@ -392,6 +392,11 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def num_prefilling(self) -> int:
+        """Running requests with a context still to prefill (chunked)."""
+        return sum(1 for x in self._running.values() if x.pending)
+
+    @property
     def num_running_sequences(self) -> int:
         return sum(len(x.live_samples()) for x in self._running.values())
 

@@ -331,9 +331,10 @@ def test_a_request_cancelled_between_chunks_releases_its_pages(weights):
     scheduler.submit(Request("long", prompts(33, 1, 5 * size)[0], max_tokens=4), events.append)
     scheduler.step()
     scheduler.step()
-    assert engine.manager.num_used_pages == 2 and scheduler.has_work and not events
+    assert engine.manager.num_used_pages == 2 and scheduler.num_prefilling == 1 and not events
     assert scheduler.cancel("long")
     assert engine.manager.num_used_pages == 0 and not scheduler.has_work
+    assert scheduler.num_prefilling == 0
     engine.manager.validate()
 
 

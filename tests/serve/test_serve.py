@@ -275,6 +275,7 @@ def test_models_health_and_metrics(server):
     for name in (
         "pagedkv_requests_running",
         "pagedkv_requests_waiting",
+        "pagedkv_requests_prefilling",
         "pagedkv_kv_pages_used",
         "pagedkv_kv_pages_free",
         "pagedkv_kv_pages_cached",

@@ -56,6 +56,8 @@ class EngineStats:
 
     running: int = 0
     """Running requests (holding pages)."""
+    prefilling: int = 0
+    """Running requests with a prompt (or a recompute) prefilled in chunks."""
     waiting: int = 0
     """Requests waiting for admission (new or preempted)."""
     running_sequences: int = 0
@@ -317,7 +319,7 @@ class ServingEngine:
     def _publish(self) -> None:
         """Copies the scheduler's and manager's figures into `stats` (under the lock)."""
         m, s, c = self.manager, self.stats, self.scheduler
-        s.running = c.num_running
+        s.running, s.prefilling = c.num_running, c.num_prefilling
         s.waiting = c.num_waiting + len(self._inbox)
         self._waiting_count = c.num_waiting
         s.running_sequences = c.num_running_sequences

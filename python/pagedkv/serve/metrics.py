@@ -89,6 +89,10 @@ class ServeMetrics:
 GAUGES = {
     "pagedkv_requests_running": ("Requests holding KV pages", "running"),
     "pagedkv_requests_waiting": ("Requests waiting for admission", "waiting"),
+    "pagedkv_requests_prefilling": (
+        "Running requests still prefilling in chunks",
+        "prefilling",
+    ),
     "pagedkv_sequences_running": ("Samples decoding each step", "running_sequences"),
     "pagedkv_kv_pages_total": ("Pages in the KV pool", "pages_total"),
     "pagedkv_kv_pages_used": ("Pages owned by running requests", "pages_used"),
