@@ -598,8 +598,8 @@ class Scheduler:
         and the coming decode step fit the pool and the sequence limit, and
         their prompt tokens `prefill_budget` (the first one needs only some
         of it: `_prefill` takes its prompt in chunks). A new request whose
-        first uncached page an admitted one computes is passed over this
-        step (`_prefill_cost`)."""
+        first uncached page an admitted one, or a chunked prefill, computes
+        is passed over this step (`_prefill_cost`)."""
         size = self.manager.page_size
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         # A prompt still being prefilled will fork its samples.
@@ -607,7 +607,15 @@ class Scheduler:
         seqs += sum(x.req.n for x in self._running.values() if x.pending and not x.started)
         tokens = 0
         admitted = []
-        computing: set[tuple[int, ...]] = set()
+        # The first pages that prefills under way compute this step: a
+        # chunked prompt's next one (its chunk takes the rest of its prompt
+        # whenever any budget is left for admissions).
+        computing = {
+            tuple(tokens[:size])
+            for x in self._running.values()
+            for _, tokens in x.pending.values()
+            if len(tokens) > size
+        }
         i = 0
         while i < len(self._waiting):
             live = self._waiting[i]

@@ -352,3 +352,22 @@ def test_chunks_end_on_page_boundaries_whatever_else_is_prefilled(weights):
     check = check_sequences(CONFIG, weights, sequences)
     assert check.passed, check.mismatches
     assert engine.manager.num_used_pages == 0
+
+
+def test_requests_sharing_a_chunked_prompt_wait_for_its_pages(weights):
+    """Three requests on one uncached prompt of four pages, a budget of
+    three pages a step: the first is prefilled in two chunks; the others
+    wait while its last chunk computes the page they would start on, then
+    find the whole prompt cached and compute only their own tails."""
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    shared, tails = prompts(36, 1, 4 * size)[0], prompts(37, 3, 3)
+    requests = [Request(f"s{i}", shared + tails[i], max_tokens=3) for i in range(3)]
+    prefills = record_prefills(engine)
+    scheduler = Scheduler(engine, max_prefill_tokens=3 * size, keep_logits=True)
+    sequences, _ = scheduler.run(requests)
+    assert prefills == [[3 * size], [size + 3], [3, 3]]
+    assert scheduler.stats.prompt_tokens_cached == 2 * 4 * size
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+    assert engine.manager.num_used_pages == 0
