@@ -398,7 +398,9 @@ class Scheduler:
 
     @property
     def num_running_sequences(self) -> int:
-        return sum(len(x.live_samples()) for x in self._running.values())
+        """Samples that decode in the next step (not those of a request
+        still prefilling in chunks)."""
+        return sum(len(x.live_samples()) for x in self._running.values() if not x.pending)
 
     def rejection(self, req: Request) -> str | None:
         """Why `req` can never be served, or None."""
@@ -602,9 +604,13 @@ class Scheduler:
         is passed over this step (`_prefill_cost`)."""
         size = self.manager.page_size
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
-        # A prompt still being prefilled will fork its samples.
-        seqs = self.num_running_sequences
-        seqs += sum(x.req.n for x in self._running.values() if x.pending and not x.started)
+        # A request still prefilling in chunks will decode its samples (a
+        # new one forks them all).
+        seqs = self.num_running_sequences + sum(
+            len(x.live_samples()) if x.started else x.req.n
+            for x in self._running.values()
+            if x.pending
+        )
         tokens = 0
         admitted = []
         # The first pages that prefills under way compute this step: a
