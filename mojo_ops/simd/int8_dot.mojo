@@ -141,8 +141,9 @@ def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
     [-127, 127]; exact on every target."""
     comptime if MADDUBS and WI == 8:
         # |a| is at most 128, which vpmaddubsw takes as unsigned; the sign
-        # moves to b (one vpsignb: b * sign(a), 0 where a is 0, where |a|
-        # is 0 too), so that pairs of products stay within int16.
+        # moves to b (one vpsignb: b * sign(a), which is 0 where a is 0, as
+        # the product is anyway), so that pairs of products stay within
+        # int16.
         var magnitude = bitcast[DType.uint8, BYTES](abs(a))
         var signed = llvm_intrinsic["llvm.x86.avx2.psign.b", SBytes](b, a)
         return acc + _madd_ones(_maddubs(magnitude, signed))
