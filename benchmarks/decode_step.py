@@ -14,13 +14,13 @@ run the script once per target and compare).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
+from harness.anchors import time_round_robin
 from harness.serve_bench import cpu_model
 from harness.threads import pin_max_workers
 from pagedkv import graph_ops
@@ -30,52 +30,32 @@ from pagedkv._ops.tensors import CPU
 from pagedkv.models import load
 
 
-def median_ms(call, steps: int) -> float:
-    """The median of `steps` timed calls, after three untimed ones."""
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
-def decode_step_ms(llm, batch: int, prefix: int, steps: int) -> float:
-    """One decode step of `batch` requests forked from one `prefix`-token
-    prompt, each with 16 tokens of its own (the requests are released)."""
-    rng = np.random.default_rng(0)
+def forked_batch(llm, tag: str, batch: int, prefix: int) -> list[str]:
+    """Ids of `batch` requests forked from one `prefix`-token prompt, each
+    with 16 tokens of its own, prefilled."""
+    rng = np.random.default_rng(prefix)
     engine, manager = llm.engine, llm.manager
-    parent, ids = "prompt", [f"r{i}" for i in range(batch)]
+    parent, ids = f"{tag}-prompt", [f"{tag}-{i}" for i in range(batch)]
     manager.add(parent)
     engine.prefill([parent], [rng.integers(100, 10000, prefix).tolist()])
     for i in ids:
         manager.fork(parent, i)
         engine.prefill([i], [rng.integers(100, 10000, 16).tolist()])
-    try:
-        return median_ms(lambda: engine.decode(ids, [5] * batch), steps)
-    finally:
-        for i in [parent, *ids]:
-            manager.release(i)
+    return ids
 
 
-def product_rows(llm, rows: int, steps: int) -> list[tuple[str, str, int, int, float]]:
-    """(name, format, N, K, ms) of each distinct quantized product of the
-    model at `rows` rows, the output head's included."""
+def distinct_products(llm) -> dict[str, object]:
+    """One `QuantizedWeight` of each product of the model, by name (the
+    output head's included)."""
     found = {}
-    for name, w in llm.quantized.items():
-        kind = name.rsplit(".", 1)[-1]  # layers.<i>.<product>: one of each
-        found.setdefault((kind, w.format, w.out_features, w.in_features), w)
-    return [
-        (kind, fmt, n, k, product_ms(w, rows, steps))
-        for (kind, fmt, n, k), w in sorted(found.items())
-    ]
+    for name, w in sorted(llm.quantized.items()):
+        found.setdefault(name.rsplit(".", 1)[-1], w)  # layers.<i>.<product>
+    return found
 
 
-def product_ms(w, rows: int, steps: int) -> float:
-    """The median time of the quantized product of `rows` random rows by w
-    (a `QuantizedWeight`), as a graph of its own."""
+def product_call(w, rows: int):
+    """A call of the quantized product of `rows` random rows by w (a
+    `QuantizedWeight`), as a graph of its own."""
     cpu = DeviceRef.CPU()
     types = [
         TensorType(DType.float32, [rows, w.in_features], cpu),
@@ -88,7 +68,7 @@ def product_ms(w, rows: int, steps: int) -> float:
     rng = np.random.default_rng(0)
     x = Buffer.from_numpy(rng.standard_normal((rows, w.in_features)).astype(np.float32))
     panels = Buffer.from_numpy(np.ascontiguousarray(w.panels))
-    return median_ms(lambda: model.execute(x, panels), steps)
+    return lambda: model.execute(x, panels)
 
 
 def main() -> None:
@@ -102,15 +82,22 @@ def main() -> None:
     llm = load(args.model, weights="gguf")
     print(f"CPU: {cpu_model()}\n{kernel_isa_line()}")
     print(f"{llm.name}, {llm.manager.dtype} cache, {args.batch} requests\n")
-    print("| decode step | ms |\n|---|---|")
-    for prefix in (args.prefix, 16):
-        ms = decode_step_ms(llm, args.batch, prefix, args.steps)
-        print(f"| after a shared {prefix}-token prompt | {ms:.1f} |")
-    print(f"\n| product at {args.batch} rows | format | N x K | ms | GOP/s |")
+    engine, b = llm.engine, args.batch
+    batches = {p: forked_batch(llm, f"p{p}", b, p) for p in (args.prefix, 16)}
+    steps = {p: (lambda ids=ids: engine.decode(ids, [5] * b)) for p, ids in batches.items()}
+    # Interleaved, so that a drift in the machine's speed hits all alike.
+    timed = time_round_robin(steps, reps=args.steps, max_s=60.0, flush=False)
+    print("| decode step | ms (median) | ms (best) |\n|---|---|---|")
+    for p, t in timed.items():
+        print(f"| after a shared {p}-token prompt | {t.median_ms:.1f} | {t.min_ms:.1f} |")
+    weights = distinct_products(llm)
+    calls = {name: product_call(w, b) for name, w in weights.items()}
+    timed = time_round_robin(calls, reps=args.steps, max_s=60.0, flush=False)
+    print(f"\n| product at {b} rows | format | N x K | ms (median) | GOP/s |")
     print("|---|---|---|---|---|")
-    for kind, fmt, n, k, ms in product_rows(llm, args.batch, args.steps):
-        gops = 2 * args.batch * n * k / ms / 1e6
-        print(f"| {kind} | {fmt} | {n} x {k} | {ms:.3f} | {gops:.0f} |")
+    for name, w in weights.items():
+        n, k, ms = w.out_features, w.in_features, timed[name].median_ms
+        print(f"| {name} | {w.format} | {n} x {k} | {ms:.3f} | {2 * b * n * k / ms / 1e6:.0f} |")
 
 
 if __name__ == "__main__":
