@@ -44,3 +44,11 @@ wait_jobs() {
     tail -n "${TAIL_LINES:-25}" "/root/logs/$n.log" 2>/dev/null
   done
 }
+
+# collect NAME...: copies the named jobs' logs under $OUT (they come back
+# with the call's reply, whole, where output_tail holds only the end).
+collect() {
+  [ -n "${OUT:-}" ] || return 0
+  for n in "$@"; do cp "/root/logs/$n.log" "$OUT/" 2>/dev/null; done
+  return 0
+}
