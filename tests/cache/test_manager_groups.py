@@ -389,6 +389,7 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
     manager.subscribe(events.append)
     rng = np.random.default_rng(5)
     prompt = BASE[: 2 * PAGE + 1]
+    medium = "CPU" if device == "cpu" else "GPU"  # where the pool's pages are
 
     def fill(rid, tokens, ids):
         manager.add(rid, ids)
@@ -421,7 +422,7 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
     removed, *copied = events[-3:]
     # Tail first, as the pool evicted them; each copy names its parent.
     tail_first = stored.block_hashes[::-1]
-    assert removed == BlockRemoved(tail_first, "CPU")
+    assert removed == BlockRemoved(tail_first, medium)
     assert [e.medium for e in copied] == ["CPU_OFFLOAD"] * 2
     assert [e.block_hashes[0] for e in copied] == tail_first
     assert [e.parent_block_hash for e in copied] == [tail_first[1], None]
@@ -437,7 +438,7 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
     back = manager.pages("b")
     for pool, want in zip(manager.pools, saved, strict=True):
         np.testing.assert_array_equal(bits(pool)[back], want)
-    assert [e.medium for e in events[-2:]] == ["CPU", "CPU"]
+    assert [e.medium for e in events[-2:]] == [medium, medium]
     assert set(host.page_of_hash) == set(stored.block_hashes)
     assert manager.page_pool.hash_of_page[int(back[1])] == stored.block_hashes[1]
     manager.validate()

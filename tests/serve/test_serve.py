@@ -32,6 +32,10 @@ WEIGHTS = "f32"
 to generate's token for token whatever the batching, which the quantized
 products' per-block activation rounding does not promise (their accuracy is
 tools/llamacpp_logits.py's and test_qlinear's)."""
+LOGPROB_ABS = 2e-3 if MODEL_DEVICE == "cpu" else 1e-2
+"""How far a token's logprob from a decode step may be from the same from a
+prefill: other float32 kernels on each side, and MAX's GPU matmuls round
+one row and many rows further apart than the CPU's."""
 PROMPTS = [
     "Write a haiku about the sea.",
     "Explain in two sentences what a KV cache is.",
@@ -503,7 +507,7 @@ def test_logprobs_of_a_decode_equal_the_echoed_prompts(server, reference):
     assert len(elp.tokens) == len(ids) and elp.token_logprobs[0] is None
     assert elp.top_logprobs[0] is None
     for a, b in zip(elp.token_logprobs[len(prompt) :], lp.token_logprobs, strict=True):
-        assert a == pytest.approx(b, abs=2e-3)
+        assert a == pytest.approx(b, abs=LOGPROB_ABS)
     assert all(x <= 0 for x in elp.token_logprobs[1:])
     assert elp.text_offset == sorted(elp.text_offset)
 
@@ -517,7 +521,9 @@ def test_logprobs_of_a_decode_equal_the_echoed_prompts(server, reference):
     two = c.completions.create(model=MODEL, prompt=[ids[:5], ids], max_tokens=0, logprobs=1,
                                echo=True).choices  # fmt: skip
     assert [len(ch.logprobs.token_logprobs) for ch in two] == [5, len(ids)]
-    assert two[1].logprobs.token_logprobs[1:] == pytest.approx(elp.token_logprobs[1:], abs=2e-3)
+    assert two[1].logprobs.token_logprobs[1:] == pytest.approx(
+        elp.token_logprobs[1:], abs=LOGPROB_ABS
+    )
     assert_no_page_in_use(server)
 
 
