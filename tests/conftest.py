@@ -32,16 +32,15 @@ def cuda_available() -> bool:
 
 
 @pytest.fixture(autouse=True)
-def gpu_test(request, monkeypatch):
+def gpu_test(request):
     """A test marked `gpu` (a GPU path against the CPU suite's references,
-    beside the CPU test it mirrors) skips without a CUDA GPU, runs the
-    experimental kernels too, and finds the GPU ops compiled in one module.
+    beside the CPU test it mirrors) skips without a CUDA GPU and finds the
+    GPU ops compiled in one module.
     `python -m pytest -m gpu` runs them all, as a lent GPU machine does."""
     if request.node.get_closest_marker("gpu") is None:
         return
     if not cuda_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("PAGEDKV_EXPERIMENTAL_KERNELS", "1")
     request.getfixturevalue("compiled_gpu_ops")
 
 

@@ -444,10 +444,10 @@ def test_decode_bad_input():
     assert np.isfinite(w.run(q, pool)).all()
 
 
-def test_decode_backends_choose_gpu_kernels(monkeypatch):
+def test_decode_backends_choose_gpu_kernels():
     """The kernel code plan() passes: "auto" leaves the choice to the GPU
-    kernel, "tma" insists on the Hopper kernel, "mma" on the tensor-core one
-    (only when experimental kernels are on), the CPU has only one."""
+    kernel, "tma" insists on the Hopper kernel, "mma" on the tensor-core one,
+    the CPU has only one."""
     from pagedkv._plan.work import (
         GPU_KERNEL_AUTO,
         GPU_KERNEL_GENERIC,
@@ -465,10 +465,6 @@ def test_decode_backends_choose_gpu_kernels(monkeypatch):
     assert kernel("fa2") == GPU_KERNEL_GENERIC
     assert kernel("tma") == GPU_KERNEL_TMA
     assert kernel("tma", page_size=None) == GPU_KERNEL_TMA  # a symbolic page size
-    monkeypatch.delenv("PAGEDKV_EXPERIMENTAL_KERNELS", raising=False)
-    with pytest.raises(ValueError, match="not yet verified on a GPU"):
-        kernel("mma")
-    monkeypatch.setenv("PAGEDKV_EXPERIMENTAL_KERNELS", "1")
     assert kernel("mma", group=16) == GPU_KERNEL_MMA
     for backend, bad, why in [
         ("tma", {"layout": "HND"}, "needs NHD"),

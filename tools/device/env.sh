@@ -5,7 +5,6 @@ export PYTHONPATH=/root/extsite:/root/fisite:/root/maxsite:/root/pkvsite
 export PATH=/root/maxsite/bin:$PATH
 export PAGEDKV_CACHE_DIR=/root/pkvcache
 export PYTHONUNBUFFERED=1
-export PAGEDKV_EXPERIMENTAL_KERNELS=1  # the GPU run is where they get verified
 mkdir -p /root/logs /root/pkvsite
 # pagedkv as an installed package would lay it out: its Python files, with
 # the kernels (mojo_ops) and the step graphs (graphs) beside them.

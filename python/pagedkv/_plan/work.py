@@ -176,9 +176,6 @@ kernel) the Hopper one, "trtllm-gen" (its Blackwell kernel, which code
 written for sm_100 asks for) "auto"."""
 HOPPER_BACKENDS = ("tma", "mma", "fa3")
 MMA_MAX_GROUP = 16
-EXPERIMENTAL_KERNELS = "PAGEDKV_EXPERIMENTAL_KERNELS"
-"""Set to 1 to run kernels not yet verified on a GPU: "mma" (built and
-compiled for sm_90, its correctness and speed not yet measured)."""
 PREFILL_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen")
 """Prefill has one kernel a device: FlashInfer's "auto", "fa2", "fa3" and
 "trtllm-gen" (its Hopper and Blackwell kernels, which code written for sm_90
@@ -221,11 +218,6 @@ def decode_kernel(
     if backend in ("generic", "fa2"):
         return GPU_KERNEL_GENERIC
     assert backend in HOPPER_BACKENDS
-    if backend == "mma" and os.environ.get(EXPERIMENTAL_KERNELS) != "1":
-        raise ValueError(
-            "backend='mma' (the tensor-core decode kernel) is not yet verified on a GPU; "
-            f"set {EXPERIMENTAL_KERNELS}=1 to run it"
-        )
     problems = []
     if not is_gpu:
         problems.append("the page table is on the CPU (it needs an sm_90 GPU)")
