@@ -7,6 +7,8 @@
 # travel in one call.
 #
 #   bash tools/device/stage.sh          # in the repository root, here
+#   FLASHINFER=0 bash tools/device/stage.sh   # without FlashInfer: one part
+#                                       # fewer, and no nvcc builds beside the checks
 #
 # Writes .devstage/p1 .. pN (git-ignored through .git/info/exclude) and prints
 # the device calls, in order. The parts' plain tar holds FlashInfer first, so
@@ -35,8 +37,11 @@ install_target() { # DIR REQUIREMENTS... : a site tree for the device's Python
 # FlashInfer's Python package and tvm-ffi; its import pulls in every kernel
 # family (cuDNN, CUTLASS DSL, ...), so the package's __init__ is cut down
 # to the paged-attention entry points the benchmark uses.
-install_target "$build/fisite" "flashinfer-python==0.7.2.post1" "apache-tvm-ffi>=0.1.11,<0.2"
-cat >"$build/fisite/flashinfer/__init__.py" <<'INIT'
+sites=(extsite maxsite)
+if [ "${FLASHINFER:-1}" != 0 ]; then
+  sites=(fisite "${sites[@]}")
+  install_target "$build/fisite" "flashinfer-python==0.7.2.post1" "apache-tvm-ffi>=0.1.11,<0.2"
+  cat >"$build/fisite/flashinfer/__init__.py" <<'INIT'
 # Cut down by pagedkv's tools/device/stage.sh: the paged-attention entry points only.
 from .version import __version__ as __version__
 from . import jit as jit
@@ -44,6 +49,7 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper as BatchDecodeWithPagedKV
 from .mla import BatchMLAPagedAttentionWrapper as BatchMLAPagedAttentionWrapper
 from .page import append_paged_kv_cache as append_paged_kv_cache
 INIT
+fi
 # What pagedkv[serve,test] needs beyond the machine's own packages.
 install_target "$build/extsite" -r tools/device/requirements.txt
 # MAX and the Mojo compiler.
@@ -55,11 +61,18 @@ gguf=$(python -c "from pagedkv.models import fetch_gguf; print(fetch_gguf('smoll
 rel=$(python -c "import sys; from pathlib import Path; from pagedkv._ops.paths import cache_root; print(Path(sys.argv[1]).relative_to(cache_root()))" "$gguf")
 mkdir -p "$build/model/$(dirname "$rel")"
 cp "$gguf" "$build/model/$rel"
+# The kernel package, built here: the device then skips `mojo precompile`.
+package=$(python -c "from pagedkv._ops.kernels import kernel_package as k; print(k())")
+mkdir -p "$build/model/$(basename "$(dirname "$package")")"
+cp "$package" "$build/model/$(basename "$(dirname "$package")")/"
 
-for d in fisite extsite maxsite; do
+for d in "${sites[@]}"; do
   tar -C "$build" -cf - "$d" | xz -T0 -6 >"$build/$d.tar.xz"
 done
-tar -C "$build" -cf "$out/all.tar" fisite.tar.xz extsite.tar.xz model maxsite.tar.xz
+# FlashInfer first (receive.sh starts its builds as soon as it is complete),
+# the model before MAX.
+members=("${sites[@]/%/.tar.xz}")
+tar -C "$build" -cf "$out/all.tar" "${members[@]:0:${#members[@]}-1}" model maxsite.tar.xz
 rm -rf "$build"
 split -b "${part_mib}m" -d -a 1 "$out/all.tar" "$out/part-"
 rm "$out/all.tar"

@@ -1,0 +1,212 @@
+"""Where the bfloat16 step graphs go wrong on a GPU: one short run that
+tests each suspect apart (a minute or two of compiles on an H100; on the
+CPU every line should read "ok").
+
+What the H100 run of docs/gpu.md showed: the float32 step graphs serve
+SmolLM2 token for token, the bfloat16 ones give garbage (max |logit diff|
+25 on the random demo model, where the CPU's bfloat16 graphs stay at 0.14),
+whichever decode kernel runs, with CUDA_LAUNCH_BLOCKING=1 too; in some runs
+the append op's page-table check read zeros for its index arrays;
+compute-sanitizer's memcheck found no access outside an allocation (MAX
+sub-allocates an arena, so that proves little). The suspects, in the order
+checked:
+
+1. the pool: the MAX buffer the engine makes of a bfloat16 torch pool must
+   alias it (same address, the same bits read back);
+2. MAX's own bfloat16 ops on the device (matmul with a [K, N] weight,
+   rms_norm, the RoPE gather and cast) against NumPy, and pagedkv's append
+   op in a graph whose index arrays arrive as the engine sends them;
+3. the step engine's prefill and decode logits against the float64
+   reference: as it runs, with its index arrays sent through torch's stream
+   instead of `Buffer.to`, and with the device synchronized after each
+   upload.
+
+    python benchmarks/kernel_investigations/bf16_step_bisect.py [--device gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def check(name: str, diff: float, bound: float) -> None:
+    print(f"{'ok  ' if diff <= bound else 'BAD '} {name}: {diff:.3g} (bound {bound:g})", flush=True)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 (to nearest even), as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def pool_aliases(torch_device: str) -> None:
+    import torch
+    from max.driver import CPU
+    from max.dtype import DType
+
+    from pagedkv._ops.tensors import to_buffer
+
+    pool = torch.arange(4 * 2 * 16 * 2 * 64, dtype=torch.float32).reshape(4, 2, 16, 2, 64)
+    pool = (pool / 7).to(torch.bfloat16).to(torch_device)
+    buffer = to_buffer(pool, stream_ordered=True)
+    if torch_device == "cuda":
+        torch.cuda.synchronize()
+    back = buffer.to(CPU()).view(DType.uint16).to_numpy()
+    want = pool.cpu().view(torch.int16).numpy().view(np.uint16)
+    check("pool: MAX's buffer reads the torch pool's bits", float((back != want).sum()), 0)
+    check("pool: same address", float(buffer._data_ptr() != pool.data_ptr()), 0)
+
+
+def single_ops(device: str) -> None:
+    """One graph: MAX's bf16 matmul, rms_norm, gather + cast, and the append op."""
+    import torch
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, Graph, TensorType, Weight, ops
+
+    from pagedkv import graph_ops
+    from pagedkv._ops.tensors import Device, accelerator, to_buffer
+
+    dev = Device(device)
+    ref = dev.graph_ref()
+    rng = np.random.default_rng(0)
+    m, k, n, pages, heads, dim = 5, 576, 960, 4, 2, 64
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    g = rng.standard_normal(k).astype(np.float32)
+    table = rng.standard_normal((64, 32)).astype(np.float32)
+    positions = np.array([3, 17, 0, 40, 9], np.int32)
+    rows = rng.standard_normal((m, heads, dim)).astype(np.float32)
+    # Five tokens appended at positions 0..4 of one request on pages [2, 0].
+    index = {
+        "batch_indices": np.zeros(m, np.int32),
+        "positions": np.arange(m, dtype=np.int32),
+        "kv_indices": np.array([2, 0], np.int32),
+        "kv_indptr": np.array([0, 1], np.int32),
+        "kv_last_page_len": np.array([m], np.int32),
+    }
+    f32, bf16, i32 = DType.float32, DType.bfloat16, DType.int32
+    types = [
+        TensorType(f32, [m, k], ref), TensorType(f32, [k, n], ref), TensorType(f32, [k], ref),
+        TensorType(f32, [64, 32], ref), TensorType(i32, [m], ref),
+        TensorType(f32, [m, heads, dim], ref),
+        *[TensorType(i32, [len(v)], ref) for v in index.values()],
+        BufferType(bf16, [pages, 2, 16, heads, dim], ref),
+    ]  # fmt: skip
+    with Graph("bisect", input_types=types, custom_extensions=graph_ops.custom_extensions()) as gr:
+        xv, wv, gv, tv, pv, rv, bi, pos, ki, kp, kl, pool = gr.inputs
+        xb, wb = ops.cast(xv.tensor, bf16), ops.cast(wv.tensor, bf16)
+        prod = ops.cast(xb @ wb, f32)
+        # The step graphs' bfloat16 weights come as torch CPU tensors.
+        wt = Weight("w", bf16, [k, n], device=ref)
+        from_weight = ops.cast(xb @ wt, f32)
+        rows_of_weight = ops.cast(ops.gather(wt, pv.tensor, 0), f32)
+        norm = ops.cast(ops.rms_norm(xb, ops.cast(gv.tensor, bf16), 1e-5), f32)
+        rope = ops.cast(ops.cast(ops.gather(tv.tensor, pv.tensor, 0), bf16), f32)
+        rb = ops.cast(rv.tensor, bf16)
+        graph_ops.append_paged_kv_cache(
+            pool.buffer, rb, rb, bi.tensor, pos.tensor, ki.tensor, kp.tensor, kl.tensor
+        )
+        gr.output(prod, norm, rope, from_weight, rows_of_weight)
+    target = accelerator(dev) if device == "gpu" else CPU()
+    w_torch = torch.from_numpy(w).to(torch.bfloat16)
+    model = InferenceSession(devices=[target]).load(gr, weights_registry={"w": w_torch})
+    torch_device = "cuda" if device == "gpu" else "cpu"
+    pool_t = torch.zeros(pages, 2, 16, heads, dim, dtype=torch.bfloat16, device=torch_device)
+
+    def up(a: np.ndarray):  # as the engine sends its index arrays
+        b = Buffer.from_numpy(np.ascontiguousarray(a))
+        return b.to(target) if device == "gpu" else b
+
+    args = [up(a) for a in (x, w, g, table, positions, rows, *index.values())]
+    outs = model.execute(*args, to_buffer(pool_t, stream_ordered=True))
+    prod, norm, rope, from_weight, rows_of_weight = (o.to(CPU()).to_numpy() for o in outs)
+    xr, wr = bf16_round(x), bf16_round(w)
+    check("MAX bf16 matmul x @ w[K, N]", np.abs(prod - xr @ wr).max(), 0.05)
+    rms = xr / np.sqrt((xr**2).mean(-1, keepdims=True) + 1e-5) * bf16_round(g)
+    check("MAX bf16 rms_norm", np.abs(norm - rms).max(), 0.05)
+    check("MAX gather + bf16 cast", np.abs(rope - bf16_round(table[positions])).max(), 0)
+    check("bf16 weight from torch: x @ w", np.abs(from_weight - xr @ wr).max(), 0.05)
+    check("bf16 weight from torch: its rows", np.abs(rows_of_weight - wr[positions]).max(), 0)
+    if device == "gpu":
+        torch.cuda.synchronize()
+    got = pool_t.float().cpu().numpy()
+    want = bf16_round(rows)
+    check("append op in a graph: keys", np.abs(got[2, 0, :m] - want).max(), 0)
+    check("append op in a graph: values", np.abs(got[2, 1, :m] - want).max(), 0)
+    check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
+
+
+def engine_logits(device: str) -> None:
+    """The step engine on the random demo model, three ways of sending its
+    index arrays; each way on prompts of its own (no prefix hits across)."""
+    import torch
+
+    from pagedkv._ops.tensors import accelerator, new_like, to_buffer
+    from pagedkv.cache.manager import PagedKVCacheManager
+    from pagedkv.graphs.demo import DemoOptions, plan_demo
+    from pagedkv.graphs.engine import DecoderEngine
+    from pagedkv.graphs.numpy_reference import DenseDecoder
+
+    plan = plan_demo(DemoOptions(device=device, model="random", layers=2, weights="bf16"))
+    c = plan.config
+    manager = PagedKVCacheManager(
+        256, 16, c.num_kv_heads, c.head_dim, num_layers=c.num_layers, dtype="bfloat16",
+        device="cuda" if device == "gpu" else "cpu",
+    )  # fmt: skip
+    engine = DecoderEngine(c, plan.weights, manager)
+    as_is = engine._index_buffer
+    pool = manager.pools[0]
+    kept: list = []
+
+    def through_torch(values):
+        t = new_like(pool, np.ascontiguousarray(values, np.int32)).to(torch.int32)
+        kept.append(t)  # alive until the step's stream work is done (synchronized below)
+        return to_buffer(t, stream_ordered=True)
+
+    def synchronized(values):
+        buffer = as_is(values)
+        if engine.device.is_gpu:
+            accelerator(engine.device).synchronize()
+        return buffer
+
+    rng = np.random.default_rng(1)
+    for name, send in (("as is", as_is), ("via torch", through_torch), ("synced", synchronized)):
+        engine._index_buffer = send
+        prompts = [list(rng.integers(0, c.vocab_size, size)) for size in (37, 20, 5)]
+        ids = [f"{name}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts, strict=True):
+            manager.add(rid, p)
+        refs = [DenseDecoder(c, plan.weights) for _ in prompts]
+        want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+        got = engine.prefill(ids, prompts)
+        if engine.device.is_gpu:
+            torch.cuda.synchronize()
+        check(f"engine {name}: prefill logits", np.abs(got - want).max(), 1.0)
+        for step in range(2):
+            tokens = [int(t) for t in want.argmax(-1)]
+            want = np.stack([r.feed([t]) for r, t in zip(refs, tokens, strict=True)])
+            got = engine.decode(ids, tokens)
+            if engine.device.is_gpu:
+                torch.cuda.synchronize()
+            check(f"engine {name}: decode {step + 1} logits", np.abs(got - want).max(), 1.0)
+        for rid in ids:
+            manager.release(rid)
+        kept.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    args = parser.parse_args()
+    pool_aliases("cuda" if args.device == "gpu" else "cpu")
+    single_ops(args.device)
+    engine_logits(args.device)
+
+
+if __name__ == "__main__":
+    main()
