@@ -60,7 +60,10 @@ def compiled_gpu_ops():
     specs = op_specs(("float32", "float16", "bfloat16"), pairs) + [
         prefill_spec(DType[q], DType[kv], layouts[layout]) for q, kv, layout in PREFILL_CONFIGS
     ]
-    specs += [decode_spec(DType.bfloat16, DType.bfloat16, 0)]
+    specs += [
+        decode_spec(DType.bfloat16, DType.bfloat16, 0),
+        prefill_spec(DType.bfloat16, DType.bfloat16, 0),
+    ]
     prepare(list(dict.fromkeys(specs)), Device("gpu"))
 
 

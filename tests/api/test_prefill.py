@@ -250,6 +250,17 @@ def test_prefill_on_gpu(config, shape, options, causal, page_size):
     check_prefill_case(config, shape, options, causal, page_size, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(8, 2, 64), (9, 3, 64)], ids=["group4", "group3"])
+@pytest.mark.parametrize("shape", ["prompts", "chunked"])
+def test_step_graph_prefill_on_gpu(shape, heads):
+    """The step graphs' prefill on a GPU: bfloat16 NHD pools of page 16 and
+    head dim 64 with the demo model's and SmolLM2's groups (the cases above
+    run bfloat16 only in HND, at head dim 128)."""
+    config = ("bfloat16", "bfloat16", "NHD")
+    check_prefill_case(config, shape, {}, True, 16, device="cuda", heads=heads)
+
+
 QK, VO = 192, 128
 """DeepSeek's non-absorbed MLA prefill: 192-lane queries and keys, 128-lane values."""
 
