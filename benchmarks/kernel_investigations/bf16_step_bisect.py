@@ -152,7 +152,9 @@ def engine_logits(device: str) -> None:
     from pagedkv.graphs.engine import DecoderEngine
     from pagedkv.graphs.numpy_reference import DenseDecoder
 
-    plan = plan_demo(DemoOptions(device=device, model="random", layers=2, weights="bf16"))
+    # The plan's weights are float32 whatever the form (`load` refuses bf16
+    # on a GPU); the bfloat16 graphs come from the manager's dtype.
+    plan = plan_demo(DemoOptions(device=device, model="random", layers=2, weights="f32"))
     c = plan.config
     manager = PagedKVCacheManager(
         256, 16, c.num_kv_heads, c.head_dim, num_layers=c.num_layers, dtype="bfloat16",

@@ -4,9 +4,11 @@
   activations quantized per block (CPU only): a decode step reads 4 to 8
   bits per weight. The fastest form on the CPU, and the default there.
 - "f32": dequantized to float32, activations in float32: the exact form,
-  which matches transformers token for token.
-- "bf16": dequantized to bfloat16, activations in bfloat16 (the default on
-  a GPU, where the quantized products do not run).
+  which matches transformers token for token, and the default on a GPU
+  (where the quantized products do not run).
+- "bf16": dequantized to bfloat16, activations in bfloat16. CPU only for
+  now: on a GPU its step graphs give wrong answers (docs/gpu.md), so `load`
+  refuses it there rather than serve them.
 
 The cache's dtype is free beside GGUF weights and the weights' own dtype
 beside float ones (the float step graphs keep one dtype throughout). An
@@ -33,8 +35,9 @@ weights' own dtype beside float ones."""
 
 def default_weights(device: str) -> str:
     """The fastest correct form on a device: the GGUF's own blocks on the
-    CPU, bfloat16 on a GPU (the quantized products run on the CPU)."""
-    return "gguf" if device == "cpu" else "bf16"
+    CPU, float32 on a GPU (the quantized products run on the CPU, and the
+    bfloat16 step graphs are wrong there)."""
+    return "gguf" if device == "cpu" else "f32"
 
 
 def add_weights_arguments(parser) -> None:
@@ -43,7 +46,7 @@ def add_weights_arguments(parser) -> None:
         "--weights",
         default=None,
         help="gguf (the GGUF's own quantized blocks: the default on the cpu), f32 (exact "
-        "against transformers) or bf16 (the default on a gpu)",
+        "against transformers: the default on a gpu) or bf16 (cpu only for now)",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -60,7 +63,12 @@ def check_forms(weights: str, kv_dtype: str | None, device: str) -> str:
     if weights not in WEIGHTS:
         raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights == "gguf" and device != "cpu":
-        raise ModelError("weights='gguf' runs on the CPU; use weights='bf16' on a GPU")
+        raise ModelError("weights='gguf' runs on the CPU; use weights='f32' on a GPU")
+    if weights == "bf16" and device != "cpu":
+        raise ModelError(
+            "weights='bf16' gives wrong answers on a GPU for now (docs/gpu.md); use "
+            "weights='f32' there"
+        )
     kv_dtype = kv_dtype or DEFAULT_KV_DTYPE[weights]
     if kv_dtype not in KV_DTYPES:
         raise ModelError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")

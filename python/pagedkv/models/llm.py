@@ -273,7 +273,8 @@ def load(
     weights : str, optional
         "gguf": the GGUF's own quantized blocks, multiplied in place (CPU;
         the default there); "f32" or "bf16": dequantized, with activations
-        in the same dtype ("bf16" is the default on a GPU). See `WEIGHTS`.
+        in the same dtype ("f32" is the default on a GPU, where "bf16" is
+        refused for now: docs/gpu.md). See `WEIGHTS`.
     kv_dtype : str, optional
         The KV cache's dtype: "int8" (a byte per element and a float32
         scale per token and head), "float16", "bfloat16", "float32" or
