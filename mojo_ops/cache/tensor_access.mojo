@@ -32,7 +32,11 @@ struct HostIndices(Movable):
     """
 
     var ptr: IndexPtr
-    """Valid once `host_ready` has returned (on the CPU, at once)."""
+    """Valid once `host_ready` has returned (on the CPU, at once), and only
+    while this value lives. Mojo ends a value's life right after its last
+    use, even inside an expression, and the pointer's untracked origin does
+    not extend it: code that reads the copy takes the HostIndices (borrowed
+    for the call), never its bare pointer."""
     var _host: Optional[HostBuffer[DType.int32]]
 
     def __init__(
@@ -61,6 +65,11 @@ struct HostIndices(Movable):
                 ctx.enqueue_copy(dst_buf=host, src_buf=device)
             var ptr = rebind[IndexPtr](host.unsafe_ptr())
             return Self(ptr, host^)
+
+    @always_inline
+    def __getitem__(self, i: Int) -> Int:
+        """Element i, read while this value (and so its copy) lives."""
+        return Int(self.ptr[unsafe_offset=i])
 
 
 def host_ready[target: StaticString](ctx: DeviceContext) raises:

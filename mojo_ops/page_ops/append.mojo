@@ -161,15 +161,7 @@ def check_append[
     var pos = HostIndices.enqueue[target](positions, ctx)
     host_ready[target](ctx)
     table.check(cache.page_size(), cache.num_pages)
-    check_append_targets(
-        bi.ptr,
-        pos.ptr,
-        nnz,
-        table.indptr.ptr,
-        table.last.ptr,
-        cache.batch_size,
-        cache.page_size(),
-    )
+    check_append_targets(bi, pos, nnz, table, cache.page_size())
 
 
 def append_paged_kv[

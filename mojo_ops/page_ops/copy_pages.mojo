@@ -44,11 +44,13 @@ def check_page_id(name: StaticString, i: Int, page: Int, num_pages: Int) raises:
 
 
 def check_page_copies(
-    src: IndexPtr, dst: IndexPtr, count: Int, num_pages: Int
+    src_host: HostIndices, dst_host: HostIndices, count: Int, num_pages: Int
 ) raises:
     """Raises unless every page id is in the pool, no destination repeats and
-    no page is both a source and a destination (host pointers). A source may
+    no page is both a source and a destination (host copies). A source may
     repeat: one parent page copied to several children."""
+    var src = src_host.ptr
+    var dst = dst_host.ptr
     comptime READ: Int8 = 1
     comptime WRITTEN: Int8 = 2
     var seen = List[Int8](length=num_pages, fill=0)
@@ -89,7 +91,7 @@ struct CopyPages:
         var host_src = HostIndices.enqueue[target](src_pages, ctx)
         var host_dst = HostIndices.enqueue[target](dst_pages, ctx)
         host_ready[target](ctx)
-        check_page_copies(host_src.ptr, host_dst.ptr, count, num_pages)
+        check_page_copies(host_src, host_dst, count, num_pages)
         if count == 0:
             return
         var base = ptr_of(pool)

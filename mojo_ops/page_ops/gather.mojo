@@ -79,12 +79,9 @@ def gather_kv[
     var host_seq = HostIndices.enqueue[target](seq_indptr, ctx)
     host_ready[target](ctx)
     table.check(cache.page_size(), cache.num_pages)
-    var host_cache = cache
-    host_cache.kv_indptr = table.indptr.ptr
-    host_cache.kv_last_page_len = table.last.ptr
     var offset = 0
     for b in range(batch_size):
-        if Int(host_seq.ptr[unsafe_offset=b]) != offset:
+        if host_seq[b] != offset:
             raise Error(
                 "pagedkv: seq_indptr[",
                 b,
@@ -92,8 +89,8 @@ def gather_kv[
                 offset,
                 " (cumulative lengths)",
             )
-        offset += host_cache.cache_length(b)
-    if Int(host_seq.ptr[unsafe_offset=batch_size]) != offset or offset != total:
+        offset += table.seq_len(b, cache.page_size())
+    if host_seq[batch_size] != offset or offset != total:
         raise Error(
             "pagedkv: the batch caches ",
             offset,

@@ -109,20 +109,19 @@ def check_page_table(
 
 
 def check_append_targets(
-    batch_indices: IndexPtr,
-    positions: IndexPtr,
+    batch_indices: HostIndices,
+    positions: HostIndices,
     nnz: Int,
-    kv_indptr: IndexPtr,
-    kv_last_page_len: IndexPtr,
-    batch_size: Int,
+    table: HostPageTable,
     page_size: Int,
 ) raises:
     """Raises unless every appended token lands inside its request's pages.
 
-    Host pointers; the page table must already have passed `check_page_table`.
+    Host copies; the page table must already have passed `check`.
     """
+    var batch_size = table.batch_size
     for i in range(nnz):
-        var b = Int(batch_indices[unsafe_offset=i])
+        var b = batch_indices[i]
         if b < 0 or b >= batch_size:
             raise Error(
                 "pagedkv: batch_indices[",
@@ -133,8 +132,8 @@ def check_append_targets(
                 batch_size,
                 " requests",
             )
-        var pos = Int(positions[unsafe_offset=i])
-        var length = seq_len_of(kv_indptr, kv_last_page_len, b, page_size)
+        var pos = positions[i]
+        var length = table.seq_len(b, page_size)
         if pos < 0 or pos >= length:
             raise Error(
                 "pagedkv: positions[",
@@ -202,6 +201,10 @@ struct HostPageTable(Movable):
             batch_size,
             kv_indices.dim_size(0),
         )
+
+    def seq_len(self, b: Int, page_size: Int) -> Int:
+        """`seq_len_of` request b on the host copies."""
+        return seq_len_of(self.indptr.ptr, self.last.ptr, b, page_size)
 
     def check(self, page_size: Int, num_pages: Int) raises:
         """`check_page_table` on the host copies."""
@@ -290,8 +293,8 @@ struct GetBatchIndicesPositions:
         var indptr_host = HostIndices.enqueue[target](append_indptr, ctx)
         var seq_host = HostIndices.enqueue[target](seq_lens, ctx)
         host_ready[target](ctx)
-        check_append_indptr(indptr_host.ptr, seq_host.ptr, batch_size, nnz)
-        var total = Int(indptr_host.ptr[unsafe_offset=batch_size])
+        check_append_indptr(indptr_host, seq_host, batch_size, nnz)
+        var total = indptr_host[batch_size]
 
         var bi = ptr_of(batch_indices)
         var pos = ptr_of(positions)
@@ -393,10 +396,15 @@ def fill_padding(
 
 
 def check_append_indptr(
-    append_indptr: IndexPtr, seq_lens: IndexPtr, batch_size: Int, nnz: Int
+    append_indptr_host: HostIndices,
+    seq_lens_host: HostIndices,
+    batch_size: Int,
+    nnz: Int,
 ) raises:
     """Raises unless append_indptr is a CSR offset array of at most nnz
-    tokens that fits inside seq_lens (host pointers)."""
+    tokens that fits inside seq_lens (host copies)."""
+    var append_indptr = append_indptr_host.ptr
+    var seq_lens = seq_lens_host.ptr
     if Int(append_indptr[unsafe_offset=0]) != 0:
         raise Error("pagedkv: append_indptr[0] must be 0")
     for b in range(batch_size):
@@ -452,10 +460,10 @@ struct CheckPageTable:
         table.check(page_size, Int(limits[1]))
         var batch_size = table.batch_size
         var top = -1
-        for i in range(Int(table.indptr.ptr[unsafe_offset=batch_size])):
-            top = max(top, Int(table.indices.ptr[unsafe_offset=i]))
+        for i in range(table.indptr[batch_size]):
+            top = max(top, table.indices[i])
         var tokens = 0
         for b in range(batch_size):
-            tokens += seq_len_of(table.indptr.ptr, table.last.ptr, b, page_size)
+            tokens += table.seq_len(b, page_size)
         summary[0] = Int32(top)
         summary[1] = Int32(tokens)
