@@ -61,7 +61,9 @@ def pool_aliases(torch_device: str) -> None:
 
 
 def single_ops(device: str) -> None:
-    """One graph: MAX's bf16 matmul, rms_norm, gather + cast, and the append op."""
+    """One graph: MAX's bf16 matmul, rms_norm, gather + cast, and the append op
+    of rows from an input and of K and V split from a row of projections, as
+    the step graphs append them on a GPU."""
     import torch
     from max.driver import CPU, Buffer
     from max.dtype import DType
@@ -96,9 +98,10 @@ def single_ops(device: str) -> None:
         TensorType(f32, [m, heads, dim], ref),
         *[TensorType(i32, [len(v)], ref) for v in index.values()],
         BufferType(bf16, [pages, 2, 16, heads, dim], ref),
+        BufferType(bf16, [pages, 2, 16, heads, dim], ref),
     ]  # fmt: skip
     with Graph("bisect", input_types=types, custom_extensions=graph_ops.custom_extensions()) as gr:
-        xv, wv, gv, tv, pv, rv, bi, pos, ki, kp, kl, pool = gr.inputs
+        xv, wv, gv, tv, pv, rv, bi, pos, ki, kp, kl, pool, split_pool = gr.inputs
         xb, wb = ops.cast(xv.tensor, bf16), ops.cast(wv.tensor, bf16)
         prod = ops.cast(xb @ wb, f32)
         # The step graphs' bfloat16 weights come as torch CPU tensors.
@@ -108,22 +111,28 @@ def single_ops(device: str) -> None:
         norm = ops.cast(ops.rms_norm(xb, ops.cast(gv.tensor, bf16), 1e-5), f32)
         rope = ops.cast(ops.cast(ops.gather(tv.tensor, pv.tensor, 0), bf16), f32)
         rb = ops.cast(rv.tensor, bf16)
-        graph_ops.append_paged_kv_cache(
-            pool.buffer, rb, rb, bi.tensor, pos.tensor, ki.tensor, kp.tensor, kl.tensor
-        )
+        table_values = (bi.tensor, pos.tensor, ki.tensor, kp.tensor, kl.tensor)
+        graph_ops.append_paged_kv_cache(pool.buffer, rb, rb, *table_values)
+        # x's last 2 * heads * dim columns as the step graph's K and V.
+        nq = k - 2 * heads * dim
+        _, xk, xv_ = ops.split(xb, [nq, heads * dim, heads * dim], axis=-1)
+        xk, xv_ = (ops.reshape(t, [m, heads, dim]) for t in (xk, xv_))
+        graph_ops.append_paged_kv_cache(split_pool.buffer, xk, xv_, *table_values)
         gr.output(prod, norm, rope, from_weight, rows_of_weight)
     target = accelerator(dev) if device == "gpu" else CPU()
     w_torch = torch.from_numpy(w).to(torch.bfloat16)
     model = InferenceSession(devices=[target]).load(gr, weights_registry={"w": w_torch})
     torch_device = "cuda" if device == "gpu" else "cpu"
     pool_t = torch.zeros(pages, 2, 16, heads, dim, dtype=torch.bfloat16, device=torch_device)
+    split_t = torch.zeros_like(pool_t)
 
     def up(a: np.ndarray):  # as the engine sends its index arrays
         b = Buffer.from_numpy(np.ascontiguousarray(a))
         return b.to(target) if device == "gpu" else b
 
     args = [up(a) for a in (x, w, g, table, positions, rows, *index.values())]
-    outs = model.execute(*args, to_buffer(pool_t, stream_ordered=True))
+    pools = (to_buffer(t, stream_ordered=True) for t in (pool_t, split_t))
+    outs = model.execute(*args, *pools)
     prod, norm, rope, from_weight, rows_of_weight = (o.to(CPU()).to_numpy() for o in outs)
     xr, wr = bf16_round(x), bf16_round(w)
     check("MAX bf16 matmul x @ w[K, N]", np.abs(prod - xr @ wr).max(), 0.05)
@@ -138,6 +147,10 @@ def single_ops(device: str) -> None:
     want = bf16_round(rows)
     check("append op in a graph: keys", np.abs(got[2, 0, :m] - want).max(), 0)
     check("append op in a graph: values", np.abs(got[2, 1, :m] - want).max(), 0)
+    split = split_t.float().cpu().numpy()
+    xk, xv = (xr[:, k - (2 - i) * heads * dim :][:, : heads * dim] for i in range(2))
+    check("append of split K", np.abs(split[2, 0, :m] - xk.reshape(m, heads, dim)).max(), 0)
+    check("append of split V", np.abs(split[2, 1, :m] - xv.reshape(m, heads, dim)).max(), 0)
     check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
 
 

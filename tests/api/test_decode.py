@@ -586,3 +586,21 @@ def test_decode_on_gpu(case: Case, backend: str):
     if backend == "mma" and not mma_applies(case):
         pytest.skip("the tensor-core kernel does not serve this case")
     check_decode_case(case, device="cuda", backend=backend)
+
+
+STEP_GRAPH_CASES = [
+    Case(
+        "bfloat16", "bfloat16", 7, group, kv_heads, 64, 16, "NHD", "pool", "NONE", -1, None, None, 3
+    )
+    for group, kv_heads in ((4, 2), (3, 3))
+]
+"""The step graphs' decode on a GPU: bfloat16 NHD pools of page 16 and head
+dim 64, the demo model's and SmolLM2's groups (the sampled grid has no
+bfloat16 case at head dim 64)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["generic", "tma", "auto"])
+@pytest.mark.parametrize("case", STEP_GRAPH_CASES, ids=str)
+def test_step_graph_decode_on_gpu(case: Case, backend: str):
+    check_decode_case(case, device="cuda", backend=backend)
