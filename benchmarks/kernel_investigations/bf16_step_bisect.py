@@ -14,8 +14,9 @@ checked:
 1. the pool: the MAX buffer the engine makes of a bfloat16 torch pool must
    alias it (same address, the same bits read back);
 2. MAX's own bfloat16 ops on the device (matmul with a [K, N] weight,
-   rms_norm, the RoPE gather and cast) against NumPy, and pagedkv's append
-   op in a graph whose index arrays arrive as the engine sends them;
+   at SmolLM2's product shapes too, rms_norm, the RoPE gather and cast)
+   against NumPy, and pagedkv's append op in a graph whose index arrays
+   arrive as the engine sends them;
 3. the step engine's prefill and decode logits against the float64
    reference: as it runs, with its index arrays sent through torch's stream
    instead of `Buffer.to`, and with the device synchronized after each
@@ -154,6 +155,48 @@ def single_ops(device: str) -> None:
     check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
 
 
+def products(device: str) -> None:
+    """MAX's bfloat16 matmuls at SmolLM2's shapes (bfloat16 weights handed
+    over as torch tensors, as the step graphs' are) for 1 and 37 rows: a
+    kernel choice that depends on the shape would show here."""
+    import torch
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import Graph, TensorType, Weight, ops
+
+    from pagedkv._ops.tensors import Device, accelerator
+
+    dev = Device(device)
+    ref = dev.graph_ref()
+    shapes = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072),
+              "w_down": (1536, 576), "lm_head": (576, 49152)}  # fmt: skip
+    rng = np.random.default_rng(2)
+    weights = {
+        n: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for n, s in shapes.items()
+    }
+    types = [TensorType(DType.float32, ["m", k], ref) for k in (576, 1536)]
+    with Graph("products", input_types=types) as g:
+        x576, x1536 = (ops.cast(v.tensor, DType.bfloat16) for v in g.inputs)
+        outs = []
+        for name, (k, n) in shapes.items():
+            w = Weight(name, DType.bfloat16, [k, n], device=ref)
+            outs.append(ops.cast((x576 if k == 576 else x1536) @ w, DType.float32))
+        g.output(*outs)
+    target = accelerator(dev) if device == "gpu" else CPU()
+    registry = {n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
+    model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
+    for m in (1, 37):
+        xs = [rng.standard_normal((m, k)).astype(np.float32) for k in (576, 1536)]
+        args = [
+            Buffer.from_numpy(x).to(target) if device == "gpu" else Buffer.from_numpy(x) for x in xs
+        ]
+        got = [o.to(CPU()).to_numpy() for o in model.execute(*args)]
+        for (name, (k, _)), y in zip(shapes.items(), got, strict=True):
+            want = bf16_round(xs[0 if k == 576 else 1]) @ bf16_round(weights[name])
+            check(f"MAX bf16 {name} [{m}, {k}] @ {shapes[name]}", np.abs(y - want).max(), 0.05)
+
+
 def engine_logits(device: str) -> None:
     """The step engine on the random demo model, three ways of sending its
     index arrays; each way on prompts of its own (no prefix hits across)."""
@@ -220,6 +263,7 @@ def main() -> None:
     args = parser.parse_args()
     pool_aliases("cuda" if args.device == "gpu" else "cpu")
     single_ops(args.device)
+    products(args.device)
     engine_logits(args.device)
 
 
