@@ -27,9 +27,10 @@ fi
 for site in extsite maxsite; do
   [ -d "/root/$site" ] || xz -dc "$stage/$site.tar.xz" | tar -x -C /root
 done
-mkdir -p "$PAGEDKV_CACHE_DIR" && cp -rn "$stage/model/." "$PAGEDKV_CACHE_DIR/"
+mkdir -p "$PAGEDKV_CACHE_DIR" && cp -r --update=none "$stage/model/." "$PAGEDKV_CACHE_DIR/"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import max.driver as d, torch, pagedkv; print('MAX sees', d.accelerator_count(), 'GPU(s); torch', torch.__version__, torch.cuda.get_device_name())"
-for part in decode decode-tc mla append; do
+[ -d /root/fisite ] && for part in decode decode-tc mla append; do
   echo "fi-$part: $(cat /root/logs/fi-$part.rc 2>/dev/null || echo running) $(tail -n 1 /root/logs/fi-$part.log 2>/dev/null)"
 done
+exit 0
