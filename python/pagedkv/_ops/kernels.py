@@ -307,7 +307,6 @@ def stream_ordered(arrays: Sequence[Array], device: Device) -> Iterator[None]:
 
 
 @functools.cache
-@functools.cache
 def max_stream(device: Device) -> Any:
     """MAX's stream on a GPU, as a torch stream (to order work against)."""
     import torch
