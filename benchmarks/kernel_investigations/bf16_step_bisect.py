@@ -38,9 +38,26 @@ def check(name: str, diff: float, bound: float) -> None:
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
     """x rounded to bfloat16 (to nearest even), as float64."""
-    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    import torch
+
+    return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).double().numpy()
+
+
+def target_of(device: str):
+    """MAX's driver device for "cpu" or "gpu"."""
+    from max.driver import CPU
+
+    from pagedkv._ops.tensors import Device, accelerator
+
+    return accelerator(Device(device)) if device == "gpu" else CPU()
+
+
+def upload(values: np.ndarray, target):
+    """Host values as a buffer on target, sent as the engine sends its index
+    arrays (`Buffer.to`)."""
+    from max.driver import Buffer
+
+    return Buffer.from_numpy(np.ascontiguousarray(values)).to(target)
 
 
 def pool_aliases(torch_device: str) -> None:
@@ -66,16 +83,15 @@ def single_ops(device: str) -> None:
     of rows from an input and of K and V split from a row of projections, as
     the step graphs append them on a GPU."""
     import torch
-    from max.driver import CPU, Buffer
+    from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import BufferType, Graph, TensorType, Weight, ops
 
     from pagedkv import graph_ops
-    from pagedkv._ops.tensors import Device, accelerator, to_buffer
+    from pagedkv._ops.tensors import Device, to_buffer
 
-    dev = Device(device)
-    ref = dev.graph_ref()
+    ref = Device(device).graph_ref()
     rng = np.random.default_rng(0)
     m, k, n, pages, heads, dim = 5, 576, 960, 4, 2, 64
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -120,18 +136,14 @@ def single_ops(device: str) -> None:
         xk, xv_ = (ops.reshape(t, [m, heads, dim]) for t in (xk, xv_))
         graph_ops.append_paged_kv_cache(split_pool.buffer, xk, xv_, *table_values)
         gr.output(prod, norm, rope, from_weight, rows_of_weight)
-    target = accelerator(dev) if device == "gpu" else CPU()
+    target = target_of(device)
     w_torch = torch.from_numpy(w).to(torch.bfloat16)
     model = InferenceSession(devices=[target]).load(gr, weights_registry={"w": w_torch})
     torch_device = "cuda" if device == "gpu" else "cpu"
     pool_t = torch.zeros(pages, 2, 16, heads, dim, dtype=torch.bfloat16, device=torch_device)
     split_t = torch.zeros_like(pool_t)
 
-    def up(a: np.ndarray):  # as the engine sends its index arrays
-        b = Buffer.from_numpy(np.ascontiguousarray(a))
-        return b.to(target) if device == "gpu" else b
-
-    args = [up(a) for a in (x, w, g, table, positions, rows, *index.values())]
+    args = [upload(a, target) for a in (x, w, g, table, positions, rows, *index.values())]
     pools = (to_buffer(t, stream_ordered=True) for t in (pool_t, split_t))
     outs = model.execute(*args, *pools)
     prod, norm, rope, from_weight, rows_of_weight = (o.to(CPU()).to_numpy() for o in outs)
@@ -160,15 +172,14 @@ def products(device: str) -> None:
     over as torch tensors, as the step graphs' are) for 1 and 37 rows: a
     kernel choice that depends on the shape would show here."""
     import torch
-    from max.driver import CPU, Buffer
+    from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import Graph, TensorType, Weight, ops
 
-    from pagedkv._ops.tensors import Device, accelerator
+    from pagedkv._ops.tensors import Device
 
-    dev = Device(device)
-    ref = dev.graph_ref()
+    ref = Device(device).graph_ref()
     shapes = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072),
               "w_down": (1536, 576), "lm_head": (576, 49152)}  # fmt: skip
     rng = np.random.default_rng(2)
@@ -183,15 +194,12 @@ def products(device: str) -> None:
             w = Weight(name, DType.bfloat16, [k, n], device=ref)
             outs.append(ops.cast((x576 if k == 576 else x1536) @ w, DType.float32))
         g.output(*outs)
-    target = accelerator(dev) if device == "gpu" else CPU()
+    target = target_of(device)
     registry = {n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
     model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
     for m in (1, 37):
         xs = [rng.standard_normal((m, k)).astype(np.float32) for k in (576, 1536)]
-        args = [
-            Buffer.from_numpy(x).to(target) if device == "gpu" else Buffer.from_numpy(x) for x in xs
-        ]
-        got = [o.to(CPU()).to_numpy() for o in model.execute(*args)]
+        got = [o.to(CPU()).to_numpy() for o in model.execute(*(upload(x, target) for x in xs))]
         for (name, (k, _)), y in zip(shapes.items(), got, strict=True):
             want = bf16_round(xs[0 if k == 576 else 1]) @ bf16_round(weights[name])
             check(f"MAX bf16 {name} [{m}, {k}] @ {shapes[name]}", np.abs(y - want).max(), 0.05)
@@ -222,7 +230,7 @@ def engine_logits(device: str) -> None:
     kept: list = []
 
     def through_torch(values):
-        t = new_like(pool, np.ascontiguousarray(values, np.int32)).to(torch.int32)
+        t = new_like(pool, np.ascontiguousarray(values, np.int32))
         kept.append(t)  # alive until the step's stream work is done (synchronized below)
         return to_buffer(t, stream_ordered=True)
 
