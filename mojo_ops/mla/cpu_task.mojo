@@ -25,6 +25,8 @@ from std.utils.numerics import nan, neg_inf
 
 from ..attention.cpu.key_chunks import CHUNK, BlockPrefetch, RowOffsets
 from ..attention.cpu.products import (
+    BF16_PAIRS,
+    FLOATS,
     padded_dim,
     product_rows,
     score_transposed,
@@ -334,13 +336,14 @@ def score_latent[
     var qk_pad = ckv_pad + padded_dim(pages.kpe_dim)
     var slots = qk_pad // 2 if dots else qk_pad
     var kpe_at = (ckv_pad // 2 if dots else ckv_pad) * CHUNK
-    transpose_chunk[kv_dtype, dots](
+    comptime form = BF16_PAIRS if dots else FLOATS
+    transpose_chunk[kv_dtype, form](
         pages.ckv_dim, pages.ckv, st.ckv_rows, n, st.kt
     )
-    transpose_chunk[kv_dtype, dots](
+    transpose_chunk[kv_dtype, form](
         pages.kpe_dim, pages.kpe, st.kpe_rows, n, st.kt.unsafe_offset(kpe_at)
     )
-    score_transposed[dots](
+    score_transposed[form](
         qk_pad, st.q, slots, count, st.kt, n, st.scores, quiet
     )
 

@@ -13,6 +13,10 @@ bytes unsigned and b's signed, exactly, on every target:
   a < 128.
 - Anything else: the bytes widened to int32 lanes and multiplied.
 
+`dot_i16(acc, a, b)` takes int16 lanes instead, two products to a 32-bit
+lane (`vpdpwssd` with VNNI): the products of attention over an int8 pool
+(attention/cpu/code_products.mojo).
+
 `SIGNED_CODES` says which form a target multiplies 8-bit weight codes in:
 unsigned codes with a zero point of 128 (`vpdpbusd` takes a full byte) or
 signed codes (`dot_s8s8`, exact for all of them).
@@ -72,16 +76,18 @@ def _maddubs(a: Bytes, b: SBytes) -> SIMD[DType.int16, 2 * WI]:
 
 
 @always_inline
+def _madd(a: SIMD[DType.int16, 2 * WI], b: SIMD[DType.int16, 2 * WI]) -> Acc:
+    """Pairs of int16 products a * b summed into int32 lanes (`vpmaddwd`)."""
+    comptime if WI == 16:
+        return llvm_intrinsic["llvm.x86.avx512.pmaddw.d.512", Acc](a, b)
+    else:
+        return llvm_intrinsic["llvm.x86.avx2.pmadd.wd", Acc](a, b)
+
+
+@always_inline
 def _madd_ones(p: SIMD[DType.int16, 2 * WI]) -> Acc:
     """Pairs of int16 lanes summed into int32 lanes."""
-    comptime if WI == 16:
-        return llvm_intrinsic["llvm.x86.avx512.pmaddw.d.512", Acc](
-            p, SIMD[DType.int16, 2 * WI](1)
-        )
-    else:
-        return llvm_intrinsic["llvm.x86.avx2.pmadd.wd", Acc](
-            p, SIMD[DType.int16, 2 * WI](1)
-        )
+    return _madd(p, SIMD[DType.int16, 2 * WI](1))
 
 
 @always_inline
@@ -158,6 +164,30 @@ def dot_s8s8(acc: Acc, a: SBytes, b: SBytes) -> Acc:
         )
     else:
         return acc + _widened_dot(a.cast[I32](), b.cast[I32]())
+
+
+comptime Halves = SIMD[DType.int16, 2 * WI]
+"""int16 lanes, two to each 32-bit lane of a register."""
+
+
+@always_inline
+def dot_i16(acc: Acc, a: Halves, b: Halves) -> Acc:
+    """Returns acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1], all signed,
+    exactly while the sums stay within int32 (they wrap beyond): one
+    `vpdpwssd` with VNNI, `vpmaddwd` and an add on other x86 targets (where
+    the two products' sum must also fit: not both -32768 * -32768)."""
+    comptime if VNNI_512:
+        return llvm_intrinsic["llvm.x86.avx512.vpdpwssd.512", Acc](acc, a, b)
+    elif VNNI_256:
+        return llvm_intrinsic["llvm.x86.avx512.vpdpwssd.256", Acc](acc, a, b)
+    elif CompilationTarget.is_x86() and CompilationTarget.has_avx2():
+        return acc + _madd(a, b)
+    else:
+        var p = a.cast[I32]() * b.cast[I32]()
+        var out = acc
+        comptime for i in range(WI):
+            out[i] += p[2 * i] + p[2 * i + 1]
+        return out
 
 
 @always_inline

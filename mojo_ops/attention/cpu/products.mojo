@@ -18,12 +18,16 @@ independent FMA chains than decode's steps keep:
 vectors, each row's element broadcast against the two vectors of a row of the
 right-hand side. With AVX2's 16 vector registers that is 6 rows (12
 accumulators, the two right-hand vectors and a broadcast); with 32, 12 rows.
+Its step takes one of three forms (`ProductForm`): float32 FMAs, bfloat16
+pairs (`dot_bf16`), or int16 pairs (`dot_i16`) for the products of an int8
+pool (code_products.mojo).
 """
 
 from std.bit import log2_floor
 from std.memory import bitcast, stack_allocation
 
 from ...cache.paged_kv_cache import Ptr
+from ...simd.int8_dot import I32, Acc, Halves, dot_i16
 from ...simd.widen import (
     BLOCK,
     F32,
@@ -36,6 +40,25 @@ from ...simd.widen import (
 )
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
 
+comptime ProductForm = Int
+"""What a `product_tile` step multiplies: one of the four forms below."""
+comptime FLOATS: ProductForm = 0
+"""float32 slots, one FMA per broadcast element and vector."""
+comptime BF16_PAIRS: ProductForm = 1
+"""Slots of two bfloat16 values, one `dot_bf16` (AVX512_BF16)."""
+comptime CODE_PAIRS: ProductForm = 2
+"""Slots of two int16 codes, one `dot_i16` into int32 lanes (products of
+an int8 pool's codes, code_products.mojo)."""
+
+
+@always_inline
+def slot_elements[form: ProductForm]() -> Int:
+    """Elements of the product's depth one float32 slot holds in `form`."""
+    comptime if form == BF16_PAIRS or form == CODE_PAIRS:
+        return 2
+    return 1
+
+
 comptime PRODUCT_ROWS = 12 if VECTOR_REGISTERS >= 32 else 6
 """Rows of a `product_tile`: two accumulators each, with room left for the
 two right-hand vectors and a broadcast."""
@@ -47,8 +70,23 @@ products: fewer cannot repay the reshaping of K and V (docs/design.md,
 
 
 @always_inline
+def code_dot(
+    acc: SIMD[F32, W], a: SIMD[F32, W], b: SIMD[F32, W]
+) -> SIMD[F32, W]:
+    """`dot_i16` on the bits of float32 vectors: acc's int32 lanes plus the
+    sums of the products of a's and b's int16 pairs."""
+    # W and int8_dot's WI are the same lanes counted in two types.
+    var sums = dot_i16(
+        rebind[Acc](bitcast[I32, W](acc)),
+        rebind[Halves](bitcast[DType.int16, 2 * W](a)),
+        rebind[Halves](bitcast[DType.int16, 2 * W](b)),
+    )
+    return bitcast[F32, W](rebind[SIMD[I32, W]](sums))
+
+
+@always_inline
 def product_tile[
-    rows: Int, accumulate: Bool, dots: Bool = False
+    rows: Int, accumulate: Bool, form: ProductForm = FLOATS
 ](
     depth: Int,
     a: Ptr[F32],
@@ -57,18 +95,23 @@ def product_tile[
     b_stride: Int,
     c: Ptr[F32],
     c_stride: Int,
+    code_scales: Optional[Ptr[F32]] = None,
 ):
     """Computes c[i, :2W] = (c[i, :2W] if accumulate else 0) +
     sum_k a[i, k] * b[k, :2W] for i < rows, k < depth; element (i, k) of a
     at a + i * a_stride + k, and so on.
 
-    With `dots` (AVX512_BF16), every float32 slot of a and b holds a pair of
-    bfloat16 values (`transpose_key_pairs`) and each step is one `dot_bf16`
-    of the pairs: depth counts pairs, half the FMAs of widened values."""
+    In BF16_PAIRS form (AVX512_BF16) every float32 slot of a and b holds a
+    pair of bfloat16 values (`transpose_key_words`) and each step is one
+    `dot_bf16` of the pairs: depth counts pairs, half the FMAs of widened
+    values. In CODE_PAIRS form every slot holds two int16 codes and each
+    step is one `dot_i16`, exact while the sums fit int32; c then receives
+    the int32 sums (bit for bit in its float32 slots), or, accumulating,
+    holds float32 and row i gains code_scales[i] times its sums."""
     var acc = stack_allocation[2 * rows, SIMD[F32, W]]()
     comptime for i in range(rows):
         comptime for h in range(2):
-            comptime if accumulate:
+            comptime if accumulate and form != CODE_PAIRS:
                 acc[unsafe_offset=2 * i + h] = c.unsafe_offset(
                     i * c_stride + h * W
                 ).unsafe_load[width=W]()
@@ -82,7 +125,14 @@ def product_tile[
         var b1 = right.unsafe_offset(W).unsafe_load[width=W]()
         comptime for i in range(rows):
             var x = SIMD[F32, W](a[unsafe_offset=i * a_stride + k])
-            comptime if dots:
+            comptime if form == CODE_PAIRS:
+                acc[unsafe_offset=2 * i] = code_dot(
+                    acc[unsafe_offset=2 * i], x, b0
+                )
+                acc[unsafe_offset=2 * i + 1] = code_dot(
+                    acc[unsafe_offset=2 * i + 1], x, b1
+                )
+            elif form == BF16_PAIRS:
                 comptime BF = DType.bfloat16
                 var pairs = bitcast[BF, 2 * W](x)
                 acc[unsafe_offset=2 * i] = dot_bf16(
@@ -99,6 +149,18 @@ def product_tile[
                     b1, acc[unsafe_offset=2 * i + 1]
                 )
         k += 1
+    comptime if form == CODE_PAIRS and accumulate:
+        var scales = code_scales.value()
+        comptime for i in range(rows):
+            comptime for h in range(2):
+                var out = c.unsafe_offset(i * c_stride + h * W)
+                var sums = bitcast[I32, W](acc[unsafe_offset=2 * i + h])
+                out.unsafe_store(
+                    sums.cast[F32]().fma(
+                        scales[unsafe_offset=i], out.unsafe_load[width=W]()
+                    )
+                )
+        return
     comptime for i in range(rows):
         comptime for h in range(2):
             c.unsafe_offset(i * c_stride + h * W).unsafe_store(
@@ -107,8 +169,16 @@ def product_tile[
 
 
 @always_inline
+def row_scales(scales: Optional[Ptr[F32]], r: Int) -> Optional[Ptr[F32]]:
+    """scales from row r on, where there are any."""
+    if scales:
+        return scales.value().unsafe_offset(r)
+    return None
+
+
+@always_inline
 def product_rows[
-    accumulate: Bool, dots: Bool = False
+    accumulate: Bool, form: ProductForm = FLOATS
 ](
     count: Int,
     depth: Int,
@@ -121,8 +191,9 @@ def product_rows[
     prefetcher: BlockPrefetch,
     mut fetched: Int,
     fetch_per_tile: Int,
+    code_scales: Optional[Ptr[F32]] = None,
 ):
-    """`product_tile` (with `dots`) over rows 0..count of a and c, PRODUCT_ROWS at a time
+    """`product_tile` (in `form`; code_scales row by row) over rows 0..count of a and c, PRODUCT_ROWS at a time
     and the rest in tiles of 8, 4, 2 and 1 rows. Before each tile it asks
     for the next fetch_per_tile rows of the prefetcher's block, from
     `fetched` on, so that the next reads arrive spread over the products."""
@@ -133,7 +204,7 @@ def product_rows[
             prefetcher.fetch(fetched)
             fetched += 1
         if left >= PRODUCT_ROWS:
-            product_tile[PRODUCT_ROWS, accumulate, dots](
+            product_tile[PRODUCT_ROWS, accumulate, form](
                 depth,
                 a.unsafe_offset(r * a_stride),
                 a_stride,
@@ -141,6 +212,7 @@ def product_rows[
                 b_stride,
                 c.unsafe_offset(r * c_stride),
                 c_stride,
+                row_scales(code_scales, r),
             )
             r += PRODUCT_ROWS
             continue
@@ -149,7 +221,7 @@ def product_rows[
             comptime rows = 8 >> i
             comptime if rows < PRODUCT_ROWS:
                 if not taken and left >= rows:
-                    product_tile[rows, accumulate, dots](
+                    product_tile[rows, accumulate, form](
                         depth,
                         a.unsafe_offset(r * a_stride),
                         a_stride,
@@ -157,6 +229,7 @@ def product_rows[
                         b_stride,
                         c.unsafe_offset(r * c_stride),
                         c_stride,
+                        row_scales(code_scales, r),
                     )
                     r += rows
                     taken = True
@@ -246,18 +319,20 @@ def transpose_keys[
         j0 += W
 
 
-def transpose_key_pairs(
-    dim: Int,
-    k: Ptr[DType.bfloat16],
-    rows: RowOffsets,
-    n: Int,
-    kt: Ptr[F32],
-):
-    """K^T of a bfloat16 chunk in pairs, for `product_tile[dots=True]`: the
-    float32 slot kt[p * CHUNK + j] holds elements 2p and 2p + 1 of key row j
-    (at k + rows[j]) as they lie in memory, for j < n, and 0 for the rest of
-    `key_columns(n)`; slots from dim / 2 to `padded_dim(dim)` / 2 are 0.
-    No widening: W x W squares of 32-bit words go through registers."""
+def transpose_key_words[
+    dtype: DType
+](dim: Int, k: Ptr[dtype], rows: RowOffsets, n: Int, kt: Ptr[F32]):
+    """K^T of a chunk in pairs of 16-bit values, for `product_tile`'s
+    BF16_PAIRS form (bfloat16 K, as it lies in memory) and CODE_PAIRS form
+    (int8 codes, sign-extended to int16): the float32 slot kt[p * CHUNK + j]
+    holds elements 2p and 2p + 1 of key row j (at k + rows[j]), for j < n,
+    and 0 for the rest of `key_columns(n)`; slots from dim / 2 to
+    `padded_dim(dim)` / 2 are 0. W x W squares of 32-bit words go through
+    registers."""
+    comptime assert (
+        dtype == DType.bfloat16 or dtype == DType.int8
+    ), "pairs of bfloat16 values or of int8 codes"
+    comptime span = 2 * W
     var square = stack_allocation[W, SIMD[F32, W]]()
     var j0 = 0
     while j0 < key_columns(n):
@@ -265,24 +340,25 @@ def transpose_key_pairs(
         while c < dim:
             var valid = dim - c
             comptime for t in range(W):
-                var words = SIMD[F32, W](0)
+                var raw = SIMD[dtype, span](0)
                 if j0 + t < n:
                     var at = Int(rows[unsafe_offset=j0 + t]) + c
-                    if valid >= 2 * W:
-                        words = bitcast[F32, W](
-                            k.unsafe_offset(at).unsafe_load[width=2 * W]()
-                        )
+                    if valid >= span:
+                        raw = k.unsafe_offset(at).unsafe_load[width=span]()
                     else:
-                        words = bitcast[F32, W](
-                            load_raw_tail[DType.bfloat16, 2 * W](k, at, valid)
-                        )
-                square[unsafe_offset=t] = words
+                        raw = load_raw_tail[dtype, span](k, at, valid)
+                comptime if dtype == DType.int8:
+                    square[unsafe_offset=t] = bitcast[F32, W](
+                        raw.cast[DType.int16]()
+                    )
+                else:
+                    square[unsafe_offset=t] = bitcast[F32, W](raw)
             transpose_square(square)
             comptime for e in range(W):
                 kt.unsafe_offset((c // 2 + e) * CHUNK + j0).unsafe_store(
                     square[unsafe_offset=e]
                 )
-            c += 2 * W
+            c += span
         j0 += W
 
 
@@ -307,19 +383,20 @@ def widen_values[
 
 
 def transpose_chunk[
-    kv_dtype: DType, dots: Bool
+    kv_dtype: DType, form: ProductForm
 ](dim: Int, k: Ptr[kv_dtype], rows: RowOffsets, n: Int, kt: Ptr[F32]):
-    """K^T of a chunk as `score_transposed[dots]` reads it: widened to
-    float32 (`transpose_keys`, dim x CHUNK slots) or, with dots (bfloat16
-    K), in pairs (`transpose_key_pairs`, dim / 2 x CHUNK)."""
-    comptime if dots:
-        transpose_key_pairs(dim, rebind[Ptr[DType.bfloat16]](k), rows, n, kt)
-    else:
+    """K^T of a chunk as `score_transposed[form]` reads it: widened to
+    float32 (FLOATS: `transpose_keys`, dim x CHUNK slots), or in pairs
+    (BF16_PAIRS, bfloat16 K, or CODE_PAIRS, int8 K: `transpose_key_words`,
+    dim / 2 x CHUNK)."""
+    comptime if form == FLOATS:
         transpose_keys[kv_dtype](dim, k, rows, n, kt)
+    else:
+        transpose_key_words[kv_dtype](dim, k, rows, n, kt)
 
 
 def score_transposed[
-    dots: Bool
+    form: ProductForm
 ](
     dim: Int,
     q: Ptr[F32],
@@ -332,15 +409,17 @@ def score_transposed[
 ):
     """Computes scores[r * CHUNK + j] = q[r] . key j for the rows r < count
     (q rows q_stride slots apart, dim elements each) and the keys of K^T kt
-    (`transpose_chunk[dots]`), up to `key_columns(n)`. With dots q rows hold
-    raw bfloat16, two to a slot, and the products are `dot_bf16`s of pairs.
+    (`transpose_chunk[form]`), up to `key_columns(n)`. In BF16_PAIRS form q
+    rows hold raw bfloat16, two to a slot, and the products are `dot_bf16`s
+    of pairs; in CODE_PAIRS form they hold int16 codes, two to a slot, and
+    the scores are int32 sums against K's codes (code_products.mojo).
     Meanwhile asks for the prefetcher's block."""
-    var depth = dim // 2 if dots else dim
+    var depth = dim // slot_elements[form]()
     var passes = key_columns(n) // (2 * W)
     var per_tile = fetches_per_tile(prefetcher, passes, count)
     var fetched = 0
     for p in range(passes):
-        product_rows[accumulate=False, dots=dots](
+        product_rows[accumulate=False, form=form](
             count,
             depth,
             q,
@@ -375,8 +454,9 @@ def score_chunk[
     block. With `dots` (bfloat16 K, see `raw_bf16_q`) q rows hold the raw
     bfloat16 query, two to a float32 slot (row stride still head_dim
     slots)."""
-    transpose_chunk[kv_dtype, dots](head_dim, k, rows, n, kt)
-    score_transposed[dots](
+    comptime form = BF16_PAIRS if dots else FLOATS
+    transpose_chunk[kv_dtype, form](head_dim, k, rows, n, kt)
+    score_transposed[form](
         head_dim, q, head_dim, count, kt, n, scores, prefetcher
     )
 

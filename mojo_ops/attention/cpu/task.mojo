@@ -60,6 +60,12 @@ from ..params import (
 )
 from ..work import AttentionWork
 from .block_sizes import block_tokens, prefetches_block
+from .code_products import (
+    accumulate_chunk_codes,
+    quantize_query_codes,
+    score_chunk_codes,
+    takes_codes,
+)
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets, chunk_rows
 from .products import PRODUCT_MIN_ROWS, accumulate_chunk, score_chunk
 from .read_order import walk_blocks, walk_rows
@@ -203,6 +209,13 @@ def item_heads_task[
         rope,
         keep_raw_q,
     )
+    # An int8 pool's products multiply codes (code_products.mojo); a task of
+    # products has one KV head, so its rows are head_rows.
+    var codes = False
+    comptime if kv_dtype == DType.int8:
+        codes = products and not rope and takes_codes(head_dim)
+        if codes:
+            quantize_query_codes(st, head_rows, head_dim)
 
     var rows = st.rows
     var ahead = st.rows.unsafe_offset(CHUNK)
@@ -247,6 +260,18 @@ def item_heads_task[
                 products,
                 first_v,
             )
+        elif codes:
+            comptime if kv_dtype == DType.int8:
+                load_row_scales[KV.K](st, cache, b, tok, n, h0)
+                score_chunk_codes(
+                    head_dim,
+                    st,
+                    head_rows,
+                    rebind[Ptr[DType.int8]](k0),
+                    rows,
+                    n,
+                    first_v,
+                )
         elif products:
             # Without rotation, keep_raw_q is raw_q: dot products of pairs.
             score_chunk[dots=raw_q](
@@ -279,20 +304,36 @@ def item_heads_task[
         if keep_raw_q:
             scale_scores(st.scores, heads * head_rows, q_scale)
         comptime if kv_dtype == DType.int8:
-            scale_by_row_scales[KV.K](
-                st, cache, b, tok, n, h0, heads, head_rows
-            )
+            if not codes:  # products of codes weight them as they score
+                scale_by_row_scales[KV.K](
+                    st, cache, b, tok, n, h0, heads, head_rows
+                )
         softmax_rows(head_dim, params, mask, st, heads * head_rows, n, tok)
         comptime if kv_dtype == DType.int8:
             # After the softmax has summed the probabilities: V's scales
-            # weight only what the rows accumulate.
-            scale_by_row_scales[KV.V](
-                st, cache, b, tok, n, h0, heads, head_rows
-            )
+            # weight only what the rows accumulate (products of codes weight
+            # them as they quantize them).
+            if codes:
+                load_row_scales[KV.V](st, cache, b, tok, n, h0)
+            else:
+                scale_by_row_scales[KV.V](
+                    st, cache, b, tok, n, h0, heads, head_rows
+                )
         var next_k = BlockPrefetch[kv_dtype](
             k0, ahead, 0, min(ahead_max, n_ahead), heads, hs, head_dim, nhd
         )
-        if products:
+        if codes:
+            comptime if kv_dtype == DType.int8:
+                accumulate_chunk_codes(
+                    head_dim,
+                    st,
+                    head_rows,
+                    rebind[Ptr[DType.int8]](v0),
+                    rows,
+                    n,
+                    next_k,
+                )
+        elif products:
             accumulate_chunk(
                 head_dim,
                 st.scores,
@@ -362,22 +403,11 @@ def scale_by_row_scales[
     at the row's head: rows hh * head_rows .. of head h0 + hh (an int8
     pool, cache/int8_rows.mojo)."""
     var scales = st.row_scales
-    var page_size = cache.page_size()
     for hh in range(heads):
-        var j = 0
-        while j < n:
-            var tok = first + j
-            var slot = tok % page_size
-            var page_scales = cache.row_scales[kv](cache.page_id(b, tok))
-            var run = min(page_size - slot, n - j)
-            for t in range(run):
-                scales[unsafe_offset=j + t] = page_scales[
-                    unsafe_offset=cache.scale_index(slot + t, h0 + hh)
-                ]
-            j += run
+        load_row_scales[kv](st, cache, b, first, n, h0 + hh)
         for r in range(hh * head_rows, (hh + 1) * head_rows):
             var row = st.scores.unsafe_offset(r * CHUNK)
-            j = 0
+            var j = 0
             while j + W <= n:
                 var at = row.unsafe_offset(j)
                 at.unsafe_store(
@@ -388,6 +418,30 @@ def scale_by_row_scales[
             while j < n:
                 row[unsafe_offset=j] *= scales[unsafe_offset=j]
                 j += 1
+
+
+@always_inline
+def load_row_scales[
+    kv: KV
+](st: TaskState, cache: PagedKVCache, b: Int, first: Int, n: Int, head: Int):
+    """st.row_scales[j] = the K (or V) scale of request b's token first + j
+    at `head` for j < n, and 0 for the rest of the chunk (an int8 pool,
+    cache/int8_rows.mojo)."""
+    var scales = st.row_scales
+    var page_size = cache.page_size()
+    var j = 0
+    while j < n:
+        var tok = first + j
+        var slot = tok % page_size
+        var page_scales = cache.row_scales[kv](cache.page_id(b, tok))
+        var run = min(page_size - slot, n - j)
+        for t in range(run):
+            scales[unsafe_offset=j + t] = page_scales[
+                unsafe_offset=cache.scale_index(slot + t, head)
+            ]
+        j += run
+    for t in range(n, CHUNK):
+        scales[unsafe_offset=t] = 0
 
 
 @always_inline

@@ -30,6 +30,12 @@ struct TaskState(Movable):
     """K^T of a chunk, for a task of products."""
     var row_scales: Ptr[F32]
     """One head's K or V row scales over a chunk (int8 pools)."""
+    var q_codes: Ptr[DType.int16]
+    """The q rows as int16 codes, for products of codes (code_products.mojo)."""
+    var q_code_scale: Ptr[F32]
+    var p_codes: Ptr[F32]
+    """A chunk's probabilities as int16 codes, two to a float32 slot."""
+    var p_code_scale: Ptr[F32]
     var rows: RowOffsets
     """Offsets of this chunk's rows, then of the next chunk's, then the
     rotated keys' rows (j * head_dim)."""
@@ -57,6 +63,10 @@ struct TaskState(Movable):
         var krot_at = take(at, CHUNK * D)
         var kt_at = take(at, CHUNK * D)
         var row_scales_at = take(at, CHUNK)
+        var q_codes_at = take(at, (rows * D + 1) // 2)  # int16 codes
+        var q_code_scale_at = take(at, rows)
+        var p_codes_at = take(at, rows * CHUNK // 2)  # int16 codes
+        var p_code_scale_at = take(at, rows)
         var rows_at = take(at, 2 * 3 * CHUNK)  # int64 rows: two floats each
         self._storage = rebind[Ptr[F32]](
             unsafe_alloc[Float32](at, alignment=64)
@@ -75,6 +85,12 @@ struct TaskState(Movable):
         self.krot = self._storage.unsafe_offset(krot_at)
         self.kt = self._storage.unsafe_offset(kt_at)
         self.row_scales = self._storage.unsafe_offset(row_scales_at)
+        self.q_codes = rebind[Ptr[DType.int16]](
+            self._storage.unsafe_offset(q_codes_at)
+        )
+        self.q_code_scale = self._storage.unsafe_offset(q_code_scale_at)
+        self.p_codes = self._storage.unsafe_offset(p_codes_at)
+        self.p_code_scale = self._storage.unsafe_offset(p_code_scale_at)
         self.rows = rebind[RowOffsets](self._storage.unsafe_offset(rows_at))
 
     def __deinit__(deinit self):
