@@ -12,11 +12,12 @@ the codes widened to float32 (products.mojo).
   sp[r] * (cp[r] . cv), V's codes two keys to a lane
   (`interleave_value_pairs`).
 
-A code is within half of 1 / CODE_MAX of its row's largest magnitude
-(3e-5 of it, where float32 rounds within 6e-8, and the pool's own int8
-rows within 4e-3): the products add no error that the pool's rounding
-does not dwarf. The sums stay within int32: CODE_MAX * 127 times head_dim
-(up to 256) or CHUNK terms is below 2^31.
+A code is within 1.5e-5 of its row's largest magnitude (half of 1 /
+CODE_MAX), where float32 rounds within 6e-8 of the value and the pool's
+own int8 rows within 4e-3 of their largest: errors some 250 times smaller
+than the pool's (docs/performance.md, "The KV cache in 8 bits", for what
+they do to a model). The sums stay within int32: CODE_MAX * 127 times
+head_dim (up to 256) or CHUNK terms is below 2^31.
 """
 
 from std.memory import bitcast, stack_allocation
