@@ -10,6 +10,8 @@ import sys
 
 from ..models.catalog import DEFAULT_MODEL, MODELS
 from ..models.forms import add_weights_arguments
+from .engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_WAITING
+from .limits import ServeLimits
 
 
 def add_parser(sub) -> None:
@@ -25,13 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=int,
-        default=64,
+        default=DEFAULT_MAX_NUM_SEQS,
         help="sequences decoded together in one step (default %(default)s)",
     )
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=512,  # ServingEngine's default
+        default=DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks "
         "while the running streams decode between them (default %(default)s, llama.cpp's "
         "default micro-batch)",
@@ -39,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-waiting",
         type=int,
-        default=256,
+        default=DEFAULT_MAX_WAITING,
         help="requests that may wait for admission; more get 503 (default %(default)s)",
     )
     p.add_argument(
@@ -58,7 +60,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     limits = p.add_argument_group("limits (a request over one gets a 4xx)")
     limits.add_argument(
-        "--max-body-bytes", type=int, default=8 << 20, help="request body (default 8 MiB; 413)"
+        "--max-body-bytes",
+        type=int,
+        default=ServeLimits.max_body_bytes,
+        help="request body (default 8 MiB; 413)",
     )
     limits.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="prompt tokens (default: the context)"
@@ -142,7 +147,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        from .limits import ServeLimits
         from .server import serve
     except ImportError as e:
         say(f"pagedkv serve: error: {e.name} is missing: pip install 'pagedkv[serve]'")

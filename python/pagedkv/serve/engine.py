@@ -36,6 +36,12 @@ log = logging.getLogger("pagedkv.serve")
 
 CONNECTOR_POLL_SECONDS = 0.02
 """How often an idle engine lets busy connectors act (pages held for a puller)."""
+DEFAULT_MAX_NUM_SEQS = 64
+"""`ServingEngine`'s max_num_seqs (and `pagedkv serve`'s)."""
+DEFAULT_MAX_WAITING = 256
+"""`ServingEngine`'s max_waiting (and `pagedkv serve`'s)."""
+DEFAULT_MAX_PREFILL_TOKENS = 512
+"""`ServingEngine`'s max_prefill_tokens (and `pagedkv serve`'s)."""
 
 __all__ = [
     "Delta",
@@ -115,9 +121,9 @@ class ServingEngine:
     def __init__(
         self,
         llm,
-        max_num_seqs: int = 64,
-        max_waiting: int = 256,
-        max_prefill_tokens: int = 512,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         policy: str = "fcfs",
         observer=None,
         connectors=(),
