@@ -41,7 +41,7 @@ from ...simd.widen import (
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
 
 comptime ProductForm = Int
-"""What a `product_tile` step multiplies: one of the four forms below."""
+"""What a `product_tile` step multiplies: one of the three forms below."""
 comptime FLOATS: ProductForm = 0
 """float32 slots, one FMA per broadcast element and vector."""
 comptime BF16_PAIRS: ProductForm = 1
