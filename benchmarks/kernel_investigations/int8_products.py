@@ -9,8 +9,9 @@ codes are on other hosts).
 
 SmolLM2's shapes: 8 requests of 21 queries each, 9 query and 3 KV heads of
 64, pages of 16, all keys visible (the shape of a shared-prefix decode
-item's rows). Prints the best and the 10th percentile of `run()` over the
-calls, and GOP/s of the two products. What it showed (docs/design.md,
+item's rows). Prints the CPU and the kernels' ISA, the best and the 10th
+percentile of `run()` over the calls, GOP/s of the two products, and each
+pool's best time as a multiple of float16's. What it showed (docs/design.md,
 "Kernel notes"): 1.86-1.97 ms for the codes against 2.63-2.77 for widened
 values, on a 2-core AVX-512 host with VNNI.
 """
@@ -18,11 +19,17 @@ values, on a 2-core AVX-512 host with VNNI.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import pagedkv
+from pagedkv._ops.cpu_target import kernel_isa_line
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.serve_bench import cpu_model  # noqa: E402
 
 B, QUERIES, HQ, HKV, D, P = 8, 21, 9, 3, 64, 16
 
@@ -67,12 +74,18 @@ def main() -> None:
     args = parser.parse_args()
     keys = args.keys // P * P
     ops = 2 * 2 * B * QUERIES * HQ * keys * D  # two products, a multiply and an add
+    print(f"CPU: {cpu_model()}")
+    print(kernel_isa_line())
     print(f"{B} x {QUERIES} queries, {HQ}/{HKV} heads of {D}, {keys} keys, best of {args.calls}")
-    print("| pool | best ms | p10 ms | GOP/s (best) |")
-    print("|---|---|---|---|")
-    for dtype in (torch.int8, torch.float16):
-        best, p10 = time_run(dtype, keys, args.calls)
-        print(f"| {dtype} | {best * 1e3:.2f} | {p10 * 1e3:.2f} | {ops / best / 1e9:.0f} |")
+    times = {dtype: time_run(dtype, keys, args.calls) for dtype in (torch.int8, torch.float16)}
+    print("| pool | best ms | p10 ms | GOP/s (best) | best / float16's |")
+    print("|---|---|---|---|---|")
+    for dtype, (best, p10) in times.items():
+        ratio = best / times[torch.float16][0]
+        print(
+            f"| {dtype} | {best * 1e3:.2f} | {p10 * 1e3:.2f} | {ops / best / 1e9:.0f} "
+            f"| {ratio:.2f} |"
+        )
 
 
 if __name__ == "__main__":
