@@ -17,7 +17,9 @@ checked:
    at SmolLM2's product shapes too, rms_norm, the RoPE gather and cast)
    against NumPy, and pagedkv's append op in a graph whose index arrays
    arrive as the engine sends them;
-3. the step engine's prefill and decode logits against the float64
+3. the step graphs' structure: a layer subgraph with bfloat16 placeholder
+   weights, resolved by each call's prefix, appending to a pool per layer;
+4. the step engine's prefill and decode logits against the float64
    reference: as it runs, with its index arrays sent through torch's stream
    instead of `Buffer.to`, and with the device synchronized after each
    upload.
@@ -167,6 +169,77 @@ def single_ops(device: str) -> None:
     check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
 
 
+def subgraph_layers(device: str) -> None:
+    """The step graphs' structure in small: one layer subgraph whose weights
+    are bfloat16 placeholders resolved by each call's prefix ("layers.{i}."),
+    taking a pool buffer and appending K and V split from its product, called
+    once per layer on a pool of its own."""
+    import torch
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, Graph, TensorType, Weight, ops
+
+    from pagedkv import graph_ops
+    from pagedkv._ops.tensors import Device, to_buffer
+
+    ref = Device(device).graph_ref()
+    rng = np.random.default_rng(3)
+    m, heads, dim, pages, layers = 5, 2, 64, 4, 2
+    k = 2 * heads * dim
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ws = [(rng.standard_normal((k, k)) / np.sqrt(k)).astype(np.float32) for _ in range(layers)]
+    index = (np.zeros(m, np.int32), np.arange(m, dtype=np.int32), np.array([2, 0], np.int32),
+             np.array([0, 1], np.int32), np.array([m], np.int32))  # fmt: skip
+    bf16, f32, i32 = DType.bfloat16, DType.float32, DType.int32
+    pool_type = BufferType(bf16, [pages, 2, 16, heads, dim], ref)
+    index_types = [TensorType(i32, [len(v)], ref) for v in index]
+    types = [TensorType(f32, [m, k], ref), *index_types, *[pool_type] * layers]
+    with Graph("layers", input_types=types, custom_extensions=graph_ops.custom_extensions()) as g:
+        xv, *rest = g.inputs
+        table, pools = [v.tensor for v in rest[:5]], rest[5:]
+        sub_types = [TensorType(bf16, [m, k], ref), pool_type, *index_types]
+        with g.add_subgraph(
+            "layer", input_types=sub_types, custom_extensions=graph_ops.custom_extensions(),
+            devices=[ref],
+        ) as sub:  # fmt: skip
+            sx, pool, *idx = sub.inputs
+            w = Weight("w", bf16, [k, k], device=ref, _placeholder=True)
+            y = sx.tensor @ w  # graph_ops.linear on a GPU
+            yk, yv = (ops.reshape(t, [m, heads, dim]) for t in ops.split(y, [k // 2, k // 2], -1))
+            graph_ops.append_paged_kv_cache(pool.buffer, yk, yv, *(v.tensor for v in idx))
+            sub.output(sx.tensor + y)
+        h = ops.cast(xv.tensor, bf16)
+        for i in range(layers):
+            h = ops.call(sub, h, pools[i].buffer, *table, prefix=f"layers.{i}.")[0].tensor
+        g.output(ops.cast(h, f32))
+    target = target_of(device)
+    registry = {f"layers.{i}.w": torch.from_numpy(w).to(torch.bfloat16) for i, w in enumerate(ws)}
+    model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
+    torch_device = "cuda" if device == "gpu" else "cpu"
+    pool_ts = [
+        torch.zeros(pages, 2, 16, heads, dim, dtype=torch.bfloat16, device=torch_device)
+        for _ in range(layers)
+    ]
+    args = [upload(a, target) for a in (x, *index)]
+    (out,) = model.execute(*args, *(to_buffer(t, stream_ordered=True) for t in pool_ts))
+    out = out.to(CPU()).to_numpy()
+    if device == "gpu":
+        torch.cuda.synchronize()
+    h = bf16_round(x)
+    for i, w in enumerate(ws):
+        y = h @ bf16_round(w)
+        got = pool_ts[i].float().cpu().numpy()
+        kv = y.reshape(m, 2, heads, dim)
+        for j, part in enumerate(("keys", "values")):
+            check(
+                f"subgraph layer {i}: appended {part}", np.abs(got[2, j, :m] - kv[:, j]).max(), 0.05
+            )
+        check(f"subgraph layer {i}: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
+        h = h + y
+    check("subgraph layers: output", np.abs(out - h).max(), 0.1)
+
+
 def products(device: str) -> None:
     """MAX's bfloat16 matmuls at SmolLM2's shapes (bfloat16 weights handed
     over as torch tensors, as the step graphs' are) for 1 and 37 rows: a
@@ -271,6 +344,7 @@ def main() -> None:
     args = parser.parse_args()
     pool_aliases("cuda" if args.device == "gpu" else "cpu")
     single_ops(args.device)
+    subgraph_layers(args.device)
     products(args.device)
     engine_logits(args.device)
 
