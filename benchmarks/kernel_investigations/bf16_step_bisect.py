@@ -8,13 +8,18 @@ SmolLM2 token for token, the bfloat16 ones give garbage (max |logit diff|
 whichever decode kernel runs, with CUDA_LAUNCH_BLOCKING=1 too; in some runs
 the append op's page-table check read zeros for its index arrays;
 compute-sanitizer's memcheck found no access outside an allocation (MAX
-sub-allocates an arena, so that proves little). The suspects, in the order
-checked:
+sub-allocates an arena, so that proves little). A later run found two of
+MAX's bfloat16 products wrong in one call and the same products right in
+the next, and the demo still wrong with the weights transposed
+(docs/gpu.md). The checks, in the order run:
 
+0. ("layer") one decoder layer built by the step graphs' own code, every
+   op's output in bfloat16 beside float32 (the first BAD line names the
+   op);
 1. the pool: the MAX buffer the engine makes of a bfloat16 torch pool must
    alias it (same address, the same bits read back);
 2. MAX's own bfloat16 ops on the device (matmul with a [K, N] weight,
-   at SmolLM2's product shapes too, rms_norm, the RoPE gather and cast)
+   at SmolLM2's product shapes too, [K, N] and [N, K] transposed, rms_norm, the RoPE gather and cast)
    against NumPy, and pagedkv's append op in a graph whose index arrays
    arrive as the engine sends them;
 3. the step graphs' structure: a layer subgraph with bfloat16 placeholder
@@ -24,7 +29,7 @@ checked:
    instead of `Buffer.to`, and with the device synchronized after each
    upload.
 
-    python benchmarks/kernel_investigations/bf16_step_bisect.py [--device gpu]
+    python benchmarks/kernel_investigations/bf16_step_bisect.py [--device gpu] [--parts layer,engine]
 """
 
 from __future__ import annotations
@@ -169,6 +174,122 @@ def single_ops(device: str) -> None:
     check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
 
 
+def layer_intermediates(device: str) -> None:
+    """One decoder layer of the random demo model, built by the step graphs'
+    own code (decoder._layer), decoding 3 requests over a filled pool, in
+    bfloat16 beside float32: every product, norm, RoPE, attention and
+    activation it computes is an output of the graph, and each bfloat16 one
+    is held to its float32 twin (relative to the float32 values' largest).
+    The first BAD line names the op that goes wrong; the float32 graph is
+    the form verified on a GPU (SmolLM2 token-exact)."""
+    import torch
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, Graph, TensorType, ops
+
+    from pagedkv import graph_ops
+    from pagedkv._ops.tensors import Device, to_buffer
+    from pagedkv.graphs import decoder
+    from pagedkv.graphs.demo import DemoOptions, plan_demo
+
+    ref = Device(device).graph_ref()
+    plan = plan_demo(DemoOptions(device="cpu", model="random", layers=1, weights="f32"))
+    c = plan.config
+    layer = {k.removeprefix("layers.0."): v for k, v in plan.weights.items() if "layers." in k}
+    rng = np.random.default_rng(4)
+    page, pages, half = 16, 8, c.head_dim // 2
+    lens = np.array([37, 20, 5])
+    b = len(lens)
+    counts = -(-lens // page)
+    kv_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    kv_indices = rng.permutation(pages)[: kv_indptr[-1]].astype(np.int32)
+    last = (lens - (counts - 1) * page).astype(np.int32)
+    positions = (lens - 1).astype(np.int32)
+    items, request_items = graph_ops.decode_work(
+        kv_indptr, last, page, c.num_qo_heads, c.num_kv_heads, c.head_dim, gpu=device == "gpu"
+    )
+    angles = positions[:, None] / 10000.0 ** (np.arange(half) / half)
+    cos, sin = (f(angles).astype(np.float32)[:, None] for f in (np.cos, np.sin))
+    x = rng.standard_normal((b, c.hidden_size)).astype(np.float32)
+    pool_shape = (pages, 2, page, c.num_kv_heads, c.head_dim)
+    pool_values = bf16_round(rng.standard_normal(pool_shape)).astype(np.float32)
+    index = (np.arange(b, dtype=np.int32), positions, kv_indices, kv_indptr, last, items,
+             request_items)  # fmt: skip
+    i32, f32 = DType.int32, DType.float32
+    target = target_of(device)
+    torch_device = "cuda" if device == "gpu" else "cpu"
+    results = {}
+    for dtype in (DType.float32, DType.bfloat16):
+        captured: list[tuple[str, object]] = []
+
+        def capture(name, fn, captured=captured):
+            def wrapped(*call_args, **call_kwargs):
+                out = fn(*call_args, **call_kwargs)
+                first = out[0] if isinstance(out, tuple) else out
+                captured.append((f"{name} {len(captured)}", first))
+                return out
+
+            return wrapped
+
+        saved = {n: getattr(decoder, n) for n in ("_rms_norm", "_rope", "_attention")}
+        saved_linear, saved_silu = graph_ops.linear, ops.silu
+        for n, fn in saved.items():
+            setattr(decoder, n, capture(n.strip("_"), fn))
+        graph_ops.linear, ops.silu = capture("linear", saved_linear), capture("silu", saved_silu)
+        types = [
+            TensorType(f32, [b, c.hidden_size], ref),
+            *[TensorType(f32, [b, 1, half], ref)] * 2,
+            BufferType(dtype, pool_shape, ref),
+            *[TensorType(i32, list(v.shape), ref) for v in index],
+        ]
+        try:
+            with Graph(
+                f"layer_{dtype.name}", input_types=types,
+                custom_extensions=graph_ops.custom_extensions(),
+            ) as g:  # fmt: skip
+                xv, cv, sv, pool, bi, pos, ki, kp, kl, wi, ri = g.inputs
+                w = decoder._layer_weights(c, dtype, ref, None, placeholder=False)
+                rope = (ops.cast(cv.tensor, dtype), ops.cast(sv.tensor, dtype))
+                if ref == Device("cpu").graph_ref():
+                    rope = tuple(  # the CPU's fused op takes the whole tables
+                        ops.constant(t, f32, device=ref)
+                        for t in decoder.rope_tables(c, c.rope_theta)
+                    )
+                out = decoder._layer(
+                    decoder.DECODE, c, w, ops.cast(xv.tensor, dtype), rope, pool.buffer,
+                    (bi.tensor, pos.tensor), (ki.tensor, kp.tensor, kl.tensor),
+                    (wi.tensor, ri.tensor), None, None,
+                )  # fmt: skip
+                captured.append(("layer output", out))
+                g.output(*(ops.cast(v, f32) for _, v in captured))
+        finally:
+            for n, fn in saved.items():
+                setattr(decoder, n, fn)
+            graph_ops.linear, ops.silu = saved_linear, saved_silu
+        registry = decoder.weights_registry(c, layer, dtype, ref)
+        model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
+        torch_dtype = getattr(torch, dtype.name)
+        pool_t = torch.from_numpy(pool_values).to(torch_dtype).to(torch_device)
+        inputs = [upload(a, target) for a in (x, cos, sin)]
+        outs = model.execute(
+            *inputs, to_buffer(pool_t, stream_ordered=True), *(upload(a, target) for a in index)
+        )
+        results[dtype] = ([n for n, _ in captured], [o.to(CPU()).to_numpy() for o in outs])
+    names, want = results[DType.float32]
+    got_names, got = results[DType.bfloat16]
+    if names != got_names:
+        print(f"BAD  the two graphs captured different ops: {names} / {got_names}")
+        return
+    for name, a, w in zip(names, got, want, strict=True):
+        scale = float(np.abs(w).max()) or 1.0
+        check(
+            f"layer {name} {list(w.shape)}: bf16 vs f32, relative",
+            np.abs(a - w).max() / scale,
+            0.05,
+        )
+
+
 def subgraph_layers(device: str) -> None:
     """The step graphs' structure in small: one layer subgraph whose weights
     are bfloat16 placeholders resolved by each call's prefix ("layers.{i}."),
@@ -242,8 +363,10 @@ def subgraph_layers(device: str) -> None:
 
 def products(device: str) -> None:
     """MAX's bfloat16 matmuls at SmolLM2's shapes (bfloat16 weights handed
-    over as torch tensors, as the step graphs' are) for 1 and 37 rows: a
-    kernel choice that depends on the shape would show here."""
+    over as torch tensors, as the step graphs' are) for several row counts,
+    each weight two ways: [K, N] multiplied as it is, and [N, K] multiplied
+    by its transpose (MAX's Linear, and graph_ops.linear on a GPU). A kernel
+    choice that depends on the shape or the layout shows here."""
     import torch
     from max.driver import CPU
     from max.dtype import DType
@@ -264,18 +387,25 @@ def products(device: str) -> None:
         x576, x1536 = (ops.cast(v.tensor, DType.bfloat16) for v in g.inputs)
         outs = []
         for name, (k, n) in shapes.items():
+            x = x576 if k == 576 else x1536
             w = Weight(name, DType.bfloat16, [k, n], device=ref)
-            outs.append(ops.cast((x576 if k == 576 else x1536) @ w, DType.float32))
+            wt = Weight(f"{name}.t", DType.bfloat16, [n, k], device=ref)
+            outs += [ops.cast(x @ w, DType.float32), ops.cast(x @ wt.T, DType.float32)]
         g.output(*outs)
     target = target_of(device)
-    registry = {n: torch.from_numpy(w).to(torch.bfloat16) for n, w in weights.items()}
+    registry = {}
+    for name, w in weights.items():
+        registry[name] = torch.from_numpy(w).to(torch.bfloat16)
+        registry[f"{name}.t"] = registry[name].T.contiguous()
     model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
-    for m in (1, 37):
+    for m in (1, 5, 37, 64, 300):
         xs = [rng.standard_normal((m, k)).astype(np.float32) for k in (576, 1536)]
         got = [o.to(CPU()).to_numpy() for o in model.execute(*(upload(x, target) for x in xs))]
-        for (name, (k, _)), y in zip(shapes.items(), got, strict=True):
+        for i, (name, (k, n)) in enumerate(shapes.items()):
             want = bf16_round(xs[0 if k == 576 else 1]) @ bf16_round(weights[name])
-            check(f"MAX bf16 {name} [{m}, {k}] @ {shapes[name]}", np.abs(y - want).max(), 0.05)
+            for y, form in zip(got[2 * i : 2 * i + 2], ("[K, N]", "[N, K].T"), strict=True):
+                diff = np.abs(y - want).max()
+                check(f"MAX bf16 {name} [{m}, {k}] @ {form} of {(k, n)}", diff, 0.05)
 
 
 def engine_logits(device: str) -> None:
@@ -338,15 +468,24 @@ def engine_logits(device: str) -> None:
         kept.clear()
 
 
+PARTS = ("layer", "pool", "ops", "subgraph", "products", "engine")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--parts", default=",".join(PARTS), help="a comma list of %(default)s")
     args = parser.parse_args()
-    pool_aliases("cuda" if args.device == "gpu" else "cpu")
-    single_ops(args.device)
-    subgraph_layers(args.device)
-    products(args.device)
-    engine_logits(args.device)
+    parts = args.parts.split(",")
+    if "layer" in parts:
+        layer_intermediates(args.device)
+    if "pool" in parts:
+        pool_aliases("cuda" if args.device == "gpu" else "cpu")
+    checks = {"ops": single_ops, "subgraph": subgraph_layers, "products": products}
+    checks["engine"] = engine_logits
+    for name, run in checks.items():
+        if name in parts:
+            run(args.device)
 
 
 if __name__ == "__main__":

@@ -390,6 +390,8 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
     rng = np.random.default_rng(5)
     prompt = BASE[: 2 * PAGE + 1]
     medium = "CPU" if device == "cpu" else "GPU"  # where the pool's pages are
+    # The host tier: "CPU" under a GPU pool, "CPU_OFFLOAD" beside a CPU one.
+    host_medium = "CPU_OFFLOAD" if device == "cpu" else "CPU"
 
     def fill(rid, tokens, ids):
         manager.add(rid, ids)
@@ -423,7 +425,7 @@ def check_host_tier(dtype: str, device: str = "cpu") -> None:
     # Tail first, as the pool evicted them; each copy names its parent.
     tail_first = stored.block_hashes[::-1]
     assert removed == BlockRemoved(tail_first, medium)
-    assert [e.medium for e in copied] == ["CPU_OFFLOAD"] * 2
+    assert [e.medium for e in copied] == [host_medium] * 2
     assert [e.block_hashes[0] for e in copied] == tail_first
     assert [e.parent_block_hash for e in copied] == [tail_first[1], None]
     assert copied[1].token_ids + copied[0].token_ids == stored.token_ids

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after receive.sh: starts the GPU checks as
-# background jobs (they outlive the call; tools/device/env.sh's wait_jobs
-# follows them): the suite's GPU tests; the real model's tests on the GPU
-# (greedy answers against transformers', the server), then the demo and
-# `generate` with the real model; the tensor-core fragment probe; the
-# bfloat16 step-graph bisection rig.
+# On the lent GPU machine, after receive.sh: starts GPU checks as background
+# jobs (they outlive the call; tools/device/env.sh's wait_jobs follows them).
+#
+#   bash tools/device/checks.sh [JOB...]    # default: every job, in this order
+#
+# bf16-bisect: the bfloat16 step-graph bisection rig, one decoder layer's
+#   ops first; mma-probe: the tensor-core fragment probe; gpu-tests: the
+#   suite's GPU tests; model-tests: the real model's tests on the GPU
+#   (greedy answers against transformers', the server), then the demo and
+#   `generate` with the real model.
 source tools/device/env.sh
-job gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
-  -o faulthandler_timeout=1200
-job model-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest tests/models/test_smollm2.py \
-  tests/serve/test_serve.py -q -ra -p no:cacheprovider -o faulthandler_timeout=1200;
-  s=$?; python3 -m pagedkv demo --device gpu || s=1;
-  python3 -m pagedkv generate --device gpu --json --max-new-tokens 24 \
-    "What is the capital of France?" "Write a haiku about the sea." || s=1; exit $s'
-job mma-probe python3 benchmarks/kernel_investigations/mma_probe/probe.py
-job bf16-bisect python3 benchmarks/kernel_investigations/bf16_step_bisect.py --device gpu
-echo "started gpu-tests, model-tests, mma-probe and bf16-bisect"
+jobs=("$@")
+[ ${#jobs[@]} -eq 0 ] && jobs=(bf16-bisect mma-probe gpu-tests model-tests)
+for name in "${jobs[@]}"; do
+  case $name in
+  bf16-bisect) job bf16-bisect python3 benchmarks/kernel_investigations/bf16_step_bisect.py \
+    --device gpu --parts layer,engine,ops,products,pool,subgraph ;;
+  mma-probe) job mma-probe python3 benchmarks/kernel_investigations/mma_probe/probe.py ;;
+  gpu-tests) job gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+    -o faulthandler_timeout=1200 ;;
+  model-tests) job model-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest \
+    tests/models/test_smollm2.py tests/serve/test_serve.py -q -ra -p no:cacheprovider \
+    -o faulthandler_timeout=1200; s=$?; python3 -m pagedkv demo --device gpu || s=1;
+    python3 -m pagedkv generate --device gpu --json --max-new-tokens 24 \
+      "What is the capital of France?" "Write a haiku about the sea." || s=1; exit $s' ;;
+  *) echo "unknown job $name" >&2; exit 2 ;;
+  esac
+  echo "started $name"
+done
