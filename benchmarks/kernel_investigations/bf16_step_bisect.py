@@ -19,9 +19,10 @@ the next, and the demo still wrong with the weights transposed
 1. the pool: the MAX buffer the engine makes of a bfloat16 torch pool must
    alias it (same address, the same bits read back);
 2. MAX's own bfloat16 ops on the device (matmul with a [K, N] weight,
-   at SmolLM2's product shapes too, [K, N] and [N, K] transposed, rms_norm, the RoPE gather and cast)
-   against NumPy, and pagedkv's append op in a graph whose index arrays
-   arrive as the engine sends them;
+   at SmolLM2's product shapes too, [K, N] and [N, K] transposed;
+   rms_norm; the RoPE gather and cast) against NumPy, and pagedkv's
+   append op in a graph whose index arrays arrive as the engine sends
+   them;
 3. the step graphs' structure: a layer subgraph with bfloat16 placeholder
    weights, resolved by each call's prefix, appending to a pool per layer;
 4. the step engine's prefill and decode logits against the float64
@@ -29,7 +30,13 @@ the next, and the demo still wrong with the weights transposed
    instead of `Buffer.to`, and with the device synchronized after each
    upload.
 
-    python benchmarks/kernel_investigations/bf16_step_bisect.py [--device gpu] [--parts layer,engine]
+    python benchmarks/kernel_investigations/bf16_step_bisect.py [--device gpu]
+        [--parts layer,engine] [--f32-products]
+
+`--f32-products` runs the same checks with every GPU product of bfloat16
+operands multiplied in float32: if the plain run goes wrong and this one
+does not, MAX's bfloat16 matmul is the fault and float32 products are a
+fix to measure.
 """
 
 from __future__ import annotations
@@ -468,6 +475,31 @@ def engine_logits(device: str) -> None:
         kept.clear()
 
 
+def multiply_in_float32() -> None:
+    """From now on this process's graphs multiply GPU products of bfloat16
+    operands in float32 (graph_ops.linear casts both up, and the result
+    back): whether MAX's bfloat16 products alone make the step graphs go
+    wrong. The disk compile cache is turned off, so that no graph compiled
+    this way is kept or loaded under the plain graphs' names."""
+    import os
+
+    from max.dtype import DType
+    from max.graph import DeviceRef, ops
+
+    from pagedkv import graph_ops
+
+    os.environ["PAGEDKV_COMPILE_CACHE"] = "0"
+    plain = graph_ops.linear
+
+    def linear(x, weight, out_features=None):
+        if weight.device == DeviceRef.CPU() or x.dtype == DType.float32:
+            return plain(x, weight, out_features)
+        f32 = DType.float32
+        return ops.cast(ops.cast(x, f32) @ ops.cast(weight, f32), x.dtype)
+
+    graph_ops.linear = linear
+
+
 PARTS = ("layer", "pool", "ops", "subgraph", "products", "engine")
 
 
@@ -475,7 +507,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--parts", default=",".join(PARTS), help="a comma list of %(default)s")
+    parser.add_argument(
+        "--f32-products", action="store_true", help="multiply bfloat16 products in float32"
+    )
     args = parser.parse_args()
+    if args.f32_products:
+        multiply_in_float32()
     parts = args.parts.split(",")
     if "layer" in parts:
         layer_intermediates(args.device)
