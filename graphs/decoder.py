@@ -313,7 +313,8 @@ def _attention(
         q = _rope(ops.reshape(q, [rows, c.num_qo_heads, c.head_dim]), *rope)
         k = _rope(ops.reshape(k, [rows, c.num_kv_heads, c.head_dim]), *rope)
         v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
-        graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table)
+        # The manager made the table: no host round trip per layer.
+        graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table, checked=False)
     window_left = -1 if window is None else window - 1
     if kind == PREFILL:
         attn, _ = graph_ops.batch_prefill(

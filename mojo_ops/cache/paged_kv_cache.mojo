@@ -366,6 +366,21 @@ struct PagedKVCache[
         )
 
     @always_inline
+    def holds(self, b: Int, tok: Int) -> Bool:
+        """Whether token `tok` of request b has a slot in the pool: b a
+        request of the batch, tok within its cache length and its page a
+        page of the pool. A writer that trusts its page table (the step
+        graphs' own, on a GPU) tests each token with it before it writes, so
+        a wrong table loses rows instead of writing outside the pool.
+        """
+        if b < 0 or b >= self.batch_size or tok < 0:
+            return False
+        if tok >= self.cache_length(b):
+            return False
+        var page = self.page_id(b, tok)
+        return page >= 0 and page < self.num_pages
+
+    @always_inline
     def page_id(self, b: Int, tok: Int) -> Int:
         """Physical page holding token `tok` of request b."""
         var first = Int(self.kv_indptr[unsafe_offset=b])

@@ -4,7 +4,12 @@ Token i of the append goes to request `batch_indices[i]` at sequence position
 `positions[i]`, i.e. to slot `positions[i] % page_size` of page
 `kv_indices[kv_indptr[b] + positions[i] // page_size]`. The page table and the
 targets are checked on the host first (see page_table.mojo), so a bad call
-raises before a single element is written.
+raises before a single element is written. On a GPU that check costs a
+synchronization and a copy of the index arrays to the host, so a caller that
+made the table itself (the step graphs, once per layer) appends unchecked
+(`checked` = 0); every writer still skips a token that has no slot in the
+pool (`PagedKVCache.holds`), so a wrong table loses rows instead of writing
+outside the pool.
 
 CPU: tokens are split across all cores; each token's row moves with full-width
 vector loads and stores. GPU: one thread block per (token, K or V), each
@@ -90,6 +95,8 @@ def scatter_tokens[
             for i in range(t * nnz // tasks, (t + 1) * nnz // tasks):
                 var b = Int(batch_indices[unsafe_offset=i])
                 var pos = Int(positions[unsafe_offset=i])
+                if not (cache_a.holds(b, pos) and cache_b.holds(b, pos)):
+                    continue
                 move_token[kv_a, width, True](cache_a, src_a, i, b, pos, 0, 1)
                 move_token[kv_b, width, True](cache_b, src_b, i, b, pos, 0, 1)
 
@@ -108,6 +115,8 @@ def scatter_tokens[
             var i = Int(block_idx.x)
             var b = Int(batch_indices[unsafe_offset=i])
             var pos = Int(positions[unsafe_offset=i])
+            if not (cache_a.holds(b, pos) and cache_b.holds(b, pos)):
+                return
             var t = Int(thread_idx.x)
             var step = Int(block_dim.x)
             if block_idx.y == 0:
@@ -165,7 +174,7 @@ def check_append[
 
 
 def append_paged_kv[
-    target: StaticString
+    target: StaticString, checked: Bool
 ](
     cache: PagedKVCache,
     append_key: InputTensor[rank=3, ...],
@@ -177,9 +186,10 @@ def append_paged_kv[
     kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
     ctx: DeviceContext,
 ) raises:
-    """Checks everything, then writes key/value [nnz, H, D] into the pages:
-    copied when they have the pool's dtype, quantized (on the CPU) when the
-    pool is int8 and they are float rows (cache/int8_rows.mojo)."""
+    """Checks everything (the index arrays only when `checked`), then
+    writes key/value [nnz, H, D] into the pages: copied when they have the
+    pool's dtype, quantized (on the CPU) when the pool is int8 and they are
+    float rows (cache/int8_rows.mojo)."""
     comptime quantizes = cache.dtype == DType.int8
     comptime if quantizes and not append_key.dtype.is_floating_point():
         raise Error(
@@ -193,15 +203,16 @@ def append_paged_kv[
     var heads = cache.num_kv_heads()
     check_rows("append_key", append_key, nnz, heads, cache.head_dim())
     check_rows("append_value", append_value, nnz, heads, cache.head_dim())
-    check_append[target](
-        cache,
-        batch_indices,
-        positions,
-        kv_indices,
-        kv_indptr,
-        kv_last_page_len,
-        ctx,
-    )
+    comptime if checked:
+        check_append[target](
+            cache,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            ctx,
+        )
     comptime if quantizes:
         quantize_tokens(
             cache,
@@ -258,6 +269,8 @@ def quantize_tokens[
         for i in range(t * nnz // tasks, (t + 1) * nnz // tasks):
             var b = Int(batch_indices[unsafe_offset=i])
             var pos = Int(positions[unsafe_offset=i])
+            if not cache.holds(b, pos):
+                continue
             for h in range(heads):
                 var at = (i * heads + h) * d
                 store_int8_head[KV.K](cache, keys.unsafe_offset(at), b, pos, h)
@@ -271,11 +284,17 @@ def quantize_tokens[
 @extensibility.register("pagedkv_append_paged_kv_cache")
 struct AppendPagedKVCache:
     """Appends into a pool passed as k_cache, v_cache [pages, kv, ...page...]
-    (see cache/cache_tensors.mojo: a one-tensor pool twice, or a K, V pair)."""
+    (see cache/cache_tensors.mojo: a one-tensor pool twice, or a K, V pair).
+
+    Parameters: `layout` (`KVLayout`'s code) and `checked`: 1 checks the
+    index arrays on the host before writing and raises on a bad one; 0
+    trusts them (a table the caller made) and only skips tokens without a
+    slot (`PagedKVCache.holds`).
+    """
 
     @staticmethod
     def execute[
-        target: StaticString, layout: Int
+        target: StaticString, layout: Int, checked: Int
     ](
         k_cache: MutableInputTensor[rank=5, ...],
         v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=5, ...],
@@ -291,7 +310,7 @@ struct AppendPagedKVCache:
         var cache = cache_from_tensors[KVLayout(layout)](
             k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
         )
-        append_paged_kv[target](
+        append_paged_kv[target, checked != 0](
             cache,
             append_key,
             append_value,

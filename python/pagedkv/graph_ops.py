@@ -181,13 +181,16 @@ def append_paged_kv_cache(
     kv_indptr: TensorValue,
     kv_last_page_len: TensorValue,
     kv_layout: str = "NHD",
+    checked: bool = True,
 ) -> None:
     """Writes append_key/append_value [nnz, H, D] into the pool, in place.
 
     paged_kv_cache: [pages, 2, ...page...]; int32 index tensors as in
-    `pagedkv.append_paged_kv_cache`. The op checks the indices and raises
-    before writing anything (on a GPU, after one synchronization that brings
-    the index arrays to the host).
+    `pagedkv.append_paged_kv_cache`. `checked`: the op checks the indices
+    and raises before writing anything (on a GPU, after one synchronization
+    that brings the index arrays to the host). A graph whose index arrays
+    come from its own page manager passes False: the op then only skips any
+    token that has no slot in the pool, and nothing waits for the host.
     """
     ops.inplace_custom(
         APPEND_OP,
@@ -203,7 +206,7 @@ def append_paged_kv_cache(
             kv_indptr,
             kv_last_page_len,
         ],
-        parameters={"layout": layout_code(kv_layout)},
+        parameters={"layout": layout_code(kv_layout), "checked": int(checked)},
     )
 
 

@@ -93,7 +93,7 @@ def append_spec(dtype: DType, layout: int, rows_dtype: DType | None = None) -> O
     pool's (float rows into an int8 pool, which quantizes them)."""
     pool = Operand(storage_dtype(dtype), 5, mutable=True)
     rows = Operand(storage_dtype(rows_dtype or dtype), 3)
-    return OpSpec.of(APPEND_OP, [pool, pool, rows, rows, *[INDEX] * 5], layout=layout)
+    return OpSpec.of(APPEND_OP, [pool, pool, rows, rows, *[INDEX] * 5], layout=layout, checked=1)
 
 
 def mla_append_spec(dtype: DType) -> OpSpec:

@@ -109,6 +109,62 @@ def test_append_then_decode_in_one_graph_matches_eager():
         np.testing.assert_allclose(lse.to_numpy(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+@suite_graph("append_unchecked")
+def build_unchecked_append(module: Module) -> None:
+    cpu = DeviceRef.CPU()
+
+    def index(name):
+        return TensorType(DType.int32, [name], device=cpu)
+
+    rows = TensorType(DType.float32, ["nnz", HKV, D], device=cpu)
+    with Graph(
+        "append_unchecked",
+        input_types=[
+            BufferType(DType.float32, ["pages", 2, P, HKV, D], device=cpu),
+            rows,
+            rows,
+            *(index(n) for n in ("nnz", "nnz", "used_pages", "batch_plus_1", "batch")),
+        ],
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    ) as g:
+        pool, k, v, *table = g.inputs
+        graph_ops.append_paged_kv_cache(pool, k.tensor, v.tensor, *(t.tensor for t in table),
+                                        checked=False)  # fmt: skip
+        g.output()
+
+
+def test_unchecked_append_skips_tokens_without_a_slot():
+    """An append that trusts its table (checked=False, the step graphs' on a
+    GPU) writes every token that has a slot, bit for bit, and skips the
+    others without raising: a position past its request's cached tokens (on
+    a page with room), a request outside the batch, a negative position.
+    The checked op refuses the same call before writing."""
+    model = suite_model("append_unchecked")
+    rng = np.random.default_rng(3)
+    batch = reference.paged_batch(rng, P, [30, 7], [3, 2])
+    pool = rng.standard_normal((batch.num_pages, 2, P, HKV, D), dtype=np.float32)
+    k = rng.standard_normal((batch.nnz, HKV, D), dtype=np.float32)
+    v = rng.standard_normal((batch.nnz, HKV, D), dtype=np.float32)
+    bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
+    want = pool.copy()
+    pagedkv.append_paged_kv_cache(k[:3], v[:3], bi[:3], pos[:3], want, *table)
+    bad_bi, bad_pos = bi.copy(), pos.copy()
+    bad_pos[3] = batch.seq_lens[1]  # one past request 1's tokens, on its last page
+    assert bad_pos[3] % P != 0
+    bad_bi[4] = 2  # a batch of two requests
+    got = pool.copy()
+    model.execute(*[Buffer.from_numpy(x) for x in (got, k, v, bad_bi, bad_pos, *table)])
+    np.testing.assert_array_equal(got, want)
+    bad_pos[:3] = -1
+    model.execute(*[Buffer.from_numpy(x) for x in (got, k, v, bad_bi, bad_pos, *table)])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="outside"):
+        pagedkv.append_paged_kv_cache(k, v, bad_bi, bad_pos, got, *table)
+    np.testing.assert_array_equal(got, want)
+
+
 def shared_prefix_table(rng: np.random.Generator, groups, tails):
     """A page table whose requests share prefixes: groups is a list of
     (prefix pages, requests sharing it) (0 pages: private requests), tails
