@@ -42,6 +42,7 @@ fix to measure.
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -181,33 +182,47 @@ def single_ops(device: str) -> None:
     check("append op in a graph: other pages untouched", np.abs(got[[0, 1, 3]]).max(), 0)
 
 
-def layer_intermediates(device: str) -> None:
-    """One decoder layer of the random demo model, built by the step graphs'
-    own code (decoder._layer), decoding 3 requests over a filled pool, in
-    bfloat16 beside float32: every product, norm, RoPE, attention and
-    activation it computes is an output of the graph, and each bfloat16 one
-    is held to its float32 twin (relative to the float32 values' largest).
-    The first BAD line names the op that goes wrong; the float32 graph is
-    the form verified on a GPU (SmolLM2 token-exact)."""
-    import torch
-    from max.driver import CPU
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import BufferType, Graph, TensorType, ops
+@contextmanager
+def captured_layer_ops(captured: list):
+    """While inside, the step graphs' norms, RoPE, attention, products and
+    SiLU append (name, output value) to `captured` as a graph is built."""
+    from max.graph import ops
 
     from pagedkv import graph_ops
-    from pagedkv._ops.tensors import Device, to_buffer
     from pagedkv.graphs import decoder
-    from pagedkv.graphs.demo import DemoOptions, plan_demo
 
-    ref = Device(device).graph_ref()
-    plan = plan_demo(DemoOptions(device="cpu", model="random", layers=1, weights="f32"))
-    c = plan.config
-    layer = {k.removeprefix("layers.0."): v for k, v in plan.weights.items() if "layers." in k}
+    def capture(name, fn):
+        def wrapped(*call_args, **call_kwargs):
+            out = fn(*call_args, **call_kwargs)
+            first = out[0] if isinstance(out, tuple) else out
+            captured.append((f"{name} {len(captured)}", first))
+            return out
+
+        return wrapped
+
+    saved = {n: getattr(decoder, n) for n in ("_rms_norm", "_rope", "_attention")}
+    saved_linear, saved_silu = graph_ops.linear, ops.silu
+    for n, fn in saved.items():
+        setattr(decoder, n, capture(n.strip("_"), fn))
+    graph_ops.linear, ops.silu = capture("linear", saved_linear), capture("silu", saved_silu)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(decoder, n, fn)
+        graph_ops.linear, ops.silu = saved_linear, saved_silu
+
+
+def decode_inputs(c, device: str) -> dict:
+    """A decode step of 3 requests (37, 20 and 5 tokens, the last one new)
+    over a pool of 8 pages of 16 filled with bfloat16-exact values: the
+    layer's input rows, their RoPE rows, the pool's values and the index
+    arrays (batch_indices, positions, the page table, the work list)."""
+    from pagedkv import graph_ops
+
     rng = np.random.default_rng(4)
     page, pages, half = 16, 8, c.head_dim // 2
     lens = np.array([37, 20, 5])
-    b = len(lens)
     counts = -(-lens // page)
     kv_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     kv_indices = rng.permutation(pages)[: kv_indptr[-1]].astype(np.int32)
@@ -217,84 +232,101 @@ def layer_intermediates(device: str) -> None:
         kv_indptr, last, page, c.num_qo_heads, c.num_kv_heads, c.head_dim, gpu=device == "gpu"
     )
     angles = positions[:, None] / 10000.0 ** (np.arange(half) / half)
-    cos, sin = (f(angles).astype(np.float32)[:, None] for f in (np.cos, np.sin))
-    x = rng.standard_normal((b, c.hidden_size)).astype(np.float32)
     pool_shape = (pages, 2, page, c.num_kv_heads, c.head_dim)
-    pool_values = bf16_round(rng.standard_normal(pool_shape)).astype(np.float32)
-    index = (np.arange(b, dtype=np.int32), positions, kv_indices, kv_indptr, last, items,
-             request_items)  # fmt: skip
+    return {
+        "x": rng.standard_normal((len(lens), c.hidden_size)).astype(np.float32),
+        "rope": [f(angles).astype(np.float32)[:, None] for f in (np.cos, np.sin)],
+        "pool": bf16_round(rng.standard_normal(pool_shape)).astype(np.float32),
+        "index": (
+            np.arange(len(lens), dtype=np.int32),
+            positions,
+            kv_indices,
+            kv_indptr,
+            last,
+            items,
+            request_items,
+        ),  # fmt: skip
+    }
+
+
+def layer_outputs(c, layer: dict, inputs: dict, dtype, device: str):
+    """(names, values) of every op captured in one decoder layer's graph of
+    `dtype`, run on `inputs` (decode_inputs)."""
+    import torch
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, Graph, TensorType, ops
+
+    from pagedkv import graph_ops
+    from pagedkv._ops.tensors import Device, to_buffer
+    from pagedkv.graphs import decoder
+
+    ref = Device(device).graph_ref()
     i32, f32 = DType.int32, DType.float32
+    x, rope_rows, index = inputs["x"], inputs["rope"], inputs["index"]
+    types = [
+        TensorType(f32, list(x.shape), ref),
+        *[TensorType(f32, list(r.shape), ref) for r in rope_rows],
+        BufferType(dtype, list(inputs["pool"].shape), ref),
+        *[TensorType(i32, list(v.shape), ref) for v in index],
+    ]
+    captured: list = []
+    with captured_layer_ops(captured), Graph(
+        f"layer_{dtype.name}", input_types=types, custom_extensions=graph_ops.custom_extensions()
+    ) as g:  # fmt: skip
+        xv, cv, sv, pool, bi, pos, ki, kp, kl, wi, ri = g.inputs
+        w = decoder._layer_weights(c, dtype, ref, None, placeholder=False)
+        rope = (ops.cast(cv.tensor, dtype), ops.cast(sv.tensor, dtype))
+        if ref == Device("cpu").graph_ref():
+            # The CPU's fused op takes the whole tables.
+            tables = decoder.rope_tables(c, c.rope_theta)
+            rope = tuple(ops.constant(t, f32, device=ref) for t in tables)
+        out = decoder._layer(
+            decoder.DECODE, c, w, ops.cast(xv.tensor, dtype), rope, pool.buffer,
+            (bi.tensor, pos.tensor), (ki.tensor, kp.tensor, kl.tensor), (wi.tensor, ri.tensor),
+            None, None,
+        )  # fmt: skip
+        captured.append(("layer output", out))
+        g.output(*(ops.cast(v, f32) for _, v in captured))
     target = target_of(device)
-    torch_device = "cuda" if device == "gpu" else "cpu"
-    results = {}
-    for dtype in (DType.float32, DType.bfloat16):
-        captured: list[tuple[str, object]] = []
+    registry = decoder.weights_registry(c, layer, dtype, ref)
+    model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
+    pool_t = torch.from_numpy(inputs["pool"]).to(getattr(torch, dtype.name))
+    pool_t = pool_t.to("cuda" if device == "gpu" else "cpu")
+    outs = model.execute(
+        *(upload(a, target) for a in (x, *rope_rows)),
+        to_buffer(pool_t, stream_ordered=True),
+        *(upload(a, target) for a in index),
+    )
+    return [n for n, _ in captured], [o.to(CPU()).to_numpy() for o in outs]
 
-        def capture(name, fn, captured=captured):
-            def wrapped(*call_args, **call_kwargs):
-                out = fn(*call_args, **call_kwargs)
-                first = out[0] if isinstance(out, tuple) else out
-                captured.append((f"{name} {len(captured)}", first))
-                return out
 
-            return wrapped
+def layer_intermediates(device: str) -> None:
+    """One decoder layer of the random demo model, built by the step graphs'
+    own code (decoder._layer), decoding 3 requests over a filled pool, in
+    bfloat16 beside float32: every product, norm, RoPE, attention and
+    activation it computes is an output of the graph, and each bfloat16 one
+    is held to its float32 twin (relative to the float32 values' largest).
+    The first BAD line names the op that goes wrong; the float32 graph is
+    the form verified on a GPU (SmolLM2 token-exact)."""
+    from max.dtype import DType
 
-        saved = {n: getattr(decoder, n) for n in ("_rms_norm", "_rope", "_attention")}
-        saved_linear, saved_silu = graph_ops.linear, ops.silu
-        for n, fn in saved.items():
-            setattr(decoder, n, capture(n.strip("_"), fn))
-        graph_ops.linear, ops.silu = capture("linear", saved_linear), capture("silu", saved_silu)
-        types = [
-            TensorType(f32, [b, c.hidden_size], ref),
-            *[TensorType(f32, [b, 1, half], ref)] * 2,
-            BufferType(dtype, pool_shape, ref),
-            *[TensorType(i32, list(v.shape), ref) for v in index],
-        ]
-        try:
-            with Graph(
-                f"layer_{dtype.name}", input_types=types,
-                custom_extensions=graph_ops.custom_extensions(),
-            ) as g:  # fmt: skip
-                xv, cv, sv, pool, bi, pos, ki, kp, kl, wi, ri = g.inputs
-                w = decoder._layer_weights(c, dtype, ref, None, placeholder=False)
-                rope = (ops.cast(cv.tensor, dtype), ops.cast(sv.tensor, dtype))
-                if ref == Device("cpu").graph_ref():
-                    rope = tuple(  # the CPU's fused op takes the whole tables
-                        ops.constant(t, f32, device=ref)
-                        for t in decoder.rope_tables(c, c.rope_theta)
-                    )
-                out = decoder._layer(
-                    decoder.DECODE, c, w, ops.cast(xv.tensor, dtype), rope, pool.buffer,
-                    (bi.tensor, pos.tensor), (ki.tensor, kp.tensor, kl.tensor),
-                    (wi.tensor, ri.tensor), None, None,
-                )  # fmt: skip
-                captured.append(("layer output", out))
-                g.output(*(ops.cast(v, f32) for _, v in captured))
-        finally:
-            for n, fn in saved.items():
-                setattr(decoder, n, fn)
-            graph_ops.linear, ops.silu = saved_linear, saved_silu
-        registry = decoder.weights_registry(c, layer, dtype, ref)
-        model = InferenceSession(devices=[target]).load(g, weights_registry=registry)
-        torch_dtype = getattr(torch, dtype.name)
-        pool_t = torch.from_numpy(pool_values).to(torch_dtype).to(torch_device)
-        inputs = [upload(a, target) for a in (x, cos, sin)]
-        outs = model.execute(
-            *inputs, to_buffer(pool_t, stream_ordered=True), *(upload(a, target) for a in index)
-        )
-        results[dtype] = ([n for n, _ in captured], [o.to(CPU()).to_numpy() for o in outs])
-    names, want = results[DType.float32]
-    got_names, got = results[DType.bfloat16]
+    from pagedkv.graphs.demo import DemoOptions, plan_demo
+
+    plan = plan_demo(DemoOptions(device="cpu", model="random", layers=1, weights="f32"))
+    c = plan.config
+    layer = {k.removeprefix("layers.0."): v for k, v in plan.weights.items() if "layers." in k}
+    inputs = decode_inputs(c, device)
+    names, want = layer_outputs(c, layer, inputs, DType.float32, device)
+    got_names, got = layer_outputs(c, layer, inputs, DType.bfloat16, device)
     if names != got_names:
         print(f"BAD  the two graphs captured different ops: {names} / {got_names}")
         return
     for name, a, w in zip(names, got, want, strict=True):
         scale = float(np.abs(w).max()) or 1.0
-        check(
-            f"layer {name} {list(w.shape)}: bf16 vs f32, relative",
-            np.abs(a - w).max() / scale,
-            0.05,
-        )
+        relative = np.abs(a - w).max() / scale
+        check(f"layer {name} {list(w.shape)}: bf16 vs f32, relative", relative, 0.05)
 
 
 def subgraph_layers(device: str) -> None:
