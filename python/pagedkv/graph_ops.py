@@ -69,7 +69,11 @@ def linear(x: TensorValue, weight: TensorValue, out_features: int | None = None)
     ([ceil(N / 64), K, 64]) and the product is pagedkv's op: float32
     accumulation, one contiguous stream of the weight per core, and a
     fraction of the compile time of MAX's matmul. On a GPU, ``weight`` is w
-    itself and the product is MAX's matmul (tensor cores).
+    itself and the product is MAX's matmul (tensor cores); of 16-bit
+    operands, multiplied in float32 and rounded back: MAX 26.7's 16-bit
+    matmul on an H100 reads memory it has not written and returns wrong
+    sums at some shapes, which differ from one process to the next
+    (docs/gpu.md).
 
     Args:
         x: [M, K] (M symbolic), the weight's dtype.
@@ -81,6 +85,9 @@ def linear(x: TensorValue, weight: TensorValue, out_features: int | None = None)
         [M, N], x's dtype.
     """
     if weight.device != DeviceRef.CPU():
+        if x.dtype in (DType.bfloat16, DType.float16):
+            f32 = DType.float32
+            return ops.cast(ops.cast(x, f32) @ ops.cast(weight, f32), x.dtype)
         return x @ weight
     if weight.rank != 3 or int(weight.shape[2]) != LINEAR_PANEL:
         raise ValueError(

@@ -5,8 +5,8 @@
 #   bash tools/device/checks.sh [JOB...]    # default: every job, in this order
 #
 # bf16-bisect: the bfloat16 step-graph bisection rig, one decoder layer's
-#   ops first; bf16-f32-products: its layer and engine parts with the
-#   products multiplied in float32 (not in the default list); mma-probe: the
+#   ops first; bf16-max-products: its layer and engine parts with MAX's own
+#   bfloat16 matmul (not in the default list); mma-probe: the
 #   tensor-core fragment probe; gpu-tests: the suite's GPU tests; model-tests: the real model's tests on the GPU
 #   (greedy answers against transformers', the server), then the demo and
 #   `generate` with the real model.
@@ -17,9 +17,9 @@ for name in "${jobs[@]}"; do
   case $name in
   bf16-bisect) job bf16-bisect python3 benchmarks/kernel_investigations/bf16_step_bisect.py \
     --device gpu --parts layer,engine,ops,products,pool,subgraph ;;
-  bf16-f32-products) job bf16-f32-products python3 \
+  bf16-max-products) job bf16-max-products python3 \
     benchmarks/kernel_investigations/bf16_step_bisect.py --device gpu --parts layer,engine \
-    --f32-products ;;
+    --max-16bit-products ;;
   mma-probe) job mma-probe python3 benchmarks/kernel_investigations/mma_probe/probe.py ;;
   gpu-tests) job gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
     -o faulthandler_timeout=1200 ;;
