@@ -5,11 +5,13 @@
 #   bash tools/device/checks.sh [JOB...]    # default: every job, in this order
 #
 # bf16-bisect: the bfloat16 step-graph bisection rig, one decoder layer's
-#   ops first; bf16-max-products: its layer and engine parts with MAX's own
-#   bfloat16 matmul (not in the default list); mma-probe: the
-#   tensor-core fragment probe; gpu-tests: the suite's GPU tests; model-tests: the real model's tests on the GPU
-#   (greedy answers against transformers', the server), then the demo and
-#   `generate` with the real model.
+#   ops first.
+# bf16-max-products: its layer and engine parts with MAX's own bfloat16
+#   matmul (not in the default list).
+# mma-probe: the tensor-core fragment probe.
+# gpu-tests: the suite's GPU tests.
+# model-tests: the real model's tests on the GPU (greedy answers against
+#   transformers', the server), then the demo and `generate` with it.
 source tools/device/env.sh
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(bf16-bisect mma-probe gpu-tests model-tests)
