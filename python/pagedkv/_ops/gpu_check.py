@@ -33,7 +33,8 @@ def compile_for(arch: str, api: str = "cuda") -> int:
 
 def compile_demo_graphs() -> None:
     """Compiles `pagedkv demo --device gpu`'s prefill and decode step graphs
-    (after compile_for set up the virtual device)."""
+    (after compile_for set up the virtual device), in float32 and in
+    bfloat16, whose products take graph_ops.linear's float32 path on a GPU."""
     from max.dtype import DType
 
     from ..graphs.model import DecoderConfig, init_weights
@@ -41,7 +42,9 @@ def compile_demo_graphs() -> None:
     from .tensors import Device
 
     config = DecoderConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, hidden_size=512)
-    compile_step_graphs(config, init_weights(config, 0), 16, DType.float32, Device("gpu"))
+    weights = init_weights(config, 0)
+    for dtype in (DType.float32, DType.bfloat16):
+        compile_step_graphs(config, weights, 16, dtype, Device("gpu"))
 
 
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
