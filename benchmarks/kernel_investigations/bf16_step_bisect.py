@@ -246,7 +246,7 @@ def decode_inputs(c, device: str) -> dict:
             last,
             items,
             request_items,
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -366,7 +366,7 @@ def subgraph_layers(device: str) -> None:
         ) as sub:  # fmt: skip
             sx, pool, *idx = sub.inputs
             w = Weight("w", bf16, [k, k], device=ref, _placeholder=True)
-            y = sx.tensor @ w  # graph_ops.linear on a GPU
+            y = sx.tensor @ w  # MAX's own bfloat16 matmul
             yk, yv = (ops.reshape(t, [m, heads, dim]) for t in ops.split(y, [k // 2, k // 2], -1))
             graph_ops.append_paged_kv_cache(pool.buffer, yk, yv, *(v.tensor for v in idx))
             sub.output(sx.tensor + y)
@@ -405,8 +405,8 @@ def products(device: str) -> None:
     """MAX's bfloat16 matmuls at SmolLM2's shapes (bfloat16 weights handed
     over as torch tensors, as the step graphs' are) for several row counts,
     each weight two ways: [K, N] multiplied as it is, and [N, K] multiplied
-    by its transpose (MAX's Linear, and graph_ops.linear on a GPU). A kernel
-    choice that depends on the shape or the layout shows here."""
+    by its transpose (MAX's Linear form). A kernel choice that depends on
+    the shape or the layout shows here."""
     import torch
     from max.driver import CPU
     from max.dtype import DType

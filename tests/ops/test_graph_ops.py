@@ -129,8 +129,8 @@ def build_unchecked_append(module: Module) -> None:
         module=module,
     ) as g:
         pool, k, v, *table = g.inputs
-        rows_kv = (k.tensor, v.tensor)
-        graph_ops.append_paged_kv_cache(pool, *rows_kv, *(t.tensor for t in table), checked=False)
+        index = (t.tensor for t in table)
+        graph_ops.append_paged_kv_cache(pool, k.tensor, v.tensor, *index, checked=False)
         g.output()
 
 
