@@ -152,7 +152,38 @@ class MultiLevelCascadeAttentionWrapper:
         """FlashInfer's deprecated no-op."""
 
 
-class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+class _SharedPrefixWrapper:
+    """FlashInfer's older cascade API: a prefix every request shares, given
+    as contiguous K/V that every query attends (it precedes all their
+    keys: no mask), merged with each request's own keys in the paged cache,
+    which `_inner`, a wrapper of the class `_inner_class`, plans and runs."""
+
+    _inner_class: type[BatchDecodeWithPagedKVCacheWrapper | BatchPrefillWithPagedKVCacheWrapper]
+
+    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD"):
+        self._inner = self._inner_class(float_workspace_buffer, kv_layout)
+        self._kv_layout = kv_layout
+
+    def _prefix_state(
+        self, q: Array, k_shared: Array, v_shared: Array, **options: float | None
+    ) -> tuple[Array, Array]:
+        """(o, lse) of every query over the shared prefix alone; options:
+        single_prefill_with_kv_cache's sm_scale, rope_scale, rope_theta."""
+        return single_prefill_with_kv_cache(
+            q,
+            k_shared,
+            v_shared,
+            causal=False,
+            kv_layout=self._kv_layout,
+            return_lse=True,
+            **options,
+        )
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated no-op."""
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
     """Decode with a prefix every request shares, given as contiguous K/V,
     and each request's own keys in the paged cache (FlashInfer's older
     cascade API; MultiLevelCascadeAttentionWrapper is the newer one).
@@ -166,9 +197,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
     k_shared, v_shared: [prefix_len, Hkv, D] (NHD) or [Hkv, prefix_len, D] (HND).
     """
 
-    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD"):
-        self._decode = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._kv_layout = kv_layout
+    _inner_class = BatchDecodeWithPagedKVCacheWrapper
 
     def begin_forward(
         self,
@@ -183,7 +212,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
     ) -> None:
         """Plans decode over the requests' own pages (the shared prefix needs
         no plan)."""
-        self._decode.plan(
+        self._inner.plan(
             unique_kv_indptr,
             unique_kv_indices,
             unique_kv_last_page_len,
@@ -198,18 +227,13 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
         self, q: Array, k_shared: Array, v_shared: Array, unique_kv_cache: Array | Sequence[Array]
     ) -> Array:
         """o [B, Hq, D]: each request's query over the shared prefix and its own keys."""
-        o, lse = single_prefill_with_kv_cache(
-            q, k_shared, v_shared, causal=False, kv_layout=self._kv_layout, return_lse=True
-        )
-        o_unique, lse_unique = self._decode.run(q, unique_kv_cache, return_lse=True)
+        o, lse = self._prefix_state(q, k_shared, v_shared)
+        o_unique, lse_unique = self._inner.run(q, unique_kv_cache, return_lse=True)
         merge_state_in_place(o, lse, o_unique, lse_unique)
         return o
 
-    def end_forward(self) -> None:
-        """FlashInfer's deprecated no-op."""
 
-
-class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
     """Prefill with a prefix every request shares, given as contiguous K/V,
     and each request's own keys in the paged cache (FlashInfer's older
     cascade API). With `causal`, a request's queries are its last tokens and
@@ -222,9 +246,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
     >>> o = w.forward(q, k_shared, v_shared, unique_kv_cache, causal=True)
     """
 
-    def __init__(self, float_workspace_buffer: Array | None = None, kv_layout: str = "NHD"):
-        self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._kv_layout = kv_layout
+    _inner_class = BatchPrefillWithPagedKVCacheWrapper
 
     def begin_forward(
         self,
@@ -238,7 +260,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         page_size: int,
     ) -> None:
         """Keeps the requests' page table; forward() plans with its options."""
-        self._prefill.begin_forward(
+        self._inner.begin_forward(
             qo_indptr,
             paged_kv_indptr,
             paged_kv_indices,
@@ -264,20 +286,9 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         """o [queries, Hq, D]: every query over the shared prefix and its
         request's own keys (causally among those with `causal`)."""
         options = {"sm_scale": sm_scale, "rope_scale": rope_scale, "rope_theta": rope_theta}
-        o, lse = single_prefill_with_kv_cache(
-            q,
-            k_shared,
-            v_shared,
-            causal=False,
-            kv_layout=self._kv_layout,
-            return_lse=True,
-            **options,
-        )
-        o_unique, lse_unique = self._prefill.forward_return_lse(
+        o, lse = self._prefix_state(q, k_shared, v_shared, **options)
+        o_unique, lse_unique = self._inner.forward_return_lse(
             q, unique_kv_cache, causal=causal, **options
         )
         merge_state_in_place(o, lse, o_unique, lse_unique)
         return o
-
-    def end_forward(self) -> None:
-        """FlashInfer's deprecated no-op."""

@@ -13,29 +13,16 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._checks import (
-    APPROXIMATIONS,
-    INT32_MAX,
-    as_int32_index,
-    check_int,
-    layout_code,
-    refuse_gpu_only,
-)
+from ._checks import as_int32_index, check_int
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
 from ._plan.block_tables import check_trtllm_table
-from ._plan.io_dtypes import (
-    check_out_dtype,
-    kernel_out,
-    kernel_q_dtype,
-    output_dtype,
-    output_in,
-    widened_query,
-)
+from ._plan.io_dtypes import kernel_out, kernel_q_dtype, output_dtype, output_in
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, FixedWork, PageTable, attention_spec
 from ._plan.work import (
     HOPPER_BACKENDS,
+    PLAN_OPTIONS,
     AttentionOptions,
     as_dtype,
     check_heads,
@@ -45,9 +32,8 @@ from ._plan.work import (
     decode_work,
     heads_per_task,
 )
-from ._plan.workspace import WorkspaceMethods
+from ._wrappers import PagedWrapper, fixed_index_buffers, refuse_jit_variants
 from .attention_sinks import merge_sinks, sink_log2_lse
-from .fixed_buffers import FixedIndexBuffers
 from .nvfp4 import attention_cache, plan_kv_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -76,7 +62,7 @@ def split_chunk(table: PageTable, disable_split_kv: bool, fixed_split_size) -> i
     return None
 
 
-class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
+class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
     """Decode attention for a batch of requests with one query token each.
 
     >>> w = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -121,36 +107,22 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         jit_args: object = None,
     ) -> None:
         given = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        buffers = dict(zip(FIXED_DECODE_BUFFERS, given, strict=True))
-        self._fixed = None
-        if use_cuda_graph:
-            self._fixed = FixedIndexBuffers(
-                buffers, exact=("paged_kv_indptr_buffer", "paged_kv_last_page_len_buffer")
-            )
-        elif any(b is not None for b in buffers.values()):
-            raise ValueError("the paged_kv_*_buffer arguments go with use_cuda_graph=True")
-        if jit_args is not None:
-            raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
-        self._layout = layout_code(kv_layout)
-        self._kv_layout = kv_layout
+        fixed = fixed_index_buffers(
+            use_cuda_graph,
+            dict(zip(FIXED_DECODE_BUFFERS, given, strict=True)),
+            ("paged_kv_indptr_buffer", "paged_kv_last_page_len_buffer"),
+            "paged_kv_*_buffer",
+        )
+        refuse_jit_variants(jit_args)
+        super().__init__(float_workspace_buffer, kv_layout, backend, fixed)
         decode_kernel(backend, True, kv_layout, None, 1, "NONE")  # validates the name
-        self._backend = backend
-        self._workspace = float_workspace_buffer
         self._use_tensor_cores = bool(use_tensor_cores)
-        self._plan: AttentionPlan | None = None
         self._multi: BatchPrefillWithPagedKVCacheWrapper | None = None
-        self._planned: dict | None = None
-        self._o_dtype: DType | None = None
-        """The output dtype plan() asked for (None: the query's)."""
+        """A plan of several queries a request: the prefill wrapper running it."""
         self._frozen_q_len: int | None = None
         """use_cuda_graph: the first plan's q_len_per_req, which later plans keep."""
         self._fixed_work: FixedWork | None = None
         """use_cuda_graph: the work list and scratch every plan writes in place."""
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        """Whether plan() writes into the caller's fixed buffers (use_cuda_graph)."""
-        return self._fixed is not None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -243,9 +215,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         )
         self._plan = self._multi = None
         if q_len_per_req > 1:
-            self._plan_multi_token(q_len_per_req)
+            self._plan_multi_token(self._planned)
         else:
-            self._plan_one_token(**self._planned)
+            self._plan_one_token(self._planned)
         self._frozen_q_len = q_len_per_req if self._fixed is not None else None
 
     def _check_plan_contract(self, window_right, q_len_per_req, is_causal) -> int:
@@ -278,48 +250,20 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             )
         return q_len_per_req
 
-    def _plan_one_token(
-        self,
-        indptr,
-        indices,
-        last_page_len,
-        num_qo_heads,
-        num_kv_heads,
-        head_dim,
-        page_size,
-        pos_encoding_mode,
-        window_left,
-        logits_soft_cap,
-        q_data_type,
-        kv_data_type,
-        sm_scale,
-        rope_scale,
-        rope_theta,
-        fixed_split_size,
-        disable_split_kv,
-        q_len_per_req,
-    ) -> None:
-        """The plan of one query per request: the checked page table, the
-        work list (split as asked), the kernel and its parameters."""
-        num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
-        page_size = check_int("page_size", page_size, 1)
-        options = AttentionOptions(
-            head_dim=check_int("head_dim", head_dim, 1),
-            pos_encoding_mode=pos_encoding_mode,
-            window_left=check_int("window_left", window_left, -1, INT32_MAX - 1),
-            # FlashInfer's 0 is off; NaN is truthy and reaches the check.
-            logits_soft_cap=logits_soft_cap or None,
-            sm_scale=sm_scale,
-            rope_scale=rope_scale,
-            rope_theta=rope_theta,
-        )
-        is_gpu = device_of(indptr).is_gpu
+    def _plan_one_token(self, p: dict) -> None:
+        """The plan of one query per request (p: plan()'s arguments, as
+        `_planned` keeps them): the checked page table, the work list (split
+        as asked), the kernel and its parameters."""
+        num_qo_heads, num_kv_heads = check_heads(p["num_qo_heads"], p["num_kv_heads"])
+        page_size = check_int("page_size", p["page_size"], 1)
+        options = AttentionOptions.of_plan(check_int("head_dim", p["head_dim"], 1), p)
+        is_gpu = device_of(p["indptr"]).is_gpu
         group = num_qo_heads // num_kv_heads
         gpu_kernel = decode_kernel(
-            self._backend, is_gpu, self._kv_layout, page_size, group, pos_encoding_mode
+            self._backend, is_gpu, self._kv_layout, page_size, group, options.pos_encoding_mode
         )
-        table = PageTable.checked(indptr, indices, last_page_len, page_size)
-        fixed_chunk = split_chunk(table, disable_split_kv, fixed_split_size)
+        table = PageTable.checked(p["indptr"], p["indices"], p["last_page_len"], page_size)
+        fixed_chunk = split_chunk(table, p["disable_split_kv"], p["fixed_split_size"])
         views = None
         if self._fixed is not None:
             views = self._fixed.write_all(table.indptr, table.indices, table.last_page_len)
@@ -355,12 +299,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
                 per_task, causal=True, max_queries=1, kv_split=True, gpu_kernel=gpu_kernel
             ),
             q_rows=table.batch_size,
-            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
-            kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
+            q_data_type=p["q_data_type"],
+            kv_data_type=p["kv_data_type"],
             workspace=self._workspace,
             lse_shift=(
                 decode_alibi_lse_shift(table.seq_lens, num_qo_heads)
-                if pos_encoding_mode == "ALIBI"
+                if options.pos_encoding_mode == "ALIBI"
                 else None
             ),
             table_views=views,
@@ -382,14 +326,15 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             )  # fmt: skip
         return self._fixed_work
 
-    def _plan_multi_token(self, q_len: int) -> None:
+    def _plan_multi_token(self, p: dict) -> None:
         """q_len_per_req > 1: causal prefill of each request's last q_len
-        tokens (with fixed buffers, a prefill wrapper over the same ones)."""
-        p = self._planned
-        assert p is not None
+        tokens (with fixed buffers, a prefill wrapper over the same ones);
+        p: plan()'s arguments, as `_planned` keeps them."""
+        q_len = p["q_len_per_req"]
         batch = int(p["last_page_len"].shape[0])
         qo_indptr = new_like(p["indptr"], np.arange(batch + 1, dtype=np.int32) * q_len)
-        table = PageTable.checked(p["indptr"], p["indices"], p["last_page_len"], p["page_size"])
+        csr = (p["indptr"], p["indices"], p["last_page_len"])
+        table = PageTable.checked(*csr, p["page_size"])
         short = np.nonzero(table.seq_lens < q_len)[0]
         if len(short):
             b = int(short[0])
@@ -399,30 +344,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             )
         fixed = () if self._fixed is None else (True, qo_indptr, *self._fixed.buffers.values())
         self._multi = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, *fixed)
-        self._multi.plan(
-            qo_indptr,
-            p["indptr"],
-            p["indices"],
-            p["last_page_len"],
-            p["num_qo_heads"],
-            p["num_kv_heads"],
-            p["head_dim"],
-            p["page_size"],
-            causal=True,
-            pos_encoding_mode=p["pos_encoding_mode"],
-            sm_scale=p["sm_scale"],
-            window_left=p["window_left"],
-            logits_soft_cap=p["logits_soft_cap"],
-            rope_scale=p["rope_scale"],
-            rope_theta=p["rope_theta"],
-            q_data_type=p["q_data_type"],
-            kv_data_type=p["kv_data_type"],
-        )
+        shape = (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"])
+        options = {name: p[name] for name in (*PLAN_OPTIONS, "q_data_type", "kv_data_type")}
+        self._multi.plan(qo_indptr, *csr, *shape, causal=True, **options)
 
     begin_forward = plan
-
-    def end_forward(self) -> None:
-        """FlashInfer's deprecated no-op."""
 
     def run(
         self,
@@ -468,14 +394,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         del enable_pdl
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
-        refuse_gpu_only(
-            "run()",
-            {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor},
-            APPROXIMATIONS if self._backend == "trtllm-gen" else (),
+        q, o_dtype = self._run_query(
+            q, out, {"skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor}
         )
-        o_dtype = self._o_dtype or dtype_of(q)
-        check_out_dtype(out, o_dtype)
-        q = widened_query(q)
         if kv_cache_sf is not None:
             plan = self._plan if self._multi is None else self._multi._plan
             assert plan is not None
@@ -525,12 +446,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
         o = output_in(o, o_dtype, out)
         return (o, lse) if return_lse else o
 
-    def run_return_lse(
-        self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
-    ) -> tuple[Array, Array]:
-        """run(..., return_lse=True): FlashInfer's deprecated name."""
-        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
-
     def forward(
         self,
         q: Array,
@@ -558,16 +473,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceMethods):
             rope_theta=rope_theta,
         )
         return self.run(q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse)
-
-    def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
-        """forward(..., return_lse=True): FlashInfer's deprecated name."""
-        return self.forward(*args, return_lse=True, **kwargs)
-
-    def _replan_with(self, **options: object) -> None:
-        if self._planned is None:
-            raise RuntimeError("forward() called before begin_forward()")
-        if any(self._planned[k] != v for k, v in options.items()):
-            self.plan(**{**self._planned, **options})
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

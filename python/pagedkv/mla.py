@@ -68,7 +68,14 @@ from ._ops.tensors import (
     storage_view,
     to_buffer,
 )
-from ._plan.plan import F32, FP8_DTYPES, HOST_F32, HOST_INDEX, Q_DTYPES, _workspace_view
+from ._plan.plan import (
+    F32,
+    FP8_DTYPES,
+    Q_DTYPES,
+    _workspace_view,
+    output_operands,
+    plan_operands,
+)
 from ._plan.work import AttentionOptions, as_dtype, check_backend, decode_work, prefill_work
 from .attention_sinks import merge_sinks, sink_log2_lse
 from .fixed_buffers import FixedIndexBuffers
@@ -88,30 +95,21 @@ MLA_BACKENDS = ("auto", "fa2")
 MLA_MAX_CKV_DIM = 1024
 """The largest ckv_dim the CPU kernel takes (its scratch grows with it)."""
 
-INDEX = Operand(DType.int32, 1)
-
 
 def mla_spec(q_dtype: DType, kv_dtype: DType) -> OpSpec:
-    """The MLA op's operands (see MLA_OPERANDS) for q and cache dtypes; fp8
-    caches enter as uint8 with kv_format naming them."""
+    """The MLA op's operands (see MLA_OPERANDS) for q and cache dtypes: the
+    outputs and plan's operands as the batch attention op's (`output_operands`,
+    `plan_operands`); fp8 caches enter as uint8 with kv_format naming them."""
     cache = Operand(storage_dtype(kv_dtype), 3, mutable=True)
     return OpSpec.of(
         MLA_OP,
         mla_operands(
-            output=Operand(q_dtype, 3, mutable=True),
-            lse=Operand(F32, 2, mutable=True),
-            partial_o=Operand(F32, 3, mutable=True),
-            partial_lse=Operand(F32, 2, mutable=True),
+            **output_operands(q_dtype),
             q_nope=Operand(q_dtype, 3),
             q_pe=Operand(q_dtype, 3),
             ckv_cache=cache,
             kpe_cache=cache,
-            kv_indices=INDEX,
-            kv_indptr=INDEX,
-            work_items=Operand(DType.int32, 2),
-            request_items=INDEX,
-            float_params=HOST_F32,
-            int_params=HOST_INDEX,
+            **plan_operands(),
         ),
         kv_format=FP8_FORMATS.get(kv_dtype, 0),
     )
@@ -470,6 +468,7 @@ class BatchMLAPagedAttentionWrapper:
             table = {"kv_indices": to_buffer(fixed_indices), "kv_indptr": to_buffer(fixed_indptr)}
         else:
             table = {"kv_indices": resident(indices), "kv_indptr": resident(kv_ptr)}
+        # The operands the plan fixes, by the op's operand names (MLA_OPERANDS).
         self._buffers = {
             **table,
             "work_items": resident(items),
@@ -660,24 +659,17 @@ class BatchMLAPagedAttentionWrapper:
         ckv_operand = storage_view(ckv_rows)
         # One packed cache is one operand twice (wrapped once).
         kpe_operand = ckv_operand if kpe_rows is ckv_rows else storage_view(kpe_rows)
-        b = self._buffers
         run_model(
             self._model,
             mla_operands(
                 output=out,
                 lse=lse,
-                partial_o=b["partial_o"],
-                partial_lse=b["partial_lse"],
                 q_nope=contiguous(q_nope),
                 q_pe=contiguous(q_pe),
                 ckv_cache=ckv_operand,
                 kpe_cache=kpe_operand,
-                kv_indices=b["kv_indices"],
-                kv_indptr=b["kv_indptr"],
-                work_items=b["work_items"],
-                request_items=b["request_items"],
                 float_params=mla_float_params(*scales),
-                int_params=b["int_params"],
+                **self._buffers,
             ),
             self.device,
         )

@@ -15,27 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._checks import (
-    APPROXIMATIONS,
-    INT32_MAX,
-    as_int32_index,
-    check_index_array,
-    check_int,
-    host_index_copy,
-    layout_code,
-    refuse_gpu_only,
-)
+from ._checks import as_int32_index, check_index_array, check_int, host_index_copy
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, check_array, contiguous, device_of, dtype_of, is_torch, new_like
 from ._plan.block_tables import check_trtllm_table
-from ._plan.io_dtypes import (
-    check_out_dtype,
-    kernel_out,
-    kernel_q_dtype,
-    output_dtype,
-    output_in,
-    widened_query,
-)
+from ._plan.io_dtypes import kernel_out, kernel_q_dtype, output_dtype, output_in
 from ._plan.one_page import attention_of_nothing, one_page_kv
 from ._plan.plan import AttentionPlan, PageTable, attention_spec
 from ._plan.work import (
@@ -46,10 +30,9 @@ from ._plan.work import (
     check_heads,
     prefill_work,
 )
-from ._plan.workspace import WorkspaceMethods
+from ._wrappers import PagedWrapper, fixed_index_buffers, refuse_jit_variants
 from .attention_sinks import merge_sinks, sink_log2_lse
 from .custom_mask import custom_mask_rows, multi_item_mask
-from .fixed_buffers import FixedIndexBuffers
 from .lse_forms import finished_lse, staged_lse
 from .nvfp4 import attention_cache, dequantize_ragged_for_attention, plan_kv_dtype
 
@@ -67,8 +50,11 @@ FIXED_PREFILL_BUFFERS = (
 )
 """The constructor's fixed buffers (use_cuda_graph), in plan()'s order."""
 
+PAGED_KV_TABLE = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+"""plan()'s CSR page table arguments, in order."""
 
-class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
+
+class BatchPrefillWithPagedKVCacheWrapper(PagedWrapper):
     """Ragged multi-token attention over the paged cache.
 
     >>> w = BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -101,45 +87,25 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         jit_kwargs: object = None,
         variant_owns_mask: bool = False,
     ) -> None:
-        if variant_owns_mask:
-            raise ValueError(
-                "variant_owns_mask belongs to FlashInfer's JIT variants; pagedkv has none"
-            )
+        refuse_jit_variants(jit_args, jit_kwargs, variant_owns_mask)
         if custom_mask_buf is not None or mask_indptr_buf is not None:
             raise ValueError(
                 "custom_mask_buf and mask_indptr_buf are not supported: pass the mask to plan()"
             )
         given = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf)
         given += (paged_kv_last_page_len_buf,)
-        buffers = dict(zip(FIXED_PREFILL_BUFFERS, given, strict=True))
-        self._fixed = None
-        if use_cuda_graph:
-            self._fixed = FixedIndexBuffers(
-                buffers,
-                exact=("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_last_page_len_buf"),
-            )
-        elif any(b is not None for b in buffers.values()):
-            raise ValueError("the *_buf arguments go with use_cuda_graph=True")
-        if jit_args is not None or jit_kwargs is not None:
-            raise ValueError("jit_args drives FlashInfer's JIT; pagedkv has no JIT variants")
+        fixed = fixed_index_buffers(
+            use_cuda_graph,
+            dict(zip(FIXED_PREFILL_BUFFERS, given, strict=True)),
+            ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_last_page_len_buf"),
+            "*_buf",
+        )
         check_backend(backend, PREFILL_BACKENDS)
-        self._backend = backend
+        super().__init__(float_workspace_buffer, kv_layout, backend, fixed)
         self._multi = None
-        self._layout = layout_code(kv_layout)
-        self._kv_layout = kv_layout
-        self._workspace = float_workspace_buffer
-        self._plan: AttentionPlan | None = None
-        self._o_dtype: DType | None = None
-        """The output dtype plan() asked for (None: the query's)."""
         self._head_dim_vo = 0
         """The value head dim planned (below the query's: DeepSeek's
         non-absorbed MLA prefill, V padded with zeros for the kernel)."""
-        self._planned: dict | None = None
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        """Whether plan() writes into the caller's fixed buffers (use_cuda_graph)."""
-        return self._fixed is not None
 
     def _plain(self) -> BatchPrefillWithPagedKVCacheWrapper:
         """A wrapper of the same layout and backend without fixed buffers."""
@@ -221,7 +187,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             kv_data_type=plan_kv_dtype(kv_data_type, q_kernel),  # uint8: NVFP4
         )
         items = (*multi_item, token_pos_in_items_len) if prefix_len_ptr is not None else None
-        self._plan_pages(**self._planned, masks=(custom_mask, packed_custom_mask), multi_item=items)
+        self._plan_pages(self._planned, (custom_mask, packed_custom_mask), items)
         self._planned["head_dim_vo"] = head_dim_vo
         self._head_dim_vo = head_dim_vo or head_dim_qk
 
@@ -245,56 +211,20 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 f"head_dim_vo ({head_dim_vo}) must be in [1, head_dim_qk ({head_dim_qk})]"
             )
 
-    def _plan_pages(
-        self,
-        qo_indptr,
-        paged_kv_indptr,
-        paged_kv_indices,
-        paged_kv_last_page_len,
-        num_qo_heads,
-        num_kv_heads,
-        head_dim_qk,
-        page_size,
-        causal,
-        pos_encoding_mode,
-        sm_scale,
-        window_left,
-        logits_soft_cap,
-        rope_scale,
-        rope_theta,
-        q_data_type,
-        kv_data_type,
-        masks,
-        multi_item,
-    ) -> None:
-        """The plan of the checked arguments: the page table, the query rows,
-        the mask (masks: the custom mask, bool or packed; or multi-item
-        scoring's), the work list."""
+    def _plan_pages(self, p: dict, masks: tuple, multi_item: tuple | None) -> None:
+        """The plan of the checked arguments (p: plan()'s, as `_planned` keeps
+        them): the page table, the query rows, the mask (masks: the custom
+        mask, bool or packed; or multi_item, multi-item scoring's arrays and
+        token_pos_in_items_len), the work list."""
         custom_mask, packed_custom_mask = masks
-        qo_indptr = as_int32_index("qo_indptr", qo_indptr)
-        paged_kv_indptr = as_int32_index("paged_kv_indptr", paged_kv_indptr)
-        paged_kv_indices = as_int32_index("paged_kv_indices", paged_kv_indices)
-        paged_kv_last_page_len = as_int32_index("paged_kv_last_page_len", paged_kv_last_page_len)
+        qo_indptr = as_int32_index("qo_indptr", p["qo_indptr"])
+        csr = [as_int32_index(name, p[name]) for name in PAGED_KV_TABLE]
         masked = custom_mask is not None or packed_custom_mask is not None or multi_item
-        if masked:
-            causal = False  # as in FlashInfer: a custom mask replaces causal
-        num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
-        options = AttentionOptions(
-            head_dim=check_int("head_dim_qk", head_dim_qk, 1),
-            pos_encoding_mode=pos_encoding_mode,
-            window_left=check_int("window_left", window_left, -1, INT32_MAX - 1),
-            # FlashInfer's 0 is off; NaN is truthy and reaches the check.
-            logits_soft_cap=logits_soft_cap or None,
-            sm_scale=sm_scale,
-            rope_scale=rope_scale,
-            rope_theta=rope_theta,
-        )
-        table = PageTable.checked(
-            paged_kv_indptr,
-            paged_kv_indices,
-            paged_kv_last_page_len,
-            check_int("page_size", page_size, 1),
-        )
+        # As in FlashInfer: a custom mask replaces causal.
+        causal = False if masked else p["causal"]
+        num_qo_heads, num_kv_heads = check_heads(p["num_qo_heads"], p["num_kv_heads"])
+        options = AttentionOptions.of_plan(check_int("head_dim_qk", p["head_dim_qk"], 1), p)
+        table = PageTable.checked(*csr, check_int("page_size", p["page_size"], 1))
         check_index_array("qo_indptr", qo_indptr, table.batch_size + 1)
         host_qo = host_index_copy("qo_indptr", qo_indptr).astype(np.int64)
         counts = np.diff(host_qo)
@@ -339,8 +269,8 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
                 1, causal=causal, max_queries=max_queries, kv_split=False
             ),
             q_rows=int(host_qo[-1]),
-            q_dtype=None if q_data_type is None else as_dtype(q_data_type, "q_data_type"),
-            kv_dtype=None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type"),
+            q_data_type=p["q_data_type"],
+            kv_data_type=p["kv_data_type"],
             workspace=self._workspace,
             custom_mask=mask,
             table_views=views,
@@ -392,18 +322,12 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         del enable_pdl
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
-        refuse_gpu_only(
-            "run()",
-            {
-                "skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor,
-                "use_fp16_softmax": use_fp16_softmax,
-                "uses_spcompress": uses_spcompress,
-            },
-            APPROXIMATIONS if self._backend == "trtllm-gen" else (),
-        )
-        o_dtype = self._o_dtype or dtype_of(q)
-        check_out_dtype(out, o_dtype)
-        q = widened_query(q)
+        gpu_only = {
+            "skip_softmax_threshold_scale_factor": skip_softmax_threshold_scale_factor,
+            "use_fp16_softmax": use_fp16_softmax,
+            "uses_spcompress": uses_spcompress,
+        }
+        q, o_dtype = self._run_query(q, out, gpu_only)
         # A caller's lse buffer is filled even without return_lse.
         want_lse = return_lse or lse is not None
         lse, lse_into = staged_lse(lse, lse_base, lse_layout, q, want_lse)
@@ -437,16 +361,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         lse = finished_lse(lse, lse_base, lse_layout, lse_into)
         return (o, lse) if return_lse else o
 
-    def run_return_lse(
-        self, q: Array, paged_kv_cache: Array | Sequence[Array], *args: object, **kwargs: object
-    ) -> tuple[Array, Array]:
-        """run(..., return_lse=True): FlashInfer's deprecated name."""
-        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
-
     begin_forward = plan
-
-    def end_forward(self) -> None:
-        """FlashInfer's deprecated no-op."""
 
     def forward(
         self,
@@ -467,7 +382,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
         """FlashInfer's deprecated run(): the options come with the call and
         replace the planned ones (plan() runs again when they differ)."""
         del use_fp16_qk_reduction
-        options = dict(
+        self._replan_with(
             causal=causal,
             pos_encoding_mode=pos_encoding_mode,
             window_left=window_left,
@@ -476,15 +391,7 @@ class BatchPrefillWithPagedKVCacheWrapper(WorkspaceMethods):
             rope_scale=rope_scale,
             rope_theta=rope_theta,
         )
-        if self._planned is None:
-            raise RuntimeError("forward() called before begin_forward()")
-        if any(self._planned[k] != v for k, v in options.items()):
-            self.plan(**{**self._planned, **options})
         return self.run(q, paged_kv_cache, k_scale, v_scale, return_lse)
-
-    def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:
-        """forward(..., return_lse=True): FlashInfer's deprecated name."""
-        return self.forward(*args, return_lse=True, **kwargs)
 
 
 def single_prefill_with_kv_cache(

@@ -27,6 +27,7 @@ from ._checks import (
 from ._ops.tensors import Array, check_array, contiguous, new_like, to_host_numpy
 from ._plan.io_dtypes import widened_query
 from ._plan.work import PREFILL_BACKENDS, RAGGED_ONLY_BACKENDS, check_backend
+from ._wrappers import refuse_jit_variants
 from .attention_sinks import q_scale_for, sink_variant
 from .nvfp4 import dequantize_ragged_for_attention
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -61,10 +62,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         jit_kwargs: object = None,
         variant_owns_mask: bool = False,
     ) -> None:
-        if variant_owns_mask:
-            raise ValueError(
-                "variant_owns_mask belongs to FlashInfer's JIT variants; pagedkv has none"
-            )
+        refuse_jit_variants(variant_owns_mask=variant_owns_mask)
         reject_cuda_graph(use_cuda_graph, "BatchPrefillWithRaggedKVCacheWrapper")
         if qo_indptr_buf is not None or kv_indptr_buf is not None:
             raise ValueError("qo_indptr_buf and kv_indptr_buf go with use_cuda_graph=True")
@@ -260,10 +258,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
     ) -> Array | tuple[Array, Array]:
         """FlashInfer's deprecated run(): options with the call, replacing the planned ones."""
         del use_fp16_qk_reduction
-        planned = self._paged._planned
-        if planned is None:
-            raise RuntimeError("forward() called before begin_forward()")
-        options = dict(
+        self._paged._replan_with(
             causal=causal,
             pos_encoding_mode=pos_encoding_mode,
             window_left=window_left,
@@ -272,8 +267,6 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             rope_scale=rope_scale,
             rope_theta=rope_theta,
         )
-        if any(planned[key] != value for key, value in options.items()):
-            self._paged.plan(**{**planned, **options})
         return self.run(q, k, v, return_lse=return_lse)
 
     def forward_return_lse(self, *args: object, **kwargs: object) -> tuple[Array, Array]:

@@ -44,7 +44,7 @@ from .._ops.tensors import (
 )
 from ..custom_mask import NO_MASK, CustomMaskRows
 from ..page import CHECK_PAGE_TABLE, INDEX, check_page_table_on_host, seq_lens_from_page_table
-from .work import AttentionOptions, check_gpu_head_dim
+from .work import AttentionOptions, as_dtype, check_gpu_head_dim
 
 __all__ = ["CHECK_PAGE_TABLE", "check_page_table_on_host"]
 
@@ -59,31 +59,51 @@ HOST_F32 = Operand(F32, 1, on_host=True)
 HOST_INDEX = Operand(DType.int32, 1, on_host=True)
 
 
+def output_operands(q_dtype: DType) -> dict[str, Operand]:
+    """The operands an attention op writes, the batch attention op's and
+    MLA's alike: output [rows, H, D] in q's dtype, its lse [rows, H], and
+    the split-K partial states [items, H, D] and [items, H] (float32)."""
+    return {
+        "output": Operand(q_dtype, 3, mutable=True),
+        "lse": Operand(F32, 2, mutable=True),
+        "partial_o": Operand(F32, 3, mutable=True),
+        "partial_lse": Operand(F32, 2, mutable=True),
+    }
+
+
+def plan_operands() -> dict[str, Operand]:
+    """The operands an attention op reads from its plan, the batch attention
+    op's and MLA's alike: the page table's kv_indices and kv_indptr, the
+    work items [items, ITEM_FIELDS] with each request's first item, and the
+    float and int parameters (on the host)."""
+    return {
+        "kv_indices": INDEX,
+        "kv_indptr": INDEX,
+        "work_items": Operand(DType.int32, 2),
+        "request_items": INDEX,
+        "float_params": HOST_F32,
+        "int_params": HOST_INDEX,
+    }
+
+
 def attention_spec(q_dtype: DType, kv_dtype: DType, layout: int) -> OpSpec:
-    """out, lse, partial_o, partial_lse, q, k_cache, v_cache
-    (CacheGeometry.kernel_operands), page table, work items, params: the
-    operands of the batch attention op (decode and prefill). fp8 pools
-    enter as uint8 with kv_format naming them."""
+    """out, lse, partial_o, partial_lse (`output_operands`), q, k_cache,
+    v_cache (CacheGeometry.kernel_operands), kv_last_page_len, the custom
+    mask and the rest of the plan's (`plan_operands`): the operands of the
+    batch attention op (decode and prefill). fp8 pools enter as uint8 with
+    kv_format naming them."""
     pool = Operand(storage_dtype(kv_dtype), 5, mutable=True)
     return OpSpec.of(
         ATTENTION_OP,
         attention_operands(
-            output=Operand(q_dtype, 3, mutable=True),
-            lse=Operand(F32, 2, mutable=True),
-            partial_o=Operand(F32, 3, mutable=True),
-            partial_lse=Operand(F32, 2, mutable=True),
+            **output_operands(q_dtype),
             q=Operand(q_dtype, 3),
             k_cache=pool,
             v_cache=pool,
-            kv_indices=INDEX,
-            kv_indptr=INDEX,
             kv_last_page_len=INDEX,
-            work_items=Operand(DType.int32, 2),
-            request_items=INDEX,
             custom_mask=Operand(DType.uint8, 1),
             mask_rows=INDEX,
-            float_params=HOST_F32,
-            int_params=HOST_INDEX,
+            **plan_operands(),
         ),
         layout=layout,
         kv_format=FP8_FORMATS.get(kv_dtype, 0),
@@ -212,14 +232,17 @@ class AttentionPlan:
         options: AttentionOptions,
         int_params: np.ndarray,
         q_rows: int,
-        q_dtype: DType | None,
-        kv_dtype: DType | None,
+        q_data_type: object,
+        kv_data_type: object,
         workspace: Array | None,
         lse_shift: np.ndarray | None = None,
         custom_mask: CustomMaskRows | None = None,
         table_views: tuple[Array, Array, Array] | None = None,
         fixed_work: FixedWork | None = None,
     ) -> None:
+        # The plan's dtypes (any form as_dtype reads); None: the first run()'s.
+        q_dtype = None if q_data_type is None else as_dtype(q_data_type, "q_data_type")
+        kv_dtype = None if kv_data_type is None else as_dtype(kv_data_type, "kv_data_type")
         self.table = table
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import numpy as np
 from max.dtype import DType
@@ -124,6 +125,17 @@ class AttentionOptions:
             if value is not None:
                 check_float(name, value, positive=True)
 
+    @classmethod
+    def of_plan(cls, head_dim: int, planned: Mapping[str, object]) -> AttentionOptions:
+        """The options of a wrapper's plan(): the PLAN_OPTIONS among its
+        arguments by name (`planned`, FlashInfer's names), window_left as an
+        int and a logits_soft_cap of 0 off, as FlashInfer's."""
+        options = {name: planned[name] for name in PLAN_OPTIONS}
+        options["window_left"] = check_int("window_left", options["window_left"], -1, INT32_MAX - 1)
+        # FlashInfer's 0 is off; NaN is truthy and reaches the check.
+        options["logits_soft_cap"] = options["logits_soft_cap"] or None
+        return cls(head_dim, **options)
+
     @property
     def scale(self) -> float:
         """sm_scale, or FlashInfer's default 1 / sqrt(head_dim)."""
@@ -162,6 +174,11 @@ class AttentionOptions:
         params[INT_GPU_KERNEL] = gpu_kernel
         params[INT_KV_SPLIT] = kv_split
         return params
+
+
+PLAN_OPTIONS = tuple(f.name for f in fields(AttentionOptions) if f.name != "head_dim")
+"""The attention options every paged wrapper's plan() takes by these names
+(FlashInfer's): AttentionOptions' fields but head_dim."""
 
 
 DECODE_BACKENDS = ("auto", "generic", "tma", "mma", "fa2", "fa3", "trtllm-gen")
