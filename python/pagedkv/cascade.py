@@ -23,6 +23,7 @@ from ._ops.tensors import (
     dtype_of,
     empty,
     is_torch,
+    new_like,
     to_host_numpy,
 )
 
@@ -30,30 +31,29 @@ V_DTYPES = (DType.float32, DType.float16, DType.bfloat16)
 F32 = DType.float32
 
 
-def merge_state_spec(dtype: DType) -> OpSpec:
-    """v, s (written in place), v_other, s_other."""
+def _merge_spec(op: str, dtype: DType, v_rank: int) -> OpSpec:
+    """The merge ops' operands: the state written, v [N, H, D] (dtype) and s
+    [N, H] float32, then the states read, v of v_rank dims and s of one
+    fewer (its last axis dropped)."""
     return OpSpec.of(
-        MERGE_STATE_IN_PLACE_OP,
+        op,
         [
             Operand(dtype, 3, mutable=True),
             Operand(F32, 2, mutable=True),
-            Operand(dtype, 3),
-            Operand(F32, 2),
+            Operand(dtype, v_rank),
+            Operand(F32, v_rank - 1),
         ],
     )
+
+
+def merge_state_spec(dtype: DType) -> OpSpec:
+    """v, s (written in place), v_other, s_other."""
+    return _merge_spec(MERGE_STATE_IN_PLACE_OP, dtype, 3)
 
 
 def merge_states_spec(dtype: DType) -> OpSpec:
     """out_v, out_s (written), v [N, S, H, D], s [N, S, H]."""
-    return OpSpec.of(
-        MERGE_STATES_OP,
-        [
-            Operand(dtype, 3, mutable=True),
-            Operand(F32, 2, mutable=True),
-            Operand(dtype, 4),
-            Operand(F32, 3),
-        ],
-    )
+    return _merge_spec(MERGE_STATES_OP, dtype, 4)
 
 
 def _check_state(name_v: str, v: Array, name_s: str, s: Array, v_rank: int) -> None:
@@ -104,12 +104,7 @@ def merge_state_in_place(
         return
     if len(rows) == 0:
         return
-    if is_torch(v):
-        import torch
-
-        index = torch.from_numpy(rows).to(v.device)
-    else:
-        index = rows
+    index = new_like(v, rows)
     v_rows, s_rows = _contiguous_copy(v[index]), _contiguous_copy(s[index])
     merge_state_in_place(v_rows, s_rows, v_other[index], s_other[index])
     v[index] = v_rows

@@ -435,19 +435,19 @@ def rope_append_paged_kv_cache(
     )[0].tensor
 
 
-def _attention_outputs(
-    q: TensorValue, states: object, device: DeviceRef
-) -> tuple[BufferValue, BufferValue, BufferValue, BufferValue]:
-    """The attention ops' output buffers for q [rows, H, D]: o [rows, H, D]
-    in q's dtype, lse [rows, H], and float32 partial states [states, H, D]
-    and [states, H] (one a work item that may split its keys)."""
+def _attention_outputs(q: TensorValue, states: object, device: DeviceRef) -> dict[str, BufferValue]:
+    """The attention ops' output buffers for q [rows, H, D], by operand name
+    (ATTENTION_OPERANDS and MLA_OPERANDS both start with them): output [rows,
+    H, D] in q's dtype, lse [rows, H], and float32 partial states partial_o
+    [states, H, D] and partial_lse [states, H] (one a work item that may
+    split its keys)."""
     rows, heads, head_dim = q.shape
-    return (
-        ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device)),
-        ops.buffer_create(BufferType(F32, [rows, heads], device=device)),
-        ops.buffer_create(BufferType(F32, [states, heads, head_dim], device=device)),
-        ops.buffer_create(BufferType(F32, [states, heads], device=device)),
-    )
+    return {
+        "output": ops.buffer_create(BufferType(q.dtype, [rows, heads, head_dim], device=device)),
+        "lse": ops.buffer_create(BufferType(F32, [rows, heads], device=device)),
+        "partial_o": ops.buffer_create(BufferType(F32, [states, heads, head_dim], device=device)),
+        "partial_lse": ops.buffer_create(BufferType(F32, [states, heads], device=device)),
+    }
 
 
 def _attention_op(
@@ -461,42 +461,33 @@ def _attention_op(
     kv_layout: str,
     options: AttentionOptions,
     int_params: np.ndarray,
-    q_scale: float | None,
-    k_scale: float | None,
-    v_scale: float | None,
 ) -> tuple[TensorValue, TensorValue]:
+    """ATTENTION_OP over the pool (its K and V caches both), without a custom
+    mask or quantization scales: (o, lse)."""
     device = paged_kv_cache.device
     if device != DeviceRef.CPU():
         attention_work.check_gpu_head_dim(options.head_dim)
-    o, lse, partial_o, partial_lse = _attention_outputs(q, work_items.shape[0], device)
+    outputs = _attention_outputs(q, work_items.shape[0], device)
     host = DeviceRef.CPU()
-    ops.inplace_custom(
-        ATTENTION_OP,
-        device=device,
-        values=attention_operands(
-            output=o,
-            lse=lse,
-            partial_o=partial_o,
-            partial_lse=partial_lse,
-            q=q,
-            k_cache=paged_kv_cache,
-            v_cache=paged_kv_cache,
-            kv_indices=kv_indices,
-            kv_indptr=kv_indptr,
-            kv_last_page_len=kv_last_page_len,
-            work_items=work_items,
-            request_items=request_items,
-            # No custom mask in a graph (an empty mask_rows).
-            custom_mask=ops.constant(NO_MASK.bits, DType.uint8, device=device),
-            mask_rows=ops.constant(NO_MASK.row_bits, DType.int32, device=device),
-            float_params=ops.constant(
-                options.float_params(q_scale, k_scale, v_scale), F32, device=host
-            ),
-            int_params=ops.constant(int_params, DType.int32, device=host),
-        ),
-        parameters={"layout": layout_code(kv_layout), "kv_format": 0},
+    operands = attention_operands(
+        **outputs,
+        q=q,
+        k_cache=paged_kv_cache,
+        v_cache=paged_kv_cache,
+        kv_indices=kv_indices,
+        kv_indptr=kv_indptr,
+        kv_last_page_len=kv_last_page_len,
+        work_items=work_items,
+        request_items=request_items,
+        # No custom mask in a graph (an empty mask_rows).
+        custom_mask=ops.constant(NO_MASK.bits, DType.uint8, device=device),
+        mask_rows=ops.constant(NO_MASK.row_bits, DType.int32, device=device),
+        float_params=ops.constant(options.float_params(None, None, None), F32, device=host),
+        int_params=ops.constant(int_params, DType.int32, device=host),
     )
-    return ops.buffer_load(o), ops.buffer_load(lse)
+    parameters = {"layout": layout_code(kv_layout), "kv_format": 0}
+    ops.inplace_custom(ATTENTION_OP, device=device, values=operands, parameters=parameters)
+    return ops.buffer_load(outputs["output"]), ops.buffer_load(outputs["lse"])
 
 
 def batch_decode(
@@ -553,9 +544,6 @@ def batch_decode(
             kv_split=True,
             gpu_kernel=gpu_kernel,
         ),
-        None,
-        None,
-        None,
     )
 
 
@@ -600,9 +588,6 @@ def batch_prefill(
         options,
         # Queries per item are bounded by the tile size, whatever the step.
         options.int_params(1, causal=causal, max_queries=tile, kv_split=False),
-        None,
-        None,
-        None,
     )
 
 
@@ -723,31 +708,24 @@ def mla_attention(
     # Decode items (one query each) may split keys; prefill items write
     # final rows only, so their partial states are one-row placeholders.
     states = work_items.shape[0] if decode else 1
-    o, lse, partial_o, partial_lse = _attention_outputs(q_nope, states, device)
+    outputs = _attention_outputs(q_nope, states, device)
     most = 1 if decode else attention_work.prefill_tile(int(heads), device.is_gpu())
     host = DeviceRef.CPU()
-    ops.inplace_custom(
-        MLA_OP,
-        device=device,
-        values=mla_operands(
-            output=o,
-            lse=lse,
-            partial_o=partial_o,
-            partial_lse=partial_lse,
-            q_nope=q_nope,
-            q_pe=q_pe,
-            ckv_cache=ckv_cache,
-            kpe_cache=kpe_cache,
-            kv_indices=kv_indices,
-            kv_indptr=kv_indptr,
-            work_items=work_items,
-            request_items=request_items,
-            float_params=ops.constant(mla_float_params(sm_scale, 1.0, 1.0), F32, device=host),
-            int_params=ops.constant(mla_int_params(causal, decode, most), DType.int32, device=host),
-        ),
-        parameters={"kv_format": 0},
+    operands = mla_operands(
+        **outputs,
+        q_nope=q_nope,
+        q_pe=q_pe,
+        ckv_cache=ckv_cache,
+        kpe_cache=kpe_cache,
+        kv_indices=kv_indices,
+        kv_indptr=kv_indptr,
+        work_items=work_items,
+        request_items=request_items,
+        float_params=ops.constant(mla_float_params(sm_scale, 1.0, 1.0), F32, device=host),
+        int_params=ops.constant(mla_int_params(causal, decode, most), DType.int32, device=host),
     )
-    return ops.buffer_load(o), ops.buffer_load(lse)
+    ops.inplace_custom(MLA_OP, device=device, values=operands, parameters={"kv_format": 0})
+    return ops.buffer_load(outputs["output"]), ops.buffer_load(outputs["lse"])
 
 
 def mla_work(

@@ -179,11 +179,18 @@ def _check_residual(name: str, input: Any, residual: Any) -> None:
         raise ValueError(f"{name}: residual must have input's dtype {input.dtype}")
 
 
+def _add_into_residual(input: Any, residual: Any) -> Any:
+    """``residual += input`` in place (the sum rounded once to residual's
+    dtype); returns the float32 sum."""
+    total = input.float() + residual.float()
+    residual.copy_(total.to(residual.dtype))
+    return total
+
+
 def _fused_add(name: str, input: Any, residual: Any, weight: Any, eps: float, gemma: bool):
     _check_norm(name, input, weight)
     _check_residual(name, input, residual)
-    total = input.float() + residual.float()
-    residual.copy_(total.to(residual.dtype))
+    total = _add_into_residual(input, residual)
     input.copy_(_rms(total, weight, eps, gemma).to(input.dtype))
 
 
@@ -246,8 +253,7 @@ def fused_add_rmsnorm_quant(
     _check_residual(name, input, residual)
     _check_fp8_out(name, out, tuple(input.shape))
     s = _scale_of(name, scale)
-    total = input.float() + residual.float()
-    residual.copy_(total.to(residual.dtype))
+    total = _add_into_residual(input, residual)
     _to_fp8(_rms(total, weight, eps, False), out, s)
 
 

@@ -147,6 +147,18 @@ def seq_lens_from_page_table(
     return np.where(pages > 0, (pages - 1) * page_size + last, 0)
 
 
+def _request_index_arrays(
+    indptr_name: str, indptr: Array, per_request_name: str, per_request: Array
+) -> tuple[Array, Array]:
+    """(indptr [B + 1], per_request [B]) as int32 index arrays (another
+    integer dtype narrowed by `as_int32_index`), checked 1-D and of one B."""
+    indptr = as_int32_index(indptr_name, indptr)
+    per_request = as_int32_index(per_request_name, per_request)
+    check_index_array(per_request_name, per_request)
+    check_index_array(indptr_name, indptr, per_request.shape[0] + 1)
+    return indptr, per_request
+
+
 def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> Array:
     """Sequence lengths of a paged batch: ``[B]`` int32.
 
@@ -156,10 +168,9 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
     kv_indptr: [B + 1], kv_last_page_len: [B], int32 (another integer dtype
     is narrowed to int32 after checking every value fits).
     """
-    kv_indptr = as_int32_index("kv_indptr", kv_indptr)
-    kv_last_page_len = as_int32_index("kv_last_page_len", kv_last_page_len)
-    check_index_array("kv_last_page_len", kv_last_page_len)
-    check_index_array("kv_indptr", kv_indptr, kv_last_page_len.shape[0] + 1)
+    kv_indptr, kv_last_page_len = _request_index_arrays(
+        "kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len
+    )
     device = device_of(kv_indptr)
     check_device("kv_last_page_len", kv_last_page_len, device)
     page_size = check_int("page_size", page_size, 1)
@@ -195,10 +206,9 @@ def get_batch_indices_positions(
     writable int32 [nnz] outputs on seq_lens' device, written in place and
     returned (FlashInfer's pre-allocated buffers); new arrays otherwise.
     """
-    append_indptr = as_int32_index("append_indptr", append_indptr)
-    seq_lens = as_int32_index("seq_lens", seq_lens)
-    check_index_array("seq_lens", seq_lens)
-    check_index_array("append_indptr", append_indptr, seq_lens.shape[0] + 1)
+    append_indptr, seq_lens = _request_index_arrays(
+        "append_indptr", append_indptr, "seq_lens", seq_lens
+    )
     device = device_of(seq_lens)
     check_device("append_indptr", append_indptr, device)
     nnz = check_int("nnz", nnz, 0)
@@ -375,14 +385,16 @@ def _append(
             *geometry.kernel_operands(),
             storage_view(contiguous(append_key)),
             storage_view(contiguous(append_value)),
-            contiguous(batch_indices),
-            contiguous(positions),
-            contiguous(kv_indices),
-            contiguous(kv_indptr),
-            contiguous(kv_last_page_len),
+            *_index_operands(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len),
         ],
         geometry.device,
     )
+
+
+def _index_operands(*arrays: Array) -> list[Array]:
+    """The ops' int32 index operands (batch_indices, positions, the page
+    table), each contiguous: the kernels index them as dense arrays."""
+    return [contiguous(x) for x in arrays]
 
 
 def append_paged_mla_kv_cache(
@@ -445,11 +457,7 @@ def append_paged_mla_kv_cache(
             storage_view(kpe_cache),
             storage_view(contiguous(append_ckv)),
             storage_view(contiguous(append_kpe)),
-            contiguous(batch_indices),
-            contiguous(positions),
-            contiguous(kv_indices),
-            contiguous(kv_indptr),
-            contiguous(kv_last_page_len),
+            *_index_operands(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len),
         ],
         ckv.device,
     )
@@ -474,17 +482,17 @@ def gather_kv(
     """
     geometry = cache_geometry("paged_kv_cache", paged_kv_cache, kv_layout, written=False)
     batch_size = check_page_table_arrays(geometry, kv_indices, kv_indptr, kv_last_page_len)
-    host = [
-        host_index_copy(n, x)
-        for n, x in (
-            ("kv_indptr", kv_indptr),
-            ("kv_indices", kv_indices),
-            ("kv_last_page_len", kv_last_page_len),
-        )
-    ]
+    indptr = host_index_copy("kv_indptr", kv_indptr)
+    last = host_index_copy("kv_last_page_len", kv_last_page_len)
     # The output's size comes from these values: check them before sizing it.
-    check_page_table_on_host(*host, geometry.page_size, geometry.num_pages)
-    indptr, last = host[0].astype(np.int64), host[2].astype(np.int64)
+    check_page_table_on_host(
+        indptr,
+        host_index_copy("kv_indices", kv_indices),
+        last,
+        geometry.page_size,
+        geometry.num_pages,
+    )
+    indptr, last = indptr.astype(np.int64), last.astype(np.int64)
     if request is not None:
         request = check_int("request", request, 0)
         if not request < batch_size:
@@ -509,9 +517,7 @@ def gather_kv(
             storage_view(k),
             storage_view(v),
             *geometry.kernel_operands(),
-            contiguous(kv_indices),
-            contiguous(kv_indptr),
-            contiguous(kv_last_page_len),
+            *_index_operands(kv_indices, kv_indptr, kv_last_page_len),
             seq_indptr,
         ],
         geometry.device,

@@ -20,6 +20,24 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+__all__ = [
+    "apply_llama31_rope",
+    "apply_llama31_rope_inplace",
+    "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace",
+    "apply_rope",
+    "apply_rope_inplace",
+    "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "mla_rope_quantize_fp8",
+    "rope_quantize_fp8",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]
+"""FlashInfer's ``flashinfer.rope`` names, which `pagedkv.flashinfer_compat.rope`
+serves; `base_frequencies` and `llama31_frequencies` are pagedkv's own."""
+
 
 def _torch():
     import torch
@@ -119,23 +137,6 @@ def _apply(q, k, pos, freqs, rotary_dim, interleave):
     return _rotate(q, cos, sin, rotary_dim, interleave), _rotate(
         k, cos, sin, rotary_dim, interleave
     )
-
-
-def _writing_in_place(rotate: Callable, first: str, second: str) -> Callable:
-    """The ``_inplace`` form of `rotate`: its signature and checks, the two
-    tensors it returns copied into its arguments `first` and `second`."""
-    signature = inspect.signature(rotate)
-
-    def in_place(*args: Any, **kwargs: Any) -> None:
-        arguments = signature.bind(*args, **kwargs).arguments
-        first_out, second_out = rotate(*args, **kwargs)
-        arguments[first].copy_(first_out)
-        arguments[second].copy_(second_out)
-
-    in_place.__name__ = in_place.__qualname__ = f"{rotate.__name__}_inplace"
-    in_place.__doc__ = f"`{rotate.__name__}` writing {first} and {second} in place (returns None)."
-    in_place.__signature__ = signature.replace(return_annotation=None)
-    return in_place
 
 
 def apply_rope_pos_ids(
@@ -293,6 +294,23 @@ def apply_rope_with_cos_sin_cache(
     q_out = _rotate(q, cos, sin, rotary_dim, not is_neox).reshape(query.shape)
     k_out = _rotate(k, cos, sin, rotary_dim, not is_neox).reshape(key.shape)
     return q_out, k_out
+
+
+def _writing_in_place(rotate: Callable, first: str, second: str) -> Callable:
+    """The ``_inplace`` form of `rotate`: its signature and checks, the two
+    tensors it returns copied into its arguments `first` and `second`."""
+    signature = inspect.signature(rotate)
+
+    def in_place(*args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(*args, **kwargs).arguments
+        first_out, second_out = rotate(*args, **kwargs)
+        arguments[first].copy_(first_out)
+        arguments[second].copy_(second_out)
+
+    in_place.__name__ = in_place.__qualname__ = f"{rotate.__name__}_inplace"
+    in_place.__doc__ = f"`{rotate.__name__}` writing {first} and {second} in place (returns None)."
+    in_place.__signature__ = signature.replace(return_annotation=None)
+    return in_place
 
 
 apply_rope_inplace = _writing_in_place(apply_rope, "q", "k")

@@ -69,9 +69,13 @@ def _per_row(value: Any, batch: int, name: str, dtype: Any) -> Any:
     return torch.full((batch, 1), value, dtype=dtype)
 
 
-def _check_nan(probs: Any, check_nan: bool) -> None:
-    if check_nan and bool(_torch().isnan(probs).any()):
+def _probs(probs: Any, check_nan: bool) -> Any:
+    """probs [B, V] as float32 rows (`_rows`); with check_nan, FlashInfer's
+    error for a NaN in them."""
+    p = _rows(probs, "probs")
+    if check_nan and bool(_torch().isnan(p).any()):
         raise ValueError("Input probs contains NaN.")
+    return p
 
 
 def top_p_mask(probs: Any, top_p: Any) -> Any:
@@ -299,8 +303,7 @@ def sampling_from_probs(
     >>> s.sampling_from_probs(torch.tensor([[0.0, 1.0, 0.0]]))
     tensor([1], dtype=torch.int32)
     """
-    p = _rows(probs, "probs")
-    _check_nan(p, check_nan)
+    p = _probs(probs, check_nan)
     return _draw(p, indices, generator, seed, offset, return_valid)
 
 
@@ -317,8 +320,7 @@ def top_p_sampling_from_probs(
     seed=None, offset=None, return_valid=False,
 ):  # fmt: skip
     """A token a row from the tokens top-p keeps."""
-    p = _rows(probs, "probs")
-    _check_nan(p, check_nan)
+    p = _probs(probs, check_nan)
     return _draw(p * top_p_mask(p, top_p), indices, generator, seed, offset, return_valid)
 
 
@@ -327,8 +329,7 @@ def top_k_sampling_from_probs(
     seed=None, offset=None, return_valid=False,
 ):  # fmt: skip
     """A token a row from the tokens top-k keeps."""
-    p = _rows(probs, "probs")
-    _check_nan(p, check_nan)
+    p = _probs(probs, check_nan)
     return _draw(p * top_k_mask(p, top_k), indices, generator, seed, offset, return_valid)
 
 
@@ -337,8 +338,7 @@ def min_p_sampling_from_probs(
     seed=None, offset=None, return_valid=False,
 ):  # fmt: skip
     """A token a row from the tokens min-p keeps."""
-    p = _rows(probs, "probs")
-    _check_nan(p, check_nan)
+    p = _probs(probs, check_nan)
     return _draw(p * min_p_mask(p, min_p), indices, generator, seed, offset, return_valid)
 
 
@@ -356,8 +356,7 @@ def top_k_top_p_sampling_from_probs(
     generator=None, check_nan=False, seed=None, offset=None, return_valid=False,
 ):  # fmt: skip
     """A token a row after top-k and top-p (module docstring)."""
-    p = _rows(probs, "probs")
-    _check_nan(p, check_nan)
+    p = _probs(probs, check_nan)
     kept = _top_k_top_p(p, top_k, top_p, filter_apply_order)
     return _draw(kept, indices, generator, seed, offset, return_valid)
 

@@ -90,11 +90,17 @@ ATTENTION_OPERANDS = (
 """The attention op's operands in order (BatchAttention.execute's parameters)."""
 
 
+def _in_order(op: str, names: tuple[str, ...], values: dict[str, object]) -> list:
+    """values, which must name exactly `names`, listed in names' order (the
+    order of `op`'s parameters); a missing or extra name is a TypeError."""
+    if set(values) != set(names):
+        raise TypeError(f"{op} operands {sorted(values)} are not {names}")
+    return [values[name] for name in names]
+
+
 def attention_operands(**values: object) -> list:
     """The values named by ATTENTION_OPERANDS, in the op's order."""
-    if set(values) != set(ATTENTION_OPERANDS):
-        raise TypeError(f"attention operands {sorted(values)} are not {ATTENTION_OPERANDS}")
-    return [values[name] for name in ATTENTION_OPERANDS]
+    return _in_order("attention", ATTENTION_OPERANDS, values)
 
 
 APPEND_OP = "pagedkv_append_paged_kv_cache"
@@ -207,9 +213,7 @@ MLA_OPERANDS = (
 
 def mla_operands(**values: object) -> list:
     """The values named by MLA_OPERANDS, in the op's order."""
-    if set(values) != set(MLA_OPERANDS):
-        raise TypeError(f"MLA operands {sorted(values)} are not {MLA_OPERANDS}")
-    return [values[name] for name in MLA_OPERANDS]
+    return _in_order("MLA", MLA_OPERANDS, values)
 
 
 MLA_DIM_GRANULE = 16

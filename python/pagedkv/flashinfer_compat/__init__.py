@@ -16,19 +16,17 @@ pagedkv does not implement raise NotImplementedError when called, so that
 code importing them still loads (see docs/flashinfer.md).
 """
 
-from __future__ import annotations
+# ruff: noqa: F401
+# Every import below is a re-export, listed in __all__ (built at the end).
+
+from types import ModuleType as _ModuleType
 
 from ._install import install
-from ._missing import missing_class
-from .attention import BatchAttention, BatchAttentionWithAttentionSinkWrapper
-from .cascade import (
-    BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
-    BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
-    MultiLevelCascadeAttentionWrapper,
-    merge_state,
-    merge_state_in_place,
-    merge_states,
-)
+from ._missing import missing_class as _missing_class
+
+# A submodule imported with `*` has every one of its names at the top level too.
+from .attention import *  # noqa: F403
+from .cascade import *  # noqa: F403
 from .decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
@@ -60,7 +58,7 @@ from .page import (
     nvfp4_quantize_append_paged_kv_cache,
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
 )
-from .pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
+from .pod import *  # noqa: F403
 from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -81,89 +79,17 @@ from .rope import (
     apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
-from .sampling import (
-    chain_speculative_sampling,
-    min_p_sampling_from_probs,
-    sampling_from_logits,
-    sampling_from_probs,
-    softmax,
-    top_k_mask_logits,
-    top_k_renorm_probs,
-    top_k_sampling_from_probs,
-    top_k_top_p_sampling_from_logits,
-    top_k_top_p_sampling_from_probs,
-    top_p_renorm_probs,
-    top_p_sampling_from_probs,
-)
+from .sampling import *  # noqa: F403
 
-BatchDecodeMlaWithPagedKVCacheWrapper = missing_class(
+BatchDecodeMlaWithPagedKVCacheWrapper = _missing_class(
     "BatchDecodeMlaWithPagedKVCacheWrapper",
     "FlashInfer's older MLA decode wrapper; use BatchMLAPagedAttentionWrapper",
 )
 
-__all__ = [
-    "BatchDecodeMlaWithPagedKVCacheWrapper",
-    "SfLayout",
-    "chain_speculative_sampling",
-    "min_p_sampling_from_probs",
-    "sampling_from_logits",
-    "sampling_from_probs",
-    "softmax",
-    "top_k_mask_logits",
-    "top_k_renorm_probs",
-    "top_k_sampling_from_probs",
-    "top_k_top_p_sampling_from_logits",
-    "top_k_top_p_sampling_from_probs",
-    "top_p_renorm_probs",
-    "top_p_sampling_from_probs",
-    "BatchAttention",
-    "BatchAttentionWithAttentionSinkWrapper",
-    "apply_llama31_rope",
-    "apply_llama31_rope_inplace",
-    "apply_llama31_rope_pos_ids",
-    "apply_llama31_rope_pos_ids_inplace",
-    "apply_rope",
-    "apply_rope_inplace",
-    "apply_rope_pos_ids",
-    "apply_rope_pos_ids_inplace",
-    "apply_rope_with_cos_sin_cache",
-    "apply_rope_with_cos_sin_cache_inplace",
-    "BatchDecodeWithPagedKVCacheWrapper",
-    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
-    "BatchMLAPagedAttentionWrapper",
-    "BatchPODWithPagedKVCacheWrapper",
-    "BatchPrefillWithPagedKVCacheWrapper",
-    "BatchPrefillWithRaggedKVCacheWrapper",
-    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
-    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-    "MultiLevelCascadeAttentionWrapper",
-    "PODWithPagedKVCacheWrapper",
-    "append_paged_kv_cache",
-    "append_paged_mla_kv_cache",
-    "e2m1_and_ufp8sf_scale_to_float",
-    "fast_decode_plan",
-    "fused_add_rmsnorm",
-    "gemma_fused_add_rmsnorm",
-    "gemma_rmsnorm",
-    "get_batch_indices_positions",
-    "get_seq_lens",
-    "install",
-    "layernorm",
-    "merge_state",
-    "merge_state_in_place",
-    "merge_states",
-    "nvfp4_kv_dequantize",
-    "nvfp4_kv_dequantize_paged",
-    "nvfp4_kv_quantize",
-    "nvfp4_quantize_append_paged_kv_cache",
-    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
-    "packbits",
-    "rmsnorm",
-    "segment_packbits",
-    "single_decode_with_kv_cache",
-    "single_prefill_with_kv_cache",
-    "single_prefill_with_kv_cache_return_lse",
-    "trtllm_batch_context_with_kv_cache",
-    "trtllm_batch_decode_with_kv_cache",
-    "xqa_batch_decode_with_kv_cache",
-]
+__all__ = sorted(
+    name
+    for name, value in globals().items()
+    if not name.startswith("_") and not isinstance(value, _ModuleType)
+)
+"""Every public name above but the submodules themselves: what FlashInfer's
+own top level re-exports, the stand-in and `install`."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..block_tables import trtllm_batch_decode_with_kv_cache, xqa_batch_decode_with_kv_cache
 from ..decode import (
     BatchDecodeWithPagedKVCacheWrapper,
@@ -15,14 +13,7 @@ from ..mla_block_tables import (
     trtllm_batch_decode_with_kv_cache_mla,
     xqa_batch_decode_with_kv_cache_mla,
 )
-from .jit import JitSpec
-
-
-def gen_single_decode_module(*args: Any, **kwargs: Any) -> JitSpec:
-    return JitSpec()
-
-
-gen_batch_decode_module = gen_single_decode_module
+from .jit.attention import gen_batch_decode_module, gen_single_decode_module
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..nvfp4 import (
     nvfp4_quantize_append_paged_kv_cache,
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
@@ -14,12 +12,9 @@ from ..page import (
     get_batch_indices_positions,
     get_seq_lens,
 )
-from .jit import JitSpec
+from .jit import module_generator
 
-
-def gen_page_module(*args: Any, **kwargs: Any) -> JitSpec:
-    return JitSpec()
-
+gen_page_module = module_generator("gen_page_module")
 
 __all__ = [
     "append_paged_kv_cache",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..block_tables import trtllm_batch_context_with_kv_cache
 from ..mla_block_tables import trtllm_prefill_with_kv_cache_mla
 from ..prefill import (
@@ -12,14 +10,7 @@ from ..prefill import (
     single_prefill_with_kv_cache_return_lse,
 )
 from ..prefill_ragged import BatchPrefillWithRaggedKVCacheWrapper, trtllm_ragged_attention_deepseek
-from .jit import JitSpec
-
-
-def gen_single_prefill_module(*args: Any, **kwargs: Any) -> JitSpec:
-    return JitSpec()
-
-
-gen_batch_prefill_module = gen_single_prefill_module
+from .jit.attention import gen_batch_prefill_module, gen_single_prefill_module
 
 __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",

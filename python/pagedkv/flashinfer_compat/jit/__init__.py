@@ -20,5 +20,16 @@ class JitSpec:
         self.name = str(kwargs.get("name", ""))
 
 
+def module_generator(name: str) -> Any:
+    """A FlashInfer ``gen_*_module`` named `name`: it returns a `JitSpec` of
+    that name, which `build_jit_specs` accepts and ignores."""
+
+    def generate(*args: Any, **kwargs: Any) -> JitSpec:
+        return JitSpec(name=name)
+
+    generate.__name__ = generate.__qualname__ = name
+    return generate
+
+
 class MissingJITCacheError(Exception):
     """FlashInfer's error for a kernel absent from its AOT cache."""

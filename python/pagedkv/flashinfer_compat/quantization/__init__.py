@@ -3,8 +3,6 @@ KV-cache helpers."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ...custom_mask import packbits, segment_packbits
 from ..fp4_quantization import (
     e2m1_and_ufp8sf_scale_to_float,
@@ -12,7 +10,7 @@ from ..fp4_quantization import (
     nvfp4_kv_dequantize_paged,
     nvfp4_kv_quantize,
 )
-from ..jit import JitSpec
+from ..jit import module_generator
 
 __all__ = [
     "e2m1_and_ufp8sf_scale_to_float",
@@ -24,6 +22,4 @@ __all__ = [
     "segment_packbits",
 ]
 
-
-def gen_quantization_module(*args: Any, **kwargs: Any) -> JitSpec:
-    return JitSpec()
+gen_quantization_module = module_generator("gen_quantization_module")

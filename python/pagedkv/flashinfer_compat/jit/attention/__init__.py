@@ -6,18 +6,7 @@ compiles the MAX op a call needs the first time it runs.
 
 from __future__ import annotations
 
-from typing import Any
-
-from .. import JitSpec
-
-
-def _generator(name: str) -> Any:
-    def generate(*args: Any, **kwargs: Any) -> JitSpec:
-        return JitSpec(name=name)
-
-    generate.__name__ = generate.__qualname__ = name
-    return generate
-
+from .. import module_generator as _generator
 
 gen_single_decode_module = _generator("gen_single_decode_module")
 gen_single_prefill_module = _generator("gen_single_prefill_module")
