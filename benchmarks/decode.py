@@ -9,21 +9,13 @@ benchmarks/harness/threads.py); MODULAR_ENABLE_AFFINITY=0 measures them unpinned
 
 from __future__ import annotations
 
-import argparse
-
 from harness.decode_bench import CPU_SHAPES, format_table, run_cpu_decode_bench
-from harness.threads import pin_max_workers
+from harness.script import bench_arguments
 
 
 def main() -> None:
-    pin_max_workers()
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(CPU_SHAPES))))
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--reps", type=int, default=15)
-    args = parser.parse_args()
-    shapes = [CPU_SHAPES[int(i)] for i in args.shapes.split(",")]
-    machine, rows = run_cpu_decode_bench(shapes, args.dtypes.split(","), args.reps)
+    args = bench_arguments(__doc__, reps=15, default_dtypes="float32,bfloat16", shapes=CPU_SHAPES)
+    machine, rows = run_cpu_decode_bench(args.shapes, args.dtypes, args.reps)
     print()
     print(format_table(machine, rows))
 

@@ -32,6 +32,7 @@ import numpy as np
 from routing import chats
 from serve_vs_llamacpp import Workload, replay, warm_up
 
+from harness.compare import comparison_rows
 from llamacpp import MODEL, Server, ServerError, cpu_info, machine_line, pagedkv_commit
 
 
@@ -83,18 +84,8 @@ def run_one(jobs, w: Workload) -> dict:
 
 
 def table(split: dict, one: dict) -> str:
-    rows = [
-        ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
-        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"),
-        ("ITL p50 (ms)", "itl_p50", "{:.1f}"),
-        ("output tokens/s", "tokens_per_s", "{:.1f}"),
-        ("seconds for all", "seconds", "{:.1f}"),
-    ]
-    lines = ["| metric | 1P+1D | one server | 1P+1D / one |", "|---|---|---|---|"]
-    for label, key, fmt in rows:
-        scale = 1000.0 if key == "itl_p50" else 1.0
-        a, b = split[key] * scale, one[key] * scale
-        lines.append(f"| {label} | {fmt.format(a)} | {fmt.format(b)} | {a / b:.2f}x |")
+    keys = ("ttft_p50", "ttft_p99", "itl_p50", "tokens_per_s", "seconds")
+    lines = comparison_rows(("1P+1D", "one server", "1P+1D / one"), split, one, keys)
     lines.append(
         f"| finished / errors | {split['finished']} / {split['errors']} | "
         f"{one['finished']} / {one['errors']} | |"

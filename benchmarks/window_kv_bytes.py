@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from pagedkv.cache.manager import PagedKVCacheManager
+from pagedkv.graphs.engine import page_manager_for
 from pagedkv.models import fetch_gguf
 from pagedkv.models.unpacked import read_unpacked
 
@@ -45,15 +46,7 @@ def main() -> None:
     itemsize = np.dtype(args.dtype).itemsize
     page_bytes = 2 * args.page_size * c.num_kv_heads * c.head_dim * itemsize  # one layer
     pages = max(LENGTHS) // args.page_size + 1
-    manager = PagedKVCacheManager(
-        pages,
-        args.page_size,
-        c.num_kv_heads,
-        c.head_dim,
-        num_layers=c.num_layers,
-        dtype=args.dtype,
-        layer_groups=c.layer_groups,
-    )
+    manager = page_manager_for(c, pages, args.page_size, args.dtype)
     print(
         f"Gemma 3 270M: {c.num_layers} layers, {c.num_kv_heads} KV head of {c.head_dim}, "
         f"{args.dtype} cache, pages of {args.page_size} tokens; groups "

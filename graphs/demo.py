@@ -308,10 +308,8 @@ CHECKED_CACHE = {"f32": "float32", "gguf": "float32", "bf16": "bfloat16"}
 
 def run_demo(options: DemoOptions) -> int:
     """Runs the demo and prints its summary; returns the exit status."""
-    from pagedkv.cache.manager import PagedKVCacheManager
-
     from .decoder import quantized_formats
-    from .engine import DecoderEngine
+    from .engine import DecoderEngine, page_manager_for
     from .self_check import check_sequences
 
     build_kernel_package_in_background()  # overlaps reading the model
@@ -328,16 +326,7 @@ def run_demo(options: DemoOptions) -> int:
         f"{options.page_size} tokens",
         flush=True,
     )
-    manager = PagedKVCacheManager(
-        plan.num_pages,
-        options.page_size,
-        config.num_kv_heads,
-        config.head_dim,
-        num_layers=config.num_layers,
-        dtype=kv_dtype,
-        device="cuda" if options.device == "gpu" else "cpu",
-        layer_groups=config.layer_groups,
-    )
+    manager = page_manager_for(config, plan.num_pages, options.page_size, kv_dtype, options.device)
     print("compiling the prefill and decode graphs ...", flush=True)
     engine = DecoderEngine(config, plan.weights, manager, plan.quantized)
     print(

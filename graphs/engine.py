@@ -30,6 +30,25 @@ BATCH_INVARIANT_CHUNK = 256
 number of pages)."""
 
 
+def page_manager_for(
+    config: DecoderConfig, num_pages: int, page_size: int, dtype: object, device: str = "cpu"
+) -> PagedKVCacheManager:
+    """A page manager that a DecoderEngine of `config` runs over: one pool per
+    layer, of num_pages pages of page_size tokens x num_kv_heads x head_dim
+    in `dtype`, in the model's layer groups, on `device` ("cpu", or "gpu":
+    torch pools on the current GPU)."""
+    return PagedKVCacheManager(
+        num_pages,
+        page_size,
+        config.num_kv_heads,
+        config.head_dim,
+        num_layers=config.num_layers,
+        dtype=dtype,
+        device="cuda" if device == "gpu" else "cpu",
+        layer_groups=config.layer_groups,
+    )
+
+
 class DecoderEngine:
     """The model on a paged cache: prefill() and decode() steps of a batch.
 

@@ -51,10 +51,9 @@ from llamacpp import (  # noqa: E402 - benchmarks/llamacpp.py, shared with the s
     Server,
     add_llama_arguments,
     cpu_info,
-    find_llama_server,
     gguf_tokenizer,
     llama_server_command,
-    llama_version,
+    llama_server_from_arguments,
     pagedkv_commit,
 )
 from pagedkv.models.fetch import fetch_gguf  # noqa: E402
@@ -252,11 +251,10 @@ def arguments() -> argparse.Namespace:
 
 def main() -> int:
     args = arguments()
-    try:
-        binary = find_llama_server(args.llama_server, args.build_llama, args.llama_version)
-    except (FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    found = llama_server_from_arguments(args)
+    if found is None:
         return 2
+    binary, version = found
     gguf = Path(args.gguf) if args.gguf else fetch_gguf(args.model)
     tokenizer = gguf_tokenizer(gguf)
     questions = list(PROMPTS[: args.prompts])
@@ -284,7 +282,7 @@ def main() -> int:
         {
             "model": gguf.name,
             "pagedkv": {**options, "commit": pagedkv_commit()},
-            "llama_cpp": llama_version(binary),
+            "llama_cpp": version,
             "llama_server": shlex.join(command),
             "prompts": questions,
             "tokens_per_prompt": args.tokens,

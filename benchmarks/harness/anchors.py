@@ -54,13 +54,14 @@ class Timing:
     its cores to a neighbour reads slow for no fault of its own."""
 
 
-def rows_by_case(rows: list[Any]) -> dict[tuple[Any, str], dict[str, Any]]:
+def rows_by_case(rows: list[Any], *more: str) -> dict[tuple[Any, ...], dict[str, Any]]:
     """A run's rows (each with shape, dtype and name) grouped by (shape,
-    dtype), in order, each group keyed by implementation name: a table's
-    lines."""
-    groups: dict[tuple[Any, str], dict[str, Any]] = {}
+    dtype, then the attributes named in `more`), in order, each group keyed
+    by implementation name: a table's lines."""
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        groups.setdefault((r.shape, r.dtype), {})[r.name] = r
+        case = (r.shape, r.dtype, *(getattr(r, attribute) for attribute in more))
+        groups.setdefault(case, {})[r.name] = r
     return groups
 
 

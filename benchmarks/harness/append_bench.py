@@ -7,6 +7,8 @@ the STREAM convention for a copy.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +83,23 @@ def _case(shape: AppendShape, dtype: str, device: str, seed: int = 0):
     return pool, k, v, meta, page_of, slot
 
 
+def bound_append(append, k, v, pool, meta: dict) -> Callable[[], object]:
+    """A call of `append` (pagedkv's or FlashInfer's append_paged_kv_cache:
+    the same parameters) writing k and v [nnz, Hkv, D] into pool at the
+    tokens and pages that meta (as `_case` makes it) names."""
+    return functools.partial(
+        append,
+        k,
+        v,
+        meta["batch_indices"],
+        meta["positions"],
+        pool,
+        meta["kv_indices"],
+        meta["kv_indptr"],
+        meta["kv_last_page_len"],
+    )
+
+
 def append_fns(shape: AppendShape, dtype: str, device: str) -> tuple[dict, int]:
     """The timed callables for one case (pagedkv and the scatters of the
     same data), and the bytes each moves."""
@@ -92,17 +111,7 @@ def append_fns(shape: AppendShape, dtype: str, device: str) -> tuple[dict, int]:
     idx_page = torch.from_numpy(page_of.astype(np.int64)).to(pool.device)
     idx_slot = torch.from_numpy(slot.astype(np.int64)).to(pool.device)
 
-    def ours() -> None:
-        pagedkv.append_paged_kv_cache(
-            k,
-            v,
-            meta["batch_indices"],
-            meta["positions"],
-            pool,
-            meta["kv_indices"],
-            meta["kv_indptr"],
-            meta["kv_last_page_len"],
-        )
+    ours = bound_append(pagedkv.append_paged_kv_cache, k, v, pool, meta)
 
     def torch_scatter() -> None:
         pool[idx_page, 0, idx_slot] = k

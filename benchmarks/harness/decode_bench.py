@@ -12,6 +12,7 @@ whose reads measure the bandwidth (see runtime/huge_pages.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,24 +154,15 @@ def _like_pool(x, pool):
     return out
 
 
-def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
-    """A callable running pagedkv's decode on the case (plan outside timing);
-    its `wrapper` attribute is the planned BatchDecodeWithPagedKVCacheWrapper."""
-    import pagedkv
-
+def plan_decode(wrapper, case: DecodeCase, to_device: Callable[[np.ndarray], object]) -> None:
+    """Plans `wrapper` (pagedkv's or FlashInfer's
+    BatchDecodeWithPagedKVCacheWrapper: the same plan) for the case's batch,
+    its page table moved by to_device where the wrapper reads it."""
     s = case.shape
-    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", backend=backend)
-    like = case.q
-
-    def on_device(x: np.ndarray):
-        from pagedkv._ops.tensors import new_like
-
-        return new_like(like, x)
-
-    w.plan(
-        on_device(case.kv_indptr),
-        on_device(case.kv_indices),
-        on_device(case.kv_last_page_len),
+    wrapper.plan(
+        to_device(case.kv_indptr),
+        to_device(case.kv_indices),
+        to_device(case.kv_last_page_len),
         s.num_qo_heads,
         s.num_kv_heads,
         s.head_dim,
@@ -178,6 +170,16 @@ def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
         q_data_type=case.q.dtype,
         kv_data_type=case.pool.dtype,
     )
+
+
+def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
+    """A callable running pagedkv's decode on the case (plan outside timing);
+    its `wrapper` attribute is the planned BatchDecodeWithPagedKVCacheWrapper."""
+    import pagedkv
+    from pagedkv._ops.tensors import new_like
+
+    w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", backend=backend)
+    plan_decode(w, case, lambda x: new_like(case.q, x))
 
     def run():
         return w.run(case.q, case.pool)

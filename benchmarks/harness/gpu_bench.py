@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .append_bench import APPEND_SHAPES, append_fns
-from .decode_bench import DecodeCase, DecodeShape, make_case, pagedkv_decode
+from .append_bench import APPEND_SHAPES, append_fns, bound_append
+from .decode_bench import DecodeCase, DecodeShape, make_case, pagedkv_decode, plan_decode
 from .mla_bench import CKV, KPE, MLAShape
 
 GPU_SHAPES = (
@@ -116,23 +116,12 @@ def flashinfer_decode(case: DecodeCase, tensor_cores: bool):
         return None
     import torch
 
-    s = case.shape
     dev = case.q.device
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=tensor_cores
     )
-    w.plan(
-        torch.from_numpy(case.kv_indptr).to(dev),
-        torch.from_numpy(case.kv_indices).to(dev),
-        torch.from_numpy(case.kv_last_page_len).to(dev),
-        s.num_qo_heads,
-        s.num_kv_heads,
-        s.head_dim,
-        s.page_size,
-        q_data_type=case.q.dtype,
-        kv_data_type=case.pool.dtype,
-    )
+    plan_decode(w, case, lambda x: torch.from_numpy(x).to(dev))
     return lambda: w.run(case.q, case.pool)
 
 
@@ -277,16 +266,7 @@ def flashinfer_append(fns: dict, shape, dtype: str) -> None:
     from .append_bench import _case
 
     pool, k, v, meta, _, _ = _case(shape, dtype, "cuda")
-    fns["flashinfer"] = lambda: flashinfer.append_paged_kv_cache(
-        k,
-        v,
-        meta["batch_indices"],
-        meta["positions"],
-        pool,
-        meta["kv_indices"],
-        meta["kv_indptr"],
-        meta["kv_last_page_len"],
-    )
+    fns["flashinfer"] = bound_append(flashinfer.append_paged_kv_cache, k, v, pool, meta)
 
 
 def append_rows(reps: int) -> list[GpuRow]:
@@ -311,6 +291,23 @@ MLA_SHAPES = tuple(
 """MLA decode shapes of the GPU issue: B = 1, 32, 128; L = 1k, 8k; 128 heads."""
 
 
+def planned_mla(wrapper, case: dict):
+    """A callable running `wrapper` (pagedkv's or FlashInfer's
+    BatchMLAPagedAttentionWrapper: the same plan and run) on the case, planned
+    here, outside timing, into one preallocated output."""
+    import torch
+
+    shape = case["shape"]
+    wrapper.plan(*case["table"], shape.heads, CKV, KPE, shape.page_size, False, case["scale"],
+                 case["q_nope"].dtype, case["ckv"].dtype)  # fmt: skip
+    out = torch.empty_like(case["q_nope"])
+
+    def run():
+        return wrapper.run(case["q_nope"], case["q_pe"], case["ckv"], case["kpe"], out=out)
+
+    return run
+
+
 def flashinfer_mla(case: dict):
     """FlashInfer's MLA decode on the same latent pages, or None if not installed."""
     try:
@@ -319,18 +316,8 @@ def flashinfer_mla(case: dict):
         return None
     import torch
 
-    shape = case["shape"]
-    dev = case["q_nope"].device
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    w = flashinfer.BatchMLAPagedAttentionWrapper(workspace)
-    w.plan(*case["table"], shape.heads, CKV, KPE, shape.page_size, False, case["scale"],
-           case["q_nope"].dtype, case["ckv"].dtype)  # fmt: skip
-    out = torch.empty_like(case["q_nope"])
-
-    def run():
-        return w.run(case["q_nope"], case["q_pe"], case["ckv"], case["kpe"], out=out)
-
-    return run
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=case["q_nope"].device)
+    return planned_mla(flashinfer.BatchMLAPagedAttentionWrapper(workspace), case)
 
 
 def pagedkv_mla(case: dict):
@@ -339,17 +326,8 @@ def pagedkv_mla(case: dict):
 
     import pagedkv
 
-    shape = case["shape"]
-    dev = case["q_nope"].device
-    w = pagedkv.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev))
-    w.plan(*case["table"], shape.heads, CKV, KPE, shape.page_size, False, case["scale"],
-           case["q_nope"].dtype, case["ckv"].dtype)  # fmt: skip
-    out = torch.empty_like(case["q_nope"])
-
-    def run():
-        return w.run(case["q_nope"], case["q_pe"], case["ckv"], case["kpe"], out=out)
-
-    return run
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=case["q_nope"].device)
+    return planned_mla(pagedkv.BatchMLAPagedAttentionWrapper(workspace), case)
 
 
 def mla_gpu_case(shape: MLAShape, dtype: str = "bfloat16", seed: int = 0) -> dict:

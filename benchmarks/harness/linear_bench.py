@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .anchors import Timing, time_round_robin
+from .anchors import Timing, rows_by_case, time_round_robin
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,7 @@ def format_linear_table(rows: list[LinearRow]) -> str:
         f"{'product':9s} {'K x N':>13s} {'dtype':8s} {'M':>4s} {'pagedkv ms':>10s} "
         f"{'GFLOP/s':>8s} {'x MAX':>6s} {'x torch':>7s}"
     ]
-    groups: dict[tuple, dict[str, LinearRow]] = {}
-    for r in rows:
-        groups.setdefault((r.shape, r.dtype, r.m), {})[r.name] = r
-    for (s, dtype, m), g in groups.items():
+    for (s, dtype, m), g in rows_by_case(rows, "m").items():
         ours = g["pagedkv"].timing.median_ms
         lines.append(
             f"{s.label:9s} {s.k:5d} x {s.n:5d} {dtype:8s} {m:4d} {ours:10.3f} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .anchors import Timing, same_bytes_reads, time_round_robin
+from .anchors import Timing, rows_by_case, same_bytes_reads, time_round_robin
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,7 @@ def format_merge_table(rows: list[MergeRow]) -> str:
         f"{'shape':30s} {'dtype':8s} {'op':20s} {'pagedkv ms':>10s} {'GB/s':>6s} "
         f"{'torch ms':>9s} {'x torch':>7s} {'%read':>6s}"
     ]
-    groups: dict[tuple, dict[str, MergeRow]] = {}
-    for r in rows:
-        groups.setdefault((r.shape, r.dtype, r.op), {})[r.name] = r
-    for (shape, dtype, op), g in groups.items():
+    for (shape, dtype, op), g in rows_by_case(rows, "op").items():
         ours, torch_row = g["pagedkv"], g["torch"]
         read = max(g["read_numpy"].gbps, g["read_torch"].gbps)
         lines.append(

@@ -18,7 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .anchors import Timing, read_bandwidth_gbps, same_bytes_reads, time_round_robin
+from .anchors import (
+    Timing,
+    read_bandwidth_gbps,
+    rows_by_case,
+    same_bytes_reads,
+    time_round_robin,
+)
 
 CKV, KPE = 512, 64
 
@@ -151,10 +157,7 @@ def format_mla_table(cpu: str, bandwidth: float, rows: list[MLARow]) -> str:
         f"{'GB/s':>6s} {'%BW':>4s} {'torch ms':>9s} {'GFLOP/s':>8s} {'xtorch':>6s} "
         f"{'max|diff|':>9s}",
     ]
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r.shape, r.dtype), {})[r.name] = r
-    for (shape, dtype), g in groups.items():
+    for (shape, dtype), g in rows_by_case(rows).items():
         ours, torch_row = g["pagedkv"], g["torch_sdpa"]
         lines.append(
             f"{shape.label:16s} {dtype:8s} {ours.timing.median_ms:10.2f} {ours.gflops:8.1f} "

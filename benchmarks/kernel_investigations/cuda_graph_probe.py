@@ -24,21 +24,12 @@ from pathlib import Path
 # The shared timing code: benchmarks/harness.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
+from harness.gpu_bench import host_time_us
 
 
-def host_us(fn, reps: int = 200) -> float:
-    """Median host µs of fn(), the GPU idle before each call."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return float(np.median(times))
+def host_us(fn) -> float:
+    """Median host µs of fn() over 200 calls, the GPU idle before each call."""
+    return host_time_us(fn, reps=200)
 
 
 def back_to_back_us(fn, reps: int = 500) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .batch_metadata import PAD_PAGE
@@ -19,41 +19,25 @@ GroupSpecs = list[tuple[tuple[int, ...], int | None]]
 """(layers, window) of each layer group."""
 
 
+@dataclass(eq=False, slots=True)
 class LayerGroup:
     """One layer group: its layers and window, its page pool and tensors, and
     its host tier (pool and tensors) when the manager offloads."""
 
-    __slots__ = (
-        "index",
-        "layers",
-        "window",
-        "pool",
-        "tensors",
-        "null_page",
-        "host",
-        "host_tensors",
-    )
+    index: int
+    layers: tuple[int, ...]
+    window: int | None
+    pool: PagePool
+    tensors: PageTensors
+    host: PagePool | None
+    host_tensors: PageTensors | None
+    null_page: int = field(init=False)
+    """A window group's tensors have one page more than its pool: the null
+    page, never handed out nor written, in the slots of dropped pages
+    (PAD_PAGE for a full-attention group)."""
 
-    def __init__(
-        self,
-        index: int,
-        layers: tuple[int, ...],
-        window: int | None,
-        pool: PagePool,
-        tensors: PageTensors,
-        host: PagePool | None,
-        host_tensors: PageTensors | None,
-    ) -> None:
-        self.index = index
-        self.layers = layers
-        self.window = window
-        self.pool = pool
-        self.tensors = tensors
-        # A window group's tensors have one page more than its pool: the null
-        # page, never handed out nor written, in the slots of dropped pages.
-        self.null_page = pool.num_pages if window is not None else PAD_PAGE
-        self.host = host
-        self.host_tensors = host_tensors
+    def __post_init__(self) -> None:
+        self.null_page = self.pool.num_pages if self.window is not None else PAD_PAGE
 
     def first_slot(self, start: int, page_size: int) -> int:
         """The first slot a query at position ``start`` or later can see:
@@ -129,20 +113,49 @@ class PagePoolOptions:
     """Whether the manager was given layer groups (events carry group_idx)."""
 
 
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What every pool of one manager shares: PageTensors' arguments but the
+    page and layer counts (and pin_memory, which only a host tier sets)."""
+
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: object
+    kv_layout: str
+    device: object
+    use_torch: bool
+
+    def tensors(self, num_pages: int, num_layers: int, pin_memory: bool = False) -> PageTensors:
+        """Zeroed pools of num_pages pages for num_layers layers."""
+        return PageTensors(
+            num_pages,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+            num_layers,
+            self.dtype,
+            self.kv_layout,
+            self.device,
+            self.use_torch,
+            pin_memory,
+        )
+
+
 def make_group(
     index: int,
     spec: tuple[tuple[int, ...], int | None],
     pages: int,
     host_pages: int,
-    geometry: dict,
+    geometry: PoolGeometry,
     options: PagePoolOptions,
 ) -> LayerGroup:
     """Layer group `index` of (layers, window) `spec`: its page tensors (a
     window group's with one null page more) and page pool of `pages` pages,
-    and a host tier of `host_pages` (none when 0). geometry: PageTensors'
-    page_size, num_kv_heads, head_dim, dtype, kv_layout, device, use_torch."""
+    and a host tier of `host_pages` (none when 0): host memory, torch
+    tensors in page-locked memory behind GPU pools."""
     layers, window = spec
-    tensors = PageTensors(pages + (window is not None), num_layers=len(layers), **geometry)
+    tensors = geometry.tensors(pages + (window is not None), len(layers))
     pool = PagePool(
         pages,
         tensors.page_size,
@@ -155,17 +168,13 @@ def make_group(
     )
     host = host_tensors = None
     if host_pages:
-        host_geometry = {k: v for k, v in geometry.items() if k not in ("device", "use_torch")}
-        host_tensors = PageTensors(
-            host_pages,
-            num_layers=len(layers),
-            use_torch=geometry["use_torch"] or tensors.on_gpu,
-            pin_memory=tensors.on_gpu,
-            **host_geometry,
+        host_geometry = replace(
+            geometry, device="cpu", use_torch=geometry.use_torch or tensors.on_gpu
         )
+        host_tensors = host_geometry.tensors(host_pages, len(layers), pin_memory=tensors.on_gpu)
         host = PagePool(
             host_pages,
-            geometry["page_size"],
+            geometry.page_size,
             max_pinned_pages=0,
             medium=MEDIUM_CPU if tensors.on_gpu else MEDIUM_CPU_OFFLOAD,
             group_idx=pool.group_idx,

@@ -72,7 +72,14 @@ from .kv_events import (
     EventHub,
     KVCacheEvent,
 )
-from .layer_groups import LayerGroup, PagePoolOptions, make_group, parse_layer_groups, per_group
+from .layer_groups import (
+    LayerGroup,
+    PagePoolOptions,
+    PoolGeometry,
+    make_group,
+    parse_layer_groups,
+    per_group,
+)
 from .offload import OffloadPlan
 from .page_pool import (
     ROOT_HASH,
@@ -258,14 +265,8 @@ class PagedKVCacheManager:
             if len(policies) != count:
                 raise ValueError(f"eviction: give one policy per layer group ({count})")
         self._events = EventHub()
-        geometry = dict(
-            page_size=page_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            kv_layout=kv_layout,
-            device=device,
-            use_torch=use_torch,
+        geometry = PoolGeometry(
+            page_size, num_kv_heads, head_dim, dtype, kv_layout, device, use_torch
         )
         self._groups: list[LayerGroup] = [
             make_group(

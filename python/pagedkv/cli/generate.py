@@ -50,7 +50,8 @@ class _OrderedStream:
 
 def run_generate(args: argparse.Namespace) -> int:
     """The `generate` subcommand; returns the exit status."""
-    from ..models import ModelError, load
+    from ..models import ModelError
+    from ..models.forms import load_from_arguments
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -59,13 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
         say("pagedkv generate: error: --max-new-tokens must be at least 1")
         return 2
     try:
-        llm = load(
-            args.model,
-            weights=args.weights,
-            kv_dtype=args.kv_dtype,
-            device=args.device,
-            progress=say,
-        )
+        llm = load_from_arguments(args, say)
     except ModelError as e:
         say(f"pagedkv generate: error: {e}")
         return 2

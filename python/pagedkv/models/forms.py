@@ -57,6 +57,26 @@ def add_weights_arguments(parser) -> None:
     )
 
 
+def load_from_arguments(
+    args, progress, kv_memory: int | None = None, batch_invariant: bool = False
+):
+    """`load` of the model a command line names: its --model and --device,
+    and the --weights and --kv-dtype that add_weights_arguments adds;
+    progress lines go to `progress`, kv_memory None is load's default.
+    Raises ModelError as load does."""
+    from .llm import DEFAULT_KV_MEMORY, load
+
+    return load(
+        args.model,
+        weights=args.weights,
+        kv_dtype=args.kv_dtype,
+        device=args.device,
+        kv_memory=kv_memory or DEFAULT_KV_MEMORY,
+        progress=progress,
+        batch_invariant=batch_invariant,
+    )
+
+
 def check_forms(weights: str, kv_dtype: str | None, device: str) -> str:
     """The cache dtype for these weights (kv_dtype or the default); raises
     ModelError for a combination `load` cannot serve."""

@@ -23,7 +23,7 @@ from pagedkv._ops.kernels import build_kernel_package_in_background
 from pagedkv._ops.quantized_panels import PACKED_AS
 from pagedkv._plan.work import as_dtype
 from pagedkv.cache.manager import PagedKVCacheManager
-from pagedkv.graphs.engine import DecoderEngine
+from pagedkv.graphs.engine import DecoderEngine, page_manager_for
 from pagedkv.graphs.model import DecoderConfig
 from pagedkv.graphs.sampling import SamplingParams
 from pagedkv.graphs.scheduler import Request, RunStats, Scheduler
@@ -241,16 +241,7 @@ def _manager(
     num_pages = kv_memory // page_bytes
     if num_pages < 1:
         raise ModelError(f"kv_memory {kv_memory} bytes holds no page of {page_bytes} bytes")
-    return PagedKVCacheManager(
-        int(num_pages),
-        page_size,
-        c.num_kv_heads,
-        c.head_dim,
-        num_layers=c.num_layers,
-        dtype=kv_dtype,
-        device="cuda" if device == "gpu" else "cpu",
-        layer_groups=c.layer_groups,
-    )
+    return page_manager_for(c, int(num_pages), page_size, kv_dtype, device)
 
 
 def load(

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ..models.catalog import DEFAULT_MODEL, MODELS
-from ..models.forms import add_weights_arguments
+from ..models.forms import add_weights_arguments, load_from_arguments
 from .engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_WAITING
 from .limits import ServeLimits
 
@@ -140,8 +140,7 @@ def add_distributed_arguments(p) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand; returns the exit status."""
-    from ..models import ModelError, load
-    from ..models.llm import DEFAULT_KV_MEMORY
+    from ..models import ModelError
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -173,14 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
         say(f"pagedkv serve: error: {e}")
         return 2
     try:
-        llm = load(
-            args.model,
-            weights=args.weights,
-            kv_dtype=args.kv_dtype,
-            device=args.device,
-            kv_memory=args.kv_memory or DEFAULT_KV_MEMORY,
-            progress=say,
-            batch_invariant=args.batch_invariant,
+        llm = load_from_arguments(
+            args, say, kv_memory=args.kv_memory, batch_invariant=args.batch_invariant
         )
     except ModelError as e:
         say(f"pagedkv serve: error: {e}")
@@ -209,10 +202,10 @@ def run_serve(args: argparse.Namespace) -> int:
         policy=args.scheduling_policy,
         connectors=connectors,
         limits=ServeLimits(
-            args.max_body_bytes,
-            args.max_prompt_tokens,
-            args.max_tokens_limit,
-            args.max_streams_per_key,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens_limit,
+            max_streams_per_key=args.max_streams_per_key,
         ),
     )
     if publisher is not None:
