@@ -132,6 +132,25 @@ def to_device(x, device: str):
     return (torch.from_numpy(x) if isinstance(x, np.ndarray) else x).to(device)
 
 
+def parameter_names(function) -> list[str]:
+    """function's parameter names in order: what its positional calls bind to."""
+    import inspect
+
+    return list(inspect.signature(function).parameters)
+
+
+def flashinfer_serves(module: str, name: str) -> bool:
+    """Whether `import flashinfer...` with pagedkv's stand-in installed finds
+    pagedkv's own `name` in `module` (a dotted name under flashinfer)."""
+    import importlib
+
+    import pagedkv
+    import pagedkv.flashinfer_compat as compat
+
+    compat.install()
+    return getattr(importlib.import_module(module), name) is getattr(pagedkv, name)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
@@ -330,6 +349,58 @@ def engine_with_pool(weights, num_pages: int, batch_invariant: bool = False):
         num_pages, DEMO_PAGE, c.num_kv_heads, c.head_dim, num_layers=c.num_layers
     )
     return DecoderEngine(c, weights, manager, batch_invariant=batch_invariant)
+
+
+def assert_greedy_steps_match(engine, config, weights, ids, prompts, decode_steps: int):
+    """Adds requests `ids` to the engine's manager, prefills their prompts in
+    one step, then runs decode_steps greedy decode steps: every step's
+    logits [len(ids), vocab] equal the dense NumPy model's within 1e-4.
+    Returns the last step's (logits, the reference's logits)."""
+    from pagedkv.graphs.numpy_reference import DenseDecoder
+
+    for i in ids:
+        engine.manager.add(i)
+    refs = [DenseDecoder(config, weights) for _ in prompts]
+    logits = engine.prefill(ids, prompts)
+    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    for _ in range(decode_steps):
+        nxt = want.argmax(-1)
+        logits = engine.decode(ids, nxt)
+        want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
+        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    return logits, want
+
+
+def shared_prompt_requests(rng, vocab_size, system_tokens, own_tokens, max_tokens, forked):
+    """Requests r0, r1, ... on one random system prompt of system_tokens
+    tokens: request i with own_tokens[i] random tokens of its own after it,
+    generating max_tokens[i] tokens; request `forked` sampled twice."""
+    from pagedkv.graphs.scheduler import Request
+
+    system = rng.integers(0, vocab_size, system_tokens).tolist()
+    return [
+        Request(
+            f"r{i}",
+            tuple(system + rng.integers(0, vocab_size, own).tolist()),
+            max_tokens=count,
+            n=2 if i == forked else 1,
+        )
+        for i, (own, count) in enumerate(zip(own_tokens, max_tokens, strict=True))
+    ]
+
+
+def assert_exact_and_released(engine, config, weights, sequences):
+    """Every page the engine's manager lent came back (and its books
+    validate), and every generated token is the NumPy reference's (near-ties
+    aside); returns the reference's check."""
+    from pagedkv.graphs.self_check import check_sequences
+
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
+    check = check_sequences(config, weights, sequences)
+    assert check.passed, check.mismatches
+    return check
 
 
 class Gate:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from max.graph import Module
+from max.graph import Graph, Module
 
 GraphBuilder = Callable[[Module], None]
 
@@ -37,6 +37,19 @@ def suite_graph(name: str) -> Callable[[GraphBuilder], GraphBuilder]:
     return register
 
 
+def ops_graph(module: Module, name: str, input_types) -> Graph:
+    """A graph called `name` in the suite's `module` that can call pagedkv's
+    custom ops: a builder's `with ops_graph(module, name, types) as g:`."""
+    from pagedkv import graph_ops
+
+    return Graph(
+        name,
+        input_types=input_types,
+        custom_extensions=graph_ops.custom_extensions(),
+        module=module,
+    )
+
+
 def registered() -> bool:
     return bool(_builders)
 
@@ -49,11 +62,15 @@ def build_all(module: Module) -> None:
 
 def compile_key() -> tuple:
     """What the registered graphs are, for the compile cache: each name with
-    a digest of the file that builds it (an edited graph compiles afresh)."""
+    a digest of the file that builds it, and this file's, whose `ops_graph`
+    every builder calls (an edited graph compiles afresh)."""
     return tuple(
-        (name, hashlib.sha256(Path(inspect.getsourcefile(b)).read_bytes()).hexdigest())
-        for name, b in sorted(_builders.items())
-    )
+        (name, _digest(inspect.getsourcefile(b))) for name, b in sorted(_builders.items())
+    ) + (("suite_graphs", _digest(__file__)),)
+
+
+def _digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def keep(models: dict[str, Any]) -> None:

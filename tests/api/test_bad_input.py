@@ -38,6 +38,13 @@ def with_(args, **changes):
     return out
 
 
+def edited(array: np.ndarray, index: int, value) -> np.ndarray:
+    """A copy of array with array[index] = value."""
+    out = array.copy()
+    out[index] = value
+    return out
+
+
 def bad_calls(batch, pool, args):
     """(description, call arguments, exception, message pattern)."""
     indices, indptr, last = batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len
@@ -59,39 +66,29 @@ def bad_calls(batch, pool, args):
         r"positions\[0\] = \d+ does not fit in int32",
     )
     yield "list", with_(args, kv_indptr=list(indptr)), TypeError, "kv_indptr must be a numpy"
-    zero_last = last.copy()
-    zero_last[0] = 0
     yield (
         "last 0",
-        with_(args, kv_last_page_len=zero_last),
+        with_(args, kv_last_page_len=edited(last, 0, 0)),
         ValueError,
         "kv_last_page_len\\[0\\] = 0",
     )
-    big_last = last.copy()
-    big_last[1] = PAGE + 1
     yield (
         "last big",
-        with_(args, kv_last_page_len=big_last),
+        with_(args, kv_last_page_len=edited(last, 1, PAGE + 1)),
         ValueError,
         "kv_last_page_len\\[1\\] = 5",
     )
-    outside = indices.copy()
-    outside[-1] = batch.num_pages
+    outside = edited(indices, -1, batch.num_pages)
     yield "page id", with_(args, kv_indices=outside), ValueError, "outside the pool of"
-    negative = indices.copy()
-    negative[0] = -1
+    negative = edited(indices, 0, -1)
     yield "negative page", with_(args, kv_indices=negative), ValueError, "kv_indices\\[0\\] = -1"
-    down = indptr.copy()
-    down[1] = indptr[2] + 1
+    down = edited(indptr, 1, indptr[2] + 1)
     yield "indptr", with_(args, kv_indptr=down), ValueError, "kv_indptr"
-    long = indptr.copy()
-    long[-1] += 1
+    long = edited(indptr, -1, indptr[-1] + 1)
     yield "indptr end", with_(args, kv_indptr=long), ValueError, "kv_indices holds only"
-    past = pos.copy()
-    past[-1] = batch.seq_lens[-1]
+    past = edited(pos, -1, batch.seq_lens[-1])
     yield "position", with_(args, positions=past), ValueError, "positions\\[2\\] = 3 is outside"
-    wrong_b = args["batch_indices"].copy()
-    wrong_b[0] = 2
+    wrong_b = edited(args["batch_indices"], 0, 2)
     yield "batch index", with_(args, batch_indices=wrong_b), ValueError, "batch_indices\\[0\\] = 2"
     yield "layout", with_(args, kv_layout="NDH"), ValueError, "kv_layout"
     yield "pool rank", with_(args, paged_kv_cache=pool[:, 0]), ValueError, "paged_kv_cache must be"
@@ -122,24 +119,15 @@ def test_bad_mla_append_raises(rng):
     ckv = np.zeros((batch.num_pages, PAGE, 12), np.float32)
     kpe = np.zeros((batch.num_pages, PAGE, 4), np.float32)
     bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    rows = np.ones((5, 12), np.float32), np.ones((5, 4), np.float32)
     table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
     with pytest.raises(ValueError, match="append_kpe must be"):
         pagedkv.append_paged_mla_kv_cache(
-            np.ones((5, 12), np.float32), np.ones((5, 5), np.float32), bi, pos, ckv, kpe, *table
+            rows[0], np.ones((5, 5), np.float32), bi, pos, ckv, kpe, *table
         )
-    bad = batch.kv_indices.copy()
-    bad[0] = 99
     with pytest.raises(ValueError, match="outside the pool"):
         pagedkv.append_paged_mla_kv_cache(
-            np.ones((5, 12), np.float32),
-            np.ones((5, 4), np.float32),
-            bi,
-            pos,
-            ckv,
-            kpe,
-            bad,
-            batch.kv_indptr,
-            batch.kv_last_page_len,
+            *rows, bi, pos, ckv, kpe, edited(batch.kv_indices, 0, 99), *table[1:]
         )
     assert not ckv.any() and not kpe.any()
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pagedkv
+from conftest import flashinfer_serves, parameter_names
 
 torch = pytest.importorskip("torch")
 
@@ -352,28 +353,16 @@ prefill.py of its wheel), in order, so positional calls land where they do there
 
 @pytest.mark.parametrize("name", sorted(FLASHINFER_0_7_PARAMETERS))
 def test_block_table_functions_take_flashinfers_positional_order(name):
-    import inspect
-
-    params = list(inspect.signature(getattr(pagedkv, name)).parameters)
-    assert params == FLASHINFER_0_7_PARAMETERS[name].split()
+    assert parameter_names(getattr(pagedkv, name)) == FLASHINFER_0_7_PARAMETERS[name].split()
 
 
 def test_import_flashinfer_serves_the_block_table_functions():
-    import pagedkv.flashinfer_compat as compat
-
-    compat.install()
-    import flashinfer.decode
-    import flashinfer.prefill
-
-    assert flashinfer.decode.trtllm_batch_decode_with_kv_cache is (
-        pagedkv.trtllm_batch_decode_with_kv_cache
-    )
-    assert flashinfer.decode.xqa_batch_decode_with_kv_cache is (
-        pagedkv.xqa_batch_decode_with_kv_cache
-    )
-    assert flashinfer.prefill.trtllm_batch_context_with_kv_cache is (
-        pagedkv.trtllm_batch_context_with_kv_cache
-    )
+    for module, name in [
+        ("flashinfer.decode", "trtllm_batch_decode_with_kv_cache"),
+        ("flashinfer.decode", "xqa_batch_decode_with_kv_cache"),
+        ("flashinfer.prefill", "trtllm_batch_context_with_kv_cache"),
+    ]:
+        assert flashinfer_serves(module, name), f"{module}.{name}"
 
 
 def test_trtllm_ragged_attention_deepseek_equals_reference():

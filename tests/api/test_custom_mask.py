@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from prefill_helpers import assert_rows_match, ragged_prefill, request_rows, run_prefill
 
 import pagedkv
 import reference
-from conftest import PREFILL_CONFIGS, as_f64, cast, to_device
+from conftest import PREFILL_CONFIGS, as_f64, to_device
 from pagedkv.custom_mask import custom_mask_rows, packbits, segment_packbits
 
 # (cached tokens, queries) per request: odd sizes, a masked row set, qo > kv.
@@ -37,15 +38,9 @@ def check_custom_mask(config, form: str, heads, window_left: int, device: str = 
     """A ragged masked prefill (a row that sees nothing, more queries than
     keys) against the float64 reference with the same mask, every array on
     `device` ("cpu": as made; "cuda": torch CUDA tensors)."""
-    q_dtype, kv_dtype, layout = config
     rng = np.random.default_rng(len(form) + heads[0] + window_left)
     page_size = 4
-    lens, queries = zip(*SHAPE, strict=True)
-    batch = reference.paged_batch(rng, page_size, list(lens), list(queries))
-    hq, hkv, d = heads
-    page = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
-    pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), kv_dtype)
-    q = cast(rng.standard_normal((batch.nnz, hq, d), dtype=np.float32), q_dtype)
+    batch, pool, q = ragged_prefill(rng, config, SHAPE, heads, page_size)
     masks = masks_for(rng, SHAPE, 0.6)
     flat = np.concatenate([m.reshape(-1) for m in masks])
     if form == "bool":
@@ -54,39 +49,20 @@ def check_custom_mask(config, form: str, heads, window_left: int, device: str = 
         sizes = np.array([m.size for m in masks])
         packed, _ = segment_packbits(flat, np.concatenate([[0], np.cumsum(sizes)]), "little")
         mask_args = dict(packed_custom_mask=to_device(packed, device))
-    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
-    w.plan(
-        *to_device(
-            (batch.append_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len),
-            device,
-        ),
-        hq,
-        hkv,
-        d,
-        page_size,
-        causal=True,  # ignored: the mask replaces it
-        window_left=window_left,
-        q_data_type=q_dtype,
-        kv_data_type=kv_dtype,
-        **mask_args,
+    # causal=True is ignored: the mask replaces it.
+    o, lse = run_prefill(
+        config, batch, pool, q, device, causal=True, window_left=window_left, **mask_args
     )
-    o, lse = w.run(to_device(q, device), to_device(pool, device), return_lse=True)
-    tol = 1e-5 if q_dtype == "float32" else 1e-2
-    refs = reference.gather(
-        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout
-    )
-    for b, (k, v) in enumerate(refs):
-        lo, hi = batch.append_indptr[b], batch.append_indptr[b + 1]
-        positions = np.arange(len(k) - (hi - lo), len(k))
+    tol = 1e-5 if config[0] == "float32" else 1e-2
+    o, lse = as_f64(o), as_f64(lse)
+    for b, (lo, hi, k, v, positions) in enumerate(request_rows(batch, pool, config[2])):
         want_o, want_lse = reference.attention(
             as_f64(q)[lo:hi], k, v, positions, causal=False, window_left=window_left, mask=masks[b]
         )
-        np.testing.assert_allclose(as_f64(o)[lo:hi], want_o, rtol=tol, atol=tol)
+        assert_rows_match(o[lo:hi], lse[lo:hi], want_o, want_lse, tol)
         finite = np.isfinite(want_lse)
         assert (~finite).any() or b != 0  # request 0's masked row
-        np.testing.assert_allclose(as_f64(lse)[lo:hi][finite], want_lse[finite], rtol=tol, atol=tol)
-        assert (as_f64(lse)[lo:hi][~finite] == -np.inf).all()
-        assert (as_f64(o)[lo:hi][~finite] == 0).all()
+        assert (o[lo:hi][~finite] == 0).all()
 
 
 def test_single_prefill_takes_a_2d_mask():

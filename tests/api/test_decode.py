@@ -54,6 +54,16 @@ class Case:
             f"w{self.window_left}-cap{self.soft_cap}-s{self.sm_scale}"
         )
 
+    @property
+    def options(self) -> dict:
+        """The attention options plan() and the reference take by the same names."""
+        return dict(
+            pos_encoding_mode=self.pos_mode,
+            window_left=self.window_left,
+            logits_soft_cap=self.soft_cap,
+            sm_scale=self.sm_scale,
+        )
+
 
 def sampled_grid(count: int = 30) -> list[Case]:
     """A fixed-seed sample in which every value of every axis appears.
@@ -127,10 +137,7 @@ def references(case, batch, pool, q, k_scale=1.0, v_scale=1.0):
             k,
             v,
             np.array([len(k) - 1]),
-            sm_scale=case.sm_scale,
-            logits_soft_cap=case.soft_cap,
-            window_left=case.window_left,
-            pos_encoding_mode=case.pos_mode,
+            **case.options,
             qk_scale=k_scale,
             v_scale=v_scale,
             alibi_from_zero=True,  # FlashInfer's decode kernels
@@ -144,11 +151,11 @@ def tolerance(case: Case) -> float:
     return 1e-5 if case.q_dtype == "float32" else 1e-2
 
 
-def check_decode_case(case: Case, device: str = "cpu", backend: str = "auto") -> None:
-    """Plans and runs `case` on device ("cpu" or "cuda") with `backend`, twice
-    with new queries, against the float64 reference."""
-    batch, pool, cache = build(case)
-    cache = to_device(cache, device)
+def planned(
+    case: Case, batch: reference.PagedBatch, device: str = "cpu", backend: str = "auto"
+) -> pagedkv.BatchDecodeWithPagedKVCacheWrapper:
+    """A decode wrapper with `backend`, planned on device ("cpu" or "cuda")
+    for batch's page table with every option of case."""
     wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout, backend=backend)
     wrapper.plan(
         *to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), device),
@@ -156,13 +163,19 @@ def check_decode_case(case: Case, device: str = "cpu", backend: str = "auto") ->
         case.kv_heads,
         case.head_dim,
         case.page_size,
-        pos_encoding_mode=case.pos_mode,
-        window_left=case.window_left,
-        logits_soft_cap=case.soft_cap,
         q_data_type=case.q_dtype,
         kv_data_type=case.kv_dtype,
-        sm_scale=case.sm_scale,
+        **case.options,
     )
+    return wrapper
+
+
+def check_decode_case(case: Case, device: str = "cpu", backend: str = "auto") -> None:
+    """Plans and runs `case` on device ("cpu" or "cuda") with `backend`, twice
+    with new queries, against the float64 reference."""
+    batch, pool, cache = build(case)
+    cache = to_device(cache, device)
+    wrapper = planned(case, batch, device, backend)
     rng = np.random.default_rng(case.seed + 1000)
     hq = case.group * case.kv_heads
     fp8 = case.kv_dtype.startswith("float8")
@@ -240,19 +253,7 @@ LSE_CASES = [
 @pytest.mark.parametrize("case", LSE_CASES, ids=str)
 def test_bfloat16_scores_keep_float32_accuracy(case: Case):
     batch, pool, cache = build(case)
-    wrapper = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout=case.layout)
-    wrapper.plan(
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_page_len,
-        case.group * case.kv_heads,
-        case.kv_heads,
-        case.head_dim,
-        case.page_size,
-        q_data_type=case.q_dtype,
-        kv_data_type=case.kv_dtype,
-        sm_scale=case.sm_scale,
-    )
+    wrapper = planned(case, batch)
     rng = np.random.default_rng(case.seed)
     shape = (batch.batch_size, case.group * case.kv_heads, case.head_dim)
     # Scores of a few units: a relative error of q's rounding (2^-9) would
@@ -415,16 +416,9 @@ def test_decode_bad_input():
     with pytest.raises(ValueError, match="head_dim"):
         w.plan(*table, 4, 2, 96, 16)
     # Wider integers are narrowed (tests/api/test_flashinfer_api.py); floats are refused.
+    float_indices = (batch.kv_indptr, batch.kv_indices.astype(np.float32), batch.kv_last_page_len)
     with pytest.raises(TypeError, match="indices must be int32"):
-        w.plan(
-            batch.kv_indptr,
-            batch.kv_indices.astype(np.float32),
-            batch.kv_last_page_len,
-            4,
-            2,
-            64,
-            16,
-        )
+        w.plan(*float_indices, 4, 2, 64, 16)
     bad = batch.kv_indptr.copy()
     bad[1] = bad[2] + 1
     with pytest.raises(ValueError, match="kv_indptr"):
@@ -547,22 +541,26 @@ def test_decode_writes_into_out_and_lse(kind):
         assert np.isnan(as_f64(bad_out)).all(), pattern
 
 
-def tma_applies(case: Case) -> bool:
+def fits_gpu_kernel(case: Case, max_group: int) -> bool:
+    """What the TMA and tensor-core kernels both need: NHD pages of a
+    multiple of 16 tokens, at most max_group query heads per KV head, no RoPE."""
     return (
         case.layout == "NHD"
         and case.page_size % 16 == 0
-        and case.group <= 8
+        and case.group <= max_group
         and case.pos_mode != "ROPE_LLAMA"
-        and not (case.kv_dtype.startswith("float8") and case.head_dim == 64)
+    )
+
+
+def tma_applies(case: Case) -> bool:
+    return fits_gpu_kernel(case, 8) and not (
+        case.kv_dtype.startswith("float8") and case.head_dim == 64
     )
 
 
 def mma_applies(case: Case) -> bool:
     return (
-        case.layout == "NHD"
-        and case.page_size % 16 == 0
-        and case.group <= 16
-        and case.pos_mode != "ROPE_LLAMA"
+        fits_gpu_kernel(case, 16)
         and case.q_dtype == case.kv_dtype
         and case.q_dtype in ("float16", "bfloat16")
         and case.head_dim in (64, 128)

@@ -11,6 +11,7 @@ import torch
 
 import pagedkv
 import reference
+from conftest import flashinfer_serves, parameter_names
 
 
 def decode_case(seed: int = 0, lens=(70, 3, 33)):
@@ -311,23 +312,13 @@ def test_several_query_tokens_per_request_keep_flashinfers_contracts():
 
 
 def test_flashinfer_compat_serves_import_flashinfer():
-    import pagedkv.flashinfer_compat as compat
-
-    compat.install()
-    import flashinfer
-    import flashinfer.decode
-    import flashinfer.mla
-
-    assert flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper is (
-        pagedkv.BatchDecodeWithPagedKVCacheWrapper
-    )
-    assert flashinfer.BatchPrefillWithRaggedKVCacheWrapper is (
-        pagedkv.BatchPrefillWithRaggedKVCacheWrapper
-    )
-    assert flashinfer.mla.BatchMLAPagedAttentionWrapper is pagedkv.BatchMLAPagedAttentionWrapper
-    assert flashinfer.nvfp4_quantize_append_paged_kv_cache is (
-        pagedkv.nvfp4_quantize_append_paged_kv_cache
-    )
+    for module, name in [
+        ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper"),
+        ("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper"),
+        ("flashinfer.mla", "BatchMLAPagedAttentionWrapper"),
+        ("flashinfer", "nvfp4_quantize_append_paged_kv_cache"),
+    ]:
+        assert flashinfer_serves(module, name), f"{module}.{name}"
 
 
 FLASHINFER_PAGED_PREFILL_PLAN = (
@@ -343,9 +334,7 @@ order (flashinfer/prefill.py), so that positional calls land where they do there
 
 
 def test_paged_prefill_plan_takes_flashinfers_positional_order():
-    import inspect
-
-    params = list(inspect.signature(pagedkv.BatchPrefillWithPagedKVCacheWrapper.plan).parameters)
+    params = parameter_names(pagedkv.BatchPrefillWithPagedKVCacheWrapper.plan)
     assert params[1:] == FLASHINFER_PAGED_PREFILL_PLAN
 
 

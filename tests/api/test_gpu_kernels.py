@@ -14,6 +14,47 @@ import pagedkv
 import reference
 from conftest import as_f64, cast, to_device
 
+
+def random_decode(rng, kv_heads, head_dim, page_size, lengths, group):
+    """A decode batch over shuffled pages: its page table, a float32 NHD pool
+    [pages, 2, page_size, kv_heads, head_dim] and float32 queries
+    [len(lengths), group * kv_heads, head_dim]."""
+    batch = reference.paged_batch(rng, page_size, lengths, [0] * len(lengths))
+    pool = rng.standard_normal((batch.num_pages, 2, page_size, kv_heads, head_dim), np.float32)
+    q = rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32)
+    return batch, pool, q
+
+
+def decode_outputs(backends, batch, q, pool, page_size, options) -> dict:
+    """Each backend's (o, lse), float64 NumPy, of one GPU decode of q
+    [B, Hq, D] over the NHD pool [pages, 2, page_size, Hkv, D], planned for
+    batch's page table with options."""
+    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
+    num_qo_heads, (kv_heads, head_dim) = q.shape[1], pool.shape[-2:]
+    outputs = {}
+    for backend in backends:
+        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend=backend)
+        w.plan(*table, num_qo_heads, kv_heads, head_dim, page_size, **options)
+        o, lse = w.run(to_device(q, "cuda"), to_device(pool, "cuda"), return_lse=True)
+        outputs[backend] = as_f64(o), as_f64(lse)
+    return outputs
+
+
+def assert_rows_match_reference(o, q, pool, batch, options, tol) -> None:
+    """o [B, Hq, D]: each request's row equals the float64 reference's over
+    its keys, or 0 for a request without any."""
+    refs = reference.gather(
+        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
+    )
+    for b, (k, v) in enumerate(refs):
+        if len(k) == 0:
+            assert (o[b] == 0).all()
+            continue
+        last = np.array([len(k) - 1])
+        want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
+        np.testing.assert_allclose(o[b], want_o[0], rtol=tol, atol=tol)
+
+
 TMA_SHAPES = [
     # (kv dtype, group, KV heads, head dim, page size, lengths, options)
     ("bfloat16", 4, 2, 128, 16, [4100, 1, 17, 900], {}),
@@ -34,32 +75,13 @@ def test_tma_and_generic_kernels_agree(shape):
     kv_dtype, group, kv_heads, head_dim, page_size, lengths, options = shape
     q_dtype = "float32" if kv_dtype == "float32" else "bfloat16"
     rng = np.random.default_rng(group * 1000 + head_dim + page_size)
-    batch = reference.paged_batch(rng, page_size, lengths, [0] * len(lengths))
-    pool = cast(
-        rng.standard_normal((batch.num_pages, 2, page_size, kv_heads, head_dim), np.float32),
-        kv_dtype,
-    )
-    q = cast(rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32), q_dtype)
-    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
-    outputs = {}
-    for backend in ("generic", "tma"):
-        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend=backend)
-        w.plan(*table, group * kv_heads, kv_heads, head_dim, page_size, **options)
-        o, lse = w.run(to_device(q, "cuda"), to_device(pool, "cuda"), return_lse=True)
-        outputs[backend] = as_f64(o), as_f64(lse)
+    batch, pool, q = random_decode(rng, kv_heads, head_dim, page_size, lengths, group)
+    pool, q = cast(pool, kv_dtype), cast(q, q_dtype)
+    outputs = decode_outputs(("generic", "tma"), batch, q, pool, page_size, options)
     tol = 1e-5 if q_dtype == "float32" else 1e-2
     np.testing.assert_allclose(*(outputs[b][0] for b in outputs), rtol=tol, atol=tol)
     np.testing.assert_allclose(*(outputs[b][1] for b in outputs), rtol=tol, atol=tol)
-    refs = reference.gather(
-        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
-    )
-    for b, (k, v) in enumerate(refs):
-        if len(k) == 0:
-            assert (outputs["tma"][0][b] == 0).all()
-            continue
-        last = np.array([len(k) - 1])
-        want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
-        np.testing.assert_allclose(outputs["tma"][0][b], want_o[0], rtol=tol, atol=tol)
+    assert_rows_match_reference(outputs["tma"][0], q, pool, batch, options, tol)
 
 
 TENSOR_CORE_SHAPES = [
@@ -86,8 +108,7 @@ def test_tensor_core_decode_matches_reference(shape):
     key's zero probability would poison the row."""
     dtype, group, kv_heads, head_dim, page_size, lengths, options = shape
     rng = np.random.default_rng(group * 100 + head_dim + page_size)
-    batch = reference.paged_batch(rng, page_size, lengths, [0] * len(lengths))
-    pool = rng.standard_normal((batch.num_pages, 2, page_size, kv_heads, head_dim), np.float32)
+    batch, pool, q = random_decode(rng, kv_heads, head_dim, page_size, lengths, group)
     used = np.zeros((batch.num_pages, page_size), bool)
     for b in range(len(lengths)):
         pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
@@ -95,29 +116,14 @@ def test_tensor_core_decode_matches_reference(shape):
             used[page, : batch.kv_last_page_len[b] if i == len(pages) - 1 else page_size] = True
     pages, slots = np.nonzero(~used)
     pool[pages, :, slots] = np.nan  # K and V of every slot no request holds
-    pool = cast(pool, dtype)
-    q = cast(rng.standard_normal((len(lengths), group * kv_heads, head_dim), np.float32), dtype)
-    table = to_device((batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len), "cuda")
-    outputs = {}
-    for backend in ("generic", "mma"):
-        w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(backend=backend)
-        w.plan(*table, group * kv_heads, kv_heads, head_dim, page_size, **options)
-        o, lse = w.run(to_device(q, "cuda"), to_device(pool, "cuda"), return_lse=True)
-        outputs[backend] = as_f64(o), as_f64(lse)
+    pool, q = cast(pool, dtype), cast(q, dtype)
+    outputs = decode_outputs(("generic", "mma"), batch, q, pool, page_size, options)
     tol = 1e-2
     assert np.isfinite(outputs["mma"][0]).all()
     np.testing.assert_allclose(outputs["mma"][0], outputs["generic"][0], rtol=tol, atol=tol)
     np.testing.assert_allclose(outputs["mma"][1], outputs["generic"][1], rtol=tol, atol=tol)
-    refs = reference.gather(
-        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, "NHD"
-    )
-    for b, (k, v) in enumerate(refs):
-        if len(k) == 0:
-            assert (outputs["mma"][0][b] == 0).all() and (outputs["mma"][1][b] == -np.inf).all()
-            continue
-        last = np.array([len(k) - 1])
-        want_o, _ = reference.attention(as_f64(q)[b : b + 1], k, v, last, **options)
-        np.testing.assert_allclose(outputs["mma"][0][b], want_o[0], rtol=tol, atol=tol)
+    assert (outputs["mma"][1][np.array(lengths) == 0] == -np.inf).all()
+    assert_rows_match_reference(outputs["mma"][0], q, pool, batch, options, tol)
 
 
 @pytest.mark.gpu

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from max.driver import Buffer
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
+from max.graph import BufferType, DeviceRef, Module, TensorType
 
 import pagedkv
 import reference
 from conftest import MLA_CONFIGS, as_f64, cast, to_device
 from pagedkv import graph_ops
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 CKV, KPE = 512, 64
 SM_SCALE = 1 / math.sqrt(128 + 64)  # the head dim before absorption, as DeepSeek's
@@ -238,21 +238,17 @@ PAGE, GRAPH_HEADS = 16, 16
 @suite_graph("mla_decode")
 def mla_decode_graph(module: Module) -> None:
     cpu, f32, i32 = DeviceRef.CPU(), DType.float32, DType.int32
-    with Graph(
-        "mla_decode",
-        input_types=[
-            TensorType(f32, ["batch", GRAPH_HEADS, CKV], device=cpu),
-            TensorType(f32, ["batch", GRAPH_HEADS, KPE], device=cpu),
-            BufferType(f32, ["pages", PAGE, CKV], device=cpu),
-            BufferType(f32, ["pages", PAGE, KPE], device=cpu),
-            TensorType(i32, ["used_pages"], device=cpu),
-            TensorType(i32, ["batch_plus_1"], device=cpu),
-            TensorType(i32, ["items", 6], device=cpu),
-            TensorType(i32, ["batch_plus_1"], device=cpu),
-        ],
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    types = [
+        TensorType(f32, ["batch", GRAPH_HEADS, CKV], device=cpu),
+        TensorType(f32, ["batch", GRAPH_HEADS, KPE], device=cpu),
+        BufferType(f32, ["pages", PAGE, CKV], device=cpu),
+        BufferType(f32, ["pages", PAGE, KPE], device=cpu),
+        TensorType(i32, ["used_pages"], device=cpu),
+        TensorType(i32, ["batch_plus_1"], device=cpu),
+        TensorType(i32, ["items", 6], device=cpu),
+        TensorType(i32, ["batch_plus_1"], device=cpu),
+    ]
+    with ops_graph(module, "mla_decode", types) as g:
         q_nope, q_pe, ckv, kpe, indices, indptr, items, request_items = g.inputs
         o, lse = graph_ops.mla_attention(
             q_nope.tensor,

@@ -5,13 +5,13 @@ block-table row of the packed [ckv || kpe] cache."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
 import pytest
 
 import pagedkv
+from conftest import flashinfer_serves, parameter_names
 
 torch = pytest.importorskip("torch")
 
@@ -256,26 +256,19 @@ FLASHINFER_0_7_MLA_PARAMETERS["trtllm_prefill_with_kv_cache_mla"] = FLASHINFER_0
 
 @pytest.mark.parametrize("name", sorted(FLASHINFER_0_7_MLA_PARAMETERS))
 def test_mla_block_table_functions_take_flashinfers_order(name):
-    params = list(inspect.signature(getattr(pagedkv, name)).parameters)
-    assert params == FLASHINFER_0_7_MLA_PARAMETERS[name].split()
+    assert parameter_names(getattr(pagedkv, name)) == FLASHINFER_0_7_MLA_PARAMETERS[name].split()
 
 
 def test_import_flashinfer_serves_them_where_flashinfer_does():
-    import pagedkv.flashinfer_compat as compat
-
-    compat.install()
-    import flashinfer.decode
+    served = {
+        "trtllm_batch_decode_with_kv_cache_mla": ("decode", "mla"),
+        "xqa_batch_decode_with_kv_cache_mla": ("decode", "mla"),
+        "trtllm_prefill_with_kv_cache_mla": ("prefill", "mla"),
+        "MLAPlanMetadata": ("mla",),
+    }
+    for name, modules in served.items():
+        for module in modules:
+            assert flashinfer_serves(f"flashinfer.{module}", name), f"flashinfer.{module}.{name}"
     import flashinfer.mla
-    import flashinfer.prefill
 
-    for module in (flashinfer.decode, flashinfer.mla):
-        assert module.trtllm_batch_decode_with_kv_cache_mla is (
-            pagedkv.trtllm_batch_decode_with_kv_cache_mla
-        )
-        assert module.xqa_batch_decode_with_kv_cache_mla is (
-            pagedkv.xqa_batch_decode_with_kv_cache_mla
-        )
-    for module in (flashinfer.prefill, flashinfer.mla):
-        assert module.trtllm_prefill_with_kv_cache_mla is pagedkv.trtllm_prefill_with_kv_cache_mla
-    assert flashinfer.mla.MLAPlanMetadata is pagedkv.MLAPlanMetadata
     assert np.isclose(flashinfer.mla.deepseek_mla_dimensions.kv_lora_rank, 512)

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from max.driver import Buffer
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
+from max.graph import BufferType, DeviceRef, Module, TensorType
 
 import pagedkv
 import reference
 from conftest import as_f64, cast
 from pagedkv import graph_ops
 from pagedkv.mla_inputs import cache_operands
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 CKV, KPE, HEADS, PAGE = 64, 32, 8, 16
 SM_SCALE = 0.11
@@ -147,20 +147,16 @@ def test_cache_operands_are_views_of_the_callers_memory():
 @suite_graph("mla_decode_packed")
 def mla_decode_packed_graph(module: Module) -> None:
     cpu, f32, i32 = DeviceRef.CPU(), DType.float32, DType.int32
-    with Graph(
-        "mla_decode_packed",
-        input_types=[
-            TensorType(f32, ["batch", HEADS, CKV], device=cpu),
-            TensorType(f32, ["batch", HEADS, KPE], device=cpu),
-            BufferType(f32, ["pages", PAGE, CKV + KPE], device=cpu),
-            TensorType(i32, ["used_pages"], device=cpu),
-            TensorType(i32, ["batch_plus_1"], device=cpu),
-            TensorType(i32, ["items", 6], device=cpu),
-            TensorType(i32, ["batch_plus_1"], device=cpu),
-        ],
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    types = [
+        TensorType(f32, ["batch", HEADS, CKV], device=cpu),
+        TensorType(f32, ["batch", HEADS, KPE], device=cpu),
+        BufferType(f32, ["pages", PAGE, CKV + KPE], device=cpu),
+        TensorType(i32, ["used_pages"], device=cpu),
+        TensorType(i32, ["batch_plus_1"], device=cpu),
+        TensorType(i32, ["items", 6], device=cpu),
+        TensorType(i32, ["batch_plus_1"], device=cpu),
+    ]
+    with ops_graph(module, "mla_decode_packed", types) as g:
         q_nope, q_pe, cache, indices, indptr, items, request_items = g.inputs
         o, lse = graph_ops.mla_attention(
             q_nope.tensor, q_pe.tensor, cache, cache, indices.tensor, indptr.tensor,

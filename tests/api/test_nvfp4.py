@@ -302,30 +302,17 @@ def bad_calls():
         kv_last_page_len=torch.tensor([3], dtype=torch.int32),
     )
 
+    # The arguments both appends take, valid: each bad call changes one or two.
+    common = dict(
+        append_key=k, append_value=v, paged_kv_cache=cache, kv_cache_sf=sf, k_scale=1.0, v_scale=1.0
+    )
+
     def append(**over):
-        args = dict(
-            append_key=k,
-            append_value=v,
-            paged_kv_cache=cache,
-            kv_cache_sf=sf,
-            k_scale=1.0,
-            v_scale=1.0,
-            **idx,
-        )
-        args.update(over)
+        args = {**common, **idx, **over}
         return lambda: pagedkv.nvfp4_quantize_append_paged_kv_cache(**args)
 
     def slots(**over):
-        args = dict(
-            append_key=k,
-            append_value=v,
-            slot_mapping=torch.arange(11, dtype=torch.int32),
-            paged_kv_cache=cache,
-            kv_cache_sf=sf,
-            k_scale=1.0,
-            v_scale=1.0,
-        )
-        args.update(over)
+        args = {**common, "slot_mapping": torch.arange(11, dtype=torch.int32), **over}
         return lambda: pagedkv.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(**args)
 
     calls = [
@@ -433,16 +420,9 @@ def test_dequantize_paged(layout: str) -> None:
     lens = torch.tensor([7, 2], dtype=torch.int32)
     out_k = torch.full((2, 8, heads, 32), 123.0, dtype=torch.bfloat16)
     out_v = torch.full((2, 8, heads, 64), 123.0, dtype=torch.bfloat16)
+    scales = torch.tensor([0.5]), torch.tensor([0.25])
     pagedkv.nvfp4_kv_dequantize_paged(
-        cache,
-        sf,
-        table,
-        lens,
-        torch.tensor([0.5]),
-        torch.tensor([0.25]),
-        out_k,
-        out_v,
-        kv_layout=layout,
+        cache, sf, table, lens, *scales, out_k, out_v, kv_layout=layout
     )
     for b in range(2):
         for tok in range(8):
@@ -458,15 +438,7 @@ def test_dequantize_paged(layout: str) -> None:
                     assert torch.equal(out[b, tok, h], torch.from_numpy(want).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="block_tables column count insufficient"):
         pagedkv.nvfp4_kv_dequantize_paged(
-            cache,
-            sf,
-            table[:, :1],
-            lens,
-            torch.tensor([1.0]),
-            torch.tensor([1.0]),
-            out_k,
-            out_v,
-            kv_layout=layout,
+            cache, sf, table[:, :1], lens, *scales, out_k, out_v, kv_layout=layout
         )
 
 

@@ -11,10 +11,11 @@ import zlib
 
 import numpy as np
 import pytest
+from prefill_helpers import assert_rows_match, ragged_prefill, request_rows, run_prefill
 
 import pagedkv
 import reference
-from conftest import PREFILL_CONFIGS, as_f64, cast, to_device
+from conftest import PREFILL_CONFIGS, as_f64, cast
 
 # (cached tokens after the append, queries) per request.
 SHAPES = {
@@ -91,47 +92,20 @@ def check_prefill_case(
     """One ragged prefill on device ("cpu" or "cuda") against the reference:
     shape a name in SHAPES or its list of (cached tokens, queries);
     heads (query heads, KV heads, head_dim)."""
-    q_dtype, kv_dtype, layout = config
     # A stable seed: hash() of a str changes from process to process.
     rng = np.random.default_rng(zlib.crc32(repr((shape, causal, page_size)).encode()))
-    lens, queries = zip(*(SHAPES[shape] if isinstance(shape, str) else shape), strict=True)
-    hq, hkv, d = heads
-    batch = reference.paged_batch(rng, page_size, list(lens), list(queries))
-    page = (page_size, hkv, d) if layout == "NHD" else (hkv, page_size, d)
-    pool = cast(rng.standard_normal((batch.num_pages, 2, *page), dtype=np.float32), kv_dtype)
-    q = cast(rng.standard_normal((batch.nnz, hq, d), dtype=np.float32), q_dtype)
-    w = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
-    w.plan(
-        *to_device(
-            (batch.append_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len),
-            device,
-        ),
-        hq,
-        hkv,
-        d,
-        page_size,
-        causal=causal,
-        q_data_type=q_dtype,
-        kv_data_type=kv_dtype,
-        **options,
-    )
-    o, lse = w.run(to_device(q, device), to_device(pool, device), return_lse=True)
-    tol = 1e-5 if q_dtype == "float32" else 1e-2
-    refs = reference.gather(
-        as_f64(pool), batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, layout
-    )
-    for b, (k, v) in enumerate(refs):
-        lo, hi = batch.append_indptr[b], batch.append_indptr[b + 1]
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    batch, pool, q = ragged_prefill(rng, config, shape, heads, page_size)
+    o, lse = run_prefill(config, batch, pool, q, device, causal=causal, **options)
+    tol = 1e-5 if config[0] == "float32" else 1e-2
+    o, lse = as_f64(o), as_f64(lse)
+    for lo, hi, k, v, positions in request_rows(batch, pool, config[2]):
         if hi == lo:
             continue
-        positions = np.arange(len(k) - (hi - lo), len(k))
         want_o, want_lse = reference.attention(
             as_f64(q)[lo:hi], k, v, positions, causal=causal, **options
         )
-        np.testing.assert_allclose(as_f64(o)[lo:hi], want_o, rtol=tol, atol=tol)
-        finite = np.isfinite(want_lse)
-        np.testing.assert_allclose(as_f64(lse)[lo:hi][finite], want_lse[finite], rtol=tol, atol=tol)
-        assert (as_f64(lse)[lo:hi][~finite] == -np.inf).all()
+        assert_rows_match(o[lo:hi], lse[lo:hi], want_o, want_lse, tol)
 
 
 def test_prefill_then_decode_agree_on_last_token():

@@ -17,8 +17,6 @@ generated token, the gap between the two largest logits it was chosen from
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -99,23 +97,14 @@ def transformers_answers(prompts: list[str], max_new_tokens: int = MAX_NEW_TOKEN
 
 
 def main() -> None:
-    import torch
-    import transformers
+    from hf_greedy import regenerate
 
-    t0 = time.perf_counter()
-    records = transformers_answers(PROMPTS)
-    for r in records:
-        print(f"{len(r['prompt_token_ids'])} prompt tokens -> {r['text']!r}")
-    print(f"{len(records)} answers in {time.perf_counter() - t0:.1f} s")
-    payload = {
-        "model": "gemma3-270m",
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "dtype": "float32",
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "records": records,
-    }
-    (HERE / "gemma3_transformers.json").write_text(json.dumps(payload, indent=1) + "\n")
+    regenerate(
+        HERE / "gemma3_transformers.json",
+        "gemma3-270m",
+        MAX_NEW_TOKENS,
+        lambda: transformers_answers(PROMPTS),
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """transformers' greedy float32 continuation of one prompt, as the record
-the exactness tests compare: shared by the reference scripts beside it."""
+the exactness tests compare, and the JSON file of such records: shared by
+the reference scripts beside it."""
 
 from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def load_float32(gguf):
@@ -48,3 +54,29 @@ def greedy_record(
         "top2_gaps": [round(g, 6) for g in gaps],
         "text": tokenizer.decode(generated, skip_special_tokens=True),
     }
+
+
+def regenerate(
+    path: Path, model: str, max_new_tokens: int, answers: Callable[[], list[dict]]
+) -> None:
+    """Writes the records `answers()` gives (each printed, then the time they
+    took) to `path` as the exactness tests read them: under the catalogue's
+    model name, the transformers and torch versions that made them, the
+    dtype and the generation limit."""
+    import torch
+    import transformers
+
+    t0 = time.perf_counter()
+    records = answers()
+    for r in records:
+        print(f"{r['prompt'][:60]!r} ({len(r['prompt_token_ids'])} tokens) -> {r['text']!r}")
+    print(f"{len(records)} answers in {time.perf_counter() - t0:.1f} s")
+    payload = {
+        "model": model,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": "float32",
+        "max_new_tokens": max_new_tokens,
+        "records": records,
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n")

@@ -14,8 +14,6 @@ stops comparing).
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 PROMPTS = [
@@ -54,23 +52,14 @@ def transformers_answers(prompts: list[str]) -> list[dict]:
 
 
 def main() -> None:
-    import torch
-    import transformers
+    from hf_greedy import regenerate
 
-    t0 = time.perf_counter()
-    records = transformers_answers(PROMPTS)
-    for r in records:
-        print(f"{r['prompt']!r} -> {r['text']!r}")
-    print(f"{len(records)} answers in {time.perf_counter() - t0:.1f} s")
-    payload = {
-        "model": "smollm2-135m-instruct",
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "dtype": "float32",
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "records": records,
-    }
-    (HERE / "smollm2_transformers.json").write_text(json.dumps(payload, indent=1) + "\n")
+    regenerate(
+        HERE / "smollm2_transformers.json",
+        "smollm2-135m-instruct",
+        MAX_NEW_TOKENS,
+        lambda: transformers_answers(PROMPTS),
+    )
 
 
 if __name__ == "__main__":

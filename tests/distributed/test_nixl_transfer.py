@@ -69,6 +69,33 @@ def wait_released(prefill: NixlPageTransfer) -> None:
         time.sleep(0.01)
 
 
+def remote_prefill_params(**changes) -> dict:
+    """A decode request's kv_transfer params, as a prefill instance at
+    127.0.0.1:1234 hands them over for a prompt of three pages, with changes."""
+    return {
+        "do_remote_prefill": True,
+        "remote_block_ids": [0, 1, 2],
+        "remote_engine_id": "e",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "remote_request_id": "r",
+        **changes,
+    }
+
+
+def assert_fetch_fails_cleanly(decode: NixlPageTransfer, prompt, params, message) -> None:
+    """decode.fetch of prompt[:-1] (nothing cached) raises KVTransferError
+    matching message; once released, no page is used and none serves the
+    prompt as a cached prefix."""
+    m = decode.manager
+    m.add("d-0", prompt[:-1])
+    with pytest.raises(KVTransferError, match=message):
+        decode.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
+    m.release("d-0")
+    m.validate()
+    assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
+
+
 def test_decode_reads_the_prompts_pages_bitwise(pair):
     """The decode side reads every full page of prompt[:-1] in one READ;
     each layer's page equals the prefill side's bit for bit; the notice
@@ -133,14 +160,7 @@ def test_a_resumed_sample_recomputes(pair):
     peer released its pages at the first read, so nothing is read again."""
     _, decode = pair
     prompt = list(range(3 * PAGE + 1))
-    params = {
-        "do_remote_prefill": True,
-        "remote_block_ids": [0, 1, 2],
-        "remote_engine_id": "e",
-        "remote_host": "127.0.0.1",
-        "remote_port": 1234,
-        "remote_request_id": "r",
-    }
+    params = remote_prefill_params()
     resumed = prompt + [7, 8]  # prompt and two generated tokens
     decode.manager.add("d-0", resumed[:-1])
     request = Request("d", tuple(prompt), 4, kv_transfer=params)
@@ -164,22 +184,10 @@ def test_an_unreachable_peer_fails_the_request_cleanly():
         raise ConnectionRefusedError(f"{host}:{port}")
 
     decode = NixlPageTransfer(manager(), "decode", "demo", peer_metadata=unreachable)
-    m = decode.manager
+    params = remote_prefill_params(remote_engine_id="gone", remote_port=9, remote_request_id="x")
     prompt = list(range(3 * PAGE + 1))
-    params = {
-        "do_remote_prefill": True,
-        "remote_block_ids": [0, 1, 2],
-        "remote_engine_id": "gone",
-        "remote_host": "127.0.0.1",
-        "remote_port": 9,
-        "remote_request_id": "x",
-    }
-    m.add("d-0", prompt[:-1])
-    with pytest.raises(KVTransferError, match="cannot reach the prefill instance at 127.0.0.1:9"):
-        decode.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
-    m.release("d-0")
-    m.validate()
-    assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
+    message = "cannot reach the prefill instance at 127.0.0.1:9"
+    assert_fetch_fails_cleanly(decode, prompt, params, message)
 
 
 def test_metadata_is_fetched_once_and_off_the_scheduler(pair):
@@ -219,13 +227,7 @@ def test_a_failed_read_leaves_no_page_cached(pair):
     prompt = rng.integers(0, 500, 3 * PAGE + 1).tolist()
     _, params = prefilled(prefill, prompt, rng)
     params = {**params, "remote_block_ids": [0, 1, 10_000]}
-    m = decode.manager
-    m.add("d-0", prompt[:-1])
-    with pytest.raises(KVTransferError, match="not in the peer's pool"):
-        decode.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
-    m.release("d-0")
-    m.validate()
-    assert m.num_used_pages == 0 and m.cached_prefix_length(prompt) == 0
+    assert_fetch_fails_cleanly(decode, prompt, params, "not in the peer's pool")
 
 
 def test_a_peer_of_another_layout_is_refused(pair):
@@ -236,11 +238,9 @@ def test_a_peer_of_another_layout_is_refused(pair):
         "demo",
         peer_metadata=lambda h, p: prefill.metadata(),
     )
-    _, params = prefilled(prefill, list(range(2 * PAGE + 1)), np.random.default_rng(4))
     prompt = list(range(2 * PAGE + 1))
-    other.manager.add("d-0", prompt[:-1])
-    with pytest.raises(KVTransferError, match="lays out pages"):
-        other.fetch("d-0", prompt[:-1], 0, Request("d", tuple(prompt), 4, kv_transfer=params))
+    _, params = prefilled(prefill, prompt, np.random.default_rng(4))
+    assert_fetch_fails_cleanly(other, prompt, params, "lays out pages")
 
 
 @pytest.mark.parametrize(

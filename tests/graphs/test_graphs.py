@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import DEMO_CONFIG as CONFIG
-from conftest import engine_with_pool
+from conftest import (
+    assert_exact_and_released,
+    assert_greedy_steps_match,
+    engine_with_pool,
+    shared_prompt_requests,
+)
 from pagedkv.graphs.demo import DemoError, DemoOptions, check_options, gpu_visible
 from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.scheduler import Request, Scheduler
@@ -26,17 +31,7 @@ def test_one_prefill_and_decode_step_equal_numpy(weights):
     engine = engine_with_pool(weights, 64)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (1, 17, 40)]
-    ids = ["a", "b", "c"]
-    for i in ids:
-        engine.manager.add(i)
-    logits = engine.prefill(ids, prompts)
-    refs = [DenseDecoder(CONFIG, weights) for _ in prompts]
-    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
-    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
-    nxt = want.argmax(-1)
-    logits = engine.decode(ids, nxt)
-    want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
-    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    logits, want = assert_greedy_steps_match(engine, CONFIG, weights, ["a", "b", "c"], prompts, 1)
     assert (logits.argmax(-1) == want.argmax(-1)).all()
 
 
@@ -78,28 +73,17 @@ def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
     earlier ones finish, and every page comes back."""
     engine = engine_with_pool(weights, 12)
     rng = np.random.default_rng(5)
-    system = rng.integers(0, CONFIG.vocab_size, 32).tolist()
-    requests = [
-        Request(
-            f"r{i}",
-            tuple(system + rng.integers(0, CONFIG.vocab_size, 5 + i).tolist()),
-            max_tokens=4 + 3 * i,
-            n=2 if i == 2 else 1,
-            arrival_step=0,
-        )
-        for i in range(4)
-    ]
+    requests = shared_prompt_requests(
+        rng, CONFIG.vocab_size, 32, [5, 6, 7, 8], [4, 7, 10, 13], forked=2
+    )
     steps_running: list[int] = []
     sequences, stats = Scheduler(engine, keep_logits=True).run(
         requests, on_step=lambda step, tokens, running: steps_running.append(running)
     )
     assert [len(s.tokens) for s in sequences] == [4, 7, 10, 10, 13]
     assert max(steps_running) < sum(r.n for r in requests)  # not all at once
-    assert engine.manager.num_used_pages == 0
-    engine.manager.validate()
     assert engine.manager.stats.prefix_hits > 0  # the shared system prompt
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    check = assert_exact_and_released(engine, CONFIG, weights, sequences)
     assert check.tokens == sum(len(s.tokens) for s in sequences)
 
 

@@ -15,12 +15,16 @@ import math
 import numpy as np
 import pytest
 
+from conftest import (
+    assert_exact_and_released,
+    assert_greedy_steps_match,
+    shared_prompt_requests,
+)
 from pagedkv.cache.manager import PagedKVCacheManager
 from pagedkv.graphs.engine import DecoderEngine
 from pagedkv.graphs.model import DecoderConfig, init_weights
 from pagedkv.graphs.numpy_reference import DenseDecoder
-from pagedkv.graphs.scheduler import Request, Scheduler
-from pagedkv.graphs.self_check import check_sequences
+from pagedkv.graphs.scheduler import Scheduler
 
 PAGE = 4
 WINDOW = 12
@@ -81,17 +85,7 @@ def test_prefill_and_decode_past_the_window_equal_numpy(gemma_weights):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 19, 33)]
     ids = ["a", "b", "c"]
-    for i in ids:
-        e.manager.add(i)
-    refs = [DenseDecoder(CONFIG, gemma_weights) for _ in prompts]
-    logits = e.prefill(ids, prompts)
-    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
-    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
-    for _ in range(14):
-        nxt = want.argmax(-1)
-        logits = e.decode(ids, nxt)
-        want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
-        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert_greedy_steps_match(e, CONFIG, gemma_weights, ids, prompts, 14)
     window_group, null = 1, e.manager.null_pages[1]
     for i in ids:
         pages = e.manager.pages(i, window_group)
@@ -108,23 +102,13 @@ def test_scheduler_shares_prefixes_and_forks_across_layer_groups(gemma_weights):
     generated token agrees with the reference and every page comes back."""
     e = engine(gemma_weights, 40)
     rng = np.random.default_rng(5)
-    system = rng.integers(0, CONFIG.vocab_size, 24).tolist()
-    requests = [
-        Request(
-            f"r{i}",
-            tuple(system + rng.integers(0, CONFIG.vocab_size, 3 + i).tolist()),
-            max_tokens=10 + 4 * i,
-            n=2 if i == 1 else 1,
-        )
-        for i in range(4)
-    ]
+    requests = shared_prompt_requests(
+        rng, CONFIG.vocab_size, 24, [3, 4, 5, 6], [10, 14, 18, 22], forked=1
+    )
     sequences, _ = Scheduler(e, keep_logits=True).run(requests)
     assert [len(s.tokens) for s in sequences] == [10, 14, 14, 18, 22]
-    assert e.manager.num_used_pages == 0
-    e.manager.validate()
     assert e.manager.stats.prefix_hits > 0
-    check = check_sequences(CONFIG, gemma_weights, sequences)
-    assert check.passed, check.mismatches
+    assert_exact_and_released(e, CONFIG, gemma_weights, sequences)
 
 
 def test_fused_quantized_layers_equal_numpy(gemma_weights):

@@ -24,7 +24,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from max.driver import Buffer
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
+from max.graph import BufferType, DeviceRef, Module, TensorType
 
 import reference
 from pagedkv import graph_ops
@@ -34,7 +34,7 @@ from pagedkv._ops.quantized_panels import pack_quantized_weight, quantized_panel
 from pagedkv._ops.tensors import CPU
 from pagedkv.graphs.model import DecoderConfig, rope_tables
 from pagedkv.graphs.numpy_reference import quantize_activations
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 P = 16
 CONFIG = DecoderConfig(
@@ -90,12 +90,7 @@ def graph_inputs(pool_dtype: DType = DType.float32) -> list:
 
 def build(module: Module, name: str, decode: bool, pool_dtype: DType = DType.float32) -> None:
     c = CONFIG
-    with Graph(
-        name,
-        input_types=graph_inputs(pool_dtype),
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    with ops_graph(module, name, graph_inputs(pool_dtype)) as g:
         pool, x, attn_norm, mlp_norm, wqkv, wo, wgu, wdown, cos, sin, *index = g.inputs
         weights = graph_ops.QuantizedLayerWeights(
             attn_norm.tensor,
@@ -137,12 +132,7 @@ def rope_append_graph(module: Module, name: str, pool_dtype: DType = DType.float
     cpu = DeviceRef.CPU()
     types = graph_inputs(pool_dtype)
     types[1] = TensorType(DType.float32, ["rows", c.qkv_size], cpu)
-    with Graph(
-        name,
-        input_types=[types[0], types[1], *types[8:15]],
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    with ops_graph(module, name, [types[0], types[1], *types[8:15]]) as g:
         pool, qkv, cos, sin, *index = g.inputs
         g.output(
             graph_ops.rope_append_paged_kv_cache(
@@ -229,27 +219,12 @@ def step(rng, cached: list[int], new: list[int], decode: bool):
     pool = rng.standard_normal((batch.num_pages, 2, P, c.num_kv_heads, c.head_dim))
     pool = pool.astype(np.float32)
     bi, pos = reference.batch_indices_positions(batch.append_indptr, batch.seq_lens, batch.nnz)
+    shape = (P, c.num_qo_heads, c.num_kv_heads, c.head_dim)
+    table = (batch.kv_indptr, batch.kv_last_page_len)
     work = (
-        graph_ops.decode_work(
-            batch.kv_indptr,
-            batch.kv_last_page_len,
-            P,
-            c.num_qo_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            gpu=False,
-        )  # fmt: skip
+        graph_ops.decode_work(*table, *shape, gpu=False)
         if decode
-        else graph_ops.prefill_work(
-            batch.append_indptr,
-            batch.kv_indptr,
-            batch.kv_last_page_len,
-            P,
-            c.num_qo_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            gpu=False,
-        )
+        else graph_ops.prefill_work(batch.append_indptr, *table, *shape, gpu=False)
     )
     x = rng.standard_normal((batch.nnz, c.hidden_size)).astype(np.float32)
     return batch, pool, x, bi.astype(np.int32), pos.astype(np.int32), work

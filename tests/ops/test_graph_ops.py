@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from max.driver import Buffer
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, Module, TensorType
+from max.graph import BufferType, DeviceRef, Module, TensorType
 
 import pagedkv
 import reference
 from pagedkv import graph_ops
 from pagedkv._plan.work import CPU_MAX_TASK_ROWS
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 P, HQ, HKV, D = 16, 8, 2, 64
 CPU_SHARED_QUERIES = CPU_MAX_TASK_ROWS // (HQ // HKV)
@@ -29,24 +29,21 @@ def build_step_graph(module: Module) -> None:
     def index(name):
         return TensorType(i32, [name], device=cpu)
 
-    with Graph(
-        "append_then_decode",
-        input_types=[
-            BufferType(DType.float32, ["pages", 2, P, HKV, D], device=cpu),
-            TensorType(DType.float32, ["nnz", HKV, D], device=cpu),
-            TensorType(DType.float32, ["nnz", HKV, D], device=cpu),
-            index("nnz"),
-            index("nnz"),
-            index("used_pages"),
-            index("batch_plus_1"),
-            index("batch"),
-            TensorType(DType.float32, ["batch", HQ, D], device=cpu),
-            TensorType(i32, ["items", 6], device=cpu),
-            index("batch_plus_1"),
-        ],
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    types = [
+        BufferType(DType.float32, ["pages", 2, P, HKV, D], device=cpu),
+        TensorType(DType.float32, ["nnz", HKV, D], device=cpu),
+        TensorType(DType.float32, ["nnz", HKV, D], device=cpu),
+        index("nnz"),
+        index("nnz"),
+        index("used_pages"),
+        index("batch_plus_1"),
+        index("batch"),
+        TensorType(DType.float32, ["batch", HQ, D], device=cpu),
+        TensorType(i32, ["items", 6], device=cpu),
+        index("batch_plus_1"),
+    ]
+
+    with ops_graph(module, "append_then_decode", types) as g:
         pool, k, v, bi, pos, indices, indptr, last, q, items, request_items = g.inputs
         graph_ops.append_paged_kv_cache(
             pool,
@@ -117,17 +114,13 @@ def build_unchecked_append(module: Module) -> None:
         return TensorType(DType.int32, [name], device=cpu)
 
     rows = TensorType(DType.float32, ["nnz", HKV, D], device=cpu)
-    with Graph(
-        "append_unchecked",
-        input_types=[
-            BufferType(DType.float32, ["pages", 2, P, HKV, D], device=cpu),
-            rows,
-            rows,
-            *(index(n) for n in ("nnz", "nnz", "used_pages", "batch_plus_1", "batch")),
-        ],
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    types = [
+        BufferType(DType.float32, ["pages", 2, P, HKV, D], device=cpu),
+        rows,
+        rows,
+        *(index(n) for n in ("nnz", "nnz", "used_pages", "batch_plus_1", "batch")),
+    ]
+    with ops_graph(module, "append_unchecked", types) as g:
         pool, k, v, *table = g.inputs
         index = (t.tensor for t in table)
         graph_ops.append_paged_kv_cache(pool, k.tensor, v.tensor, *index, checked=False)

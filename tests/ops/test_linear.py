@@ -14,7 +14,7 @@ from max.graph import DeviceRef, Graph, Module, TensorType
 
 from pagedkv import graph_ops
 from pagedkv._ops.linear_panels import linear_panels_shape, pack_linear_weight
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 # (K, N, dtype): a tail panel, whole panels, one column, and bfloat16.
 PRODUCTS = [
@@ -31,12 +31,7 @@ def linear_products(module: Module) -> None:
     cpu = DeviceRef.CPU()
     types = [TensorType(dt, ["m", k], cpu) for k, _, dt in PRODUCTS]
     types += [TensorType(dt, linear_panels_shape(k, n), cpu) for k, n, dt in PRODUCTS]
-    with Graph(
-        "linear_products",
-        input_types=types,
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    with ops_graph(module, "linear_products", types) as g:
         xs, ws = g.inputs[: len(PRODUCTS)], g.inputs[len(PRODUCTS) :]
         g.output(
             *(

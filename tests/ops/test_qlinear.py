@@ -28,7 +28,7 @@ from pagedkv._ops.quantized_panels import (
     quantized_panels_shape,
 )
 from pagedkv.graphs.numpy_reference import quantize_activations
-from suite_graphs import suite_graph, suite_model
+from suite_graphs import ops_graph, suite_graph, suite_model
 
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 # (format, N, K, prologue, residual, x dtype): a partial panel, several
@@ -66,12 +66,7 @@ def qlinear_products(module: Module) -> None:
             TensorType(DType.float32, [k], cpu),
             TensorType(DType.float32, ["m", n], cpu),
         ]
-    with Graph(
-        "qlinear_products",
-        input_types=types,
-        custom_extensions=graph_ops.custom_extensions(),
-        module=module,
-    ) as g:
+    with ops_graph(module, "qlinear_products", types) as g:
         outs = []
         for i, (fmt, n, _, prologue, residual, _) in enumerate(PRODUCTS):
             x, w, gamma, res = (v.tensor for v in g.inputs[4 * i : 4 * i + 4])
