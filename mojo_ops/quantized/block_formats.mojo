@@ -7,6 +7,7 @@ in the "_1" formats, a min m) and 32 codes q, and element i is
 
     Q4_0: d * (q_i - 8)      q 4-bit        Q8_0: d * q_i   q signed 8-bit
     Q4_1: d * q_i + m        q 4-bit        Q5_0: d * (q_i - 16)   q 5-bit
+    Q5_1: d * q_i + m        q 5-bit
 
 Q4_K's super-blocks of 256 inputs are eight such blocks of 32 with a
 6-bit scale and min each, under a float16 scale and min of the super-block:
@@ -14,7 +15,8 @@ element i of sub-block j is (d * sc_j) * q_i - (dmin * m_j). pagedkv keeps
 its bits: the 4-bit codes, each block's sc_j and m_j as a byte and each
 super-block's d and -dmin as float16, 4.63 bits a weight (the file's 4.5
 pack the 6-bit pairs tighter); the product multiplies d * sc_j and
--dmin * m_j itself, exact in float32 (11 bits of mantissa times 6).
+-dmin * m_j itself, exact in float32 (11 bits of mantissa times 6). Q5_K
+is Q4_K with 5-bit codes (5.63 bits a weight; the file's 5.5).
 
 Q6_K's super-blocks of 256 inputs are sixteen blocks of 16 with an 8-bit
 scale each under a float16 one: element i of sub-block j is
@@ -29,11 +31,13 @@ panel holds, for its blocks b = 0 .. K/32 - 1 in turn, their codes, then all
 their scales, then (formats with a min) all their mins:
 
     codes:  K/32 x code_bytes     the codes of 16 columns x 32 inputs
-    scales: K/32 x 16 float16     d of each column's block (Q4_K: int8 sc_j;
-                                  Q6_K: K/32 x 2 x 16 int8 sc_j, by half)
-    mins:   K/32 x 16 float16     m of each column's block (Q4_1; Q4_K: int8 m_j)
+    scales: K/32 x 16 float16     d of each column's block (Q4_K, Q5_K:
+                                  int8 sc_j; Q6_K: K/32 x 2 x 16 int8 sc_j,
+                                  by half)
+    mins:   K/32 x 16 float16     m of each column's block (Q4_1, Q5_1;
+                                  Q4_K, Q5_K: int8 m_j)
     super:  K/256 x 16 float16    the K-quants: d of each column's super-block,
-                                  then (Q4_K) K/256 x 16 float16 -dmin
+                                  then (Q4_K, Q5_K) K/256 x 16 float16 -dmin
 
 padded to a multiple of 64 bytes. A block's codes come in groups of 64
 bytes, 4 bytes per column (column c at bytes 4c .. 4c + 3), so that one
@@ -65,8 +69,10 @@ comptime PANEL_ALIGN = 64
 comptime Q4_0 = 2
 comptime Q4_1 = 3
 comptime Q5_0 = 6
+comptime Q5_1 = 7
 comptime Q8_0 = 8
 comptime Q4_K = 12
+comptime Q5_K = 13
 comptime Q6_K = 14
 
 
@@ -75,15 +81,17 @@ def is_supported(fmt: Int) -> Bool:
         fmt == Q4_0
         or fmt == Q4_1
         or fmt == Q5_0
+        or fmt == Q5_1
         or fmt == Q8_0
         or fmt == Q4_K
+        or fmt == Q5_K
         or fmt == Q6_K
     )
 
 
 def code_bits(fmt: Int) -> Int:
     """Bits of one weight code."""
-    if fmt == Q5_0:
+    if fmt == Q5_0 or fmt == Q5_1 or fmt == Q5_K:
         return 5
     if fmt == Q6_K:
         return 6
@@ -100,7 +108,7 @@ def has_super_scales(fmt: Int) -> Bool:
     """Whether a block's scales (and mins) are int8 multiples of its
     super-block's float16 scale (and min), multiplied by the product itself:
     the K-quants."""
-    return fmt == Q4_K or fmt == Q6_K
+    return fmt == Q4_K or fmt == Q5_K or fmt == Q6_K
 
 
 def super_blocks(k_dim: Int) -> Int:
@@ -110,7 +118,7 @@ def super_blocks(k_dim: Int) -> Int:
 
 def has_min(fmt: Int) -> Bool:
     """Whether blocks carry a min m (w = d * q + m) rather than a zero point."""
-    return fmt == Q4_1 or fmt == Q4_K
+    return fmt == Q4_1 or fmt == Q5_1 or fmt == Q4_K or fmt == Q5_K
 
 
 def scale_bytes(fmt: Int) -> Int:

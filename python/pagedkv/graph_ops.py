@@ -130,7 +130,7 @@ def qlinear(
             :func:`pagedkv._ops.quantized_panels.pack_quantized_weight`,
             uint8 [ceil(N / 16), quantized_panel_bytes(fmt, K)].
         fmt: w's packed layout (`QuantizedWeight.format`: "Q4_0", "Q4_1",
-            "Q5_0", "Q8_0", "Q4_K", "Q6_K").
+            "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K").
         out_features: N.
         rms_norm: (gamma [K] float32, eps): normalize x first.
         swiglu: x holds gate and up side by side.

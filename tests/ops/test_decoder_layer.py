@@ -414,7 +414,7 @@ def test_bad_layer_weights_are_refused():
     stub = object()
     six = (stub,) * 6
     with pytest.raises(ValueError, match="takes Q4_0"):
-        graph_ops.QuantizedLayerWeights(*six, formats=("Q4_1", "Q8_0", "Q5_K", "Q4_1"))
+        graph_ops.QuantizedLayerWeights(*six, formats=("Q4_1", "Q8_0", "Q2_K", "Q4_1"))
     with pytest.raises(ValueError, match="come in pairs"):
         graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, q_norm=stub)
     with pytest.raises(ValueError, match="come in pairs"):

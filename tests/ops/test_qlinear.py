@@ -30,7 +30,7 @@ from pagedkv._ops.quantized_panels import (
 from pagedkv.graphs.numpy_reference import quantize_activations
 from suite_graphs import ops_graph, suite_graph, suite_model
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # (format, N, K, prologue, residual, x dtype): a partial panel, several
 # panels, K of many blocks, each prologue, the epilogue and bfloat16 x.
 PRODUCTS = [
@@ -46,6 +46,10 @@ PRODUCTS = [
     ("Q6_K", 16, 512, "swiglu", False, DType.float32),
     ("Q5_0", 40, 96, "none", True, DType.float32),
     ("Q5_0", 33, 64, "swiglu", False, DType.float32),
+    ("Q5_1", 48, 96, "rms_norm", True, DType.float32),
+    ("Q5_1", 33, 64, "none", False, DType.bfloat16),
+    ("Q5_K", 40, 256, "none", True, DType.float32),
+    ("Q5_K", 24, 512, "swiglu", False, DType.bfloat16),
 ]
 ROWS = [1, 2, 5, 6, 7, 13, 50, 97]
 EPS = 1e-5
@@ -89,14 +93,17 @@ def qlinear_model():
     return suite_model("qlinear_products")
 
 
+SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
 def gguf_blocks(rng: np.random.Generator, fmt: str, w: np.ndarray) -> np.ndarray:
     """w [N, K] in GGUF blocks of fmt: quantized by `gguf`, or for the
     K-quants (which `gguf` does not quantize) random super-blocks: any bytes
     are a valid one, with float16 scales set to a weight scale near w's."""
     n, k = w.shape
     shape = (n, k // 256, 1)
-    if fmt == "Q4_K":
-        raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    if fmt in ("Q4_K", "Q5_K"):
+        raw = rng.integers(0, 256, (n, k // 256, SUPER_BLOCK_BYTES[fmt]), dtype=np.uint8)
         raw[..., 0:2] = rng.uniform(0.002, 0.004, shape).astype(np.float16).view(np.uint8)
         raw[..., 2:4] = rng.uniform(0.01, 0.03, shape).astype(np.float16).view(np.uint8)
         return raw.reshape(n, -1)
@@ -163,8 +170,10 @@ MAX_CODE_BYTES = {
     "Q4_0": (2, 18, 0xFF),
     "Q4_1": (4, 20, 0xFF),
     "Q5_0": (2, 22, 0xFF),
+    "Q5_1": (4, 24, 0xFF),
     "Q8_0": (2, 34, 0x7F),
     "Q4_K": (16, 144, 0xFF),
+    "Q5_K": (16, 176, 0xFF),
     "Q6_K": (0, 192, 0xFF),
 }
 """(first, end, value): the bytes of a block (a super-block for the
@@ -184,7 +193,7 @@ def test_largest_codes_by_largest_activations_sum_exactly(qlinear_model, sign):
     for fmt, n, k, prologue, _, dt in PRODUCTS:
         raw = gguf_blocks(rng, fmt, rng.standard_normal((n, k)).astype(np.float32))
         first, end, value = MAX_CODE_BYTES[fmt]
-        blocks = raw.reshape(n, -1, {"Q4_K": 144, "Q6_K": 210}.get(fmt, end))
+        blocks = raw.reshape(n, -1, SUPER_BLOCK_BYTES.get(fmt, end))
         blocks[..., first:end] = value
         raw = blocks.reshape(raw.shape)
         x = np.full((rows, x_width(k, prologue)), 1.0, np.float32)
@@ -233,8 +242,8 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     scales and mins are float32 products of their int8 multiples and their
     super-blocks' float16 factors, as the product forms them."""
     blocks = k // 32
-    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5}.get(fmt, 4)
-    scale = {"Q4_K": np.int8, "Q6_K": np.int8}.get(fmt, np.float16)
+    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(fmt, 4)
+    scale = np.int8 if fmt in SUPER_BLOCK_BYTES else np.float16
     parts = 2 if fmt == "Q6_K" else 1
     scale_bytes = blocks * parts * 16 * np.dtype(scale).itemsize
     code_bytes = 32 * 16 * bits // 8
@@ -264,11 +273,11 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
     scales = scales[..., 0] if parts == 1 else scales
     at += scale_bytes
     mins = None
-    if fmt in ("Q4_1", "Q4_K"):
+    if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
         mins = panels[:, at : at + scale_bytes].copy().view(scale).reshape(p, blocks, 16)
         mins = mins.transpose(0, 2, 1).reshape(p * 16, blocks)
         at += scale_bytes
-    if fmt in ("Q4_K", "Q6_K"):
+    if fmt in SUPER_BLOCK_BYTES:
 
         def supers(at: int) -> np.ndarray:
             """The super-blocks' float16 factors from `at`, per block of 32."""
@@ -277,7 +286,7 @@ def unpack_panels(panels: np.ndarray, fmt: str, n: int, k: int):
             return f.astype(np.float32).repeat(8, axis=1)
 
         scale_of = supers(at)
-        scales = scales.astype(np.float32) * (scale_of if fmt == "Q4_K" else scale_of[..., None])
+        scales = scales.astype(np.float32) * (scale_of if parts == 1 else scale_of[..., None])
         if mins is not None:
             mins = mins.astype(np.float32) * supers(at + k // 256 * 32)
     mins = None if mins is None else mins[:n]
@@ -293,17 +302,18 @@ def test_packing_keeps_the_gguf_blocks_bit_for_bit(fmt):
     assert packed.panels.shape == quantized_panels_shape(fmt, n, k)
     assert packed.panels.shape[1] % 64 == 0
     codes, scales, mins, pad_codes, pad_scales = unpack_panels(packed.panels, fmt, n, k)
-    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[fmt]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[fmt]
     blocks = raw.reshape(n, k // 32, size)
     assert scales.tobytes() == blocks[..., 0:2].copy().view(np.float16)[..., 0].tobytes()
     if fmt == "Q8_0":
         assert codes.tobytes() == blocks[..., 2:].copy().view(np.int8).reshape(n, k).tobytes()
-    elif fmt == "Q5_0":
+    elif fmt in ("Q5_0", "Q5_1"):
         # Input j: the low nibble of byte j (j < 16) or the high one of byte
-        # j - 16, with bit j of the 32-bit qh on top.
-        qh = blocks[..., 2:6].copy().view("<u4")
+        # j - 16, with bit j of the 32-bit qh (after d, and Q5_1's m) on top.
+        at = 2 if fmt == "Q5_0" else 4
+        qh = blocks[..., at : at + 4].copy().view("<u4")
         top = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        qs = blocks[..., 6:]
+        qs = blocks[..., at + 4 :]
         want = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | top).reshape(n, k)
         assert codes.tobytes() == want.tobytes()
     else:
@@ -342,11 +352,12 @@ def test_q5_0_packs_in_its_own_bits_or_as_q8_0_exactly(layout):
         pack_quantized_weight(q41, "Q4_1", n, k, "Q8_0")
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_packed_exactly(fmt):
     """A K-quant's blocks of 32 as the product reads them, in their own
     bits: Q4_K's 4-bit codes with each block's 6-bit scale and min as bytes
-    and each super-block's float16 d and -dmin (4.63 bits a weight); Q6_K's
+    and each super-block's float16 d and -dmin (4.63 bits a weight), Q5_K's
+    the same with 5-bit codes (5.63 bits); Q6_K's
     6-bit codes (zero point 32), each half block's int8 scale and each
     super-block's float16 d (6.56 bits). Their products are exact in
     float32; the panels dequantize to what `gguf` dequantizes, bit for bit."""
@@ -361,8 +372,10 @@ def test_k_quants_are_packed_exactly(fmt):
         values = (codes.astype(np.float32) - 32).reshape(n, k // 16, 16) * scales.reshape(n, -1, 1)
         assert packed.panels.shape[1] * 8 / (16 * k) < 6.6  # bits a weight
     else:
+        bits = {"Q4_K": 4, "Q5_K": 5}[fmt]
+        assert codes.min() >= 0 and codes.max() == 2**bits - 1
         values = codes.reshape(n, k // 32, 32) * scales[..., None] + mins[..., None]
-        assert packed.panels.shape[1] * 8 / (16 * k) < 4.7  # bits a weight
+        assert packed.panels.shape[1] * 8 / (16 * k) < bits + 0.7  # bits a weight
     want = quants.dequantize(raw, GGMLQuantizationType[fmt])
     np.testing.assert_array_equal(values.reshape(n, k), want)
     assert not pad_codes.any() and not pad_scales.any()
@@ -371,8 +384,8 @@ def test_k_quants_are_packed_exactly(fmt):
 
 
 def test_bad_quantized_operands_are_refused():
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
-        quantized_panel_bytes("Q5_K", 64)
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0"):
+        quantized_panel_bytes("Q2_K", 64)
     with pytest.raises(ValueError, match="bytes in blocks"):
         pack_quantized_weight(np.zeros(10, np.uint8), "Q4_1", 2, 64)
     with pytest.raises(ValueError, match="bytes in blocks"):
@@ -386,8 +399,8 @@ def test_bad_quantized_operands_are_refused():
     ]
     with Graph("bad_qlinear", input_types=types) as g:
         x, w, gamma, dynamic = (v.tensor for v in g.inputs)
-        with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
-            graph_ops.qlinear(x, w, "Q5_K", 20)
+        with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0"):
+            graph_ops.qlinear(x, w, "Q2_K", 20)
         with pytest.raises(ValueError, match="packed as uint8"):
             graph_ops.qlinear(x, w, "Q4_1", 40)
         with pytest.raises(ValueError, match="packed as uint8"):

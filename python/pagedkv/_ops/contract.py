@@ -157,10 +157,18 @@ QLINEAR_OP = "pagedkv_qlinear"
 QUANT_PANEL = 16
 """Output columns of a packed quantized panel (quantized/block_formats.mojo: PANEL)."""
 
-QUANT_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+QUANT_FORMATS = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
 """GGUF block formats the quantized product takes, as its `format` parameter:
-GGML's type ids (quantized/block_formats.mojo: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
-Q6_K)."""
+GGML's type ids (quantized/block_formats.mojo)."""
 
 QLINEAR_PROLOGUES = {"none": 0, "rms_norm": 1, "swiglu": 2, "geglu": 3}
 """The quantized product's `prologue` parameter (quantized/activations.mojo:

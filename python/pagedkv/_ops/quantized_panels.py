@@ -5,8 +5,9 @@ inputs, each block a scale (and a min) and 32 codes of 4 or 8 bits. The op
 reads them repacked into panels of QUANT_PANEL = 16 output columns,
 ``[ceil(N / 16), quantized_panel_bytes(format, K)]`` bytes: per panel, the
 codes of its blocks arranged for byte dot products, then their float16
-scales, then their float16 mins (formats with a min; Q4_K's scales and mins
-are float32, products of its two levels of scales). The codes and scales
+scales, then their float16 mins (formats with a min); the K-quants keep
+their blocks' 6- or 8-bit scales (and mins) as bytes, with each
+super-block's float16 scale (and min) after them. The codes and scales
 are the GGUF's own, bit for bit; only their order changes
 (mojo_ops/quantized/block_formats.mojo describes the layout). A model packs
 its weights once, when it loads them, and ``graph_ops.qlinear`` multiplies
@@ -25,26 +26,37 @@ QK = 32
 """Inputs per quantization block."""
 PANEL_ALIGN = 64
 
-_CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8, "Q4_K": 4, "Q6_K": 6}
-_HAS_MIN = {"Q4_1", "Q4_K"}
-_SCALE_BYTES = {"Q4_K": 1, "Q6_K": 1}
+_CODE_BITS = {
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q8_0": 8,
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q6_K": 6,
+}
+_HAS_MIN = {"Q4_1", "Q5_1", "Q4_K", "Q5_K"}
+_SCALE_BYTES = {"Q4_K": 1, "Q5_K": 1, "Q6_K": 1}
 """Bytes of a packed scale or min where not float16's 2 (the K-quants':
 int8 multiples of their super-block's float16 scale, `_SUPER_SCALED`)."""
-_SUPER_SCALED = {"Q4_K", "Q6_K"}
+_SUPER_SCALED = {"Q4_K", "Q5_K", "Q6_K"}
 """Formats whose panels end with each super-block's float16 scale (and,
 with a min, its float16 -dmin)."""
 _SCALES_PER_BLOCK = {"Q6_K": 2}
 """Scales of a block of 32 inputs where not 1: Q6_K's halves of 16."""
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 QK_K = 256
 """Inputs per K-quant super-block."""
-_SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+_SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 PACKED_AS = {
     "Q4_0": "Q4_0",
     "Q4_1": "Q4_1",
     "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1",
     "Q8_0": "Q8_0",
     "Q4_K": "Q4_K",
+    "Q5_K": "Q5_K",
     "Q6_K": "Q6_K",
 }
 """The layout each GGUF format is packed in, exactly: each its own (the
@@ -61,7 +73,7 @@ class QuantizedWeight:
 
     Attributes:
         format: the packed layout, a GGUF type's name ("Q4_0", "Q4_1", "Q5_0",
-            "Q8_0", "Q4_K", "Q6_K"; `PACKED_AS`).
+            "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"; `PACKED_AS`).
         out_features: N.
         in_features: K, a multiple of 32.
         panels: uint8 [ceil(N / 16), quantized_panel_bytes(format, K)].
@@ -122,7 +134,9 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
     Q4_K: d, dmin (float16), 12 bytes of eight 6-bit scales sc_j and mins
     m_j, 128 bytes of codes (byte l of 32-byte chunk c holds input l of
     sub-block 2c in its low nibble, of 2c + 1 in its high one): sc_j and m_j
-    [n, k / 32], d and -dmin. Q6_K: `_q6_k_blocks`.
+    [n, k / 32], d and -dmin. Q5_K: the same with 32 bytes qh between the
+    scales and the codes, bit j of qh byte l the top bit of input l of
+    sub-block j. Q6_K: `_q6_k_blocks`.
     """
     blocks = _block_rows(raw, fmt, n, k, QK_K, _SUPER_BLOCK_BYTES[fmt], "super-blocks")
     if fmt == "Q6_K":
@@ -132,8 +146,12 @@ def _k_quant_blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.n
     # a nibble of byte j + 4 and the top 2 bits of bytes j - 4 and j.
     sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
     m = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
-    qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 32)
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, S, chunk, nibble, 32]
+    code_start = 16 if fmt == "Q4_K" else 48
+    qs = blocks[..., code_start:].reshape(n, k // QK_K, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // QK_K, 8, QK)
+    if fmt == "Q5_K":
+        qh = blocks[..., 16:48]  # [n, S, l]
+        codes |= ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
     return {
         "d": sc.reshape(n, k // QK),
         "m": m.reshape(n, k // QK),
@@ -169,17 +187,19 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> dict[str, np.ndarray]:
     if fmt == "Q8_0":
         parts["codes"] = blocks[..., 2:34].view(np.int8)
         return parts
-    if fmt == "Q5_0":
-        # Input j < 16: the low nibble of byte j and bit j of qh; input
-        # j + 16: the high nibble and bit j + 16.
-        qh = blocks[..., 2:6].copy().view("<u4")  # [n, blocks, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        qs = blocks[..., 6:22]
-        parts["codes"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high
-        return parts
-    qs = blocks[..., 4:20] if fmt in _HAS_MIN else blocks[..., 2:18]
+    # d, then (with a min) m, then (5-bit codes) the 32-bit qh, then qs.
+    at = 4 if fmt in _HAS_MIN else 2
     if fmt in _HAS_MIN:
         parts["m"] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    if _CODE_BITS[fmt] == 5:
+        # Input j < 16: the low nibble of byte j and bit j of qh; input
+        # j + 16: the high nibble and bit j + 16.
+        qh = blocks[..., at : at + 4].copy().view("<u4")  # [n, blocks, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        qs = blocks[..., at + 4 : at + 20]
+        parts["codes"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | high
+        return parts
+    qs = blocks[..., at : at + 16]
     # A 4-bit block's byte j holds input j (low nibble) and input j + 16.
     parts["codes"] = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
     return parts
@@ -198,7 +218,8 @@ def pack_quantized_weight(
         what ``gguf.GGUFReader`` gives as a tensor's ``data``); read, not
         modified.
     fmt : str
-        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K" or "Q6_K".
+        Its GGUF type: "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K" or
+        "Q6_K".
     out_features, in_features : int
         N and K of the weight [N, K]; K a multiple of 32 (of 256 for the
         K-quants).
