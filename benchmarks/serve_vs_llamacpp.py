@@ -656,6 +656,12 @@ def _parser() -> argparse.ArgumentParser:
         "--keep-logs", action="store_true", help="keep the servers' output in temporary files"
     )
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        type=Path,
+        help="a GGUF file both servers load instead of --model's (which then only names it)",
+    )
     add_llama_arguments(parser)
     return parser
 
@@ -679,7 +685,9 @@ def main() -> int:
 
     cpu = cpu_info()
     threads = args.threads or cpu["physical_cores"]
-    gguf = fetch_gguf(args.model)
+    gguf = args.gguf.resolve() if args.gguf else fetch_gguf(args.model)
+    if not gguf.is_file():
+        parser.error(f"no GGUF file at {gguf}")
     llama, version = None, "not run"
     if LLAMACPP in servers:
         found = llama_server_from_arguments(args)
@@ -706,6 +714,8 @@ def main() -> int:
             commands[name] = llama_server_command(llama, gguf, threads, *extra)
         else:
             extra = PAGEDKV_VARIANTS[name] + shlex.split(args.pagedkv_args)
+            if args.gguf:
+                extra = ["--gguf", str(gguf), *extra]
             commands[name] = pagedkv_serve_command("--model", args.model, *extra)
     rounds: dict[str, list[dict]] = {name: [] for name in servers}
     for r in range(args.rounds):

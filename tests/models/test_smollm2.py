@@ -176,6 +176,8 @@ def test_generate_cli_prints_one_json_object_per_prompt_in_order():
         (["generate", "--weights", "f32", "--kv-dtype", "float16", "hi"], "keeps its cache"),
         (["generate", "--weights", "gguf", "--device", "gpu", "hi"], "runs on the CPU"),
         (["generate", "--weights", "bf16", "--device", "gpu", "hi"], "wrong answers on a GPU"),
+        (["generate", "--gguf", "/nonexistent/model.gguf", "hi"], "no GGUF file at"),
+        (["generate", "--gguf", __file__, "hi"], "is not a readable GGUF"),
     ],
 )
 def test_generate_cli_errors_are_one_line_with_status_2(args, message):

@@ -14,8 +14,12 @@ import pytest
 
 
 @pytest.fixture
-def gguf(tmp_path):
-    path = tmp_path / "tiny.gguf"
+def gguf(tmp_path, monkeypatch):
+    """A tiny GGUF outside the cache directory, which is tmp_path / "cache"
+    here and in the processes the test starts."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "models" / "tiny.gguf"
+    path.parent.mkdir()
     write_tiny_gguf(path)
     return path
 
@@ -85,6 +89,22 @@ print(repr(m.config), m.metadata["tokenizer.ggml.tokens"][-1])
             assert model.weights[name].dtype == w.dtype == np.float32
             assert np.array_equal(model.weights[name].view(np.uint32), w.view(np.uint32)), name
         assert model.metadata == direct.metadata
+
+
+def test_a_gguf_outside_the_cache_is_unpacked_into_the_cache(gguf, tmp_path):
+    """Nothing is written beside a user's own GGUF (`load(gguf=...)`,
+    `--gguf`); a GGUF in the cache directory keeps its copy beside it."""
+    from pagedkv.models import unpacked
+
+    unpacked.read_unpacked(gguf)
+    assert [p.name for p in gguf.parent.iterdir()] == ["tiny.gguf"]
+    folder = unpacked.unpacked_dir(gguf)
+    assert folder.is_relative_to(tmp_path / "cache" / "unpacked")
+    assert (folder / "model.json").is_file()
+    cached = tmp_path / "cache" / "models" / "tiny" / "tiny.gguf"
+    cached.parent.mkdir(parents=True)
+    write_tiny_gguf(cached)
+    assert unpacked.unpacked_dir(cached).parent == cached.parent / "tiny.unpacked"
 
 
 def test_a_partial_or_outdated_unpacked_copy_is_not_used(gguf, monkeypatch):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..models.catalog import DEFAULT_MODEL, MODELS
-from ..models.forms import add_weights_arguments
+from ..models.forms import add_gguf_argument, add_weights_arguments
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,6 +99,7 @@ def _add_generate(sub) -> None:
     )
     gen.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     add_weights_arguments(gen)
+    add_gguf_argument(gen)
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)"
     )

@@ -57,13 +57,24 @@ def add_weights_arguments(parser) -> None:
     )
 
 
+def add_gguf_argument(parser) -> None:
+    """Adds --gguf (for `load`) to an argparse parser."""
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        metavar="PATH",
+        help="serve this GGUF file (a Llama or Gemma 3 architecture, any of its block "
+        "formats) instead of the catalogue's download; --model then only names it",
+    )
+
+
 def load_from_arguments(
     args, progress, kv_memory: int | None = None, batch_invariant: bool = False
 ):
-    """`load` of the model a command line names: its --model and --device,
-    and the --weights and --kv-dtype that add_weights_arguments adds;
-    progress lines go to `progress`, kv_memory None is load's default.
-    Raises ModelError as load does."""
+    """`load` of the model a command line names: its --model, --gguf and
+    --device, and the --weights and --kv-dtype that add_weights_arguments
+    adds; progress lines go to `progress`, kv_memory None is load's
+    default. Raises ModelError as load does."""
     from .llm import DEFAULT_KV_MEMORY, load
 
     return load(
@@ -71,6 +82,7 @@ def load_from_arguments(
         weights=args.weights,
         kv_dtype=args.kv_dtype,
         device=args.device,
+        gguf=args.gguf,
         kv_memory=kv_memory or DEFAULT_KV_MEMORY,
         progress=progress,
         batch_invariant=batch_invariant,

@@ -102,8 +102,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
         metadata = {name: field.contents() for name, field in reader.fields.items()}
     except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
         raise ModelError(
-            f"{path} is not a readable GGUF ({type(e).__name__}: {e}); delete it and it will be "
-            "fetched again"
+            f"{path} is not a readable GGUF ({type(e).__name__}: {e}); a file pagedkv fetched "
+            "is fetched again once deleted"
         ) from None
     arch = metadata.get("general.architecture")
     if arch not in _CONFIGS:

@@ -308,6 +308,8 @@ def load(
     say = progress or (lambda line: None)
     build_kernel_package_in_background()  # overlaps reading the model
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)
+    if not path.is_file():
+        raise ModelError(f"no GGUF file at {path}")
     model = _read(path.resolve())
     if weights is None:
         # A model with no product in a format the quantized product takes
@@ -323,7 +325,8 @@ def load(
     c = model.config
     manager = _manager(c, kv_memory, page_size, kv_dtype, device)
     say(
-        f"compiling the prefill and decode graphs of {spec.title} ({c.num_layers} layers, "
+        "compiling the prefill and decode graphs of "
+        f"{spec.title if gguf is None else path.name} ({c.num_layers} layers, "
         f"{weights} weights, {kv_dtype} cache) ..."
     )
     llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant)

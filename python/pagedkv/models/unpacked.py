@@ -1,6 +1,6 @@
 """A GGUF read once and kept unpacked: float32 weights and the packed
-quantized matrices as .npy files and the metadata as JSON, beside the GGUF in
-the cache directory.
+quantized matrices as .npy files and the metadata as JSON, in the cache
+directory (beside the GGUF when it is there).
 
 Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
 string one at a time; dequantizing and packing are the rest); the unpacked
@@ -27,6 +27,7 @@ from pagedkv._ops.quantized_panels import QuantizedWeight
 from pagedkv.graphs.model import DecoderConfig
 
 from . import gguf_model
+from .fetch import cache_dir
 from .gguf_model import GGUFModel, read_gguf
 
 _DONE = "model.json"
@@ -34,13 +35,21 @@ _DONE = "model.json"
 
 
 def unpacked_dir(path: Path) -> Path:
-    """The folder holding `path`'s unpacked copy (it may not exist yet)."""
+    """The folder holding `path`'s unpacked copy (it may not exist yet):
+    beside a GGUF in the cache directory; for a GGUF elsewhere, in the cache
+    directory's `unpacked/`, named by its absolute path, so that nothing is
+    written beside a user's own file."""
+    path = path.resolve()
     stat = path.stat()
     digest = hashlib.sha256()
     for module in (gguf_model, quantized_panels):
         digest.update(Path(module.__file__).read_bytes())
     key = f"{stat.st_size}-{stat.st_mtime_ns}-{digest.hexdigest()[:12]}"
-    return path.parent / f"{path.stem}.unpacked" / key
+    cache = cache_dir().resolve()
+    if path.is_relative_to(cache):
+        return path.parent / f"{path.stem}.unpacked" / key
+    where = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    return cache / "unpacked" / f"{path.stem}-{where}" / key
 
 
 def read_unpacked(path: str | Path) -> GGUFModel:

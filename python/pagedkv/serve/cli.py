@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ..models.catalog import DEFAULT_MODEL, MODELS
-from ..models.forms import add_weights_arguments, load_from_arguments
+from ..models.forms import add_gguf_argument, add_weights_arguments, load_from_arguments
 from .engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_WAITING
 from .limits import ServeLimits
 
@@ -90,6 +90,7 @@ def add_parser(sub) -> None:
         "requests that share a prompt's prefix read its pages once)",
     )
     add_weights_arguments(p)
+    add_gguf_argument(p)
     add_distributed_arguments(p)
 
 
