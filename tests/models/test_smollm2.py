@@ -129,7 +129,7 @@ def test_unknown_model_corrupt_file_and_failed_fetch_are_one_line_errors(tmp_pat
         load("nope")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(ModelError, match="not a readable GGUF.*delete it"):
+    with pytest.raises(ModelError, match="not a readable GGUF.*fetched again once deleted"):
         read_gguf(bad)
     # An empty cache and an index that cannot be reached: pip fails at once.
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
