@@ -24,12 +24,19 @@ def gguf(tmp_path, monkeypatch):
     return path
 
 
-def write_tiny_gguf(path):
-    """A 1-layer Llama GGUF with random float32 tensors and a token list."""
+FLOAT16_SCALES = {"Q4_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
+"""Byte offsets of the float16 scales in a block of each format that
+`write_tiny_gguf` writes (ggml-common.h's block layouts)."""
+
+
+def write_tiny_gguf(path, hidden=128, ffn=192, blocks=None):
+    """A 1-layer Llama GGUF with random float32 tensors and a token list;
+    `blocks` maps tensor names to a GGUF block format whose random bytes
+    they hold instead (any bytes are valid blocks)."""
     import gguf
 
     rng = np.random.default_rng(0)
-    hidden, heads, kv_heads, ffn, vocab = 128, 2, 1, 192, 8
+    heads, kv_heads, vocab = 2, 1, 8
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_embedding_length(hidden)
@@ -56,7 +63,18 @@ def write_tiny_gguf(path):
         "blk.0.ffn_down.weight": (hidden, ffn),
     }
     for name, shape in shapes.items():
-        w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+        fmt = (blocks or {}).get(name)
+        if fmt is None:
+            w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+            continue
+        kind = gguf.GGMLQuantizationType[fmt]
+        inputs, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (shape[0], shape[1] // inputs * size), dtype=np.uint8)
+        for at in FLOAT16_SCALES[fmt]:  # finite scales, not random bits
+            raw.reshape(shape[0], -1, size)[..., at : at + 2] = np.array([0.01], np.float16).view(
+                np.uint8
+            )
+        w.add_tensor(name, raw, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,6 +123,29 @@ def test_a_gguf_outside_the_cache_is_unpacked_into_the_cache(gguf, tmp_path):
     cached.parent.mkdir(parents=True)
     write_tiny_gguf(cached)
     assert unpacked.unpacked_dir(cached).parent == cached.parent / "tiny.unpacked"
+
+
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_XS"])
+def test_a_format_without_a_quantized_product_is_read_as_float32(tmp_path, fmt):
+    """A matrix in a block format the quantized product does not take is
+    dequantized by `gguf` (into the float weights, transposed as they all
+    are) and left out of the quantized products; its neighbours in a packed
+    format are multiplied in place."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from pagedkv.models.gguf_model import read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    blocks = {"blk.0.ffn_down.weight": fmt, "blk.0.attn_output.weight": "Q4_K"}
+    write_tiny_gguf(path, hidden=256, ffn=512, blocks=blocks)
+    model = read_gguf(path)
+    down = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    want = dequantize(down.data, down.tensor_type).T
+    assert np.isfinite(want).all() and want.any()
+    np.testing.assert_array_equal(model.weights["layers.0.w_down"], want)
+    assert "layers.0.w_down" not in model.quantized
+    assert model.quantized["layers.0.wo"].format == "Q4_K"
 
 
 def test_a_partial_or_outdated_unpacked_copy_is_not_used(gguf, monkeypatch):

@@ -304,5 +304,24 @@ def _vocab_size(metadata: dict[str, object], arch: str) -> int:
 
 _CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config}
 """The architectures pagedkv describes, by GGUF's `general.architecture`."""
-_DEQUANTIZED_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-"""The block formats read (dequantized with `gguf`) for the float graphs."""
+_DEQUANTIZED_FORMATS = (
+    *PACKED_AS,
+    "Q2_K",
+    "Q3_K",
+    "IQ1_S",
+    "IQ1_M",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ4_NL",
+    "IQ4_XS",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+)
+"""The block formats read (dequantized with `gguf`, llama.cpp's own Python
+reference) for the float graphs: every format a model file stores. Those
+in `PACKED_AS` are also multiplied in place; a product in any other stays
+float32."""
