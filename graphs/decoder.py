@@ -78,14 +78,25 @@ class LayerFormats:
     not take)."""
 
     wqkv: str | None
+    """Also "{Q|K format}+{V format}": two packed products, "wqk" and "wv"
+    (a file that stores V in another format than Q and K, as llama.cpp's
+    Q4_K_M does in half the layers), their outputs side by side."""
     wo: str | None
     w_gate_up: str | None
     w_down: str | None
 
     def fused(self) -> bool:
         """Whether the layer is one fused op (`graph_ops.quantized_decoder_layer`):
-        every product quantized."""
-        return None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        every product quantized, each in one format."""
+        products = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        return None not in products and QKV_SPLIT not in (self.wqkv or "")
+
+    def qkv_parts(self) -> tuple[str, str] | None:
+        """(Q|K format, V format) of a Q|K|V product stored as two; else None."""
+        if self.wqkv is None or QKV_SPLIT not in self.wqkv:
+            return None
+        qk, v = self.wqkv.split(QKV_SPLIT)
+        return qk, v
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,17 @@ class QuantizedFormats:
 
 LAYER_PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 """A quantized graph's products in each layer, by their names."""
+QKV_SPLIT = "+"
+"""Joins the two formats of a Q|K|V product stored as "wqk" and "wv"."""
+
+
+def _product_format(quantized: dict, layer: int, name: str) -> str | None:
+    """The packed format of product `name` of layer `layer` in `quantized`
+    (`LayerFormats`' field), None where it is float."""
+    prefix = f"layers.{layer}."
+    if name == "wqkv" and prefix + "wqk" in quantized:
+        return quantized[prefix + "wqk"].format + QKV_SPLIT + quantized[prefix + "wv"].format
+    return getattr(quantized.get(prefix + name), "format", None)
 
 
 def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
@@ -123,12 +145,7 @@ def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     names of `pagedkv.models.gguf_model.quantized_weight_names`, a product
     missing where its weights stay float)."""
     layers = tuple(
-        LayerFormats(
-            **{
-                name: getattr(quantized.get(f"layers.{i}.{name}"), "format", None)
-                for name in LAYER_PRODUCTS
-            }
-        )
+        LayerFormats(**{name: _product_format(quantized, i, name) for name in LAYER_PRODUCTS})
         for i in range(num_layers)
     )
     return QuantizedFormats(layers, getattr(quantized.get("lm_head"), "format", None))
@@ -139,6 +156,8 @@ def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
     order); a layer's are named without their "layers.{i}." prefix."""
     return {
         "wqkv": (c.qkv_size, c.hidden_size),
+        "wqk": ((c.num_qo_heads + c.num_kv_heads) * c.head_dim, c.hidden_size),
+        "wv": (c.num_kv_heads * c.head_dim, c.hidden_size),
         "wo": (c.hidden_size, c.num_qo_heads * c.head_dim),
         "w_gate_up": (2 * c.ffn_size, c.hidden_size),
         "w_down": (c.hidden_size, c.ffn_size),
@@ -250,13 +269,16 @@ def _layer_weights(
     floats["w_down"] = ("w_down",)
     names = [name for name in shapes if name not in MATRICES]
     w = {}
-    for product, parts in floats.items():
-        fmt = getattr(quantized, product)
+    packed = {product: getattr(quantized, product) for product in floats}
+    if quantized.qkv_parts() is not None:
+        del packed["wqkv"]
+        packed["wqk"], packed["wv"] = quantized.qkv_parts()
+    for product, fmt in packed.items():
         if fmt is None:
-            names += parts
+            names += floats[product]
         else:
-            packed = quantized_panels_shape(fmt, *quantized_weight_shapes(c)[product])
-            w[product] = Weight(product, DType.uint8, packed, device, _placeholder=placeholder)
+            shape = quantized_panels_shape(fmt, *quantized_weight_shapes(c)[product])
+            w[product] = Weight(product, DType.uint8, shape, device, _placeholder=placeholder)
     for name in names:
         w[name] = _weight(name, DType.float32, shapes[name], device, placeholder)
     return w
@@ -387,6 +409,16 @@ def _layer(
 
     def linear(h: TensorValue, name: str) -> TensorValue:
         fmt = getattr(quantized, name, None) if quantized is not None else None
+        if name == "wqkv" and quantized is not None and quantized.qkv_parts() is not None:
+            qk, v = quantized.qkv_parts()
+            shapes = quantized_weight_shapes(c)
+            return ops.concat(
+                [
+                    graph_ops.qlinear(h, w["wqk"], qk, shapes["wqk"][0]),
+                    graph_ops.qlinear(h, w["wv"], v, shapes["wv"][0]),
+                ],
+                axis=-1,
+            )
         if fmt is not None:
             return graph_ops.qlinear(h, w[name], fmt, out_features[name])
         return graph_ops.linear(h, w[name], out_features[name])
@@ -582,6 +614,7 @@ def weights_registry(
         covered |= {
             name.replace("w_gate_up", part) for name in quantized for part in ("w_gate", "w_up")
         }
+        covered |= {name.replace(".wqk", ".wqkv") for name in quantized if name.endswith(".wqk")}
         floats = {
             name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
             for name, w in weights.items()

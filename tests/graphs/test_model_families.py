@@ -187,6 +187,51 @@ def test_quantized_and_float_products_in_one_graph_equal_numpy(gemma_weights):
     assert np.abs(logits - want).max() < 5e-3
 
 
+@pytest.mark.slow
+def test_a_qkv_product_in_two_formats_equals_numpy(gemma_weights):
+    """Q and K in one format and V in another, in every other layer (as
+    llama.cpp's Q4_K_M stores V in Q6_K in half the layers): those layers
+    multiply two quantized products side by side ("wqk" in Q8_0, "wv" in
+    Q4_1) op by op, the others are one fused op each. Each step's logits
+    equal the reference's that quantizes every product's activations,
+    within the rounding of a code that lands one step apart (V's products
+    shifted by 0.05 are 0.08 off; their scale alone is invisible behind
+    Gemma's post-attention norm)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from pagedkv._ops.quantized_panels import pack_quantized_weight
+    from pagedkv.graphs.model import quantize_weights
+
+    dense, packed = quantize_weights(CONFIG, gemma_weights, "Q8_0")
+    nqk = (CONFIG.num_qo_heads + CONFIG.num_kv_heads) * CONFIG.head_dim
+    for i in range(0, CONFIG.num_layers, 2):
+        name = f"layers.{i}.wqkv"
+        del packed[name]
+        w, dense[name] = gemma_weights[name], dense[name].copy()  # [K, N]
+        for part, cols, fmt in (("wqk", slice(0, nqk), "Q8_0"), ("wv", slice(nqk, None), "Q4_1")):
+            kind = GGMLQuantizationType[fmt]
+            raw = quants.quantize(np.ascontiguousarray(w[:, cols].T), kind)
+            n, k = w[:, cols].shape[1], w.shape[0]
+            packed[f"layers.{i}.{part}"] = pack_quantized_weight(raw, fmt, n, k)
+            dense[name][:, cols] = quants.dequantize(raw, kind).T
+    e = engine(dense, 64, packed)
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (7, 30)]
+    ids = ["a", "b"]
+    for i in ids:
+        e.manager.add(i)
+    quantized = {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}
+    refs = [DenseDecoder(CONFIG, dense, quantized=quantized) for _ in ids]
+    logits = e.prefill(ids, prompts)
+    want = np.stack([r.feed(p) for r, p in zip(refs, prompts, strict=True)])
+    for _ in range(10):
+        assert np.abs(logits - want).max() < 5e-3
+        nxt = want.argmax(-1)
+        logits = e.decode(ids, nxt)
+        want = np.stack([r.feed([int(t)]) for r, t in zip(refs, nxt, strict=True)])
+    assert np.abs(logits - want).max() < 5e-3
+
+
 def _tiny_gguf(path, arch: str, tensor_type: str = "F32") -> None:
     """A GGUF holding one tensor and the few keys the reader looks at first."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants

@@ -78,9 +78,10 @@ def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def quantized_weight_names(num_layers: int) -> list[str]:
-    """The quantized graphs' matrices: per layer the fused Q|K|V projection,
-    the output projection, the fused gate|up projection and the down
-    projection; then the output head."""
+    """The quantized graphs' matrices: per layer the fused Q|K|V projection
+    (or, with V in another format, "wqk" and "wv"), the output projection,
+    the fused gate|up projection and the down projection; then the output
+    head."""
     per_layer = ("wqkv", "wo", "w_gate_up", "w_down")
     return [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer] + ["lm_head"]
 
@@ -178,11 +179,12 @@ def _quantized(
     """The matrices packed in their own block formats (`PACKED_AS`), the Q,
     K and V projections fused into one product and the gate and up
     projections into another (their panels side by side; parts in different
-    formats as Q8_0 where each packs so exactly). A product whose parts are
-    in a format the quantized product does not take, or pack to different
-    layouts otherwise, is left out (its weights stay float), layer by layer:
-    the step graphs build a layer subgraph per set of formats. Empty when
-    no product is left."""
+    formats as Q8_0 where each packs so exactly). A Q|K|V product whose V
+    packs in another layout than Q and K is two, "wqk" and "wv". A product
+    whose parts are in a format the quantized product does not take, or
+    pack to different layouts otherwise, is left out (its weights stay
+    float), layer by layer: the step graphs build a layer subgraph per set
+    of formats. Empty when no product is left."""
 
     def packed(
         name: str, heads: int | None = None, layout: str | None = None
@@ -221,13 +223,18 @@ def _quantized(
     out: dict[str, QuantizedWeight | None] = {}
     for i in range(config.num_layers):
         blk = f"blk.{i}."
-        out[f"layers.{i}.wqkv"] = fused(
-            [
-                (blk + "attn_q.weight", config.num_qo_heads),
-                (blk + "attn_k.weight", config.num_kv_heads),
-                (blk + "attn_v.weight", None),
-            ]
-        )
+        qk = [
+            (blk + "attn_q.weight", config.num_qo_heads),
+            (blk + "attn_k.weight", config.num_kv_heads),
+        ]
+        v = (blk + "attn_v.weight", None)
+        out[f"layers.{i}.wqkv"] = fused([*qk, v])
+        if out[f"layers.{i}.wqkv"] is None:
+            # V in another format than Q and K (llama.cpp's Q4_K_M stores
+            # it in Q6_K in half the layers): two products, side by side.
+            out[f"layers.{i}.wqk"], out[f"layers.{i}.wv"] = fused(qk), packed(*v)
+            if out[f"layers.{i}.wqk"] is None or out[f"layers.{i}.wv"] is None:
+                out[f"layers.{i}.wqk"] = out[f"layers.{i}.wv"] = None
         out[f"layers.{i}.wo"] = packed(blk + "attn_output.weight")
         out[f"layers.{i}.w_gate_up"] = fused(
             [(blk + "ffn_gate.weight", None), (blk + "ffn_up.weight", None)]
