@@ -410,15 +410,10 @@ def _layer(
     def linear(h: TensorValue, name: str) -> TensorValue:
         fmt = getattr(quantized, name, None) if quantized is not None else None
         if name == "wqkv" and quantized is not None and quantized.qkv_parts() is not None:
-            qk, v = quantized.qkv_parts()
             shapes = quantized_weight_shapes(c)
-            return ops.concat(
-                [
-                    graph_ops.qlinear(h, w["wqk"], qk, shapes["wqk"][0]),
-                    graph_ops.qlinear(h, w["wv"], v, shapes["wv"][0]),
-                ],
-                axis=-1,
-            )
+            parts = zip(("wqk", "wv"), quantized.qkv_parts(), strict=True)
+            outs = [graph_ops.qlinear(h, w[p], f, shapes[p][0]) for p, f in parts]
+            return ops.concat(outs, axis=-1)
         if fmt is not None:
             return graph_ops.qlinear(h, w[name], fmt, out_features[name])
         return graph_ops.linear(h, w[name], out_features[name])

@@ -329,6 +329,5 @@ _DEQUANTIZED_FORMATS = (
     "MXFP4",
 )
 """The block formats read (dequantized with `gguf`, llama.cpp's own Python
-reference) for the float graphs: every format a model file stores. Those
-in `PACKED_AS` are also multiplied in place; a product in any other stays
-float32."""
+reference) for the float graphs. Those in `PACKED_AS` are also multiplied
+in place; a product in any other stays float32."""
