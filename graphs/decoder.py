@@ -87,9 +87,8 @@ class LayerFormats:
 
     def fused(self) -> bool:
         """Whether the layer is one fused op (`graph_ops.quantized_decoder_layer`):
-        every product quantized, each in one format."""
-        products = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        return None not in products and QKV_SPLIT not in (self.wqkv or "")
+        every product quantized."""
+        return None not in (self.wqkv, self.wo, self.w_gate_up, self.w_down)
 
     def qkv_parts(self) -> tuple[str, str] | None:
         """(Q|K format, V format) of a Q|K|V product stored as two; else None."""
@@ -380,13 +379,17 @@ def _layer(
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
     if quantized is not None and quantized.fused():
+        split = quantized.qkv_parts()
+        qkv_name, qkv_format = ("wqkv", quantized.wqkv) if split is None else ("wqk", split[0])
         layer = graph_ops.QuantizedLayerWeights(
-            *(w[name] for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")),
-            formats=(quantized.wqkv, quantized.wo, quantized.w_gate_up, quantized.w_down),
+            *(w[name] for name in ("attn_norm", qkv_name, "wo", "mlp_norm", "w_gate_up", "w_down")),
+            formats=(qkv_format, quantized.wo, quantized.w_gate_up, quantized.w_down),
             q_norm=w["q_norm"] if c.qk_norm else None,
             k_norm=w["k_norm"] if c.qk_norm else None,
             post_attn_norm=w["post_attn_norm"] if c.sandwich_norms else None,
             post_mlp_norm=w["post_mlp_norm"] if c.sandwich_norms else None,
+            wv=None if split is None else w["wv"],
+            v_format=None if split is None else split[1],
         )
         return graph_ops.quantized_decoder_layer(
             x,

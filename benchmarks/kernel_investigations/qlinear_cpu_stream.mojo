@@ -127,7 +127,9 @@ struct Weight(TrivialRegisterPassable):
 def run_product[
     fmt: Int
 ](w: Weight, x: QuantizedRows, y: Ptr[F32], m: Int) raises:
-    var product = QuantizedProduct[fmt, NO_EPILOGUE](w.panels, x, y, y, m, w.n)
+    var product = QuantizedProduct[fmt, NO_EPILOGUE](
+        w.panels, x, y, y, m, w.n, w.n
+    )
 
     def task(_p: Int, t: Int) {var product}:
         product.run(t)
@@ -163,7 +165,13 @@ def one_call_seconds(
     for i in range(len(weights)):
         var kind = i % 4
         var prod = QuantizedProduct[Q4_1, NO_EPILOGUE](
-            weights[i].panels, xs[1 if kind == 3 else 0], y, y, 1, weights[i].n
+            weights[i].panels,
+            xs[1 if kind == 3 else 0],
+            y,
+            y,
+            1,
+            weights[i].n,
+            weights[i].n,
         )
         first.append(n)
         n += prod.tasks()

@@ -12,7 +12,7 @@ h = x + RMSNorm(wo(..)), x_out = h + RMSNorm(down(..))), with GELU's tanh
 form as act (row_norms.mojo, quantized/activations.mojo):
 
      0  quantize x after RMSNorm            7  wo product, + x         -> x_out
-     1  Q|K|V product            -> qkv        (sandwich: -> proj)
+     1  Q|K|V product(s)         -> qkv        (sandwich: -> proj)
      2  QK-norm of q, k heads    -> qkv     8  sandwich: x + RMSNorm(proj)
      3  RoPE, append K and V     -> q       9  quantize x_out after RMSNorm
      4  attention work items     -> o      10  gate|up product          -> gu
@@ -21,7 +21,11 @@ form as act (row_norms.mojo, quantized/activations.mojo):
                                                (sandwich: -> proj)
                                            13  sandwich: x_out + RMSNorm(proj)
 
-A phase the block does not have has no tasks.
+A phase the block does not have has no tasks. Q|K|V is one product, or two
+side by side where the file stores V in another format than Q and K (as
+llama.cpp's Q4_K_M does in half its layers): wqkv then holds Q's and K's
+rows and wv V's, and both write their columns of the same qkv rows in the
+same phase.
 
 A decode step of a small model is some hundred such steps, each a few to a
 few tens of microseconds of work; as separate ops each would pay MAX's
@@ -65,6 +69,9 @@ comptime SILU = 0
 SwiGLU."""
 comptime GELU_TANH = 1
 """GeGLU with GELU's tanh form (Gemma 3)."""
+comptime V_IN_QKV = -1
+"""The `v_format` of a layer whose V rows are in wqkv with Q's and K's
+(pagedkv._ops.contract.V_IN_QKV)."""
 
 
 def check_norm(
@@ -108,7 +115,9 @@ struct DecoderLayer:
     k_cache, v_cache (cache/cache_tensors.mojo) and returns x_out [rows, H].
 
     Parameters: the pool's `layout` and `kv_format` (as the attention op's),
-    the four products' GGUF formats, `num_qo_heads`, `ffn_size`, and
+    the four products' GGUF formats, `v_format` (V_IN_QKV, or the format
+    of wv where wqkv holds only Q's and K's rows), `num_qo_heads`,
+    `ffn_size`, and
     Gemma 3's choices: `qk_norm` (q_norm, k_norm [D]), `sandwich_norms`
     (post_attn_norm, post_mlp_norm [H]) and `activation` (SILU or
     GELU_TANH); norms a layer does not use may be empty. `float_params` and
@@ -123,6 +132,7 @@ struct DecoderLayer:
         layout: Int,
         kv_format: Int,
         qkv_format: Int,
+        v_format: Int,
         wo_format: Int,
         gate_up_format: Int,
         down_format: Int,
@@ -138,6 +148,7 @@ struct DecoderLayer:
         x: InputTensor[dtype=DType.float32, rank=2, ...],
         attn_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         wqkv: InputTensor[dtype=DType.uint8, rank=2, ...],
+        wv: InputTensor[dtype=DType.uint8, rank=2, ...],
         wo: InputTensor[dtype=DType.uint8, rank=2, ...],
         mlp_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         w_gate_up: InputTensor[dtype=DType.uint8, rank=2, ...],
@@ -171,6 +182,9 @@ struct DecoderLayer:
         var kv_heads = cache.num_kv_heads()
         var q_width = num_qo_heads * d
         var qkv_width = (num_qo_heads + 2 * kv_heads) * d
+        comptime SPLIT_QKV = v_format != V_IN_QKV
+        # Columns of qkv that wv writes (none where wqkv holds them all).
+        var v_width = kv_heads * d if SPLIT_QKV else 0
         if (
             x_out.dim_size(0) != rows
             or x_out.dim_size(1) != hidden
@@ -183,7 +197,9 @@ struct DecoderLayer:
                 "pagedkv: the decoder layer's x, x_out, norms or heads do not"
                 " match"
             )
-        check_weight("wqkv", wqkv, qkv_format, qkv_width, hidden)
+        check_weight("wqkv", wqkv, qkv_format, qkv_width - v_width, hidden)
+        comptime if SPLIT_QKV:
+            check_weight("wv", wv, v_format, v_width, hidden)
         check_weight("wo", wo, wo_format, hidden, q_width)
         check_weight(
             "w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden
@@ -262,8 +278,26 @@ struct DecoderLayer:
                 ptr_of(x), ptr_of(attn_norm), eps, normed, rows
             )
             var qkv_product = QuantizedProduct[qkv_format, NO_EPILOGUE](
-                ptr_of(wqkv), normed, qkv, qkv, rows, qkv_width
+                ptr_of(wqkv),
+                normed,
+                qkv,
+                qkv,
+                rows,
+                qkv_width - v_width,
+                qkv_width,
             )
+            comptime V_FORMAT = v_format if SPLIT_QKV else qkv_format
+            var v_columns = qkv.unsafe_offset(qkv_width - v_width)
+            var v_product = QuantizedProduct[V_FORMAT, NO_EPILOGUE](
+                ptr_of(wv),
+                normed,
+                v_columns,
+                v_columns,
+                rows,
+                v_width,
+                qkv_width,
+            )
+            var qk_tasks = qkv_product.tasks()
             var head_norms = HeadNorms(
                 qkv,
                 ptr_of(q_norm),
@@ -326,6 +360,7 @@ struct DecoderLayer:
                 ptr_of(x),
                 rows,
                 hidden,
+                hidden,
             )
             var attn_sandwich = NormAddRows(
                 proj,
@@ -340,7 +375,13 @@ struct DecoderLayer:
                 out, ptr_of(mlp_norm), eps, normed, rows
             )
             var gate_up_product = QuantizedProduct[gate_up_format, NO_EPILOGUE](
-                ptr_of(w_gate_up), normed, gate_up, gate_up, rows, 2 * ffn_size
+                ptr_of(w_gate_up),
+                normed,
+                gate_up,
+                gate_up,
+                rows,
+                2 * ffn_size,
+                2 * ffn_size,
             )
             comptime GATED = GEGLU if activation == GELU_TANH else SWIGLU
             var quantize_gu = RowQuantizer[DType.float32, GATED](
@@ -352,6 +393,7 @@ struct DecoderLayer:
                 proj if SANDWICH else out,
                 out,
                 rows,
+                hidden,
                 hidden,
             )
             var mlp_sandwich = NormAddRows(
@@ -369,6 +411,8 @@ struct DecoderLayer:
             ) {
                 var quantize_x,
                 var qkv_product,
+                var v_product,
+                var qk_tasks,
                 var head_norms,
                 var rope,
                 var attention,
@@ -384,7 +428,10 @@ struct DecoderLayer:
                 if p == 0:
                     quantize_x.run(t)
                 elif p == 1:
-                    qkv_product.run(t)
+                    if t < qk_tasks:
+                        qkv_product.run(t)
+                    else:
+                        v_product.run(t - qk_tasks)
                 elif p == 2:
                     head_norms.run(t)
                 elif p == 3:
@@ -412,7 +459,7 @@ struct DecoderLayer:
 
             var phases = Phases()
             _ = phases.add(quantize_x.tasks())
-            _ = phases.add(qkv_product.tasks())
+            _ = phases.add(qk_tasks + v_product.tasks())
             _ = phases.add(head_norms.tasks())
             _ = phases.add(rope.tasks())
             _ = phases.add(attention.item_tasks())

@@ -370,7 +370,8 @@ def panel_rows[
 struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
     """y [M, N] = x @ w^T (+ residual) for quantized activations x: the
     tasks of one product phase, each a run of adjacent panels by a block of
-    rows."""
+    rows. y and residual rows are y_stride apart (N, or more where y is
+    some columns of a wider matrix)."""
 
     var weight: Ptr[DType.uint8]
     var x: QuantizedRows
@@ -380,6 +381,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
     var n_dim: Int
     var panels: Int
     var stride: Int
+    var y_stride: Int
     var rows_per_task: Int
     var panels_per_task: Int
 
@@ -391,6 +393,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         residual: Ptr[F32],
         m_dim: Int,
         n_dim: Int,
+        y_stride: Int,
     ):
         """Splits the product into tasks: blocks of rows of at most
         MAX_TILES_PER_TASK register tiles, enough of them to keep every core
@@ -405,6 +408,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         self.n_dim = n_dim
         self.panels = (n_dim + PANEL - 1) // PANEL
         self.stride = panel_bytes(Self.fmt, x.k_dim)
+        self.y_stride = y_stride
         var row_tiles = (m_dim + MR - 1) // MR
         var tiles_per_task = min(
             max(row_tiles * self.panels // MIN_TASKS, 1), MAX_TILES_PER_TASK
@@ -438,11 +442,11 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
             panel_rows[Self.fmt, Self.epilogue](
                 self.weight.unsafe_offset(p * self.stride),
                 self.x.row(r0),
-                self.y.unsafe_offset(r0 * self.n_dim + p * PANEL),
-                self.residual.unsafe_offset(r0 * self.n_dim + p * PANEL),
+                self.y.unsafe_offset(r0 * self.y_stride + p * PANEL),
+                self.residual.unsafe_offset(r0 * self.y_stride + p * PANEL),
                 rows[1] - r0,
                 min(PANEL, self.n_dim - p * PANEL),
-                self.n_dim,
+                self.y_stride,
             )
 
 
@@ -469,7 +473,7 @@ def qlinear_cpu[
     )
     var quantizer = RowQuantizer[dtype, prologue](x, gamma, eps, rows, m_dim)
     var product = QuantizedProduct[fmt, epilogue](
-        weight, rows, y, residual, m_dim, n_dim
+        weight, rows, y, residual, m_dim, n_dim, n_dim
     )
 
     def task(p: Int, t: Int) {var quantizer, var product}:

@@ -41,6 +41,7 @@ from ._ops.contract import (
     QUANT_FORMATS,
     QUANT_PANEL,
     ROPE_APPEND_OP,
+    V_IN_QKV,
     attention_operands,
     mla_operands,
     pool_head_dim,
@@ -222,7 +223,9 @@ class QuantizedLayerWeights:
     """A decoder layer's weights for `quantized_decoder_layer`: the two
     RMSNorm weights [H] float32 and the four products' packed GGUF weights
     (uint8 panels) with their formats; Gemma 3's block adds the QK-norm
-    weights [D] and the sandwich norms' [H] (None in Llama's)."""
+    weights [D] and the sandwich norms' [H] (None in Llama's). Where the
+    file stores V in another format than Q and K, `wv` holds V's rows in
+    `v_format` and `wqkv` only Q's and K's."""
 
     attn_norm: TensorValue
     wqkv: TensorValue
@@ -236,23 +239,32 @@ class QuantizedLayerWeights:
     k_norm: TensorValue | None = None
     post_attn_norm: TensorValue | None = None
     post_mlp_norm: TensorValue | None = None
+    wv: TensorValue | None = None
+    v_format: str | None = None
 
     def __post_init__(self) -> None:
-        if any(fmt not in QUANT_FORMATS for fmt in self.formats):
+        formats = [*self.formats, *([] if self.v_format is None else [self.v_format])]
+        if any(fmt not in QUANT_FORMATS for fmt in formats):
             raise ValueError(f"quantized_decoder_layer takes {', '.join(QUANT_FORMATS)} weights")
         qk = (self.q_norm is None, self.k_norm is None)
         sandwich = (self.post_attn_norm is None, self.post_mlp_norm is None)
-        if qk[0] != qk[1] or sandwich[0] != sandwich[1]:
-            raise ValueError("q_norm and k_norm, and the two sandwich norms, come in pairs")
+        v = (self.wv is None, self.v_format is None)
+        if qk[0] != qk[1] or sandwich[0] != sandwich[1] or v[0] != v[1]:
+            raise ValueError(
+                "q_norm and k_norm, the two sandwich norms, and wv and v_format come in pairs"
+            )
 
     def values(self, device: DeviceRef) -> list[TensorValue]:
         """The op's weight operands in its order; a norm the block does not
-        have is an empty float32 constant."""
+        have is an empty float32 constant, a wv it does not have an empty
+        uint8 one."""
         norms = (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)
         unused = ops.constant(np.zeros(0, np.float32), F32, device=device)
+        no_wv = ops.constant(np.zeros((0, 0), np.uint8), DType.uint8, device=device)
         return [
             self.attn_norm,
             self.wqkv,
+            no_wv if self.wv is None else self.wv,
             self.wo,
             self.mlp_norm,
             self.w_gate_up,
@@ -261,11 +273,12 @@ class QuantizedLayerWeights:
         ]
 
     def parameters(self) -> dict[str, int]:
-        """The op's parameters that the weights decide: the four products'
+        """The op's parameters that the weights decide: the products'
         formats and which of Gemma 3's norms the block has."""
         names = ("qkv_format", "wo_format", "gate_up_format", "down_format")
         return {
             **{name: QUANT_FORMATS[f] for name, f in zip(names, self.formats, strict=True)},
+            "v_format": V_IN_QKV if self.v_format is None else QUANT_FORMATS[self.v_format],
             "qk_norm": int(self.q_norm is not None),
             "sandwich_norms": int(self.post_attn_norm is not None),
         }

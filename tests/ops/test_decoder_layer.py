@@ -11,7 +11,8 @@ rounding away from a code boundary may land one code apart from the
 reference's: the tolerance allows a few such steps, far below what any
 wrong index, layout or formula gives. Decode (one token per request, keys
 split across work items) and prefill (ragged, causal) both run, over a
-shuffled pool whose other pages must stay as they were.
+shuffled pool whose other pages must stay as they were. The prefill graph's
+layer stores V in another format than Q and K (two Q|K|V products).
 """
 
 from __future__ import annotations
@@ -55,10 +56,27 @@ SHAPES = {
     "w_gate_up": (2 * CONFIG.ffn_size, CONFIG.hidden_size),
     "w_down": (CONFIG.hidden_size, CONFIG.ffn_size),
 }
+SPLIT_V_FORMAT = "Q8_0"
+"""V's format where the Q|K|V product is two (Q and K in FORMATS[0])."""
 EPS = 1e-5
 
 
-def graph_inputs(pool_dtype: DType = DType.float32) -> list:
+def weight_shapes(split: bool) -> dict[str, tuple[int, int]]:
+    """[N, K] of each packed weight in the op's order: Q|K|V as one, or as
+    Q|K ("wqk") and V ("wv")."""
+    if not split:
+        return SHAPES
+    c = CONFIG
+    nqk = (c.num_qo_heads + c.num_kv_heads) * c.head_dim
+    qkv = {"wqk": (nqk, c.hidden_size), "wv": (c.num_kv_heads * c.head_dim, c.hidden_size)}
+    return qkv | {name: shape for name, shape in SHAPES.items() if name != "wqkv"}
+
+
+def weight_formats(split: bool) -> tuple[str, ...]:
+    return (FORMATS[0], SPLIT_V_FORMAT, *FORMATS[1:]) if split else FORMATS
+
+
+def graph_inputs(pool_dtype: DType = DType.float32, split: bool = False) -> list:
     cpu = DeviceRef.CPU()
     c = CONFIG
     row = pool_row_width(pool_dtype, c.head_dim)
@@ -68,7 +86,7 @@ def graph_inputs(pool_dtype: DType = DType.float32) -> list:
 
     weights = [
         TensorType(DType.uint8, quantized_panels_shape(fmt, *shape), cpu)
-        for fmt, shape in zip(FORMATS, SHAPES.values(), strict=True)
+        for fmt, shape in zip(weight_formats(split), weight_shapes(split).values(), strict=True)
     ]
     return [
         BufferType(pool_dtype, ["pages", 2, P, c.num_kv_heads, row], cpu),
@@ -88,18 +106,29 @@ def graph_inputs(pool_dtype: DType = DType.float32) -> list:
     ]
 
 
-def build(module: Module, name: str, decode: bool, pool_dtype: DType = DType.float32) -> None:
+def build(
+    module: Module,
+    name: str,
+    decode: bool,
+    pool_dtype: DType = DType.float32,
+    split: bool = False,
+) -> None:
     c = CONFIG
-    with ops_graph(module, name, graph_inputs(pool_dtype)) as g:
-        pool, x, attn_norm, mlp_norm, wqkv, wo, wgu, wdown, cos, sin, *index = g.inputs
+    with ops_graph(module, name, graph_inputs(pool_dtype, split)) as g:
+        pool, x, attn_norm, mlp_norm, *rest = g.inputs
+        n = len(weight_shapes(split))
+        packed, (cos, sin, *index) = [v.tensor for v in rest[:n]], rest[n:]
+        wv = packed.pop(1) if split else None
         weights = graph_ops.QuantizedLayerWeights(
             attn_norm.tensor,
-            wqkv.tensor,
-            wo.tensor,
+            packed[0],
+            packed[1],
             mlp_norm.tensor,
-            wgu.tensor,
-            wdown.tensor,
+            packed[2],
+            packed[3],
             FORMATS,
+            wv=wv,
+            v_format=SPLIT_V_FORMAT if split else None,
         )
         g.output(
             graph_ops.quantized_decoder_layer(
@@ -122,9 +151,9 @@ def decoder_layer_decode(module: Module) -> None:
     build(module, "decoder_layer_decode", decode=True)
 
 
-@suite_graph("decoder_layer_prefill")
-def decoder_layer_prefill(module: Module) -> None:
-    build(module, "decoder_layer_prefill", decode=False)
+@suite_graph("decoder_layer_prefill_split_qkv")
+def decoder_layer_prefill_split_qkv(module: Module) -> None:
+    build(module, "decoder_layer_prefill_split_qkv", decode=False, split=True)
 
 
 def rope_append_graph(module: Module, name: str, pool_dtype: DType = DType.float32) -> None:
@@ -159,16 +188,20 @@ def rope_append_int8(module: Module) -> None:
 class Layer:
     """Random quantized weights and their float64 reference layer."""
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, split: bool = False) -> None:
+        """split: Q|K|V as two packed weights in different formats."""
         c = CONFIG
         self.attn_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
         self.mlp_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
-        self.raw, self.dense, self.panels = {}, {}, {}
-        for fmt, (name, (n, k)) in zip(FORMATS, SHAPES.items(), strict=True):
+        self.dense, self.panels = {}, {}
+        shapes = weight_shapes(split)
+        for fmt, (name, (n, k)) in zip(weight_formats(split), shapes.items(), strict=True):
             w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
             raw = quants.quantize(w, GGMLQuantizationType[fmt])
             self.dense[name] = quants.dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
             self.panels[name] = pack_quantized_weight(raw, fmt, n, k).panels
+        if split:
+            self.dense["wqkv"] = np.concatenate([self.dense.pop("wqk"), self.dense.pop("wv")])
         self.cos, self.sin = rope_tables(CONFIG)
 
     def product(self, rows: np.ndarray, name: str) -> np.ndarray:
@@ -270,12 +303,12 @@ CASES = [
 @pytest.mark.parametrize("cached,new,decode", CASES)
 def test_decoder_layer_matches_float64(cached, new, decode):
     rng = np.random.default_rng(sum(cached) + len(new))
-    layer = Layer(rng)
+    layer = Layer(rng, split=not decode)
     batch, pool, x, bi, pos, work = step(rng, cached, new, decode)
     if decode:
         assert len(work[0]) > len(cached) or len(cached) == 1  # keys split
     before = pool.copy()
-    model = suite_model("decoder_layer_decode" if decode else "decoder_layer_prefill")
+    model = suite_model("decoder_layer_decode" if decode else "decoder_layer_prefill_split_qkv")
     got = run_layer(model, layer, pool, x, batch, bi, pos, work)
     c = CONFIG
     touched = np.zeros(pool.shape[0], bool)
@@ -419,6 +452,10 @@ def test_bad_layer_weights_are_refused():
         graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, q_norm=stub)
     with pytest.raises(ValueError, match="come in pairs"):
         graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, post_mlp_norm=stub)
+    with pytest.raises(ValueError, match="come in pairs"):
+        graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, wv=stub)
+    with pytest.raises(ValueError, match="takes Q4_0"):
+        graph_ops.QuantizedLayerWeights(*six, formats=FORMATS, wv=stub, v_format="Q2_K")
     with pytest.raises(ValueError, match="activation"):
         graph_ops.quantized_decoder_layer(
             *(stub,) * 2,

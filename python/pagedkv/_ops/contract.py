@@ -148,6 +148,11 @@ DECODER_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 """The decoder layer op's `activation` parameter (decoder/decoder_layer.mojo:
 SILU, GELU_TANH)."""
 
+V_IN_QKV = -1
+"""The decoder layer op's `v_format` where wqkv holds V's rows with Q's and
+K's (decoder/decoder_layer.mojo: V_IN_QKV); else wv holds them, in that
+format."""
+
 ROPE_APPEND_OP = "pagedkv_rope_append"
 """RoPE on a layer's fused Q|K|V rows with the append of K and V (page_ops/rope_append.mojo)."""
 
