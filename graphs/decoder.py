@@ -30,7 +30,8 @@ The weights come in one of two forms:
   either family (graph_ops.quantized_decoder_layer: each norm the prologue
   of the product after it, SwiGLU or GeGLU the down projection's, each
   residual add an epilogue, Gemma's QK-norm and sandwich norms row phases
-  of the op); otherwise the layer is built op by op, each product quantized
+  of the op; a Q|K|V stored in two formats is two products in the op's
+  one phase); otherwise the layer is built op by op, each product quantized
   or, where its format is one the product does not take, float32. The
   cache keeps its own dtype (`dtype`).
 """
