@@ -495,7 +495,7 @@ def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
     so a long context does not grow the compiled module."""
     tables = {}
     for g, window in enumerate(group_windows(c)):
-        cos, sin = rope_tables(c, c.rope_theta_of(window))
+        cos, sin = rope_tables(c, window)
         tables[f"rope_cos.{g}"], tables[f"rope_sin.{g}"] = cos, sin
     return tables
 

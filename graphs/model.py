@@ -13,6 +13,7 @@ drive the max.graph step graphs (decoder.py) and the NumPy reference
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,10 +53,18 @@ class DecoderConfig:
     p) or None (global); empty: every layer global."""
     local_rope_theta: float | None = None
     """The RoPE base of the sliding-window layers (None: rope_theta)."""
+    rope_scale: float = 1.0
+    """Positions are divided by this before rotating (RoPE's linear
+    scaling), in the layers at rope_theta (not Gemma 3's window layers)."""
+    rope_freq_factors: tuple[float, ...] = ()
+    """Each rotary pair's frequency is divided by its factor ([head_dim / 2],
+    GGUF's `rope_freqs`: Llama 3.1's scaling), in the layers at rope_theta;
+    empty: none."""
 
     def __post_init__(self) -> None:
         # A tuple whatever it came as (a JSON list): the config is a dict key.
         object.__setattr__(self, "windows", tuple(self.windows))
+        object.__setattr__(self, "rope_freq_factors", tuple(map(float, self.rope_freq_factors)))
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation must be silu or gelu_tanh, got {self.activation!r}")
         if self.windows and len(self.windows) != self.num_layers:
@@ -71,6 +80,13 @@ class DecoderConfig:
             )
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim}")
+        factors = self.rope_freq_factors
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors holds {len(factors)} factors for {self.head_dim // 2} pairs"
+            )
+        if not all(0 < f < math.inf for f in (self.rope_scale, *factors)):
+            raise ValueError("rope_scale and rope_freq_factors must be positive and finite")
 
     @property
     def qkv_size(self) -> int:
@@ -141,12 +157,20 @@ def init_weights(c: DecoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def rope_tables(c: DecoderConfig, theta: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_positions, head_dim / 2] of the rotary embedding with
-    base `theta` (default c.rope_theta), computed in float64 and rounded once."""
-    theta = c.rope_theta if theta is None else theta
+def rope_tables(c: DecoderConfig, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_positions, head_dim / 2] of the rotary embedding of
+    a layer with this window, computed in float64 and rounded once: pair i
+    of position p turns by p / rope_scale * base^(-2i / D) / factor_i, at
+    base `rope_theta_of(window)`; a window layer with a base of its own
+    (Gemma 3's) has neither scaling, as llama.cpp's does not."""
+    theta = c.rope_theta_of(window)
     inv_freq = theta ** (-np.arange(0, c.head_dim // 2, dtype=np.float64) * 2 / c.head_dim)
-    angle = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    positions = np.arange(c.max_positions, dtype=np.float64)
+    if window is None or c.local_rope_theta is None:
+        positions /= c.rope_scale
+        if c.rope_freq_factors:
+            inv_freq /= np.asarray(c.rope_freq_factors, np.float64)
+    angle = positions[:, None] * inv_freq[None, :]
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 

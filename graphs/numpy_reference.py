@@ -73,7 +73,7 @@ class DenseDecoder:
             quantized = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
         self.quantized = frozenset(quantized or ())
         self.rope = {
-            window: rope_tables(config, config.rope_theta_of(window))
+            window: rope_tables(config, window)
             for window in {config.window(i) for i in range(config.num_layers)}
         }
         self.k: list[np.ndarray] = []

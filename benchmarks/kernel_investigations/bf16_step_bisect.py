@@ -281,7 +281,7 @@ def layer_outputs(c, layer: dict, inputs: dict, dtype, device: str):
         rope = (ops.cast(cv.tensor, dtype), ops.cast(sv.tensor, dtype))
         if ref == Device("cpu").graph_ref():
             # The CPU's fused op takes the whole tables.
-            tables = decoder.rope_tables(c, c.rope_theta)
+            tables = decoder.rope_tables(c)
             rope = tuple(ops.constant(t, f32, device=ref) for t in tables)
         out = decoder._layer(
             decoder.DECODE, c, w, ops.cast(xv.tensor, dtype), rope, pool.buffer,

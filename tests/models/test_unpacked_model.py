@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture
@@ -22,63 +23,6 @@ def gguf(tmp_path, monkeypatch):
     path.parent.mkdir()
     write_tiny_gguf(path)
     return path
-
-
-FLOAT16_SCALES = {"Q4_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
-"""Byte offsets of the float16 scales in a block of each format that
-`write_tiny_gguf` writes (ggml-common.h's block layouts)."""
-
-
-def write_tiny_gguf(path, hidden=128, ffn=192, blocks=None):
-    """A 1-layer Llama GGUF with random float32 tensors and a token list;
-    `blocks` maps tensor names to a GGUF block format whose random bytes
-    they hold instead (any bytes are valid blocks)."""
-    import gguf
-
-    rng = np.random.default_rng(0)
-    heads, kv_heads, vocab = 2, 1, 8
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_context_length(256)
-    w.add_rope_freq_base(10000.0)
-    w.add_token_list([f"t{i}" for i in range(vocab)])
-    w.add_chat_template("{{ messages }}")
-    head_dim = hidden // heads
-    shapes = {
-        "token_embd.weight": (vocab, hidden),
-        "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (heads * head_dim, hidden),
-        "blk.0.attn_k.weight": (kv_heads * head_dim, hidden),
-        "blk.0.attn_v.weight": (kv_heads * head_dim, hidden),
-        "blk.0.attn_output.weight": (hidden, heads * head_dim),
-        "blk.0.ffn_gate.weight": (ffn, hidden),
-        "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
-    }
-    for name, shape in shapes.items():
-        fmt = (blocks or {}).get(name)
-        if fmt is None:
-            w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
-            continue
-        kind = gguf.GGMLQuantizationType[fmt]
-        inputs, size = gguf.GGML_QUANT_SIZES[kind]
-        raw = rng.integers(0, 256, (shape[0], shape[1] // inputs * size), dtype=np.uint8)
-        for at in FLOAT16_SCALES[fmt]:  # finite scales, not random bits
-            raw.reshape(shape[0], -1, size)[..., at : at + 2] = np.array([0.01], np.float16).view(
-                np.uint8
-            )
-        w.add_tensor(name, raw, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_the_unpacked_model_equals_the_gguf_and_is_loaded_after(gguf):

@@ -18,11 +18,18 @@ its norm weights are stored as (1 + w), so the graphs multiply by them as
 they are, and two values are not in the file at all: every sixth layer is
 global and the others slide, and the sliding layers' RoPE base is 10000
 (llama.cpp and transformers both hard-code Gemma 3's defaults).
+
+RoPE scaling is read as llama.cpp reads it: `{arch}.rope.scaling.factor`
+divides positions (linear scaling: the type named "linear", or not named;
+"none" turns it off), and a `rope_freqs` tensor divides each rotary pair's
+frequency (Llama 3.1's scaling, which its converter writes as that tensor);
+both in the layers at the model's own base, not in Gemma 3's window layers.
+Other scaling types (YaRN, LongRoPE) are refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +140,12 @@ def read_gguf(path: str | Path) -> GGUFModel:
             t = tensors[name]
             # Owned, writable copies: nothing keeps the memory-mapped file alive.
             return np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W", "O"])
+
+        factors = matrix("rope_freqs.weight").ravel() if "rope_freqs.weight" in tensors else ()
+        try:
+            config = replace(config, **_rope_scaling(metadata, arch), rope_freq_factors=factors)
+        except ValueError as e:
+            raise ModelError(f"{path}: {e}") from None
 
         weights = _float_weights(config, matrix, permuted=arch == "llama")
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
@@ -277,8 +290,6 @@ def _gemma3_config(metadata: dict[str, object]) -> DecoderConfig:
     head_dim = int(metadata.get("gemma3.attention.key_length", hidden // heads))
     if int(metadata.get("gemma3.attention.value_length", head_dim)) != head_dim:
         raise ModelError("gemma3 GGUF with key and value heads of different sizes")
-    if "gemma3.rope.scaling.factor" in metadata:
-        raise ModelError("gemma3 GGUF with scaled RoPE (the larger models): not described yet")
     window = int(metadata["gemma3.attention.sliding_window"])
     return DecoderConfig(
         vocab_size=_vocab_size(metadata, "gemma3"),
@@ -302,6 +313,22 @@ def _gemma3_config(metadata: dict[str, object]) -> DecoderConfig:
         ),
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
     )
+
+
+def _rope_scaling(metadata: dict[str, object], arch: str) -> dict[str, float]:
+    """DecoderConfig's rope_scale from `{arch}.rope.scaling.*` (see the module
+    docstring); raises ModelError for a scaling pagedkv does not implement."""
+    kind = str(metadata.get(f"{arch}.rope.scaling.type", "linear"))
+    if kind not in ("linear", "none"):
+        raise ModelError(
+            f"{arch} GGUF with {kind!r} RoPE scaling: pagedkv implements linear scaling "
+            "and Llama 3.1's rope_freqs"
+        )
+    if float(metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0)) != 1.0:
+        raise ModelError(f"{arch} GGUF with a RoPE attention factor: not implemented")
+    factor = metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear"))
+    scaled = kind == "linear" and factor is not None and float(factor) != 0.0
+    return {"rope_scale": float(factor) if scaled else 1.0}
 
 
 def _vocab_size(metadata: dict[str, object], arch: str) -> int:

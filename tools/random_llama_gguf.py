@@ -1,0 +1,160 @@
+"""Writes a Llama GGUF of random weights in any shape, with the tokenizer of
+another GGUF: a stand-in for models this host cannot download, for
+comparing pagedkv with llama.cpp on the same file (their logits with
+`tools/llamacpp_logits.py --gguf`, their speed with
+`benchmarks/serve_vs_llamacpp.py --gguf`).
+
+    python tools/random_llama_gguf.py OUT.gguf [--hidden 2048 --layers 16
+        --heads 32 --kv-heads 8 --ffn 8192] [--type F16|F32|Q8_0]
+        [--rope-freqs llama3|random] [--rope-scaling linear:F]
+        [--tokenizer-from PATH]
+
+The tokenizer (every `tokenizer.*` key) comes from `--tokenizer-from`
+(default: SmolLM2-135M-Instruct's GGUF, as pagedkv fetches it), so the
+vocabulary is its size. Matrices are stored as llama.cpp's converter stores
+a Hugging Face Llama (Q and K rows permuted for its adjacent-pair RoPE);
+requantize the file with `llama-quantize` for K-quant mixes such as
+Q4_K_M. `--rope-freqs llama3` writes the `rope_freqs` tensor of Llama 3.1's
+scaling (factor 8, low 1, high 4, 8192 original positions); `random` writes
+factors drawn from [0.25, 4], which move every rotary pair's angle, so that
+a reader ignoring them disagrees at once. `--rope-scaling linear:F` writes
+linear position scaling by F.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+from gguf import (
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    RopeScalingType,
+    quants,
+)
+
+
+def llama3_rope_factors(head_dim: int, theta: float) -> np.ndarray:
+    """The divisors of each rotary pair's frequency under Llama 3.1's RoPE
+    scaling (factor 8, low_freq_factor 1, high_freq_factor 4, 8192 original
+    positions), as llama.cpp's converter computes them."""
+    factor, low, high, original = 8.0, 1.0, 4.0, 8192
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, mid)
+    return np.where(wavelen > original / low, factor, out).astype(np.float32)
+
+
+def permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
+    """Q or K rows [heads * D, K] from rotate-half order to llama.cpp's
+    adjacent pairs (its converter's `permute`)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
+    """Copies every `tokenizer.*` key of source; returns its vocabulary size."""
+    reader = GGUFReader(source)
+    vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        value = field.contents()
+        writer.add_key_value(name, value, kind, sub)
+        if name == "tokenizer.ggml.tokens":
+            vocab = len(value)
+    return vocab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--theta", type=float, default=5e5)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--type", default="F32", choices=("F32", "F16", "Q8_0"))
+    parser.add_argument("--rope-freqs", choices=("llama3", "random"))
+    parser.add_argument("--rope-scaling", help="linear:FACTOR")
+    parser.add_argument("--tokenizer-from", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    source = args.tokenizer_from
+    if source is None:
+        from pagedkv.models.fetch import fetch_gguf
+
+        source = fetch_gguf("smollm2-135m-instruct")
+    rng = np.random.default_rng(args.seed)
+    hidden, head_dim = args.hidden, args.hidden // args.heads
+    writer = GGUFWriter(str(args.out), "llama")
+    writer.add_name(f"random llama {hidden}x{args.layers}")
+    writer.add_block_count(args.layers)
+    writer.add_context_length(args.context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(args.ffn)
+    writer.add_head_count(args.heads)
+    writer.add_head_count_kv(args.kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(args.theta)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if args.rope_scaling:
+        kind, factor = args.rope_scaling.split(":")
+        writer.add_rope_scaling_type(RopeScalingType(kind))
+        writer.add_rope_scaling_factor(float(factor))
+    vocab = copy_tokenizer(writer, source)
+    kind = GGMLQuantizationType[args.type]
+
+    def matrix(name: str, rows: int, cols: int, scale: float | None = None) -> None:
+        w = rng.standard_normal((rows, cols), np.float32) * (scale or 1 / math.sqrt(cols))
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = args.heads if name.endswith("attn_q.weight") else args.kv_heads
+            w = permute_for_gguf(w, heads)
+        if kind == GGMLQuantizationType.F16:
+            w = w.astype(np.float16)
+        elif kind != GGMLQuantizationType.F32:
+            w = quants.quantize(w, kind)
+        writer.add_tensor(name, w, raw_dtype=kind)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+
+    # Logits of about 3 standard deviations through the tied head.
+    matrix("token_embd.weight", vocab, hidden, scale=3 / math.sqrt(hidden))
+    norm("output_norm.weight")
+    if args.rope_freqs == "llama3":
+        factors = llama3_rope_factors(head_dim, args.theta)
+    elif args.rope_freqs == "random":
+        factors = np.exp(rng.uniform(np.log(0.25), np.log(4), head_dim // 2)).astype(np.float32)
+    if args.rope_freqs:
+        writer.add_tensor("rope_freqs.weight", factors)
+    kv = args.kv_heads * head_dim
+    for i in range(args.layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", args.ffn, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", args.ffn, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, args.ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"{args.out}: {args.layers} layers of {hidden}, vocabulary {vocab}, {args.type}")
+
+
+if __name__ == "__main__":
+    main()
