@@ -2,9 +2,11 @@
 decode step of B requests that share a prompt of P tokens (each with 16
 tokens of its own), the same step with the shared prompt cut to 16 tokens
 (the difference is the prefix's attention), and each of the step's
-quantized products alone at B rows (ms and GOP/s).
+quantized products alone at B rows (ms and GOP/s). With one request, the
+step against its floor: the packed weights' bytes at the machine's best
+plain read (measured in the same run).
 
-    python benchmarks/decode_step.py [--model smollm2-135m-instruct]
+    python benchmarks/decode_step.py [--model smollm2-135m-instruct | --gguf PATH]
         [--batch 32] [--prefix 926] [--steps 30]
 
 PAGEDKV_CPU_TARGET=x86-64-v3 runs the AVX2 code path (one target a process:
@@ -20,7 +22,7 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
-from harness.anchors import time_round_robin
+from harness.anchors import read_bandwidth_gbps, time_round_robin
 from harness.serve_bench import cpu_model
 from harness.threads import pin_max_workers
 from pagedkv import graph_ops
@@ -74,22 +76,33 @@ def product_call(w, rows: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--gguf", help="a Llama or Gemma 3 GGUF of your own instead")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=926)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     pin_max_workers()
-    llm = load(args.model, weights="gguf")
+    llm = load(args.model, weights="gguf", gguf=args.gguf)
     print(f"CPU: {cpu_model()}\n{kernel_isa_line()}")
     print(f"{llm.name}, {llm.manager.dtype} cache, {args.batch} requests\n")
     engine, b = llm.engine, args.batch
-    batches = {p: forked_batch(llm, f"p{p}", b, p) for p in (args.prefix, 16)}
+    batches = {p: forked_batch(llm, f"p{p}", b, p) for p in dict.fromkeys((args.prefix, 16))}
     steps = {p: (lambda ids=ids: engine.decode(ids, [5] * b)) for p, ids in batches.items()}
     # Interleaved, so that a drift in the machine's speed hits all alike.
     timed = time_round_robin(steps, reps=args.steps, max_s=60.0, flush=False)
     print("| decode step | ms (median) | ms (best) |\n|---|---|---|")
     for p, t in timed.items():
         print(f"| after a shared {p}-token prompt | {t.median_ms:.1f} | {t.min_ms:.1f} |")
+    if b == 1:
+        nbytes = sum(q.panels.nbytes for q in llm.quantized.values())
+        gbps = read_bandwidth_gbps()
+        floor_ms = nbytes / gbps / 1e6
+        step_ms = timed[16].median_ms
+        print(
+            f"\none request's step: {nbytes / 1e6:.0f} MB of packed weights at {gbps:.1f} GB/s"
+            f" (the best plain read) is {floor_ms:.1f} ms; the step ({step_ms:.1f} ms) reads"
+            f" at {nbytes / step_ms / 1e6:.1f} GB/s, {100 * floor_ms / step_ms:.0f}% of it"
+        )
     weights = distinct_products(llm)
     calls = {name: product_call(w, b) for name, w in weights.items()}
     timed = time_round_robin(calls, reps=args.steps, max_s=60.0, flush=False)
