@@ -39,6 +39,7 @@ The weights come in one of two forms:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -590,9 +591,18 @@ def build_step_graph(
     return g
 
 
+def packed_float_names(quantized: Iterable[str]) -> set[str]:
+    """The float weights that the packed matrices named `quantized` stand
+    for in a quantized graph (its "w_gate_up" for "w_gate" and "w_up", its
+    "wqk" for "wqkv"): a quantized graph never reads them."""
+    names = set(quantized)
+    names |= {name.replace("w_gate_up", part) for name in names for part in ("w_gate", "w_up")}
+    return names | {name.replace(".wqk", ".wqkv") for name in names if name.endswith(".wqk")}
+
+
 def weights_registry(
     c: DecoderConfig,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray],
     dtype: DType,
     device: DeviceRef,
     quantized: dict | None = None,
@@ -608,15 +618,14 @@ def weights_registry(
     on_cpu = device == DeviceRef.CPU()
     if quantized is not None:
         # Float32 everything the packed products do not cover: norms, the
-        # embedding, and the matrices of products left float.
-        covered = set(quantized)
-        covered |= {
-            name.replace("w_gate_up", part) for name in quantized for part in ("w_gate", "w_up")
-        }
-        covered |= {name.replace(".wqk", ".wqkv") for name in quantized if name.endswith(".wqk")}
+        # embedding, and the matrices of products left float (the others are
+        # never read, so a lazily dequantized model never makes them).
+        covered = packed_float_names(quantized)
         floats = {
-            name: pack_linear_weight_cached(w) if on_cpu and _is_matrix(name) else w
-            for name, w in weights.items()
+            name: pack_linear_weight_cached(weights[name])
+            if on_cpu and _is_matrix(name)
+            else weights[name]
+            for name in weights
             if name not in covered
         }
         return {**floats, **{name: q.panels for name, q in quantized.items()}, **rope}

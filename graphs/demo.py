@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +86,7 @@ class DemoPlan:
 
     title: str
     config: DecoderConfig
-    weights: dict[str, np.ndarray]
+    weights: Mapping[str, np.ndarray]
     """float32 weights: what the float graphs and the NumPy reference use
     (with quantized weights, their dequantized blocks)."""
     quantized: dict | None

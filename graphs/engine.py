@@ -10,7 +10,7 @@ logits copied back (greedy sampling happens on the host).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 from max.driver import CPU
@@ -62,7 +62,7 @@ class DecoderEngine:
     def __init__(
         self,
         config: DecoderConfig,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray],
         manager: PagedKVCacheManager,
         quantized: dict | None = None,
         batch_invariant: bool = False,

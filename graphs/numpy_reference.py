@@ -10,7 +10,7 @@ what they compute up to float32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class DenseDecoder:
     def __init__(
         self,
         config: DecoderConfig,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray],
         quantized: bool | Collection[str] = False,
     ) -> None:
         self.c = config

@@ -12,7 +12,7 @@ bounded by the caller, through `max_logit_diff`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +36,7 @@ class CheckResult:
 
 def check_sequences(
     config: DecoderConfig,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float = 1e-3,
     quantized: bool | Collection[str] = False,
@@ -57,7 +57,7 @@ def check_sequences(
 
 def _check(
     config: DecoderConfig,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray],
     sequences: list[Sequence],
     tie_tolerance: float,
     quantized: bool | Collection[str],

@@ -11,7 +11,7 @@ loads it in milliseconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +57,7 @@ _compiled: dict[Hashable, StepModels] = {}
 
 def compile_step_graphs(
     config: DecoderConfig,
-    weights: dict[str, np.ndarray],
+    weights: Mapping[str, np.ndarray],
     page_size: int,
     dtype: DType,
     device: Device,

@@ -111,3 +111,41 @@ def test_a_partial_or_outdated_unpacked_copy_is_not_used(gguf, monkeypatch):
     unpacked.read_unpacked(gguf)
     assert calls == [gguf, gguf]
     assert not folder.exists()
+
+
+def test_packed_matrices_are_dequantized_only_when_read(tmp_path, monkeypatch):
+    """A model served from its packed blocks never dequantizes the matrices
+    it multiplies packed, and its unpacked copy holds no float32 copy of
+    them; the float weights still read them, dequantized from the GGUF on
+    first use, equal to `read_gguf`'s."""
+    import gguf.quants
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from pagedkv.graphs.decoder import packed_float_names, weights_registry
+    from pagedkv.models import unpacked
+    from pagedkv.models.gguf_model import read_gguf
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "q8.gguf"
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_tiny_gguf(path, blocks={f"blk.0.{m}.weight": "Q8_0" for m in matrices})
+    kinds = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(
+        gguf.quants, "dequantize", lambda data, kind: kinds.append(kind.name) or real(data, kind)
+    )
+    for _ in range(2):  # read from the GGUF, then from the unpacked copy
+        model = unpacked.read_unpacked(path)
+        weights_registry(
+            model.config, model.weights, DType.float32, DeviceRef.CPU(), model.quantized
+        )
+    packed = packed_float_names(model.quantized)
+    assert {"layers.0.wqkv", "layers.0.wo", "layers.0.w_gate", "layers.0.w_down"} <= packed
+    assert "Q8_0" not in kinds
+    stored = [p for p in unpacked.unpacked_dir(path).glob("*.npy") if p.stem.isdigit()]
+    assert len(stored) == len(model.weights) - len(packed & set(model.weights))
+    direct = read_gguf(path)
+    for name in model.weights:
+        np.testing.assert_array_equal(model.weights[name], direct.weights[name])
+    assert "Q8_0" in kinds

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-FLOAT16_SCALES = {"Q4_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
+FLOAT16_SCALES = {
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "IQ4_XS": (0,),
+}
 """Byte offsets of the float16 scales in a block of each format that
 `write_tiny_gguf` writes (ggml-common.h's block layouts)."""
 

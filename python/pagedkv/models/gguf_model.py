@@ -3,9 +3,9 @@ description (`DecoderConfig`) and weights.
 
 GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
-transposed to [in, out] float32 (the float graphs multiply x @ W), and, for
-the quantized graphs, the GGUF's own blocks packed for pagedkv's quantized
-product (`pagedkv._ops.quantized_panels`), bit for bit. llama.cpp's converter
+transposed to [in, out] float32 (the float graphs multiply x @ W), each on
+first use, and, for the quantized graphs, the GGUF's own blocks packed for
+pagedkv's quantized product (`pagedkv._ops.quantized_panels`), bit for bit. llama.cpp's converter
 permutes the rows of the Q and K projections so that its RoPE rotates
 interleaved pairs; the graphs rotate halves (as the original checkpoint
 does), so the permutation is undone here, on the rows of either form. A
@@ -29,6 +29,7 @@ Other scaling types (YaRN, LongRoPE) are refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,8 +61,9 @@ class GGUFModel:
     """What a GGUF holds, in pagedkv's terms."""
 
     config: DecoderConfig
-    weights: dict[str, np.ndarray]
-    """float32 arrays named as `pagedkv.graphs.model.init_weights` names them."""
+    weights: Mapping[str, np.ndarray]
+    """float32 arrays named as `pagedkv.graphs.model.init_weights` names
+    them, each dequantized on first use (`LazyWeights`)."""
     metadata: dict[str, object]
     """Every scalar and string field, and the tokenizer's arrays."""
     quantized: dict[str, QuantizedWeight]
@@ -93,18 +95,59 @@ def quantized_weight_names(num_layers: int) -> list[str]:
     return [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer] + ["lm_head"]
 
 
+class LazyWeights(Mapping[str, np.ndarray]):
+    """Arrays by name, each made by its function on first use and kept: a
+    model served from its packed blocks never dequantizes the matrices it
+    multiplies packed (a 1B model's are 4 GB in float32), while its float
+    form, or a reference, still finds every weight by name."""
+
+    def __init__(self, makers: dict[str, Callable[[], np.ndarray]]) -> None:
+        self._makers = makers
+        self._made: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Reads a Llama GGUF (Q4_0/Q4_1/Q8_0/F16/F32 tensors) from `path`.
+    """Reads a Llama or Gemma 3 GGUF from `path`: its description and
+    metadata, its packed products, and its float32 weights (dequantized on
+    first use; the file stays memory-mapped until then).
 
     Raises:
         ModelError: the file is missing, not a GGUF, not a Llama model, or
             lacks a tensor; the message names it and says to delete the file
             (it is fetched again on next use).
     """
+    path = Path(path)
+    config, metadata, tensors, weights = _read(path)
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    try:
+        quantized = _quantized(config, tensors, head_name, permuted=config.family == "llama")
+    except (ValueError, NotImplementedError) as e:
+        raise ModelError(f"{path}: cannot pack ({e})") from None
+    return GGUFModel(config, weights, metadata, quantized)
+
+
+def read_float_weights(path: str | Path) -> LazyWeights:
+    """The GGUF's float32 weights alone (as `read_gguf` gives them), for a
+    model whose packed products come from elsewhere (its unpacked copy)."""
+    return _read(Path(path))[3]
+
+
+def _read(path: Path) -> tuple[DecoderConfig, dict[str, object], dict, LazyWeights]:
+    """(config, metadata, tensors by name, float32 weights) of the GGUF."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    path = Path(path)
     try:
         reader = GGUFReader(path)
         metadata = {name: field.contents() for name, field in reader.fields.items()}
@@ -136,36 +179,52 @@ def read_gguf(path: str | Path) -> GGUFModel:
                 f"{path} holds tensors in {', '.join(unknown)}, which pagedkv cannot read"
             )
 
-        def matrix(name: str) -> np.ndarray:
+        def matrix(name: str) -> Callable[[], np.ndarray]:
+            """A maker of the tensor as a float32 array; the tensor must exist."""
             t = tensors[name]
-            # Owned, writable copies: nothing keeps the memory-mapped file alive.
-            return np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W", "O"])
+            # Owned, writable copies, independent of the memory-mapped file.
+            return lambda: np.require(
+                dequantize(t.data, t.tensor_type), np.float32, ["C", "W", "O"]
+            )
 
-        factors = matrix("rope_freqs.weight").ravel() if "rope_freqs.weight" in tensors else ()
+        factors = matrix("rope_freqs.weight")().ravel() if "rope_freqs.weight" in tensors else ()
         try:
             config = replace(config, **_rope_scaling(metadata, arch), rope_freq_factors=factors)
         except ValueError as e:
             raise ModelError(f"{path}: {e}") from None
-
         weights = _float_weights(config, matrix, permuted=arch == "llama")
-        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        head = matrix(head_name) if head_name == "output.weight" else weights["embed"]
-        weights["lm_head"] = np.ascontiguousarray(head.T)
-        quantized = _quantized(config, tensors, head_name, permuted=arch == "llama")
     except KeyError as e:
         raise ModelError(
             f"{path} lacks tensor {e}; delete it and it will be fetched again"
         ) from None
     except (ValueError, NotImplementedError) as e:
         raise ModelError(f"{path}: cannot dequantize ({e})") from None
-    return GGUFModel(config, weights, metadata, quantized)
+    return config, metadata, tensors, weights
 
 
-def _float_weights(config: DecoderConfig, matrix, permuted: bool) -> dict[str, np.ndarray]:
-    """Every weight but the output head as float32, named as
-    `pagedkv.graphs.model.init_weights` names them; `permuted`: the Q and K
-    rows are in llama.cpp's interleaved order (undone here)."""
-    weights = {"embed": matrix("token_embd.weight")}  # [vocab, hidden]
+def _float_weights(
+    config: DecoderConfig, matrix: Callable[[str], Callable[[], np.ndarray]], permuted: bool
+) -> LazyWeights:
+    """Every weight as float32, named as `pagedkv.graphs.model.init_weights`
+    names them, from `matrix`'s makers (which fail at once on a missing
+    tensor); `permuted`: the Q and K rows are in llama.cpp's interleaved
+    order (undone here). A model with tied embeddings (no `output.weight`)
+    reuses the token embedding as its output head."""
+
+    def qkv(q: Callable, k: Callable, v: Callable) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            qs, ks = q(), k()
+            if permuted:
+                qs = undo_rope_permutation(qs, config.num_qo_heads)
+                ks = undo_rope_permutation(ks, config.num_kv_heads)
+            return np.ascontiguousarray(np.concatenate([qs, ks, v()]).T)
+
+        return make
+
+    def transposed(w: Callable) -> Callable[[], np.ndarray]:
+        return lambda: (lambda a: np.ascontiguousarray(a.T if a.ndim == 2 else a))(w())
+
+    makers = {"embed": matrix("token_embd.weight")}  # [vocab, hidden]
     layer_tensors = dict(_LAYER_TENSORS)
     if config.qk_norm:
         layer_tensors |= {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
@@ -173,16 +232,17 @@ def _float_weights(config: DecoderConfig, matrix, permuted: bool) -> dict[str, n
         layer_tensors |= {"post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm"}
     for i in range(config.num_layers):
         blk = f"blk.{i}."
-        q, k = matrix(blk + "attn_q.weight"), matrix(blk + "attn_k.weight")
-        if permuted:
-            q = undo_rope_permutation(q, config.num_qo_heads)
-            k = undo_rope_permutation(k, config.num_kv_heads)
-        v = matrix(blk + "attn_v.weight")
-        weights[f"layers.{i}.wqkv"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
+        makers[f"layers.{i}.wqkv"] = qkv(
+            *(matrix(blk + f"attn_{part}.weight") for part in ("q", "k", "v"))
+        )
         for gguf_name, name in layer_tensors.items():
-            w = matrix(blk + gguf_name + ".weight")
-            weights[f"layers.{i}.{name}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
-    weights["final_norm"] = matrix("output_norm.weight")
+            makers[f"layers.{i}.{name}"] = transposed(matrix(blk + gguf_name + ".weight"))
+    makers["final_norm"] = matrix("output_norm.weight")
+    try:
+        makers["lm_head"] = transposed(matrix("output.weight"))
+    except KeyError:  # tied embeddings
+        makers["lm_head"] = lambda: np.ascontiguousarray(weights["embed"].T)
+    weights = LazyWeights(makers)  # the tied head's maker reads it
     return weights
 
 

@@ -1,6 +1,9 @@
-"""A GGUF read once and kept unpacked: float32 weights and the packed
-quantized matrices as .npy files and the metadata as JSON, in the cache
-directory (beside the GGUF when it is there).
+"""A GGUF read once and kept unpacked: the packed quantized matrices and
+the float32 weights a quantized graph reads (norms, the embedding, products
+left float) as .npy files and the metadata as JSON, in the cache directory
+(beside the GGUF when it is there). The float32 weights of the packed
+products (what the float forms multiply) are dequantized from the GGUF
+itself on first use: kept here they would be 7x the file.
 
 Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
 string one at a time; dequantizing and packing are the rest); the unpacked
@@ -14,6 +17,7 @@ and the copy rewritten.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -24,11 +28,12 @@ import numpy as np
 
 from pagedkv._ops import quantized_panels
 from pagedkv._ops.quantized_panels import QuantizedWeight
+from pagedkv.graphs.decoder import packed_float_names
 from pagedkv.graphs.model import DecoderConfig
 
 from . import gguf_model
 from .fetch import cache_dir
-from .gguf_model import GGUFModel, read_gguf
+from .gguf_model import GGUFModel, LazyWeights, read_float_weights, read_gguf
 
 _DONE = "model.json"
 """Written last: a folder without it is partial."""
@@ -59,7 +64,7 @@ def read_unpacked(path: str | Path) -> GGUFModel:
     folder = unpacked_dir(path)
     if (folder / _DONE).is_file():
         try:
-            return _load(folder)
+            return _load(folder, path)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: read the GGUF again below
     model = read_gguf(path)
@@ -74,13 +79,16 @@ def _save(model: GGUFModel, folder: Path) -> None:
     shutil.rmtree(folder.parent, ignore_errors=True)  # older copies of this GGUF
     staging = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
     staging.mkdir(parents=True, exist_ok=True)
-    for i, array in enumerate(model.weights.values()):
-        np.save(staging / f"{i}.npy", array)
+    packed = packed_float_names(model.quantized)
+    stored = {name: i for i, name in enumerate(n for n in model.weights if n not in packed)}
+    for name, i in stored.items():
+        np.save(staging / f"{i}.npy", model.weights[name])
     for i, q in enumerate(model.quantized.values()):
         np.save(staging / f"q{i}.npy", q.panels)
     record = {
         "config": dataclasses.asdict(model.config),
-        "weights": list(model.weights),
+        # Each weight's .npy index, or None: dequantized from the GGUF.
+        "weights": [[name, stored.get(name)] for name in model.weights],
         "quantized": [
             [name, q.format, q.out_features, q.in_features] for name, q in model.quantized.items()
         ],
@@ -90,12 +98,17 @@ def _save(model: GGUFModel, folder: Path) -> None:
     os.replace(staging, folder)
 
 
-def _load(folder: Path) -> GGUFModel:
+def _load(folder: Path, path: Path) -> GGUFModel:
     record = json.loads((folder / _DONE).read_text())
-    weights = {
-        name: np.load(folder / f"{i}.npy", mmap_mode="r")
-        for i, name in enumerate(record["weights"])
-    }
+    gguf_weights = functools.cache(lambda: read_float_weights(path))
+
+    def maker(name: str, i: int | None):
+        if i is None:
+            return lambda: gguf_weights()[name]
+        array = np.load(folder / f"{i}.npy", mmap_mode="r")
+        return lambda: array
+
+    weights = LazyWeights({name: maker(name, i) for name, i in record["weights"]})
     quantized = {
         name: QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
         for i, (name, fmt, n, k) in enumerate(record["quantized"])
