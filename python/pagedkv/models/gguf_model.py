@@ -5,12 +5,12 @@ GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
 transposed to [in, out] float32 (the float graphs multiply x @ W), each on
 first use, and, for the quantized graphs, the GGUF's own blocks packed for
-pagedkv's quantized product (`pagedkv._ops.quantized_panels`), bit for bit. llama.cpp's converter
-permutes the rows of the Q and K projections so that its RoPE rotates
-interleaved pairs; the graphs rotate halves (as the original checkpoint
-does), so the permutation is undone here, on the rows of either form. A
-model with tied embeddings (no `output.weight`) reuses the token embedding
-as its output head.
+pagedkv's quantized product (`pagedkv._ops.quantized_panels`), bit for bit.
+llama.cpp's converter permutes the rows of the Q and K projections so that
+its RoPE rotates interleaved pairs; the graphs rotate halves (as the
+original checkpoint does), so the permutation is undone here, on the rows
+of either form. A model with tied embeddings (no `output.weight`) reuses
+the token embedding as its output head.
 
 Gemma 3 differs in its metadata and in what the file leaves out: its
 projections are stored in rotate-half order already (llama.cpp's NEOX RoPE),
@@ -222,7 +222,13 @@ def _float_weights(
         return make
 
     def transposed(w: Callable) -> Callable[[], np.ndarray]:
-        return lambda: (lambda a: np.ascontiguousarray(a.T if a.ndim == 2 else a))(w())
+        """A matrix as [in, out]; a vector as it is."""
+
+        def make() -> np.ndarray:
+            a = w()
+            return np.ascontiguousarray(a.T if a.ndim == 2 else a)
+
+        return make
 
     makers = {"embed": matrix("token_embd.weight")}  # [vocab, hidden]
     layer_tensors = dict(_LAYER_TENSORS)
