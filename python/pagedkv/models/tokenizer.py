@@ -1,11 +1,16 @@
 """The model's tokenizer and chat template, built from the GGUF's metadata
-exactly as HF transformers builds them from the same file.
+as llama.cpp builds them (and HF transformers, from the files the tests
+hold).
 
 Two kinds of vocabulary:
 
 - `gpt2`: byte-level BPE: the `tokenizers` library's BPE model over the
-  file's tokens and merges, a byte-level pre-tokenizer (no prefix space) and
-  decoder.
+  file's tokens and merges, and a byte-level decoder. Text is split before
+  the merges as the vocabulary was trained to split it, by the file's
+  `tokenizer.ggml.pre`, with llama.cpp's regular expressions for that name
+  (`BYTE_LEVEL_SPLITS`: Llama 3's digits in threes, Qwen's one by one,
+  SmolLM's one by one before GPT-2's split, ...); a name pagedkv does not
+  know is refused, as llama.cpp refuses it, rather than split wrongly.
 - `llama` (SentencePiece BPE, Gemma's): spaces written as "▁", bytes
   the vocabulary lacks as <0xNN> tokens, and, since the file lists no
   merges, the merges rebuilt from the vocabulary: every split of a token
@@ -54,8 +59,19 @@ without the `<bos>`, which `prompt_ids` adds): a system prompt joins the
 first user turn; the assistant's role is "model"."""
 FAMILY_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 """The chat template of a family whose GGUFs carry none."""
-END_OF_TURN = ("<end_of_turn>",)
-"""Tokens that end a model's turn besides EOS (llama.cpp's end-of-generation set)."""
+END_OF_TURN = (
+    "<end_of_turn>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+)
+"""Tokens that end a model's turn besides EOS, where the vocabulary has
+them (the common ones of llama.cpp's end-of-generation set: an instruct
+file's EOS is often its end of turn, a base file's its end of text)."""
 
 
 @dataclass
@@ -85,9 +101,12 @@ class ChatTokenizer:
                 f"tokenizer kind {kind!r}: pagedkv builds byte-level BPE (gpt2) and "
                 "SentencePiece BPE (llama)"
             )
-        tokens = list(metadata["tokenizer.ggml.tokens"])
+        try:
+            tokens = list(metadata["tokenizer.ggml.tokens"])
+            tokenizer, vocab = _BUILDERS[kind](metadata, tokens)
+        except KeyError as e:
+            raise ModelError(f"the GGUF's {kind} tokenizer lacks {e}") from None
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        tokenizer, vocab = _BUILDERS[kind](metadata, tokens)
         control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL]
         tokenizer.add_special_tokens(
             [AddedToken(t, normalized=False, special=True) for t in control]
@@ -97,6 +116,8 @@ class ChatTokenizer:
         ]
         tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
         bos = metadata.get("tokenizer.ggml.bos_token_id")
+        if "tokenizer.ggml.eos_token_id" not in metadata:
+            raise ModelError("the GGUF's tokenizer names no end-of-sequence token")
         eos = int(metadata["tokenizer.ggml.eos_token_id"])
         family = metadata.get("general.architecture")
         template = metadata.get("tokenizer.chat_template") or FAMILY_CHAT_TEMPLATES.get(family)
@@ -154,9 +175,76 @@ class ChatTokenizer:
         return self.prompt_ids(self.render_chat(messages))
 
 
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+"""GPT-2's pre-tokenizer expression (the `tokenizers` byte-level default)."""
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _splits(names: str, *expressions: str) -> dict[str, tuple[str, ...]]:
+    return dict.fromkeys(names.split(), expressions)
+
+
+BYTE_LEVEL_SPLITS: dict[str, tuple[str, ...]] = {
+    **_splits("default gpt-2 phi-2 mpt olmo jais roberta-bpe exaone4 mellum", GPT2_SPLIT),
+    **_splits(
+        "smollm starcoder refact command-r codeshell exaone minerva-7b", r"\p{N}", GPT2_SPLIT
+    ),
+    **_splits(
+        "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 dbrx smaug-bpe",
+        LLAMA3_SPLIT,
+    ),
+    **_splits("qwen2 deepseek-r1-qwen stablelm2 megrez kormo", QWEN2_SPLIT),
+    **_splits("qwen35", QWEN35_SPLIT),
+    **_splits("tekken", TEKKEN_SPLIT),
+    **_splits("gpt-4o llama4 kanana2", GPT4O_SPLIT),
+}
+"""The expressions that split text before the merges, by the GGUF's
+`tokenizer.ggml.pre`, applied in order (each splits the pieces of the one
+before): llama.cpp's for that name (`llama-vocab.cpp`), in their original
+`tokenizer.json` forms. A file without the key is split as "default" (GPT-2's
+expression; llama.cpp warns that such a file tokenizes as it was not
+trained)."""
+
+
+def byte_level_split(pre: str | None) -> tuple[str, ...]:
+    """The expressions of `BYTE_LEVEL_SPLITS` for a `tokenizer.ggml.pre`
+    value (None: "default"); raises ModelError for a name not in it."""
+    name = pre or "default"
+    if name not in BYTE_LEVEL_SPLITS:
+        raise ModelError(
+            f"byte-level BPE pre-tokenizer {name!r}: pagedkv splits text as "
+            f"{', '.join(sorted(BYTE_LEVEL_SPLITS))}"
+        )
+    return BYTE_LEVEL_SPLITS[name]
+
+
 def _byte_level(metadata: dict[str, object], tokens: list[str]):
-    """A `gpt2` vocabulary: byte-level BPE with the file's merges."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    """A `gpt2` vocabulary: byte-level BPE with the file's merges, text split
+    first by `byte_level_split`."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -171,7 +259,11 @@ def _byte_level(metadata: dict[str, object], tokens: list[str]):
             fuse_unk=False,
         )
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    splits = byte_level_split(metadata.get("tokenizer.ggml.pre"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(e), behavior="isolated") for e in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, vocab
 
