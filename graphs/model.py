@@ -3,10 +3,11 @@ random weights for it.
 
 A family is a set of choices in one block, not a copy of the graph code:
 Llama (RMSNorm before attention and MLP, SwiGLU, one RoPE base, every layer
-global) is the default; Gemma 3 adds RMSNorm on each query and key head
-(`qk_norm`), norms after attention and MLP too (`sandwich_norms`), a
-GELU-tanh MLP, embeddings scaled by sqrt(hidden), and sliding-window layers
-(`windows`) with their own RoPE base (`local_rope_theta`). The same weights
+global) is the default; Qwen 3 adds RMSNorm on each query and key head
+(`qk_norm`); Gemma 3 adds that, norms after attention and MLP too
+(`sandwich_norms`), a GELU-tanh MLP, embeddings scaled by sqrt(hidden), and
+sliding-window layers (`windows`) with their own RoPE base
+(`local_rope_theta`). The same weights
 drive the max.graph step graphs (decoder.py) and the NumPy reference
 (numpy_reference.py), so the demo can check every generated token.
 """

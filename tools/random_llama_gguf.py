@@ -1,18 +1,22 @@
-"""Writes a Llama GGUF of random weights in any shape, with the tokenizer of
-another GGUF: a stand-in for models this host cannot download, for
-comparing pagedkv with llama.cpp on the same file (their logits with
-`tools/llamacpp_logits.py --gguf`, their speed with
+"""Writes a Llama or Qwen 3 GGUF of random weights in any shape, with the
+tokenizer of another GGUF: a stand-in for models this host cannot download,
+for comparing pagedkv with llama.cpp on the same file (their logits and
+token ids with `tools/llamacpp_logits.py --gguf`, their speed with
 `benchmarks/serve_vs_llamacpp.py --gguf`).
 
-    python tools/random_llama_gguf.py OUT.gguf [--hidden 2048 --layers 16
-        --heads 32 --kv-heads 8 --ffn 8192] [--type F16|F32|Q8_0]
+    python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen3]
+        [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --ffn 8192]
+        [--head-dim 128] [--type F16|F32|Q8_0]
         [--rope-freqs llama3|random] [--rope-scaling linear:F]
-        [--tokenizer-from PATH]
+        [--tokenizer-from PATH] [--tokenizer-pre NAME]
 
 The tokenizer (every `tokenizer.*` key) comes from `--tokenizer-from`
 (default: SmolLM2-135M-Instruct's GGUF, as pagedkv fetches it), so the
-vocabulary is its size. Matrices are stored as llama.cpp's converter stores
-a Hugging Face Llama (Q and K rows permuted for its adjacent-pair RoPE);
+vocabulary is its size; `--tokenizer-pre` replaces its pre-tokenizer name
+(`tokenizer.ggml.pre`, e.g. llama-bpe or qwen2: the same merges, text split
+another way). Matrices are stored as llama.cpp's converter stores a
+Hugging Face model: a Llama's Q and K rows permuted for its adjacent-pair
+RoPE, a Qwen 3's as they are, beside its per-head query and key norms;
 requantize the file with `llama-quantize` for K-quant mixes such as
 Q4_K_M. `--rope-freqs llama3` writes the `rope_freqs` tensor of Llama 3.1's
 scaling (factor 8, low 1, high 4, 8192 original positions); `random` writes
@@ -58,8 +62,9 @@ def permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
-    """Copies every `tokenizer.*` key of source; returns its vocabulary size."""
+def copy_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> int:
+    """Copies every `tokenizer.*` key of source (`tokenizer.ggml.pre` as
+    `pre` where given); returns its vocabulary size."""
     reader = GGUFReader(source)
     vocab = 0
     for name, field in reader.fields.items():
@@ -67,7 +72,7 @@ def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-        value = field.contents()
+        value = pre if name == "tokenizer.ggml.pre" and pre else field.contents()
         writer.add_key_value(name, value, kind, sub)
         if name == "tokenizer.ggml.tokens":
             vocab = len(value)
@@ -77,17 +82,20 @@ def copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen3"))
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--head-dim", type=int, help="default: hidden / heads")
     parser.add_argument("--theta", type=float, default=5e5)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--type", default="F32", choices=("F32", "F16", "Q8_0"))
     parser.add_argument("--rope-freqs", choices=("llama3", "random"))
     parser.add_argument("--rope-scaling", help="linear:FACTOR")
     parser.add_argument("--tokenizer-from", type=Path)
+    parser.add_argument("--tokenizer-pre")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     source = args.tokenizer_from
@@ -96,9 +104,9 @@ def main() -> None:
 
         source = fetch_gguf("smollm2-135m-instruct")
     rng = np.random.default_rng(args.seed)
-    hidden, head_dim = args.hidden, args.hidden // args.heads
-    writer = GGUFWriter(str(args.out), "llama")
-    writer.add_name(f"random llama {hidden}x{args.layers}")
+    hidden, head_dim = args.hidden, args.head_dim or args.hidden // args.heads
+    writer = GGUFWriter(str(args.out), args.arch)
+    writer.add_name(f"random {args.arch} {hidden}x{args.layers}")
     writer.add_block_count(args.layers)
     writer.add_context_length(args.context)
     writer.add_embedding_length(hidden)
@@ -106,18 +114,20 @@ def main() -> None:
     writer.add_head_count(args.heads)
     writer.add_head_count_kv(args.kv_heads)
     writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(args.theta)
     writer.add_layer_norm_rms_eps(1e-5)
     if args.rope_scaling:
         kind, factor = args.rope_scaling.split(":")
         writer.add_rope_scaling_type(RopeScalingType(kind))
         writer.add_rope_scaling_factor(float(factor))
-    vocab = copy_tokenizer(writer, source)
+    vocab = copy_tokenizer(writer, source, args.tokenizer_pre)
     kind = GGMLQuantizationType[args.type]
 
     def matrix(name: str, rows: int, cols: int, scale: float | None = None) -> None:
         w = rng.standard_normal((rows, cols), np.float32) * (scale or 1 / math.sqrt(cols))
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if args.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = args.heads if name.endswith("attn_q.weight") else args.kv_heads
             w = permute_for_gguf(w, heads)
         if kind == GGMLQuantizationType.F16:
@@ -126,8 +136,8 @@ def main() -> None:
             w = quants.quantize(w, kind)
         writer.add_tensor(name, w, raw_dtype=kind)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    def norm(name: str, size: int = hidden) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
     # Logits of about 3 standard deviations through the tied head.
     matrix("token_embd.weight", vocab, hidden, scale=3 / math.sqrt(hidden))
@@ -138,13 +148,16 @@ def main() -> None:
         factors = np.exp(rng.uniform(np.log(0.25), np.log(4), head_dim // 2)).astype(np.float32)
     if args.rope_freqs:
         writer.add_tensor("rope_freqs.weight", factors)
-    kv = args.kv_heads * head_dim
+    q, kv = args.heads * head_dim, args.kv_heads * head_dim
     for i in range(args.layers):
         norm(f"blk.{i}.attn_norm.weight")
-        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_q.weight", q, hidden)
         matrix(f"blk.{i}.attn_k.weight", kv, hidden)
         matrix(f"blk.{i}.attn_v.weight", kv, hidden)
-        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
+        if args.arch == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        matrix(f"blk.{i}.attn_output.weight", hidden, q)
         norm(f"blk.{i}.ffn_norm.weight")
         matrix(f"blk.{i}.ffn_gate.weight", args.ffn, hidden)
         matrix(f"blk.{i}.ffn_up.weight", args.ffn, hidden)
@@ -153,7 +166,10 @@ def main() -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    print(f"{args.out}: {args.layers} layers of {hidden}, vocabulary {vocab}, {args.type}")
+    print(
+        f"{args.out}: {args.arch}, {args.layers} layers of {hidden}, vocabulary {vocab}, "
+        f"{args.type}"
+    )
 
 
 if __name__ == "__main__":

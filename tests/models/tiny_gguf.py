@@ -1,4 +1,4 @@
-"""A tiny Llama GGUF written for the tests that read one."""
+"""A tiny Llama or Qwen 3 GGUF written for the tests that read one."""
 
 from __future__ import annotations
 
@@ -15,18 +15,31 @@ FLOAT16_SCALES = {
 `write_tiny_gguf` writes (ggml-common.h's block layouts)."""
 
 
-def write_tiny_gguf(path, hidden=128, ffn=192, blocks=None, keys=None, rope_freqs=None):
-    """A 1-layer Llama GGUF with random float32 tensors and a token list;
+def write_tiny_gguf(
+    path,
+    hidden=128,
+    ffn=192,
+    blocks=None,
+    keys=None,
+    rope_freqs=None,
+    arch="llama",
+    head_dim=None,
+    layers=1,
+):
+    """A Llama GGUF (or Qwen 3: `arch="qwen3"`, with per-head query and key
+    norms) of `layers` layers, random float32 tensors and a token list;
     `blocks` maps tensor names to a GGUF block format whose random bytes
     they hold instead (any bytes are valid blocks); `keys` adds metadata
     (name: value, a string or a float32), `rope_freqs` a `rope_freqs`
-    tensor."""
+    tensor; `head_dim` (default hidden / heads) is written as the heads'
+    key and value length."""
     import gguf
 
     rng = np.random.default_rng(0)
     heads, kv_heads, vocab = 2, 1, 8
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
+    head_dim = head_dim or hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
@@ -34,27 +47,35 @@ def write_tiny_gguf(path, hidden=128, ffn=192, blocks=None, keys=None, rope_freq
     w.add_layer_norm_rms_eps(1e-5)
     w.add_context_length(256)
     w.add_rope_freq_base(10000.0)
-    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, vocab))])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(vocab - 1)
     w.add_chat_template("{{ messages }}")
     for key, value in (keys or {}).items():
         kind = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
         w.add_key_value(key, value, kind)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
-    head_dim = hidden // heads
-    shapes = {
-        "token_embd.weight": (vocab, hidden),
-        "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,),
-        "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (heads * head_dim, hidden),
-        "blk.0.attn_k.weight": (kv_heads * head_dim, hidden),
-        "blk.0.attn_v.weight": (kv_heads * head_dim, hidden),
-        "blk.0.attn_output.weight": (hidden, heads * head_dim),
-        "blk.0.ffn_gate.weight": (ffn, hidden),
-        "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
+    layer = {
+        "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (heads * head_dim, hidden),
+        "attn_k.weight": (kv_heads * head_dim, hidden),
+        "attn_v.weight": (kv_heads * head_dim, hidden),
+        "attn_output.weight": (hidden, heads * head_dim),
+        "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden),
+        "ffn_down.weight": (hidden, ffn),
     }
+    if arch == "qwen3":
+        layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     for name, shape in shapes.items():
         fmt = (blocks or {}).get(name)
         if fmt is None:

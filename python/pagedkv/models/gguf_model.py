@@ -1,5 +1,5 @@
-"""Reads a GGUF (Llama or Gemma 3 architecture) into the step graphs'
-description (`DecoderConfig`) and weights.
+"""Reads a GGUF (Llama, Qwen 3 or Gemma 3 architecture) into the step
+graphs' description (`DecoderConfig`) and weights.
 
 GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
@@ -12,6 +12,8 @@ original checkpoint does), so the permutation is undone here, on the rows
 of either form. A model with tied embeddings (no `output.weight`) reuses
 the token embedding as its output head.
 
+Qwen 3 is Llama's block with RMSNorm over each query and key head, stored
+in rotate-half order (llama.cpp's NEOX RoPE), its head size in the metadata.
 Gemma 3 differs in its metadata and in what the file leaves out: its
 projections are stored in rotate-half order already (llama.cpp's NEOX RoPE),
 its norm weights are stored as (1 + w), so the graphs multiply by them as
@@ -118,14 +120,14 @@ class LazyWeights(Mapping[str, np.ndarray]):
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Reads a Llama or Gemma 3 GGUF from `path`: its description and
+    """Reads a Llama, Qwen 3 or Gemma 3 GGUF from `path`: its description and
     metadata, its packed products, and its float32 weights (dequantized on
     first use; the file stays memory-mapped until then).
 
     Raises:
-        ModelError: the file is missing, not a GGUF, not a Llama model, or
-            lacks a tensor; the message names it and says to delete the file
-            (it is fetched again on next use).
+        ModelError: the file is missing, not a GGUF, of another
+            architecture, or lacks a tensor; the message names it and says
+            to delete the file (it is fetched again on next use).
     """
     path = Path(path)
     config, metadata, tensors, weights = _read(path)
@@ -341,6 +343,34 @@ def _llama_config(metadata: dict[str, object]) -> DecoderConfig:
     )
 
 
+def _qwen3_config(metadata: dict[str, object]) -> DecoderConfig:
+    """Qwen 3's block from llama.cpp's `qwen3.*` metadata keys: Llama's, with
+    RMSNorm over each query and key head, heads whose size the file states
+    (`attention.key_length`, not hidden / heads), and projections stored in
+    rotate-half order (llama.cpp's NEOX RoPE)."""
+    heads = int(metadata["qwen3.attention.head_count"])
+    hidden = int(metadata["qwen3.embedding_length"])
+    head_dim = int(metadata.get("qwen3.attention.key_length", hidden // heads))
+    if int(metadata.get("qwen3.attention.value_length", head_dim)) != head_dim:
+        raise ModelError("qwen3 GGUF with key and value heads of different sizes")
+    if int(metadata.get("qwen3.rope.dimension_count", head_dim)) != head_dim:
+        raise ModelError("qwen3 GGUF rotating part of each head: not implemented")
+    return DecoderConfig(
+        vocab_size=_vocab_size(metadata, "qwen3"),
+        hidden_size=hidden,
+        num_layers=int(metadata["qwen3.block_count"]),
+        num_qo_heads=heads,
+        num_kv_heads=int(metadata.get("qwen3.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        ffn_size=int(metadata["qwen3.feed_forward_length"]),
+        rope_theta=float(metadata.get("qwen3.rope.freq_base", 1e6)),
+        rms_eps=float(metadata["qwen3.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(metadata["qwen3.context_length"]),
+        family="qwen3",
+        qk_norm=True,
+    )
+
+
 GEMMA3_GLOBAL_EVERY = 6
 """Every sixth Gemma 3 layer attends globally, the others through the window."""
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -402,7 +432,7 @@ def _vocab_size(metadata: dict[str, object], arch: str) -> int:
     return int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab)
 
 
-_CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config}
+_CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config, "qwen3": _qwen3_config}
 """The architectures pagedkv describes, by GGUF's `general.architecture`."""
 _DEQUANTIZED_FORMATS = (
     *PACKED_AS,
