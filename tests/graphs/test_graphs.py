@@ -107,13 +107,18 @@ def test_self_check_forgives_a_swap_only_within_the_engines_own_error(weights):
         request = Request("r", prompt, max_tokens=2)
         return Sequence("r/0", request, 0, [first, second], engine_logits)
 
+    # The check recomputes the reference's logits; NumPy's float32 products
+    # may round differently from one call to the next (BLAS kernels chosen
+    # by shape and alignment), so "exact" is within a float32 rounding here.
+    rounding = 1e-5 * float(np.abs(logits[1]).max())
+    assert gap > 100 * rounding
     check = check_sequences(CONFIG, weights, [sequence(int(ranked[0]), 0.0)])
-    assert check.passed and check.near_ties == 0 and check.max_logit_diff == 0
+    assert check.passed and check.near_ties == 0 and check.max_logit_diff <= rounding
     check = check_sequences(CONFIG, weights, [sequence(int(ranked[1]), 0.0)])
     assert not check.passed  # the runner-up, with exact logits
     check = check_sequences(CONFIG, weights, [sequence(int(ranked[1]), 0.6 * gap)])
     assert check.passed and check.near_ties == 1
-    assert check.max_logit_diff == pytest.approx(0.6 * gap)
+    assert check.max_logit_diff == pytest.approx(0.6 * gap, abs=rounding)
 
 
 def test_a_callers_module_holds_its_specs_whatever_was_compiled_before():
