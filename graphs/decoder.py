@@ -10,13 +10,14 @@ work items) as a symbolic dim, so one compile serves every step of a run.
 The layer is a subgraph that each layer calls with its own pool and its
 own weights (by name prefix), one per sliding window, so compiling 30
 layers costs about what one does. Per layer (Llama's block; `DecoderConfig`
-adds Gemma 3's choices): RMSNorm, fused QKV projection (then RMSNorm of
-each q and k head), RoPE on q and k with the layer's base (the cache holds
-rotated keys), append, paged attention (through the layer's window), output
-projection (then RMSNorm) and residual, RMSNorm, SwiGLU or GELU-tanh MLP
-(then RMSNorm) and residual; then a final norm and the logits of each
-request's last token. Each layer group of the page manager (one per
-window) has its own page ids and work list.
+adds Qwen's and Gemma 3's choices): RMSNorm, fused QKV projection (its
+bias added, then RMSNorm of each q and k head), RoPE on q and k with the
+layer's base (the cache holds rotated keys), append, paged attention
+(through the layer's window), output projection (then RMSNorm) and
+residual, RMSNorm, SwiGLU or GELU-tanh MLP (then RMSNorm) and residual;
+then a final norm and the logits of each request's last token. Each layer
+group of the page manager (one per window) has its own page ids and work
+list.
 
 The weights come in one of two forms:
 
@@ -26,14 +27,14 @@ The weights come in one of two forms:
   matmul). The exact path: it matches transformers token for token.
 - quantized (a `QuantizedFormats`): the GGUF's own 4- and 8-bit blocks,
   multiplied by graph_ops.qlinear (CPU) with float32 activations quantized
-  per block. A layer with every product quantized is one fused op, of
-  either family (graph_ops.quantized_decoder_layer: each norm the prologue
-  of the product after it, SwiGLU or GeGLU the down projection's, each
-  residual add an epilogue, Gemma's QK-norm and sandwich norms row phases
-  of the op; a Q|K|V stored in two formats is two products in the op's
-  one phase); otherwise the layer is built op by op, each product quantized
-  or, where its format is one the product does not take, float32. The
-  cache keeps its own dtype (`dtype`).
+  per block. A layer with every product quantized (and no Q|K|V bias) is
+  one fused op, of any family (graph_ops.quantized_decoder_layer: each
+  norm the prologue of the product after it, SwiGLU or GeGLU the down
+  projection's, each residual add an epilogue, QK-norm and sandwich norms
+  row phases of the op; a Q|K|V stored in two formats is two products in
+  the op's one phase); otherwise the layer is built op by op, each product
+  quantized or, where its format is one the product does not take,
+  float32. The cache keeps its own dtype (`dtype`).
 """
 
 from __future__ import annotations
@@ -380,7 +381,8 @@ def _layer(
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    if quantized is not None and quantized.fused():
+    # The fused op has no Q|K|V bias: a biased layer (Qwen 2) runs op by op.
+    if quantized is not None and quantized.fused() and not c.qkv_bias:
         split = quantized.qkv_parts()
         qkv_name, qkv_format = ("wqkv", quantized.wqkv) if split is None else ("wqk", split[0])
         layer = graph_ops.QuantizedLayerWeights(
@@ -433,6 +435,8 @@ def _layer(
         return _rms_norm(c, h, w[name]) if c.sandwich_norms else h
 
     qkv = linear(_rms_norm(c, x, w["attn_norm"]), "wqkv")
+    if c.qkv_bias:
+        qkv = qkv + w["bqkv"]
     if c.qk_norm:
         qkv = _qk_norm(c, qkv, w["q_norm"], w["k_norm"])
     attn = _attention(kind, c, qkv, rope, pool, rows_index, table, work, window)

@@ -3,7 +3,8 @@ random weights for it.
 
 A family is a set of choices in one block, not a copy of the graph code:
 Llama (RMSNorm before attention and MLP, SwiGLU, one RoPE base, every layer
-global) is the default; Qwen 3 adds RMSNorm on each query and key head
+global) is the default; Qwen 2 adds a bias to the Q|K|V projection
+(`qkv_bias`); Qwen 3 instead RMSNorm on each query and key head
 (`qk_norm`); Gemma 3 adds that, norms after attention and MLP too
 (`sandwich_norms`), a GELU-tanh MLP, embeddings scaled by sqrt(hidden), and
 sliding-window layers (`windows`) with their own RoPE base
@@ -41,6 +42,8 @@ class DecoderConfig:
     qk_norm: bool = False
     """RMSNorm over each query and key head (weights q_norm, k_norm [D])
     before RoPE."""
+    qkv_bias: bool = False
+    """A bias added to the Q|K|V projection (weight bqkv [(Hq + 2 Hkv) D])."""
     sandwich_norms: bool = False
     """RMSNorm of the attention's and the MLP's outputs before each residual
     add (weights post_attn_norm, post_mlp_norm)."""
@@ -130,6 +133,8 @@ def layer_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.qk_norm:
         shapes |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    if c.qkv_bias:
+        shapes["bqkv"] = (c.qkv_size,)
     if c.sandwich_norms:
         shapes |= {"post_attn_norm": (c.hidden_size,), "post_mlp_norm": (c.hidden_size,)}
     return shapes
@@ -140,14 +145,15 @@ def init_weights(c: DecoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
     Names: "embed" [V, H], "layers.{i}.{name}" (see layer_weight_shapes),
     "final_norm" [H], "lm_head" [H, V]. Matrices are N(0, 1/fan_in) so that
-    activations keep their scale through the layers; norms start at 1.
+    activations keep their scale through the layers; norms start at 1,
+    biases at 0, each with noise of 0.1.
     """
     rng = np.random.default_rng(seed)
     weights = {"embed": rng.standard_normal((c.vocab_size, c.hidden_size), dtype=np.float32)}
     for i in range(c.num_layers):
         for name, shape in layer_weight_shapes(c).items():
             if len(shape) == 1:
-                w = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+                w = ((name != "bqkv") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             else:
                 w = (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
             weights[f"layers.{i}.{name}"] = w

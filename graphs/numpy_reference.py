@@ -125,6 +125,8 @@ class DenseDecoder:
             cos, sin = (table[pos] for table in self.rope[window])
             h = rms_norm(x, w[p + "attn_norm"], c.rms_eps)
             qkv = self.product(h, p + "wqkv")
+            if c.qkv_bias:
+                qkv = qkv + w[p + "bqkv"]
             q = qkv[:, :nq].reshape(t, c.num_qo_heads, c.head_dim)
             k = qkv[:, nq : nq + nk].reshape(t, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk :].reshape(t, c.num_kv_heads, c.head_dim)

@@ -97,18 +97,17 @@ def llama_steps(url: str, prompt: list[int], tokens: int) -> list[dict]:
             "argmax": p["top_logprobs"][0]["id"],
             "top": {t["id"]: t["logprob"] for t in p["top_logprobs"]},
         }
-        for p in answer["completion_probabilities"]
+        for p in answer.get("completion_probabilities", [])
     ]
     # llama.cpp leaves out the probabilities of a token that ends inside a
     # UTF-8 character (random weights choose such byte tokens): the steps
-    # are compared up to the first token it left out.
+    # are compared up to the first token it left out (none, where that is
+    # the first).
     common = 0
     for step, token in zip(steps, answer["tokens"], strict=False):
         if step["id"] != token:
             break
         common += 1
-    if common == 0:
-        raise RuntimeError("llama.cpp's completion_probabilities do not follow its tokens")
     return steps[:common]
 
 
@@ -218,8 +217,8 @@ def print_report(report: dict, options: dict, args, tokenizer) -> None:
     if args.llama_args:
         print(f"  llama-server flags: {args.llama_args}")
     print(
-        f"  {args.prompts} chat prompts x {args.tokens} greedy steps = {report['steps']} steps, "
-        "teacher-forced on llama.cpp's tokens"
+        f"  {len(report['prompts'])} chat prompts x {args.tokens} greedy steps = "
+        f"{report['steps']} steps, teacher-forced on llama.cpp's tokens"
     )
     texts, mismatched = report["tokenized_texts"], report["token_mismatches"]
     print(f"  tokenization: {texts - len(mismatched)} of {texts} texts alike")
@@ -304,6 +303,10 @@ def main() -> int:
     with Server("llama-server", command) as server:
         mismatches = token_mismatches(server.url, tokenizer, texts)
         steps = [llama_steps(server.url, p, args.tokens) for p in prompts]
+    kept = [i for i, s in enumerate(steps) if s]
+    if len(kept) < len(prompts):
+        print(f"  {len(prompts) - len(kept)} prompts left out: llama.cpp gave no probabilities")
+    questions, prompts, steps = ([xs[i] for i in kept] for xs in (questions, prompts, steps))
 
     from pagedkv.models import load
 

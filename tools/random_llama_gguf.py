@@ -1,10 +1,10 @@
-"""Writes a Llama or Qwen 3 GGUF of random weights in any shape, with the
+"""Writes a Llama or Qwen GGUF of random weights in any shape, with the
 tokenizer of another GGUF: a stand-in for models this host cannot download,
 for comparing pagedkv with llama.cpp on the same file (their logits and
 token ids with `tools/llamacpp_logits.py --gguf`, their speed with
 `benchmarks/serve_vs_llamacpp.py --gguf`).
 
-    python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen3]
+    python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen2|qwen3]
         [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --ffn 8192]
         [--head-dim 128] [--type F16|F32|Q8_0]
         [--rope-freqs llama3|random] [--rope-scaling linear:F]
@@ -16,7 +16,8 @@ vocabulary is its size; `--tokenizer-pre` replaces its pre-tokenizer name
 (`tokenizer.ggml.pre`, e.g. llama-bpe or qwen2: the same merges, text split
 another way). Matrices are stored as llama.cpp's converter stores a
 Hugging Face model: a Llama's Q and K rows permuted for its adjacent-pair
-RoPE, a Qwen 3's as they are, beside its per-head query and key norms;
+RoPE, a Qwen's as they are, beside Qwen 2's Q, K and V biases or Qwen 3's
+per-head query and key norms;
 requantize the file with `llama-quantize` for K-quant mixes such as
 Q4_K_M. `--rope-freqs llama3` writes the `rope_freqs` tensor of Llama 3.1's
 scaling (factor 8, low 1, high 4, 8192 original positions); `random` writes
@@ -82,7 +83,7 @@ def copy_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--arch", default="llama", choices=("llama", "qwen3"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3"))
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -157,6 +158,10 @@ def main() -> None:
         if args.arch == "qwen3":
             norm(f"blk.{i}.attn_q_norm.weight", head_dim)
             norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        if args.arch == "qwen2":
+            for part, size in (("q", q), ("k", kv), ("v", kv)):
+                bias = 0.5 * rng.standard_normal(size).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.attn_{part}.bias", bias)
         matrix(f"blk.{i}.attn_output.weight", hidden, q)
         norm(f"blk.{i}.ffn_norm.weight")
         matrix(f"blk.{i}.ffn_gate.weight", args.ffn, hidden)

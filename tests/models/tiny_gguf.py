@@ -1,4 +1,4 @@
-"""A tiny Llama or Qwen 3 GGUF written for the tests that read one."""
+"""A tiny Llama or Qwen GGUF written for the tests that read one."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def write_tiny_gguf(
     head_dim=None,
     layers=1,
 ):
-    """A Llama GGUF (or Qwen 3: `arch="qwen3"`, with per-head query and key
-    norms) of `layers` layers, random float32 tensors and a token list;
-    `blocks` maps tensor names to a GGUF block format whose random bytes
-    they hold instead (any bytes are valid blocks); `keys` adds metadata
-    (name: value, a string or a float32), `rope_freqs` a `rope_freqs`
-    tensor; `head_dim` (default hidden / heads) is written as the heads'
-    key and value length."""
+    """A Llama GGUF (or Qwen 2, `arch="qwen2"`, with Q, K and V biases, or
+    Qwen 3, with per-head query and key norms) of `layers` layers, random
+    float32 tensors and a token list; `blocks` maps tensor names to a GGUF
+    block format whose random bytes they hold instead (any bytes are valid
+    blocks); `keys` adds metadata (name: value, a string or a float32),
+    `rope_freqs` a `rope_freqs` tensor; `head_dim` (default hidden / heads)
+    is written as the heads' key and value length."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -73,6 +73,8 @@ def write_tiny_gguf(
     }
     if arch == "qwen3":
         layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+    if arch == "qwen2":
+        layer |= {f"attn_{p}.bias": (layer[f"attn_{p}.weight"][0],) for p in "qkv"}
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}

@@ -1,5 +1,5 @@
-"""Reads a GGUF (Llama, Qwen 3 or Gemma 3 architecture) into the step
-graphs' description (`DecoderConfig`) and weights.
+"""Reads a GGUF (Llama, Qwen 2, Qwen 3 or Gemma 3 architecture) into the
+step graphs' description (`DecoderConfig`) and weights.
 
 GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
@@ -12,8 +12,9 @@ original checkpoint does), so the permutation is undone here, on the rows
 of either form. A model with tied embeddings (no `output.weight`) reuses
 the token embedding as its output head.
 
-Qwen 3 is Llama's block with RMSNorm over each query and key head, stored
-in rotate-half order (llama.cpp's NEOX RoPE), its head size in the metadata.
+Qwen's blocks are Llama's stored in rotate-half order (llama.cpp's NEOX
+RoPE), with a bias on the Q, K and V projections (Qwen 2) or RMSNorm over
+each query and key head (Qwen 3), the head size in the metadata.
 Gemma 3 differs in its metadata and in what the file leaves out: its
 projections are stored in rotate-half order already (llama.cpp's NEOX RoPE),
 its norm weights are stored as (1 + w), so the graphs multiply by them as
@@ -31,6 +32,7 @@ Other scaling types (YaRN, LongRoPE) are refused.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,7 +122,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Reads a Llama, Qwen 3 or Gemma 3 GGUF from `path`: its description and
+    """Reads a Llama, Qwen or Gemma 3 GGUF from `path`: its description and
     metadata, its packed products, and its float32 weights (dequantized on
     first use; the file stays memory-mapped until then).
 
@@ -238,11 +240,19 @@ def _float_weights(
         layer_tensors |= {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
     if config.sandwich_norms:
         layer_tensors |= {"post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm"}
+
+    def concatenated(*parts: Callable) -> Callable[[], np.ndarray]:
+        return lambda: np.concatenate([part() for part in parts])
+
     for i in range(config.num_layers):
         blk = f"blk.{i}."
         makers[f"layers.{i}.wqkv"] = qkv(
             *(matrix(blk + f"attn_{part}.weight") for part in ("q", "k", "v"))
         )
+        if config.qkv_bias:
+            makers[f"layers.{i}.bqkv"] = concatenated(
+                *(matrix(blk + f"attn_{part}.bias") for part in ("q", "k", "v"))
+            )
         for gguf_name, name in layer_tensors.items():
             makers[f"layers.{i}.{name}"] = transposed(matrix(blk + gguf_name + ".weight"))
     makers["final_norm"] = matrix("output_norm.weight")
@@ -343,31 +353,33 @@ def _llama_config(metadata: dict[str, object]) -> DecoderConfig:
     )
 
 
-def _qwen3_config(metadata: dict[str, object]) -> DecoderConfig:
-    """Qwen 3's block from llama.cpp's `qwen3.*` metadata keys: Llama's, with
-    RMSNorm over each query and key head, heads whose size the file states
-    (`attention.key_length`, not hidden / heads), and projections stored in
-    rotate-half order (llama.cpp's NEOX RoPE)."""
-    heads = int(metadata["qwen3.attention.head_count"])
-    hidden = int(metadata["qwen3.embedding_length"])
-    head_dim = int(metadata.get("qwen3.attention.key_length", hidden // heads))
-    if int(metadata.get("qwen3.attention.value_length", head_dim)) != head_dim:
-        raise ModelError("qwen3 GGUF with key and value heads of different sizes")
-    if int(metadata.get("qwen3.rope.dimension_count", head_dim)) != head_dim:
-        raise ModelError("qwen3 GGUF rotating part of each head: not implemented")
+def _qwen_config(metadata: dict[str, object], arch: str) -> DecoderConfig:
+    """Qwen 2's or Qwen 3's block from llama.cpp's `qwen2.*` or `qwen3.*`
+    metadata keys: Llama's, with projections stored in rotate-half order
+    (llama.cpp's NEOX RoPE), heads whose size the file may state
+    (`attention.key_length`), and a bias on the Q|K|V projection (Qwen 2)
+    or RMSNorm over each query and key head (Qwen 3)."""
+    heads = int(metadata[f"{arch}.attention.head_count"])
+    hidden = int(metadata[f"{arch}.embedding_length"])
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(metadata.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ModelError(f"{arch} GGUF with key and value heads of different sizes")
+    if int(metadata.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ModelError(f"{arch} GGUF rotating part of each head: not implemented")
     return DecoderConfig(
-        vocab_size=_vocab_size(metadata, "qwen3"),
+        vocab_size=_vocab_size(metadata, arch),
         hidden_size=hidden,
-        num_layers=int(metadata["qwen3.block_count"]),
+        num_layers=int(metadata[f"{arch}.block_count"]),
         num_qo_heads=heads,
-        num_kv_heads=int(metadata.get("qwen3.attention.head_count_kv", heads)),
+        num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        ffn_size=int(metadata["qwen3.feed_forward_length"]),
-        rope_theta=float(metadata.get("qwen3.rope.freq_base", 1e6)),
-        rms_eps=float(metadata["qwen3.attention.layer_norm_rms_epsilon"]),
-        max_positions=int(metadata["qwen3.context_length"]),
-        family="qwen3",
-        qk_norm=True,
+        ffn_size=int(metadata[f"{arch}.feed_forward_length"]),
+        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 1e6)),
+        rms_eps=float(metadata[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(metadata[f"{arch}.context_length"]),
+        family=arch,
+        qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2",
     )
 
 
@@ -432,7 +444,12 @@ def _vocab_size(metadata: dict[str, object], arch: str) -> int:
     return int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab)
 
 
-_CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config, "qwen3": _qwen3_config}
+_CONFIGS = {
+    "llama": _llama_config,
+    "qwen2": functools.partial(_qwen_config, arch="qwen2"),
+    "qwen3": functools.partial(_qwen_config, arch="qwen3"),
+    "gemma3": _gemma3_config,
+}
 """The architectures pagedkv describes, by GGUF's `general.architecture`."""
 _DEQUANTIZED_FORMATS = (
     *PACKED_AS,
