@@ -27,11 +27,11 @@ The weights come in one of two forms:
   matmul). The exact path: it matches transformers token for token.
 - quantized (a `QuantizedFormats`): the GGUF's own 4- and 8-bit blocks,
   multiplied by graph_ops.qlinear (CPU) with float32 activations quantized
-  per block. A layer with every product quantized (and no Q|K|V bias) is
-  one fused op, of any family (graph_ops.quantized_decoder_layer: each
-  norm the prologue of the product after it, SwiGLU or GeGLU the down
-  projection's, each residual add an epilogue, QK-norm and sandwich norms
-  row phases of the op; a Q|K|V stored in two formats is two products in
+  per block. A layer with every product quantized is one fused op, of any
+  family (graph_ops.quantized_decoder_layer: each norm the prologue of the
+  product after it, SwiGLU or GeGLU the down projection's, each residual
+  add an epilogue, the Q|K|V bias, QK-norm and sandwich norms row phases
+  of the op; a Q|K|V stored in two formats is two products in
   the op's one phase); otherwise the layer is built op by op, each product
   quantized or, where its format is one the product does not take,
   float32. The cache keeps its own dtype (`dtype`).
@@ -381,8 +381,7 @@ def _layer(
 ) -> TensorValue:
     """One decoder layer on x [rows, H]: attention over its pool (appending
     the rows' K/V first), then the MLP; returns the new x."""
-    # The fused op has no Q|K|V bias: a biased layer (Qwen 2) runs op by op.
-    if quantized is not None and quantized.fused() and not c.qkv_bias:
+    if quantized is not None and quantized.fused():
         split = quantized.qkv_parts()
         qkv_name, qkv_format = ("wqkv", quantized.wqkv) if split is None else ("wqk", split[0])
         layer = graph_ops.QuantizedLayerWeights(
@@ -394,6 +393,7 @@ def _layer(
             post_mlp_norm=w["post_mlp_norm"] if c.sandwich_norms else None,
             wv=None if split is None else w["wv"],
             v_format=None if split is None else split[1],
+            bqkv=w["bqkv"] if c.qkv_bias else None,
         )
         return graph_ops.quantized_decoder_layer(
             x,

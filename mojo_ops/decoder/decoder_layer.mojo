@@ -1,19 +1,20 @@
-"""A decoder layer with GGUF-quantized weights as one CPU op: Llama's block
-or Gemma 3's.
+"""A decoder layer with GGUF-quantized weights as one CPU op: Llama's block,
+Qwen's or Gemma 3's.
 
 x_out = h + down(act(gate(n2)) * up(n2)), h = x + wo(attention(rope(qkv(n1)))),
 n1 = RMSNorm(x) and n2 = RMSNorm(h), over a step's token rows: the same
 products (quantized/qlinear.mojo), RoPE and append (page_ops/rope_append.mojo)
 and attention (attention/cpu/dispatch.mojo) as the separate ops, run as the
-phases of one dispatch to the cores (work_queue.mojo). Gemma 3's block adds
-an RMSNorm of each query and key head before RoPE (QK-norm) and an RMSNorm
-of each product's output before its residual add (sandwich norms:
-h = x + RMSNorm(wo(..)), x_out = h + RMSNorm(down(..))), with GELU's tanh
-form as act (row_norms.mojo, quantized/activations.mojo):
+phases of one dispatch to the cores (work_queue.mojo). Qwen 2's block adds
+a bias to the Q|K|V rows, Qwen 3's an RMSNorm of each query and key head
+before RoPE (QK-norm); Gemma 3's adds QK-norm and an RMSNorm of each
+product's output before its residual add (sandwich norms: h = x +
+RMSNorm(wo(..)), x_out = h + RMSNorm(down(..))), with GELU's tanh form as
+act (row_norms.mojo, quantized/activations.mojo):
 
      0  quantize x after RMSNorm            7  wo product, + x         -> x_out
      1  Q|K|V product(s)         -> qkv        (sandwich: -> proj)
-     2  QK-norm of q, k heads    -> qkv     8  sandwich: x + RMSNorm(proj)
+     2  bias; QK-norm of q, k    -> qkv     8  sandwich: x + RMSNorm(proj)
      3  RoPE, append K and V     -> q       9  quantize x_out after RMSNorm
      4  attention work items     -> o      10  gate|up product          -> gu
      5  merge key-split states   -> o      11  quantize act(gate) * up
@@ -62,7 +63,7 @@ from ..quantized.block_formats import PANEL, panel_bytes
 from ..quantized.qlinear import ADD_RESIDUAL, NO_EPILOGUE, QuantizedProduct
 from ..simd.widen import F32
 from ..work_queue import Phases, parallel_phases
-from .row_norms import HeadNorms, NormAddRows
+from .row_norms import NormAddRows, QKVRows
 
 comptime SILU = 0
 """The MLP's activation (pagedkv._ops.contract.DECODER_ACTIVATIONS):
@@ -117,10 +118,10 @@ struct DecoderLayer:
     Parameters: the pool's `layout` and `kv_format` (as the attention op's),
     the four products' GGUF formats, `v_format` (V_IN_QKV, or the format
     of wv where wqkv holds only Q's and K's rows), `num_qo_heads`,
-    `ffn_size`, and
-    Gemma 3's choices: `qk_norm` (q_norm, k_norm [D]), `sandwich_norms`
-    (post_attn_norm, post_mlp_norm [H]) and `activation` (SILU or
-    GELU_TANH); norms a layer does not use may be empty. `float_params` and
+    `ffn_size`, and the families' choices: `qkv_bias` (bqkv [(Hq + 2 Hkv)
+    D]), `qk_norm` (q_norm, k_norm [D]), `sandwich_norms` (post_attn_norm,
+    post_mlp_norm [H]) and `activation` (SILU or GELU_TANH); a bias or
+    norms a layer does not use may be empty. `float_params` and
     `int_params` are the attention op's (attention/params.mojo: the
     layer's window among them), `norm_eps` [1] the RMSNorms' epsilon; the
     row indices, page table and work lists as for append and attention.
@@ -138,6 +139,7 @@ struct DecoderLayer:
         down_format: Int,
         num_qo_heads: Int,
         ffn_size: Int,
+        qkv_bias: Int,
         qk_norm: Int,
         sandwich_norms: Int,
         activation: Int,
@@ -149,6 +151,7 @@ struct DecoderLayer:
         attn_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         wqkv: InputTensor[dtype=DType.uint8, rank=2, ...],
         wv: InputTensor[dtype=DType.uint8, rank=2, ...],
+        bqkv: InputTensor[dtype=DType.float32, rank=1, ...],
         wo: InputTensor[dtype=DType.uint8, rank=2, ...],
         mlp_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         w_gate_up: InputTensor[dtype=DType.uint8, rank=2, ...],
@@ -205,6 +208,8 @@ struct DecoderLayer:
             "w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden
         )
         check_weight("w_down", w_down, down_format, hidden, ffn_size)
+        comptime if qkv_bias != 0:
+            check_norm("bqkv", bqkv, qkv_width)
         comptime if qk_norm != 0:
             check_norm("q_norm", q_norm, d)
             check_norm("k_norm", k_norm, d)
@@ -298,15 +303,18 @@ struct DecoderLayer:
                 qkv_width,
             )
             var qk_tasks = qkv_product.tasks()
-            var head_norms = HeadNorms(
+            var qkv_rows = QKVRows(
                 qkv,
+                ptr_of(bqkv),
                 ptr_of(q_norm),
                 ptr_of(k_norm),
                 eps,
-                rows if qk_norm != 0 else 0,
+                rows,
                 num_qo_heads,
                 kv_heads,
                 d,
+                qkv_bias != 0,
+                qk_norm != 0,
             )
             var rope = RopeAppendRows[DType.float32, cache.dtype, cache.layout](
                 cache,
@@ -413,7 +421,7 @@ struct DecoderLayer:
                 var qkv_product,
                 var v_product,
                 var qk_tasks,
-                var head_norms,
+                var qkv_rows,
                 var rope,
                 var attention,
                 var quantize_o,
@@ -433,7 +441,7 @@ struct DecoderLayer:
                     else:
                         v_product.run(t - qk_tasks)
                 elif p == 2:
-                    head_norms.run(t)
+                    qkv_rows.run(t)
                 elif p == 3:
                     rope.run(t)
                 elif p == 4:
@@ -460,7 +468,7 @@ struct DecoderLayer:
             var phases = Phases()
             _ = phases.add(quantize_x.tasks())
             _ = phases.add(qk_tasks + v_product.tasks())
-            _ = phases.add(head_norms.tasks())
+            _ = phases.add(qkv_rows.tasks())
             _ = phases.add(rope.tasks())
             _ = phases.add(attention.item_tasks())
             _ = phases.add(attention.merge_tasks())

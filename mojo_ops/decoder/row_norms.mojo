@@ -1,7 +1,7 @@
-"""The RMSNorms of a decoder layer that are not a product's prologue:
-Gemma 3's norms of each query and key head (QK-norm) and its norms after
-the attention and MLP products (sandwich norms), as row phases of the fused
-layer (decoder_layer.mojo).
+"""The row phases of a decoder layer between its products (decoder_layer.mojo):
+the Q|K|V rows' bias (Qwen 2) and the RMSNorm of each query and key head
+(QK-norm: Qwen 3, Gemma 3), and Gemma 3's norms after the attention and MLP
+products (sandwich norms). The norms:
 
     x * w / sqrt(mean(x^2) + eps)         over a head's D or a row's H
 
@@ -67,12 +67,30 @@ def scale_into(
         j += 1
 
 
-struct HeadNorms(TrivialRegisterPassable):
-    """The tasks of a QK-norm phase: each query head of qkv [rows, (Hq + 2
-    Hkv) D] normed with q_norm [D] and each key head with k_norm [D], in
-    place; the value heads stay as they are."""
+@always_inline
+def add_into(dst: Ptr[F32], src: Ptr[F32], n: Int):
+    """dst[:n] += src[:n]."""
+    var j = 0
+    while j + V <= n:
+        var v = dst.unsafe_offset(j).unsafe_load[width=V]()
+        dst.unsafe_offset(j).unsafe_store(
+            v + src.unsafe_offset(j).unsafe_load[width=V]()
+        )
+        j += V
+    while j < n:
+        dst[unsafe_offset=j] += src[unsafe_offset=j]
+        j += 1
+
+
+struct QKVRows(TrivialRegisterPassable):
+    """The tasks of the phase after the Q|K|V product, in place on qkv
+    [rows, (Hq + 2 Hkv) D]: the bias [(Hq + 2 Hkv) D] added to each row
+    (with `add_bias`), then each query head RMS-normed with q_norm [D] and
+    each key head with k_norm [D] (with `norm_heads`); the value heads are
+    not normed. No tasks where the layer has neither."""
 
     var qkv: Ptr[F32]
+    var bias: Ptr[F32]
     var q_norm: Ptr[F32]
     var k_norm: Ptr[F32]
     var eps: Float32
@@ -80,10 +98,13 @@ struct HeadNorms(TrivialRegisterPassable):
     var num_qo_heads: Int
     var num_kv_heads: Int
     var head_dim: Int
+    var add_bias: Bool
+    var norm_heads: Bool
 
     def __init__(
         out self,
         qkv: Ptr[F32],
+        bias: Ptr[F32],
         q_norm: Ptr[F32],
         k_norm: Ptr[F32],
         eps: Float32,
@@ -91,27 +112,36 @@ struct HeadNorms(TrivialRegisterPassable):
         num_qo_heads: Int,
         num_kv_heads: Int,
         head_dim: Int,
+        add_bias: Bool,
+        norm_heads: Bool,
     ):
         self.qkv = qkv
+        self.bias = bias
         self.q_norm = q_norm
         self.k_norm = k_norm
         self.eps = eps
-        self.rows = rows
+        self.rows = rows if add_bias or norm_heads else 0
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.add_bias = add_bias
+        self.norm_heads = norm_heads
 
     def tasks(self) -> Int:
         return row_blocks(self.rows, ROWS_PER_TASK)
 
     def run(self, t: Int):
         var d = self.head_dim
-        var heads = self.num_qo_heads + self.num_kv_heads
         var width = (self.num_qo_heads + 2 * self.num_kv_heads) * d
         var rows = row_block(t, self.rows, ROWS_PER_TASK)
         for r in range(rows[0], rows[1]):
-            for h in range(heads):
-                var head = self.qkv.unsafe_offset(r * width + h * d)
+            var row = self.qkv.unsafe_offset(r * width)
+            if self.add_bias:
+                add_into(row, self.bias, width)
+            if not self.norm_heads:
+                continue
+            for h in range(self.num_qo_heads + self.num_kv_heads):
+                var head = row.unsafe_offset(h * d)
                 var w = self.q_norm if h < self.num_qo_heads else self.k_norm
                 var scale = rms_scale(head, d, self.eps)
                 scale_into(head, w, scale, head, head, d, False)

@@ -222,10 +222,11 @@ def append_paged_kv_cache(
 class QuantizedLayerWeights:
     """A decoder layer's weights for `quantized_decoder_layer`: the two
     RMSNorm weights [H] float32 and the four products' packed GGUF weights
-    (uint8 panels) with their formats; Gemma 3's block adds the QK-norm
-    weights [D] and the sandwich norms' [H] (None in Llama's). Where the
-    file stores V in another format than Q and K, `wv` holds V's rows in
-    `v_format` and `wqkv` only Q's and K's."""
+    (uint8 panels) with their formats; Qwen 2's block adds the Q|K|V bias
+    [(Hq + 2 Hkv) D], Qwen 3's the QK-norm weights [D], Gemma 3's those and
+    the sandwich norms' [H] (None in Llama's). Where the file stores V in
+    another format than Q and K, `wv` holds V's rows in `v_format` and
+    `wqkv` only Q's and K's."""
 
     attn_norm: TensorValue
     wqkv: TensorValue
@@ -241,6 +242,7 @@ class QuantizedLayerWeights:
     post_mlp_norm: TensorValue | None = None
     wv: TensorValue | None = None
     v_format: str | None = None
+    bqkv: TensorValue | None = None
 
     def __post_init__(self) -> None:
         formats = [*self.formats, *([] if self.v_format is None else [self.v_format])]
@@ -255,9 +257,9 @@ class QuantizedLayerWeights:
             )
 
     def values(self, device: DeviceRef) -> list[TensorValue]:
-        """The op's weight operands in its order; a norm the block does not
-        have is an empty float32 constant, a wv it does not have an empty
-        uint8 one."""
+        """The op's weight operands in its order; a bias or norm the block
+        does not have is an empty float32 constant, a wv it does not have an
+        empty uint8 one."""
         norms = (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)
         unused = ops.constant(np.zeros(0, np.float32), F32, device=device)
         no_wv = ops.constant(np.zeros((0, 0), np.uint8), DType.uint8, device=device)
@@ -265,6 +267,7 @@ class QuantizedLayerWeights:
             self.attn_norm,
             self.wqkv,
             no_wv if self.wv is None else self.wv,
+            unused if self.bqkv is None else self.bqkv,
             self.wo,
             self.mlp_norm,
             self.w_gate_up,
@@ -274,11 +277,12 @@ class QuantizedLayerWeights:
 
     def parameters(self) -> dict[str, int]:
         """The op's parameters that the weights decide: the products'
-        formats and which of Gemma 3's norms the block has."""
+        formats and which of the families' bias and norms the block has."""
         names = ("qkv_format", "wo_format", "gate_up_format", "down_format")
         return {
             **{name: QUANT_FORMATS[f] for name, f in zip(names, self.formats, strict=True)},
             "v_format": V_IN_QKV if self.v_format is None else QUANT_FORMATS[self.v_format],
+            "qkv_bias": int(self.bqkv is not None),
             "qk_norm": int(self.q_norm is not None),
             "sandwich_norms": int(self.post_attn_norm is not None),
         }
@@ -318,10 +322,11 @@ def quantized_decoder_layer(
     over the step's rows: the products of `qlinear`, the RoPE and append of
     `rope_append_paged_kv_cache` and the attention of `batch_decode` (or
     causal `batch_prefill`) in one op, whose steps share one dispatch to the
-    cores (mojo_ops/decoder/decoder_layer.mojo). Gemma 3's block: with
-    `weights.q_norm` and `k_norm` each query and key head is RMS-normed
-    before RoPE; with `post_attn_norm` and `post_mlp_norm` each product's
-    output is RMS-normed before its residual add. The rows' keys and values
+    cores (mojo_ops/decoder/decoder_layer.mojo). The families' choices:
+    with `weights.bqkv` the Q|K|V rows get their bias (Qwen 2); with
+    `q_norm` and `k_norm` each query and key head is RMS-normed before RoPE
+    (Qwen 3, Gemma 3); with `post_attn_norm` and `post_mlp_norm` each
+    product's output is RMS-normed before its residual add (Gemma 3). The rows' keys and values
     are appended to the pool first; everything is checked before anything
     is written.
 

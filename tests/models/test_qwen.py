@@ -78,6 +78,45 @@ def test_the_float_step_graphs_compute_what_transformers_computes(qwen_gguf, tra
     np.testing.assert_allclose(np.stack(rows), transformers_logits[3:], rtol=0, atol=1e-4 * scale)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(HEAD_DIM))
+def test_the_quantized_step_graphs_compute_what_the_numpy_model_computes(tmp_path, arch):
+    """Every product in Q8_0 blocks, so each layer is one fused op (Qwen 2's
+    bias and Qwen 3's QK-norm as its row phases): a prefill and decode steps
+    give the logits of the NumPy model that quantizes each product's
+    activations, within what an activation a rounding away from a code
+    boundary costs (as tests/graphs/test_model_families.py allows)."""
+    from pagedkv.graphs.decoder import quantized_formats
+    from pagedkv.models import load
+
+    products = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    blocks = {f"blk.{i}.{name}.weight": "Q8_0" for i in range(2) for name in products}
+    path = tmp_path / f"{arch}-q8_0.gguf"
+    write_tiny_gguf(
+        path,
+        hidden=128,
+        ffn=192,
+        arch=arch,
+        head_dim=HEAD_DIM[arch],
+        layers=2,
+        blocks=blocks | {"token_embd.weight": "Q8_0"},
+    )
+    model = read_gguf(path)
+    formats = quantized_formats(model.quantized, 2)
+    assert all(layer.fused() for layer in formats.layers) and formats.lm_head == "Q8_0"
+    reference = DenseDecoder(model.config, model.weights, quantized=True)
+    llm = load(gguf=str(path), weights="gguf", kv_dtype="float32")
+    llm.manager.add("r")
+    try:
+        got = [llm.engine.prefill(["r"], [TOKENS[:4]])[0]]
+        got += [llm.engine.decode(["r"], [t])[0] for t in TOKENS[4:]]
+    finally:
+        llm.manager.release("r")
+    want = reference.feed_all(TOKENS)[3:]
+    err = np.linalg.norm(np.stack(got) - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert (err < 2e-2).all(), err
+
+
 @pytest.mark.parametrize(
     "keys,message",
     [

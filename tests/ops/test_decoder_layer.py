@@ -12,7 +12,8 @@ reference's: the tolerance allows a few such steps, far below what any
 wrong index, layout or formula gives. Decode (one token per request, keys
 split across work items) and prefill (ragged, causal) both run, over a
 shuffled pool whose other pages must stay as they were. The prefill graph's
-layer stores V in another format than Q and K (two Q|K|V products).
+layer stores V in another format than Q and K (two Q|K|V products) and adds
+a bias to the Q|K|V rows (Qwen 2's block).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def weight_formats(split: bool) -> tuple[str, ...]:
 
 
 def graph_inputs(pool_dtype: DType = DType.float32, split: bool = False) -> list:
+    """The graph's inputs; with `split` a Q|K|V bias after the norms."""
     cpu = DeviceRef.CPU()
     c = CONFIG
     row = pool_row_width(pool_dtype, c.head_dim)
@@ -93,6 +95,7 @@ def graph_inputs(pool_dtype: DType = DType.float32, split: bool = False) -> list
         TensorType(DType.float32, ["rows", c.hidden_size], cpu),
         TensorType(DType.float32, [c.hidden_size], cpu),
         TensorType(DType.float32, [c.hidden_size], cpu),
+        *([TensorType(DType.float32, [c.qkv_size], cpu)] if split else []),
         *weights,
         TensorType(DType.float32, [c.max_positions, c.head_dim // 2], cpu),
         TensorType(DType.float32, [c.max_positions, c.head_dim // 2], cpu),
@@ -116,6 +119,7 @@ def build(
     c = CONFIG
     with ops_graph(module, name, graph_inputs(pool_dtype, split)) as g:
         pool, x, attn_norm, mlp_norm, *rest = g.inputs
+        bqkv = rest.pop(0).tensor if split else None
         n = len(weight_shapes(split))
         packed, (cos, sin, *index) = [v.tensor for v in rest[:n]], rest[n:]
         wv = packed.pop(1) if split else None
@@ -129,6 +133,7 @@ def build(
             FORMATS,
             wv=wv,
             v_format=SPLIT_V_FORMAT if split else None,
+            bqkv=bqkv,
         )
         g.output(
             graph_ops.quantized_decoder_layer(
@@ -189,10 +194,12 @@ class Layer:
     """Random quantized weights and their float64 reference layer."""
 
     def __init__(self, rng: np.random.Generator, split: bool = False) -> None:
-        """split: Q|K|V as two packed weights in different formats."""
+        """split: Q|K|V as two packed weights in different formats, and a
+        bias on its rows."""
         c = CONFIG
         self.attn_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
         self.mlp_norm = (1 + 0.2 * rng.standard_normal(c.hidden_size)).astype(np.float32)
+        self.bqkv = rng.standard_normal(c.qkv_size).astype(np.float32) if split else None
         self.dense, self.panels = {}, {}
         shapes = weight_shapes(split)
         for fmt, (name, (n, k)) in zip(weight_formats(split), shapes.items(), strict=True):
@@ -221,7 +228,8 @@ class Layer:
         return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
 
     def qkv(self, x: np.ndarray) -> np.ndarray:
-        return self.product(self.norm(x, self.attn_norm), "wqkv")
+        qkv = self.product(self.norm(x, self.attn_norm), "wqkv")
+        return qkv if self.bqkv is None else qkv + self.bqkv
 
     def forward(self, x, positions, cached_k, cached_v, stored=lambda rows: rows):
         """The layer on one request's new rows x [T, H] at positions [T],
@@ -277,6 +285,7 @@ def run_layer(model, layer: Layer, pool, x, batch, bi, pos, work):
         x,
         layer.attn_norm,
         layer.mlp_norm,
+        *([] if layer.bqkv is None else [layer.bqkv]),
         *layer.panels.values(),
         layer.cos,
         layer.sin,
