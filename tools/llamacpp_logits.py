@@ -112,13 +112,14 @@ def llama_steps(url: str, prompt: list[int], tokens: int) -> list[dict]:
 
 
 def token_mismatches(url: str, tokenizer, texts: list[str]) -> list[dict]:
-    """The texts that llama.cpp's `/tokenize` (special tokens parsed, none
-    added) and pagedkv's `encode` give different ids, with both lists."""
+    """The texts that llama.cpp's `/tokenize` (special tokens parsed, BOS
+    added where the model's prompts start with one) and pagedkv's
+    `prompt_ids` give different ids, with both lists."""
     mismatches = []
     for text in texts:
-        r = httpx.post(url + "/tokenize", json={"content": text, "add_special": False}, timeout=60)
+        r = httpx.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=60)
         r.raise_for_status()
-        theirs, ours = r.json()["tokens"], tokenizer.encode(text)
+        theirs, ours = r.json()["tokens"], tokenizer.prompt_ids(text)
         if theirs != ours:
             mismatches.append({"text": text, "llama_cpp": theirs, "pagedkv": ours})
     return mismatches

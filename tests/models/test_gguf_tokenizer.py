@@ -89,20 +89,28 @@ def reference_pieces(text: str, expressions: list[str]) -> list[str]:
     return pieces
 
 
-def tokenizer_with_pre(pre: str | None, extra: tuple[str, ...] = ()) -> ChatTokenizer:
+def tokenizer_with_pre(
+    pre: str | None, extra: tuple[str, ...] = (), chat_template: str | None = None, **keys: object
+) -> ChatTokenizer:
     """A tiny byte-level vocabulary (its merges do not matter to the split),
-    with `extra` control tokens after its own."""
-    tokens = ["a", "b", "ab", "<|im_start|>", *extra]
+    with `extra` control tokens after its own and `keys` as
+    `tokenizer.ggml.{key}`: "a", "b", "ab", "c", "abc", "<|im_start|>" (EOS,
+    id 5), "<s>" (BOS, id 6); the one merge "a b"."""
+    tokens = ["a", "b", "ab", "c", "abc", "<|im_start|>", "<s>", *extra]
     metadata = {
         "general.architecture": "llama",
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1, 1, 1, 3] + [3] * len(extra),
+        "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 3] + [3] * len(extra),
         "tokenizer.ggml.merges": ["a b"],
-        "tokenizer.ggml.eos_token_id": 3,
+        "tokenizer.ggml.eos_token_id": 5,
+        "tokenizer.ggml.bos_token_id": 6,
+        **{f"tokenizer.ggml.{key}": value for key, value in keys.items()},
     }
     if pre is not None:
         metadata["tokenizer.ggml.pre"] = pre
+    if chat_template is not None:
+        metadata["tokenizer.chat_template"] = chat_template
     return ChatTokenizer.from_gguf_metadata(metadata)
 
 
@@ -163,7 +171,41 @@ def test_an_unknown_pre_tokenizer_is_refused():
 
 def test_special_tokens_stay_whole_after_the_split():
     tokenizer = tokenizer_with_pre("llama-bpe")
-    assert tokenizer.encode("<|im_start|>ab") == [3, 2]
+    assert tokenizer.encode("<|im_start|>ab") == [5, 2]
+
+
+def test_llama_3_takes_a_piece_its_vocabulary_holds_whole():
+    """No merge makes "abc" from "ab" and "c"; Llama 3's vocabulary still
+    takes the whole piece as its token (llama.cpp's ignore_merges), GPT-2's
+    merges what its merges can."""
+    assert tokenizer_with_pre("llama-bpe").encode("abc") == [4]
+    assert tokenizer_with_pre("gpt-2").encode("abc") == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "pre,add_bos_token,bos",
+    [
+        ("llama-bpe", None, True),  # llama.cpp's default for Llama 3
+        ("llama-bpe", False, False),
+        ("qwen2", None, False),  # byte-level default: none
+        ("qwen2", True, True),
+    ],
+)
+def test_a_prompt_starts_with_bos_as_llama_cpp_decides(pre, add_bos_token, bos):
+    keys = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    tokenizer = tokenizer_with_pre(pre, **keys)
+    assert tokenizer.prompt_ids("ab") == [6, 2] if bos else [2]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_a_chat_template_gets_the_bos_and_eos_texts_and_one_bos_starts_the_prompt(pre):
+    """Llama 3's template writes {{ bos_token }} and ends each turn in its
+    end-of-turn text; with BOS added as well the prompt still holds one."""
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    tokenizer = tokenizer_with_pre(pre, chat_template=template)
+    assert tokenizer.chat_prompt("ab") == [6, 2, 5]
+    tokenizer = tokenizer_with_pre(pre, chat_template=template.replace("{{ bos_token }}", ""))
+    assert tokenizer.chat_prompt("ab") == ([6] if pre == "llama-bpe" else []) + [2, 5]
 
 
 def test_generation_stops_at_the_end_of_turn_tokens_the_vocabulary_has():
@@ -171,7 +213,7 @@ def test_generation_stops_at_the_end_of_turn_tokens_the_vocabulary_has():
     whichever token the file names EOS; a token that is not an end of turn
     does not stop."""
     tokenizer = tokenizer_with_pre("llama-bpe", ("<|eot_id|>", "<|im_end|>", "<|python_tag|>"))
-    assert tokenizer.stop_ids == {3, 4, 5}
+    assert tokenizer.stop_ids == {5, 7, 8}
 
 
 def test_a_tokenizer_missing_its_merges_is_refused():

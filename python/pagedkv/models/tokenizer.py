@@ -11,6 +11,8 @@ Two kinds of vocabulary:
   (`BYTE_LEVEL_SPLITS`: Llama 3's digits in threes, Qwen's one by one,
   SmolLM's one by one before GPT-2's split, ...); a name pagedkv does not
   know is refused, as llama.cpp refuses it, rather than split wrongly.
+  Llama 3's and Tekken's take a piece the vocabulary holds whole as one
+  token (`WHOLE_TOKENS_AND_BOS`).
 - `llama` (SentencePiece BPE, Gemma's): spaces written as "▁", bytes
   the vocabulary lacks as <0xNN> tokens, and, since the file lists no
   merges, the merges rebuilt from the vocabulary: every split of a token
@@ -21,9 +23,13 @@ Two kinds of vocabulary:
 Either way the tokens the file marks as control (type 3) are added as
 special tokens, so `<|im_start|>` or `<start_of_turn>` in a prompt stays one
 token, and user-defined ones (type 4, Gemma's runs of newlines) as plain
-added tokens. The chat template is the file's Jinja template (or, for a
-family whose files carry none, its documented turn format), rendered in a
-sandbox with transformers' settings (trim_blocks, lstrip_blocks).
+added tokens. A prompt starts with BOS where the file says so
+(`tokenizer.ggml.add_bos_token`), else as llama.cpp decides: for a
+SentencePiece vocabulary, and for Llama 3's and Tekken's byte-level ones.
+The chat template is the file's Jinja template (or, for a family whose files
+carry none, its documented turn format), rendered in a sandbox with
+transformers' settings (trim_blocks, lstrip_blocks) and the BOS and EOS
+texts.
 """
 
 from __future__ import annotations
@@ -127,9 +133,7 @@ class ChatTokenizer:
             eos_token_id=eos,
             chat_template=template,
             special_ids=frozenset(vocab[t] for t in control if t in vocab),
-            # transformers adds BOS to a SentencePiece vocabulary unless the
-            # file says otherwise, and never to a byte-level one.
-            add_bos=kind == "llama" and bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", _adds_bos(metadata))),
             stop_ids=frozenset({eos, *(vocab[t] for t in END_OF_TURN if t in vocab)}),
         )
 
@@ -156,15 +160,27 @@ class ChatTokenizer:
     def render_chat(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """The chat template applied to messages [{"role": ..., "content": ...}]."""
+        """The chat template applied to messages [{"role": ..., "content": ...}],
+        given the model's `bos_token` and `eos_token` texts as transformers
+        and llama.cpp give them. Where `prompt_ids` adds BOS, a BOS the
+        template writes first is left out (llama.cpp's rule), so the prompt
+        starts with one BOS, not two."""
         if not self.chat_template:
             raise ModelError("this model has no chat template: generate with chat=False")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt
+        bos, eos = (
+            "" if i is None else self.tokenizer.id_to_token(i) or ""
+            for i in (self.bos_token_id, self.eos_token_id)
         )
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+        )
+        return text[len(bos) :] if self.add_bos and bos and text.startswith(bos) else text
 
     def chat_prompt(self, user_message: str, system_prompt: str | None = None) -> list[int]:
         """Token ids of a one-turn chat: the system prompt (the template's
@@ -229,6 +245,24 @@ expression; llama.cpp warns that such a file tokenizes as it was not
 trained)."""
 
 
+WHOLE_TOKENS_AND_BOS = frozenset(
+    "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 tekken".split()
+)
+"""The `tokenizer.ggml.pre` names whose byte-level vocabularies take a
+piece of the split that the vocabulary holds whole as one token, without
+merging it (`ignore_merges`, Llama 3's), and start a prompt with BOS unless
+the file says otherwise (llama.cpp's `ignore_merges` and `add_bos`)."""
+
+
+def _adds_bos(metadata: dict[str, object]) -> bool:
+    """Whether a prompt starts with BOS when the file does not say
+    (`tokenizer.ggml.add_bos_token`): a SentencePiece vocabulary's does, a
+    byte-level one's where `WHOLE_TOKENS_AND_BOS` names its pre-tokenizer,
+    as llama.cpp decides."""
+    kind = metadata.get("tokenizer.ggml.model")
+    return kind == "llama" or metadata.get("tokenizer.ggml.pre") in WHOLE_TOKENS_AND_BOS
+
+
 def byte_level_split(pre: str | None) -> tuple[str, ...]:
     """The expressions of `BYTE_LEVEL_SPLITS` for a `tokenizer.ggml.pre`
     value (None: "default"); raises ModelError for a name not in it."""
@@ -257,6 +291,7 @@ def _byte_level(metadata: dict[str, object], tokens: list[str]):
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
+            ignore_merges=metadata.get("tokenizer.ggml.pre") in WHOLE_TOKENS_AND_BOS,
         )
     )
     splits = byte_level_split(metadata.get("tokenizer.ggml.pre"))
