@@ -14,7 +14,8 @@ The tokenizer (every `tokenizer.*` key) comes from `--tokenizer-from`
 (default: SmolLM2-135M-Instruct's GGUF, as pagedkv fetches it), so the
 vocabulary is its size; `--tokenizer-pre` replaces its pre-tokenizer name
 (`tokenizer.ggml.pre`, e.g. llama-bpe or qwen2: the same merges, text split
-another way). Matrices are stored as llama.cpp's converter stores a
+another way) and leaves out `add_bos_token` (Llama 3's files then start
+prompts with BOS, as its name's default). Matrices are stored as llama.cpp's converter stores a
 Hugging Face model: a Llama's Q and K rows permuted for its adjacent-pair
 RoPE, a Qwen's as they are, beside Qwen 2's Q, K and V biases or Qwen 3's
 per-head query and key norms;
@@ -65,11 +66,12 @@ def permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
 
 def copy_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> int:
     """Copies every `tokenizer.*` key of source (`tokenizer.ggml.pre` as
-    `pre` where given); returns its vocabulary size."""
+    `pre` where given, and then without `tokenizer.ggml.add_bos_token`,
+    so that the name's own default decides); returns its vocabulary size."""
     reader = GGUFReader(source)
     vocab = 0
     for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
+        if not name.startswith("tokenizer.") or (pre and name == "tokenizer.ggml.add_bos_token"):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
