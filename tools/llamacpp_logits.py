@@ -1,7 +1,8 @@
 """Does pagedkv compute what llama.cpp computes on the same GGUF? Top-1
 agreement and log-probability error of pagedkv's logits against llama.cpp's,
 teacher-forced on llama.cpp's own greedy tokens, after the two tokenizers
-are compared on the prompts and a few harder texts.
+are compared on the prompts, a few harder texts and the prompts as chats
+(each side's template and BOS).
 
     python tools/llamacpp_logits.py [--model gemma3-270m] [--prompts 8] [--tokens 64]
         [--weights f32|bf16|gguf] [--kv-dtype float32]
@@ -111,17 +112,33 @@ def llama_steps(url: str, prompt: list[int], tokens: int) -> list[dict]:
     return steps[:common]
 
 
-def token_mismatches(url: str, tokenizer, texts: list[str]) -> list[dict]:
-    """The texts that llama.cpp's `/tokenize` (special tokens parsed, BOS
-    added where the model's prompts start with one) and pagedkv's
-    `prompt_ids` give different ids, with both lists."""
+def token_mismatches(url: str, tokenizer, texts: list[str], chats: list[str]) -> list[dict]:
+    """Where the two tokenizers give different ids, with both lists: each
+    text through llama.cpp's `/tokenize` (special tokens parsed, BOS added
+    where the model's prompts start with one) and pagedkv's `prompt_ids`;
+    each of `chats` as a one-turn chat, rendered and tokenized by each side
+    (llama.cpp's `/apply-template`, then `/tokenize`; pagedkv's
+    `chat_prompt`)."""
+
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(url + path, json=body, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def llama_ids(text: str) -> list[int]:
+        return post("/tokenize", {"content": text, "add_special": True})["tokens"]
+
     mismatches = []
     for text in texts:
-        r = httpx.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=60)
-        r.raise_for_status()
-        theirs, ours = r.json()["tokens"], tokenizer.prompt_ids(text)
+        theirs, ours = llama_ids(text), tokenizer.prompt_ids(text)
         if theirs != ours:
             mismatches.append({"text": text, "llama_cpp": theirs, "pagedkv": ours})
+    for message in chats:
+        turn = [{"role": "user", "content": message}]
+        theirs = llama_ids(post("/apply-template", {"messages": turn})["prompt"])
+        ours = tokenizer.chat_prompt(message)
+        if theirs != ours:
+            mismatches.append({"text": f"chat: {message}", "llama_cpp": theirs, "pagedkv": ours})
     return mismatches
 
 
@@ -222,7 +239,7 @@ def print_report(report: dict, options: dict, args, tokenizer) -> None:
         f"{report['steps']} steps, teacher-forced on llama.cpp's tokens"
     )
     texts, mismatched = report["tokenized_texts"], report["token_mismatches"]
-    print(f"  tokenization: {texts - len(mismatched)} of {texts} texts alike")
+    print(f"  tokenization: {texts - len(mismatched)} of {texts} texts and chats alike")
     for m in mismatched[:3]:
         print(f"    {m['text']!r}: llama.cpp {m['llama_cpp']}, pagedkv {m['pagedkv']}")
     print(
@@ -299,10 +316,9 @@ def main() -> int:
 
     extra = ["-np", "1", "-c", "4096", *shlex.split(args.llama_args)]
     command = llama_server_command(binary, gguf, threads, *extra)
-    chats = [tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
-    texts = [*questions, *chats, *TOKENIZER_TEXTS]
+    texts = [*questions, *TOKENIZER_TEXTS]
     with Server("llama-server", command) as server:
-        mismatches = token_mismatches(server.url, tokenizer, texts)
+        mismatches = token_mismatches(server.url, tokenizer, texts, questions)
         steps = [llama_steps(server.url, p, args.tokens) for p in prompts]
     kept = [i for i, s in enumerate(steps) if s]
     if len(kept) < len(prompts):
@@ -330,7 +346,7 @@ def main() -> int:
             "prompts": questions,
             "tokens_per_prompt": args.tokens,
             "top_n": N_PROBS,
-            "tokenized_texts": len(texts),
+            "tokenized_texts": len(texts) + len(questions),
             "token_mismatches": mismatches,
         }
     )
