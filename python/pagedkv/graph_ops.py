@@ -35,6 +35,7 @@ from ._ops.contract import (
     LINEAR_OP,
     LINEAR_PANEL,
     MLA_OP,
+    PACKED_ROWS_OP,
     QLINEAR_EPILOGUES,
     QLINEAR_OP,
     QLINEAR_PROLOGUES,
@@ -176,6 +177,50 @@ def qlinear(
             "prologue": QLINEAR_PROLOGUES[prologue],
             "epilogue": QLINEAR_EPILOGUES[epilogue],
         },
+    )[0].tensor
+
+
+def packed_rows(
+    weight: TensorValue, ids: TensorValue, fmt: str, shape: tuple[int, int]
+) -> TensorValue:
+    """Rows ``ids`` of a GGUF-quantized weight w [N, K], dequantized: an
+    embedding lookup from the GGUF's own blocks (CPU only).
+
+    Each element equals the `gguf` package's (and llama.cpp's)
+    dequantization of it bit for bit. An id outside [0, N) raises when the
+    graph runs, before anything is written.
+
+    Args:
+        weight: w packed by
+            :func:`pagedkv._ops.quantized_panels.pack_quantized_weight`,
+            uint8 [ceil(N / 16), quantized_panel_bytes(fmt, K)].
+        ids: [M] int32 (M symbolic).
+        fmt: w's packed layout, as `qlinear` takes it.
+        shape: (N, K).
+
+    Returns:
+        [M, K] float32.
+    """
+    from ._ops.quantized_panels import quantized_panels_shape
+
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"packed_rows takes {', '.join(QUANT_FORMATS)} weights, not {fmt!r}")
+    n, k = shape
+    packed = quantized_panels_shape(fmt, n, k)
+    if weight.dtype != DType.uint8 or tuple(int(d) for d in weight.shape) != packed:
+        raise ValueError(
+            f"a {fmt} weight [{n}, {k}] is packed as uint8 {list(packed)}, "
+            f"got {weight.dtype} {weight.shape}"
+        )
+    if ids.rank != 1 or ids.dtype != DType.int32:
+        raise ValueError(f"packed_rows' ids are [M] int32, got {ids.dtype} {ids.shape}")
+    cpu = weight.device
+    return ops.custom(
+        PACKED_ROWS_OP,
+        device=cpu,
+        values=[weight, ids],
+        out_types=[TensorType(F32, [ids.shape[0], k], device=cpu)],
+        parameters={"format": QUANT_FORMATS[fmt], "out_features": n},
     )[0].tensor
 
 

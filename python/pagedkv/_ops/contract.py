@@ -159,6 +159,10 @@ ROPE_APPEND_OP = "pagedkv_rope_append"
 QLINEAR_OP = "pagedkv_qlinear"
 """The CPU op of linear layers with GGUF-quantized weights (quantized/qlinear.mojo)."""
 
+PACKED_ROWS_OP = "pagedkv_packed_rows"
+"""Rows of a GGUF-quantized weight packed in panels, dequantized: an
+embedding lookup (quantized/packed_rows.mojo)."""
+
 QUANT_PANEL = 16
 """Output columns of a packed quantized panel (quantized/block_formats.mojo: PANEL)."""
 
