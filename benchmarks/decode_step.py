@@ -51,7 +51,8 @@ def distinct_products(llm) -> dict[str, object]:
     output head's included)."""
     found = {}
     for name, w in sorted(llm.quantized.items()):
-        found.setdefault(name.rsplit(".", 1)[-1], w)  # layers.<i>.<product>
+        if name != "embed":  # rows looked up, not a product
+            found.setdefault(name.rsplit(".", 1)[-1], w)  # layers.<i>.<product>
     return found
 
 
@@ -94,7 +95,8 @@ def main() -> None:
     for p, t in timed.items():
         print(f"| after a shared {p}-token prompt | {t.median_ms:.1f} | {t.min_ms:.1f} |")
     if b == 1:
-        nbytes = sum(q.panels.nbytes for q in llm.quantized.values())
+        # The products' bytes (a step reads each once; not the embedding's).
+        nbytes = sum(q.panels.nbytes for name, q in llm.quantized.items() if name != "embed")
         gbps = read_bandwidth_gbps()
         floor_ms = nbytes / gbps / 1e6
         step_ms = timed[16].median_ms

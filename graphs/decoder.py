@@ -109,6 +109,12 @@ class QuantizedFormats:
 
     layers: tuple[LayerFormats, ...]
     lm_head: str | None
+    embed: str | None = None
+    """The packed layout the token embedding's rows are looked up in
+    (`graph_ops.packed_rows`); None: a float32 embedding."""
+    embed_is_head: bool = False
+    """The embedding's rows are the output head's panels (a model whose
+    head is its embedding): the graph holds them once."""
 
     @property
     def products(self) -> frozenset[str]:
@@ -145,12 +151,19 @@ def _product_format(quantized: dict, layer: int, name: str) -> str | None:
 def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     """The formats of a model's packed matrices (`QuantizedWeight`s by the
     names of `pagedkv.models.gguf_model.quantized_weight_names`, a product
-    missing where its weights stay float)."""
+    missing where its weights stay float; "embed", where present, is the
+    "lm_head" object itself when the model ties them)."""
     layers = tuple(
         LayerFormats(**{name: _product_format(quantized, i, name) for name in LAYER_PRODUCTS})
         for i in range(num_layers)
     )
-    return QuantizedFormats(layers, getattr(quantized.get("lm_head"), "format", None))
+    head, embed = quantized.get("lm_head"), quantized.get("embed")
+    return QuantizedFormats(
+        layers,
+        getattr(head, "format", None),
+        getattr(embed, "format", None),
+        embed is not None and embed is head,
+    )
 
 
 def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -298,10 +311,30 @@ def _weights(
     if quantized is None:
         return {name: _weight(name, dtype, shape, device) for name, shape in shapes.items()}
     w = {name: _weight(name, DType.float32, shapes[name], device) for name in shapes}
+    rows = quantized_weight_shapes(c)["lm_head"]  # the head's and the embedding's
     if quantized.lm_head is not None:
-        head = quantized_panels_shape(quantized.lm_head, *quantized_weight_shapes(c)["lm_head"])
+        head = quantized_panels_shape(quantized.lm_head, *rows)
         w["lm_head"] = Weight("lm_head", DType.uint8, head, device)
+    if quantized.embed_is_head:
+        del w["embed"]
+    elif quantized.embed is not None:
+        embed = quantized_panels_shape(quantized.embed, *rows)
+        w["embed"] = Weight("embed", DType.uint8, embed, device)
     return w
+
+
+def _embedding(
+    c: DecoderConfig,
+    w: dict[str, Weight],
+    tokens: TensorValue,
+    quantized: QuantizedFormats | None,
+) -> TensorValue:
+    """The tokens' embedding rows [rows, H]: gathered from the float table,
+    or dequantized from the packed rows (bit for bit the float table's)."""
+    if quantized is None or quantized.embed is None:
+        return ops.gather(w["embed"], tokens, 0)
+    rows = w["lm_head"] if quantized.embed_is_head else w["embed"]
+    return graph_ops.packed_rows(rows, tokens, quantized.embed, (c.vocab_size, c.hidden_size))
 
 
 def _attention(
@@ -557,7 +590,7 @@ def build_step_graph(
                 )
             )
 
-        x = ops.gather(w["embed"], t["tokens"], 0)  # [rows, H]
+        x = _embedding(c, w, t["tokens"], quantized)  # [rows, H]
         if c.embed_scale != 1.0:
             x = x * ops.constant(c.embed_scale, act, device=device)
         layers: dict[tuple, Graph] = {}

@@ -190,7 +190,8 @@ def quantize_weights(
     float and quantized graphs of it can be compared.
 
     Names of the packed matrices: per layer "wqkv", "wo", "w_gate_up" (gate
-    then up) and "w_down", then "lm_head" (pagedkv.models.gguf_model).
+    then up) and "w_down", then "lm_head" and "embed" (the embedding's rows;
+    pagedkv.models.gguf_model).
     """
     from gguf import GGMLQuantizationType, quants
 
@@ -218,4 +219,7 @@ def quantize_weights(
             )
     raw, _ = quantize("lm_head", weights["lm_head"])
     packed["lm_head"] = pack_quantized_weight(raw, fmt, c.vocab_size, c.hidden_size)
+    raw = quants.quantize(np.ascontiguousarray(weights["embed"], np.float32), kind)
+    dense["embed"] = quants.dequantize(raw, kind)  # its rows, looked up
+    packed["embed"] = pack_quantized_weight(raw, fmt, c.vocab_size, c.hidden_size)
     return dense, packed

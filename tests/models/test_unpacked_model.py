@@ -5,6 +5,7 @@ made from another file. A tiny GGUF written here stands in for a model.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,37 @@ def test_packed_matrices_are_dequantized_only_when_read(tmp_path, monkeypatch):
     for name in model.weights:
         np.testing.assert_array_equal(model.weights[name], direct.weights[name])
     assert "Q8_0" in kinds
+
+
+def test_a_tied_embedding_stays_in_the_heads_blocks(tmp_path, monkeypatch):
+    """A Q8_0 token embedding that is also the output head (no
+    `output.weight`): its rows are looked up in the head's panels, one
+    object in the model, one file in the copy, no float32 copy of it; the
+    float embedding is still there for the float forms, dequantized from
+    the GGUF on first use (`graph_ops.packed_rows` equals the same
+    dequantization bit for bit: tests/ops/test_packed_rows.py)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from pagedkv.graphs.decoder import quantized_formats
+    from pagedkv.models import unpacked
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, blocks={"token_embd.weight": "Q8_0"})
+    embd = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    for _ in range(2):  # read from the GGUF, then from the unpacked copy
+        model = unpacked.read_unpacked(path)
+        assert model.quantized["embed"] is model.quantized["lm_head"]
+        formats = quantized_formats(model.quantized, model.config.num_layers)
+        assert (formats.embed, formats.embed_is_head) == ("Q8_0", True)
+    folder = unpacked.unpacked_dir(path)
+    assert len(list(folder.glob("q*.npy"))) == 1
+    stored = {
+        name
+        for name, i in json.loads((folder / "model.json").read_text())["weights"]
+        if i is not None
+    }
+    assert "embed" not in stored
+    want = dequantize(embd.data, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(model.weights["embed"], want)

@@ -73,8 +73,9 @@ class GGUFModel:
     quantized: dict[str, QuantizedWeight]
     """The matrices in their GGUF block formats, packed, by the quantized
     graphs' names (`quantized_weight_names`): the products whose formats the
-    quantized product takes (the others are multiplied in float32); empty
-    when none is."""
+    quantized product takes (the others are multiplied in float32), and the
+    token embedding in such a format ("embed": the "lm_head" object itself
+    where the model ties them); empty when none is."""
 
 
 def undo_rope_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -94,9 +95,11 @@ def quantized_weight_names(num_layers: int) -> list[str]:
     """The quantized graphs' matrices: per layer the fused Q|K|V projection
     (or, with V in another format, "wqk" and "wv"), the output projection,
     the fused gate|up projection and the down projection; then the output
-    head."""
+    head, and the token embedding (its rows, looked up rather than
+    multiplied; the head's own panels where the model ties them)."""
     per_layer = ("wqkv", "wo", "w_gate_up", "w_down")
-    return [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer] + ["lm_head"]
+    layers = [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer]
+    return [*layers, "lm_head", "embed"]
 
 
 class LazyWeights(Mapping[str, np.ndarray]):
@@ -332,6 +335,10 @@ def _quantized(
         )
         out[f"layers.{i}.w_down"] = packed(blk + "ffn_down.weight")
     out["lm_head"] = packed(head_name)
+    # The embedding's rows are looked up in their own blocks; where the
+    # head is the embedding, in the head's panels (one object, held once).
+    tied = head_name == "token_embd.weight"
+    out["embed"] = out["lm_head"] if tied else packed("token_embd.weight")
     return {name: q for name, q in out.items() if q is not None}
 
 

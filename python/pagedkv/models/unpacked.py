@@ -1,15 +1,17 @@
 """A GGUF read once and kept unpacked: the packed quantized matrices and
-the float32 weights a quantized graph reads (norms, the embedding, products
-left float) as .npy files and the metadata as JSON, in the cache directory
-(beside the GGUF when it is there). The float32 weights of the packed
-products (what the float forms multiply) are dequantized from the GGUF
-itself on first use: kept here they would be 7x the file.
+the float32 weights a quantized graph reads (norms, an embedding in a
+format left unpacked, products left float) as .npy files and the metadata
+as JSON, in the cache directory (beside the GGUF when it is there). The
+float32 weights of the packed matrices (what the float forms multiply) are
+dequantized from the GGUF itself on first use: kept here they would be 7x
+the file.
 
 Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
 string one at a time; dequantizing and packing are the rest); the unpacked
 copy loads in milliseconds (the weights are memory-mapped, read-only). It is
 named by the GGUF's size and modification time and by the source of the
-reader and of the packer, so a new file or a fix to either unpacks afresh.
+reader, the packer and this module, so a new file or a fix to any of them
+unpacks afresh.
 A missing, partial or unreadable copy is never used: the GGUF is read again
 and the copy rewritten.
 """
@@ -47,8 +49,8 @@ def unpacked_dir(path: Path) -> Path:
     path = path.resolve()
     stat = path.stat()
     digest = hashlib.sha256()
-    for module in (gguf_model, quantized_panels):
-        digest.update(Path(module.__file__).read_bytes())
+    for source in (gguf_model.__file__, quantized_panels.__file__, __file__):
+        digest.update(Path(source).read_bytes())
     key = f"{stat.st_size}-{stat.st_mtime_ns}-{digest.hexdigest()[:12]}"
     cache = cache_dir().resolve()
     if path.is_relative_to(cache):
@@ -83,14 +85,18 @@ def _save(model: GGUFModel, folder: Path) -> None:
     stored = {name: i for i, name in enumerate(n for n in model.weights if n not in packed)}
     for name, i in stored.items():
         np.save(staging / f"{i}.npy", model.weights[name])
-    for i, q in enumerate(model.quantized.values()):
+    # One file per distinct packed matrix: a tied embedding is its head.
+    distinct = list({id(q): q for q in model.quantized.values()}.values())
+    files = {id(q): i for i, q in enumerate(distinct)}
+    for i, q in enumerate(distinct):
         np.save(staging / f"q{i}.npy", q.panels)
     record = {
         "config": dataclasses.asdict(model.config),
         # Each weight's .npy index, or None: dequantized from the GGUF.
         "weights": [[name, stored.get(name)] for name in model.weights],
         "quantized": [
-            [name, q.format, q.out_features, q.in_features] for name, q in model.quantized.items()
+            [name, q.format, q.out_features, q.in_features, files[id(q)]]
+            for name, q in model.quantized.items()
         ],
         "metadata": model.metadata,
     }
@@ -109,10 +115,11 @@ def _load(folder: Path, path: Path) -> GGUFModel:
         return lambda: array
 
     weights = LazyWeights({name: maker(name, i) for name, i in record["weights"]})
-    quantized = {
-        name: QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
-        for i, (name, fmt, n, k) in enumerate(record["quantized"])
-    }
+    by_file: dict[int, QuantizedWeight] = {}
+    for _, fmt, n, k, i in record["quantized"]:
+        if i not in by_file:
+            by_file[i] = QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
+    quantized = {name: by_file[i] for name, *_, i in record["quantized"]}
     return GGUFModel(DecoderConfig(**record["config"]), weights, record["metadata"], quantized)
 
 
