@@ -77,7 +77,7 @@ def product_call(w, rows: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--gguf", help="a Llama or Gemma 3 GGUF of your own instead")
+    parser.add_argument("--gguf", help="a Llama, Qwen or Gemma GGUF of your own instead")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=926)
     parser.add_argument("--steps", type=int, default=30)

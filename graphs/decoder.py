@@ -372,14 +372,16 @@ def _attention(
         v = ops.reshape(v, [rows, c.num_kv_heads, c.head_dim])
         # The manager made the table: no host round trip per layer.
         graph_ops.append_paged_kv_cache(pool, k, v, batch_indices, positions, *table, checked=False)
-    window_left = -1 if window is None else window - 1
+    scores = {
+        "window_left": -1 if window is None else window - 1,
+        "logits_soft_cap": c.attn_soft_cap,
+        "sm_scale": c.attention_scale,
+    }
     if kind == PREFILL:
-        attn, _ = graph_ops.batch_prefill(
-            q, pool, *table, *work, causal=True, window_left=window_left
-        )
+        attn, _ = graph_ops.batch_prefill(q, pool, *table, *work, causal=True, **scores)
     else:
         attn, _ = graph_ops.batch_decode(
-            q, pool, *table, *work, num_kv_heads=c.num_kv_heads, window_left=window_left
+            q, pool, *table, *work, num_kv_heads=c.num_kv_heads, **scores
         )
     return ops.reshape(attn, [rows, nq])
 
@@ -442,6 +444,8 @@ def _layer(
             decode=kind == DECODE,
             activation=c.activation,
             window_left=-1 if window is None else window - 1,
+            logits_soft_cap=c.attn_soft_cap,
+            sm_scale=c.attention_scale,
         )
 
     out_features = {name: shape[-1] for name, shape in layer_weight_shapes(c).items()}
@@ -624,6 +628,9 @@ def build_step_graph(
         else:
             x = _rms_norm(c, x, w["final_norm"])
             logits = ops.cast(graph_ops.linear(x, w["lm_head"], c.vocab_size), DType.float32)
+        if c.final_soft_cap is not None:
+            cap = ops.constant(c.final_soft_cap, DType.float32, device=device)
+            logits = ops.tanh(logits / cap) * cap
         g.output(logits)
     return g
 

@@ -64,6 +64,14 @@ class DecoderConfig:
     """Each rotary pair's frequency is divided by its factor ([head_dim / 2],
     GGUF's `rope_freqs`: Llama 3.1's scaling), in the layers at rope_theta;
     empty: none."""
+    attention_scale: float | None = None
+    """What q . k is multiplied by (None: 1 / sqrt(head_dim); Gemma's 27B
+    models: 1 / sqrt(hidden_size / num_qo_heads))."""
+    attn_soft_cap: float | None = None
+    """Scaled attention scores s become cap * tanh(s / cap) (Gemma 2); None:
+    uncapped."""
+    final_soft_cap: float | None = None
+    """Logits z become cap * tanh(z / cap) (Gemma 2); None: uncapped."""
 
     def __post_init__(self) -> None:
         # A tuple whatever it came as (a JSON list): the config is a dict key.
@@ -91,6 +99,12 @@ class DecoderConfig:
             )
         if not all(0 < f < math.inf for f in (self.rope_scale, *factors)):
             raise ValueError("rope_scale and rope_freq_factors must be positive and finite")
+        scalars = (self.attention_scale, self.attn_soft_cap, self.final_soft_cap)
+        if not all(f is None or 0 < f < math.inf for f in scalars):
+            raise ValueError(
+                "attention_scale, attn_soft_cap and final_soft_cap must be None or "
+                "positive and finite"
+            )
 
     @property
     def qkv_size(self) -> int:

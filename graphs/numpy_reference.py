@@ -138,7 +138,10 @@ class DenseDecoder:
             self.v[i] = np.concatenate([self.v[i], v])
             keys = np.repeat(self.k[i], group, axis=1)  # [L, Hq, D]
             values = np.repeat(self.v[i], group, axis=1)
-            scores = np.einsum("thd,lhd->htl", q, keys) / np.sqrt(c.head_dim)
+            scale = 1 / np.sqrt(c.head_dim) if c.attention_scale is None else c.attention_scale
+            scores = np.einsum("thd,lhd->htl", q, keys) * scale
+            if c.attn_soft_cap is not None:
+                scores = c.attn_soft_cap * np.tanh(scores / c.attn_soft_cap)
             key_pos = np.arange(self.length + t)[None, :]
             visible = key_pos <= pos[:, None]
             if window is not None:
@@ -160,4 +163,7 @@ class DenseDecoder:
             x = x + out
         self.length += t
         x = rms_norm(x[-1:] if last_only else x, w["final_norm"], c.rms_eps)
-        return self.product(x, "lm_head")
+        logits = self.product(x, "lm_head")
+        if c.final_soft_cap is not None:
+            logits = c.final_soft_cap * np.tanh(logits / c.final_soft_cap)
+        return logits

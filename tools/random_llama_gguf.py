@@ -1,14 +1,15 @@
-"""Writes a Llama or Qwen GGUF of random weights in any shape, with the
+"""Writes a Llama, Qwen or Gemma 2 GGUF of random weights in any shape, with the
 tokenizer of another GGUF: a stand-in for models this host cannot download,
 for comparing pagedkv with llama.cpp on the same file (their logits and
 token ids with `tools/llamacpp_logits.py --gguf`, their speed with
 `benchmarks/serve_vs_llamacpp.py --gguf`).
 
-    python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen2|qwen3]
+    python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen2|qwen3|gemma2]
         [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --ffn 8192]
         [--head-dim 128] [--type F16|F32|Q8_0]
         [--rope-freqs llama3|random] [--rope-scaling linear:F]
         [--tokenizer-from PATH] [--tokenizer-pre NAME]
+        [--window 4096] [--soft-caps 50,30]
 
 The tokenizer (every `tokenizer.*` key) comes from `--tokenizer-from`
 (default: SmolLM2-135M-Instruct's GGUF, as pagedkv fetches it), so the
@@ -17,8 +18,10 @@ vocabulary is its size; `--tokenizer-pre` replaces its pre-tokenizer name
 another way) and leaves out `add_bos_token` (Llama 3's files then start
 prompts with BOS, as its name's default). Matrices are stored as llama.cpp's converter stores a
 Hugging Face model: a Llama's Q and K rows permuted for its adjacent-pair
-RoPE, a Qwen's as they are, beside Qwen 2's Q, K and V biases or Qwen 3's
-per-head query and key norms;
+RoPE, a Qwen's or a Gemma's as they are, beside Qwen 2's Q, K and V biases,
+Qwen 3's per-head query and key norms or Gemma 2's norms after the
+attention and the MLP (its window and soft caps from `--window` and
+`--soft-caps`);
 requantize the file with `llama-quantize` for K-quant mixes such as
 Q4_K_M. `--rope-freqs llama3` writes the `rope_freqs` tensor of Llama 3.1's
 scaling (factor 8, low 1, high 4, 8192 original positions); `random` writes
@@ -85,7 +88,7 @@ def copy_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3", "gemma2"))
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--rope-scaling", help="linear:FACTOR")
     parser.add_argument("--tokenizer-from", type=Path)
     parser.add_argument("--tokenizer-pre")
+    parser.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
+    parser.add_argument("--soft-caps", default="50,30", help="Gemma 2's ATTENTION,FINAL caps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     source = args.tokenizer_from
@@ -125,6 +130,11 @@ def main() -> None:
         kind, factor = args.rope_scaling.split(":")
         writer.add_rope_scaling_type(RopeScalingType(kind))
         writer.add_rope_scaling_factor(float(factor))
+    if args.arch == "gemma2":
+        attention_cap, final_cap = (float(c) for c in args.soft_caps.split(","))
+        writer.add_sliding_window(args.window)
+        writer.add_attn_logit_softcapping(attention_cap)
+        writer.add_final_logit_softcapping(final_cap)
     vocab = copy_tokenizer(writer, source, args.tokenizer_pre)
     kind = GGMLQuantizationType[args.type]
 
@@ -169,6 +179,9 @@ def main() -> None:
         matrix(f"blk.{i}.ffn_gate.weight", args.ffn, hidden)
         matrix(f"blk.{i}.ffn_up.weight", args.ffn, hidden)
         matrix(f"blk.{i}.ffn_down.weight", hidden, args.ffn)
+        if args.arch == "gemma2":
+            norm(f"blk.{i}.post_attention_norm.weight")
+            norm(f"blk.{i}.post_ffw_norm.weight")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

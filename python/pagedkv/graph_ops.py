@@ -359,6 +359,8 @@ def quantized_decoder_layer(
     kv_layout: str = "NHD",
     activation: str = "silu",
     window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
 ) -> TensorValue:
     """A decoder layer with GGUF-quantized weights, as one CPU op.
 
@@ -391,6 +393,8 @@ def quantized_decoder_layer(
         activation: the MLP's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
         window_left: the layer's sliding window less one (-1: none); the
             work items must be planned with it.
+        logits_soft_cap, sm_scale: the attention scores', as for
+            `batch_decode` (None: uncapped, 1 / sqrt(D)).
 
     Returns:
         [rows, H] float32.
@@ -398,7 +402,9 @@ def quantized_decoder_layer(
     if activation not in DECODER_ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(DECODER_ACTIVATIONS)}")
     heads, head_dim = _pool_heads(paged_kv_cache, kv_layout)
-    options = AttentionOptions(head_dim, window_left=window_left)
+    options = AttentionOptions(
+        head_dim, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale
+    )
     if decode:
         int_params = options.int_params(
             heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True

@@ -1,4 +1,4 @@
-"""A tiny Llama or Qwen GGUF written for the tests that read one."""
+"""A tiny Llama, Qwen or Gemma 2 GGUF written for the tests that read one."""
 
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ def write_tiny_gguf(
     head_dim=None,
     layers=1,
 ):
-    """A Llama GGUF (or Qwen 2, `arch="qwen2"`, with Q, K and V biases, or
-    Qwen 3, with per-head query and key norms) of `layers` layers, random
+    """A Llama GGUF (or Qwen 2, `arch="qwen2"`, with Q, K and V biases,
+    Qwen 3, with per-head query and key norms, or Gemma 2, with norms after
+    the attention and the MLP and no window or soft caps unless `keys` say
+    so) of `layers` layers, random
     float32 tensors and a token list; `blocks` maps tensor names to a GGUF
     block format whose random bytes they hold instead (any bytes are valid
-    blocks); `keys` adds metadata (name: value, a string or a float32),
+    blocks); `keys` adds metadata (name: value, a string, a uint32 or a float32),
     `rope_freqs` a `rope_freqs` tensor; `head_dim` (default hidden / heads)
     is written as the heads' key and value length."""
     import gguf
@@ -56,7 +58,13 @@ def write_tiny_gguf(
     w.add_eos_token_id(vocab - 1)
     w.add_chat_template("{{ messages }}")
     for key, value in (keys or {}).items():
-        kind = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
+        kind = (
+            gguf.GGUFValueType.STRING
+            if isinstance(value, str)
+            else gguf.GGUFValueType.UINT32
+            if isinstance(value, int)
+            else gguf.GGUFValueType.FLOAT32
+        )
         w.add_key_value(key, value, kind)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
@@ -75,6 +83,8 @@ def write_tiny_gguf(
         layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
     if arch == "qwen2":
         layer |= {f"attn_{p}.bias": (layer[f"attn_{p}.weight"][0],) for p in "qkv"}
+    if arch == "gemma2":
+        layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)}
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}

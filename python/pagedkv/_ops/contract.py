@@ -141,7 +141,7 @@ LINEAR_PANEL = 64
 """Columns of a packed weight panel (linear/linear.mojo: LINEAR_PANEL)."""
 
 DECODER_LAYER_OP = "pagedkv_decoder_layer"
-"""A Llama or Gemma 3 decoder layer with quantized weights in one CPU op
+"""A Llama, Qwen or Gemma decoder layer with quantized weights in one CPU op
 (decoder/decoder_layer.mojo)."""
 
 DECODER_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

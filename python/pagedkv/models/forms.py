@@ -63,7 +63,7 @@ def add_gguf_argument(parser) -> None:
         "--gguf",
         default=None,
         metavar="PATH",
-        help="serve this GGUF file (a Llama or Gemma 3 architecture, any of its block "
+        help="serve this GGUF file (a Llama, Qwen 2/3 or Gemma 2/3 architecture, any of its block "
         "formats) instead of the catalogue's download; --model then only names it",
     )
 

@@ -1,5 +1,5 @@
-"""Reads a GGUF (Llama, Qwen 2, Qwen 3 or Gemma 3 architecture) into the
-step graphs' description (`DecoderConfig`) and weights.
+"""Reads a GGUF (Llama, Qwen 2, Qwen 3, Gemma 2 or Gemma 3 architecture)
+into the step graphs' description (`DecoderConfig`) and weights.
 
 GGUF stores a linear layer as [out, in] (quantized Q4_1, Q8_0 or plain F32).
 The weights come two ways: dequantized with the `gguf` package and
@@ -15,18 +15,23 @@ the token embedding as its output head.
 Qwen's blocks are Llama's stored in rotate-half order (llama.cpp's NEOX
 RoPE), with a bias on the Q, K and V projections (Qwen 2) or RMSNorm over
 each query and key head (Qwen 3), the head size in the metadata.
-Gemma 3 differs in its metadata and in what the file leaves out: its
-projections are stored in rotate-half order already (llama.cpp's NEOX RoPE),
-its norm weights are stored as (1 + w), so the graphs multiply by them as
-they are, and two values are not in the file at all: every sixth layer is
-global and the others slide, and the sliding layers' RoPE base is 10000
-(llama.cpp and transformers both hard-code Gemma 3's defaults).
+Gemma 2 and 3 differ in their metadata and in what the file may leave out:
+their projections are stored in rotate-half order already (llama.cpp's NEOX
+RoPE), their norm weights are stored as (1 + w), so the graphs multiply by
+them as they are, and llama.cpp (like transformers) supplies what a file
+does not state: which layers slide (Gemma 2 alternates, starting with a
+sliding layer; every sixth Gemma 3 layer is global), Gemma 2's window
+(4096) and soft caps (50 on the attention scores, 30 on the logits), the
+RoPE base of Gemma 3's sliding layers (10000), and the query scale of each
+family's 27B model (1 / sqrt(hidden / heads), where the others take
+1 / sqrt(head_dim)).
 
 RoPE scaling is read as llama.cpp reads it: `{arch}.rope.scaling.factor`
 divides positions (linear scaling: the type named "linear", or not named;
 "none" turns it off), and a `rope_freqs` tensor divides each rotary pair's
 frequency (Llama 3.1's scaling, which its converter writes as that tensor);
-both in the layers at the model's own base, not in Gemma 3's window layers.
+both in the layers at the model's own base, not in window layers with a
+base of their own (Gemma 3's).
 Other scaling types (YaRN, LongRoPE) are refused.
 """
 
@@ -125,7 +130,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
 
 
 def read_gguf(path: str | Path) -> GGUFModel:
-    """Reads a Llama, Qwen or Gemma 3 GGUF from `path`: its description and
+    """Reads a Llama, Qwen or Gemma GGUF from `path`: its description and
     metadata, its packed products, and its float32 weights (dequantized on
     first use; the file stays memory-mapped until then).
 
@@ -390,43 +395,87 @@ def _qwen_config(metadata: dict[str, object], arch: str) -> DecoderConfig:
     )
 
 
-GEMMA3_GLOBAL_EVERY = 6
-"""Every sixth Gemma 3 layer attends globally, the others through the window."""
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+"""Layers in each period of a Gemma file's sliding-window pattern where it
+states none (`attention.sliding_window_pattern`): all but the period's last
+layer slide (llama.cpp's defaults: Gemma 2 alternates, every sixth Gemma 3
+layer is global)."""
+GEMMA2_WINDOW = 4096
+"""Gemma 2's sliding window where its file states none (llama.cpp's)."""
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
-"""The RoPE base of Gemma 3's sliding-window layers."""
+"""The RoPE base of Gemma 3's sliding-window layers where the file states
+none (`rope.freq_base_swa`)."""
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The layer count of each family's 27B model, whose queries are scaled by
+1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim) (llama.cpp's rule,
+after gemma_pytorch)."""
+GEMMA2_SOFT_CAPS = (50.0, 30.0)
+"""Gemma 2's attention and final logit soft caps where its file states none."""
 
 
-def _gemma3_config(metadata: dict[str, object]) -> DecoderConfig:
-    """Gemma 3's block from llama.cpp's `gemma3.*` metadata keys and the two
-    defaults the file does not hold (see the module docstring)."""
-    heads = int(metadata["gemma3.attention.head_count"])
-    hidden = int(metadata["gemma3.embedding_length"])
-    layers = int(metadata["gemma3.block_count"])
-    head_dim = int(metadata.get("gemma3.attention.key_length", hidden // heads))
-    if int(metadata.get("gemma3.attention.value_length", head_dim)) != head_dim:
-        raise ModelError("gemma3 GGUF with key and value heads of different sizes")
-    window = int(metadata["gemma3.attention.sliding_window"])
+def _window_pattern(metadata: dict[str, object], arch: str, layers: int) -> list[bool]:
+    """Which layers slide: the file's pattern, a list of flags or a period
+    (all but each period's last layer; 0: all), else the family's period."""
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", GEMMA_WINDOW_PATTERN[arch])
+    if isinstance(pattern, (list, tuple, np.ndarray)):
+        if len(pattern) != layers:
+            raise ModelError(f"{arch} GGUF with a sliding-window pattern of {len(pattern)} layers")
+        return [bool(p) for p in pattern]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
+
+
+def _gemma_config(metadata: dict[str, object], arch: str) -> DecoderConfig:
+    """Gemma 2's or Gemma 3's block from llama.cpp's `gemma2.*` or
+    `gemma3.*` metadata keys, with llama.cpp's defaults for what the file
+    leaves out (see the module docstring)."""
+    heads = int(metadata[f"{arch}.attention.head_count"])
+    hidden = int(metadata[f"{arch}.embedding_length"])
+    layers = int(metadata[f"{arch}.block_count"])
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(metadata.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ModelError(f"{arch} GGUF with key and value heads of different sizes")
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 1e4 if arch == "gemma2" else 1e6))
+    window = int(metadata.get(f"{arch}.attention.sliding_window", 0))
+    if arch == "gemma2":
+        window = window or GEMMA2_WINDOW
+        caps = (
+            float(metadata.get(f"{arch}.attn_logit_softcapping", GEMMA2_SOFT_CAPS[0])),
+            float(metadata.get(f"{arch}.final_logit_softcapping", GEMMA2_SOFT_CAPS[1])),
+        )
+        # Its window layers rotate as the others unless the file says
+        # otherwise (then, as Gemma 3's, without the scaling).
+        local_theta = metadata.get(f"{arch}.rope.freq_base_swa")
+        if local_theta is not None and float(local_theta) == theta:
+            local_theta = None
+    else:
+        caps = (0.0, float(metadata.get(f"{arch}.final_logit_softcapping", 0.0)))
+        local_theta = metadata.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)
+    slides = _window_pattern(metadata, arch, layers) if window > 0 else [False] * layers
     return DecoderConfig(
-        vocab_size=_vocab_size(metadata, "gemma3"),
+        vocab_size=_vocab_size(metadata, arch),
         hidden_size=hidden,
         num_layers=layers,
         num_qo_heads=heads,
-        num_kv_heads=int(metadata.get("gemma3.attention.head_count_kv", heads)),
+        num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        ffn_size=int(metadata["gemma3.feed_forward_length"]),
-        rope_theta=float(metadata.get("gemma3.rope.freq_base", 1e6)),
-        rms_eps=float(metadata["gemma3.attention.layer_norm_rms_epsilon"]),
-        max_positions=int(metadata["gemma3.context_length"]),
-        family="gemma3",
+        ffn_size=int(metadata[f"{arch}.feed_forward_length"]),
+        rope_theta=theta,
+        rms_eps=float(metadata[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(metadata[f"{arch}.context_length"]),
+        family=arch,
         activation="gelu_tanh",
-        qk_norm=True,
+        qk_norm=arch == "gemma3",
         sandwich_norms=True,
         norm_in_float32=True,
         embed_scale=float(np.float32(np.sqrt(hidden))),
-        windows=tuple(
-            None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(layers)
-        ),
-        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+        windows=tuple(window if slide else None for slide in slides),
+        local_rope_theta=None if local_theta is None else float(local_theta),
+        attention_scale=float(np.float32(1 / np.sqrt(np.float32(hidden // heads))))
+        if layers == GEMMA_27B_LAYERS[arch]
+        else None,
+        attn_soft_cap=caps[0] or None,
+        final_soft_cap=caps[1] or None,
     )
 
 
@@ -455,7 +504,8 @@ _CONFIGS = {
     "llama": _llama_config,
     "qwen2": functools.partial(_qwen_config, arch="qwen2"),
     "qwen3": functools.partial(_qwen_config, arch="qwen3"),
-    "gemma3": _gemma3_config,
+    "gemma2": functools.partial(_gemma_config, arch="gemma2"),
+    "gemma3": functools.partial(_gemma_config, arch="gemma3"),
 }
 """The architectures pagedkv describes, by GGUF's `general.architecture`."""
 _DEQUANTIZED_FORMATS = (

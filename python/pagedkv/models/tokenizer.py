@@ -63,7 +63,7 @@ GEMMA_CHAT_TEMPLATE = (
 """Gemma's documented turn format (its instruction-tuned models' template,
 without the `<bos>`, which `prompt_ids` adds): a system prompt joins the
 first user turn; the assistant's role is "model"."""
-FAMILY_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+FAMILY_CHAT_TEMPLATES = {"gemma2": GEMMA_CHAT_TEMPLATE, "gemma3": GEMMA_CHAT_TEMPLATE}
 """The chat template of a family whose GGUFs carry none."""
 END_OF_TURN = (
     "<end_of_turn>",
