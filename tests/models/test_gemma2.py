@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from served import served_logits
 from tiny_gguf import write_tiny_gguf
 
 from pagedkv.graphs.numpy_reference import DenseDecoder
@@ -134,25 +135,13 @@ def test_the_weights_compute_what_transformers_computes(gemma2_gguf, transformer
     np.testing.assert_allclose(ours, transformers_logits, rtol=0, atol=1e-5 * FINAL_CAP)
 
 
-def served_logits(llm) -> np.ndarray:
-    """llm's logits [len(TOKENS) - 3, vocab]: after prefilling TOKENS[:4],
-    then after each of the rest, decoded one step at a time."""
-    llm.manager.add("r")
-    try:
-        rows = [llm.engine.prefill(["r"], [TOKENS[:4]])[0]]
-        rows += [llm.engine.decode(["r"], [t])[0] for t in TOKENS[4:]]
-    finally:
-        llm.manager.release("r")
-    return np.stack(rows)
-
-
 @pytest.mark.slow
 def test_the_float_step_graphs_compute_what_transformers_computes(gemma2_gguf, transformers_logits):
     """`load(gguf=...)` serves it: the prefill graph's last logits and each
     decode step's equal transformers' (float32 throughout)."""
     from pagedkv.models import load
 
-    rows = served_logits(load(gguf=str(gemma2_gguf), weights="f32", kv_dtype="float32"))
+    rows = served_logits(load(gguf=str(gemma2_gguf), weights="f32", kv_dtype="float32"), TOKENS)
     np.testing.assert_allclose(rows, transformers_logits[3:], rtol=0, atol=1e-4 * FINAL_CAP)
 
 
@@ -174,7 +163,7 @@ def test_the_quantized_step_graphs_compute_what_the_numpy_model_computes(tmp_pat
     formats = quantized_formats(model.quantized, 2)
     assert all(layer.fused() for layer in formats.layers) and formats.embed_is_head
     reference = DenseDecoder(model.config, model.weights, quantized=True)
-    got = served_logits(load(gguf=str(path), weights="gguf", kv_dtype="float32"))
+    got = served_logits(load(gguf=str(path), weights="gguf", kv_dtype="float32"), TOKENS)
     want = reference.feed_all(TOKENS)[3:]
     err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert (err < 2e-2).all(), err
