@@ -42,9 +42,13 @@ starts from the k-th most likely first token and continues greedily (a
 deterministic stand-in for sampling that a reference can replay); sampled
 ones draw from generators seeded with (seed, k).
 
+A request with a grammar (`response_format`: pagedkv.graphs.structured)
+chooses each sample's tokens among those its parse allows, and a sample
+ends where its grammar is complete.
+
 A sample ends at its token limit, on one of the request's stop tokens (the
-model's EOS unless `ignore_eos`), or on a stop string; its pages are
-released at once. The scheduler is not thread-safe: one thread owns it, its
+model's EOS unless `ignore_eos`), on a stop string or at the end of its
+grammar; its pages are released at once. The scheduler is not thread-safe: one thread owns it, its
 engine and its page manager (`pagedkv.serve.engine` runs it on one).
 """
 
@@ -76,6 +80,7 @@ from .sampling import (
     token_logprob,
 )
 from .stop_strings import StopMatcher
+from .structured import Grammars, GrammarState
 
 log = logging.getLogger("pagedkv.scheduler")
 
@@ -110,6 +115,9 @@ class Request:
     `PromptLogprobs` event before the first token); the prompt is then
     computed whole, not read from the prefix cache.
     adjustments: logit bias and penalties applied before choosing a token.
+    grammar: a grammar the samples' text must follow (`pagedkv.graphs.
+    structured`: OpenAI's `response_format`); needs a scheduler with
+    `grammars`.
     kv_transfer: vLLM's ``kv_transfer_params`` as the client sent them (a
     prefill instance's pages to pull, or a request to keep them for a
     decode instance); the connectors read them.
@@ -128,6 +136,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     adjustments: LogitAdjustments = NO_ADJUSTMENTS
+    grammar: str | None = None
     kv_transfer: dict | None = None
 
 
@@ -195,6 +204,8 @@ class Sequence:
     stops: StopMatcher | None = field(default=None, repr=False)
     text: Callable[[int], str] | None = field(default=None, repr=False)
     """The sample's incremental detokenizer (token -> new text)."""
+    grammar: GrammarState | None = field(default=None, repr=False)
+    """The sample's parse of its request's grammar."""
     last_time: float = 0.0
 
     @property
@@ -318,6 +329,9 @@ class Scheduler:
         Gets `first_token(seconds)`, `token_gap(seconds)`,
         `finished(reason)` and `step(phase, seconds)` calls (metrics; phase
         "prefill" or "decode", the engine call's time).
+    grammars : Grammars, optional
+        The model's grammar engine (pagedkv.graphs.structured): requests
+        with a grammar are refused without one.
     connectors : sequence of KVConnector
         Where pages come from or go to besides the pool (pagedkv.graphs.
         kv_connector): a page store shared with other instances, a prefill
@@ -343,6 +357,7 @@ class Scheduler:
         keep_logits: bool = False,
         observer=None,
         connectors: Seq[KVConnector] = (),
+        grammars: Grammars | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs and max_prefill_tokens must be >= 1")
@@ -362,6 +377,7 @@ class Scheduler:
         self.keep_logits = keep_logits
         self.observer = observer
         self.connectors = tuple(connectors)
+        self.grammars = grammars
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._waiting: list[_Live] = []
@@ -432,6 +448,12 @@ class Scheduler:
         penalties = (req.adjustments.presence_penalty, req.adjustments.frequency_penalty)
         if not all(np.isfinite(p) for p in penalties):
             return "presence_penalty and frequency_penalty must be finite"
+        if req.grammar is not None:
+            if self.grammars is None:
+                return "structured outputs need a scheduler with the model's grammars"
+            error = self.grammars.error(req.grammar)
+            if error is not None:
+                return f"the response format cannot be followed: {error}"
         need = self.footprint(req)
         if need > self.manager.num_pages:
             return (
@@ -727,8 +749,6 @@ class Scheduler:
             req = live.req
             if rows is not None:
                 self._send(live, prompt_logprobs(req.prompt, rows, req.prompt_logprobs))
-            first = req.adjustments.apply(row, []) if req.adjustments.active else row
-            ranked = greedy_tokens(first, req.n) if req.sampling.greedy else None
             # Every sample is forked before any is emitted: a sample whose
             # first token ends it releases its pages at once, and the
             # others fork from sample 0's.
@@ -742,11 +762,16 @@ class Scheduler:
                         sid,
                         req,
                         k,
-                        rng=None if ranked is not None else np.random.default_rng(seed),
+                        rng=None if req.sampling.greedy else np.random.default_rng(seed),
                         stops=StopMatcher(req.stop),
                         text=self.detokenizer() if self.detokenizer is not None else None,
+                        grammar=self.grammars.start(req.grammar) if req.grammar else None,
                     )
                 )
+            first = req.adjustments.apply(row, []) if req.adjustments.active else row
+            if req.grammar is not None:  # every sample's parse is at its start
+                first = live.samples[0].grammar.mask(first)
+            ranked = greedy_tokens(first, req.n) if req.sampling.greedy else None
             for k, s in enumerate(live.samples):
                 token = (
                     int(ranked[k])
@@ -815,6 +840,8 @@ class Scheduler:
         req = live.req
         if req.adjustments.active:
             row = req.adjustments.apply(row, s.tokens)
+        if s.grammar is not None:
+            row = s.grammar.mask(row)
         return sample_token(row, req.sampling, s.rng)
 
     def _emit(self, live: _Live, s: Sequence, token: int, row: np.ndarray) -> None:
@@ -832,7 +859,10 @@ class Scheduler:
             s.logits.append(row)
         self.stats.generated_tokens += 1
         text = s.stops.push(s.text(token)) if s.text is not None else ""
-        if s.stops.stopped or token in live.stop_token_ids:
+        # A grammar ends its sample where its text is complete (or, never
+        # from masked logits, where it refuses the token).
+        followed = s.grammar is None or (s.grammar.advance(token) and not s.grammar.complete)
+        if s.stops.stopped or token in live.stop_token_ids or not followed:
             s.finish_reason = "stop"
         elif len(s.tokens) >= live.req.max_tokens:
             s.finish_reason = "length"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from pagedkv.graphs.model import DecoderConfig
 from pagedkv.graphs.sampling import SamplingParams
 from pagedkv.graphs.scheduler import Request, RunStats, Scheduler
 from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
+from pagedkv.graphs.structured import Grammars, response_format_grammar
 
 from .catalog import DEFAULT_MODEL, model_spec
 from .errors import ModelError
@@ -100,6 +101,9 @@ class LLM:
         self.weights = model.weights
         self.quantized = model.quantized if quantized else None
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
+        self.grammars = Grammars(
+            self.tokenizer.tokenizer, model.config.vocab_size, self.tokenizer.stop_ids
+        )
         self.manager = manager
         t0 = time.perf_counter()
         self.engine = DecoderEngine(
@@ -131,6 +135,7 @@ class LLM:
         on_text: Callable[[int, str, bool], None] | None = None,
         top_k: int = 0,
         min_p: float = 0.0,
+        response_format: Mapping | None = None,
     ) -> list[Completion]:
         """Serves every prompt together and returns their completions in order.
 
@@ -155,6 +160,11 @@ class LLM:
             (streaming; text is held back while it ends inside a UTF-8
             character), and with finished=True once for each prompt when it
             ends (at once for a prompt that cannot be served).
+        response_format : dict, optional
+            OpenAI's: {"type": "json_object"} (any JSON object) or
+            {"type": "json_schema", "json_schema": {"schema": {...}}}: every
+            answer's text follows it (pagedkv.graphs.structured); a schema
+            that cannot be followed raises ValueError.
 
         Returns
         -------
@@ -175,6 +185,9 @@ class LLM:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
+        grammar = response_format_grammar(response_format)
+        if grammar is not None and (error := self.grammars.error(grammar)) is not None:
+            raise ValueError(f"the response format cannot be followed: {error}")
         ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
         stop = self.tokenizer.stop_ids
         requests = []
@@ -186,6 +199,7 @@ class LLM:
                     max_new_tokens,
                     sampling=sampling,
                     stop_token_ids=stop,
+                    grammar=grammar,
                 )
             )
             self._next_id += 1
@@ -198,7 +212,9 @@ class LLM:
             if on_text is not None and (text or s.done):
                 on_text(i, text, s.done)
 
-        scheduler = Scheduler(self.engine, max_num_seqs=max(len(requests), 1))
+        scheduler = Scheduler(
+            self.engine, max_num_seqs=max(len(requests), 1), grammars=self.grammars
+        )
         if on_text is not None:
             for i, r in enumerate(requests):
                 if scheduler.rejection(scheduler.capped(r)) is not None:

@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
+from pagedkv.graphs.structured import response_format_grammar
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
@@ -57,6 +58,8 @@ class Asked:
     prompt_logprobs: int | None = None
     completion: bool = True
     """False: max_tokens 0 with echo, the one generated token is dropped."""
+    grammar: str | None = None
+    """What the text must follow (`response_format`), or None."""
 
 
 class Completions:
@@ -122,6 +125,7 @@ class Completions:
             if problem is not None:
                 raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
         adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
+        grammar = self.grammar(body.response_format)
         sampling = SamplingParams(
             body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p
         )
@@ -134,7 +138,7 @@ class Completions:
                     param="top_logprobs",
                 )
             top = (body.top_logprobs or 0) if body.logprobs else None
-            return Asked(sampling, adjustments, top)
+            return Asked(sampling, adjustments, top, grammar=grammar)
         if body.max_tokens == 0 and not body.echo:
             raise self.reject(
                 400,
@@ -144,7 +148,32 @@ class Completions:
             )
         prompt_top = body.logprobs if body.echo else None
         completion = body.max_tokens != 0
-        return Asked(sampling, adjustments, body.logprobs, body.echo, prompt_top, completion)
+        return Asked(
+            sampling,
+            adjustments,
+            body.logprobs,
+            body.echo,
+            prompt_top,
+            completion,
+            grammar=grammar,
+        )
+
+    def grammar(self, response_format: dict | None) -> str | None:
+        """The grammar of a request's response_format (400 where it has none
+        or it cannot be followed)."""
+        try:
+            grammar = response_format_grammar(response_format)
+            error = None if grammar is None else self.engine.llm.grammars.error(grammar)
+        except ValueError as e:
+            grammar, error = None, str(e)
+        if error is not None:
+            raise self.reject(
+                400,
+                f"the response format cannot be followed: {error}",
+                "invalid_request_error",
+                param="response_format",
+            )
+        return grammar
 
     def submit_all(
         self, prompts: list[list[int]], max_tokens, body, asked, queue, loop
@@ -170,6 +199,7 @@ class Completions:
                     logprobs=asked.logprobs,
                     prompt_logprobs=asked.prompt_logprobs,
                     adjustments=asked.adjustments,
+                    grammar=asked.grammar,
                     kv_transfer=body.kv_transfer_params,
                 )
 

@@ -144,6 +144,7 @@ class ServingEngine:
             policy=policy,
             observer=observer,
             connectors=connectors,
+            grammars=llm.grammars,
         )
         self.max_num_seqs = max_num_seqs
         self.kv_transfer = next((c for c in connectors if c.transfer_role), None)

@@ -57,6 +57,10 @@ class _Common(BaseModel):
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     """vLLM's extension: under `--scheduling-policy priority`, lower values
     are admitted first (ignored under fcfs)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's structured outputs: {"type": "text"}, {"type":
+    "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+    ...}} (pagedkv.graphs.structured)."""
     kv_transfer_params: dict[str, Any] | None = None
     """vLLM's disaggregation handshake: keep this prompt's pages for a
     decode instance (`do_remote_decode`), or read them from the prefill

@@ -1,0 +1,132 @@
+"""Structured outputs: samples whose text must follow a grammar (a JSON
+schema, any JSON object, a regular expression or a Lark grammar), as
+OpenAI's `response_format` asks.
+
+llguidance (the grammar engine of llama.cpp's and vLLM's guidance backends)
+keeps each sample's parse over the model's own tokenizer and gives, before
+each token, the tokens that keep the text within the grammar. The
+scheduler sets every other token's logit to -inf before it chooses (after
+the logit bias and penalties) and advances the parse by the token chosen;
+the logprobs it reports stay the model's own. A sample ends ("stop") when
+the grammar is complete and allows no more text, or when it chooses a stop
+token, which the grammar allows only where the text is complete; a sample
+cut by max_tokens ends unfinished ("length"), as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How the JSON is laid out: on one line, as Python's `json.dumps` writes
+it. With any whitespace allowed, small models fill objects with newlines
+until max_tokens; a schema's own "x-guidance" options take precedence."""
+
+
+def response_format_grammar(response_format: Mapping | None) -> str | None:
+    """The grammar of OpenAI's `response_format`: None for {"type": "text"}
+    (or no format), any JSON object for {"type": "json_object"}, the
+    schema's JSON for {"type": "json_schema", "json_schema": {"schema":
+    ...}}. Raises ValueError for anything else.
+
+    Examples
+    --------
+    >>> response_format_grammar({"type": "text"}) is None
+    True
+    >>> "json_schema" in response_format_grammar({"type": "json_object"})
+    True
+    """
+    from llguidance import LLMatcher
+
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise ValueError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    raise ValueError(
+        f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}'
+    )
+
+
+class Grammars:
+    """The grammar engine over one model's tokenizer: checks grammars and
+    starts each sample's parse. Its token tables (about a second for a
+    vocabulary of 50,000) are built on first use.
+
+    Args:
+        tokenizer: the model's `tokenizers.Tokenizer`.
+        vocab_size: the model's logits per row (at least the tokenizer's).
+        stop_ids: the tokens that end a sample (EOS, end of turn): allowed
+            where the text is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self._source = tokenizer
+
+    @functools.cached_property
+    def _tokenizer(self):
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(self._source.to_str(), n_vocab=self.vocab_size, eos_token=self.stop_ids)
+
+    def error(self, grammar: str) -> str | None:
+        """Why `grammar` cannot be followed (an unknown schema keyword, a
+        malformed expression), or None."""
+        from llguidance import LLMatcher
+
+        return LLMatcher.validate_grammar(grammar, self._tokenizer) or None
+
+    def start(self, grammar: str) -> GrammarState:
+        """A new sample's parse of `grammar` (checked by `error` first)."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        return GrammarState(matcher, self.vocab_size, self.stop_ids)
+
+
+class GrammarState:
+    """One sample's parse: which tokens may come next."""
+
+    def __init__(self, matcher, vocab_size: int, stop_ids: list[int]) -> None:
+        self._matcher = matcher
+        self._vocab = vocab_size
+        self._stop_ids = stop_ids
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens that keep the text within the grammar
+        (only the stop tokens where the parse failed, so that it ends)."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)
+        if not allowed.any():
+            allowed[self._stop_ids] = True
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """logits [vocab] with every token the grammar forbids at -inf (a
+        new array)."""
+        return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype)
+
+    def advance(self, token: int) -> bool:
+        """Takes the chosen token; False where the grammar forbids it (a
+        token chosen from masked logits is forbidden only when the parse
+        has failed): the sample should end."""
+        return bool(self._matcher.consume_token(token))
+
+    @property
+    def complete(self) -> bool:
+        """The grammar allows no more text (the sample is done)."""
+        return self._matcher.is_stopped()

@@ -1,0 +1,145 @@
+"""Structured outputs (`response_format`): answers that follow a JSON schema
+or are JSON objects, from `LLM.generate` and over HTTP.
+
+The schema is checked here by hand (keys, types, bounds), not by the
+grammar engine that enforced it; the same prompts answered without a
+format are not such JSON, so the format is what makes them so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.graphs.structured import Grammars, response_format_grammar
+from pagedkv.models import load
+from pagedkv.serve import ServerThread
+
+MODEL = "smollm2-135m-instruct"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+PROMPTS = [
+    "Name a large city, its country and its population in millions.",
+    "Tell me about Tokyo.",
+]
+MAX_TOKENS = 96
+HANG_GUARD = 600.0
+
+
+def follows_schema(text: str) -> bool:
+    """Whether text is one JSON object that SCHEMA accepts."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    if not isinstance(value, dict) or set(value) != set(SCHEMA["required"]):
+        return False
+    names = [value["city"], value["country"]]
+    number = value["population_millions"]
+    return (
+        all(isinstance(s, str) and len(s) <= 24 for s in names)
+        and type(number) is int
+        and 0 <= number <= 100
+    )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return load(MODEL)
+
+
+def test_the_grammar_allows_what_continues_the_text(llm):
+    """At the start of a JSON object only tokens that open one are allowed;
+    once `{"a": 1}` is in, only the stop tokens are."""
+    grammars = Grammars(llm.tokenizer.tokenizer, llm.config.vocab_size, llm.tokenizer.stop_ids)
+    state = grammars.start(response_format_grammar({"type": "json_object"}))
+    allowed = state.allowed().nonzero()[0]
+    assert len(allowed) > 0
+    assert all(llm.tokenizer.decode([int(t)]).startswith("{") for t in allowed)
+    assert not state.allowed()[sorted(llm.tokenizer.stop_ids)].any()
+    for token in llm.tokenizer.prompt_ids('{"a": 1}'):
+        assert state.advance(token)
+    assert state.complete
+    assert set(state.allowed().nonzero()[0]) <= set(llm.tokenizer.stop_ids)
+    assert not grammars.start(response_format_grammar(FORMAT)).advance(min(llm.tokenizer.stop_ids))
+
+
+def test_generate_follows_a_json_schema_greedy_and_sampled(llm):
+    free = llm.generate(PROMPTS, max_new_tokens=MAX_TOKENS)
+    assert not any(follows_schema(c.text) for c in free)
+    for kw in ({}, {"temperature": 0.9, "seed": 3}):
+        answers = llm.generate(PROMPTS, max_new_tokens=MAX_TOKENS, response_format=FORMAT, **kw)
+        for c in answers:
+            assert c.finish_reason == "stop" and follows_schema(c.text), c.text
+    llm.manager.validate()
+    assert llm.manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+    ],
+)
+def test_a_format_that_cannot_be_followed_raises(llm, response_format):
+    with pytest.raises(ValueError, match="json_schema|cannot be followed"):
+        llm.generate(PROMPTS[:1], response_format=response_format)
+
+
+def test_over_http_streamed_and_not_and_refused(llm):
+    with ServerThread(llm) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": PROMPTS[1]}]
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            response_format=FORMAT,
+            n=2,
+            temperature=0.9,
+            seed=5,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "stop" and follows_schema(choice.message.content)
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            response_format=FORMAT,
+            stream=True,
+        )
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        assert chunks[-1].finish_reason == "stop"
+        assert follows_schema("".join(c.delta.content or "" for c in chunks))
+        bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+        for body in ({"response_format": bad}, {"response_format": {"type": "xml"}}):
+            r = httpx.post(
+                server.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, **body},
+                timeout=HANG_GUARD,
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "response_format"
+        completion = client.completions.create(
+            model=MODEL,
+            prompt="A JSON object:",
+            max_tokens=MAX_TOKENS,
+            extra_body={"response_format": {"type": "json_object"}},
+        )
+        assert isinstance(json.loads(completion.choices[0].text), dict)
+        assert server.engine.wait_idle(HANG_GUARD)
+    llm.manager.validate()
