@@ -1,6 +1,6 @@
 """Structured outputs: samples whose text must follow a grammar (a JSON
-schema, any JSON object, a regular expression or a Lark grammar), as
-OpenAI's `response_format` asks.
+schema, any JSON object, a regular expression or one of given strings), as
+OpenAI's `response_format` and vLLM's `structured_outputs` ask.
 
 llguidance (the grammar engine of llama.cpp's and vLLM's guidance backends)
 keeps each sample's parse over the model's own tokenizer and gives, before
@@ -28,10 +28,13 @@ until max_tokens; a schema's own "x-guidance" options take precedence."""
 
 
 def response_format_grammar(response_format: Mapping | None) -> str | None:
-    """The grammar of OpenAI's `response_format`: None for {"type": "text"}
-    (or no format), any JSON object for {"type": "json_object"}, the
-    schema's JSON for {"type": "json_schema", "json_schema": {"schema":
-    ...}}. Raises ValueError for anything else.
+    """The grammar of a `response_format`: OpenAI's types, None for
+    {"type": "text"} (or no format), any JSON object for {"type":
+    "json_object"}, the schema's JSON for {"type": "json_schema",
+    "json_schema": {"schema": {...}}}; and pagedkv's {"type": "regex",
+    "regex": "..."} (a whole match, Rust's regex syntax) and {"type":
+    "choice", "choice": ["...", ...]} (one of the strings). Raises
+    ValueError for anything else.
 
     Examples
     --------
@@ -55,9 +58,53 @@ def response_format_grammar(response_format: Mapping | None) -> str | None:
         if not isinstance(schema, Mapping):
             raise ValueError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
         return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    if kind == "regex":
+        regex = response_format.get("regex")
+        if not isinstance(regex, str):
+            raise ValueError('response_format regex needs {"regex": "..."}')
+        return LLMatcher.grammar_from_regex(regex)
+    if kind == "choice":
+        choice = response_format.get("choice")
+        if not isinstance(choice, list | tuple) or not choice or not all(map(_text, choice)):
+            raise ValueError('response_format choice needs {"choice": ["...", ...]}')
+        # Lark's string literals take JSON's escapes.
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, choice)))
     raise ValueError(
-        f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}'
+        'response_format type must be "text", "json_object", "json_schema", "regex" or '
+        f'"choice", got {kind!r}'
     )
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def grammar_given(response_format: Mapping | None) -> bool:
+    """Whether a `response_format` asks for more than free text."""
+    return response_format is not None and response_format.get("type") != "text"
+
+
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
+"""vLLM's `structured_outputs` keys, by the `response_format` type each is."""
+
+
+def structured_outputs_format(spec: Mapping) -> dict:
+    """vLLM's `structured_outputs` ({"json": schema}, {"regex": "..."} or
+    {"choice": [...]}; {"json_object": true}) as a `response_format`.
+    Raises ValueError unless it names exactly one of them."""
+    named = [key for key in (*STRUCTURED_OUTPUTS, "json_object") if spec.get(key)]
+    if len(named) != 1:
+        raise ValueError(
+            'structured_outputs takes one of "json", "regex", "choice" or "json_object"'
+        )
+    key = named[0]
+    if key == "json_object":
+        return {"type": "json_object"}
+    if key == "json":
+        schema = spec["json"]
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        return {"type": "json_schema", "json_schema": {"schema": schema}}
+    return {"type": key, key: spec[key]}
 
 
 class Grammars:

@@ -1,5 +1,6 @@
-"""Structured outputs (`response_format`): answers that follow a JSON schema
-or are JSON objects, from `LLM.generate` and over HTTP.
+"""Structured outputs (`response_format`, vLLM's `structured_outputs`):
+answers that follow a JSON schema, are JSON objects, match a regular
+expression or are one of given strings, from `LLM.generate` and over HTTP.
 
 The schema is checked here by hand (keys, types, bounds), not by the
 grammar engine that enforced it; the same prompts answered without a
@@ -9,6 +10,7 @@ format are not such JSON, so the format is what makes them so.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -87,16 +89,36 @@ def test_generate_follows_a_json_schema_greedy_and_sampled(llm):
     assert llm.manager.num_used_pages == 0
 
 
+def test_a_regular_expression_and_a_choice(llm):
+    """The whole answer matches the expression, or is one of the strings."""
+    phone = llm.generate(
+        ["What is a phone number?"],
+        max_new_tokens=MAX_TOKENS,
+        response_format={"type": "regex", "regex": r"[0-9]{3}-[0-9]{4}"},
+    )[0]
+    assert phone.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text)
+    choices = ["positive", "negative", 'it "depends"']
+    for prompt in ("I love this film!", "This film was awful."):
+        answer = llm.generate(
+            [f"Is this review positive or negative? {prompt}"],
+            response_format={"type": "choice", "choice": choices},
+        )[0]
+        assert answer.finish_reason == "stop" and answer.text in choices
+
+
 @pytest.mark.parametrize(
     "response_format",
     [
         {"type": "xml"},
         {"type": "json_schema"},
         {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        {"type": "regex", "regex": "(unclosed"},
+        {"type": "choice", "choice": "yes"},
+        {"type": "choice", "choice": []},
     ],
 )
 def test_a_format_that_cannot_be_followed_raises(llm, response_format):
-    with pytest.raises(ValueError, match="json_schema|cannot be followed"):
+    with pytest.raises(ValueError, match="json_schema|cannot be followed|needs"):
         llm.generate(PROMPTS[:1], response_format=response_format)
 
 
@@ -134,6 +156,27 @@ def test_over_http_streamed_and_not_and_refused(llm):
             )
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "response_format"
+        labels = ["yes", "no"]
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            extra_body={"structured_outputs": {"choice": labels}},
+        )
+        assert r.choices[0].message.content in labels
+        for body, param in (
+            ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "a", "choice": labels}}, "structured_outputs"),
+            (
+                {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+                "structured_outputs",
+            ),
+        ):
+            r = httpx.post(
+                server.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, **body},
+                timeout=HANG_GUARD,
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         completion = client.completions.create(
             model=MODEL,
             prompt="A JSON object:",

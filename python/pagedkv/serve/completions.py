@@ -22,7 +22,11 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
-from pagedkv.graphs.structured import response_format_grammar
+from pagedkv.graphs.structured import (
+    grammar_given,
+    response_format_grammar,
+    structured_outputs_format,
+)
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
@@ -125,7 +129,7 @@ class Completions:
             if problem is not None:
                 raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
         adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
-        grammar = self.grammar(body.response_format)
+        grammar = self.grammar(body)
         sampling = SamplingParams(
             body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p
         )
@@ -158,20 +162,27 @@ class Completions:
             grammar=grammar,
         )
 
-    def grammar(self, response_format: dict | None) -> str | None:
-        """The grammar of a request's response_format (400 where it has none
-        or it cannot be followed)."""
+    def grammar(self, body) -> str | None:
+        """The grammar of a request's `response_format` or vLLM's
+        `structured_outputs` (one of them; 400 naming the field where it
+        has none or it cannot be followed)."""
+        param = "structured_outputs" if body.structured_outputs else "response_format"
         try:
-            grammar = response_format_grammar(response_format)
+            fmt = body.response_format
+            if body.structured_outputs:
+                if grammar_given(fmt):
+                    raise ValueError("give response_format or structured_outputs, not both")
+                fmt = structured_outputs_format(body.structured_outputs)
+            grammar = response_format_grammar(fmt)
             error = None if grammar is None else self.engine.llm.grammars.error(grammar)
         except ValueError as e:
             grammar, error = None, str(e)
         if error is not None:
             raise self.reject(
                 400,
-                f"the response format cannot be followed: {error}",
+                f"the output format cannot be followed: {error}",
                 "invalid_request_error",
-                param="response_format",
+                param=param,
             )
         return grammar
 

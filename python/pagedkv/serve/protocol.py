@@ -60,7 +60,11 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None
     """OpenAI's structured outputs: {"type": "text"}, {"type":
     "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-    ...}} (pagedkv.graphs.structured)."""
+    ...}}; pagedkv's {"type": "regex", "regex": ...} and {"type": "choice",
+    "choice": [...]} (pagedkv.graphs.structured)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: {"json": schema}, {"regex": ...}, {"choice": [...]} or
+    {"json_object": true}."""
     kv_transfer_params: dict[str, Any] | None = None
     """vLLM's disaggregation handshake: keep this prompt's pages for a
     decode instance (`do_remote_decode`), or read them from the prefill
