@@ -60,8 +60,10 @@ def test_description_read_from_the_gguf(model):
     # Every product packed in its file's blocks: gate|up in Q5_0; Q|K|V in
     # Q5_0 where V is Q5_0 too, else as Q8_0 (Q5_0 queries and keys beside
     # Q8_0 values); the head in Q8_0; the output projections in Q4_K, the
-    # down projections in Q4_K in half the layers and Q6_K in the others.
-    assert len(model.quantized) == 4 * 18 + 1
+    # down projections in Q4_K in half the layers and Q6_K in the others;
+    # the embedding's rows are looked up in the (tied) head's panels.
+    assert len(model.quantized) == 4 * 18 + 2
+    assert model.quantized["embed"] is model.quantized["lm_head"]
     formats = {name: q.format for name, q in model.quantized.items()}
     assert {f for n, f in formats.items() if n.endswith(".w_gate_up")} == {"Q5_0"}
     assert {f for n, f in formats.items() if n.endswith(".wqkv")} == {"Q5_0", "Q8_0"}
