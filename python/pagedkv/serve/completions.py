@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -129,7 +129,6 @@ class Completions:
             if problem is not None:
                 raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
         adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
-        grammar = self.grammar(body)
         sampling = SamplingParams(
             body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p
         )
@@ -142,7 +141,7 @@ class Completions:
                     param="top_logprobs",
                 )
             top = (body.top_logprobs or 0) if body.logprobs else None
-            return Asked(sampling, adjustments, top, grammar=grammar)
+            return Asked(sampling, adjustments, top)
         if body.max_tokens == 0 and not body.echo:
             raise self.reject(
                 400,
@@ -159,13 +158,14 @@ class Completions:
             body.echo,
             prompt_top,
             completion,
-            grammar=grammar,
         )
 
-    def grammar(self, body) -> str | None:
+    async def grammar(self, body) -> str | None:
         """The grammar of a request's `response_format` or vLLM's
         `structured_outputs` (one of them; 400 naming the field where it
-        has none or it cannot be followed)."""
+        has none or it cannot be followed). Checked off the event loop: the
+        first check builds the grammar engine's tables (seconds for a large
+        vocabulary), and a large schema takes a while to compile."""
         param = "structured_outputs" if body.structured_outputs else "response_format"
         try:
             fmt = body.response_format
@@ -174,7 +174,8 @@ class Completions:
                     raise ValueError("give response_format or structured_outputs, not both")
                 fmt = structured_outputs_format(body.structured_outputs)
             grammar = response_format_grammar(fmt)
-            error = None if grammar is None else self.engine.llm.grammars.error(grammar)
+            grammars = self.engine.llm.grammars
+            error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)
         except ValueError as e:
             grammar, error = None, str(e)
         if error is not None:
@@ -262,7 +263,7 @@ class Completions:
     ):
         """Submits the prompts, then streams or gathers their choices;
         `texts`: the prompts as echo returns them (default: decoded)."""
-        asked = self.check(body, chat)
+        asked = replace(self.check(body, chat), grammar=await self.grammar(body))
         max_tokens = self.within_limits(prompts, max_tokens, chat)
         await self.reach_prefill_peer(body)
         key = request.headers.get("authorization") or (
