@@ -166,6 +166,14 @@ def test_generate_cli_prints_one_json_object_per_prompt_in_order():
         assert set(got) >= {"prompt", "prompt_token_ids", "token_ids", "text"}
 
 
+def test_generate_cli_answers_in_the_format_asked():
+    fmt = '{"type": "choice", "choice": ["red", "green", "blue"]}'
+    result = run_cli("generate", "--json", "--response-format", fmt, "Name a colour.", "Sky?")
+    assert result.returncode == 0, result.stderr[-2000:]
+    for line in result.stdout.strip().splitlines():
+        assert json.loads(line)["text"] in ("red", "green", "blue")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -178,6 +186,8 @@ def test_generate_cli_prints_one_json_object_per_prompt_in_order():
         (["generate", "--weights", "bf16", "--device", "gpu", "hi"], "wrong answers on a GPU"),
         (["generate", "--gguf", "/nonexistent/model.gguf", "hi"], "no GGUF file at"),
         (["generate", "--gguf", __file__, "hi"], "is not a readable GGUF"),
+        (["generate", "--response-format", "{json", "hi"], "must be a JSON object"),
+        (["generate", "--response-format", '{"type": "xml"}', "hi"], "response_format type"),
     ],
 )
 def test_generate_cli_errors_are_one_line_with_status_2(args, message):

@@ -50,6 +50,7 @@ class _OrderedStream:
 
 def run_generate(args: argparse.Namespace) -> int:
     """The `generate` subcommand; returns the exit status."""
+    from ..graphs.structured import response_format_grammar
     from ..models import ModelError
     from ..models.forms import load_from_arguments
 
@@ -58,6 +59,18 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         say("pagedkv generate: error: --max-new-tokens must be at least 1")
+        return 2
+    try:
+        response_format = json.loads(args.response_format) if args.response_format else None
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        say(f"pagedkv generate: error: --response-format must be a JSON object ({e})")
+        return 2
+    try:
+        response_format_grammar(response_format)  # its kind, before the model loads
+    except ValueError as e:
+        say(f"pagedkv generate: error: {e}")
         return 2
     try:
         llm = load_from_arguments(args, say)
@@ -78,6 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             system_prompt=args.system,
             on_text=stream.on_text,
+            response_format=response_format,
         )
     except ValueError as e:
         say(f"pagedkv generate: error: {e}")

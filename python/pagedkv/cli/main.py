@@ -108,6 +108,13 @@ def _add_generate(sub) -> None:
     gen.add_argument("--min-p", type=float, default=0.0, help="min-p (default %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument(
+        "--response-format",
+        default=None,
+        metavar="JSON",
+        help="what every answer follows, as the server's response_format: '{\"type\": "
+        '"json_object"}\', a json_schema, a regex or a choice',
+    )
+    gen.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object per prompt, one per line, in prompt order",
