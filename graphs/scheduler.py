@@ -48,8 +48,9 @@ ends where its grammar is complete.
 
 A sample ends at its token limit, on one of the request's stop tokens (the
 model's EOS unless `ignore_eos`), on a stop string or at the end of its
-grammar; its pages are released at once. The scheduler is not thread-safe: one thread owns it, its
-engine and its page manager (`pagedkv.serve.engine` runs it on one).
+grammar; its pages are released at once. The scheduler is not thread-safe:
+one thread owns it, its engine and its page manager (`pagedkv.serve.engine`
+runs it on one).
 """
 
 from __future__ import annotations
@@ -861,8 +862,8 @@ class Scheduler:
         text = s.stops.push(s.text(token)) if s.text is not None else ""
         # A grammar ends its sample where its text is complete (or, never
         # from masked logits, where it refuses the token).
-        followed = s.grammar is None or (s.grammar.advance(token) and not s.grammar.complete)
-        if s.stops.stopped or token in live.stop_token_ids or not followed:
+        grammar_goes_on = s.grammar is None or (s.grammar.advance(token) and not s.grammar.complete)
+        if s.stops.stopped or token in live.stop_token_ids or not grammar_goes_on:
             s.finish_reason = "stop"
         elif len(s.tokens) >= live.req.max_tokens:
             s.finish_reason = "length"
