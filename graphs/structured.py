@@ -1,6 +1,7 @@
 """Structured outputs: samples whose text must follow a grammar (a JSON
-schema, any JSON object, a regular expression or one of given strings), as
-OpenAI's `response_format` and vLLM's `structured_outputs` ask.
+schema, any JSON object, a regular expression, one of given strings or a
+GBNF grammar), as OpenAI's `response_format`, vLLM's `structured_outputs`
+and llama.cpp's `json_schema` and `grammar` ask.
 
 llguidance (the grammar engine of llama.cpp's and vLLM's guidance backends)
 keeps each sample's parse over the model's own tokenizer and gives, before
@@ -32,8 +33,9 @@ def response_format_grammar(response_format: Mapping | None) -> str | None:
     {"type": "text"} (or no format), any JSON object for {"type":
     "json_object"}, the schema's JSON for {"type": "json_schema",
     "json_schema": {"schema": {...}}}; and pagedkv's {"type": "regex",
-    "regex": "..."} (a whole match, Rust's regex syntax) and {"type":
-    "choice", "choice": ["...", ...]} (one of the strings). Raises
+    "regex": "..."} (a whole match, Rust's regex syntax), {"type":
+    "choice", "choice": ["...", ...]} (one of the strings) and {"type":
+    "grammar", "grammar": "root ::= ..."} (llama.cpp's GBNF). Raises
     ValueError for anything else.
 
     Examples
@@ -63,6 +65,8 @@ def response_format_grammar(response_format: Mapping | None) -> str | None:
         if not isinstance(regex, str):
             raise ValueError('response_format regex needs {"regex": "..."}')
         return LLMatcher.grammar_from_regex(regex)
+    if kind == "grammar":
+        return _gbnf_grammar(response_format.get("grammar"))
     if kind == "choice":
         choice = response_format.get("choice")
         if not isinstance(choice, list | tuple) or not choice or not all(map(_text, choice)):
@@ -70,9 +74,23 @@ def response_format_grammar(response_format: Mapping | None) -> str | None:
         # Lark's string literals take JSON's escapes.
         return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, choice)))
     raise ValueError(
-        'response_format type must be "text", "json_object", "json_schema", "regex" or '
-        f'"choice", got {kind!r}'
+        'response_format type must be "text", "json_object", "json_schema", "regex", '
+        f'"choice" or "grammar", got {kind!r}'
     )
+
+
+def _gbnf_grammar(text: object) -> str:
+    """A llama.cpp GBNF grammar (its `root` rule the whole answer) in
+    llguidance's terms."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    if not isinstance(text, str) or not text:
+        raise ValueError('response_format grammar needs {"grammar": "root ::= ..."}')
+    try:
+        return LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+    except GbnfToLarkError as e:
+        raise ValueError(f"not a GBNF grammar: {e}") from None
 
 
 def _text(value: object) -> bool:
@@ -82,6 +100,38 @@ def _text(value: object) -> bool:
 def grammar_given(response_format: Mapping | None) -> bool:
     """Whether a `response_format` asks for more than free text."""
     return response_format is not None and response_format.get("type") != "text"
+
+
+def request_format(
+    response_format: Mapping | None,
+    structured_outputs: Mapping | None = None,
+    json_schema: Mapping | None = None,
+    grammar: str | None = None,
+) -> tuple[str, dict | None]:
+    """(the field, the `response_format`) of a request that names its
+    output format in at most one of OpenAI's `response_format`, vLLM's
+    `structured_outputs` or llama.cpp's `json_schema` or `grammar` (GBNF);
+    ("response_format", None) when none does. Raises ValueError naming the
+    fields when more than one does."""
+    given = {
+        "response_format": response_format if grammar_given(response_format) else None,
+        "structured_outputs": structured_outputs or None,
+        "json_schema": json_schema,
+        "grammar": grammar,
+    }
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise ValueError(f"give one output format, not {' and '.join(named)}")
+    if not named:
+        return "response_format", None
+    name = named[0]
+    if name == "structured_outputs":
+        return name, structured_outputs_format(structured_outputs)
+    if name == "json_schema":
+        return name, {"type": "json_schema", "json_schema": {"schema": json_schema}}
+    if name == "grammar":
+        return name, {"type": "grammar", "grammar": grammar}
+    return name, dict(response_format)
 
 
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice"}

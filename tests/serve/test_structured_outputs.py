@@ -1,6 +1,7 @@
-"""Structured outputs (`response_format`, vLLM's `structured_outputs`):
-answers that follow a JSON schema, are JSON objects, match a regular
-expression or are one of given strings, from `LLM.generate` and over HTTP.
+"""Structured outputs (`response_format`, vLLM's `structured_outputs`,
+llama.cpp's `json_schema` and `grammar`): answers that follow a JSON
+schema, are JSON objects, match a regular expression, are one of given
+strings or follow a GBNF grammar, from `LLM.generate` and over HTTP.
 
 The schema is checked here by hand (keys, types, bounds), not by the
 grammar engine that enforced it; the same prompts answered without a
@@ -115,10 +116,11 @@ def test_a_regular_expression_and_a_choice(llm):
         {"type": "regex", "regex": "(unclosed"},
         {"type": "choice", "choice": "yes"},
         {"type": "choice", "choice": []},
+        {"type": "grammar", "grammar": 'root ::= ( "yes" '},
     ],
 )
 def test_a_format_that_cannot_be_followed_raises(llm, response_format):
-    with pytest.raises(ValueError, match="json_schema|cannot be followed|needs"):
+    with pytest.raises(ValueError, match="json_schema|cannot be followed|needs|GBNF"):
         llm.generate(PROMPTS[:1], response_format=response_format)
 
 
@@ -163,7 +165,22 @@ def test_over_http_streamed_and_not_and_refused(llm):
             extra_body={"structured_outputs": {"choice": labels}},
         )
         assert r.choices[0].message.content in labels
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            extra_body={"grammar": 'root ::= "Yes." | "No."'},
+        )
+        assert r.choices[0].message.content in ("Yes.", "No.")
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            extra_body={"json_schema": SCHEMA},
+        )
+        assert follows_schema(r.choices[0].message.content)
         for body, param in (
+            ({"grammar": 'root ::= ( "yes" '}, "grammar"),
+            ({"grammar": "root ::= x", "json_schema": SCHEMA}, "json_schema"),
             ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
             ({"structured_outputs": {"regex": "a", "choice": labels}}, "structured_outputs"),
             (

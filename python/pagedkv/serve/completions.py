@@ -22,11 +22,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
-from pagedkv.graphs.structured import (
-    grammar_given,
-    response_format_grammar,
-    structured_outputs_format,
-)
+from pagedkv.graphs.structured import request_format, response_format_grammar
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
@@ -161,18 +157,17 @@ class Completions:
         )
 
     async def grammar(self, body) -> str | None:
-        """The grammar of a request's `response_format` or vLLM's
-        `structured_outputs` (one of them; 400 naming the field where it
-        has none or it cannot be followed). Checked off the event loop: the
-        first check builds the grammar engine's tables (seconds for a large
-        vocabulary), and a large schema takes a while to compile."""
-        param = "structured_outputs" if body.structured_outputs else "response_format"
+        """The grammar of a request's output format (`structured.request_format`:
+        one of OpenAI's, vLLM's or llama.cpp's fields; 400 naming the field
+        where it has none or it cannot be followed). Checked off the event
+        loop: the first check builds the grammar engine's tables (seconds for
+        a large vocabulary), and a large schema takes a while to compile."""
+        others = ("structured_outputs", "json_schema", "grammar")
+        param = next((name for name in others if getattr(body, name)), "response_format")
         try:
-            fmt = body.response_format
-            if body.structured_outputs:
-                if grammar_given(fmt):
-                    raise ValueError("give response_format or structured_outputs, not both")
-                fmt = structured_outputs_format(body.structured_outputs)
+            _, fmt = request_format(
+                body.response_format, body.structured_outputs, body.json_schema, body.grammar
+            )
             grammar = response_format_grammar(fmt)
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)

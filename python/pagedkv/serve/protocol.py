@@ -60,11 +60,17 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None
     """OpenAI's structured outputs: {"type": "text"}, {"type":
     "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-    ...}}; pagedkv's {"type": "regex", "regex": ...} and {"type": "choice",
-    "choice": [...]} (pagedkv.graphs.structured)."""
+    ...}}; pagedkv's {"type": "regex", "regex": ...}, {"type": "choice",
+    "choice": [...]} and {"type": "grammar", "grammar": GBNF}
+    (pagedkv.graphs.structured). At most one of this, `structured_outputs`,
+    `json_schema` and `grammar`."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's: {"json": schema}, {"regex": ...}, {"choice": [...]} or
     {"json_object": true}."""
+    json_schema: dict[str, Any] | None = None
+    """llama.cpp's: the schema the answer follows."""
+    grammar: str | None = None
+    """llama.cpp's: a GBNF grammar the answer follows."""
     kv_transfer_params: dict[str, Any] | None = None
     """vLLM's disaggregation handshake: keep this prompt's pages for a
     decode instance (`do_remote_decode`), or read them from the prefill
