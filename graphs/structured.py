@@ -157,6 +157,10 @@ def structured_outputs_format(spec: Mapping) -> dict:
     return {"type": key, key: spec[key]}
 
 
+VERDICTS_KEPT = 256
+"""Grammars whose check `Grammars.error` remembers."""
+
+
 class Grammars:
     """The grammar engine over one model's tokenizer: checks grammars and
     starts each sample's parse. Its token tables (about a second for a
@@ -173,6 +177,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self._source = tokenizer
+        self._verdicts: dict[str, str | None] = {}
 
     @functools.cached_property
     def _tokenizer(self):
@@ -182,10 +187,16 @@ class Grammars:
 
     def error(self, grammar: str) -> str | None:
         """Why `grammar` cannot be followed (an unknown schema keyword, a
-        malformed expression), or None."""
+        malformed expression), or None. A request is checked where it
+        arrives and again where it is queued: the verdicts of the last
+        `VERDICTS_KEPT` grammars are kept, so only the first check compiles."""
         from llguidance import LLMatcher
 
-        return LLMatcher.validate_grammar(grammar, self._tokenizer) or None
+        if grammar not in self._verdicts:
+            if len(self._verdicts) >= VERDICTS_KEPT:
+                del self._verdicts[next(iter(self._verdicts))]
+            self._verdicts[grammar] = LLMatcher.validate_grammar(grammar, self._tokenizer) or None
+        return self._verdicts[grammar]
 
     def start(self, grammar: str) -> GrammarState:
         """A new sample's parse of `grammar` (checked by `error` first)."""
@@ -215,7 +226,9 @@ class GrammarState:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """logits [vocab] with every token the grammar forbids at -inf (a
         new array)."""
-        return np.where(self.allowed(), logits, -np.inf).astype(logits.dtype)
+        masked = logits.copy()
+        masked[~self.allowed()] = -np.inf
+        return masked
 
     def advance(self, token: int) -> bool:
         """Takes the chosen token; False where the grammar forbids it (a
