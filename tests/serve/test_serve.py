@@ -367,6 +367,7 @@ def hi(**fields) -> dict:
         (hi(top_logprobs=2), 400, "top_logprobs"),
         (hi(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
         (hi(tools=[{}]), 400, "tools"),
+        (hi(functions=[{"name": "f"}]), 400, "functions"),
         (hi(logit_bias={"x": 1}), 400, "logit_bias"),
         (hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
         (hi(presence_penalty=3), 400, "presence_penalty"),

@@ -18,6 +18,8 @@ int8 cache keeps each (token, head) row as int8 codes and a float32 scale:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .errors import ModelError
 
 WEIGHTS = ("gguf", "f32", "bf16")
@@ -58,13 +60,19 @@ def add_weights_arguments(parser) -> None:
 
 
 def add_gguf_argument(parser) -> None:
-    """Adds --gguf (for `load`) to an argparse parser."""
+    """Adds --gguf and --chat-template (for `load`) to an argparse parser."""
     parser.add_argument(
         "--gguf",
         default=None,
         metavar="PATH",
         help="serve this GGUF file (a Llama, Qwen 2/3 or Gemma 2/3 architecture, any of its block "
         "formats) instead of the catalogue's download; --model then only names it",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file in place of the GGUF's own (e.g. one that renders tools)",
     )
 
 
@@ -74,9 +82,16 @@ def load_from_arguments(
     """`load` of the model a command line names: its --model, --gguf and
     --device, and the --weights and --kv-dtype that add_weights_arguments
     adds; progress lines go to `progress`, kv_memory None is load's
-    default. Raises ModelError as load does."""
+    default. Raises ModelError as load does, and where --chat-template
+    cannot be read."""
     from .llm import DEFAULT_KV_MEMORY, load
 
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"--chat-template: {e}") from None
     return load(
         args.model,
         weights=args.weights,
@@ -86,6 +101,7 @@ def load_from_arguments(
         kv_memory=kv_memory or DEFAULT_KV_MEMORY,
         progress=progress,
         batch_invariant=batch_invariant,
+        chat_template=template,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagedkv._ops.contract import pool_row_width
@@ -95,12 +95,15 @@ class LLM:
         manager: PagedKVCacheManager,
         quantized: bool = False,
         batch_invariant: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         self.name = name
         self.config: DecoderConfig = model.config
         self.weights = model.weights
         self.quantized = model.quantized if quantized else None
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
+        if chat_template is not None:
+            self.tokenizer = replace(self.tokenizer, chat_template=chat_template)
         self.grammars = Grammars(
             self.tokenizer.tokenizer, model.config.vocab_size, self.tokenizer.stop_ids
         )
@@ -270,6 +273,7 @@ def load(
     gguf: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     batch_invariant: bool = False,
+    chat_template: str | None = None,
 ) -> LLM:
     """Loads model `name` to serve from a paged cache.
 
@@ -304,6 +308,9 @@ def load(
         positions). Off by default: decode then reads a prefix that several
         requests share once for all of them (docs/performance.md has what
         each costs).
+    chat_template : str, optional
+        A Jinja chat template in place of the GGUF's own (for example one
+        that renders tools: `pagedkv.models.tool_calls`).
 
     Returns
     -------
@@ -345,7 +352,7 @@ def load(
         f"{spec.title if gguf is None else path.name} ({c.num_layers} layers, "
         f"{weights} weights, {kv_dtype} cache) ..."
     )
-    llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant)
+    llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant, chat_template)
     llm.model_id = f"{spec.name}|{weights}|{path.name}"
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
     return llm

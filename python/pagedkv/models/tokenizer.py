@@ -34,6 +34,9 @@ texts.
 
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,28 +161,37 @@ class ChatTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> str:
-        """The chat template applied to messages [{"role": ..., "content": ...}],
-        given the model's `bos_token` and `eos_token` texts as transformers
+        """The chat template applied to messages [{"role": ..., "content": ...}]
+        (and OpenAI's `tools` where the template renders them), given the
+        model's `bos_token` and `eos_token` texts and the helpers templates
+        call (`tojson`, `raise_exception`, `strftime_now`) as transformers
         and llama.cpp give them. Where `prompt_ids` adds BOS, a BOS the
         template writes first is left out (llama.cpp's rule), so the prompt
-        starts with one BOS, not two."""
+        starts with one BOS, not two. Raises ValueError where the template
+        refuses the messages (`raise_exception`, a missing field)."""
         if not self.chat_template:
             raise ModelError("this model has no chat template: generate with chat=False")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
 
         bos, eos = (
             "" if i is None else self.tokenizer.id_to_token(i) or ""
             for i in (self.bos_token_id, self.eos_token_id)
         )
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        try:
+            text = _template(self.chat_template).render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos,
+                eos_token=eos,
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
         return text[len(bos) :] if self.add_bos and bos and text.startswith(bos) else text
 
     def chat_prompt(self, user_message: str, system_prompt: str | None = None) -> list[int]:
@@ -189,6 +201,30 @@ class ChatTokenizer:
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
         return self.prompt_ids(self.render_chat(messages))
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str):
+    """A chat template compiled in a sandbox with transformers' helpers:
+    `tojson` without HTML escaping (Jinja's own escapes `<`), and
+    `raise_exception` and `strftime_now`."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+            sort_keys=sort_keys,
+        )  # fmt: skip
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.graphs.scheduler import Delta, PromptLogprobs
+from pagedkv.models.tool_calls import ToolCallStream, ToolUse
 
 from .logprobs import CompletionLogprobs, TokenText, chat_entries
 
@@ -23,6 +24,8 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False
     """Streamed: whether its first chunk went out (the role, or echo's prompt)."""
+    tool_calls: ToolCallStream | None = None
+    """Chat with tools: the text held back where it may be a call."""
 
 
 class Choices:
@@ -44,6 +47,9 @@ class Choices:
         False when max_tokens is 0 with echo: generated tokens are dropped.
     token_text : callable(int) -> str
         A token id's text (logprobs' `token`).
+    tools : ToolUse, optional
+        Chat: the tools the answer may call; calls are read out of each
+        choice's text into `tool_calls` (finish reason "tool_calls").
     """
 
     def __init__(
@@ -55,14 +61,18 @@ class Choices:
         echo: bool,
         completion: bool,
         token_text: TokenText,
+        tools: ToolUse | None = None,
     ) -> None:
         self.chat, self.n, self.prompts = chat, n, prompts
         self.logprobs, self.echo, self.completion = logprobs, echo, completion
         self.token_text = token_text
+        self.tools = tools if tools is not None and tools.active else None
         self.choices = [_Choice() for _ in range(len(prompts) * n)]
         for c in self.choices:
             if logprobs and not chat:
                 c.completion_logprobs = CompletionLogprobs(token_text)
+            if self.tools is not None:
+                c.tool_calls = self.tools.stream()
 
     def on_event(self, p: int, event: PromptLogprobs | Delta) -> list[dict]:
         """Prompt p's event; returns the chunks' choice objects (streamed)."""
@@ -108,10 +118,27 @@ class Choices:
         if not self.chat:  # one chunk a delta, the last one with its reason
             out.append(self._chunk(index, event.text, logprobs, event.finish_reason))
             return out
-        if event.text or logprobs is not None:
-            out.append(self._chunk(index, event.text, logprobs, None))
+        text = event.text if c.tool_calls is None else c.tool_calls.push(event.text)
+        if text or logprobs is not None:
+            out.append(self._chunk(index, text, logprobs, None))
         if event.finish_reason is not None:
-            out.append(self._chunk(index, "", None, event.finish_reason))
+            out += self._tool_call_chunks(index)
+            out.append(self._chunk(index, "", None, c.finish_reason))
+        return out
+
+    def _tool_call_chunks(self, index: int) -> list[dict]:
+        """A streamed choice's content held back and its calls, at its end
+        (where it calls a tool, its finish reason becomes "tool_calls")."""
+        c = self.choices[index]
+        if c.tool_calls is None:
+            return []
+        rest, calls = c.tool_calls.finish()
+        out = [self._chunk(index, rest, None, None)] if rest else []
+        if calls:
+            c.finish_reason = "tool_calls"
+            entries = [call.as_openai(i) for i, call in enumerate(calls)]
+            out.append({"index": index, "delta": {"tool_calls": entries}, "logprobs": None,
+                        "finish_reason": None})  # fmt: skip
         return out
 
     def _start(self, index: int) -> list[dict]:
@@ -144,7 +171,14 @@ class Choices:
             self._start(index)
             text = "".join(c.text)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+                message = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = self.tools.read(text)
+                    if calls:
+                        message["content"] = content
+                        message["tool_calls"] = [call.as_openai() for call in calls]
+                        c.finish_reason = "tool_calls"
+                choice = {"index": index, "message": message}
                 logprobs = {"content": c.chat_logprobs} if self.logprobs else None
             else:
                 choice = {"index": index, "text": text}

@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 from pagedkv.graphs.structured import request_format, response_format_grammar
+from pagedkv.models.tool_calls import ToolUse, read_tool_choice, read_tools, template_format
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
@@ -156,12 +157,32 @@ class Completions:
             completion,
         )
 
-    async def grammar(self, body) -> str | None:
+    def tool_use(self, body) -> ToolUse | None:
+        """What a chat request asks of tools (None where its messages and
+        fields name none); 400 naming `tools` or `tool_choice` where they
+        are malformed."""
+        uses_tools = any(m.tool_calls or m.role == "tool" for m in body.messages)
+        if body.tools is None and body.tool_choice is None and not uses_tools:
+            return None
+        param = "tools"
+        try:
+            tools = read_tools(body.tools) if body.tools is not None else ()
+            param = "tool_choice"
+            if body.tool_choice not in (None, "none") and not tools:
+                raise ValueError("tool_choice needs tools")
+            choice = read_tool_choice(body.tool_choice, tools) if tools else "none"
+        except ValueError as e:
+            raise self.reject(400, str(e), "invalid_request_error", param=param) from None
+        fmt = template_format(self.engine.tokenizer.chat_template)
+        return ToolUse(tools, choice, body.parallel_tool_calls, fmt)
+
+    async def grammar(self, body, tools: ToolUse | None = None) -> str | None:
         """The grammar of a request's output format (`structured.request_format`:
         one of OpenAI's, vLLM's or llama.cpp's fields; 400 naming the field
-        where it has none or it cannot be followed). Checked off the event
-        loop: the first check builds the grammar engine's tables (seconds for
-        a large vocabulary), and a large schema takes a while to compile."""
+        where it has none or it cannot be followed), or of its tool calls.
+        Checked off the event loop: the first check builds the grammar
+        engine's tables (seconds for a large vocabulary), and a large schema
+        takes a while to compile."""
         others = ("structured_outputs", "json_schema", "grammar")
         param = next((name for name in others if getattr(body, name)), "response_format")
         try:
@@ -169,6 +190,11 @@ class Completions:
                 body.response_format, body.structured_outputs, body.json_schema, body.grammar
             )
             grammar = response_format_grammar(fmt)
+            if tools is not None and tools.active:
+                param = "tools"
+                if grammar is not None:
+                    raise ValueError("give tools or an output format, not both")
+                grammar = tools.grammar()
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)
         except ValueError as e:
@@ -254,11 +280,19 @@ class Completions:
                     self.engine.cancel(rid)
 
     async def serve(
-        self, request: Request, body, prompts: list[list[int]], max_tokens, chat: bool, texts=None
+        self,
+        request: Request,
+        body,
+        prompts: list[list[int]],
+        max_tokens,
+        chat: bool,
+        texts=None,
+        tools: ToolUse | None = None,
     ):
         """Submits the prompts, then streams or gathers their choices;
-        `texts`: the prompts as echo returns them (default: decoded)."""
-        asked = replace(self.check(body, chat), grammar=await self.grammar(body))
+        `texts`: the prompts as echo returns them (default: decoded);
+        `tools`: what a chat's answers may call."""
+        asked = replace(self.check(body, chat), grammar=await self.grammar(body, tools))
         max_tokens = self.within_limits(prompts, max_tokens, chat)
         await self.reach_prefill_peer(body)
         key = request.headers.get("authorization") or (
@@ -275,7 +309,7 @@ class Completions:
         handed_off = False
         try:
             response = await self.answer(
-                request, body, prompts, max_tokens, chat, texts, asked, release
+                request, body, prompts, max_tokens, chat, texts, asked, release, tools
             )
             handed_off = isinstance(response, StreamingResponse)
             return response
@@ -319,7 +353,7 @@ class Completions:
             )
         return max_tokens
 
-    async def answer(self, request, body, prompts, max_tokens, chat, texts, asked, release):
+    async def answer(self, request, body, prompts, max_tokens, chat, texts, asked, release, tools):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids = self.submit_all(prompts, max_tokens, body, asked, queue, loop)
@@ -336,6 +370,7 @@ class Completions:
             asked.echo,
             asked.completion,
             lambda token: tokenizer.decode([token]),
+            tools,
         )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -368,15 +403,18 @@ class Completions:
         return answer
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest):
+        tools = self.tool_use(body)
+        tokenizer = self.engine.tokenizer
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            for m in messages:
-                m["role"] = "system" if m["role"] == "developer" else m["role"]
-            prompt = self.engine.tokenizer.prompt_ids(self.engine.tokenizer.render_chat(messages))
+            messages = [_message(m) for m in body.messages]
+            if tools is not None:
+                messages = tools.prompt_messages(messages)
+            template_tools = tools.template_tools() if tools is not None else None
+            prompt = tokenizer.prompt_ids(tokenizer.render_chat(messages, tools=template_tools))
         except ValueError as e:
             raise self.reject(400, str(e), "invalid_request_error", param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self.serve(request, body, [prompt], max_tokens, chat=True)
+        return await self.serve(request, body, [prompt], max_tokens, chat=True, tools=tools)
 
     async def completions(self, request: Request, body: CompletionRequest):
         texts = None
@@ -404,6 +442,17 @@ class Completions:
             raise self.reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         return await self.serve(request, body, prompts, max_tokens, chat=False, texts=texts)
+
+
+def _message(m) -> dict:
+    """A chat message as the chat template and `ToolUse` take it (OpenAI's
+    developer role is the system's)."""
+    message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def _add(usage: list[int], counts: tuple[int, int, int]) -> list[int]:

@@ -1,16 +1,16 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions, as
 pydantic models: what the server accepts, checks and refuses.
 
-Fields pagedkv does not implement (tools, functions) are refused with a
-400 naming them rather than silently ignored; fields that change nothing
-here (user, ...) are accepted.
+Fields pagedkv does not implement (the deprecated `functions` and
+`function_call`) are refused with a 400 naming them rather than silently
+ignored; fields that change nothing here (user, ...) are accepted.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20
 """Most likely tokens a response lists beside each chosen one (OpenAI's
 chat limit; its completions limit is 5, vLLM's 20)."""
 
-UNSUPPORTED = ("tools", "functions")
+UNSUPPORTED = ("functions", "function_call")
 """Fields refused when given a value that asks for something (not null / false / 0)."""
 
 
@@ -134,11 +134,28 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    """None only for an assistant's message that holds `tool_calls`."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's earlier calls (OpenAI's shape, arguments a JSON string)."""
+    tool_call_id: str | None = None
+    """A tool message's answer to this call."""
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages hold tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         """The message's text (a list of parts must be all text parts)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -155,6 +172,13 @@ class ChatCompletionRequest(_Common):
     (or max_completion_tokens) defaults to the rest of the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's functions the model may call (pagedkv.models.tool_calls)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto" (the default with tools), "required", or one named
+    function."""
+    parallel_tool_calls: bool = True
+    """Whether one answer may call more than one function."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -1,0 +1,444 @@
+"""Tool calls in a chat (OpenAI's `tools` and `tool_choice`): the tools in
+the prompt, the grammar a call follows, and the calls read back out of the
+answer's text.
+
+Two formats, chosen by the model's chat template:
+
+- **hermes**, where the template writes `<tool_call>` itself (Qwen 2.5 and
+  3, Hermes, and the many fine-tunes that copy them): the template gets the
+  tools, and a call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+  anywhere in the answer. Under tool_choice "auto" the text before a call
+  is free and the grammar binds from the tag on (a lazy trigger); under
+  "required" or a named tool the answer is calls only.
+- **generic**, for every other template (SmolLM2's, Gemma's): llama.cpp's
+  generic format. A system message describes the tools and asks for JSON,
+  and the whole answer is one JSON object: {"tool_calls": [{"name": ...,
+  "arguments": {...}}]} ({"tool_call": {...}} where parallel calls are off)
+  or, under "auto", {"response": "..."}.
+
+Either way a call's arguments follow the tool's `parameters` schema, so a
+call read back always parses; a sample cut by max_tokens mid-call keeps
+its text as content. Under tool_choice "none" the prompt leaves the tools
+out and the answer is free text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pagedkv.graphs.structured import JSON_LAYOUT
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""OpenAI's rule for a function's name."""
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+"""A tool that declares no `parameters` takes none (an object schema
+allows any property it does not name)."""
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_CALL = re.compile(rf"{HERMES_OPEN}\s*(\{{.*?\}})\s*{HERMES_CLOSE}", re.S)
+"""One call in the hermes format (the tags hold no regular-expression
+characters)."""
+GENERIC_INSTRUCTION = (
+    "Respond in JSON format, either with `tool_call` (a request to call tools) or with "
+    "`response` reply to the user's request"
+)
+"""llama.cpp's words for the generic format, so that a model sees the same
+prompt from either engine."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: its name, description and the JSON
+    schema of its arguments (an object)."""
+
+    name: str
+    description: str
+    parameters: dict
+
+    def as_openai(self) -> dict:
+        """The tool as OpenAI's request lists it (what chat templates take)."""
+        function = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call in an answer: OpenAI's id, the function's name, and its
+    arguments as a JSON string."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self, index: int | None = None) -> dict:
+        """The call as a response's `tool_calls` entry (a streamed delta's
+        when `index` is given)."""
+        call = {"id": self.id, "type": "function"}
+        call["function"] = {"name": self.name, "arguments": self.arguments}
+        return call if index is None else {"index": index, **call}
+
+
+def read_tools(tools: object) -> tuple[Tool, ...]:
+    """OpenAI's `tools` ([{"type": "function", "function": {"name", ...}}])
+    as `Tool`s. Raises ValueError for anything else (a name outside
+    [A-Za-z0-9_-]{1,64}, one named twice, parameters that are not an
+    object schema).
+
+    Examples
+    --------
+    >>> read_tools([{"type": "function", "function": {"name": "now"}}])[0].parameters
+    {'type': 'object', 'properties': {}, 'additionalProperties': False}
+    """
+    if not isinstance(tools, Sequence) or isinstance(tools, str) or not tools:
+        raise ValueError("tools must be a non-empty list of functions")
+    out: dict[str, Tool] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"tools[{i}]'s name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+        if name in out:
+            raise ValueError(f"tools name {name!r} twice")
+        parameters = function.get("parameters") or EMPTY_PARAMETERS
+        if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+            raise ValueError(f"tools[{i}]'s parameters must be a JSON schema of an object")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise ValueError(f"tools[{i}]'s description must be a string")
+        out[name] = Tool(name, description, dict(parameters))
+    return tuple(out.values())
+
+
+def read_tool_choice(choice: object, tools: Sequence[Tool]) -> str | Tool:
+    """OpenAI's `tool_choice`: "none", "auto" (default), "required", or
+    {"type": "function", "function": {"name": ...}} naming one of `tools`
+    (returned as that `Tool`). Raises ValueError for anything else."""
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    function = choice.get("function") if isinstance(choice, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    for tool in tools:
+        if tool.name == name:
+            return tool
+    raise ValueError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", '
+        '"function": {"name": ...}} naming one of the tools'
+    )
+
+
+def template_format(chat_template: str | None) -> str:
+    """ "hermes" where the chat template writes `<tool_call>` tags itself,
+    else "generic"."""
+    return "hermes" if chat_template and HERMES_OPEN in chat_template else "generic"
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What one chat request asks of tools: the prompt's messages, the
+    grammar of the answer and how to read calls back.
+
+    Args:
+        tools: the functions offered.
+        choice: "none", "auto", "required" or the one `Tool` to call.
+        parallel: whether an answer may hold more than one call.
+        format: "hermes" or "generic" (`template_format`).
+    """
+
+    tools: tuple[Tool, ...]
+    choice: str | Tool = "auto"
+    parallel: bool = True
+    format: str = "generic"
+
+    @property
+    def active(self) -> bool:
+        """Whether the answer may call a tool (tool_choice is not "none")."""
+        return self.choice != "none"
+
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        """The tools a call may name."""
+        return (self.choice,) if isinstance(self.choice, Tool) else self.tools
+
+    def template_tools(self) -> list[dict] | None:
+        """The `tools` the chat template renders (hermes only)."""
+        if not self.active or self.format != "hermes":
+            return None
+        return [tool.as_openai() for tool in self.tools]
+
+    def prompt_messages(self, messages: Sequence[Mapping]) -> list[dict]:
+        """OpenAI's messages (roles system, user, assistant, tool; an
+        assistant's `tool_calls`, a tool's `tool_call_id`) as the chat
+        template takes them. Hermes templates render calls and results
+        themselves (arguments as objects); for the generic format an
+        earlier call is the JSON the model writes and a result a user turn
+        {"tool_response": ...}, after a system message describing the
+        tools. Raises ValueError for a malformed call or result."""
+        generic = self.format == "generic"
+        names = {}
+        out = []
+        for m in messages:
+            message = {"role": m["role"], "content": m.get("content") or ""}
+            calls = m.get("tool_calls")
+            if calls and m["role"] == "assistant":
+                calls = [_earlier_call(c) for c in calls]
+                names.update((c["id"], c["function"]["name"]) for c in calls)
+                if generic:
+                    message["content"] = json.dumps(self._generic_answer(calls))
+                else:
+                    message["tool_calls"] = calls
+            elif m["role"] == "tool":
+                call_id = m.get("tool_call_id")
+                if generic:
+                    name = names.get(call_id, call_id)
+                    response = {"tool": name, "content": message["content"]}
+                    message = {"role": "user", "content": json.dumps({"tool_response": response})}
+                else:
+                    message["tool_call_id"] = call_id
+            out.append(message)
+        if generic and self.active:
+            out = _with_system(out, self._generic_instructions())
+        return out
+
+    def _generic_answer(self, calls: list[dict]) -> dict:
+        plain = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for c in calls]  # fmt: skip
+        if self.parallel or len(plain) > 1:
+            return {"tool_calls": plain}
+        return {"tool_call": plain[0]}
+
+    def _generic_instructions(self) -> str:
+        tools = json.dumps([tool.as_openai() for tool in self.offered], indent=2)
+        example = self._generic_answer(
+            [{"function": {"name": "tool_name", "arguments": {"arg1": "some_value"}}}]
+        )
+        return (
+            f"{GENERIC_INSTRUCTION}\n\nYou can call any of the following tools to satisfy the "
+            f"user's requests: {tools}\n\nExample tool call syntax:\n\n"
+            f"{json.dumps(example, indent=2)}"
+        )
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar of the answer (None under "none")."""
+        from llguidance import LLMatcher
+
+        if not self.active:
+            return None
+        if self.format == "generic":
+            return LLMatcher.grammar_from_json_schema(self._generic_schema(), defaults=JSON_LAYOUT)
+        return LLMatcher.grammar_from_lark(self._hermes_lark())
+
+    def _generic_schema(self) -> dict:
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool.name},
+                    "arguments": tool.parameters,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in self.offered
+        ]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        key, value = (
+            ("tool_calls", {"type": "array", "items": call, "minItems": 1})
+            if self.parallel
+            else ("tool_call", call)
+        )
+        answer = _object({key: value})
+        if self.choice == "auto":
+            return {"anyOf": [answer, _object({"response": {"type": "string"}})]}
+        return answer
+
+    def _hermes_lark(self) -> str:
+        bodies = [
+            f'"{{\\"name\\": {json.dumps(json.dumps(tool.name))[1:-1]}, \\"arguments\\": " '
+            f'%json {json.dumps(_laid_out(tool.parameters))} "}}"'
+            for tool in self.offered
+        ]
+        lines = [
+            "%llguidance {}",
+            "body: " + " | ".join(bodies),
+            f'call_end: "\\n" body "\\n{HERMES_CLOSE}"',
+        ]
+        repeat = "*" if self.parallel else "?"
+        if self.choice == "auto":
+            # Free text, where the tag (matched lazily: at its first
+            # appearance) starts a call the grammar binds.
+            lines += [
+                f'call_start[lazy]: TEXT "{HERMES_OPEN}"',
+                "call: call_start call_end",
+                f"start: call{repeat} TEXT",
+                r"TEXT: /(.|\n)*/",
+            ]
+        else:
+            more = f'("\\n" "{HERMES_OPEN}" call_end)*' if self.parallel else ""
+            lines.append(f'start: "{HERMES_OPEN}" call_end {more}')
+        return "\n".join(lines)
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole answer: the calls it makes (the
+        first only where parallel calls are off) and the text around them
+        (None when there is none and there are calls); text that holds no
+        whole call is all content."""
+        if not self.active:
+            return text, []
+        if self.format == "generic":
+            return _read_generic(text)
+        calls, kept, at = [], [], 0
+        for match in HERMES_CALL.finditer(text):
+            call = _call_of(match.group(1))
+            if call is not None and (self.parallel or not calls):
+                kept.append(text[at : match.start()])
+                at = match.end()
+                calls.append(call)
+        content = ("".join(kept) + text[at:]).strip() if calls else text
+        return (content or None), calls
+
+    def stream(self) -> ToolCallStream:
+        """A streamed answer's reader (`ToolCallStream`)."""
+        return ToolCallStream(self)
+
+
+class ToolCallStream:
+    """A streamed answer's text, held back where it may be a call: `push`
+    returns the content that can go out now; `finish` the rest and the
+    calls. The hermes format streams the text before a call, the generic
+    one the reply string of {"response": "..."} as it grows."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.text: list[str] = []
+        self.sent = 0
+        """Characters of the content already sent."""
+
+    def push(self, piece: str) -> str:
+        """Takes the next text; returns what may be sent as content now."""
+        self.text.append(piece)
+        if not self.use.active:
+            self.sent += len(piece)
+            return piece
+        text = "".join(self.text)
+        if self.use.format == "generic":
+            content = _partial_response(text) or ""
+        else:
+            start = text.find(HERMES_OPEN)
+            content = text[: start if start >= 0 else len(text) - _partial_tag(text)]
+        out = content[self.sent :]
+        self.sent = max(self.sent, len(content))
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content not yet sent, the calls) once the answer is whole."""
+        content, calls = self.use.read("".join(self.text))
+        return (content or "")[self.sent :], calls
+
+
+def _partial_tag(text: str) -> int:
+    """Characters at the end of text that may begin `<tool_call>`."""
+    for n in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if HERMES_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+GENERIC_REPLY = '{"response": "'
+"""How a generic reply starts (the grammar lays JSON out as `json.dumps`)."""
+
+
+def _partial_response(text: str) -> str | None:
+    """The reply string of a generic answer so far, whole or cut (an escape
+    cut in its middle left out), or None where text is not a reply."""
+    if not text.startswith(GENERIC_REPLY):
+        return None
+    body = text[len(GENERIC_REPLY) :]
+    # The string ends at its closing quote (then `"}`), or is cut within
+    # an escape of at most 6 characters: one of the last 7 cuts decodes.
+    for end in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        partial = _partial_response(text)
+        return (text if partial is None else partial), []
+    given = value.get("tool_calls") or ([value["tool_call"]] if "tool_call" in value else [])
+    calls = [_call_of(json.dumps(c)) for c in given if isinstance(c, dict)]
+    if calls and all(c is not None for c in calls):
+        return None, calls
+    response = value.get("response")
+    return (response if isinstance(response, str) else text), []
+
+
+def _call_of(text: str) -> ToolCall | None:
+    """A call from its JSON {"name": ..., "arguments": {...}}, or None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+
+
+def _earlier_call(call: object) -> dict:
+    """An assistant's earlier call as templates take it: arguments parsed
+    from OpenAI's JSON string into an object."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError('an assistant\'s tool_calls entries need {"function": {"name": ...}}')
+    arguments = function.get("arguments") or "{}"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"tool call arguments are not JSON: {arguments[:80]!r}") from None
+    return {
+        "id": call.get("id") or "",
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """`text` at the end of the first system message, or as one before the rest."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _object(properties: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _laid_out(schema: dict) -> dict:
+    """A schema with pagedkv's JSON layout unless it names its own."""
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}

@@ -1,0 +1,391 @@
+"""Tool calls (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`):
+the prompt that offers the tools, the grammar a call follows, the calls
+read back, and the server's answers, whole and streamed, in both formats
+(generic: SmolLM2's own template; hermes: a Qwen 2.5-style template that
+writes <tool_call> tags, tests/data/hermes_chat_template.jinja).
+
+A call's arguments are checked here by hand against the tool's schema,
+not by the grammar engine that enforced them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.graphs.structured import Grammars
+from pagedkv.models import load
+from pagedkv.models.tokenizer import load_tokenizer
+from pagedkv.models.tool_calls import (
+    ToolUse,
+    read_tool_choice,
+    read_tools,
+    template_format,
+)
+from pagedkv.serve import ServerThread
+
+MODEL = "smollm2-135m-instruct"
+HERMES_TEMPLATE = Path(__file__).parent.parent / "data" / "hermes_chat_template.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 32},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now"}}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+MAX_TOKENS = 96
+HANG_GUARD = 600.0
+
+
+def weather_arguments(arguments: str) -> bool:
+    """Whether arguments (a JSON string) are get_weather's: a city of at
+    most 32 characters and a unit, nothing else."""
+    value = json.loads(arguments)
+    return (
+        set(value) == {"city", "unit"}
+        and isinstance(value["city"], str)
+        and len(value["city"]) <= 32
+        and value["unit"] in ("celsius", "fahrenheit")
+    )
+
+
+def follows_tools(call) -> bool:
+    """Whether an OpenAI client's tool call is one of TOOLS, well formed."""
+    if call.type != "function" or not call.id:
+        return False
+    if call.function.name == "now":
+        return json.loads(call.function.arguments) == {}
+    return call.function.name == "get_weather" and weather_arguments(call.function.arguments)
+
+
+# What is offered, and how a request names it.
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [],
+        "get_weather",
+        [{"type": "function"}],
+        [{"type": "retrieval", "function": {"name": "a"}}],
+        [{"type": "function", "function": {"name": "has space"}}],
+        [{"type": "function", "function": {"name": "x" * 65}}],
+        [CLOCK, CLOCK],
+        [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}],
+        [{"type": "function", "function": {"name": "a", "description": 3}}],
+    ],
+)
+def test_malformed_tools_raise(tools):
+    with pytest.raises(ValueError, match="tools"):
+        read_tools(tools)
+
+
+def test_tool_choice():
+    tools = read_tools(TOOLS)
+    assert tools[1].parameters == {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
+    assert read_tool_choice(None, tools) == "auto"
+    assert read_tool_choice("required", tools) == "required"
+    assert read_tool_choice({"type": "function", "function": {"name": "now"}}, tools) is tools[1]
+    for bad in ("sometimes", {"type": "function", "function": {"name": "later"}}, {}):
+        with pytest.raises(ValueError, match="tool_choice"):
+            read_tool_choice(bad, tools)
+    assert template_format(HERMES_TEMPLATE.read_text()) == "hermes"
+    assert template_format(load_tokenizer(MODEL).chat_template) == "generic"
+
+
+# The prompt.
+
+
+def test_the_generic_prompt_describes_the_tools_and_renders_the_history():
+    use = ToolUse(read_tools(TOOLS), "auto", True, "generic")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
+    messages = use.prompt_messages(history)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\nRespond in JSON format")
+    assert '"name": "get_weather"' in system and '"name": "now"' in system
+    assert json.loads(messages[2]["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    }
+    assert json.loads(messages[3]["content"]) == {
+        "tool_response": {"tool": "get_weather", "content": "-3 C"}
+    }
+    tools = read_tools(TOOLS)
+    named = ToolUse(tools, tools[1], False, "generic")
+    system = named.prompt_messages(ASK)[0]["content"]
+    assert '"name": "now"' in system and "get_weather" not in system
+    assert ToolUse(read_tools(TOOLS), "none").prompt_messages(ASK) == ASK
+    with pytest.raises(ValueError, match="not JSON"):
+        bad = {**call, "function": {"name": "now", "arguments": "{oops"}}
+        use.prompt_messages([{"role": "assistant", "content": "", "tool_calls": [bad]}])
+
+
+def test_the_hermes_template_renders_tools_calls_and_results():
+    tokenizer = replace(load_tokenizer(MODEL), chat_template=HERMES_TEMPLATE.read_text())
+    use = ToolUse(read_tools(TOOLS), "auto", True, "hermes")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "now", "arguments": "{}"}}  # fmt: skip
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]  # fmt: skip
+    text = tokenizer.render_chat(use.prompt_messages(history), tools=use.template_tools())
+    assert "<tools>\n" + json.dumps(WEATHER) in text
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>' in text
+    assert "<tool_response>\n12:00\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    none = ToolUse(read_tools(TOOLS), "none", True, "hermes")
+    assert "<tools>" not in tokenizer.render_chat(ASK, tools=none.template_tools())
+
+
+# Reading calls back.
+
+
+def test_reading_generic_answers():
+    use = ToolUse(read_tools(TOOLS), "auto", True, "generic")
+    rome = {"name": "get_weather", "arguments": {"city": "Rome"}}
+    both = [{"name": "now", "arguments": {}}, rome]
+    content, calls = use.read(json.dumps({"tool_calls": both}))
+    assert content is None and [c.name for c in calls] == ["now", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Rome"} and calls[0].id != calls[1].id
+    assert use.read('{"response": "Hello!"}') == ("Hello!", [])
+    assert use.read('{"tool_call": {"name": "now", "arguments": {}}}')[1][0].name == "now"
+    cut = '{"tool_calls": [{"name": "get_weather", "arguments": {"ci'
+    assert use.read(cut) == (cut, [])
+    assert use.read('{"response": "Caf\\u00e9 \\"Rou') == ('Café "Rou', [])
+    reply = json.dumps({"response": 'A "quoted" caf\u00e9, \\ and\nmore.'}, ensure_ascii=True)
+    for size in (1, 2, 5):
+        stream = use.stream()
+        sent = "".join(stream.push(reply[i : i + size]) for i in range(0, len(reply), size))
+        assert sent + stream.finish()[0] == 'A "quoted" caf\u00e9, \\ and\nmore.', size
+    stream = use.stream()
+    call = json.dumps({"tool_calls": both})
+    assert "".join(stream.push(call[i : i + 3]) for i in range(0, len(call), 3)) == ""
+    assert [c.name for c in stream.finish()[1]] == ["now", "get_weather"]
+
+
+def test_reading_hermes_answers_and_streaming_them():
+    use = ToolUse(read_tools(TOOLS), "auto", True, "hermes")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    text = f"Let me look.\n{call}\n{call.replace('Rome', 'Oslo')}"
+    content, calls = use.read(text)
+    assert content == "Let me look." and len(calls) == 2
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Rome", "Oslo"]
+    single = ToolUse(read_tools(TOOLS), "auto", False, "hermes")
+    assert len(single.read(text)[1]) == 1
+    broken = "Try <tool_call>\n{not json}\n</tool_call>"
+    assert use.read(broken) == (broken, [])
+    assert use.read("plain words") == ("plain words", [])
+    for size in (1, 3, 7):
+        stream = use.stream()
+        sent = "".join(stream.push(text[i : i + size]) for i in range(0, len(text), size))
+        assert sent == "Let me look.\n", size
+        rest, calls = stream.finish()
+        assert rest == "" and [c.name for c in calls] == ["get_weather", "get_weather"]
+    stream = use.stream()
+    sent = "".join(stream.push(piece) for piece in ("a <tool", "_c", "ake> b"))
+    assert sent + stream.finish()[0] == "a <tool_cake> b"
+
+
+# The grammar.
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tokenizer = load_tokenizer(MODEL)
+    return tokenizer, Grammars(tokenizer.tokenizer, 49152, tokenizer.stop_ids)
+
+
+def allows(grammars, grammar: str, text: str) -> bool:
+    """Whether the grammar lets the tokens of text come, in order."""
+    tokenizer, engine = grammars
+    state = engine.start(grammar)
+    for token in tokenizer.encode(text):
+        if not state.allowed()[token]:
+            return False
+        state.advance(token)
+    return True
+
+
+def test_the_generic_grammar(grammars):
+    call = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}'
+    tools = read_tools(TOOLS)
+    auto = ToolUse(tools, "auto", True, "generic").grammar()
+    assert allows(grammars, auto, '{"response": "Hi."}')
+    assert allows(grammars, auto, '{"tool_calls": [' + call + "]}")
+    assert not allows(grammars, auto, '{"tool_calls": [' + call.replace("unit", "units") + "]}")
+    assert not allows(grammars, auto, '{"tool_calls": [{"name": "get_time"')
+    assert not allows(grammars, auto, '{"tool_call": ' + call + "}")
+    required = ToolUse(tools, "required", False, "generic").grammar()
+    assert allows(grammars, required, '{"tool_call": ' + call + "}")
+    assert not allows(grammars, required, '{"response": "Hi."}')
+    named = ToolUse(tools, tools[1], True, "generic").grammar()
+    assert not allows(grammars, named, '{"tool_calls": [' + call)
+
+
+def test_the_hermes_grammar(grammars):
+    call = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
+        '"unit": "celsius"}}\n</tool_call>'
+    )
+    tools = read_tools(TOOLS)
+    auto = ToolUse(tools, "auto", True, "hermes").grammar()
+    assert allows(grammars, auto, "Some free text, then " + call)
+    assert not allows(grammars, auto, "Text " + call.replace("celsius", "kelvin"))
+    assert not allows(grammars, auto, '<tool_call>\n{"name": "sleep"')
+    required = ToolUse(tools, "required", True, "hermes").grammar()
+    assert allows(grammars, required, call + "\n" + call)
+    assert not allows(grammars, required, "Some free text")
+    single = ToolUse(tools, "required", False, "hermes").grammar()
+    assert not allows(grammars, single, call + "\n" + call)
+
+
+# Over HTTP.
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(load(MODEL)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hermes_server():
+    with ServerThread(load(MODEL, chat_template=HERMES_TEMPLATE.read_text())) as s:
+        yield s
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.parametrize("which", ["server", "hermes_server"])
+def test_required_and_named_calls_whole_and_streamed(request, which):
+    server = request.getfixturevalue(which)
+    c = client(server)
+    for choice, names in (
+        ("required", {"get_weather", "now"}),
+        ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+    ):
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        (answer,) = r.choices
+        assert len(answer.message.tool_calls) == 1
+        assert answer.finish_reason == "tool_calls", answer
+        assert answer.message.tool_calls and answer.message.content is None
+        assert all(follows_tools(call) for call in answer.message.tool_calls)
+        assert {call.function.name for call in answer.message.tool_calls} <= names
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        temperature=0.8,
+        seed=1,
+    )
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    calls = [call for chunk in chunks for call in chunk.delta.tool_calls or ()]
+    assert len(calls) == 1 and calls[0].index == 0 and follows_tools(calls[0])
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert not "".join(chunk.delta.content or "" for chunk in chunks)
+    free = c.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16
+    )
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    assert server.engine.wait_idle(HANG_GUARD)
+
+
+def test_a_conversation_with_calls_and_results(server):
+    """The client runs the call and sends its result back; the next answer
+    (auto: a call or a reply, both in the generic JSON) parses."""
+    c = client(server)
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+    ]
+    r = c.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    answer = r.choices[0]
+    if answer.finish_reason == "tool_calls":
+        assert all(follows_tools(call) for call in answer.message.tool_calls)
+    else:
+        assert answer.finish_reason == "stop" and not answer.message.content.startswith("{")
+    # Without tools, the history still renders (the calls as the model wrote them).
+    r = c.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+    assert r.choices[0].message.tool_calls is None
+
+
+UNFOLLOWABLE = {"type": "function", "function": {"name": "a", "parameters": {
+    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}  # fmt: skip
+"""A tool whose parameters the grammar engine refuses."""
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": [UNFOLLOWABLE]}, "tools"),
+        ({"functions": [{"name": "a"}]}, "functions"),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "messages"),
+    ],
+)
+def test_bad_tool_requests(server, fields, param):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **fields}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
