@@ -22,6 +22,7 @@ from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
 from pagedkv.models.tokenizer import load_tokenizer
 from pagedkv.models.tool_calls import (
+    ToolRequestError,
     ToolUse,
     read_tool_choice,
     read_tools,
@@ -49,6 +50,9 @@ WEATHER = {
 }
 CLOCK = {"type": "function", "function": {"name": "now"}}
 TOOLS = [WEATHER, CLOCK]
+UNFOLLOWABLE = {"type": "function", "function": {"name": "a", "parameters": {
+    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}  # fmt: skip
+"""A tool whose parameters the grammar engine refuses."""
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
 MAX_TOKENS = 96
 HANG_GUARD = 600.0
@@ -66,13 +70,17 @@ def weather_arguments(arguments: str) -> bool:
     )
 
 
+def call_follows(name: str, arguments: str) -> bool:
+    """Whether a call names one of TOOLS with arguments it takes."""
+    if name == "now":
+        return json.loads(arguments) == {}
+    return name == "get_weather" and weather_arguments(arguments)
+
+
 def follows_tools(call) -> bool:
     """Whether an OpenAI client's tool call is one of TOOLS, well formed."""
-    if call.type != "function" or not call.id:
-        return False
-    if call.function.name == "now":
-        return json.loads(call.function.arguments) == {}
-    return call.function.name == "get_weather" and weather_arguments(call.function.arguments)
+    function = call.function
+    return call.type == "function" and call.id and call_follows(function.name, function.arguments)
 
 
 # What is offered, and how a request names it.
@@ -266,6 +274,41 @@ def test_the_hermes_grammar(grammars):
     assert not allows(grammars, single, call + "\n" + call)
 
 
+# In process.
+
+
+def test_llm_chat_calls_tools_and_answers():
+    llm = load(MODEL)
+    conversations = [ASK, [{"role": "user", "content": "What time is it?"}]]
+    answers = llm.chat(
+        conversations, max_new_tokens=MAX_TOKENS, tools=TOOLS, tool_choice="required"
+    )
+    for answer in answers:
+        assert answer.finish_reason == "tool_calls" and answer.text == ""
+        assert all(call_follows(call.name, call.arguments) for call in answer.tool_calls)
+        assert answer.as_json()["tool_calls"][0]["function"]["name"] == answer.tool_calls[0].name
+    named = {"type": "function", "function": {"name": "now"}}
+    (answer,) = llm.chat([ASK], tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+    assert [(c.name, c.arguments) for c in answer.tool_calls] == [("now", "{}")]
+    (free,) = llm.chat([ASK], max_new_tokens=8, tools=TOOLS, tool_choice="none")
+    assert not free.tool_calls and free.text and "Respond in JSON" not in free.prompt
+    assert free.prompt == llm.tokenizer.render_chat(ASK)
+    for kw, param in (
+        ({"tools": [CLOCK], "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": [UNFOLLOWABLE]}, "tools"),
+    ):
+        with pytest.raises(ToolRequestError) as e:
+            llm.chat([ASK], **kw)
+        assert e.value.param == param
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([[{"role": "robot", "content": "hi"}]])
+    with pytest.raises(TypeError):
+        llm.chat(ASK)
+    llm.manager.validate()
+    assert llm.manager.num_used_pages == 0
+
+
 # Over HTTP.
 
 
@@ -362,11 +405,6 @@ def test_a_conversation_with_calls_and_results(server):
     assert r.choices[0].message.tool_calls is None
 
 
-UNFOLLOWABLE = {"type": "function", "function": {"name": "a", "parameters": {
-    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}  # fmt: skip
-"""A tool whose parameters the grammar engine refuses."""
-
-
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -380,7 +418,7 @@ UNFOLLOWABLE = {"type": "function", "function": {"name": "a", "parameters": {
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
         ({"tools": [UNFOLLOWABLE]}, "tools"),
         ({"functions": [{"name": "a"}]}, "functions"),
-        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1"),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "messages"),
     ],
 )

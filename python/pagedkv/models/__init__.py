@@ -1,7 +1,7 @@
 """Real models served from pagedkv's paged cache.
 
 >>> import pagedkv.models
->>> llm = pagedkv.models.load("smollm2-135m-instruct")
+>>> llm = pagedkv.models.load("smollm2-135m-instruct", weights="f32")
 >>> print(llm.generate(["What is the capital of France?"])[0].text)
 The capital of France is Paris.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagedkv._ops.contract import pool_row_width
@@ -36,6 +36,7 @@ from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
 from .gguf_model import GGUFModel
 from .tokenizer import ChatTokenizer, TextStream
+from .tool_calls import ToolCall, ToolRequestError, chat_messages, tool_use
 from .unpacked import read_unpacked
 
 DEFAULT_KV_MEMORY = 512 << 20
@@ -53,9 +54,11 @@ class Completion:
     text: str
     """The generated text, special tokens left out."""
     finish_reason: str
-    """"stop" (EOS), "length" (max_new_tokens) or "error"."""
+    """"stop" (EOS), "length" (max_new_tokens), "tool_calls" or "error"."""
     error: str | None = None
     """Why the prompt was not served (finish_reason "error")."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """`LLM.chat`: the tools the answer calls (finish_reason "tool_calls")."""
 
     def as_json(self) -> dict:
         """The `pagedkv generate --json` record of this completion."""
@@ -68,6 +71,8 @@ class Completion:
         }
         if self.error is not None:
             record["error"] = self.error
+        if self.tool_calls:
+            record["tool_calls"] = [call.as_openai() for call in self.tool_calls]
         return record
 
 
@@ -179,19 +184,132 @@ class LLM:
         Examples
         --------
         >>> import pagedkv.models
-        >>> llm = pagedkv.models.load("smollm2-135m-instruct")
+        >>> llm = pagedkv.models.load("smollm2-135m-instruct", weights="f32")
         >>> llm.generate(["What is the capital of France?"], max_new_tokens=16)[0].text
         'The capital of France is Paris.'
         """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not one string")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        grammar = self._format_grammar(response_format)
+        ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
+        sequences = self._run(ids, max_new_tokens, sampling, grammar, on_text)
+        return [
+            Completion(
+                prompt=p,
+                prompt_token_ids=list(pi),
+                token_ids=list(s.tokens),
+                text=self.tokenizer.decode(s.tokens),
+                finish_reason=s.finish_reason or "length",
+                error=s.error,
+            )
+            for p, pi, s in zip(prompts, ids, sequences, strict=True)
+        ]
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[Mapping]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        response_format: Mapping | None = None,
+        tools: Sequence[Mapping] | None = None,
+        tool_choice: str | Mapping | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> list[Completion]:
+        """Answers every conversation together, as `generate` answers prompts.
+
+        Parameters
+        ----------
+        conversations : list of list of dict
+            Each one OpenAI's chat messages ({"role": "system" | "user" |
+            "assistant" | "tool", "content": ...}; an assistant's earlier
+            `tool_calls`, a tool result's `tool_call_id`), rendered by the
+            model's chat template.
+        max_new_tokens, temperature, top_p, seed, top_k, min_p, response_format
+            As `generate`'s.
+        tools, tool_choice, parallel_tool_calls
+            OpenAI's: the functions the answers may call, "none", "auto"
+            (the default with tools), "required" or {"type": "function",
+            "function": {"name": ...}}, and whether an answer may hold more
+            than one call (pagedkv.models.tool_calls; not with
+            response_format).
+
+        Returns
+        -------
+        list of Completion
+            One per conversation; an answer that calls tools has them in
+            `tool_calls`, its other text in `text`, and finish_reason
+            "tool_calls".
+
+        Raises
+        ------
+        ValueError
+            Malformed messages or tools (`tool_calls.ToolRequestError`), or a
+            format or tool schema that cannot be followed.
+
+        Examples
+        --------
+        >>> import pagedkv.models
+        >>> llm = pagedkv.models.load("smollm2-135m-instruct", weights="f32")
+        >>> weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        ...     "type": "object", "properties": {"city": {"type": "string"}},
+        ...     "required": ["city"], "additionalProperties": False}}}
+        >>> answer = llm.chat([[{"role": "user", "content": "Weather in Paris?"}]], tools=[weather],
+        ...                   tool_choice="required", parallel_tool_calls=False)[0]
+        >>> answer.finish_reason, answer.tool_calls[0].arguments
+        ('tool_calls', '{"city": "Paris"}')
+        """
+        if isinstance(conversations, Mapping) or not all(
+            isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
+        ):
+            raise TypeError("conversations must be a list of message lists")
+        template = self.tokenizer.chat_template
+        use = tool_use(tools, tool_choice, parallel_tool_calls, template)
+        if use.active and response_format is not None:
+            raise ToolRequestError("tools", "give tools or a response_format, not both")
+        grammar = self._format_grammar(response_format) if not use.active else None
+        if use.active and (error := self.grammars.error(grammar := use.grammar())) is not None:
+            raise ToolRequestError("tools", f"the tools' schemas cannot be followed: {error}")
+        texts = []
+        for conversation in conversations:
+            messages = use.prompt_messages(chat_messages(conversation))
+            texts.append(self.tokenizer.render_chat(messages, tools=use.template_tools()))
+        ids = [self.tokenizer.prompt_ids(text) for text in texts]
+        sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
+        sequences = self._run(ids, max_new_tokens, sampling, grammar, None)
+        out = []
+        for text, pi, s in zip(texts, ids, sequences, strict=True):
+            content, calls = use.read(self.tokenizer.decode(s.tokens))
+            reason = "tool_calls" if calls else s.finish_reason or "length"
+            out.append(
+                Completion(text, list(pi), list(s.tokens), content or "", reason, s.error, calls)
+            )
+        return out
+
+    def _format_grammar(self, response_format: Mapping | None) -> str | None:
+        """The grammar of `response_format` (None for free text); raises
+        ValueError where it cannot be followed."""
         grammar = response_format_grammar(response_format)
         if grammar is not None and (error := self.grammars.error(grammar)) is not None:
             raise ValueError(f"the response format cannot be followed: {error}")
-        ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
+        return grammar
+
+    def _run(
+        self,
+        ids: list[list[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        grammar: str | None,
+        on_text: Callable[[int, str, bool], None] | None,
+    ) -> list[GeneratedSequence]:
+        """Serves the prompts `ids` together (one scheduler run); returns
+        their sequences in order."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         stop = self.tokenizer.stop_ids
         requests = []
         for prompt_ids in ids:
@@ -223,17 +341,7 @@ class LLM:
                 if scheduler.rejection(scheduler.capped(r)) is not None:
                     on_text(i, "", True)
         sequences, self.stats = scheduler.run(requests, on_token=on_token)
-        return [
-            Completion(
-                prompt=p,
-                prompt_token_ids=list(pi),
-                token_ids=list(s.tokens),
-                text=self.tokenizer.decode(s.tokens),
-                finish_reason=s.finish_reason or "length",
-                error=s.error,
-            )
-            for p, pi, s in zip(prompts, ids, sequences, strict=True)
-        ]
+        return sequences
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 from pagedkv.graphs.structured import request_format, response_format_grammar
-from pagedkv.models.tool_calls import ToolUse, read_tool_choice, read_tools, template_format
+from pagedkv.models.tool_calls import ToolRequestError, ToolUse, chat_messages, tool_use
 
 from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
@@ -156,25 +156,6 @@ class Completions:
             prompt_top,
             completion,
         )
-
-    def tool_use(self, body) -> ToolUse | None:
-        """What a chat request asks of tools (None where its messages and
-        fields name none); 400 naming `tools` or `tool_choice` where they
-        are malformed."""
-        uses_tools = any(m.tool_calls or m.role == "tool" for m in body.messages)
-        if body.tools is None and body.tool_choice is None and not uses_tools:
-            return None
-        param = "tools"
-        try:
-            tools = read_tools(body.tools) if body.tools is not None else ()
-            param = "tool_choice"
-            if body.tool_choice not in (None, "none") and not tools:
-                raise ValueError("tool_choice needs tools")
-            choice = read_tool_choice(body.tool_choice, tools) if tools else "none"
-        except ValueError as e:
-            raise self.reject(400, str(e), "invalid_request_error", param=param) from None
-        fmt = template_format(self.engine.tokenizer.chat_template)
-        return ToolUse(tools, choice, body.parallel_tool_calls, fmt)
 
     async def grammar(self, body, tools: ToolUse | None = None) -> str | None:
         """The grammar of a request's output format (`structured.request_format`:
@@ -403,16 +384,20 @@ class Completions:
         return answer
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest):
-        tools = self.tool_use(body)
         tokenizer = self.engine.tokenizer
         try:
-            messages = [_message(m) for m in body.messages]
-            if tools is not None:
+            messages = chat_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            tools = None
+            if body.tools is not None or body.tool_choice is not None or _uses_tools(messages):
+                tools = tool_use(
+                    body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template
+                )
                 messages = tools.prompt_messages(messages)
             template_tools = tools.template_tools() if tools is not None else None
             prompt = tokenizer.prompt_ids(tokenizer.render_chat(messages, tools=template_tools))
         except ValueError as e:
-            raise self.reject(400, str(e), "invalid_request_error", param="messages") from None
+            param = e.param if isinstance(e, ToolRequestError) else "messages"
+            raise self.reject(400, str(e), "invalid_request_error", param=param) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self.serve(request, body, [prompt], max_tokens, chat=True, tools=tools)
 
@@ -444,15 +429,9 @@ class Completions:
         return await self.serve(request, body, prompts, max_tokens, chat=False, texts=texts)
 
 
-def _message(m) -> dict:
-    """A chat message as the chat template and `ToolUse` take it (OpenAI's
-    developer role is the system's)."""
-    message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
-        message["tool_calls"] = m.tool_calls
-    if m.tool_call_id is not None:
-        message["tool_call_id"] = m.tool_call_id
-    return message
+def _uses_tools(messages: list[dict]) -> bool:
+    """Whether a conversation holds earlier calls or their results."""
+    return any("tool_calls" in m or m["role"] == "tool" for m in messages)
 
 
 def _add(usage: list[int], counts: tuple[int, int, int]) -> list[int]:

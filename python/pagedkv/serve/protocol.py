@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
@@ -132,6 +132,10 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
+    """One message; what its fields must hold together (content, tool
+    calls, the call a tool message answers) is checked where it becomes the
+    prompt (`pagedkv.models.tool_calls.chat_messages`)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -141,29 +145,6 @@ class ChatMessage(BaseModel):
     """An assistant's earlier calls (OpenAI's shape, arguments a JSON string)."""
     tool_call_id: str | None = None
     """A tool message's answer to this call."""
-
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages hold tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id it answers")
-        return self
-
-    def text(self) -> str:
-        """The message's text (a list of parts must be all text parts)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
 
 
 class ChatCompletionRequest(_Common):
