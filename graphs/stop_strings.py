@@ -44,7 +44,7 @@ class StopMatcher:
             self.stopped = True
             self._held = ""
             return pending[: min(hits)]
-        keep = self._partial_suffix(pending)
+        keep = partial_suffix(pending, self.stops)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep]
 
@@ -53,12 +53,18 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that a stop string starts with."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if stop.startswith(text[len(text) - n :]):
-                    longest = n
-                    break
-        return longest
+
+def partial_suffix(text: str, strings: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that one of `strings` starts
+    with (shorter than that string): what a stream holds back.
+
+    >>> partial_suffix("a <too", ["<tool_call>"])
+    4
+    """
+    longest = 0
+    for s in strings:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if s.startswith(text[len(text) - n :]):
+                longest = n
+                break
+    return longest

@@ -368,6 +368,8 @@ def hi(**fields) -> dict:
         (hi(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
         (hi(tools=[{}]), 400, "tools"),
         (hi(functions=[{"name": "f"}]), 400, "functions"),
+        (hi(reasoning_format="deepseek"), 400, "reasoning_format"),
+        (hi(chat_template_kwargs={"messages": []}), 400, "messages"),
         (hi(logit_bias={"x": 1}), 400, "logit_bias"),
         (hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
         (hi(presence_penalty=3), 400, "presence_penalty"),

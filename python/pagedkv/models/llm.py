@@ -35,6 +35,8 @@ from .errors import ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
 from .gguf_model import GGUFModel
+from .reasoning import FORMATS as REASONING_FORMATS
+from .reasoning import prompt_opens_reasoning, split_reasoning, template_reasons
 from .tokenizer import ChatTokenizer, TextStream
 from .tool_calls import ToolCall, ToolRequestError, chat_messages, tool_use
 from .unpacked import read_unpacked
@@ -59,6 +61,8 @@ class Completion:
     """Why the prompt was not served (finish_reason "error")."""
     tool_calls: list[ToolCall] = field(default_factory=list)
     """`LLM.chat`: the tools the answer calls (finish_reason "tool_calls")."""
+    reasoning_content: str | None = None
+    """`LLM.chat` of a reasoning model: its `<think>` block, apart from `text`."""
 
     def as_json(self) -> dict:
         """The `pagedkv generate --json` record of this completion."""
@@ -73,6 +77,8 @@ class Completion:
             record["error"] = self.error
         if self.tool_calls:
             record["tool_calls"] = [call.as_openai() for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            record["reasoning_content"] = self.reasoning_content
         return record
 
 
@@ -219,6 +225,8 @@ class LLM:
         tools: Sequence[Mapping] | None = None,
         tool_choice: str | Mapping | None = None,
         parallel_tool_calls: bool = True,
+        chat_template_kwargs: Mapping | None = None,
+        reasoning_format: str = "auto",
     ) -> list[Completion]:
         """Answers every conversation together, as `generate` answers prompts.
 
@@ -237,6 +245,13 @@ class LLM:
             "function": {"name": ...}}, and whether an answer may hold more
             than one call (pagedkv.models.tool_calls; not with
             response_format).
+        chat_template_kwargs : dict, optional
+            More variables for the chat template (Qwen 3's
+            {"enable_thinking": False}).
+        reasoning_format : str
+            "auto": a reasoning model's `<think>` block goes to
+            `reasoning_content`, apart from `text` (pagedkv.models.reasoning);
+            "none": it stays in `text`.
 
         Returns
         -------
@@ -267,6 +282,8 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
+        if reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format must be one of {REASONING_FORMATS}")
         template = self.tokenizer.chat_template
         use = tool_use(tools, tool_choice, parallel_tool_calls, template)
         if use.active and response_format is not None:
@@ -277,16 +294,26 @@ class LLM:
         texts = []
         for conversation in conversations:
             messages = use.prompt_messages(chat_messages(conversation))
-            texts.append(self.tokenizer.render_chat(messages, tools=use.template_tools()))
+            texts.append(
+                self.tokenizer.render_chat(
+                    messages, tools=use.template_tools(), template_kwargs=chat_template_kwargs
+                )
+            )
         ids = [self.tokenizer.prompt_ids(text) for text in texts]
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
         sequences = self._run(ids, max_new_tokens, sampling, grammar, None)
+        reasons = reasoning_format == "auto" and template_reasons(template)
         out = []
         for text, pi, s in zip(texts, ids, sequences, strict=True):
-            content, calls = use.read(self.tokenizer.decode(s.tokens))
+            reasoning, answer = None, self.tokenizer.decode(s.tokens)
+            if reasons:
+                reasoning, answer = split_reasoning(answer, prompt_opens_reasoning(text))
+            content, calls = use.read(answer)
             reason = "tool_calls" if calls else s.finish_reason or "length"
             out.append(
-                Completion(text, list(pi), list(s.tokens), content or "", reason, s.error, calls)
+                Completion(
+                    text, list(pi), list(s.tokens), content or "", reason, s.error, calls, reasoning
+                )
             )
         return out
 

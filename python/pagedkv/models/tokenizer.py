@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import ModelError
@@ -165,6 +165,7 @@ class ChatTokenizer:
         messages: Sequence[dict],
         add_generation_prompt: bool = True,
         tools: Sequence[dict] | None = None,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
         """The chat template applied to messages [{"role": ..., "content": ...}]
         (and OpenAI's `tools` where the template renders them), given the
@@ -172,7 +173,9 @@ class ChatTokenizer:
         call (`tojson`, `raise_exception`, `strftime_now`) as transformers
         and llama.cpp give them. Where `prompt_ids` adds BOS, a BOS the
         template writes first is left out (llama.cpp's rule), so the prompt
-        starts with one BOS, not two. Raises ValueError where the template
+        starts with one BOS, not two. `template_kwargs`: more variables the
+        template reads (Qwen 3's `enable_thinking`: vLLM's and llama.cpp's
+        `chat_template_kwargs`). Raises ValueError where the template
         refuses the messages (`raise_exception`, a missing field)."""
         if not self.chat_template:
             raise ModelError("this model has no chat template: generate with chat=False")
@@ -182,15 +185,20 @@ class ChatTokenizer:
             "" if i is None else self.tokenizer.id_to_token(i) or ""
             for i in (self.bos_token_id, self.eos_token_id)
         )
+        given = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+        extra = dict(template_kwargs or {})
+        if any(not isinstance(k, str) or k in given for k in extra):
+            raise ValueError(f"chat_template_kwargs may not name {sorted(given)}")
         try:
             text = _template(self.chat_template).render(
+                **extra,
                 messages=list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos,
                 eos_token=eos,
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: a message field of the wrong type
             raise ValueError(f"the chat template refused the messages: {e}") from None
         return text[len(bos) :] if self.add_bos and bos and text.startswith(bos) else text
 

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagedkv.graphs.stop_strings import partial_suffix
 from pagedkv.graphs.structured import JSON_LAYOUT
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -419,7 +420,8 @@ class ToolCallStream:
             content = _partial_response(text) or ""
         else:
             start = text.find(HERMES_OPEN)
-            content = text[: start if start >= 0 else len(text) - _partial_tag(text)]
+            end = start if start >= 0 else len(text) - partial_suffix(text, [HERMES_OPEN])
+            content = text[:end]
         out = content[self.sent :]
         self.sent = max(self.sent, len(content))
         return out
@@ -428,14 +430,6 @@ class ToolCallStream:
         """(the content not yet sent, the calls) once the answer is whole."""
         content, calls = self.use.read("".join(self.text))
         return (content or "")[self.sent :], calls
-
-
-def _partial_tag(text: str) -> int:
-    """Characters at the end of text that may begin `<tool_call>`."""
-    for n in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 GENERIC_REPLY = '{"response": "'

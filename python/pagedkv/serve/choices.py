@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.graphs.scheduler import Delta, PromptLogprobs
+from pagedkv.models.reasoning import ReasoningStream, split_reasoning
 from pagedkv.models.tool_calls import ToolCallStream, ToolUse
 
 from .logprobs import CompletionLogprobs, TokenText, chat_entries
@@ -26,6 +27,25 @@ class _Choice:
     """Streamed: whether its first chunk went out (the role, or echo's prompt)."""
     tool_calls: ToolCallStream | None = None
     """Chat with tools: the text held back where it may be a call."""
+    reasoning: ReasoningStream | None = None
+    """Chat with a reasoning model: the `<think>` block split from the answer."""
+
+
+@dataclass(frozen=True)
+class ChatReading:
+    """How a chat answer's text is read.
+
+    Args:
+        tools: the tools the answer may call; calls are read out of its
+            text into `tool_calls` (finish reason "tool_calls").
+        reasoning_opened: None leaves the answer whole; else a `<think>`
+            block is split out of it into `reasoning_content`
+            (pagedkv.models.reasoning), and True says the prompt opened
+            that block itself.
+    """
+
+    tools: ToolUse | None = None
+    reasoning_opened: bool | None = None
 
 
 class Choices:
@@ -33,8 +53,9 @@ class Choices:
 
     Parameters
     ----------
-    chat : bool
-        Chat's shapes (message / delta, logprobs.content) or completions'.
+    chat : ChatReading or None
+        Chat's shapes (message / delta, logprobs.content) read as it says,
+        or (None) completions'.
     n : int
         Samples per prompt.
     prompts : list of (text, token ids)
@@ -47,32 +68,32 @@ class Choices:
         False when max_tokens is 0 with echo: generated tokens are dropped.
     token_text : callable(int) -> str
         A token id's text (logprobs' `token`).
-    tools : ToolUse, optional
-        Chat: the tools the answer may call; calls are read out of each
-        choice's text into `tool_calls` (finish reason "tool_calls").
     """
 
     def __init__(
         self,
-        chat: bool,
+        chat: ChatReading | None,
         n: int,
         prompts: list[tuple[str, list[int]]],
         logprobs: bool,
         echo: bool,
         completion: bool,
         token_text: TokenText,
-        tools: ToolUse | None = None,
     ) -> None:
-        self.chat, self.n, self.prompts = chat, n, prompts
+        self.chat, self.n, self.prompts = chat is not None, n, prompts
         self.logprobs, self.echo, self.completion = logprobs, echo, completion
         self.token_text = token_text
+        tools = chat.tools if chat is not None else None
         self.tools = tools if tools is not None and tools.active else None
+        self.reasoning_opened = chat.reasoning_opened if chat is not None else None
         self.choices = [_Choice() for _ in range(len(prompts) * n)]
         for c in self.choices:
-            if logprobs and not chat:
+            if logprobs and not self.chat:
                 c.completion_logprobs = CompletionLogprobs(token_text)
             if self.tools is not None:
                 c.tool_calls = self.tools.stream()
+            if self.reasoning_opened is not None:
+                c.reasoning = ReasoningStream(self.reasoning_opened)
 
     def on_event(self, p: int, event: PromptLogprobs | Delta) -> list[dict]:
         """Prompt p's event; returns the chunks' choice objects (streamed)."""
@@ -118,9 +139,16 @@ class Choices:
         if not self.chat:  # one chunk a delta, the last one with its reason
             out.append(self._chunk(index, event.text, logprobs, event.finish_reason))
             return out
-        text = event.text if c.tool_calls is None else c.tool_calls.push(event.text)
-        if text or logprobs is not None:
-            out.append(self._chunk(index, text, logprobs, None))
+        text, reasoning = event.text, ""
+        if c.reasoning is not None:
+            reasoning, text = c.reasoning.push(text)
+            if event.finish_reason is not None:
+                held_reasoning, held_text = c.reasoning.finish()
+                reasoning, text = reasoning + held_reasoning, text + held_text
+        if c.tool_calls is not None:
+            text = c.tool_calls.push(text)
+        if text or reasoning or logprobs is not None:
+            out.append(self._chunk(index, text, logprobs, None, reasoning))
         if event.finish_reason is not None:
             out += self._tool_call_chunks(index)
             out.append(self._chunk(index, "", None, c.finish_reason))
@@ -157,9 +185,11 @@ class Choices:
         logprobs = c.completion_logprobs.as_json() if c.completion_logprobs else None
         return [self._chunk(index, text, logprobs, None)]
 
-    def _chunk(self, index: int, text: str, logprobs, finish_reason) -> dict:
+    def _chunk(self, index: int, text: str, logprobs, finish_reason, reasoning="") -> dict:
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
+            if reasoning:
+                delta = {"reasoning_content": reasoning, **({"content": text} if text else {})}
             return {"index": index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": finish_reason}  # fmt: skip
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -172,6 +202,11 @@ class Choices:
             text = "".join(c.text)
             if self.chat:
                 message = {"role": "assistant", "content": text}
+                if self.reasoning_opened is not None:
+                    reasoning, text = split_reasoning(text, self.reasoning_opened)
+                    message["content"] = text
+                    if reasoning is not None:
+                        message["reasoning_content"] = reasoning
                 if self.tools is not None:
                     content, calls = self.tools.read(text)
                     if calls:

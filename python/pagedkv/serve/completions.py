@@ -23,9 +23,10 @@ from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 from pagedkv.graphs.structured import request_format, response_format_grammar
+from pagedkv.models.reasoning import prompt_opens_reasoning, template_reasons
 from pagedkv.models.tool_calls import ToolRequestError, ToolUse, chat_messages, tool_use
 
-from .choices import Choices
+from .choices import ChatReading, Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
 from .limits import ServeLimits, StreamSlots
 from .mailbox import LoopMailbox
@@ -266,15 +267,15 @@ class Completions:
         body,
         prompts: list[list[int]],
         max_tokens,
-        chat: bool,
+        chat: ChatReading | None,
         texts=None,
-        tools: ToolUse | None = None,
     ):
         """Submits the prompts, then streams or gathers their choices;
-        `texts`: the prompts as echo returns them (default: decoded);
-        `tools`: what a chat's answers may call."""
-        asked = replace(self.check(body, chat), grammar=await self.grammar(body, tools))
-        max_tokens = self.within_limits(prompts, max_tokens, chat)
+        `chat`: how a chat's answers are read (None: completions); `texts`:
+        the prompts as echo returns them (default: decoded)."""
+        tools = chat.tools if chat is not None else None
+        asked = replace(self.check(body, chat is not None), grammar=await self.grammar(body, tools))
+        max_tokens = self.within_limits(prompts, max_tokens, chat is not None)
         await self.reach_prefill_peer(body)
         key = request.headers.get("authorization") or (
             request.client.host if request.client else ""
@@ -290,7 +291,7 @@ class Completions:
         handed_off = False
         try:
             response = await self.answer(
-                request, body, prompts, max_tokens, chat, texts, asked, release, tools
+                request, body, prompts, max_tokens, chat, texts, asked, release
             )
             handed_off = isinstance(response, StreamingResponse)
             return response
@@ -334,11 +335,12 @@ class Completions:
             )
         return max_tokens
 
-    async def answer(self, request, body, prompts, max_tokens, chat, texts, asked, release, tools):
+    async def answer(self, request, body, prompts, max_tokens, chat, texts, asked, release):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ids = self.submit_all(prompts, max_tokens, body, asked, queue, loop)
-        prefix = "chatcmpl" if chat else "cmpl"
+        is_chat = chat is not None
+        prefix = "chatcmpl" if is_chat else "cmpl"
         response_id = f"{prefix}-{ids[0]}"
         common = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         tokenizer = self.engine.tokenizer
@@ -351,7 +353,6 @@ class Completions:
             asked.echo,
             asked.completion,
             lambda token: tokenizer.decode([token]),
-            tools,
         )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -359,7 +360,7 @@ class Completions:
                 self.events(request, queue, ids, False),
                 common,
                 choices,
-                chat,
+                is_chat,
                 include_usage,
                 release,
             )
@@ -375,7 +376,7 @@ class Completions:
                 choices.on_event(p, event)
         answer = {
             **common,
-            "object": "chat.completion" if chat else "text_completion",
+            "object": "chat.completion" if is_chat else "text_completion",
             "choices": choices.answers(),
             "usage": _usage(*usage),
         }
@@ -394,12 +395,17 @@ class Completions:
                 )
                 messages = tools.prompt_messages(messages)
             template_tools = tools.template_tools() if tools is not None else None
-            prompt = tokenizer.prompt_ids(tokenizer.render_chat(messages, tools=template_tools))
+            text = tokenizer.render_chat(
+                messages, tools=template_tools, template_kwargs=body.chat_template_kwargs
+            )
+            prompt = tokenizer.prompt_ids(text)
         except ValueError as e:
             param = e.param if isinstance(e, ToolRequestError) else "messages"
             raise self.reject(400, str(e), "invalid_request_error", param=param) from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self.serve(request, body, [prompt], max_tokens, chat=True, tools=tools)
+        reasoning = body.reasoning_format == "auto" and template_reasons(tokenizer.chat_template)
+        chat = ChatReading(tools, prompt_opens_reasoning(text) if reasoning else None)
+        return await self.serve(request, body, [prompt], max_tokens, chat=chat)
 
     async def completions(self, request: Request, body: CompletionRequest):
         texts = None
@@ -426,7 +432,7 @@ class Completions:
         if any(not p for p in prompts):
             raise self.reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await self.serve(request, body, prompts, max_tokens, chat=False, texts=texts)
+        return await self.serve(request, body, prompts, max_tokens, chat=None, texts=texts)
 
 
 def _uses_tools(messages: list[dict]) -> bool:

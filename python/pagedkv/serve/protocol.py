@@ -160,6 +160,12 @@ class ChatCompletionRequest(_Common):
     function."""
     parallel_tool_calls: bool = True
     """Whether one answer may call more than one function."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's and llama.cpp's: more variables for the chat template (Qwen
+    3's {"enable_thinking": false})."""
+    reasoning_format: Literal["auto", "none"] = "auto"
+    """llama.cpp's: "auto" returns a reasoning model's `<think>` block as
+    `reasoning_content`, apart from the content; "none" leaves it in."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
