@@ -22,7 +22,7 @@ from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
 from pagedkv.models.tokenizer import load_tokenizer
 from pagedkv.models.tool_calls import (
-    ToolRequestError,
+    ChatRequestError,
     ToolUse,
     read_tool_choice,
     read_tools,
@@ -298,7 +298,7 @@ def test_llm_chat_calls_tools_and_answers():
         ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "tools"),
         ({"tools": [UNFOLLOWABLE]}, "tools"),
     ):
-        with pytest.raises(ToolRequestError) as e:
+        with pytest.raises(ChatRequestError) as e:
             llm.chat([ASK], **kw)
         assert e.value.param == param
     with pytest.raises(ValueError, match="role"):

@@ -31,14 +31,13 @@ from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
 from pagedkv.graphs.structured import Grammars, response_format_grammar
 
 from .catalog import DEFAULT_MODEL, model_spec
-from .errors import ModelError
+from .chat import chat_prompt
+from .errors import ChatRequestError, ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
 from .gguf_model import GGUFModel
-from .reasoning import FORMATS as REASONING_FORMATS
-from .reasoning import prompt_opens_reasoning, split_reasoning, template_reasons
 from .tokenizer import ChatTokenizer, TextStream
-from .tool_calls import ToolCall, ToolRequestError, chat_messages, tool_use
+from .tool_calls import ToolCall
 from .unpacked import read_unpacked
 
 DEFAULT_KV_MEMORY = 512 << 20
@@ -263,7 +262,7 @@ class LLM:
         Raises
         ------
         ValueError
-            Malformed messages or tools (`tool_calls.ToolRequestError`), or a
+            Malformed messages or tools (`errors.ChatRequestError`), or a
             format or tool schema that cannot be followed.
 
         Examples
@@ -282,37 +281,37 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
-        if reasoning_format not in REASONING_FORMATS:
-            raise ValueError(f"reasoning_format must be one of {REASONING_FORMATS}")
-        template = self.tokenizer.chat_template
-        use = tool_use(tools, tool_choice, parallel_tool_calls, template)
-        if use.active and response_format is not None:
-            raise ToolRequestError("tools", "give tools or a response_format, not both")
-        grammar = self._format_grammar(response_format) if not use.active else None
-        if use.active and (error := self.grammars.error(grammar := use.grammar())) is not None:
-            raise ToolRequestError("tools", f"the tools' schemas cannot be followed: {error}")
-        texts = []
-        for conversation in conversations:
-            messages = use.prompt_messages(chat_messages(conversation))
-            texts.append(
-                self.tokenizer.render_chat(
-                    messages, tools=use.template_tools(), template_kwargs=chat_template_kwargs
-                )
+        prompts = [
+            chat_prompt(
+                self.tokenizer,
+                conversation,
+                tools,
+                tool_choice,
+                parallel_tool_calls,
+                chat_template_kwargs,
+                reasoning_format,
             )
-        ids = [self.tokenizer.prompt_ids(text) for text in texts]
+            for conversation in conversations
+        ]
+        grammar = prompts[0].grammar(self._format_grammar(response_format)) if prompts else None
+        if grammar is not None and (error := self.grammars.error(grammar)) is not None:
+            raise ChatRequestError("tools", f"the tools' schemas cannot be followed: {error}")
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
-        sequences = self._run(ids, max_new_tokens, sampling, grammar, None)
-        reasons = reasoning_format == "auto" and template_reasons(template)
+        sequences = self._run([p.ids for p in prompts], max_new_tokens, sampling, grammar, None)
         out = []
-        for text, pi, s in zip(texts, ids, sequences, strict=True):
-            reasoning, answer = None, self.tokenizer.decode(s.tokens)
-            if reasons:
-                reasoning, answer = split_reasoning(answer, prompt_opens_reasoning(text))
-            content, calls = use.read(answer)
-            reason = "tool_calls" if calls else s.finish_reason or "length"
+        for prompt, s in zip(prompts, sequences, strict=True):
+            answer = prompt.read(self.tokenizer.decode(s.tokens))
+            reason = "tool_calls" if answer.tool_calls else s.finish_reason or "length"
             out.append(
                 Completion(
-                    text, list(pi), list(s.tokens), content or "", reason, s.error, calls, reasoning
+                    prompt.text,
+                    prompt.ids,
+                    list(s.tokens),
+                    answer.content or "",
+                    reason,
+                    s.error,
+                    answer.tool_calls,
+                    answer.reasoning,
                 )
             )
         return out

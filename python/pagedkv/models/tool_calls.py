@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pagedkv.graphs.stop_strings import partial_suffix
 from pagedkv.graphs.structured import JSON_LAYOUT
 
+from .errors import ChatRequestError
+
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """OpenAI's rule for a function's name."""
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -137,15 +139,6 @@ def read_tool_choice(choice: object, tools: Sequence[Tool]) -> str | Tool:
     )
 
 
-class ToolRequestError(ValueError):
-    """A malformed `tools`, `tool_choice` or message; `param` names the
-    field (as OpenAI's error bodies do)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def tool_use(
     tools: object,
     tool_choice: object = None,
@@ -154,7 +147,7 @@ def tool_use(
 ) -> ToolUse:
     """What a chat request asks of tools, from OpenAI's fields (`tools`
     None: no tools; tool_choice None: "auto" where tools are given) and the
-    model's chat template (which picks the format). Raises ToolRequestError
+    model's chat template (which picks the format). Raises ChatRequestError
     naming the field that is malformed, or `tool_choice` given without tools.
 
     Examples
@@ -166,60 +159,14 @@ def tool_use(
     try:
         offered = read_tools(tools) if tools is not None else ()
     except ValueError as e:
-        raise ToolRequestError("tools", str(e)) from None
+        raise ChatRequestError("tools", str(e)) from None
     if tool_choice not in (None, "none") and not offered:
-        raise ToolRequestError("tool_choice", "tool_choice needs tools")
+        raise ChatRequestError("tool_choice", "tool_choice needs tools")
     try:
         choice = read_tool_choice(tool_choice, offered) if offered else "none"
     except ValueError as e:
-        raise ToolRequestError("tool_choice", str(e)) from None
+        raise ChatRequestError("tool_choice", str(e)) from None
     return ToolUse(offered, choice, bool(parallel_tool_calls), template_format(chat_template))
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def chat_messages(messages: object) -> list[dict]:
-    """OpenAI's chat messages as chat templates take them: content as one
-    string (a list of text parts joined), the developer role as the
-    system's, an assistant's `tool_calls` and a tool's `tool_call_id` kept.
-    Raises ToolRequestError (param "messages") for anything else."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ToolRequestError("messages", "messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, Mapping) else None
-        if role not in ROLES:
-            raise ToolRequestError("messages", f"messages[{i}]'s role must be one of {ROLES}")
-        calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
-        if calls and (role != "assistant" or not isinstance(calls, list)):
-            raise ToolRequestError("messages", f"messages[{i}]: tool_calls is an assistant's list")
-        if role == "tool" and not isinstance(call_id, str):
-            raise ToolRequestError("messages", f"messages[{i}]: a tool message needs tool_call_id")
-        message = {"role": "system" if role == "developer" else role}
-        message["content"] = _text(m.get("content"), i, may_lack=bool(calls))
-        if calls:
-            message["tool_calls"] = calls
-        if role == "tool":
-            message["tool_call_id"] = call_id
-        out.append(message)
-    return out
-
-
-def _text(content: object, i: int, may_lack: bool) -> str:
-    if content is None and may_lack:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = content if isinstance(content, list) else None
-    if parts is None or not all(
-        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in parts
-    ):
-        raise ToolRequestError(
-            "messages", f"messages[{i}]'s content must be text (a string or text parts)"
-        )
-    return "".join(p["text"] for p in parts)
 
 
 def template_format(chat_template: str | None) -> str:

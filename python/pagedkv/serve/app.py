@@ -115,6 +115,11 @@ def create_app(
     v1.post("/chat/completions")(completions.chat_completions)
     v1.post("/completions")(completions.completions)
     app.include_router(v1)
+    # vLLM's and llama.cpp's tokenizer endpoints sit outside /v1.
+    tokens = APIRouter(dependencies=[Depends(authorize)])
+    tokens.post("/tokenize")(completions.tokenize)
+    tokens.post("/detokenize")(completions.detokenize)
+    app.include_router(tokens)
     return app
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.graphs.scheduler import Delta, PromptLogprobs
-from pagedkv.models.reasoning import ReasoningStream, split_reasoning
-from pagedkv.models.tool_calls import ToolCallStream, ToolUse
+from pagedkv.models.chat import ChatPrompt
+from pagedkv.models.reasoning import ReasoningStream
+from pagedkv.models.tool_calls import ToolCallStream
 
 from .logprobs import CompletionLogprobs, TokenText, chat_entries
 
@@ -31,31 +32,15 @@ class _Choice:
     """Chat with a reasoning model: the `<think>` block split from the answer."""
 
 
-@dataclass(frozen=True)
-class ChatReading:
-    """How a chat answer's text is read.
-
-    Args:
-        tools: the tools the answer may call; calls are read out of its
-            text into `tool_calls` (finish reason "tool_calls").
-        reasoning_opened: None leaves the answer whole; else a `<think>`
-            block is split out of it into `reasoning_content`
-            (pagedkv.models.reasoning), and True says the prompt opened
-            that block itself.
-    """
-
-    tools: ToolUse | None = None
-    reasoning_opened: bool | None = None
-
-
 class Choices:
     """Builds the choices of one response.
 
     Parameters
     ----------
-    chat : ChatReading or None
-        Chat's shapes (message / delta, logprobs.content) read as it says,
-        or (None) completions'.
+    chat : ChatPrompt or None
+        Chat's shapes (message / delta, logprobs.content), each answer read
+        as the rendered chat request says (reasoning, tool calls), or (None)
+        completions'.
     n : int
         Samples per prompt.
     prompts : list of (text, token ids)
@@ -72,7 +57,7 @@ class Choices:
 
     def __init__(
         self,
-        chat: ChatReading | None,
+        chat: ChatPrompt | None,
         n: int,
         prompts: list[tuple[str, list[int]]],
         logprobs: bool,
@@ -83,6 +68,7 @@ class Choices:
         self.chat, self.n, self.prompts = chat is not None, n, prompts
         self.logprobs, self.echo, self.completion = logprobs, echo, completion
         self.token_text = token_text
+        self.prompt = chat
         tools = chat.tools if chat is not None else None
         self.tools = tools if tools is not None and tools.active else None
         self.reasoning_opened = chat.reasoning_opened if chat is not None else None
@@ -201,18 +187,13 @@ class Choices:
             self._start(index)
             text = "".join(c.text)
             if self.chat:
-                message = {"role": "assistant", "content": text}
-                if self.reasoning_opened is not None:
-                    reasoning, text = split_reasoning(text, self.reasoning_opened)
-                    message["content"] = text
-                    if reasoning is not None:
-                        message["reasoning_content"] = reasoning
-                if self.tools is not None:
-                    content, calls = self.tools.read(text)
-                    if calls:
-                        message["content"] = content
-                        message["tool_calls"] = [call.as_openai() for call in calls]
-                        c.finish_reason = "tool_calls"
+                answer = self.prompt.read(text)
+                message = {"role": "assistant", "content": answer.content}
+                if answer.reasoning is not None:
+                    message["reasoning_content"] = answer.reasoning
+                if answer.tool_calls:
+                    message["tool_calls"] = [call.as_openai() for call in answer.tool_calls]
+                    c.finish_reason = "tool_calls"
                 choice = {"index": index, "message": message}
                 logprobs = {"content": c.chat_logprobs} if self.logprobs else None
             else:

@@ -23,14 +23,20 @@ from starlette.background import BackgroundTask
 
 from pagedkv.graphs.sampling import LogitAdjustments, SamplingParams
 from pagedkv.graphs.structured import request_format, response_format_grammar
-from pagedkv.models.reasoning import prompt_opens_reasoning, template_reasons
-from pagedkv.models.tool_calls import ToolRequestError, ToolUse, chat_messages, tool_use
+from pagedkv.models.chat import ChatPrompt, chat_prompt
+from pagedkv.models.errors import ChatRequestError
 
-from .choices import ChatReading, Choices
+from .choices import Choices
 from .engine import Done, Failed, GenerationRequest, QueueFullError, RequestError
 from .limits import ServeLimits, StreamSlots
 from .mailbox import LoopMailbox
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.5
@@ -94,15 +100,19 @@ class Completions:
             box = self._mailboxes[loop] = LoopMailbox(loop)
         return box
 
-    def check(self, body, chat: bool) -> Asked:
-        if body.model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` names the served model (None: not named)."""
+        if model is not None and model != self.model_name:
             raise self.reject(
                 404,
-                f"The model `{body.model}` does not exist (this server serves `{self.model_name}`)",
+                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                 "not_found_error",
                 param="model",
                 code="model_not_found",
             )
+
+    def check(self, body, chat: bool) -> Asked:
+        self.check_model(body.model)
         name = body.unsupported()
         if name is not None:
             raise self.reject(
@@ -158,7 +168,7 @@ class Completions:
             completion,
         )
 
-    async def grammar(self, body, tools: ToolUse | None = None) -> str | None:
+    async def grammar(self, body, chat: ChatPrompt | None = None) -> str | None:
         """The grammar of a request's output format (`structured.request_format`:
         one of OpenAI's, vLLM's or llama.cpp's fields; 400 naming the field
         where it has none or it cannot be followed), or of its tool calls.
@@ -172,11 +182,9 @@ class Completions:
                 body.response_format, body.structured_outputs, body.json_schema, body.grammar
             )
             grammar = response_format_grammar(fmt)
-            if tools is not None and tools.active:
+            if chat is not None and chat.tools.active:
                 param = "tools"
-                if grammar is not None:
-                    raise ValueError("give tools or an output format, not both")
-                grammar = tools.grammar()
+                grammar = chat.grammar(grammar)
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)
         except ValueError as e:
@@ -267,14 +275,14 @@ class Completions:
         body,
         prompts: list[list[int]],
         max_tokens,
-        chat: ChatReading | None,
+        chat: ChatPrompt | None,
         texts=None,
     ):
         """Submits the prompts, then streams or gathers their choices;
-        `chat`: how a chat's answers are read (None: completions); `texts`:
-        the prompts as echo returns them (default: decoded)."""
-        tools = chat.tools if chat is not None else None
-        asked = replace(self.check(body, chat is not None), grammar=await self.grammar(body, tools))
+        `chat`: the chat request rendered, whose answers are read as it says
+        (None: completions); `texts`: the prompts as echo returns them
+        (default: decoded)."""
+        asked = replace(self.check(body, chat is not None), grammar=await self.grammar(body, chat))
         max_tokens = self.within_limits(prompts, max_tokens, chat is not None)
         await self.reach_prefill_peer(body)
         key = request.headers.get("authorization") or (
@@ -385,27 +393,60 @@ class Completions:
         return answer
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest):
-        tokenizer = self.engine.tokenizer
-        try:
-            messages = chat_messages([m.model_dump(exclude_none=True) for m in body.messages])
-            tools = None
-            if body.tools is not None or body.tool_choice is not None or _uses_tools(messages):
-                tools = tool_use(
-                    body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template
-                )
-                messages = tools.prompt_messages(messages)
-            template_tools = tools.template_tools() if tools is not None else None
-            text = tokenizer.render_chat(
-                messages, tools=template_tools, template_kwargs=body.chat_template_kwargs
-            )
-            prompt = tokenizer.prompt_ids(text)
-        except ValueError as e:
-            param = e.param if isinstance(e, ToolRequestError) else "messages"
-            raise self.reject(400, str(e), "invalid_request_error", param=param) from None
+        chat = self.chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        reasoning = body.reasoning_format == "auto" and template_reasons(tokenizer.chat_template)
-        chat = ChatReading(tools, prompt_opens_reasoning(text) if reasoning else None)
-        return await self.serve(request, body, [prompt], max_tokens, chat=chat)
+        return await self.serve(request, body, [chat.ids], max_tokens, chat=chat)
+
+    def chat_prompt(self, body) -> ChatPrompt:
+        """A chat request's messages, tools and template variables rendered
+        (`models.chat.chat_prompt`); 400 naming the field at fault."""
+        try:
+            return chat_prompt(
+                self.engine.tokenizer,
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                body.tools,
+                body.tool_choice,
+                body.parallel_tool_calls,
+                body.chat_template_kwargs,
+                body.reasoning_format,
+            )
+        except ValueError as e:
+            param = e.param if isinstance(e, ChatRequestError) else "messages"
+            raise self.reject(400, str(e), "invalid_request_error", param=param) from None
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """The token ids a prompt or a chat is served as: {"tokens", "count",
+        "max_model_len"} (vLLM's answer; llama.cpp's `tokens` among it)."""
+        self.check_model(body.model)
+        texts = [t for t in (body.prompt, body.content) if t is not None]
+        if len(texts) + (body.messages is not None) != 1:
+            raise self.reject(
+                400, "give one of prompt, content or messages", "invalid_request_error"
+            )
+        if body.messages is not None:
+            tokens = self.chat_prompt(body).ids
+        else:
+            special = body.add_special_tokens
+            if special is None:
+                special = body.add_special if body.add_special is not None else True
+            tokenizer = self.engine.tokenizer
+            encode = tokenizer.prompt_ids if special else tokenizer.encode
+            try:
+                tokens = encode(texts[0])
+            except ValueError as e:
+                raise self.reject(400, str(e), "invalid_request_error", param="prompt") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.context}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """The text of token ids: {"prompt"} (vLLM's) and {"content"} (llama.cpp's)."""
+        self.check_model(body.model)
+        vocab = self.engine.llm.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise self.reject(
+                400, f"token ids must be in [0, {vocab})", "invalid_request_error", param="tokens"
+            )
+        text = self.engine.tokenizer.decode(body.tokens)
+        return {"prompt": text, "content": text}
 
     async def completions(self, request: Request, body: CompletionRequest):
         texts = None
@@ -433,11 +474,6 @@ class Completions:
             raise self.reject(400, "the prompt is empty", "invalid_request_error", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         return await self.serve(request, body, prompts, max_tokens, chat=None, texts=texts)
-
-
-def _uses_tools(messages: list[dict]) -> bool:
-    """Whether a conversation holds earlier calls or their results."""
-    return any("tool_calls" in m or m["role"] == "tool" for m in messages)
 
 
 def _add(usage: list[int], counts: tuple[int, int, int]) -> list[int]:

@@ -171,6 +171,38 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's; llama.cpp's `content` and `add_special`
+    taken too): one of `prompt` (a text) or `messages` (a chat, rendered
+    with its tools and template variables as /v1/chat/completions would)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    """llama.cpp's name for `prompt`."""
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """A prompt's BOS where the model's prompts start with one (default true)."""
+    add_special: bool | None = None
+    """llama.cpp's name for `add_special_tokens`."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: Literal["auto", "none"] = "auto"
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's and llama.cpp's): token ids to text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None):
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,148 @@
+"""A chat request as the model sees it: OpenAI's messages (and tools)
+rendered by the chat template into the prompt, and the answer read back
+the same way for `LLM.chat` and the server: a reasoning block apart
+(pagedkv.models.reasoning), then the tool calls (pagedkv.models.tool_calls),
+then the content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import ChatRequestError
+from .reasoning import FORMATS as REASONING_FORMATS
+from .reasoning import prompt_opens_reasoning, split_reasoning, template_reasons
+from .tokenizer import ChatTokenizer
+from .tool_calls import ToolCall, ToolUse, tool_use
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """An answer's text read back: the content (None where the answer only
+    calls tools), the reasoning block (None where it does not reason) and
+    the calls."""
+
+    content: str | None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """One chat request rendered.
+
+    Args:
+        text: the prompt as the chat template wrote it.
+        ids: its token ids (after BOS where the model's prompts take one).
+        tools: what the answer may call (inactive without tools).
+        reasoning_opened: None where answers are not split into reasoning
+            and content; else whether the prompt opened the `<think>` block.
+    """
+
+    text: str
+    ids: list[int]
+    tools: ToolUse
+    reasoning_opened: bool | None = None
+
+    def grammar(self, format_grammar: str | None) -> str | None:
+        """The answer's grammar: the tool calls' where tools may be
+        called, else `format_grammar` (a `response_format`'s). Raises
+        ChatRequestError (param "tools") where both are asked for."""
+        if not self.tools.active:
+            return format_grammar
+        if format_grammar is not None:
+            raise ChatRequestError("tools", "give tools or an output format, not both")
+        return self.tools.grammar()
+
+    def read(self, answer: str) -> ChatAnswer:
+        """The whole answer's text read back."""
+        reasoning = None
+        if self.reasoning_opened is not None:
+            reasoning, answer = split_reasoning(answer, self.reasoning_opened)
+        content, calls = self.tools.read(answer)
+        return ChatAnswer(content, reasoning, calls)
+
+
+def chat_prompt(
+    tokenizer: ChatTokenizer,
+    messages: object,
+    tools: object = None,
+    tool_choice: object = None,
+    parallel_tool_calls: bool = True,
+    template_kwargs: Mapping[str, object] | None = None,
+    reasoning_format: str = "auto",
+) -> ChatPrompt:
+    """A chat request (OpenAI's fields) rendered by the model's template.
+    Raises ChatRequestError naming the field at fault (messages, tools,
+    tool_choice, reasoning_format), or ValueError where the template
+    refuses the messages.
+
+    Examples
+    --------
+    >>> from pagedkv.models.tokenizer import load_tokenizer
+    >>> prompt = chat_prompt(load_tokenizer("smollm2-135m-instruct"),
+    ...                      [{"role": "user", "content": "Hi"}])
+    >>> prompt.text.endswith("<|im_start|>assistant\\n"), prompt.read("Hello!").content
+    (True, 'Hello!')
+    """
+    if reasoning_format not in REASONING_FORMATS:
+        raise ChatRequestError(
+            "reasoning_format", f"reasoning_format must be one of {REASONING_FORMATS}"
+        )
+    template = tokenizer.chat_template
+    use = tool_use(tools, tool_choice, parallel_tool_calls, template)
+    rendered = use.prompt_messages(chat_messages(messages))
+    text = tokenizer.render_chat(
+        rendered, tools=use.template_tools(), template_kwargs=template_kwargs
+    )
+    opened = None
+    if reasoning_format == "auto" and template_reasons(template):
+        opened = prompt_opens_reasoning(text)
+    return ChatPrompt(text, tokenizer.prompt_ids(text), use, opened)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(messages: object) -> list[dict]:
+    """OpenAI's chat messages as chat templates take them: content as one
+    string (a list of text parts joined), the developer role as the
+    system's, an assistant's `tool_calls` and a tool's `tool_call_id` kept.
+    Raises ChatRequestError (param "messages") for anything else."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ChatRequestError("messages", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, Mapping) else None
+        if role not in ROLES:
+            raise ChatRequestError("messages", f"messages[{i}]'s role must be one of {ROLES}")
+        calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
+        if calls and (role != "assistant" or not isinstance(calls, list)):
+            raise ChatRequestError("messages", f"messages[{i}]: tool_calls is an assistant's list")
+        if role == "tool" and not isinstance(call_id, str):
+            raise ChatRequestError("messages", f"messages[{i}]: a tool message needs tool_call_id")
+        message = {"role": "system" if role == "developer" else role}
+        message["content"] = _text(m.get("content"), i, may_lack=bool(calls))
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message["tool_call_id"] = call_id
+        out.append(message)
+    return out
+
+
+def _text(content: object, i: int, may_lack: bool) -> str:
+    if content is None and may_lack:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else None
+    if parts is None or not all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in parts
+    ):
+        raise ChatRequestError(
+            "messages", f"messages[{i}]'s content must be text (a string or text parts)"
+        )
+    return "".join(p["text"] for p in parts)
