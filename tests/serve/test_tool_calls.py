@@ -20,9 +20,10 @@ import pytest
 
 from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
+from pagedkv.models.chat import chat_messages
+from pagedkv.models.errors import ChatRequestError
 from pagedkv.models.tokenizer import load_tokenizer
 from pagedkv.models.tool_calls import (
-    ChatRequestError,
     ToolUse,
     read_tool_choice,
     read_tools,
@@ -123,6 +124,31 @@ def test_tool_choice():
 
 
 # The prompt.
+
+
+def test_chat_messages_as_templates_take_them():
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    given = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": parts, "name": "ann"},
+        {"role": "assistant", "content": None, "reasoning_content": "Hm.", "tool_calls": [{}]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"},
+    ]
+    out = chat_messages(given)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "tool"]
+    assert out[1] == {"role": "user", "content": "Hi there"}
+    assert out[2]["content"] == "" and out[2]["reasoning_content"] == "Hm."
+    for bad in (
+        [],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+        [{"role": "user", "content": "x", "tool_calls": [{}]}],
+        [{"role": "tool", "content": "x"}],
+    ):
+        with pytest.raises(ChatRequestError) as e:
+            chat_messages(bad)
+        assert e.value.param == "messages"
 
 
 def test_the_generic_prompt_describes_the_tools_and_renders_the_history():

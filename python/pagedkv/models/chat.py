@@ -108,7 +108,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def chat_messages(messages: object) -> list[dict]:
     """OpenAI's chat messages as chat templates take them: content as one
     string (a list of text parts joined), the developer role as the
-    system's, an assistant's `tool_calls` and a tool's `tool_call_id` kept.
+    system's, an assistant's `tool_calls` and `reasoning_content` and a
+    tool's `tool_call_id` kept.
     Raises ChatRequestError (param "messages") for anything else."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ChatRequestError("messages", "messages must be a non-empty list")
@@ -128,6 +129,8 @@ def chat_messages(messages: object) -> list[dict]:
             message["tool_calls"] = calls
         if role == "tool":
             message["tool_call_id"] = call_id
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            message["reasoning_content"] = m["reasoning_content"]  # Qwen 3's template reads it
         out.append(message)
     return out
 

@@ -220,12 +220,13 @@ class ToolUse:
         names = {}
         out = []
         for m in messages:
-            message = {"role": m["role"], "content": m.get("content") or ""}
+            message = {**m, "content": m.get("content") or ""}
             calls = m.get("tool_calls")
             if calls and m["role"] == "assistant":
                 calls = [_earlier_call(c) for c in calls]
                 names.update((c["id"], c["function"]["name"]) for c in calls)
                 if generic:
+                    del message["tool_calls"]
                     message["content"] = json.dumps(self._generic_answer(calls))
                 else:
                     message["tool_calls"] = calls
