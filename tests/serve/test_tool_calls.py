@@ -32,7 +32,9 @@ from pagedkv.models.tool_calls import (
 from pagedkv.serve import ServerThread
 
 MODEL = "smollm2-135m-instruct"
-HERMES_TEMPLATE = Path(__file__).parent.parent / "data" / "hermes_chat_template.jinja"
+DATA = Path(__file__).parent.parent / "data"
+HERMES_TEMPLATE = DATA / "hermes_chat_template.jinja"
+LLAMA3_TEMPLATE = DATA / "llama3_tools_chat_template.jinja"
 WEATHER = {
     "type": "function",
     "function": {
@@ -120,6 +122,7 @@ def test_tool_choice():
         with pytest.raises(ValueError, match="tool_choice"):
             read_tool_choice(bad, tools)
     assert template_format(HERMES_TEMPLATE.read_text()) == "hermes"
+    assert template_format(LLAMA3_TEMPLATE.read_text()) == "llama3"
     assert template_format(load_tokenizer(MODEL).chat_template) == "generic"
 
 
@@ -247,6 +250,24 @@ def test_reading_hermes_answers_and_streaming_them():
     assert sent + stream.finish()[0] == "a <tool_cake> b"
 
 
+def test_reading_llama3_answers_and_streaming_them():
+    use = ToolUse(read_tools(TOOLS), "auto", False, "llama3")
+    call = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'
+    for text in (call, " " + call, "<|python_tag|>" + call):
+        content, calls = use.read(text)
+        assert content is None and [(c.name, c.arguments) for c in calls] == [
+            ("get_weather", '{"city": "Rome", "unit": "celsius"}')
+        ]
+    assert use.read("It is sunny.") == ("It is sunny.", [])
+    assert use.read(call[:30]) == (call[:30], [])
+    for text, sent in ((call, ""), ("It is {sunny}.", "It is {sunny}.")):
+        stream = use.stream()
+        streamed = "".join(stream.push(text[i : i + 4]) for i in range(0, len(text), 4))
+        assert streamed == sent
+        rest, calls = stream.finish()
+        assert (streamed + rest, len(calls)) == ((sent, 1) if not sent else (text, 0))
+
+
 # The grammar.
 
 
@@ -300,6 +321,17 @@ def test_the_hermes_grammar(grammars):
     assert not allows(grammars, single, call + "\n" + call)
 
 
+def test_the_llama3_grammar(grammars):
+    call = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'
+    tools = read_tools(TOOLS)
+    auto = ToolUse(tools, "auto", False, "llama3").grammar()
+    assert allows(grammars, auto, call) and allows(grammars, auto, "It is sunny, {ok}.")
+    assert not allows(grammars, auto, call.replace("parameters", "arguments"))
+    assert not allows(grammars, auto, call + " " + call)
+    required = ToolUse(tools, "required", False, "llama3").grammar()
+    assert allows(grammars, required, call) and not allows(grammars, required, "It is")
+
+
 # In process.
 
 
@@ -350,11 +382,17 @@ def hermes_server():
         yield s
 
 
+@pytest.fixture(scope="module")
+def llama3_server():
+    with ServerThread(load(MODEL, chat_template=LLAMA3_TEMPLATE.read_text())) as s:
+        yield s
+
+
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
-@pytest.mark.parametrize("which", ["server", "hermes_server"])
+@pytest.mark.parametrize("which", ["server", "hermes_server", "llama3_server"])
 def test_required_and_named_calls_whole_and_streamed(request, which):
     server = request.getfixturevalue(which)
     c = client(server)
@@ -400,9 +438,12 @@ def test_required_and_named_calls_whole_and_streamed(request, which):
     assert server.engine.wait_idle(HANG_GUARD)
 
 
-def test_a_conversation_with_calls_and_results(server):
-    """The client runs the call and sends its result back; the next answer
-    (auto: a call or a reply, both in the generic JSON) parses."""
+@pytest.mark.parametrize("which", ["server", "hermes_server", "llama3_server"])
+def test_a_conversation_with_calls_and_results(request, which):
+    """The client runs the call and sends its result back; the history
+    renders in each format, and the next answer (auto: a call or a reply)
+    parses."""
+    server = request.getfixturevalue(which)
     c = client(server)
     r = c.chat.completions.create(
         model=MODEL,
@@ -425,7 +466,7 @@ def test_a_conversation_with_calls_and_results(server):
     if answer.finish_reason == "tool_calls":
         assert all(follows_tools(call) for call in answer.message.tool_calls)
     else:
-        assert answer.finish_reason == "stop" and not answer.message.content.startswith("{")
+        assert answer.message.content and not answer.message.content.startswith('{"')
     # Without tools, the history still renders (the calls as the model wrote them).
     r = c.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
     assert r.choices[0].message.tool_calls is None

@@ -2,7 +2,7 @@
 the prompt, the grammar a call follows, and the calls read back out of the
 answer's text.
 
-Two formats, chosen by the model's chat template:
+Three formats, chosen by the model's chat template:
 
 - **hermes**, where the template writes `<tool_call>` itself (Qwen 2.5 and
   3, Hermes, and the many fine-tunes that copy them): the template gets the
@@ -10,13 +10,18 @@ Two formats, chosen by the model's chat template:
   anywhere in the answer. Under tool_choice "auto" the text before a call
   is free and the grammar binds from the tag on (a lazy trigger); under
   "required" or a named tool the answer is calls only.
+- **llama3**, where the template is Llama 3.1, 3.2 or 3.3's (it writes
+  "Environment: ipython" where tools are given): the template gets the
+  tools, and a call is the whole answer, {"name": ..., "parameters":
+  {...}}, one a turn. Under "auto" an answer that does not open with `{`
+  is free text.
 - **generic**, for every other template (SmolLM2's, Gemma's): llama.cpp's
   generic format. A system message describes the tools and asks for JSON,
   and the whole answer is one JSON object: {"tool_calls": [{"name": ...,
   "arguments": {...}}]} ({"tool_call": {...}} where parallel calls are off)
   or, under "auto", {"response": "..."}.
 
-Either way a call's arguments follow the tool's `parameters` schema, so a
+In every format a call's arguments follow the tool's `parameters` schema, so a
 call read back always parses; a sample cut by max_tokens mid-call keeps
 its text as content. Under tool_choice "none" the prompt leaves the tools
 out and the answer is free text.
@@ -41,6 +46,8 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": 
 """A tool that declares no `parameters` takes none (an object schema
 allows any property it does not name)."""
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+LLAMA3_PYTHON_TAG = "<|python_tag|>"
+"""What Llama 3.1 may write before a call."""
 HERMES_CALL = re.compile(rf"{HERMES_OPEN}\s*(\{{.*?\}})\s*{HERMES_CLOSE}", re.S)
 """One call in the hermes format (the tags hold no regular-expression
 characters)."""
@@ -166,13 +173,26 @@ def tool_use(
         choice = read_tool_choice(tool_choice, offered) if offered else "none"
     except ValueError as e:
         raise ChatRequestError("tool_choice", str(e)) from None
-    return ToolUse(offered, choice, bool(parallel_tool_calls), template_format(chat_template))
+    fmt = template_format(chat_template)
+    # Llama 3.x's templates render one call a turn.
+    parallel = bool(parallel_tool_calls) and fmt != "llama3"
+    return ToolUse(offered, choice, parallel, fmt)
+
+
+LLAMA3_MARKER = "Environment: ipython"
+"""What Llama 3.1, 3.2 and 3.3's templates write where tools are given."""
+FORMATS = ("hermes", "llama3", "generic")
 
 
 def template_format(chat_template: str | None) -> str:
     """ "hermes" where the chat template writes `<tool_call>` tags itself,
-    else "generic"."""
-    return "hermes" if chat_template and HERMES_OPEN in chat_template else "generic"
+    "llama3" where it is Llama 3.x's (its tools' JSON calls), else
+    "generic"."""
+    if chat_template and HERMES_OPEN in chat_template:
+        return "hermes"
+    if chat_template and LLAMA3_MARKER in chat_template:
+        return "llama3"
+    return "generic"
 
 
 @dataclass(frozen=True)
@@ -203,8 +223,8 @@ class ToolUse:
         return (self.choice,) if isinstance(self.choice, Tool) else self.tools
 
     def template_tools(self) -> list[dict] | None:
-        """The `tools` the chat template renders (hermes only)."""
-        if not self.active or self.format != "hermes":
+        """The `tools` the chat template renders (where it renders them)."""
+        if not self.active or self.format == "generic":
             return None
         return [tool.as_openai() for tool in self.tools]
 
@@ -269,6 +289,8 @@ class ToolUse:
             return None
         if self.format == "generic":
             return LLMatcher.grammar_from_json_schema(self._generic_schema(), defaults=JSON_LAYOUT)
+        if self.format == "llama3":
+            return LLMatcher.grammar_from_lark(self._llama3_lark())
         return LLMatcher.grammar_from_lark(self._hermes_lark())
 
     def _generic_schema(self) -> dict:
@@ -295,15 +317,30 @@ class ToolUse:
             return {"anyOf": [answer, _object({"response": {"type": "string"}})]}
         return answer
 
-    def _hermes_lark(self) -> str:
-        bodies = [
-            f'"{{\\"name\\": {json.dumps(json.dumps(tool.name))[1:-1]}, \\"arguments\\": " '
-            f'%json {json.dumps(_laid_out(tool.parameters))} "}}"'
+    def _call_bodies(self, arguments_key: str) -> str:
+        """Lark: one call's JSON {"name": ..., KEY: {...}} for any offered
+        tool, laid out as the templates write it."""
+        return " | ".join(
+            f'"{{\\"name\\": {json.dumps(json.dumps(tool.name))[1:-1]}, '
+            f'\\"{arguments_key}\\": " %json {json.dumps(_laid_out(tool.parameters))} "}}"'
             for tool in self.offered
-        ]
+        )
+
+    def _llama3_lark(self) -> str:
+        """One call as the whole answer: {"name": ..., "parameters": {...}}
+        (Llama 3.x's templates render one call a turn); under "auto" an
+        answer that does not open with `{` is free text."""
+        lines = ["%llguidance {}", "call: " + self._call_bodies("parameters")]
+        if self.choice == "auto":
+            lines += ["start: call | TEXT", r"TEXT: /([^{](.|\n)*)?/"]
+        else:
+            lines.append("start: call")
+        return "\n".join(lines)
+
+    def _hermes_lark(self) -> str:
         lines = [
             "%llguidance {}",
-            "body: " + " | ".join(bodies),
+            "body: " + self._call_bodies("arguments"),
             f'call_end: "\\n" body "\\n{HERMES_CLOSE}"',
         ]
         repeat = "*" if self.parallel else "?"
@@ -330,6 +367,9 @@ class ToolUse:
             return text, []
         if self.format == "generic":
             return _read_generic(text)
+        if self.format == "llama3":
+            call = _call_of(text.strip().removeprefix(LLAMA3_PYTHON_TAG), "parameters")
+            return (text, []) if call is None else (None, [call])
         calls, kept, at = [], [], 0
         for match in HERMES_CALL.finditer(text):
             call = _call_of(match.group(1))
@@ -366,6 +406,10 @@ class ToolCallStream:
         text = "".join(self.text)
         if self.use.format == "generic":
             content = _partial_response(text) or ""
+        elif self.use.format == "llama3":
+            # A call is the whole answer: it opens with `{`.
+            opening = text.lstrip()[:1]
+            content = text if opening and opening != "{" else ""
         else:
             start = text.find(HERMES_OPEN)
             end = start if start >= 0 else len(text) - partial_suffix(text, [HERMES_OPEN])
@@ -416,15 +460,15 @@ def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     return (response if isinstance(response, str) else text), []
 
 
-def _call_of(text: str) -> ToolCall | None:
-    """A call from its JSON {"name": ..., "arguments": {...}}, or None."""
+def _call_of(text: str, arguments_key: str = "arguments") -> ToolCall | None:
+    """A call from its JSON {"name": ..., KEY: {...}}, or None."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
+    arguments = value.get(arguments_key, {})
     if not isinstance(arguments, dict):
         return None
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
