@@ -28,6 +28,7 @@ from .completions import ApiError, Completions
 from .limits import BodySizeLimit, ServeLimits
 from .metrics import ServeMetrics
 from .protocol import error_body
+from .responses import Responses
 
 
 def create_app(
@@ -114,6 +115,7 @@ def create_app(
     completions = Completions(engine, model_name, limits, reject)
     v1.post("/chat/completions")(completions.chat_completions)
     v1.post("/completions")(completions.completions)
+    v1.post("/responses")(Responses(completions).create)
     app.include_router(v1)
     # vLLM's and llama.cpp's tokenizer endpoints sit outside /v1.
     tokens = APIRouter(dependencies=[Depends(authorize)])

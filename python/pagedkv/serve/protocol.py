@@ -171,6 +171,35 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (OpenAI's Responses API, stateless): `input` a
+    string or items (messages, function calls and their outputs), flat
+    function `tools`, `text.format` for structured outputs
+    (pagedkv.serve.responses). vLLM's extensions (seed, top_k, min_p,
+    penalties, chat_template_kwargs, reasoning_format, structured_outputs)
+    are passed on."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    """{"format": {"type": "text" | "json_object" | "json_schema", ...}}."""
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    """Accepted; nothing is stored."""
+    previous_response_id: str | None = None
+    """Refused: responses are not stored."""
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's; llama.cpp's `content` and `add_special`
     taken too): one of `prompt` (a text) or `messages` (a chat, rendered

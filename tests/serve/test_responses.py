@@ -1,0 +1,196 @@
+"""POST /v1/responses (OpenAI's Responses API, stateless) through OpenAI's
+own client: the same answers as the chat endpoint, whole and streamed (the
+events in order, their deltas adding up to the items), function calls and
+their outputs, `text.format`, a reasoning model's block as a reasoning item,
+and refusals naming the Responses field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.models import load
+from pagedkv.serve import ServerThread
+
+MODEL = "smollm2-135m-instruct"
+REASONING_TEMPLATE = Path(__file__).parent.parent / "data" / "reasoning_chat_template.jinja"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 32}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+HANG_GUARD = 600.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(load(MODEL, chat_template=REASONING_TEMPLATE.read_text())) as s:
+        yield s
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def streamed(events) -> tuple[list, object]:
+    """(the events, the final response), checking their order: numbered
+    from 0, created first, one final event last, every item's deltas adding
+    up to its text."""
+    events = list(events)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    texts: dict[str, str] = {}
+    for e in events:
+        if e.type in ("response.output_text.delta", "response.reasoning_text.delta"):
+            texts[e.item_id] = texts.get(e.item_id, "") + e.delta
+    for item in final.output:
+        if item.type in ("message", "reasoning"):
+            assert texts.pop(item.id) == item.content[0].text
+    assert not texts
+    return events, final
+
+
+def test_text_answers_whole_and_streamed(server):
+    """The request is the chat endpoint's (instructions as its system
+    message: the same prompt tokens); the answer comes back as one message
+    item, whole or as events. (Greedy answers are not compared across
+    requests: a prompt read back from the int8 cache's pages and one just
+    prefilled differ at near-ties.)"""
+    c = client(server)
+    question = "What is the capital of France?"
+    instructions = "Answer briefly."
+    chat = c.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": instructions},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=2,
+    )
+    for stream in (False, True):
+        answer = c.responses.create(
+            model=MODEL,
+            instructions=instructions,
+            input=question,
+            max_output_tokens=24,
+            temperature=0,
+            stream=stream,
+        )
+        events, r = streamed(answer) if stream else ([], answer)
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
+        (item,) = r.output
+        assert item.type == "message" and item.content[0].text == r.output_text != ""
+        if r.status == "incomplete":
+            assert r.incomplete_details.reason == "max_output_tokens"
+            assert r.usage.output_tokens == 24
+        else:
+            assert r.status == "completed" and r.incomplete_details is None
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
+def test_function_calls_and_their_outputs(server):
+    c = client(server)
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    r = c.responses.create(
+        model=MODEL, input=[ask], tools=[WEATHER], tool_choice="required", temperature=0
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and all(call.name == "get_weather" for call in calls)
+    assert all(set(json.loads(call.arguments)) == {"city"} for call in calls)
+    call = calls[0]
+    history = [
+        ask,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"},
+    ]  # fmt: skip
+    after = c.responses.create(model=MODEL, input=history, tools=[WEATHER], max_output_tokens=48)
+    assert after.output and after.status in ("completed", "incomplete")
+    events, final = streamed(
+        c.responses.create(
+            model=MODEL,
+            input=[ask],
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            temperature=0,
+            stream=True,
+        )
+    )
+    (item,) = final.output
+    assert item.type == "function_call" and json.loads(item.arguments)["city"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [item.arguments]
+
+
+def test_text_format_and_reasoning(server):
+    c = client(server)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = c.responses.create(
+        model=MODEL,
+        input="Name a city.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+        temperature=0,
+    )
+    assert set(json.loads(r.output_text)) == {"city"}
+    thinks = r"<think>\n([a-z ]{1,30})\n</think>\n\n([A-Z][a-z ]{1,30}\.)"
+    events, final = streamed(
+        c.responses.create(
+            model=MODEL,
+            input="What is two plus two?",
+            temperature=0,
+            stream=True,
+            extra_body={"structured_outputs": {"regex": thinks}},
+        )
+    )
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert re.fullmatch(r"[a-z ]{1,30}", reasoning.content[0].text)
+    assert re.fullmatch(r"[A-Z][a-z ]{1,30}\.", message.content[0].text)
+    assert "response.reasoning_text.delta" in {e.type for e in events}
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+        ({"input": [{"type": "image_generation_call"}]}, 400, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input"),
+        ({"input": [{"role": "wizard", "content": "hi"}]}, 400, "input"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools"),
+        ({"max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({"text": {"format": {"type": "xml"}}}, 400, "text"),
+        ({"text": {"format": "json"}}, 400, "text"),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
+        ({"model": "gpt-5"}, 404, "model"),
+    ],
+)
+def test_refusals_name_the_responses_field(server, fields, status, param):
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=HANG_GUARD)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
