@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import openai
 import pytest
+from chat_server import openai_client
 
 from pagedkv.models import load
 from pagedkv.models.reasoning import (
@@ -95,7 +95,7 @@ def test_llm_chat_returns_the_block_apart(llm):
 
 def test_over_http_whole_streamed_and_opened_by_the_prompt(llm):
     with ServerThread(llm) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        client = openai_client(server)
 
         def ask(**fields):
             return client.chat.completions.create(

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from chat_server import MODEL, chat_server, openai_client
 
-from pagedkv.models import load
-from pagedkv.serve import ServerThread
-
-MODEL = "smollm2-135m-instruct"
-REASONING_TEMPLATE = Path(__file__).parent.parent / "data" / "reasoning_chat_template.jinja"
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -35,12 +29,8 @@ HANG_GUARD = 600.0
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(load(MODEL, chat_template=REASONING_TEMPLATE.read_text())) as s:
+    with chat_server("reasoning_chat_template.jinja") as s:
         yield s
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def streamed(events) -> tuple[list, object]:
@@ -69,7 +59,7 @@ def test_text_answers_whole_and_streamed(server):
     item, whole or as events. (Greedy answers are not compared across
     requests: a prompt read back from the int8 cache's pages and one just
     prefilled differ at near-ties.)"""
-    c = client(server)
+    c = openai_client(server)
     question = "What is the capital of France?"
     instructions = "Answer briefly."
     chat = c.chat.completions.create(
@@ -108,7 +98,7 @@ def test_text_answers_whole_and_streamed(server):
 
 
 def test_function_calls_and_their_outputs(server):
-    c = client(server)
+    c = openai_client(server)
     ask = {"role": "user", "content": "What is the weather in Paris?"}
     r = c.responses.create(
         model=MODEL, input=[ask], tools=[WEATHER], tool_choice="required", temperature=0
@@ -143,7 +133,7 @@ def test_function_calls_and_their_outputs(server):
 
 
 def test_text_format_and_reasoning(server):
-    c = client(server)
+    c = openai_client(server)
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 20}},

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from chat_server import MODEL, chat_server
 
-from pagedkv.models import load
 from pagedkv.models.chat import chat_prompt
-from pagedkv.serve import ServerThread
 
-MODEL = "smollm2-135m-instruct"
 ASK = [{"role": "user", "content": "What time is it?"}]
 TOOLS = [{"type": "function", "function": {"name": "now"}}]
 HANG_GUARD = 600.0
@@ -18,7 +16,7 @@ HANG_GUARD = 600.0
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(load(MODEL)) as s:
+    with chat_server() as s:
         yield s
 
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from chat_server import MODEL, chat_server, openai_client
 
 from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
@@ -29,9 +29,7 @@ from pagedkv.models.tool_calls import (
     read_tools,
     template_format,
 )
-from pagedkv.serve import ServerThread
 
-MODEL = "smollm2-135m-instruct"
 DATA = Path(__file__).parent.parent / "data"
 HERMES_TEMPLATE = DATA / "hermes_chat_template.jinja"
 LLAMA3_TEMPLATE = DATA / "llama3_tools_chat_template.jinja"
@@ -372,44 +370,39 @@ def test_llm_chat_calls_tools_and_answers():
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(load(MODEL)) as s:
+    with chat_server() as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def hermes_server():
-    with ServerThread(load(MODEL, chat_template=HERMES_TEMPLATE.read_text())) as s:
+    with chat_server(HERMES_TEMPLATE.name) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def llama3_server():
-    with ServerThread(load(MODEL, chat_template=LLAMA3_TEMPLATE.read_text())) as s:
+    with chat_server(LLAMA3_TEMPLATE.name) as s:
         yield s
 
 
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+def required_call(server, **fields):
+    """A greedy answer to ASK that must call one of TOOLS."""
+    fields = {"tool_choice": "required", "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    return openai_client(server).chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, **fields
+    )
 
 
 @pytest.mark.parametrize("which", ["server", "hermes_server", "llama3_server"])
 def test_required_and_named_calls_whole_and_streamed(request, which):
     server = request.getfixturevalue(which)
-    c = client(server)
+    c = openai_client(server)
     for choice, names in (
         ("required", {"get_weather", "now"}),
         ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
     ):
-        r = c.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=choice,
-            parallel_tool_calls=False,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-        )
-        (answer,) = r.choices
+        (answer,) = required_call(server, tool_choice=choice, parallel_tool_calls=False).choices
         assert len(answer.message.tool_calls) == 1
         assert answer.finish_reason == "tool_calls", answer
         assert answer.message.tool_calls and answer.message.content is None
@@ -444,16 +437,8 @@ def test_a_conversation_with_calls_and_results(request, which):
     renders in each format, and the next answer (auto: a call or a reply)
     parses."""
     server = request.getfixturevalue(which)
-    c = client(server)
-    r = c.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-    )
-    call = r.choices[0].message.tool_calls[0]
+    c = openai_client(server)
+    call = required_call(server).choices[0].message.tool_calls[0]
     history = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
