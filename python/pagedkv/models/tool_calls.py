@@ -46,6 +46,8 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": 
 """A tool that declares no `parameters` takes none (an object schema
 allows any property it does not name)."""
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+LLAMA3_MARKER = "Environment: ipython"
+"""What Llama 3.1, 3.2 and 3.3's templates write where tools are given."""
 LLAMA3_PYTHON_TAG = "<|python_tag|>"
 """What Llama 3.1 may write before a call."""
 HERMES_CALL = re.compile(rf"{HERMES_OPEN}\s*(\{{.*?\}})\s*{HERMES_CLOSE}", re.S)
@@ -179,11 +181,6 @@ def tool_use(
     return ToolUse(offered, choice, parallel, fmt)
 
 
-LLAMA3_MARKER = "Environment: ipython"
-"""What Llama 3.1, 3.2 and 3.3's templates write where tools are given."""
-FORMATS = ("hermes", "llama3", "generic")
-
-
 def template_format(chat_template: str | None) -> str:
     """ "hermes" where the chat template writes `<tool_call>` tags itself,
     "llama3" where it is Llama 3.x's (its tools' JSON calls), else
@@ -204,7 +201,7 @@ class ToolUse:
         tools: the functions offered.
         choice: "none", "auto", "required" or the one `Tool` to call.
         parallel: whether an answer may hold more than one call.
-        format: "hermes" or "generic" (`template_format`).
+        format: "hermes", "llama3" or "generic" (`template_format`).
     """
 
     tools: tuple[Tool, ...]
@@ -231,8 +228,8 @@ class ToolUse:
     def prompt_messages(self, messages: Sequence[Mapping]) -> list[dict]:
         """OpenAI's messages (roles system, user, assistant, tool; an
         assistant's `tool_calls`, a tool's `tool_call_id`) as the chat
-        template takes them. Hermes templates render calls and results
-        themselves (arguments as objects); for the generic format an
+        template takes them. Hermes and Llama 3 templates render calls and
+        results themselves (arguments as objects); for the generic format an
         earlier call is the JSON the model writes and a result a user turn
         {"tool_response": ...}, after a system message describing the
         tools. Raises ValueError for a malformed call or result."""
@@ -264,8 +261,9 @@ class ToolUse:
         return out
 
     def _generic_answer(self, calls: list[dict]) -> dict:
-        plain = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                 for c in calls]  # fmt: skip
+        plain = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+        ]
         if self.parallel or len(plain) > 1:
             return {"tool_calls": plain}
         return {"tool_call": plain[0]}
