@@ -108,6 +108,9 @@ class Request:
     the prompt. stop: strings that end a sample (left out of its text; needs
     a scheduler with a detokenizer). stop_token_ids: tokens that end a
     sample besides the model's EOS; ignore_eos: EOS does not end one.
+    min_tokens: tokens a sample generates before a stop token may end it
+    (vLLM's: the stop tokens are masked until then; stop strings still end
+    it).
     priority: the queue key under the "priority" policy (lower first).
     arrival_step: the step `Scheduler.run` submits it at.
     logprobs: report each chosen token's log-probability with this many of
@@ -115,7 +118,8 @@ class Request:
     prompt_logprobs: the same for every prompt token after the first (a
     `PromptLogprobs` event before the first token); the prompt is then
     computed whole, not read from the prefix cache.
-    adjustments: logit bias and penalties applied before choosing a token.
+    adjustments: logit bias and penalties applied before choosing a token
+    (the repetition penalty counts the prompt's tokens).
     grammar: a grammar the samples' text must follow (`pagedkv.graphs.
     structured`: OpenAI's `response_format`); needs a scheduler with
     `grammars`.
@@ -132,6 +136,7 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
     priority: int = 0
     arrival_step: int = 0
     logprobs: int | None = None
@@ -449,6 +454,13 @@ class Scheduler:
         penalties = (req.adjustments.presence_penalty, req.adjustments.frequency_penalty)
         if not all(np.isfinite(p) for p in penalties):
             return "presence_penalty and frequency_penalty must be finite"
+        repetition = req.adjustments.repetition_penalty
+        if not (np.isfinite(repetition) and repetition > 0):
+            return f"repetition_penalty must be finite and above 0, got {repetition}"
+        if any(not 0 <= token < vocab for token in req.stop_token_ids):
+            return f"stop_token_ids must be token ids in [0, {vocab})"
+        if not 0 <= req.min_tokens <= req.max_tokens:
+            return f"min_tokens must be in [0, max_tokens = {req.max_tokens}], got {req.min_tokens}"
         if req.grammar is not None:
             if self.grammars is None:
                 return "structured outputs need a scheduler with the model's grammars"
@@ -769,9 +781,11 @@ class Scheduler:
                         grammar=self.grammars.start(req.grammar) if req.grammar else None,
                     )
                 )
-            first = req.adjustments.apply(row, []) if req.adjustments.active else row
+            first = req.adjustments.apply(row, [], req.prompt) if req.adjustments.active else row
             if req.grammar is not None:  # every sample's parse is at its start
                 first = live.samples[0].grammar.mask(first)
+            if req.min_tokens > 0:
+                first = _held_stops(first, live.stop_token_ids)
             ranked = greedy_tokens(first, req.n) if req.sampling.greedy else None
             for k, s in enumerate(live.samples):
                 token = (
@@ -840,9 +854,11 @@ class Scheduler:
         """The sample's next token from the model's logits row [vocab]."""
         req = live.req
         if req.adjustments.active:
-            row = req.adjustments.apply(row, s.tokens)
+            row = req.adjustments.apply(row, s.tokens, req.prompt)
         if s.grammar is not None:
             row = s.grammar.mask(row)
+        if len(s.tokens) < req.min_tokens:
+            row = _held_stops(row, live.stop_token_ids)
         return sample_token(row, req.sampling, s.rng)
 
     def _emit(self, live: _Live, s: Sequence, token: int, row: np.ndarray) -> None:
@@ -1003,3 +1019,12 @@ class Scheduler:
         run.generated_tokens = self.stats.generated_tokens - start[1]
         run.preemptions = self.stats.preemptions - start[2]
         return [s for r in requests for s in results[r.request_id]], run
+
+
+def _held_stops(row: np.ndarray, stops: frozenset[int]) -> np.ndarray:
+    """row [vocab] with the stop tokens at -inf (a new array), so that a
+    sample under `min_tokens` goes on; row itself where nothing else is
+    allowed (a grammar that lets only a stop token come ends the sample)."""
+    held = row.copy()
+    held[list(stops)] = -np.inf
+    return held if np.isfinite(held).any() else row

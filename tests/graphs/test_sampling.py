@@ -102,6 +102,24 @@ def test_adjustments_add_the_bias_and_subtract_the_penalties():
     assert not LogitAdjustments().active and adjust.active
 
 
+def test_the_repetition_penalty_counts_the_prompt_and_the_sample_once():
+    """transformers' rule, written out per token: a seen token's positive
+    logit divided by the penalty, a negative one multiplied; after the bias,
+    before presence and frequency."""
+    logits = np.array([2.0, -1.0, 3.0, -4.0, 0.5, 1.0], np.float32)
+    adjust = LogitAdjustments(((4, 1.0),), presence_penalty=0.25, repetition_penalty=2.0)
+    out = adjust.apply(logits, [2, 2, 4], prompt=[3, 0, 3])
+    want = logits.astype(np.float64).copy()
+    want[4] += 1.0
+    for token in (0, 2, 3, 4):  # each seen token once, however often
+        want[token] = want[token] / 2.0 if want[token] > 0 else want[token] * 2.0
+    want[[2, 4]] -= 0.25
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    unseen = LogitAdjustments(repetition_penalty=1.5)
+    assert unseen.active
+    np.testing.assert_array_equal(unseen.apply(logits, []), logits)
+
+
 @given(
     arrays(np.float32, st.integers(1, 300), elements=st.sampled_from([-2.0, 0.0, 1.5, 3.0])),
     st.integers(1, 8),

@@ -220,6 +220,42 @@ def test_logit_bias_and_penalties_change_the_choice_not_the_logprobs(weights):
     assert engine.manager.num_used_pages == 0
 
 
+def test_the_repetition_penalty_chooses_from_the_penalized_logits(weights):
+    """Each greedy token is the argmax of the model's logits with every token
+    of the prompt and the answer so far penalized (written out here)."""
+    engine = engine_with_pool(weights, 32)
+    prompt = prompts(0, 1, 12)[0]  # its plain greedy answer repeats a token
+    penalty = 3.0
+    scheduler = Scheduler(engine, keep_logits=True)
+    adjustments = LogitAdjustments(repetition_penalty=penalty)
+    (s,), _ = scheduler.run([Request("r", prompt, 24, ignore_eos=True, adjustments=adjustments)])
+    for k, (token, row) in enumerate(zip(s.tokens, s.logits, strict=True)):
+        want = row.astype(np.float64).copy()
+        seen = sorted({*prompt, *s.tokens[:k]})
+        want[seen] = np.where(want[seen] > 0, want[seen] / penalty, want[seen] * penalty)
+        assert token == int(np.argmax(want)), k
+    (plain,), _ = Scheduler(engine).run([Request("p", prompt, 24, ignore_eos=True)])
+    assert plain.tokens != s.tokens  # the penalty bites on this prompt
+    assert engine.manager.num_used_pages == 0
+
+
+def test_stop_token_ids_end_a_sample_and_min_tokens_holds_them_back(weights):
+    engine = engine_with_pool(weights, 32)
+    prompt = prompts(10, 1, 8)[0]
+    (plain,), _ = Scheduler(engine).run([Request("p", prompt, 16, ignore_eos=True)])
+    stop = plain.tokens[2]
+    (stopped,), _ = Scheduler(engine).run(
+        [Request("s", prompt, 16, ignore_eos=True, stop_token_ids=frozenset({stop}))]
+    )
+    first = plain.tokens.index(stop)
+    assert stopped.tokens == plain.tokens[: first + 1] and stopped.finish_reason == "stop"
+    held = Request("m", prompt, 16, stop_token_ids=frozenset({stop}), min_tokens=6)
+    (late,), _ = Scheduler(engine, eos_token_ids=frozenset({plain.tokens[0]})).run([held])
+    assert len(late.tokens) >= 6
+    assert not {stop, plain.tokens[0]} & set(late.tokens[:6])
+    assert engine.manager.num_used_pages == 0
+
+
 def test_bad_logprob_and_bias_requests_are_refused(weights):
     scheduler = Scheduler(engine_with_pool(weights, 8))
     prompt = prompts(8, 1, 4)[0]
@@ -232,6 +268,9 @@ def test_bad_logprob_and_bias_requests_are_refused(weights):
         ),
         (Request("d", prompt, 2, adjustments=LogitAdjustments(((3, np.inf),))), "not finite"),
         (Request("e", prompt, 2, adjustments=LogitAdjustments(presence_penalty=np.nan)), "finite"),
+        (Request("f", prompt, 2, adjustments=LogitAdjustments(repetition_penalty=0)), "above 0"),
+        (Request("g", prompt, 2, stop_token_ids=frozenset({-1})), "stop_token_ids"),
+        (Request("h", prompt, 2, min_tokens=3), "min_tokens"),
     ]
     for request, message in bad:
         with pytest.raises(RequestError, match=message):

@@ -373,6 +373,9 @@ def hi(**fields) -> dict:
         (hi(logit_bias={"x": 1}), 400, "logit_bias"),
         (hi(logit_bias={"99999999": 1}), 400, "logit_bias"),
         (hi(presence_penalty=3), 400, "presence_penalty"),
+        (hi(repetition_penalty=0), 400, "repetition_penalty"),
+        (hi(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+        (hi(max_tokens=4, min_tokens=5), 400, "min_tokens"),
         (
             {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
             400,
@@ -390,6 +393,16 @@ def test_bad_chat_requests(server, body, status, param):
     error = r.json()["error"]
     assert error["message"] and error["type"]
     assert error["param"] == param
+
+
+def test_min_tokens_holds_back_the_end(server):
+    """vLLM's min_tokens: a short answer goes on past its EOS."""
+    post = server.url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 48}
+    short = httpx.post(post, json={**body, "temperature": 0}, timeout=HANG_GUARD).json()
+    assert short["usage"]["completion_tokens"] < 30
+    held = httpx.post(post, json={**body, "temperature": 0, "min_tokens": 30}, timeout=HANG_GUARD)
+    assert held.json()["usage"]["completion_tokens"] >= 30
 
 
 def test_bad_completion_requests(server):

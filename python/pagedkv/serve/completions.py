@@ -136,7 +136,24 @@ class Completions:
                 problem = "do_remote_decode answers with kv_transfer_params: stream must be false"
             if problem is not None:
                 raise self.reject(400, problem, "invalid_request_error", param="kv_transfer_params")
-        adjustments = LogitAdjustments(bias, body.presence_penalty, body.frequency_penalty)
+        if any(not 0 <= token < vocab for token in body.stop_token_ids or ()):
+            raise self.reject(
+                400,
+                f"stop_token_ids must be token ids in [0, {vocab})",
+                "invalid_request_error",
+                param="stop_token_ids",
+            )
+        limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if limit is not None and body.min_tokens > limit:
+            raise self.reject(
+                400,
+                f"min_tokens ({body.min_tokens}) is above max_tokens ({limit})",
+                "invalid_request_error",
+                param="min_tokens",
+            )
+        adjustments = LogitAdjustments(
+            bias, body.presence_penalty, body.frequency_penalty, body.repetition_penalty
+        )
         sampling = SamplingParams(
             body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p
         )
@@ -218,6 +235,8 @@ class Completions:
                     asked.sampling,
                     tuple(body.stop),
                     body.ignore_eos,
+                    frozenset(body.stop_token_ids or ()),
+                    min(body.min_tokens, limit),
                     priority=body.priority,
                     logprobs=asked.logprobs,
                     prompt_logprobs=asked.prompt_logprobs,

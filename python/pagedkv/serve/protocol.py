@@ -54,6 +54,15 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     """vLLM's and llama.cpp's extension: EOS does not end a sample (max_tokens
     or a stop string does)."""
+    stop_token_ids: list[int] | None = None
+    """vLLM's: tokens that end a sample besides EOS (left in its token ids,
+    out of its text as EOS is)."""
+    min_tokens: int = Field(default=0, ge=0)
+    """vLLM's: tokens a sample generates before EOS or a stop token may end
+    it."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    """vLLM's: a token seen in the prompt or the sample has its logit divided
+    by this where positive, multiplied where not (1: off)."""
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     """vLLM's extension: under `--scheduling-policy priority`, lower values
     are admitted first (ignored under fcfs)."""
@@ -176,8 +185,8 @@ class ResponsesRequest(BaseModel):
     string or items (messages, function calls and their outputs), flat
     function `tools`, `text.format` for structured outputs
     (pagedkv.serve.responses). vLLM's extensions (seed, top_k, min_p,
-    penalties, chat_template_kwargs, reasoning_format, structured_outputs)
-    are passed on."""
+    penalties, min_tokens, stop_token_ids, chat_template_kwargs,
+    reasoning_format, structured_outputs) are passed on."""
 
     model_config = ConfigDict(extra="allow")
 

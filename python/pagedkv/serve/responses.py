@@ -42,6 +42,9 @@ PASSED_ON = (
     "chat_template_kwargs",
     "reasoning_format",
     "structured_outputs",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
 )
 """Chat fields a Responses request may carry as extensions (vLLM's)."""
 PARAMS = {
