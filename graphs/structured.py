@@ -97,6 +97,30 @@ def _text(value: object) -> bool:
     return isinstance(value, str) and value != ""
 
 
+def after_reasoning(grammar: str, opened: bool) -> str:
+    """`grammar` after a reasoning model's `<think>...</think>` block and
+    the whitespace behind it: a block the answer may open (`opened` False)
+    or one the prompt opened, so the answer starts inside it and must close
+    it. The block is free text up to the first `</think>`.
+
+    Examples
+    --------
+    >>> "thought" in after_reasoning(response_format_grammar({"type": "json_object"}), False)
+    True
+    """
+    spec = json.loads(grammar) if grammar.lstrip().startswith("{") else None
+    inner = [dict(g) for g in spec["grammars"]] if spec else [{"lark_grammar": grammar}]
+    name = inner[0].setdefault("name", "answer")
+    if opened:
+        start, thought = f"start: thought WS @{name}", 'thought[lazy]: TEXT "</think>"'
+    else:
+        start, thought = f"start: (thought WS)? @{name}", 'thought[lazy]: "<think>" TEXT "</think>"'
+    # A lazy lexeme ends at the first "</think>"; WS takes what follows it.
+    top = "\n".join(["%llguidance {}", start, thought, r"TEXT: /(.|\n)*/", r"WS: /[ \t\n]*/"])
+    first = {"name": "thinking", "lark_grammar": top}
+    return json.dumps({**(spec or {}), "grammars": [first, *inner]})
+
+
 def grammar_given(response_format: Mapping | None) -> bool:
     """Whether a `response_format` asks for more than free text."""
     return response_format is not None and response_format.get("type") != "text"

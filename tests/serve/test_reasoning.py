@@ -1,36 +1,41 @@
 """Reasoning models' `<think>` blocks returned as `reasoning_content`, apart
-from the answer: split whole and streamed, from `LLM.chat` and over HTTP,
-where the answer opens the block and where the prompt does, and left in
-under reasoning_format "none".
+from the answer: split whole and streamed (the split itself, the server's
+choices, `LLM.chat` and HTTP), where the answer opens the block and where
+the prompt does, left in under reasoning_format "none"; and grammars that
+bind only after the block.
 
-SmolLM2 does not reason; a regular expression (`response_format`) makes it
-write a block, and a template that speaks of `<think>` as Qwen 3's does
-(tests/data/reasoning_chat_template.jinja) makes pagedkv read it as one.
+SmolLM2 does not reason, and a grammar now lets a model think before it
+binds, so no format can make SmolLM2 write a block: a template that speaks
+of `<think>` as Qwen 3's does (tests/data/reasoning_chat_template.jinja)
+opens one in the prompt, which SmolLM2 never closes, and the split of a
+block the answer opens runs through the server's choices on given text.
 """
 
 from __future__ import annotations
 
-import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from chat_server import openai_client
 
+from pagedkv.graphs.scheduler import Delta
+from pagedkv.graphs.structured import Grammars, after_reasoning, response_format_grammar
 from pagedkv.models import load
+from pagedkv.models.chat import ChatPrompt
 from pagedkv.models.reasoning import (
     ReasoningStream,
     prompt_opens_reasoning,
     split_reasoning,
     template_reasons,
 )
+from pagedkv.models.tool_calls import tool_use
 from pagedkv.serve import ServerThread
+from pagedkv.serve.choices import Choices
 
 MODEL = "smollm2-135m-instruct"
 TEMPLATE = Path(__file__).parent.parent / "data" / "reasoning_chat_template.jinja"
 ASK = [{"role": "user", "content": "What is two plus two?"}]
-THINKS = r"<think>\n([a-z ]{1,30})\n</think>\n\n([A-Z][a-z ]{1,30}\.)"
-"""An answer that reasons: the block, a blank line, one sentence."""
-ANSWERS = r"[A-Z][a-z ]{1,30}\."
 HANG_GUARD = 600.0
 
 
@@ -71,67 +76,92 @@ def llm():
     return load(MODEL, chat_template=TEMPLATE.read_text())
 
 
-def regex(expression: str) -> dict:
-    return {"type": "regex", "regex": expression}
+def test_a_grammar_binds_after_the_block(llm):
+    """Where the model reasons, a format (or a tool call) binds after its
+    `<think>` block: one the answer may open, or one the prompt opened and
+    the answer must close."""
+    grammars = Grammars(llm.tokenizer.tokenizer, llm.config.vocab_size, llm.tokenizer.stop_ids)
+
+    def allows(grammar: str, text: str) -> tuple[bool, bool]:
+        state = grammars.start(grammar)
+        for token in llm.tokenizer.encode(text):
+            if not state.allowed()[token]:
+                return False, False
+            state.advance(token)
+        return True, state.complete
+
+    fmt = response_format_grammar({"type": "json_object"})
+    may, opened = after_reasoning(fmt, opened=False), after_reasoning(fmt, opened=True)
+    assert grammars.error(may) is None and grammars.error(opened) is None
+    assert allows(may, '{"a": 1}') == (True, True)
+    assert allows(may, '<think>\nIs it {"a"?\n</think>\n\n{"a": 1}') == (True, True)
+    assert allows(may, "Hello")[0] is False
+    assert allows(may, "<think>\nok\n</think>\n\nHello")[0] is False
+    assert allows(opened, 'so {"a": 1}\n</think>\n{"a": 1}') == (True, True)
+    assert allows(opened, '{"a": 1}') == (True, False)  # still thinking
+    assert allows(opened, "so\n</think>\nHello")[0] is False
 
 
-def test_llm_chat_returns_the_block_apart(llm):
-    (answer,) = llm.chat([ASK], max_new_tokens=48, response_format=regex(THINKS))
-    thought, sentence = re.fullmatch(THINKS, llm.tokenizer.decode(answer.token_ids)).groups()
-    assert (answer.reasoning_content, answer.text) == (thought, sentence)
-    assert answer.as_json()["reasoning_content"] == thought
-    (kept,) = llm.chat([ASK], 48, response_format=regex(THINKS), reasoning_format="none")
-    assert kept.reasoning_content is None and re.fullmatch(THINKS, kept.text)
-    (plain,) = llm.chat(
-        [ASK], 48, response_format=regex(ANSWERS), chat_template_kwargs={"enable_thinking": False}
-    )
+def test_choices_split_a_streamed_and_a_whole_answer():
+    """The server's choices (no model): a block the answer opens goes to
+    reasoning_content deltas, then the content's; the whole answer alike."""
+    prompt = ChatPrompt("", [1], tool_use(None), reasoning="may")
+    pieces = ["<thi", "nk>\nIt is", " 4.\n</th", "ink>\n\nFour", "."]
+    choices = Choices(prompt, 1, [("", [1])], False, False, True, str)
+    deltas = []
+    for k, piece in enumerate(pieces):
+        finish = "stop" if k == len(pieces) - 1 else None
+        for chunk in choices.on_delta(0, Delta(0, piece, (k,), finish)):
+            deltas.append(chunk["delta"])
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "It is 4."
+    assert "".join(d.get("content", "") for d in deltas) == "Four."
+    reasoning_at = [i for i, d in enumerate(deltas) if d.get("reasoning_content")]
+    content_at = [i for i, d in enumerate(deltas) if d.get("content")]
+    assert max(reasoning_at) < min(content_at)
+    (answer,) = choices.answers()
+    assert answer["message"]["reasoning_content"] == "It is 4."
+    assert answer["message"]["content"] == "Four." and answer["finish_reason"] == "stop"
+    unsplit = Choices(replace(prompt, split=False), 1, [("", [1])], False, False, True, str)
+    for k, piece in enumerate(pieces):
+        unsplit.on_delta(0, Delta(0, piece, (k,), "stop" if k == len(pieces) - 1 else None))
+    assert unsplit.answers()[0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+
+
+def test_llm_chat_and_http_where_the_prompt_opens_the_block(llm):
+    """The prompt opens the block (as DeepSeek-R1's do); SmolLM2 never closes
+    it, so its whole answer is reasoning, whole and streamed alike."""
+    opened = {"open_think": True}
+    (answer,) = llm.chat([ASK], 12, chat_template_kwargs=opened)
+    assert answer.prompt.endswith("<think>\n") and answer.finish_reason == "length"
+    whole_text = llm.tokenizer.decode(answer.token_ids)
+    assert answer.reasoning_content == whole_text.strip() != "" and answer.text == ""
+    assert answer.as_json()["reasoning_content"] == answer.reasoning_content
+    (kept,) = llm.chat([ASK], 12, chat_template_kwargs=opened, reasoning_format="none")
+    assert kept.reasoning_content is None and kept.text
+    (plain,) = llm.chat([ASK], 12, chat_template_kwargs={"enable_thinking": False})
     assert plain.prompt.endswith("<think>\n\n</think>\n\n")
-    assert plain.reasoning_content is None and re.fullmatch(ANSWERS, plain.text)
+    assert plain.reasoning_content is None and plain.text
     with pytest.raises(ValueError, match="reasoning_format"):
         llm.chat([ASK], reasoning_format="deepseek")
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         llm.chat([ASK], chat_template_kwargs={"messages": []})
-
-
-def test_over_http_whole_streamed_and_opened_by_the_prompt(llm):
     with ServerThread(llm) as server:
         client = openai_client(server)
-
-        def ask(**fields):
-            return client.chat.completions.create(
-                model=MODEL, messages=ASK, max_tokens=48, temperature=0, **fields
-            )
-
-        r = ask(extra_body={"response_format": regex(THINKS)})
-        message = r.choices[0].message
-        assert re.fullmatch(r"[a-z ]{1,30}", message.reasoning_content)
-        assert re.fullmatch(ANSWERS, message.content)
-        whole = (message.reasoning_content, message.content)
-        chunks = [
-            chunk.choices[0].delta
-            for chunk in ask(stream=True, extra_body={"response_format": regex(THINKS)})
-            if chunk.choices
-        ]
-        streamed = (
-            "".join(getattr(d, "reasoning_content", None) or "" for d in chunks),
-            "".join(d.content or "" for d in chunks),
-        )
-        assert streamed == whole
-        first = next(i for i, d in enumerate(chunks) if d.content)
-        assert all(not getattr(d, "reasoning_content", None) for d in chunks[first:])
-        opened = (
-            ask(
-                extra_body={
-                    "response_format": regex(r"([a-z ]{1,30})\n</think>\n\n" + ANSWERS),
-                    "chat_template_kwargs": {"open_think": True},
-                }
+        fields = {"model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 0}
+        body = {"chat_template_kwargs": opened}
+        message = client.chat.completions.create(**fields, extra_body=body).choices[0].message
+        assert message.reasoning_content and not message.content
+        chunks = client.chat.completions.create(**fields, stream=True, extra_body=body)
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        assert streamed == message.reasoning_content
+        assert not "".join(d.content or "" for d in deltas)
+        kept = (
+            client.chat.completions.create(
+                **fields, extra_body={**body, "reasoning_format": "none"}
             )
             .choices[0]
             .message
         )
-        assert re.fullmatch(r"[a-z ]{1,30}", opened.reasoning_content)
-        assert re.fullmatch(ANSWERS, opened.content)
-        kept = ask(extra_body={"response_format": regex(THINKS), "reasoning_format": "none"})
-        assert re.fullmatch(THINKS, kept.choices[0].message.content)
-        assert getattr(kept.choices[0].message, "reasoning_content", None) is None
+        assert kept.content and getattr(kept, "reasoning_content", None) is None
         assert server.engine.wait_idle(HANG_GUARD)

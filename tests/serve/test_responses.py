@@ -6,12 +6,14 @@ and refusals naming the Responses field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import re
 
 import httpx
 import pytest
 from chat_server import MODEL, chat_server, openai_client
+
+from pagedkv.serve.responses import stream_events
 
 WEATHER = {
     "type": "function",
@@ -147,21 +149,86 @@ def test_text_format_and_reasoning(server):
         temperature=0,
     )
     assert set(json.loads(r.output_text)) == {"city"}
-    thinks = r"<think>\n([a-z ]{1,30})\n</think>\n\n([A-Z][a-z ]{1,30}\.)"
     events, final = streamed(
         c.responses.create(
             model=MODEL,
             input="What is two plus two?",
+            max_output_tokens=8,
             temperature=0,
             stream=True,
-            extra_body={"structured_outputs": {"regex": thinks}},
+            extra_body={"chat_template_kwargs": {"open_think": True}},
         )
     )
-    reasoning, message = final.output
-    assert reasoning.type == "reasoning" and message.type == "message"
-    assert re.fullmatch(r"[a-z ]{1,30}", reasoning.content[0].text)
-    assert re.fullmatch(r"[A-Z][a-z ]{1,30}\.", message.content[0].text)
+    # The prompt opened a <think> block SmolLM2 never closes: all reasoning.
+    (reasoning,) = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert final.status == "incomplete"
     assert "response.reasoning_text.delta" in {e.type for e in events}
+
+
+def test_the_events_of_a_reasoned_answer_that_calls_a_tool():
+    """The event writer on given chat chunks: a reasoning item, a message
+    item and a function call, each added, filled and done in turn."""
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "Rain? "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "Check."}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {
+                                    "name": "get_weather",
+                                    "arguments": '{"city": "Oslo"}',
+                                },
+                            }
+                        ]
+                    },
+                }
+            ]
+        },  # fmt: skip
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+        },  # fmt: skip
+    ]
+
+    async def lines():
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect():
+        return [event async for event in stream_events(lines(), {"id": "resp_1"})]
+
+    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(collect())]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Rain? Check."
+    assert final["output"][2]["call_id"] == "call_1" and final["status"] == "completed"
+    assert final["usage"]["output_tokens"] == 7
 
 
 @pytest.mark.parametrize(

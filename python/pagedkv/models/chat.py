@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagedkv.graphs.structured import after_reasoning
+
 from .errors import ChatRequestError
 from .reasoning import FORMATS as REASONING_FORMATS
 from .reasoning import prompt_opens_reasoning, split_reasoning, template_reasons
@@ -36,24 +38,41 @@ class ChatPrompt:
         text: the prompt as the chat template wrote it.
         ids: its token ids (after BOS where the model's prompts take one).
         tools: what the answer may call (inactive without tools).
-        reasoning_opened: None where answers are not split into reasoning
-            and content; else whether the prompt opened the `<think>` block.
+        reasoning: None where the template does not reason; "may" where
+            the answer may open a `<think>` block; "opened" where the
+            prompt opened it (the answer starts inside it).
+        split: whether the block is read apart from the content
+            (reasoning_format "auto").
     """
 
     text: str
     ids: list[int]
     tools: ToolUse
-    reasoning_opened: bool | None = None
+    reasoning: str | None = None
+    split: bool = True
+
+    @property
+    def reasoning_opened(self) -> bool | None:
+        """None where answers are not split into reasoning and content;
+        else whether the prompt opened the `<think>` block."""
+        if self.reasoning is None or not self.split:
+            return None
+        return self.reasoning == "opened"
 
     def grammar(self, format_grammar: str | None) -> str | None:
         """The answer's grammar: the tool calls' where tools may be
-        called, else `format_grammar` (a `response_format`'s). Raises
-        ChatRequestError (param "tools") where both are asked for."""
-        if not self.tools.active:
-            return format_grammar
-        if format_grammar is not None:
-            raise ChatRequestError("tools", "give tools or an output format, not both")
-        return self.tools.grammar()
+        called, else `format_grammar` (a `response_format`'s); after a
+        reasoning block where the model reasons (`structured.after_reasoning`),
+        so that a grammar does not stop it thinking. Raises ChatRequestError
+        (param "tools") where both are asked for."""
+        grammar = format_grammar
+        if self.tools.active:
+            if format_grammar is not None:
+                raise ChatRequestError("tools", "give tools or an output format, not both")
+            grammar = self.tools.grammar()
+        if grammar is None or self.reasoning is None:
+            return grammar
+        return after_reasoning(grammar, opened=self.reasoning == "opened")
 
     def read(self, answer: str) -> ChatAnswer:
         """The whole answer's text read back."""
@@ -96,10 +115,11 @@ def chat_prompt(
     text = tokenizer.render_chat(
         rendered, tools=use.template_tools(), template_kwargs=template_kwargs
     )
-    opened = None
-    if reasoning_format == "auto" and template_reasons(template):
-        opened = prompt_opens_reasoning(text)
-    return ChatPrompt(text, tokenizer.prompt_ids(text), use, opened)
+    reasoning = None
+    if template_reasons(template):
+        reasoning = "opened" if prompt_opens_reasoning(text) else "may"
+    ids = tokenizer.prompt_ids(text)
+    return ChatPrompt(text, ids, use, reasoning, split=reasoning_format == "auto")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -65,6 +65,7 @@ class ReasoningStream:
     _state: str = field(init=False, default="start")
     """"start" (before any text but whitespace), "reasoning", "content"."""
     _held: str = field(init=False, default="")
+    _reasoning_started: bool = field(init=False, default=False)
     _content_started: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -84,9 +85,14 @@ class ReasoningStream:
                     return reasoning, content
                 if stripped.startswith(THINK_OPEN):
                     self._state, self.reasoned = "reasoning", True
-                    text = stripped[len(THINK_OPEN) :].lstrip()
+                    text = stripped[len(THINK_OPEN) :]
                     continue
                 self._state = "content"
+            if self._state == "reasoning" and not self._reasoning_started:
+                text = text.lstrip()  # the whitespace that opens the block
+                if not text:
+                    return reasoning, content
+                self._reasoning_started = True
             if self._state == "reasoning":
                 end = text.find(THINK_CLOSE)
                 if end < 0:

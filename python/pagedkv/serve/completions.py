@@ -199,8 +199,8 @@ class Completions:
                 body.response_format, body.structured_outputs, body.json_schema, body.grammar
             )
             grammar = response_format_grammar(fmt)
-            if chat is not None and chat.tools.active:
-                param = "tools"
+            if chat is not None:
+                param = "tools" if chat.tools.active else param
                 grammar = chat.grammar(grammar)
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)

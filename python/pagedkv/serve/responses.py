@@ -91,7 +91,7 @@ class Responses:
             raise
         base = _base(body)
         if isinstance(answer, StreamingResponse):
-            stream = _events(answer.body_iterator, base)
+            stream = stream_events(answer.body_iterator, base)
             return StreamingResponse(
                 stream, media_type="text/event-stream", background=answer.background
             )
@@ -284,7 +284,7 @@ def _response_of(chat: dict, base: dict) -> dict:
     return _finished(base, output, chat["usage"], choice["finish_reason"] == "length")
 
 
-async def _events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator[str]:
+async def stream_events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator[str]:
     """A streamed chat answer's server-sent events as the Responses API's:
     each output item added, its text in deltas, done; then the response."""
     events = _EventWriter(base)
