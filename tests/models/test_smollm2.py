@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +25,10 @@ from conftest import MODEL_DEVICE
 from exactness import assert_matches_reference, compared_prefix
 from pagedkv.models import ModelError, fetch_gguf, load
 from pagedkv.models.gguf_model import read_gguf, undo_rope_permutation
-from pagedkv.models.tokenizer import ChatTokenizer, TextStream
+from pagedkv.models.tokenizer import ChatTokenizer, TextStream, load_tokenizer
 
 DATA = Path(__file__).parent.parent / "data"
+MODEL = "smollm2-135m-instruct"
 REFERENCE = json.loads((DATA / "smollm2_transformers.json").read_text())
 
 
@@ -174,6 +176,17 @@ def test_generate_cli_answers_in_the_format_asked():
         assert json.loads(line)["text"] in ("red", "green", "blue")
 
 
+def test_generate_cli_renders_the_chat_template_given():
+    template = DATA / "hermes_chat_template.jinja"
+    flags = ("--json", "--max-new-tokens", "1", "--chat-template", str(template))
+    result = run_cli("generate", *flags, "Hi")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokenizer = replace(load_tokenizer(MODEL), chat_template=template.read_text())
+    want = tokenizer.prompt_ids(tokenizer.render_chat([{"role": "user", "content": "Hi"}]))
+    assert json.loads(result.stdout)["prompt_token_ids"] == want
+    assert want != load_tokenizer(MODEL).chat_prompt("Hi")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -188,6 +201,7 @@ def test_generate_cli_answers_in_the_format_asked():
         (["generate", "--gguf", __file__, "hi"], "is not a readable GGUF"),
         (["generate", "--response-format", "{json", "hi"], "must be a JSON object"),
         (["generate", "--response-format", '{"type": "xml"}', "hi"], "response_format type"),
+        (["generate", "--chat-template", "/nonexistent/t.jinja", "hi"], "--chat-template"),
     ],
 )
 def test_generate_cli_errors_are_one_line_with_status_2(args, message):

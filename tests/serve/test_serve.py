@@ -433,6 +433,23 @@ def test_api_key(llm, reference):
         assert httpx.get(s.url + "/health").status_code == 200
 
 
+def test_allowed_origins(llm, reference):
+    """CORS: a named origin's browser preflight and answers pass, another's
+    do not; without the flag no origin is allowed."""
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST"}
+    with ServerThread(llm, allowed_origins=[page]) as s:
+        r = httpx.options(s.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
+        assert r.headers["access-control-allow-origin"] == page
+        other = {**preflight, "Origin": "http://elsewhere.example"}
+        assert httpx.options(s.url + "/v1/chat/completions", headers=other).status_code == 400
+    with ServerThread(llm) as s:
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
+        assert "access-control-allow-origin" not in r.headers
+
+
 def test_request_larger_than_the_pool_is_400():
     small = load(MODEL, WEIGHTS, kv_memory=4 * PAGE_BYTES, device=MODEL_DEVICE)
     with ServerThread(small) as s:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,6 +39,7 @@ def create_app(
     api_key: str | None = None,
     metrics=None,
     limits: ServeLimits | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The server's ASGI app over a started `ServingEngine`.
 
@@ -52,6 +55,9 @@ def create_app(
         The engine's observer (a new one bound to the engine when None).
     limits : ServeLimits, optional
         Per-request limits (the defaults when None).
+    allowed_origins : sequence of str
+        Origins whose browser pages may call the server (CORS; "*" for
+        any); none by default.
 
     Examples
     --------
@@ -64,6 +70,15 @@ def create_app(
     limits = limits or ServeLimits()
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    if allowed_origins:
+        # Browser clients (a chat UI on another origin) read the answers;
+        # the API key, not the origin, is what authorizes a request.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
     created = int(time.time())
 
     def reject(status: int, message: str, kind: str, **kw) -> ApiError:

@@ -58,6 +58,14 @@ def add_parser(sub) -> None:
         help="bytes of KV cache over all layers (default 512 MiB)",
     )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=(),
+        metavar="ORIGIN",
+        help="origins whose browser pages may call the server (CORS), e.g. "
+        "http://localhost:3000, or * for any (default: none)",
+    )
     limits = p.add_argument_group("limits (a request over one gets a 4xx)")
     limits.add_argument(
         "--max-body-bytes",
@@ -197,6 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
         max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
         max_waiting=args.max_waiting,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -19,17 +20,30 @@ from .limits import ServeLimits
 from .metrics import ServeMetrics
 
 
-def build(llm, api_key: str | None = None, limits: ServeLimits | None = None, **engine_options):
+def build(
+    llm,
+    api_key: str | None = None,
+    limits: ServeLimits | None = None,
+    allowed_origins: Sequence[str] = (),
+    **engine_options,
+):
     """(app, engine, metrics): a started engine over `llm` and its app."""
     metrics = ServeMetrics()
     engine = ServingEngine(llm, observer=metrics, **engine_options)
     metrics.bind(engine)
     engine.start()
-    return create_app(engine, llm.name, api_key, metrics, limits), engine, metrics
+    app = create_app(engine, llm.name, api_key, metrics, limits, allowed_origins)
+    return app, engine, metrics
 
 
 def serve(
-    llm, host: str = "127.0.0.1", port: int = 8000, api_key=None, limits=None, **engine_options
+    llm,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key=None,
+    limits=None,
+    allowed_origins: Sequence[str] = (),
+    **engine_options,
 ) -> None:
     """Serves `llm` until interrupted.
 
@@ -37,7 +51,7 @@ def serve(
     --------
     >>> serve(pagedkv.models.load(), port=8000)  # doctest: +SKIP
     """
-    app, engine, _ = build(llm, api_key, limits, **engine_options)
+    app, engine, _ = build(llm, api_key, limits, allowed_origins, **engine_options)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
@@ -67,9 +81,12 @@ class ServerThread:
         port: int | None = None,
         api_key=None,
         limits=None,
+        allowed_origins: Sequence[str] = (),
         **engine_options,
     ):
-        self.app, self.engine, self.metrics = build(llm, api_key, limits, **engine_options)
+        self.app, self.engine, self.metrics = build(
+            llm, api_key, limits, allowed_origins, **engine_options
+        )
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
