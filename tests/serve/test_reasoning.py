@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from chat_server import openai_client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.graphs.scheduler import Delta
 from pagedkv.graphs.structured import Grammars, after_reasoning, response_format_grammar
@@ -165,3 +167,28 @@ def test_llm_chat_and_http_where_the_prompt_opens_the_block(llm):
         )
         assert kept.content and getattr(kept, "reasoning_content", None) is None
         assert server.engine.wait_idle(HANG_GUARD)
+
+
+PIECES = ["<think>", "</think>", "<thi", "nk>", "</", "a", "b c", " ", "\n", "<", ">"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(PIECES), max_size=14),
+    st.booleans(),
+    st.lists(st.integers(1, 6), min_size=1, max_size=8),
+)
+def test_a_stream_splits_as_the_whole_answer_does(pieces, opened, sizes):
+    """Any text, cut anywhere: what the stream sends adds up to the whole
+    answer's split, and no reasoning is sent after content."""
+    text = "".join(pieces)
+    stream, sent, at, k = ReasoningStream(opened), [], 0, 0
+    while at < len(text):
+        size = sizes[k % len(sizes)]
+        sent.append(stream.push(text[at : at + size]))
+        at, k = at + size, k + 1
+    sent.append(stream.finish())
+    reasoning = "".join(r for r, _ in sent) if stream.reasoned else None
+    assert (reasoning, "".join(c for _, c in sent)) == split_reasoning(text, opened)
+    first_content = next((i for i, (_, c) in enumerate(sent) if c), len(sent))
+    assert not any(r for r, _ in sent[first_content + 1 :])

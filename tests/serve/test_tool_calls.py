@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from chat_server import MODEL, chat_server, openai_client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
@@ -479,3 +481,35 @@ def test_bad_tool_requests(server, fields, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_GUARD)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+HERMES_PIECES = ["Let me", " look.", "\n", "<tool", "_call>", "<tool_call>", "</tool_call>",
+                 '\n{"name": "now", "arguments": {}}\n', "<", "{", "}"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(HERMES_PIECES), max_size=12),
+    st.sampled_from(["hermes", "llama3", "generic"]),
+    st.lists(st.integers(1, 7), min_size=1, max_size=6),
+)
+def test_a_streamed_answer_reads_as_the_whole_one(pieces, fmt, sizes):
+    """Any text, cut anywhere: the stream's calls are the whole answer's,
+    what it sends never holds a call's tag, and where there is no call it
+    sends the whole answer's content."""
+    use = ToolUse(read_tools(TOOLS), "auto", True, fmt)
+    text = "".join(pieces)
+    if fmt == "generic":
+        text = json.dumps({"response": text})
+    stream, sent, at, k = use.stream(), [], 0, 0
+    while at < len(text):
+        size = sizes[k % len(sizes)]
+        sent.append(stream.push(text[at : at + size]))
+        at, k = at + size, k + 1
+    rest, calls = stream.finish()
+    content, whole_calls = use.read(text)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    if not calls:
+        assert "".join(sent) + rest == content
+    elif fmt == "hermes":
+        assert "<tool_call>" not in "".join(sent) + rest

@@ -375,8 +375,9 @@ class ToolUse:
                 kept.append(text[at : match.start()])
                 at = match.end()
                 calls.append(call)
-        content = ("".join(kept) + text[at:]).strip() if calls else text
-        return (content or None), calls
+        if not calls:
+            return text, []
+        return ("".join(kept) + text[at:]).strip() or None, calls
 
     def stream(self) -> ToolCallStream:
         """A streamed answer's reader (`ToolCallStream`)."""
