@@ -5,8 +5,9 @@ pool small enough to force preemption, then checks that nothing leaked.
 
 The server runs in this process on a loopback port (so the manager's
 validator can be sampled between steps); the clients are asyncio streams
-over HTTP. Each client loops: a chat or completion, short or long, some on
-one shared system prompt, some with n = 2 or 3, some streamed and dropped
+over HTTP. Each client loops: a chat, a completion or a Responses API
+request, short or long, some on one shared system prompt, some chats
+offering a tool, some with n = 2 or 3, some streamed and dropped
 mid-answer, some cancelled before their first token. Every `--every`
 seconds it samples the manager's validator, free and cached pages, the
 process's RSS and the window's latency percentiles.
@@ -41,6 +42,21 @@ from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
 MODEL = "smollm2-135m-instruct"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "track_parcel",
+            "description": "Where a parcel is",
+            "parameters": {
+                "type": "object",
+                "properties": {"tracking_number": {"type": "string", "maxLength": 20}},
+                "required": ["tracking_number"],
+            },
+        },
+    }
+]
+"""Offered to a fifth of the chats (tool_choice auto or required)."""
 SYSTEM = (
     "You are a careful assistant for a shipping company. Answer in two short "
     "sentences, name the policy you rely on, and never invent tracking numbers. "
@@ -86,10 +102,18 @@ def body_for(rng: random.Random) -> tuple[str, dict, str]:
     }
     if not greedy:
         common["seed"] = rng.randrange(1 << 30)
-    if rng.random() < 0.75:
+    kind = rng.random()
+    if kind < 0.1:
+        body = {"model": MODEL, "input": question * (4 if long else 1),
+                "max_output_tokens": common["max_tokens"], "temperature": common["temperature"],
+                "stream": common["stream"]}  # fmt: skip
+        return "/v1/responses", body, fault
+    if kind < 0.75:
         messages = [{"role": "user", "content": question * (4 if long else 1)}]
         if rng.random() < 0.5:
             messages.insert(0, {"role": "system", "content": SYSTEM})
+        if rng.random() < 0.2:
+            common |= {"tools": TOOLS, "tool_choice": rng.choice(["auto", "required"])}
         return "/v1/chat/completions", {**common, "messages": messages}, fault
     return "/v1/completions", {**common, "prompt": question * (4 if long else 1)}, fault
 
@@ -107,13 +131,12 @@ async def client(c: httpx.AsyncClient, seed: int, until: float, tally: Tally) ->
                     continue
                 tally.completed += 1
                 if (
-                    body["temperature"] == 0
+                    path != "/v1/responses"
+                    and body["temperature"] == 0
                     and body["n"] == 1
                     and (len(tally.greedy) < tally.keep_greedy)
                 ):
-                    answer = r.json()["choices"][0]
-                    text = answer["text"] if "text" in answer else answer["message"]["content"]
-                    tally.greedy.append((body, text))
+                    tally.greedy.append((body, answer_of(r.json()["choices"][0])))
                 continue
             await stream_one(c, path, body, fault, rng, tally)
         except httpx.HTTPError:
@@ -188,6 +211,16 @@ async def soak(server, args, tally: Tally) -> list[dict]:
     return samples
 
 
+def answer_of(choice: dict) -> str:
+    """What a greedy answer said: its text, or its message's content and
+    calls (their ids aside)."""
+    if "text" in choice:
+        return choice["text"]
+    message = choice["message"]
+    calls = [call["function"] for call in message.get("tool_calls") or ()]
+    return json.dumps([message["content"], calls])
+
+
 async def rerun(server, greedy: list[tuple[dict, str]], count: int) -> tuple[int, int]:
     """Reruns `count` completed greedy answers one at a time: (same, differ)."""
     same = differ = 0
@@ -195,7 +228,7 @@ async def rerun(server, greedy: list[tuple[dict, str]], count: int) -> tuple[int
         for body, answer in greedy[:count]:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = (await c.post(path, json={**body, "stream": False})).json()["choices"][0]
-            again = r["text"] if "text" in r else r["message"]["content"]
+            again = answer_of(r)
             same, differ = (same + 1, differ) if again == answer else (same, differ + 1)
     return same, differ
 
