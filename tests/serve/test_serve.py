@@ -433,6 +433,22 @@ def test_api_key(llm, reference):
         assert httpx.get(s.url + "/health").status_code == 200
 
 
+def test_served_model_names(llm, reference):
+    """vLLM's --served-model-name: requests may name the model by any of its
+    names, answers echo the one named, /v1/models lists them all."""
+    names = ["gpt-4o-mini", MODEL]
+    with ServerThread(llm, served_model_names=names) as s:
+        c = client(s)
+        assert [m.id for m in c.models.list()] == names
+        r = c.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert r.model == "gpt-4o-mini"
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).model == MODEL
+        r = httpx.post(s.url + "/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert r.status_code == 404 and "gpt-4o-mini" in r.json()["error"]["message"]
+
+
 def test_allowed_origins(llm, reference):
     """CORS: a named origin's browser preflight and answers pass, another's
     do not; without the flag no origin is allowed."""

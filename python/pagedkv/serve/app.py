@@ -35,7 +35,7 @@ from .responses import Responses
 
 def create_app(
     engine,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | None = None,
     metrics=None,
     limits: ServeLimits | None = None,
@@ -47,8 +47,10 @@ def create_app(
     ----------
     engine : ServingEngine
         Started; the app only submits to it and cancels.
-    model_name : str
-        The one model id /v1/models lists and requests must name.
+    model_name : str or sequence of str
+        The model's id, or its ids (vLLM's `--served-model-name`): what
+        /v1/models lists and requests must name (answers echo the one
+        named).
     api_key : str, optional
         When given, /v1/* requires `Authorization: Bearer <api_key>`.
     metrics : ServeMetrics, optional
@@ -68,6 +70,9 @@ def create_app(
         metrics = ServeMetrics()
         metrics.bind(engine)
     limits = limits or ServeLimits()
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if not names:
+        raise ValueError("the server needs at least one model name")
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
     if allowed_origins:
@@ -123,11 +128,12 @@ def create_app(
         return {
             "object": "list",
             "data": [
-                {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv"}
+                {"id": name, "object": "model", "created": created, "owned_by": "pagedkv"}
+                for name in names
             ],
         }
 
-    completions = Completions(engine, model_name, limits, reject)
+    completions = Completions(engine, names, limits, reject)
     v1.post("/chat/completions")(completions.chat_completions)
     v1.post("/completions")(completions.completions)
     v1.post("/responses")(Responses(completions).create)

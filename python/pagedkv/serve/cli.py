@@ -59,6 +59,14 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=(),
+        metavar="NAME",
+        help="the names clients may give the model (vLLM's flag; default: --model's), e.g. "
+        "a name an application expects; answers echo the one named",
+    )
+    p.add_argument(
         "--allowed-origins",
         nargs="+",
         default=(),
@@ -197,7 +205,8 @@ def run_serve(args: argparse.Namespace) -> int:
             publisher.close()
         return 2
     say(
-        f"serving {llm.name} on http://{args.host}:{args.port}/v1 "
+        f"serving {', '.join(args.served_model_name) or llm.name} on "
+        f"http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
     )
     serve(
@@ -206,6 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
+        served_model_names=args.served_model_name,
         max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
         max_waiting=args.max_waiting,

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fastapi import Request
@@ -77,17 +77,17 @@ class Completions:
     ----------
     engine : ServingEngine
         Started; requests are submitted to it and cancelled.
-    model_name : str
-        The one model requests must name.
+    model_names : sequence of str
+        The names requests may give the served model (the first is its own).
     limits : ServeLimits
         Per-request limits.
     reject : callable(status, message, kind, **kw) -> ApiError
         Makes (and counts) a refusal.
     """
 
-    def __init__(self, engine, model_name: str, limits: ServeLimits, reject) -> None:
+    def __init__(self, engine, model_names: Sequence[str], limits: ServeLimits, reject) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
         self.limits = limits
         self.slots = StreamSlots(limits.max_streams_per_key)
         self.reject = reject
@@ -102,10 +102,11 @@ class Completions:
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` names the served model (None: not named)."""
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
             raise self.reject(
                 404,
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                f"The model `{model}` does not exist (this server serves {served})",
                 "not_found_error",
                 param="model",
                 code="model_not_found",
@@ -369,7 +370,7 @@ class Completions:
         is_chat = chat is not None
         prefix = "chatcmpl" if is_chat else "cmpl"
         response_id = f"{prefix}-{ids[0]}"
-        common = {"id": response_id, "created": int(time.time()), "model": self.model_name}
+        common = {"id": response_id, "created": int(time.time()), "model": body.model}
         tokenizer = self.engine.tokenizer
         texts = texts or [tokenizer.decode(p) if asked.echo else "" for p in prompts]
         choices = Choices(

@@ -25,14 +25,17 @@ def build(
     api_key: str | None = None,
     limits: ServeLimits | None = None,
     allowed_origins: Sequence[str] = (),
+    served_model_names: Sequence[str] = (),
     **engine_options,
 ):
-    """(app, engine, metrics): a started engine over `llm` and its app."""
+    """(app, engine, metrics): a started engine over `llm` and its app,
+    which serves it as `served_model_names` (default: its own name)."""
     metrics = ServeMetrics()
     engine = ServingEngine(llm, observer=metrics, **engine_options)
     metrics.bind(engine)
     engine.start()
-    app = create_app(engine, llm.name, api_key, metrics, limits, allowed_origins)
+    names = tuple(served_model_names) or llm.name
+    app = create_app(engine, names, api_key, metrics, limits, allowed_origins)
     return app, engine, metrics
 
 
@@ -43,6 +46,7 @@ def serve(
     api_key=None,
     limits=None,
     allowed_origins: Sequence[str] = (),
+    served_model_names: Sequence[str] = (),
     **engine_options,
 ) -> None:
     """Serves `llm` until interrupted.
@@ -51,7 +55,9 @@ def serve(
     --------
     >>> serve(pagedkv.models.load(), port=8000)  # doctest: +SKIP
     """
-    app, engine, _ = build(llm, api_key, limits, allowed_origins, **engine_options)
+    app, engine, _ = build(
+        llm, api_key, limits, allowed_origins, served_model_names, **engine_options
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
@@ -82,10 +88,11 @@ class ServerThread:
         api_key=None,
         limits=None,
         allowed_origins: Sequence[str] = (),
+        served_model_names: Sequence[str] = (),
         **engine_options,
     ):
         self.app, self.engine, self.metrics = build(
-            llm, api_key, limits, allowed_origins, **engine_options
+            llm, api_key, limits, allowed_origins, served_model_names, **engine_options
         )
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning")
