@@ -405,13 +405,7 @@ def quantized_decoder_layer(
     options = AttentionOptions(
         head_dim, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale
     )
-    if decode:
-        int_params = options.int_params(
-            heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True
-        )
-    else:
-        tile = attention_work.prefill_tile(num_qo_heads // heads, False)
-        int_params = options.int_params(1, causal=True, max_queries=tile, kv_split=False)
+    int_params = _layer_int_params(options, num_qo_heads, heads, decode)
     cpu = x.device
     return ops.inplace_custom(
         DECODER_LAYER_OP,
@@ -444,6 +438,19 @@ def quantized_decoder_layer(
             "activation": DECODER_ACTIVATIONS[activation],
         },
     )[0].tensor
+
+
+def _layer_int_params(
+    options: AttentionOptions, num_qo_heads: int, heads: int, decode: bool
+) -> np.ndarray:
+    """The fused layer's attention parameters: decode's key-split work of
+    one query row per request, or causal prefill's query tiles."""
+    if decode:
+        return options.int_params(
+            heads_per_task(num_qo_heads, heads), causal=True, max_queries=1, kv_split=True
+        )
+    tile = attention_work.prefill_tile(num_qo_heads // heads, False)
+    return options.int_params(1, causal=True, max_queries=tile, kv_split=False)
 
 
 def rope_append_paged_kv_cache(

@@ -422,50 +422,6 @@ def test_bad_completion_requests(server):
     assert_no_page_in_use(server)
 
 
-def test_api_key(llm, reference):
-    with ServerThread(llm, api_key="sesame") as s:
-        with pytest.raises(openai.AuthenticationError):
-            client(s).models.list()
-        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0)
-        assert [m.id for m in good.models.list()] == [MODEL]
-        assert httpx.get(s.url + "/health").status_code == 200
-
-
-def test_served_model_names(llm, reference):
-    """vLLM's --served-model-name: requests may name the model by any of its
-    names, answers echo the one named, /v1/models lists them all."""
-    names = ["gpt-4o-mini", MODEL]
-    with ServerThread(llm, served_model_names=names) as s:
-        c = client(s)
-        assert [m.id for m in c.models.list()] == names
-        r = c.chat.completions.create(
-            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )
-        assert r.model == "gpt-4o-mini"
-        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).model == MODEL
-        r = httpx.post(s.url + "/v1/completions", json={"model": "other", "prompt": "hi"})
-        assert r.status_code == 404 and "gpt-4o-mini" in r.json()["error"]["message"]
-
-
-def test_allowed_origins(llm, reference):
-    """CORS: a named origin's browser preflight and answers pass, another's
-    do not; without the flag no origin is allowed."""
-    page = "http://localhost:3000"
-    preflight = {"Origin": page, "Access-Control-Request-Method": "POST"}
-    with ServerThread(llm, allowed_origins=[page]) as s:
-        r = httpx.options(s.url + "/v1/chat/completions", headers=preflight)
-        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
-        r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
-        assert r.headers["access-control-allow-origin"] == page
-        other = {**preflight, "Origin": "http://elsewhere.example"}
-        assert httpx.options(s.url + "/v1/chat/completions", headers=other).status_code == 400
-    with ServerThread(llm) as s:
-        r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
-        assert "access-control-allow-origin" not in r.headers
-
-
 def test_request_larger_than_the_pool_is_400():
     small = load(MODEL, WEIGHTS, kv_memory=4 * PAGE_BYTES, device=MODEL_DEVICE)
     with ServerThread(small) as s:

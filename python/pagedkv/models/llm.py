@@ -31,7 +31,7 @@ from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
 from pagedkv.graphs.structured import Grammars, response_format_grammar
 
 from .catalog import DEFAULT_MODEL, model_spec
-from .chat import chat_prompt
+from .chat import ChatPrompt, chat_prompt
 from .errors import ChatRequestError, ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
@@ -281,40 +281,38 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
-        prompts = [
-            chat_prompt(
-                self.tokenizer,
-                conversation,
-                tools,
-                tool_choice,
-                parallel_tool_calls,
-                chat_template_kwargs,
-                reasoning_format,
-            )
-            for conversation in conversations
-        ]
+        render = functools.partial(
+            chat_prompt,
+            self.tokenizer,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            template_kwargs=chat_template_kwargs,
+            reasoning_format=reasoning_format,
+        )
+        prompts = [render(conversation) for conversation in conversations]
         grammar = prompts[0].grammar(self._format_grammar(response_format)) if prompts else None
         if grammar is not None and (error := self.grammars.error(grammar)) is not None:
-            raise ChatRequestError("tools", f"the tools' schemas cannot be followed: {error}")
+            param = "tools" if prompts[0].tools.active else "response_format"
+            raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
         sequences = self._run([p.ids for p in prompts], max_new_tokens, sampling, grammar, None)
-        out = []
-        for prompt, s in zip(prompts, sequences, strict=True):
-            answer = prompt.read(self.tokenizer.decode(s.tokens))
-            reason = "tool_calls" if answer.tool_calls else s.finish_reason or "length"
-            out.append(
-                Completion(
-                    prompt.text,
-                    prompt.ids,
-                    list(s.tokens),
-                    answer.content or "",
-                    reason,
-                    s.error,
-                    answer.tool_calls,
-                    answer.reasoning,
-                )
-            )
-        return out
+        return [self._chat_completion(p, s) for p, s in zip(prompts, sequences, strict=True)]
+
+    def _chat_completion(self, prompt: ChatPrompt, s: GeneratedSequence) -> Completion:
+        """A chat answer read as its request says (reasoning, tool calls)."""
+        answer = prompt.read(self.tokenizer.decode(s.tokens))
+        reason = "tool_calls" if answer.tool_calls else s.finish_reason or "length"
+        return Completion(
+            prompt.text,
+            prompt.ids,
+            list(s.tokens),
+            answer.content or "",
+            reason,
+            s.error,
+            answer.tool_calls,
+            answer.reasoning,
+        )
 
     def _format_grammar(self, response_format: Mapping | None) -> str | None:
         """The grammar of `response_format` (None for free text); raises

@@ -74,16 +74,7 @@ def create_app(
     if not names:
         raise ValueError("the server needs at least one model name")
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
-    if allowed_origins:
-        # Browser clients (a chat UI on another origin) read the answers;
-        # the API key, not the origin, is what authorizes a request.
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["*"],
-        )
+    add_middleware(app, limits, allowed_origins)
     created = int(time.time())
 
     def reject(status: int, message: str, kind: str, **kw) -> ApiError:
@@ -101,27 +92,7 @@ def create_app(
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
-    @app.get("/health")
-    async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "error", "reason": engine.fatal}, status_code=503)
-        return {"status": "ok"}
-
-    if engine.kv_transfer is not None:
-
-        @app.get("/kv_transfer/metadata")
-        async def kv_transfer_metadata():
-            """What a decode instance needs to read this instance's pages."""
-            return engine.kv_transfer.metadata()
-
-        @app.get("/kv_transfer/stats")
-        async def kv_transfer_stats():
-            """Pages kept, handed over and read since the server started."""
-            return dataclasses.asdict(engine.kv_transfer.stats)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    add_operator_routes(app, engine, metrics)
 
     @v1.get("/models")
     async def models():
@@ -144,6 +115,48 @@ def create_app(
     tokens.post("/detokenize")(completions.detokenize)
     app.include_router(tokens)
     return app
+
+
+def add_middleware(app: FastAPI, limits: ServeLimits, allowed_origins: Sequence[str]) -> None:
+    """The body-size limit, and CORS where origins are allowed."""
+    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    if allowed_origins:
+        # Browser clients (a chat UI on another origin) read the answers;
+        # the API key, not the origin, is what authorizes a request.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
+
+
+def add_operator_routes(app: FastAPI, engine, metrics) -> None:
+    """What operators and peers read, without the API key: /health,
+    /metrics and, where the engine keeps pages for decode instances,
+    /kv_transfer/*."""
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "error", "reason": engine.fatal}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    if engine.kv_transfer is not None:
+
+        @app.get("/kv_transfer/metadata")
+        async def kv_transfer_metadata():
+            """What a decode instance needs to read this instance's pages."""
+            return engine.kv_transfer.metadata()
+
+        @app.get("/kv_transfer/stats")
+        async def kv_transfer_stats():
+            """Pages kept, handed over and read since the server started."""
+            return dataclasses.asdict(engine.kv_transfer.stats)
 
 
 def add_error_handlers(app: FastAPI, metrics) -> None:
