@@ -281,16 +281,8 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
-        render = functools.partial(
-            chat_prompt,
-            self.tokenizer,
-            tools=tools,
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-            template_kwargs=chat_template_kwargs,
-            reasoning_format=reasoning_format,
-        )
-        prompts = [render(conversation) for conversation in conversations]
+        fields = (tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_format)
+        prompts = [chat_prompt(self.tokenizer, c, *fields) for c in conversations]
         grammar = prompts[0].grammar(self._format_grammar(response_format)) if prompts else None
         if grammar is not None and (error := self.grammars.error(grammar)) is not None:
             param = "tools" if prompts[0].tools.active else "response_format"
