@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -164,6 +165,21 @@ def test_text_format_and_reasoning(server):
     assert reasoning.type == "reasoning" and reasoning.content[0].text
     assert final.status == "incomplete"
     assert "response.reasoning_text.delta" in {e.type for e in events}
+
+
+def test_a_client_leaving_a_stream_cancels_its_request(server):
+    before = server.engine.cancels_received
+    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 400,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=HANG_GUARD) as r:
+        for k, _ in enumerate(r.iter_lines()):
+            if k > 12:  # past response.created and a few deltas
+                break
+    deadline = time.monotonic() + 60
+    while server.engine.cancels_received == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.cancels_received > before
+    assert server.engine.wait_idle(HANG_GUARD)
 
 
 def test_the_events_of_a_reasoned_answer_that_calls_a_tool():

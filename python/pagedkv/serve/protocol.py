@@ -185,7 +185,7 @@ class ResponsesRequest(BaseModel):
     string or items (messages, function calls and their outputs), flat
     function `tools`, `text.format` for structured outputs
     (pagedkv.serve.responses). vLLM's extensions (seed, top_k, min_p,
-    penalties, min_tokens, stop_token_ids, chat_template_kwargs,
+    penalties, min_tokens, stop_token_ids, ignore_eos, chat_template_kwargs,
     reasoning_format, structured_outputs) are passed on."""
 
     model_config = ConfigDict(extra="allow")

@@ -45,6 +45,7 @@ PASSED_ON = (
     "repetition_penalty",
     "min_tokens",
     "stop_token_ids",
+    "ignore_eos",
 )
 """Chat fields a Responses request may carry as extensions (vLLM's)."""
 PARAMS = {
@@ -286,19 +287,26 @@ def _response_of(chat: dict, base: dict) -> dict:
 
 async def stream_events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator[str]:
     """A streamed chat answer's server-sent events as the Responses API's:
-    each output item added, its text in deltas, done; then the response."""
+    each output item added, its text in deltas, done; then the response.
+    Closing it (a client gone) closes the chat stream at once, which
+    cancels the request."""
     events = _EventWriter(base)
     yield events.write("response.created", response=events.snapshot("in_progress"))
     yield events.write("response.in_progress", response=events.snapshot("in_progress"))
-    async for line in chunks:
-        if not line.startswith("data: ") or line.startswith("data: [DONE]"):
-            continue
-        chunk = json.loads(line[len("data: ") :])
-        if "error" in chunk:
-            yield events.write("error", message=chunk["error"]["message"], code=None, param=None)
-            return
-        for event in events.on_chunk(chunk):
-            yield event
+    try:
+        async for line in chunks:
+            if not line.startswith("data: ") or line.startswith("data: [DONE]"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                message = chunk["error"]["message"]
+                yield events.write("error", message=message, code=None, param=None)
+                return
+            for event in events.on_chunk(chunk):
+                yield event
+    finally:
+        if hasattr(chunks, "aclose"):
+            await chunks.aclose()
     for event in events.close_item():
         yield event
     final = _finished(base, events.output, events.usage, events.finish_reason == "length")
