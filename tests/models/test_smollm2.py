@@ -202,6 +202,8 @@ def test_generate_cli_renders_the_chat_template_given():
         (["generate", "--response-format", "{json", "hi"], "must be a JSON object"),
         (["generate", "--response-format", '{"type": "xml"}', "hi"], "response_format type"),
         (["generate", "--chat-template", "/nonexistent/t.jinja", "hi"], "--chat-template"),
+        (["generate", "--default-chat-template-kwargs", "{x", "hi"], "not JSON"),
+        (["generate", "--default-chat-template-kwargs", "[1]", "hi"], "a JSON object"),
     ],
 )
 def test_generate_cli_errors_are_one_line_with_status_2(args, message):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from pagedkv.graphs.scheduler import Delta
 from pagedkv.graphs.structured import Grammars, after_reasoning, response_format_grammar
-from pagedkv.models import load
+from pagedkv.models import ModelError, load
 from pagedkv.models.chat import ChatPrompt
 from pagedkv.models.reasoning import (
     ReasoningStream,
@@ -76,6 +76,22 @@ def test_which_templates_and_prompts_reason():
 @pytest.fixture(scope="module")
 def llm():
     return load(MODEL, chat_template=TEMPLATE.read_text())
+
+
+def test_default_template_variables_and_a_request_over_them():
+    """load(chat_template_kwargs=) (`--default-chat-template-kwargs`): every
+    chat gets them unless it gives its own."""
+    quiet = load(MODEL, chat_template=TEMPLATE.read_text(),
+                 chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    closed = "<think>\n\n</think>\n\n"
+    generated_prompt = quiet.tokenizer.decode(quiet.prompt_ids("Hi"), skip_special_tokens=False)
+    assert generated_prompt.endswith(closed)  # LLM.generate's prompts too
+    (answer,) = quiet.chat([ASK], 2)
+    assert answer.prompt.endswith(closed)
+    (thinking,) = quiet.chat([ASK], 2, chat_template_kwargs={"enable_thinking": True})
+    assert not thinking.prompt.endswith(closed)
+    with pytest.raises(ModelError, match="may not name"):
+        load(MODEL, chat_template_kwargs={"messages": []})
 
 
 def test_a_grammar_binds_after_the_block(llm):

@@ -18,6 +18,7 @@ int8 cache keeps each (token, head) row as int8 codes and a float32 scale:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .errors import ModelError
@@ -60,7 +61,8 @@ def add_weights_arguments(parser) -> None:
 
 
 def add_gguf_argument(parser) -> None:
-    """Adds --gguf and --chat-template (for `load`) to an argparse parser."""
+    """Adds --gguf, --chat-template and --default-chat-template-kwargs (for
+    `load`) to an argparse parser."""
     parser.add_argument(
         "--gguf",
         default=None,
@@ -74,6 +76,13 @@ def add_gguf_argument(parser) -> None:
         metavar="PATH",
         help="a Jinja chat template file in place of the GGUF's own (e.g. one that renders tools)",
     )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="variables the chat template gets unless a request gives its own, e.g. "
+        "'{\"enable_thinking\": false}' for Qwen 3 (vLLM's flag)",
+    )
 
 
 def load_from_arguments(
@@ -82,8 +91,8 @@ def load_from_arguments(
     """`load` of the model a command line names: its --model, --gguf and
     --device, and the --weights and --kv-dtype that add_weights_arguments
     adds; progress lines go to `progress`, kv_memory None is load's
-    default. Raises ModelError as load does, and where --chat-template
-    cannot be read."""
+    default. Raises ModelError as load does, where --chat-template cannot
+    be read, and where --default-chat-template-kwargs is not a JSON object."""
     from .llm import DEFAULT_KV_MEMORY, load
 
     template = None
@@ -92,6 +101,14 @@ def load_from_arguments(
             template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ModelError(f"--chat-template: {e}") from None
+    kwargs = None
+    if args.default_chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ModelError(f"--default-chat-template-kwargs: not JSON ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise ModelError("--default-chat-template-kwargs must be a JSON object")
     return load(
         args.model,
         weights=args.weights,
@@ -102,6 +119,7 @@ def load_from_arguments(
         progress=progress,
         batch_invariant=batch_invariant,
         chat_template=template,
+        chat_template_kwargs=kwargs,
     )
 
 

@@ -36,7 +36,7 @@ from .errors import ChatRequestError, ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
 from .gguf_model import GGUFModel
-from .tokenizer import ChatTokenizer, TextStream
+from .tokenizer import TEMPLATE_VARIABLES, ChatTokenizer, TextStream
 from .tool_calls import ToolCall
 from .unpacked import read_unpacked
 
@@ -106,6 +106,7 @@ class LLM:
         quantized: bool = False,
         batch_invariant: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         self.name = name
         self.config: DecoderConfig = model.config
@@ -114,6 +115,8 @@ class LLM:
         self.tokenizer = ChatTokenizer.from_gguf_metadata(model.metadata)
         if chat_template is not None:
             self.tokenizer = replace(self.tokenizer, chat_template=chat_template)
+        if chat_template_kwargs:
+            self.tokenizer = replace(self.tokenizer, template_defaults=dict(chat_template_kwargs))
         self.grammars = Grammars(
             self.tokenizer.tokenizer, model.config.vocab_size, self.tokenizer.stop_ids
         )
@@ -398,6 +401,7 @@ def load(
     progress: Callable[[str], None] | None = None,
     batch_invariant: bool = False,
     chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
 ) -> LLM:
     """Loads model `name` to serve from a paged cache.
 
@@ -435,6 +439,9 @@ def load(
     chat_template : str, optional
         A Jinja chat template in place of the GGUF's own (for example one
         that renders tools: `pagedkv.models.tool_calls`).
+    chat_template_kwargs : dict, optional
+        Variables the chat template gets unless a request gives its own
+        (Qwen 3's {"enable_thinking": False} for every chat).
 
     Returns
     -------
@@ -447,6 +454,8 @@ def load(
         or device.
     """
     spec = model_spec(name)
+    if any(not isinstance(k, str) or k in TEMPLATE_VARIABLES for k in chat_template_kwargs or {}):
+        raise ModelError(f"chat_template_kwargs may not name {sorted(TEMPLATE_VARIABLES)}")
     if device not in ("cpu", "gpu"):
         raise ModelError(f"device must be cpu or gpu, got {device!r}")
     check_forms(weights or default_weights(device), kv_dtype, device)
@@ -476,7 +485,15 @@ def load(
         f"{spec.title if gguf is None else path.name} ({c.num_layers} layers, "
         f"{weights} weights, {kv_dtype} cache) ..."
     )
-    llm = LLM(spec.name, model, manager, weights == "gguf", batch_invariant, chat_template)
+    llm = LLM(
+        spec.name,
+        model,
+        manager,
+        weights == "gguf",
+        batch_invariant,
+        chat_template,
+        chat_template_kwargs,
+    )
     llm.model_id = f"{spec.name}|{weights}|{path.name}"
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")
     return llm

@@ -38,7 +38,7 @@ import datetime
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ModelError
 
@@ -83,6 +83,12 @@ them (the common ones of llama.cpp's end-of-generation set: an instruct
 file's EOS is often its end of turn, a base file's its end of text)."""
 
 
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+"""What pagedkv gives every chat template itself (not a request's to set)."""
+
+
 @dataclass
 class ChatTokenizer:
     """Text to token ids and back, and chat messages to a prompt."""
@@ -98,6 +104,9 @@ class ChatTokenizer:
     """Whether a prompt starts with `bos_token_id` (`prompt_ids`)."""
     stop_ids: frozenset[int] = frozenset()
     """Tokens that end generation: EOS and the family's end-of-turn tokens."""
+    template_defaults: Mapping[str, object] = field(default_factory=dict)
+    """Variables the chat template gets unless a request gives its own
+    (vLLM's `--default-chat-template-kwargs`)."""
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, object]) -> ChatTokenizer:
@@ -175,7 +184,7 @@ class ChatTokenizer:
         template writes first is left out (llama.cpp's rule), so the prompt
         starts with one BOS, not two. `template_kwargs`: more variables the
         template reads (Qwen 3's `enable_thinking`: vLLM's and llama.cpp's
-        `chat_template_kwargs`). Raises ValueError where the template
+        `chat_template_kwargs`), over `template_defaults`. Raises ValueError where the template
         refuses the messages (`raise_exception`, a missing field)."""
         if not self.chat_template:
             raise ModelError("this model has no chat template: generate with chat=False")
@@ -185,10 +194,9 @@ class ChatTokenizer:
             "" if i is None else self.tokenizer.id_to_token(i) or ""
             for i in (self.bos_token_id, self.eos_token_id)
         )
-        given = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-        extra = dict(template_kwargs or {})
-        if any(not isinstance(k, str) or k in given for k in extra):
-            raise ValueError(f"chat_template_kwargs may not name {sorted(given)}")
+        extra = {**self.template_defaults, **(template_kwargs or {})}
+        if any(not isinstance(k, str) or k in TEMPLATE_VARIABLES for k in extra):
+            raise ValueError(f"chat_template_kwargs may not name {sorted(TEMPLATE_VARIABLES)}")
         try:
             text = _template(self.chat_template).render(
                 **extra,
