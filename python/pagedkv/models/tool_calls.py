@@ -395,6 +395,9 @@ class ToolCallStream:
         self.text: list[str] = []
         self.sent = 0
         """Characters of the content already sent."""
+        self.settled = False
+        """Whether nothing more can stream (a call has begun): later pieces
+        are only kept for `finish`."""
 
     def push(self, piece: str) -> str:
         """Takes the next text; returns what may be sent as content now."""
@@ -402,17 +405,23 @@ class ToolCallStream:
         if not self.use.active:
             self.sent += len(piece)
             return piece
+        if self.settled:
+            return ""
         text = "".join(self.text)
         if self.use.format == "generic":
             content = _partial_response(text) or ""
+            # Text that cannot open a reply is a call: nothing streams.
+            self.settled = not GENERIC_REPLY.startswith(text[: len(GENERIC_REPLY)])
         elif self.use.format == "llama3":
             # A call is the whole answer: it opens with `{`.
             opening = text.lstrip()[:1]
             content = text if opening and opening != "{" else ""
+            self.settled = opening == "{"
         else:
             start = text.find(HERMES_OPEN)
             end = start if start >= 0 else len(text) - partial_suffix(text, [HERMES_OPEN])
             content = text[:end]
+            self.settled = start >= 0  # the rest is read whole at the end
         out = content[self.sent :]
         self.sent = max(self.sent, len(content))
         return out

@@ -69,17 +69,14 @@ class Choices:
         self.logprobs, self.echo, self.completion = logprobs, echo, completion
         self.token_text = token_text
         self.prompt = chat
-        tools = chat.tools if chat is not None else None
-        self.tools = tools if tools is not None and tools.active else None
-        self.reasoning_opened = chat.reasoning_opened if chat is not None else None
         self.choices = [_Choice() for _ in range(len(prompts) * n)]
         for c in self.choices:
             if logprobs and not self.chat:
                 c.completion_logprobs = CompletionLogprobs(token_text)
-            if self.tools is not None:
-                c.tool_calls = self.tools.stream()
-            if self.reasoning_opened is not None:
-                c.reasoning = ReasoningStream(self.reasoning_opened)
+            if chat is not None and chat.tools.active:
+                c.tool_calls = chat.tools.stream()
+            if chat is not None and chat.reasoning_opened is not None:
+                c.reasoning = ReasoningStream(chat.reasoning_opened)
 
     def on_event(self, p: int, event: PromptLogprobs | Delta) -> list[dict]:
         """Prompt p's event; returns the chunks' choice objects (streamed)."""
