@@ -45,13 +45,13 @@ def response_format_grammar(response_format: Mapping | None) -> str | None:
     >>> "json_schema" in response_format_grammar({"type": "json_object"})
     True
     """
-    from llguidance import LLMatcher
-
     if response_format is None:
         return None
     kind = response_format.get("type")
     if kind == "text":
         return None
+    from llguidance import LLMatcher
+
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if kind == "json_schema":

@@ -29,6 +29,9 @@ for site in extsite maxsite; do
 done
 mkdir -p "$PAGEDKV_CACHE_DIR" && cp -r --update=none "$stage/model/." "$PAGEDKV_CACHE_DIR/"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+# pagedkv's own dependencies and its serving extra import (a missing one fails
+# every model test, so it is named here first).
+python3 -c "import gguf, tokenizers, jinja2, llguidance, fastapi, uvicorn, openai" || exit 1
 python3 -c "import max.driver as d, torch, pagedkv; print('MAX sees', d.accelerator_count(), 'GPU(s); torch', torch.__version__, torch.cuda.get_device_name())"
 [ -d /root/fisite ] && for part in decode decode-tc mla append; do
   echo "fi-$part: $(cat /root/logs/fi-$part.rc 2>/dev/null || echo running) $(tail -n 1 /root/logs/fi-$part.log 2>/dev/null)"
