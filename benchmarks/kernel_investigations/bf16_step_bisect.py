@@ -459,8 +459,8 @@ def engine_logits(device: str) -> None:
     from pagedkv.graphs.engine import DecoderEngine
     from pagedkv.graphs.numpy_reference import DenseDecoder
 
-    # The plan's weights are float32 whatever the form (`load` refuses bf16
-    # on a GPU); the bfloat16 graphs come from the manager's dtype.
+    # The plan's weights are float32 whatever the form; the bfloat16 graphs
+    # come from the manager's dtype.
     plan = plan_demo(DemoOptions(device=device, model="random", layers=2, weights="f32"))
     c = plan.config
     manager = PagedKVCacheManager(

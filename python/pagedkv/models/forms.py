@@ -6,9 +6,10 @@
 - "f32": dequantized to float32, activations in float32: the exact form,
   which matches transformers token for token, and the default on a GPU
   (where the quantized products do not run).
-- "bf16": dequantized to bfloat16, activations in bfloat16. CPU only for
-  now: on a GPU its step graphs give wrong answers (docs/gpu.md), so `load`
-  refuses it there rather than serve them.
+- "bf16": dequantized to bfloat16, activations in bfloat16: half the
+  weights' bytes, departing from float32's answers only where its top two
+  logits nearly tie. On a GPU its products are taken in float32 (MAX's
+  16-bit matmul is wrong there at some shapes: graph_ops.linear).
 
 The cache's dtype is free beside GGUF weights and the weights' own dtype
 beside float ones (the float step graphs keep one dtype throughout). An
@@ -37,9 +38,9 @@ weights' own dtype beside float ones."""
 
 
 def default_weights(device: str) -> str:
-    """The fastest correct form on a device: the GGUF's own blocks on the
-    CPU, float32 on a GPU (the quantized products run on the CPU, and the
-    bfloat16 step graphs are wrong there)."""
+    """The default form on a device: the GGUF's own blocks on the CPU (the
+    fastest there), float32 on a GPU (the quantized products run on the CPU,
+    and float32 is the form held token for token to transformers there)."""
     return "gguf" if device == "cpu" else "f32"
 
 
@@ -49,7 +50,7 @@ def add_weights_arguments(parser) -> None:
         "--weights",
         default=None,
         help="gguf (the GGUF's own quantized blocks: the default on the cpu), f32 (exact "
-        "against transformers: the default on a gpu) or bf16 (cpu only for now)",
+        "against transformers: the default on a gpu) or bf16",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -130,11 +131,6 @@ def check_forms(weights: str, kv_dtype: str | None, device: str) -> str:
         raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights == "gguf" and device != "cpu":
         raise ModelError("weights='gguf' runs on the CPU; use weights='f32' on a GPU")
-    if weights == "bf16" and device != "cpu":
-        raise ModelError(
-            "weights='bf16' gives wrong answers on a GPU for now (docs/gpu.md); use "
-            "weights='f32' there"
-        )
     kv_dtype = kv_dtype or DEFAULT_KV_DTYPE[weights]
     if kv_dtype not in KV_DTYPES:
         raise ModelError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
