@@ -70,9 +70,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
     >>> o = w.run(q, paged_kv_cache)              # per layer: q [B, 32, 128]
 
     backend: "tma" (the Hopper kernel: sm_90, NHD, page sizes a multiple of
-    16, at most 8 query heads per KV head, no RoPE on the fly), "generic" (the
-    kernel for every GPU; FlashInfer's "fa2" names it too), or "auto": the
-    Hopper kernel where it applies, else the generic one. The CPU ignores it.
+    16, at most 8 query heads per KV head, no RoPE on the fly), "mma" (its
+    tensor-core form: 16-bit q and cache of one dtype, head dims 64 and 128,
+    up to 16 query heads per KV head), "generic" (the kernel for every GPU;
+    FlashInfer's "fa2" names it too), or "auto": the tensor-core kernel at 8
+    or more query heads per KV head, the Hopper kernel below, each where it
+    applies, else the generic one. The CPU ignores it.
 
     The constructor takes FlashInfer's arguments in FlashInfer's order.
     use_tensor_cores picks a kernel in FlashInfer with the same result; here

@@ -1,8 +1,8 @@
-"""Running attention's work items on a GPU: the Hopper decode kernel
-(sm90.mojo) where it applies, else the generic kernel (generic.mojo), a
-thread block per (item, KV head, tile of query rows); then the partial
-states of key-split requests merged (called by run_attention, in
-attention/run.mojo)."""
+"""Running attention's work items on a GPU: a Hopper decode kernel where one
+applies (the tensor-core one of tensor_core.mojo or the TMA one of
+sm90.mojo), else the generic kernel (generic.mojo), a thread block per
+(item, KV head, tile of query rows); then the partial states of key-split
+requests merged (called by run_attention, in attention/run.mojo)."""
 
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import H100
@@ -34,8 +34,15 @@ comptime GPU_KERNEL_AUTO = 2
 comptime GPU_KERNEL_MMA = 3
 """Values of int_params[INT_GPU_KERNEL], the GPU decode kernel plan() chose: "tma" must
 run the Hopper kernel of sm90.mojo, "mma" its tensor-core form
-(tensor_core.mojo), "auto" runs the Hopper kernel where it applies (an sm_90
-GPU, the batch's dtypes and shape) and the generic one elsewhere."""
+(tensor_core.mojo), "auto" runs the tensor-core kernel where it applies and
+the group reaches MMA_AUTO_MIN_GROUP, else the Hopper kernel where it
+applies (an sm_90 GPU, the batch's dtypes and shape), else the generic one."""
+
+comptime MMA_AUTO_MIN_GROUP = 8
+"""Query heads per KV head from which "auto" prefers the tensor-core kernel.
+There the TMA kernel's CUDA-core q.K and p.V, not HBM, set its pace; below
+it both kernels stream the pages at the same rate, and the TMA kernel is
+kept (docs/gpu.md has the timings)."""
 
 
 def run_attention_gpu[
@@ -73,34 +80,27 @@ def run_attention_gpu[
             ctx.default_device_info.compute == H100.compute
             and cache.layout == KVLayout.NHD
         ):
-            if kernel == GPU_KERNEL_MMA:
-                comptime if tensor_core_dtypes[q_dtype, cache.dtype]():
-                    if tensor_core_decode_applies[
-                        q_dtype, cache.dtype, cache.layout
-                    ](cache, group, params):
-                        launch_decode_tensor_core[q_dtype, cache.dtype](
-                            rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](
-                                cache
-                            ),
-                            q_ptr,
-                            o_ptr,
-                            lse_ptr,
-                            work,
-                            params,
-                            num_qo_heads,
-                            ctx,
-                        )
-                        if any_split:
-                            enqueue_merge(
-                                work,
-                                o_ptr,
-                                lse_ptr,
-                                num_qo_heads,
-                                head_dim,
-                                batch_size,
-                                ctx,
-                            )
-                        return
+            var nhd = rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](cache)
+            var launched = False
+            comptime if tensor_core_dtypes[q_dtype, cache.dtype]():
+                var wanted = kernel == GPU_KERNEL_MMA or (
+                    kernel == GPU_KERNEL_AUTO and group >= MMA_AUTO_MIN_GROUP
+                )
+                if wanted and tensor_core_decode_applies[
+                    q_dtype, cache.dtype, cache.layout
+                ](cache, group, params):
+                    launch_decode_tensor_core[q_dtype, cache.dtype](
+                        nhd,
+                        q_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        work,
+                        params,
+                        num_qo_heads,
+                        ctx,
+                    )
+                    launched = True
+            if kernel == GPU_KERNEL_MMA and not launched:
                 raise Error(
                     "pagedkv: the tensor-core decode kernel needs an sm_90"
                     " GPU, an NHD pool of q's dtype (bfloat16 or float16),"
@@ -108,19 +108,14 @@ def run_attention_gpu[
                     " 128, at most 16 query heads per KV head and no RoPE on"
                     " the fly"
                 )
-            if tma_decode_applies[cache.dtype, cache.layout](
+            if not launched and tma_decode_applies[cache.dtype, cache.layout](
                 cache, group, params
             ):
                 launch_decode_sm90[q_dtype, cache.dtype](
-                    rebind[PagedKVCache[cache.dtype, KVLayout.NHD]](cache),
-                    q_ptr,
-                    o_ptr,
-                    lse_ptr,
-                    work,
-                    params,
-                    num_qo_heads,
-                    ctx,
+                    nhd, q_ptr, o_ptr, lse_ptr, work, params, num_qo_heads, ctx
                 )
+                launched = True
+            if launched:
                 if any_split:
                     enqueue_merge(
                         work,

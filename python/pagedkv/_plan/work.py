@@ -185,9 +185,10 @@ DECODE_BACKENDS = ("auto", "generic", "tma", "mma", "fa2", "fa3", "trtllm-gen")
 """GPU decode kernels: "tma" is the Hopper kernel (mojo_ops/attention/gpu/sm90.mojo),
 "mma" its tensor-core form (gpu/tensor_core.mojo: q.K and p.V as mma.sync,
 16-bit q and cache of one dtype, head dims 64 and 128, up to 16 query heads
-per KV head), "generic" the kernel for every GPU; "auto" runs the Hopper
-kernel where it applies (sm_90, the batch's dtypes and shape: the kernel
-decides) and the generic one elsewhere. FlashInfer's names run unchanged:
+per KV head), "generic" the kernel for every GPU; "auto" runs the
+tensor-core kernel at 8 or more query heads per KV head, the Hopper kernel
+below that, each where it applies (sm_90, the batch's dtypes and shape: the
+kernel decides), and the generic one elsewhere. FlashInfer's names run unchanged:
 "fa2" (its kernel for every GPU) is the generic kernel, "fa3" (its Hopper
 kernel) the Hopper one, "trtllm-gen" (its Blackwell kernel, which code
 written for sm_100 asks for) "auto"."""
