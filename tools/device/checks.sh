@@ -11,7 +11,8 @@
 # mma-probe: the tensor-core fragment probe.
 # gpu-tests: the suite's GPU tests.
 # model-tests: the real model's tests on the GPU (greedy answers against
-#   transformers', the server), then the demo and `generate` with it.
+#   transformers', the server), then the demo (float32 and bfloat16 weights)
+#   and `generate` with it.
 source tools/device/env.sh
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(bf16-bisect mma-probe gpu-tests model-tests)
@@ -28,6 +29,7 @@ for name in "${jobs[@]}"; do
   model-tests) job model-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest \
     tests/models/test_smollm2.py tests/serve/test_serve.py -q -ra -p no:cacheprovider \
     -o faulthandler_timeout=1200; s=$?; python3 -m pagedkv demo --device gpu || s=1;
+    python3 -m pagedkv demo --device gpu --weights bf16 || s=1;
     python3 -m pagedkv generate --device gpu --json --max-new-tokens 24 \
       "What is the capital of France?" "Write a haiku about the sea." || s=1; exit $s' ;;
   *) echo "unknown job $name" >&2; exit 2 ;;
