@@ -182,34 +182,30 @@ def test_a_client_leaving_a_stream_cancels_its_request(server):
     assert server.engine.wait_idle(HANG_GUARD)
 
 
+def call_delta(call: dict) -> dict:
+    """A chat chunk whose delta holds one tool-call delta."""
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}
+
+
 def test_the_events_of_a_reasoned_answer_that_calls_a_tool():
     """The event writer on given chat chunks: a reasoning item, a message
-    item and a function call, each added, filled and done in turn."""
+    item and a function call streamed in pieces, each added, filled and done
+    in turn."""
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
         {"choices": [{"index": 0, "delta": {"reasoning_content": "Rain? "}}]},
         {"choices": [{"index": 0, "delta": {"reasoning_content": "Check."}}]},
         {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
-        {
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {
-                        "tool_calls": [
-                            {
-                                "index": 0,
-                                "id": "call_1",
-                                "type": "function",
-                                "function": {
-                                    "name": "get_weather",
-                                    "arguments": '{"city": "Oslo"}',
-                                },
-                            }
-                        ]
-                    },
-                }
-            ]
-        },  # fmt: skip
+        call_delta(
+            {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            }
+        ),
+        call_delta({"index": 0, "function": {"arguments": '{"city": '}}),
+        call_delta({"index": 0, "function": {"arguments": '"Oslo"}'}}),
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
         {
             "choices": [],
@@ -237,6 +233,7 @@ def test_the_events_of_a_reasoned_answer_that_calls_a_tool():
         "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
         "response.completed",
     ]  # fmt: skip
@@ -244,6 +241,10 @@ def test_the_events_of_a_reasoned_answer_that_calls_a_tool():
     assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
     assert final["output"][0]["content"][0]["text"] == "Rain? Check."
     assert final["output"][2]["call_id"] == "call_1" and final["status"] == "completed"
+    assert final["output"][2]["arguments"] == '{"city": "Oslo"}'
+    added = next(e for e in events if e["type"] == "response.output_item.added"
+                 and e["item"]["type"] == "function_call")  # fmt: skip
+    assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
     assert final["usage"]["output_tokens"] == 7
 
 

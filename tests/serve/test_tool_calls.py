@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from chat_server import MODEL, chat_server, openai_client
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.graphs.structured import Grammars
@@ -84,6 +84,37 @@ def follows_tools(call) -> bool:
     """Whether an OpenAI client's tool call is one of TOOLS, well formed."""
     function = call.function
     return call.type == "function" and call.id and call_follows(function.name, function.arguments)
+
+
+def assembled(deltas) -> list[dict]:
+    """The calls a stream's `tool_calls` deltas build, as OpenAI's clients
+    put them together: id and name from a call's first delta, its arguments
+    joined; in index order."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        delta = delta if isinstance(delta, dict) else delta.model_dump()
+        call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+        if delta.get("id"):
+            assert call["id"] is None, "a call's id came twice"
+            call["id"] = delta["id"]
+        function = delta.get("function") or {}
+        call["name"] += function.get("name") or ""
+        call["arguments"] += function.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def streamed(use: ToolUse, text: str, sizes) -> tuple[str, list[dict], list]:
+    """text pushed through use's stream in pieces of the given sizes (in
+    turn): (content sent, call deltas, the stream's whole calls)."""
+    stream, sent, deltas, at, k = use.stream(), [], [], 0, 0
+    while at < len(text):
+        size = sizes[k % len(sizes)]
+        content, calls = stream.push(text[at : at + size])
+        sent.append(content)
+        deltas += calls
+        at, k = at + size, k + 1
+    rest, calls = stream.finish()
+    return "".join(sent) + rest, deltas + calls, stream.calls
 
 
 # What is offered, and how a request names it.
@@ -218,13 +249,17 @@ def test_reading_generic_answers():
     assert use.read('{"response": "Caf\\u00e9 \\"Rou') == ('Café "Rou', [])
     reply = json.dumps({"response": 'A "quoted" caf\u00e9, \\ and\nmore.'}, ensure_ascii=True)
     for size in (1, 2, 5):
-        stream = use.stream()
-        sent = "".join(stream.push(reply[i : i + size]) for i in range(0, len(reply), size))
-        assert sent + stream.finish()[0] == 'A "quoted" caf\u00e9, \\ and\nmore.', size
-    stream = use.stream()
+        assert streamed(use, reply, [size])[:2] == ('A "quoted" caf\u00e9, \\ and\nmore.', [])
     call = json.dumps({"tool_calls": both})
-    assert "".join(stream.push(call[i : i + 3]) for i in range(0, len(call), 3)) == ""
-    assert [c.name for c in stream.finish()[1]] == ["now", "get_weather"]
+    for sizes in ([3], [1], [100]):
+        sent, deltas, calls = streamed(use, call, sizes)
+        assert sent == "" and [(c["name"], c["arguments"]) for c in assembled(deltas)] == [
+            ("now", "{}"), ("get_weather", '{"city": "Rome"}')]  # fmt: skip
+        assert [c["id"] for c in assembled(deltas)] == [c.id for c in calls]
+    # Arguments come back as the model wrote them (here, an escape kept).
+    written = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Caf\\u00e9"}}}'
+    assert use.read(written)[1][0].arguments == '{"city": "Caf\\u00e9"}'
+    assert assembled(streamed(use, written, [2])[1])[0]["arguments"] == '{"city": "Caf\\u00e9"}'
 
 
 def test_reading_hermes_answers_and_streaming_them():
@@ -240,14 +275,26 @@ def test_reading_hermes_answers_and_streaming_them():
     assert use.read(broken) == (broken, [])
     assert use.read("plain words") == ("plain words", [])
     for size in (1, 3, 7):
-        stream = use.stream()
-        sent = "".join(stream.push(text[i : i + size]) for i in range(0, len(text), size))
+        sent, deltas, calls = streamed(use, text, [size])
         assert sent == "Let me look.\n", size
-        rest, calls = stream.finish()
-        assert rest == "" and [c.name for c in calls] == ["get_weather", "get_weather"]
+        assert [(c["name"], c["arguments"]) for c in assembled(deltas)] == [
+            ("get_weather", '{"city": "Rome"}'), ("get_weather", '{"city": "Oslo"}')]  # fmt: skip
+        assert len(calls) == 2
+    # Arguments stream as they come: the call's head first, then pieces.
     stream = use.stream()
-    sent = "".join(stream.push(piece) for piece in ("a <tool", "_c", "ake> b"))
-    assert sent + stream.finish()[0] == "a <tool_cake> b"
+    assert stream.push('<tool_call>\n{"name": "get_weather", "arguments": ') == ("", [])
+    assert stream.push('{"ci')[1] == [
+        {"index": 0, "id": stream.scanner.open.call_id, "type": "function",
+         "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"ci'}},
+    ]  # fmt: skip
+    assert stream.push('ty": "a}b"}}\n</tool')[1] == [
+        {"index": 0, "function": {"arguments": 'ty": "a}b"}'}}
+    ]
+    assert stream.push("_call>")[1] == [] and stream.finish() == ("", [])
+    assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", '{"city": "a}b"}')]
+    sent, deltas, _ = streamed(use, "a <tool_cake> b", [5, 2])
+    assert (sent, deltas) == ("a <tool_cake> b", [])
 
 
 def test_reading_llama3_answers_and_streaming_them():
@@ -260,12 +307,11 @@ def test_reading_llama3_answers_and_streaming_them():
         ]
     assert use.read("It is sunny.") == ("It is sunny.", [])
     assert use.read(call[:30]) == (call[:30], [])
-    for text, sent in ((call, ""), ("It is {sunny}.", "It is {sunny}.")):
-        stream = use.stream()
-        streamed = "".join(stream.push(text[i : i + 4]) for i in range(0, len(text), 4))
-        assert streamed == sent
-        rest, calls = stream.finish()
-        assert (streamed + rest, len(calls)) == ((sent, 1) if not sent else (text, 0))
+    for text, content in ((call, ""), ("It is {sunny}.", "It is {sunny}.")):
+        sent, deltas, _ = streamed(use, text, [4])
+        assert sent == content
+        want = [("get_weather", '{"city": "Rome", "unit": "celsius"}')] if not content else []
+        assert [(c["name"], c["arguments"]) for c in assembled(deltas)] == want
 
 
 # The grammar.
@@ -414,7 +460,7 @@ def test_required_and_named_calls_whole_and_streamed(request, which):
         model=MODEL,
         messages=ASK,
         tools=TOOLS,
-        tool_choice="required",
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
         parallel_tool_calls=False,
         max_tokens=MAX_TOKENS,
         stream=True,
@@ -422,8 +468,11 @@ def test_required_and_named_calls_whole_and_streamed(request, which):
         seed=1,
     )
     chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
-    calls = [call for chunk in chunks for call in chunk.delta.tool_calls or ()]
-    assert len(calls) == 1 and calls[0].index == 0 and follows_tools(calls[0])
+    deltas = [call for chunk in chunks for call in chunk.delta.tool_calls or ()]
+    (call,) = assembled(deltas)
+    assert call["name"] == "get_weather"
+    assert len(deltas) > 2, "the arguments came whole, not as the model wrote them"
+    assert call["id"] and call_follows(call["name"], call["arguments"])
     assert chunks[-1].finish_reason == "tool_calls"
     assert not "".join(chunk.delta.content or "" for chunk in chunks)
     free = c.chat.completions.create(
@@ -488,28 +537,29 @@ HERMES_PIECES = ["Let me", " look.", "\n", "<tool", "_call>", "<tool_call>", "</
 
 
 @settings(max_examples=300, deadline=None)
+@example(["<tool_call>", HERMES_PIECES[7], "</tool_call>", "<tool_call>", HERMES_PIECES[7]],
+         "hermes", [3])  # fmt: skip
 @given(
     st.lists(st.sampled_from(HERMES_PIECES), max_size=12),
     st.sampled_from(["hermes", "llama3", "generic"]),
     st.lists(st.integers(1, 7), min_size=1, max_size=6),
 )
 def test_a_streamed_answer_reads_as_the_whole_one(pieces, fmt, sizes):
-    """Any text, cut anywhere: the stream's calls are the whole answer's,
-    what it sends never holds a call's tag, and where there is no call it
-    sends the whole answer's content."""
+    """Any text, cut anywhere: the stream ends with the whole answer's
+    calls, which its deltas built (a call they began and the answer does
+    not hold, cut short, may follow them); it sends no call's tag that the
+    whole answer's content does not hold; and where no call began it sends
+    the whole answer's content."""
     use = ToolUse(read_tools(TOOLS), "auto", True, fmt)
     text = "".join(pieces)
     if fmt == "generic":
         text = json.dumps({"response": text})
-    stream, sent, at, k = use.stream(), [], 0, 0
-    while at < len(text):
-        size = sizes[k % len(sizes)]
-        sent.append(stream.push(text[at : at + size]))
-        at, k = at + size, k + 1
-    rest, calls = stream.finish()
+    sent, deltas, calls = streamed(use, text, sizes)
     content, whole_calls = use.read(text)
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
-    if not calls:
-        assert "".join(sent) + rest == content
-    elif fmt == "hermes":
-        assert "<tool_call>" not in "".join(sent) + rest
+    built = [(c["id"], c["name"], c["arguments"]) for c in assembled(deltas)]
+    assert built[: len(calls)] == [(c.id, c.name, c.arguments) for c in calls]
+    if not built:
+        assert sent == content
+    elif fmt == "hermes":  # a tag sent is one the whole answer's content holds
+        assert "<tool_call>" not in sent or "<tool_call>" in (content or "")

@@ -24,7 +24,8 @@ Three formats, chosen by the model's chat template:
 In every format a call's arguments follow the tool's `parameters` schema, so a
 call read back always parses; a sample cut by max_tokens mid-call keeps
 its text as content. Under tool_choice "none" the prompt leaves the tools
-out and the answer is free text.
+out and the answer is free text. A streamed answer is read by
+`tool_call_stream.ToolCallStream`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pagedkv.graphs.stop_strings import partial_suffix
 from pagedkv.graphs.structured import JSON_LAYOUT
 
 from .errors import ChatRequestError
@@ -379,77 +379,11 @@ class ToolUse:
             return text, []
         return ("".join(kept) + text[at:]).strip() or None, calls
 
-    def stream(self) -> ToolCallStream:
-        """A streamed answer's reader (`ToolCallStream`)."""
+    def stream(self):
+        """A streamed answer's reader (`tool_call_stream.ToolCallStream`)."""
+        from .tool_call_stream import ToolCallStream
+
         return ToolCallStream(self)
-
-
-class ToolCallStream:
-    """A streamed answer's text, held back where it may be a call: `push`
-    returns the content that can go out now; `finish` the rest and the
-    calls. The hermes format streams the text before a call, the generic
-    one the reply string of {"response": "..."} as it grows."""
-
-    def __init__(self, use: ToolUse) -> None:
-        self.use = use
-        self.text: list[str] = []
-        self.sent = 0
-        """Characters of the content already sent."""
-        self.settled = False
-        """Whether nothing more can stream (a call has begun): later pieces
-        are only kept for `finish`."""
-
-    def push(self, piece: str) -> str:
-        """Takes the next text; returns what may be sent as content now."""
-        self.text.append(piece)
-        if not self.use.active:
-            self.sent += len(piece)
-            return piece
-        if self.settled:
-            return ""
-        text = "".join(self.text)
-        if self.use.format == "generic":
-            content = _partial_response(text) or ""
-            # Text that cannot open a reply is a call: nothing streams.
-            self.settled = not GENERIC_REPLY.startswith(text[: len(GENERIC_REPLY)])
-        elif self.use.format == "llama3":
-            # A call is the whole answer: it opens with `{`.
-            opening = text.lstrip()[:1]
-            content = text if opening and opening != "{" else ""
-            self.settled = opening == "{"
-        else:
-            start = text.find(HERMES_OPEN)
-            end = start if start >= 0 else len(text) - partial_suffix(text, [HERMES_OPEN])
-            content = text[:end]
-            self.settled = start >= 0  # the rest is read whole at the end
-        out = content[self.sent :]
-        self.sent = max(self.sent, len(content))
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content not yet sent, the calls) once the answer is whole."""
-        content, calls = self.use.read("".join(self.text))
-        return (content or "")[self.sent :], calls
-
-
-GENERIC_REPLY = '{"response": "'
-"""How a generic reply starts (the grammar lays JSON out as `json.dumps`)."""
-
-
-def _partial_response(text: str) -> str | None:
-    """The reply string of a generic answer so far, whole or cut (an escape
-    cut in its middle left out), or None where text is not a reply."""
-    if not text.startswith(GENERIC_REPLY):
-        return None
-    body = text[len(GENERIC_REPLY) :]
-    # The string ends at its closing quote (then `"}`), or is cut within
-    # an escape of at most 6 characters: one of the last 7 cuts decodes.
-    for end in range(len(body), max(len(body) - 7, -1), -1):
-        try:
-            return json.loads(f'"{body[:end]}"')
-        except json.JSONDecodeError:
-            continue
-    return None
 
 
 def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -458,28 +392,70 @@ def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     except json.JSONDecodeError:
         value = None
     if not isinstance(value, dict):
-        partial = _partial_response(text)
+        from .tool_call_stream import partial_response
+
+        partial = partial_response(text)
         return (text if partial is None else partial), []
     given = value.get("tool_calls") or ([value["tool_call"]] if "tool_call" in value else [])
     calls = [_call_of(json.dumps(c)) for c in given if isinstance(c, dict)]
     if calls and all(c is not None for c in calls):
+        written = raw_arguments(text, "arguments")
+        if [name for name, _ in written] == [c.name for c in calls]:
+            pairs = zip(calls, written, strict=True)
+            calls = [replace(c, arguments=args) for c, (_, args) in pairs]
         return None, calls
     response = value.get("response")
     return (response if isinstance(response, str) else text), []
 
 
-def _call_of(text: str, arguments_key: str = "arguments") -> ToolCall | None:
-    """A call from its JSON {"name": ..., KEY: {...}}, or None."""
+def _call_of(text: str, key: str = "arguments") -> ToolCall | None:
+    """A call from its JSON {"name": ..., KEY: {...}}, or None; its
+    arguments as the text wrote them where the grammars' layout holds."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(arguments_key, {})
+    arguments = value.get(key, {})
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments))
+    written = raw_arguments(text, key)
+    as_written = len(written) == 1 and written[0][0] == value["name"]
+    text = written[0][1] if as_written else json.dumps(arguments)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], text)
+
+
+def arguments_key(fmt: str) -> str:
+    """The key a format's calls hold their arguments under."""
+    return "parameters" if fmt == "llama3" else "arguments"
+
+
+def call_head(key: str) -> re.Pattern:
+    """How a call opens as the grammars lay it out, {"name": NAME, KEY: ,
+    NAME (a JSON string) its group 1."""
+    return re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "' + re.escape(key) + '": ')
+
+
+def raw_arguments(text: str, key: str) -> list[tuple[str, str]]:
+    """(name, the arguments' object as written) of each call in text laid
+    out as the grammars lay calls out, in order.
+
+    >>> raw_arguments('{"name": "f", "arguments": {"city": "Paris"}}', "arguments")
+    [('f', '{"city": "Paris"}')]
+    """
+    decoder, head, found, at = json.JSONDecoder(), call_head(key), [], 0
+    while (match := head.search(text, at)) is not None:
+        at = match.end()
+        if text[at : at + 1] != "{":
+            continue
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            continue
+        found.append((json.loads(match.group(1)), text[at:end]))
+        at = end
+    return found
 
 
 def _earlier_call(call: object) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pagedkv.graphs.scheduler import Delta, PromptLogprobs
 from pagedkv.models.chat import ChatPrompt
 from pagedkv.models.reasoning import ReasoningStream
-from pagedkv.models.tool_calls import ToolCallStream
+from pagedkv.models.tool_call_stream import ToolCallStream
 
 from .logprobs import CompletionLogprobs, TokenText, chat_entries
 
@@ -128,29 +128,37 @@ class Choices:
             if event.finish_reason is not None:
                 held_reasoning, held_text = c.reasoning.finish()
                 reasoning, text = reasoning + held_reasoning, text + held_text
+        calls: list[dict] = []
         if c.tool_calls is not None:
-            text = c.tool_calls.push(text)
+            text, calls = c.tool_calls.push(text)
         if text or reasoning or logprobs is not None:
             out.append(self._chunk(index, text, logprobs, None, reasoning))
+        if calls:
+            out.append(self._calls_chunk(index, calls))
         if event.finish_reason is not None:
             out += self._tool_call_chunks(index)
             out.append(self._chunk(index, "", None, c.finish_reason))
         return out
 
     def _tool_call_chunks(self, index: int) -> list[dict]:
-        """A streamed choice's content held back and its calls, at its end
-        (where it calls a tool, its finish reason becomes "tool_calls")."""
+        """A streamed choice's content held back and its calls' last deltas,
+        at its end (where it called a tool, its finish reason becomes
+        "tool_calls")."""
         c = self.choices[index]
         if c.tool_calls is None:
             return []
         rest, calls = c.tool_calls.finish()
         out = [self._chunk(index, rest, None, None)] if rest else []
         if calls:
+            out.append(self._calls_chunk(index, calls))
+        if c.tool_calls.calls:
             c.finish_reason = "tool_calls"
-            entries = [call.as_openai(i) for i, call in enumerate(calls)]
-            out.append({"index": index, "delta": {"tool_calls": entries}, "logprobs": None,
-                        "finish_reason": None})  # fmt: skip
         return out
+
+    @staticmethod
+    def _calls_chunk(index: int, calls: list[dict]) -> dict:
+        return {"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
 
     def _start(self, index: int) -> list[dict]:
         """The choice's first chunk, once: chat's role, or echo's prompt."""

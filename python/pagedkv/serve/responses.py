@@ -316,7 +316,7 @@ async def stream_events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator
 
 class _EventWriter:
     """The events of one streamed response, numbered, and its output items
-    as they grow (at most one text item, reasoning or message, open)."""
+    as they grow (at most one item open: reasoning, a message or a call)."""
 
     def __init__(self, base: dict) -> None:
         self.base = base
@@ -352,33 +352,32 @@ class _EventWriter:
         if delta.get("content"):
             out += self.text(delta["content"], "message")
         for call in delta.get("tool_calls") or ():
-            out += self.close_item()
-            item = _call_item(call)
-            index = len(self.output)
-            self.output.append(item)
-            at = {"item_id": item["id"], "output_index": index}
-            out.append(
-                self.write(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"},
-                )
-            )
-            out.append(
-                self.write("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            )
-            out.append(
-                self.write(
-                    "response.function_call_arguments.done",
-                    **at,
-                    arguments=item["arguments"],
-                    name=item["name"],
-                )
-            )
-            out.append(self.write("response.output_item.done", output_index=index, item=item))
+            out += self.call(call)
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
             out += self.close_item()
+        return out
+
+    def call(self, delta: dict) -> list[str]:
+        """A streamed call's delta: its item opened where the call begins
+        (the delta with its id), then its arguments' pieces."""
+        out = []
+        if "id" in delta:
+            out += self.close_item()
+            self.open = {**_call_item(delta), "arguments": "", "status": "in_progress"}
+            self.output.append(self.open)
+            out.append(
+                self.write(
+                    "response.output_item.added",
+                    output_index=len(self.output) - 1,
+                    item=dict(self.open),
+                )
+            )
+        arguments = delta["function"].get("arguments") or ""
+        if arguments:
+            self.open["arguments"] += arguments
+            at = {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+            out.append(self.write("response.function_call_arguments.delta", **at, delta=arguments))
         return out
 
     def text(self, delta: str, kind: str) -> list[str]:
@@ -414,11 +413,22 @@ class _EventWriter:
         }
 
     def close_item(self) -> list[str]:
-        """The open text item's done events, if one is open."""
+        """The open item's done events, if one is open."""
         if self.open is None:
             return []
         item, self.open = self.open, None
         item["status"] = "completed"
+        if item["type"] == "function_call":
+            at = {"item_id": item["id"], "output_index": len(self.output) - 1}
+            return [
+                self.write(
+                    "response.function_call_arguments.done",
+                    **at,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                ),
+                self.write("response.output_item.done", output_index=at["output_index"], item=item),
+            ]
         part = item["content"][0]
         at = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
         name = "reasoning_text" if item["type"] == "reasoning" else "output_text"
