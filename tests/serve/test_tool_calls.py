@@ -413,6 +413,34 @@ def test_llm_chat_calls_tools_and_answers():
     assert llm.manager.num_used_pages == 0
 
 
+def test_llm_chat_streams_calls_and_content():
+    """on_delta: a call streams as the server streams it, under the ids
+    the completion keeps; content streams as the answer's text; each
+    conversation finishes once."""
+    llm = load(MODEL)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tools, choice in ((TOOLS, named), (None, None)):
+        deltas: dict[int, list] = {0: [], 1: []}
+        finished: list[int] = []
+
+        def on_delta(i, delta, done, deltas=deltas, finished=finished):
+            deltas[i].append(delta)
+            finished.extend([i] if done else [])
+
+        conversations = [ASK, [{"role": "user", "content": "What time is it?"}]]
+        answers = llm.chat(conversations, max_new_tokens=MAX_TOKENS, tools=tools,
+                           tool_choice=choice, on_delta=on_delta)  # fmt: skip
+        assert sorted(finished) == [0, 1]
+        for i, answer in enumerate(answers):
+            calls = assembled(call for d in deltas[i] for call in d.tool_calls)
+            want = [(c.id, c.name, c.arguments) for c in answer.tool_calls]
+            assert [(c["id"], c["name"], c["arguments"]) for c in calls] == want
+            assert "".join(d.content for d in deltas[i]) == answer.text
+            if tools:
+                assert answer.tool_calls and len(deltas[i]) > 2
+    assert llm.manager.num_used_pages == 0
+
+
 # Over HTTP.
 
 

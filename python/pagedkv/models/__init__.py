@@ -10,6 +10,7 @@ pagedkv's cache directory; see `MODELS` for the names served.
 """
 
 from .catalog import DEFAULT_MODEL, MODELS, ModelSpec, model_spec
+from .chat import ChatDelta
 from .errors import ModelError
 from .fetch import cache_dir, fetch_gguf
 from .llm import LLM, Completion, load
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "LLM",
     "MODELS",
+    "ChatDelta",
     "Completion",
     "ModelError",
     "ModelSpec",

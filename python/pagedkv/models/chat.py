@@ -1,6 +1,7 @@
 """A chat request as the model sees it: OpenAI's messages (and tools)
 rendered by the chat template into the prompt, and the answer read back
-the same way for `LLM.chat` and the server: a reasoning block apart
+the same way for `LLM.chat` and the server, whole (`ChatPrompt.read`) or as
+it streams (`ChatStream`): a reasoning block apart
 (pagedkv.models.reasoning), then the tool calls (pagedkv.models.tool_calls),
 then the content.
 """
@@ -14,7 +15,12 @@ from pagedkv.graphs.structured import after_reasoning
 
 from .errors import ChatRequestError
 from .reasoning import FORMATS as REASONING_FORMATS
-from .reasoning import prompt_opens_reasoning, split_reasoning, template_reasons
+from .reasoning import (
+    ReasoningStream,
+    prompt_opens_reasoning,
+    split_reasoning,
+    template_reasons,
+)
 from .tokenizer import ChatTokenizer
 from .tool_calls import ToolCall, ToolUse, tool_use
 
@@ -28,6 +34,28 @@ class ChatAnswer:
     content: str | None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """What a streamed answer adds: content, reasoning (a `<think>` block's
+    text) and tool-call deltas (OpenAI's `delta.tool_calls` entries: a
+    call's index, id and name when it begins, then its arguments' pieces)."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def then(self, later: ChatDelta) -> ChatDelta:
+        """This delta followed by a later one, as one."""
+        return ChatDelta(
+            self.content + later.content,
+            self.reasoning + later.reasoning,
+            self.tool_calls + later.tool_calls,
+        )
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,60 @@ class ChatPrompt:
             reasoning, answer = split_reasoning(answer, self.reasoning_opened)
         content, calls = self.tools.read(answer)
         return ChatAnswer(content, reasoning, calls)
+
+    def stream(self) -> ChatStream:
+        """A reader of the answer as it streams (`ChatStream`)."""
+        return ChatStream(self)
+
+
+class ChatStream:
+    """An answer read as it streams, as `ChatPrompt.read` reads the whole
+    one: `push` each piece of text, then `finish` once at the end; each
+    returns the `ChatDelta` that can go out. Text that may be a tag (of a
+    reasoning block or a call) is held back until it is known.
+
+    Examples
+    --------
+    >>> from pagedkv.models.tool_calls import ToolUse
+    >>> stream = ChatPrompt("", [], ToolUse((), "none"), reasoning="may").stream()
+    >>> stream.push("<think>Paris.</think>It is ")
+    ChatDelta(content='It is ', reasoning='Paris.', tool_calls=[])
+    >>> stream.push("Paris.").content, stream.finish()
+    ('Paris.', ChatDelta(content='', reasoning='', tool_calls=[]))
+    """
+
+    def __init__(self, prompt: ChatPrompt) -> None:
+        opened = prompt.reasoning_opened
+        self.reasoning = None if opened is None else ReasoningStream(opened)
+        self.calls = prompt.tools.stream() if prompt.tools.active else None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The answer's calls, under the ids their deltas gave them (known
+        once `finish` has run)."""
+        return [] if self.calls is None else self.calls.calls
+
+    def push(self, piece: str) -> ChatDelta:
+        """Takes the next text; returns what can go out now."""
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, piece = self.reasoning.push(piece)
+        calls: list[dict] = []
+        if self.calls is not None:
+            piece, calls = self.calls.push(piece)
+        return ChatDelta(piece, reasoning, calls)
+
+    def finish(self) -> ChatDelta:
+        """What was held back, once the answer is whole."""
+        reasoning = content = ""
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.finish()
+        delta = ChatDelta(reasoning=reasoning)
+        if self.calls is not None:
+            content, calls = self.calls.push(content) if content else ("", [])
+            rest, more = self.calls.finish()
+            return delta.then(ChatDelta(content + rest, "", calls + more))
+        return delta.then(ChatDelta(content))
 
 
 def chat_prompt(

@@ -31,7 +31,7 @@ from pagedkv.graphs.scheduler import Sequence as GeneratedSequence
 from pagedkv.graphs.structured import Grammars, response_format_grammar
 
 from .catalog import DEFAULT_MODEL, model_spec
-from .chat import ChatPrompt, chat_prompt
+from .chat import ChatDelta, ChatPrompt, ChatStream, chat_prompt
 from .errors import ChatRequestError, ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
@@ -229,6 +229,7 @@ class LLM:
         parallel_tool_calls: bool = True,
         chat_template_kwargs: Mapping | None = None,
         reasoning_format: str = "auto",
+        on_delta: Callable[[int, ChatDelta, bool], None] | None = None,
     ) -> list[Completion]:
         """Answers every conversation together, as `generate` answers prompts.
 
@@ -254,6 +255,13 @@ class LLM:
             "auto": a reasoning model's `<think>` block goes to
             `reasoning_content`, apart from `text` (pagedkv.models.reasoning);
             "none": it stays in `text`.
+        on_delta : callable(index, delta, finished), optional
+            Streaming: called with each conversation's `ChatDelta` as its
+            answer grows (its content, its reasoning, and its tool calls as
+            OpenAI streams them: index, id and name once a call begins, then
+            the arguments' pieces), and with finished=True once for each
+            conversation when it ends (at once for one that cannot be
+            served). The completions' calls keep the ids streamed.
 
         Returns
         -------
@@ -291,13 +299,31 @@ class LLM:
             param = "tools" if prompts[0].tools.active else "response_format"
             raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
-        sequences = self._run([p.ids for p in prompts], max_new_tokens, sampling, grammar, None)
-        return [self._chat_completion(p, s) for p, s in zip(prompts, sequences, strict=True)]
+        streams = [p.stream() for p in prompts] if on_delta is not None else None
 
-    def _chat_completion(self, prompt: ChatPrompt, s: GeneratedSequence) -> Completion:
-        """A chat answer read as its request says (reasoning, tool calls)."""
+        def on_text(i: int, text: str, finished: bool) -> None:
+            delta = streams[i].push(text)
+            if finished:
+                delta = delta.then(streams[i].finish())
+            if delta or finished:
+                on_delta(i, delta, finished)
+
+        ids = [p.ids for p in prompts]
+        streaming = on_text if streams is not None else None
+        sequences = self._run(ids, max_new_tokens, sampling, grammar, streaming)
+        return [
+            self._chat_completion(p, s, streams[i] if streams is not None else None)
+            for i, (p, s) in enumerate(zip(prompts, sequences, strict=True))
+        ]
+
+    def _chat_completion(
+        self, prompt: ChatPrompt, s: GeneratedSequence, stream: ChatStream | None
+    ) -> Completion:
+        """A chat answer read as its request says (reasoning, tool calls);
+        its calls under the ids `stream` gave them, where it streamed."""
         answer = prompt.read(self.tokenizer.decode(s.tokens))
-        reason = "tool_calls" if answer.tool_calls else s.finish_reason or "length"
+        calls = stream.tool_calls if stream is not None else answer.tool_calls
+        reason = "tool_calls" if calls else s.finish_reason or "length"
         return Completion(
             prompt.text,
             prompt.ids,
@@ -305,7 +331,7 @@ class LLM:
             answer.content or "",
             reason,
             s.error,
-            answer.tool_calls,
+            calls,
             answer.reasoning,
         )
 

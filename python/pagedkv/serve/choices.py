@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.graphs.scheduler import Delta, PromptLogprobs
-from pagedkv.models.chat import ChatPrompt
-from pagedkv.models.reasoning import ReasoningStream
-from pagedkv.models.tool_call_stream import ToolCallStream
+from pagedkv.models.chat import ChatDelta, ChatPrompt, ChatStream
 
 from .logprobs import CompletionLogprobs, TokenText, chat_entries
 
@@ -26,10 +24,8 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False
     """Streamed: whether its first chunk went out (the role, or echo's prompt)."""
-    tool_calls: ToolCallStream | None = None
-    """Chat with tools: the text held back where it may be a call."""
-    reasoning: ReasoningStream | None = None
-    """Chat with a reasoning model: the `<think>` block split from the answer."""
+    answer: ChatStream | None = None
+    """Chat: the answer read as it streams (reasoning, calls, content)."""
 
 
 class Choices:
@@ -73,10 +69,8 @@ class Choices:
         for c in self.choices:
             if logprobs and not self.chat:
                 c.completion_logprobs = CompletionLogprobs(token_text)
-            if chat is not None and chat.tools.active:
-                c.tool_calls = chat.tools.stream()
-            if chat is not None and chat.reasoning_opened is not None:
-                c.reasoning = ReasoningStream(chat.reasoning_opened)
+            if chat is not None:
+                c.answer = chat.stream()
 
     def on_event(self, p: int, event: PromptLogprobs | Delta) -> list[dict]:
         """Prompt p's event; returns the chunks' choice objects (streamed)."""
@@ -122,43 +116,24 @@ class Choices:
         if not self.chat:  # one chunk a delta, the last one with its reason
             out.append(self._chunk(index, event.text, logprobs, event.finish_reason))
             return out
-        text, reasoning = event.text, ""
-        if c.reasoning is not None:
-            reasoning, text = c.reasoning.push(text)
-            if event.finish_reason is not None:
-                held_reasoning, held_text = c.reasoning.finish()
-                reasoning, text = reasoning + held_reasoning, text + held_text
-        calls: list[dict] = []
-        if c.tool_calls is not None:
-            text, calls = c.tool_calls.push(text)
-        if text or reasoning or logprobs is not None:
-            out.append(self._chunk(index, text, logprobs, None, reasoning))
-        if calls:
-            out.append(self._calls_chunk(index, calls))
+        out += self._delta_chunks(index, c.answer.push(event.text), logprobs)
         if event.finish_reason is not None:
-            out += self._tool_call_chunks(index)
+            out += self._delta_chunks(index, c.answer.finish(), None)
+            if c.answer.tool_calls:
+                c.finish_reason = "tool_calls"
             out.append(self._chunk(index, "", None, c.finish_reason))
         return out
 
-    def _tool_call_chunks(self, index: int) -> list[dict]:
-        """A streamed choice's content held back and its calls' last deltas,
-        at its end (where it called a tool, its finish reason becomes
-        "tool_calls")."""
-        c = self.choices[index]
-        if c.tool_calls is None:
-            return []
-        rest, calls = c.tool_calls.finish()
-        out = [self._chunk(index, rest, None, None)] if rest else []
-        if calls:
-            out.append(self._calls_chunk(index, calls))
-        if c.tool_calls.calls:
-            c.finish_reason = "tool_calls"
+    def _delta_chunks(self, index: int, delta: ChatDelta, logprobs) -> list[dict]:
+        """A chat delta's chunks: its text (and logprobs, if any), then its
+        calls' deltas."""
+        out = []
+        if delta.content or delta.reasoning or logprobs is not None:
+            out.append(self._chunk(index, delta.content, logprobs, None, delta.reasoning))
+        if delta.tool_calls:
+            out.append({"index": index, "delta": {"tool_calls": delta.tool_calls},
+                        "logprobs": None, "finish_reason": None})  # fmt: skip
         return out
-
-    @staticmethod
-    def _calls_chunk(index: int, calls: list[dict]) -> dict:
-        return {"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
-                "finish_reason": None}  # fmt: skip
 
     def _start(self, index: int) -> list[dict]:
         """The choice's first chunk, once: chat's role, or echo's prompt."""
