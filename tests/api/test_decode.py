@@ -571,7 +571,7 @@ def mma_applies(case: Case) -> bool:
 @pytest.mark.parametrize("backend", ["generic", "tma", "mma", "auto"])
 @pytest.mark.parametrize("case", sampled_grid(), ids=str)
 def test_decode_on_gpu(case: Case, backend: str):
-    """Each case with each kernel; "auto" picks the TMA one where it applies.
+    """Each case with each kernel ("auto" picks one: the test above).
     A head dim the GPU kernels are not built for is refused at plan()."""
     if case.head_dim not in (64, 128, 256):
         if backend != "auto":
@@ -584,6 +584,25 @@ def test_decode_on_gpu(case: Case, backend: str):
     if backend == "mma" and not mma_applies(case):
         pytest.skip("the tensor-core kernel does not serve this case")
     check_decode_case(case, device="cuda", backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("group", "kernel"), [(4, "tma"), (8, "mma"), (16, "mma")])
+def test_auto_runs_the_kernel_its_group_asks_for(group: int, kernel: str):
+    """ "auto" runs the tensor-core kernel from 8 query heads per KV head and
+    the TMA kernel below: its output is that kernel's, bit for bit (one
+    plan, one kernel, the same inputs)."""
+    case = Case("bfloat16", "bfloat16", 5, group, 2, 128, 16, "NHD", "pool", "NONE", -1,
+                None, None, 70 + group)  # fmt: skip
+    batch, _, cache = build(case)
+    cache = to_device(cache, "cuda")
+    rng = np.random.default_rng(case.seed)
+    q = cast(rng.standard_normal((batch.batch_size, group * 2, 128), dtype=np.float32), "bfloat16")
+    outputs = [
+        as_f64(planned(case, batch, "cuda", backend).run(to_device(q, "cuda"), cache))
+        for backend in ("auto", kernel)
+    ]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
 STEP_GRAPH_CASES = [
