@@ -185,6 +185,29 @@ def test_llm_chat_and_http_where_the_prompt_opens_the_block(llm):
         assert server.engine.wait_idle(HANG_GUARD)
 
 
+def test_the_default_reasoning_format_and_a_request_over_it():
+    """load(reasoning_format="none") (`pagedkv serve --reasoning-format
+    none`): the block stays in the content of every chat that does not say
+    otherwise, in process and over HTTP."""
+    kept = load(MODEL, chat_template=TEMPLATE.read_text(), reasoning_format="none")
+    opened = {"open_think": True}
+    (answer,) = kept.chat([ASK], 8, chat_template_kwargs=opened)
+    assert answer.reasoning_content is None and answer.text
+    (split,) = kept.chat([ASK], 8, chat_template_kwargs=opened, reasoning_format="auto")
+    assert split.reasoning_content and not split.text
+    with ServerThread(kept) as server:
+        client = openai_client(server)
+        fields = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0}
+        for asked, in_content in ((None, True), ("auto", False)):
+            body = {"chat_template_kwargs": opened, "reasoning_format": asked}
+            message = client.chat.completions.create(**fields, extra_body=body).choices[0].message
+            assert bool(message.content) == in_content, asked
+            assert (getattr(message, "reasoning_content", None) is None) == in_content, asked
+        assert server.engine.wait_idle(HANG_GUARD)
+    with pytest.raises(ModelError, match="reasoning_format"):
+        load(MODEL, reasoning_format="deepseek")
+
+
 PIECES = ["<think>", "</think>", "<thi", "nk>", "</", "a", "b c", " ", "\n", "<", ">"]
 
 

@@ -60,3 +60,14 @@ def test_allowed_origins(llm):
     with ServerThread(llm) as s:
         r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_reasoning_format_flag():
+    """--reasoning-format parses into the serve command (run_serve passes it to
+    `load`; its effect is tested in test_reasoning.py)."""
+    from pagedkv.cli.main import _parser
+
+    assert _parser().parse_args(["serve"]).reasoning_format == "auto"
+    assert _parser().parse_args(["serve", "--reasoning-format", "none"]).reasoning_format == "none"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--reasoning-format", "deepseek"])

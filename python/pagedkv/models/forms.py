@@ -87,7 +87,11 @@ def add_gguf_argument(parser) -> None:
 
 
 def load_from_arguments(
-    args, progress, kv_memory: int | None = None, batch_invariant: bool = False
+    args,
+    progress,
+    kv_memory: int | None = None,
+    batch_invariant: bool = False,
+    reasoning_format: str = "auto",
 ):
     """`load` of the model a command line names: its --model, --gguf and
     --device, and the --weights and --kv-dtype that add_weights_arguments
@@ -121,6 +125,7 @@ def load_from_arguments(
         batch_invariant=batch_invariant,
         chat_template=template,
         chat_template_kwargs=kwargs,
+        reasoning_format=reasoning_format,
     )
 
 

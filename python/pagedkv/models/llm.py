@@ -36,6 +36,7 @@ from .errors import ChatRequestError, ModelError
 from .fetch import fetch_gguf
 from .forms import check_forms, default_weights
 from .gguf_model import GGUFModel
+from .reasoning import FORMATS as REASONING_FORMATS
 from .tokenizer import TEMPLATE_VARIABLES, ChatTokenizer, TextStream
 from .tool_calls import ToolCall
 from .unpacked import read_unpacked
@@ -96,6 +97,9 @@ class LLM:
         stats: the `RunStats` of the last `generate` call.
         model_id: what computes the KV pages (name, weights form, GGUF
             file): instances share cached pages only when theirs agree.
+        reasoning_format: how a chat answer's `<think>` block comes back
+            where a request does not say ("auto": apart; "none": in the
+            content).
     """
 
     def __init__(
@@ -107,8 +111,10 @@ class LLM:
         batch_invariant: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        reasoning_format: str = "auto",
     ) -> None:
         self.name = name
+        self.reasoning_format = reasoning_format
         self.config: DecoderConfig = model.config
         self.weights = model.weights
         self.quantized = model.quantized if quantized else None
@@ -228,7 +234,7 @@ class LLM:
         tool_choice: str | Mapping | None = None,
         parallel_tool_calls: bool = True,
         chat_template_kwargs: Mapping | None = None,
-        reasoning_format: str = "auto",
+        reasoning_format: str | None = None,
         on_delta: Callable[[int, ChatDelta, bool], None] | None = None,
     ) -> list[Completion]:
         """Answers every conversation together, as `generate` answers prompts.
@@ -251,10 +257,11 @@ class LLM:
         chat_template_kwargs : dict, optional
             More variables for the chat template (Qwen 3's
             {"enable_thinking": False}).
-        reasoning_format : str
+        reasoning_format : str, optional
             "auto": a reasoning model's `<think>` block goes to
             `reasoning_content`, apart from `text` (pagedkv.models.reasoning);
-            "none": it stays in `text`.
+            "none": it stays in `text`; None: the model's default
+            (`load(reasoning_format=...)`, "auto" unless told).
         on_delta : callable(index, delta, finished), optional
             Streaming: called with each conversation's `ChatDelta` as its
             answer grows (its content, its reasoning, and its tool calls as
@@ -292,6 +299,7 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
+        reasoning_format = reasoning_format or self.reasoning_format
         fields = (tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_format)
         prompts = [chat_prompt(self.tokenizer, c, *fields) for c in conversations]
         grammar = prompts[0].grammar(self._format_grammar(response_format)) if prompts else None
@@ -428,6 +436,7 @@ def load(
     batch_invariant: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
+    reasoning_format: str = "auto",
 ) -> LLM:
     """Loads model `name` to serve from a paged cache.
 
@@ -438,8 +447,7 @@ def load(
     weights : str, optional
         "gguf": the GGUF's own quantized blocks, multiplied in place (CPU;
         the default there); "f32" or "bf16": dequantized, with activations
-        in the same dtype ("f32" is the default on a GPU, where "bf16" is
-        refused for now: docs/gpu.md). See `WEIGHTS`.
+        in the same dtype ("f32" is the default on a GPU). See `WEIGHTS`.
     kv_dtype : str, optional
         The KV cache's dtype: "int8" (a byte per element and a float32
         scale per token and head), "float16", "bfloat16", "float32" or
@@ -468,6 +476,11 @@ def load(
     chat_template_kwargs : dict, optional
         Variables the chat template gets unless a request gives its own
         (Qwen 3's {"enable_thinking": False} for every chat).
+    reasoning_format : str
+        How a reasoning model's `<think>` block comes back where a chat
+        does not say: "auto" (apart, as `reasoning_content`) or "none" (in
+        the content, for clients that know no `reasoning_content`;
+        llama.cpp's `--reasoning-format none`).
 
     Returns
     -------
@@ -476,10 +489,12 @@ def load(
     Raises
     ------
     ModelError
-        Unknown name, failed fetch, unreadable GGUF, bad weights, kv_dtype
-        or device.
+        Unknown name, failed fetch, unreadable GGUF, bad weights, kv_dtype,
+        device or reasoning_format.
     """
     spec = model_spec(name)
+    if reasoning_format not in REASONING_FORMATS:
+        raise ModelError(f"reasoning_format must be one of {REASONING_FORMATS}")
     if any(not isinstance(k, str) or k in TEMPLATE_VARIABLES for k in chat_template_kwargs or {}):
         raise ModelError(f"chat_template_kwargs may not name {sorted(TEMPLATE_VARIABLES)}")
     if device not in ("cpu", "gpu"):
@@ -519,6 +534,7 @@ def load(
         batch_invariant,
         chat_template,
         chat_template_kwargs,
+        reasoning_format,
     )
     llm.model_id = f"{spec.name}|{weights}|{path.name}"
     say(f"compiled in {llm.compile_seconds:.1f} s (MAX caches it on disk)")

@@ -107,6 +107,13 @@ def add_parser(sub) -> None:
     )
     add_weights_arguments(p)
     add_gguf_argument(p)
+    p.add_argument(
+        "--reasoning-format",
+        default="auto",
+        choices=("auto", "none"),
+        help="a reasoning model's <think> block where a request does not say: apart as "
+        "reasoning_content (auto, the default) or left in the content (none; llama.cpp's flag)",
+    )
     add_distributed_arguments(p)
 
 
@@ -190,7 +197,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         llm = load_from_arguments(
-            args, say, kv_memory=args.kv_memory, batch_invariant=args.batch_invariant
+            args,
+            say,
+            kv_memory=args.kv_memory,
+            batch_invariant=args.batch_invariant,
+            reasoning_format=args.reasoning_format,
         )
     except ModelError as e:
         say(f"pagedkv serve: error: {e}")

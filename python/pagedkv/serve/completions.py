@@ -428,7 +428,7 @@ class Completions:
                 body.tool_choice,
                 body.parallel_tool_calls,
                 body.chat_template_kwargs,
-                body.reasoning_format,
+                body.reasoning_format or self.engine.llm.reasoning_format,
             )
         except ValueError as e:
             param = e.param if isinstance(e, ChatRequestError) else "messages"

@@ -172,9 +172,10 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's and llama.cpp's: more variables for the chat template (Qwen
     3's {"enable_thinking": false})."""
-    reasoning_format: Literal["auto", "none"] = "auto"
+    reasoning_format: Literal["auto", "none"] | None = None
     """llama.cpp's: "auto" returns a reasoning model's `<think>` block as
-    `reasoning_content`, apart from the content; "none" leaves it in."""
+    `reasoning_content`, apart from the content; "none" leaves it in; the
+    server's `--reasoning-format` where not given."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -229,7 +230,7 @@ class TokenizeRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_format: Literal["auto", "none"] = "auto"
+    reasoning_format: Literal["auto", "none"] | None = None
 
 
 class DetokenizeRequest(BaseModel):
