@@ -25,6 +25,7 @@ from pagedkv.models import load
 from pagedkv.models.chat import chat_messages
 from pagedkv.models.errors import ChatRequestError
 from pagedkv.models.tokenizer import load_tokenizer
+from pagedkv.models.tool_call_stream import ToolCallStream
 from pagedkv.models.tool_calls import (
     ToolUse,
     read_tool_choice,
@@ -106,7 +107,7 @@ def assembled(deltas) -> list[dict]:
 def streamed(use: ToolUse, text: str, sizes) -> tuple[str, list[dict], list]:
     """text pushed through use's stream in pieces of the given sizes (in
     turn): (content sent, call deltas, the stream's whole calls)."""
-    stream, sent, deltas, at, k = use.stream(), [], [], 0, 0
+    stream, sent, deltas, at, k = ToolCallStream(use), [], [], 0, 0
     while at < len(text):
         size = sizes[k % len(sizes)]
         content, calls = stream.push(text[at : at + size])
@@ -281,7 +282,7 @@ def test_reading_hermes_answers_and_streaming_them():
             ("get_weather", '{"city": "Rome"}'), ("get_weather", '{"city": "Oslo"}')]  # fmt: skip
         assert len(calls) == 2
     # Arguments stream as they come: the call's head first, then pieces.
-    stream = use.stream()
+    stream = ToolCallStream(use)
     assert stream.push('<tool_call>\n{"name": "get_weather", "arguments": ') == ("", [])
     assert stream.push('{"ci')[1] == [
         {"index": 0, "id": stream.scanner.open.call_id, "type": "function",

@@ -22,6 +22,7 @@ from .reasoning import (
     template_reasons,
 )
 from .tokenizer import ChatTokenizer
+from .tool_call_stream import ToolCallStream
 from .tool_calls import ToolCall, ToolUse, tool_use
 
 
@@ -134,7 +135,7 @@ class ChatStream:
     def __init__(self, prompt: ChatPrompt) -> None:
         opened = prompt.reasoning_opened
         self.reasoning = None if opened is None else ReasoningStream(opened)
-        self.calls = prompt.tools.stream() if prompt.tools.active else None
+        self.calls = ToolCallStream(prompt.tools) if prompt.tools.active else None
 
     @property
     def tool_calls(self) -> list[ToolCall]:

@@ -18,10 +18,15 @@ from dataclasses import dataclass, replace
 
 from pagedkv.graphs.stop_strings import partial_suffix
 
-from .tool_calls import HERMES_OPEN, ToolCall, ToolUse, arguments_key, call_head
-
-GENERIC_REPLY = '{"response": "'
-"""How a generic reply starts (the grammar lays JSON out as `json.dumps`)."""
+from .tool_calls import (
+    GENERIC_REPLY,
+    HERMES_OPEN,
+    ToolCall,
+    ToolUse,
+    arguments_key,
+    call_head,
+    partial_response,
+)
 
 
 class ToolCallStream:
@@ -40,7 +45,7 @@ class ToolCallStream:
     >>> from pagedkv.models.tool_calls import ToolUse, read_tools
     >>> use = ToolUse(read_tools([{"type": "function", "function": {"name": "now"}}]),
     ...               "auto", True, "hermes")
-    >>> stream = use.stream()
+    >>> stream = ToolCallStream(use)
     >>> stream.push('Sure.<tool_call>\\n{"name": "now", "arguments": {')[0]
     'Sure.'
     >>> stream.push('}}\\n</tool_call>')[1]
@@ -227,19 +232,3 @@ class _CallScanner:
                     return i + 1
         call.scanned = len(text)
         return None
-
-
-def partial_response(text: str) -> str | None:
-    """The reply string of a generic answer so far, whole or cut (an escape
-    cut in its middle left out), or None where text is not a reply."""
-    if not text.startswith(GENERIC_REPLY):
-        return None
-    body = text[len(GENERIC_REPLY) :]
-    # The string ends at its closing quote (then `"}`), or is cut within
-    # an escape of at most 6 characters: one of the last 7 cuts decodes.
-    for end in range(len(body), max(len(body) - 7, -1), -1):
-        try:
-            return json.loads(f'"{body[:end]}"')
-        except json.JSONDecodeError:
-            continue
-    return None

@@ -379,11 +379,25 @@ class ToolUse:
             return text, []
         return ("".join(kept) + text[at:]).strip() or None, calls
 
-    def stream(self):
-        """A streamed answer's reader (`tool_call_stream.ToolCallStream`)."""
-        from .tool_call_stream import ToolCallStream
 
-        return ToolCallStream(self)
+GENERIC_REPLY = '{"response": "'
+"""How a generic reply starts (the grammar lays JSON out as `json.dumps`)."""
+
+
+def partial_response(text: str) -> str | None:
+    """The reply string of a generic answer so far, whole or cut (an escape
+    cut in its middle left out), or None where text is not a reply."""
+    if not text.startswith(GENERIC_REPLY):
+        return None
+    body = text[len(GENERIC_REPLY) :]
+    # The string ends at its closing quote (then `"}`), or is cut within
+    # an escape of at most 6 characters: one of the last 7 cuts decodes.
+    for end in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except json.JSONDecodeError:
+            continue
+    return None
 
 
 def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -392,8 +406,6 @@ def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     except json.JSONDecodeError:
         value = None
     if not isinstance(value, dict):
-        from .tool_call_stream import partial_response
-
         partial = partial_response(text)
         return (text if partial is None else partial), []
     given = value.get("tool_calls") or ([value["tool_call"]] if "tool_call" in value else [])
