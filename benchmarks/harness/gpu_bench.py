@@ -208,9 +208,10 @@ def max_builtin_decode(case: DecodeCase):
     return run
 
 
-def decode_rows(reps: int) -> list[GpuRow]:
-    """Times decode at GPU_SHAPES (bfloat16) with each implementation that runs,
-    printing a line each: one row per (shape, implementation)."""
+def decode_rows(reps: int, skip: tuple[str, ...] = ()) -> list[GpuRow]:
+    """Times decode at GPU_SHAPES (bfloat16) with each implementation that runs
+    and `skip` does not name, printing a line each: one row per (shape,
+    implementation)."""
     import torch
 
     rows: list[GpuRow] = []
@@ -228,6 +229,8 @@ def decode_rows(reps: int) -> list[GpuRow]:
             "max": lambda c=case: max_builtin_decode(c),
         }
         for name, make in impls.items():
+            if name in skip:
+                continue
             try:
                 fn = make()
                 if fn is None:
@@ -437,10 +440,15 @@ def summary(
     return "\n".join(lines)
 
 
-def run_gpu_bench(reps: int = 50, parts: tuple[str, ...] = ("decode", "mla", "append")) -> int:
+def run_gpu_bench(
+    reps: int = 50,
+    parts: tuple[str, ...] = ("decode", "mla", "append"),
+    skip: tuple[str, ...] = (),
+) -> int:
     """Runs the decode, MLA and append timings (those in `parts`) on the CUDA
-    device and prints their tables; raises ValueError without a visible CUDA
-    device. Returns 0."""
+    device, decode without the implementations `skip` names, and prints
+    their tables; raises ValueError without a visible CUDA device. Returns
+    0."""
     import torch
 
     if not torch.cuda.is_available():
@@ -451,7 +459,7 @@ def run_gpu_bench(reps: int = 50, parts: tuple[str, ...] = ("decode", "mla", "ap
     print(f"{name}: peak {peak or '?'} TB/s, measured device-to-device copy {copy:.2f} TB/s")
     tables = []
     if "decode" in parts:
-        decode = decode_rows(reps)
+        decode = decode_rows(reps, skip)
         tables.append(
             format_rows(
                 "decode, bf16, page 16, head_dim 128 (x ours: the row's time / pagedkv's)",

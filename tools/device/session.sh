@@ -26,6 +26,7 @@ job profile timeout 200 python3 benchmarks/kernel_investigations/decode_gpu_prof
 wait_jobs 205 profile
 bash tools/device/checks.sh gpu-tests model-tests
 TAIL_LINES=40 wait_jobs "$(left $((budget - 90)))" gpu-tests model-tests
-job bench timeout "$(left $((budget - 5)))" python3 benchmarks/decode_gpu.py --parts decode --reps 30
+job bench timeout "$(left $((budget - 5)))" python3 benchmarks/decode_gpu.py --parts decode --reps 30 \
+  --skip pagedkv-generic
 TAIL_LINES=60 wait_jobs "$(left "$budget")" bench
 collect profile gpu-tests model-tests bench
