@@ -308,17 +308,8 @@ class LLM:
             raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
         streams = [p.stream() for p in prompts] if on_delta is not None else None
-
-        def on_text(i: int, text: str, finished: bool) -> None:
-            delta = streams[i].push(text)
-            if finished:
-                delta = delta.then(streams[i].finish())
-            if delta or finished:
-                on_delta(i, delta, finished)
-
-        ids = [p.ids for p in prompts]
-        streaming = on_text if streams is not None else None
-        sequences = self._run(ids, max_new_tokens, sampling, grammar, streaming)
+        on_text = None if streams is None else _chat_deltas(streams, on_delta)
+        sequences = self._run([p.ids for p in prompts], max_new_tokens, sampling, grammar, on_text)
         return [
             self._chat_completion(p, s, streams[i] if streams is not None else None)
             for i, (p, s) in enumerate(zip(prompts, sequences, strict=True))
@@ -397,6 +388,43 @@ class LLM:
         return sequences
 
 
+def _chat_deltas(
+    streams: list[ChatStream], on_delta: Callable[[int, ChatDelta, bool], None]
+) -> Callable[[int, str, bool], None]:
+    """The `on_text` that reads each answer's text through its stream and
+    calls on_delta with what it adds (once with finished=True at its end)."""
+
+    def on_text(i: int, text: str, finished: bool) -> None:
+        delta = streams[i].push(text)
+        if finished:
+            delta = delta.then(streams[i].finish())
+        if delta or finished:
+            on_delta(i, delta, finished)
+
+    return on_text
+
+
+def _check_load(
+    weights: str | None,
+    kv_dtype: str | None,
+    device: str,
+    page_size: int,
+    chat_template_kwargs: Mapping[str, object] | None,
+    reasoning_format: str,
+) -> None:
+    """Raises ModelError for `load` arguments it cannot serve, before any
+    file is read."""
+    if reasoning_format not in REASONING_FORMATS:
+        raise ModelError(f"reasoning_format must be one of {REASONING_FORMATS}")
+    if any(not isinstance(k, str) or k in TEMPLATE_VARIABLES for k in chat_template_kwargs or {}):
+        raise ModelError(f"chat_template_kwargs may not name {sorted(TEMPLATE_VARIABLES)}")
+    if device not in ("cpu", "gpu"):
+        raise ModelError(f"device must be cpu or gpu, got {device!r}")
+    check_forms(weights or default_weights(device), kv_dtype, device)
+    if page_size < 1:
+        raise ModelError(f"page_size must be at least 1, got {page_size}")
+
+
 @functools.lru_cache(maxsize=1)
 def _read(path: Path) -> GGUFModel:
     """The GGUF's contents (from its unpacked copy), kept for the process:
@@ -449,38 +477,30 @@ def load(
         the default there); "f32" or "bf16": dequantized, with activations
         in the same dtype ("f32" is the default on a GPU). See `WEIGHTS`.
     kv_dtype : str, optional
-        The KV cache's dtype: "int8" (a byte per element and a float32
-        scale per token and head), "float16", "bfloat16", "float32" or
-        "float8_e4m3fn" (a byte per element, unscaled; accuracy of the
-        8-bit caches in docs/performance.md) with "gguf" weights (default
-        "int8"); the weights' dtype otherwise.
+        The KV cache's dtype (`KV_DTYPES`; the 8-bit caches' accuracy in
+        docs/performance.md): any with "gguf" weights (default "int8": a
+        byte per element, a float32 scale per token and head); the
+        weights' dtype otherwise.
     device : str
         "cpu", or "gpu" (pools are torch CUDA tensors; needs a GPU).
-    page_size : int
-        Tokens per page.
-    kv_memory : int
-        Bytes of KV cache over all layers; sets the number of pages.
+    page_size, kv_memory : int
+        Tokens per page; bytes of KV cache over all layers (the page count).
     gguf : path, optional
         Read the weights from this file instead of the cache directory.
     progress : callable(str), optional
         Receives one-line progress messages (fetching, compiling).
     batch_invariant : bool
         A request's logits are bitwise the same whatever else runs in its
-        batch and however many cores run it (decode splits its keys at fixed
-        positions). Off by default: decode then reads a prefix that several
-        requests share once for all of them (docs/performance.md has what
-        each costs).
+        batch and on however many cores. Off by default: decode then reads a
+        prefix that requests share once for all (costs: docs/performance.md).
     chat_template : str, optional
-        A Jinja chat template in place of the GGUF's own (for example one
-        that renders tools: `pagedkv.models.tool_calls`).
+        A Jinja chat template in place of the GGUF's own (one that renders tools, say).
     chat_template_kwargs : dict, optional
         Variables the chat template gets unless a request gives its own
         (Qwen 3's {"enable_thinking": False} for every chat).
     reasoning_format : str
-        How a reasoning model's `<think>` block comes back where a chat
-        does not say: "auto" (apart, as `reasoning_content`) or "none" (in
-        the content, for clients that know no `reasoning_content`;
-        llama.cpp's `--reasoning-format none`).
+        A reasoning model's `<think>` block where a chat does not say:
+        "auto" (apart, as `reasoning_content`) or "none" (in the content).
 
     Returns
     -------
@@ -493,15 +513,7 @@ def load(
         device or reasoning_format.
     """
     spec = model_spec(name)
-    if reasoning_format not in REASONING_FORMATS:
-        raise ModelError(f"reasoning_format must be one of {REASONING_FORMATS}")
-    if any(not isinstance(k, str) or k in TEMPLATE_VARIABLES for k in chat_template_kwargs or {}):
-        raise ModelError(f"chat_template_kwargs may not name {sorted(TEMPLATE_VARIABLES)}")
-    if device not in ("cpu", "gpu"):
-        raise ModelError(f"device must be cpu or gpu, got {device!r}")
-    check_forms(weights or default_weights(device), kv_dtype, device)
-    if page_size < 1:
-        raise ModelError(f"page_size must be at least 1, got {page_size}")
+    _check_load(weights, kv_dtype, device, page_size, chat_template_kwargs, reasoning_format)
     say = progress or (lambda line: None)
     build_kernel_package_in_background()  # overlaps reading the model
     path = Path(gguf) if gguf is not None else fetch_gguf(spec.name, progress=progress)

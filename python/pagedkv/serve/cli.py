@@ -107,6 +107,12 @@ def add_parser(sub) -> None:
     )
     add_weights_arguments(p)
     add_gguf_argument(p)
+    add_chat_default_arguments(p)
+    add_distributed_arguments(p)
+
+
+def add_chat_default_arguments(p) -> None:
+    """How a chat's answer is read where its request does not say."""
     p.add_argument(
         "--reasoning-format",
         default="auto",
@@ -114,7 +120,6 @@ def add_parser(sub) -> None:
         help="a reasoning model's <think> block where a request does not say: apart as "
         "reasoning_content (auto, the default) or left in the content (none; llama.cpp's flag)",
     )
-    add_distributed_arguments(p)
 
 
 def add_distributed_arguments(p) -> None:
