@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from chat_server import openai_client
+from chat_server import assembled, openai_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,7 @@ from pagedkv.models.reasoning import (
     split_reasoning,
     template_reasons,
 )
-from pagedkv.models.tool_calls import tool_use
+from pagedkv.models.tool_calls import ToolUse, read_tools, tool_use
 from pagedkv.serve import ServerThread
 from pagedkv.serve.choices import Choices
 
@@ -231,3 +231,36 @@ def test_a_stream_splits_as_the_whole_answer_does(pieces, opened, sizes):
     assert (reasoning, "".join(c for _, c in sent)) == split_reasoning(text, opened)
     first_content = next((i for i, (_, c) in enumerate(sent) if c), len(sent))
     assert not any(r for r, _ in sent[first_content + 1 :])
+
+
+CHAT_PIECES = [*PIECES[:4], "Let me look.", "<tool_call>",
+               '\n{"name": "now", "arguments": {}}\n', "</tool_call>", "{"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(CHAT_PIECES), max_size=12),
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+)
+def test_a_chat_stream_reads_as_the_whole_answer(pieces, sizes):
+    """A reasoning model's answer with hermes tool calls, cut anywhere: the
+    stream's reasoning is the whole answer's, its calls are the whole
+    answer's (built by their deltas, under the ids they streamed), and
+    where no call began its content is the whole answer's."""
+    now = read_tools([{"type": "function", "function": {"name": "now"}}])
+    prompt = ChatPrompt("", [], ToolUse(now, "auto", True, "hermes"), reasoning="may")
+    text = "".join(pieces)
+    stream, deltas, at, k = prompt.stream(), [], 0, 0
+    while at < len(text):
+        size = sizes[k % len(sizes)]
+        deltas.append(stream.push(text[at : at + size]))
+        at, k = at + size, k + 1
+    deltas.append(stream.finish())
+    whole = prompt.read(text)
+    assert "".join(d.reasoning for d in deltas) == (whole.reasoning or "")
+    calls = [(c.name, c.arguments) for c in stream.tool_calls]
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+    built = assembled(call for d in deltas for call in d.tool_calls)
+    assert [(c["name"], c["arguments"]) for c in built[: len(calls)]] == calls
+    if not built:
+        assert "".join(d.content for d in deltas) == (whole.content or "")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from chat_server import MODEL, chat_server, openai_client
+from chat_server import MODEL, assembled, chat_server, openai_client
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -85,23 +85,6 @@ def follows_tools(call) -> bool:
     """Whether an OpenAI client's tool call is one of TOOLS, well formed."""
     function = call.function
     return call.type == "function" and call.id and call_follows(function.name, function.arguments)
-
-
-def assembled(deltas) -> list[dict]:
-    """The calls a stream's `tool_calls` deltas build, as OpenAI's clients
-    put them together: id and name from a call's first delta, its arguments
-    joined; in index order."""
-    calls: dict[int, dict] = {}
-    for delta in deltas:
-        delta = delta if isinstance(delta, dict) else delta.model_dump()
-        call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
-        if delta.get("id"):
-            assert call["id"] is None, "a call's id came twice"
-            call["id"] = delta["id"]
-        function = delta.get("function") or {}
-        call["name"] += function.get("name") or ""
-        call["arguments"] += function.get("arguments") or ""
-    return [calls[i] for i in sorted(calls)]
 
 
 def streamed(use: ToolUse, text: str, sizes) -> tuple[str, list[dict], list]:
