@@ -1,8 +1,9 @@
-"""POST /v1/responses (OpenAI's Responses API, stateless) through OpenAI's
-own client: the same answers as the chat endpoint, whole and streamed (the
-events in order, their deltas adding up to the items), function calls and
-their outputs, `text.format`, a reasoning model's block as a reasoning item,
-and refusals naming the Responses field."""
+"""POST /v1/responses (OpenAI's Responses API) through OpenAI's own client:
+the same answers as the chat endpoint, whole and streamed (the events in
+order, their deltas adding up to the items), function calls and their
+outputs, `text.format`, a reasoning model's block as a reasoning item,
+stored responses continued by `previous_response_id`, and refusals naming
+the Responses field."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from chat_server import MODEL, chat_server, openai_client
 
+from pagedkv.serve.response_store import ResponseStore
 from pagedkv.serve.responses import stream_events
 
 WEATHER = {
@@ -135,6 +138,56 @@ def test_function_calls_and_their_outputs(server):
     assert [e.arguments for e in done] == [item.arguments]
 
 
+def test_previous_response_id_continues_a_stored_conversation(server):
+    """A response continues a stored one: the earlier input and answer come
+    first (the instructions do not carry over), whole or streamed; stored
+    responses are fetched back; "store": false keeps none."""
+    c = openai_client(server)
+    first = c.responses.create(model=MODEL, instructions="Be brief.", input="My name is Ada.",
+                               max_output_tokens=8, temperature=0)  # fmt: skip
+    assert first.store and c.responses.retrieve(first.id).output_text == first.output_text
+    conversation = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    chat = c.chat.completions.create(model=MODEL, messages=conversation, max_tokens=1)
+    for stream in (False, True):
+        answer = c.responses.create(model=MODEL, previous_response_id=first.id,
+                                    input="What is my name?", max_output_tokens=4,
+                                    temperature=0, stream=stream)  # fmt: skip
+        _, second = streamed(answer) if stream else ([], answer)
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens == chat.usage.prompt_tokens, stream
+        assert c.responses.retrieve(second.id).id == second.id
+    third = c.responses.create(model=MODEL, previous_response_id=second.id, input="Thanks.",
+                               max_output_tokens=2, store=False)  # fmt: skip
+    assert not third.store
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(third.id)
+
+
+def test_the_response_store_keeps_the_most_recently_used():
+    store = ResponseStore(3)
+    say = [{"type": "message", "content": [{"type": "output_text", "text": "Hi."}]}]
+    call = {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}", "id": "f"}
+    store.put({"id": "a", "output": say}, None, [{"role": "user", "content": "1"}])
+    store.put({"id": "b", "output": [call]}, "a", [{"role": "user", "content": "2"}])
+    store.put({"id": "x", "output": []}, None, [])
+    assert store.conversation("b") == [
+        {"role": "user", "content": "1"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "2"},
+        {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"},
+    ]
+    store.put({"id": "c", "output": []}, "b", [])  # drops "x": "a" and "b" were just read
+    assert store.get("x") is None and len(store) == 3
+    store.put({"id": "d", "output": []}, None, [])  # drops "a": "c" can no longer be continued
+    assert store.conversation("c") is None and store.get("c") is not None
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(0)
+
+
 def test_text_format_and_reasoning(server):
     c = openai_client(server)
     schema = {
@@ -251,7 +304,7 @@ def test_the_events_of_a_reasoned_answer_that_calls_a_tool():
 @pytest.mark.parametrize(
     ("fields", "status", "param"),
     [
-        ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+        ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"input": [{"type": "image_generation_call"}]}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input"),
         ({"input": [{"role": "wizard", "content": "hi"}]}, 400, "input"),

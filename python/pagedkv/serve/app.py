@@ -30,6 +30,7 @@ from .completions import ApiError, Completions
 from .limits import BodySizeLimit, ServeLimits
 from .metrics import ServeMetrics
 from .protocol import error_body
+from .response_store import ResponseStore
 from .responses import Responses
 
 
@@ -107,7 +108,9 @@ def create_app(
     completions = Completions(engine, names, limits, reject)
     v1.post("/chat/completions")(completions.chat_completions)
     v1.post("/completions")(completions.completions)
-    v1.post("/responses")(Responses(completions).create)
+    responses = Responses(completions, ResponseStore(limits.max_stored_responses))
+    v1.post("/responses")(responses.create)
+    v1.get("/responses/{response_id}")(responses.retrieve)
     app.include_router(v1)
     # vLLM's and llama.cpp's tokenizer endpoints sit outside /v1.
     tokens = APIRouter(dependencies=[Depends(authorize)])

@@ -97,6 +97,13 @@ def add_parser(sub) -> None:
         default=None,
         help="requests in flight per API key, or per client address (default: no limit; 429)",
     )
+    limits.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=ServeLimits.max_stored_responses,
+        help="Responses API responses kept in memory for previous_response_id, the most "
+        "recently used (default %(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
     p.add_argument(
         "--batch-invariant",
@@ -242,6 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens_limit,
             max_streams_per_key=args.max_streams_per_key,
+            max_stored_responses=args.max_stored_responses,
         ),
     )
     if publisher is not None:

@@ -1,7 +1,8 @@
 """What one client may ask of the server: body size, prompt and completion
-lengths, streams in flight per API key. Each limit is a flag of `pagedkv
-serve`; a request over one gets a 4xx with OpenAI's error body before
-anything reaches the engine.
+lengths, streams in flight per API key; and how many Responses API
+responses the server keeps. Each limit is a flag of `pagedkv serve`; a
+request over one gets a 4xx with OpenAI's error body before anything
+reaches the engine.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from .protocol import error_body
+from .response_store import DEFAULT_CAPACITY
 
 
 @dataclass(frozen=True)
@@ -23,15 +25,19 @@ class ServeLimits:
     400; a request that names none is capped at it.
     max_streams_per_key: requests in flight per `Authorization` header (per
     client address without one) over this get 429.
+    max_stored_responses: Responses API responses kept in memory for
+    `previous_response_id` (the most recently used).
     """
 
     max_body_bytes: int = 8 << 20
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_streams_per_key: int | None = None
+    max_stored_responses: int = DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens", "max_streams_per_key"):
+        names = ("max_body_bytes", "max_prompt_tokens", "max_tokens", "max_streams_per_key")
+        for name in (*names, "max_stored_responses"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -182,7 +182,7 @@ class ChatCompletionRequest(_Common):
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses (OpenAI's Responses API, stateless): `input` a
+    """POST /v1/responses (OpenAI's Responses API): `input` a
     string or items (messages, function calls and their outputs), flat
     function `tools`, `text.format` for structured outputs
     (pagedkv.serve.responses). vLLM's extensions (seed, top_k, min_p,
@@ -205,9 +205,10 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    """Accepted; nothing is stored."""
+    """False: the response is not kept (kept by default, in the server's
+    memory: pagedkv.serve.response_store)."""
     previous_response_id: str | None = None
-    """Refused: responses are not stored."""
+    """A stored response this one continues."""
 
 
 class TokenizeRequest(BaseModel):

@@ -1,5 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless, over the chat
-endpoint.
+"""POST /v1/responses: OpenAI's Responses API over the chat endpoint.
 
 A request's `instructions` and `input` (a string, or items: messages,
 earlier `function_call`s and their `function_call_output`s) become chat
@@ -11,8 +10,11 @@ and a streamed one's chunks the Responses API's events, from
 `max_output_tokens` cut it). Everything the chat endpoint does, limits,
 cancellation, tool formats and reasoning, holds unchanged.
 
-Nothing is stored: a response cannot be fetched again, and
-`previous_response_id` is refused (send the earlier items in `input`).
+Responses are kept in the server's memory (`response_store`, the most
+recently used `ServeLimits.max_stored_responses`) unless a request says
+`"store": false`: `previous_response_id` continues one (its conversation's
+items come before the new input; instructions are not carried over, as in
+OpenAI's API), and GET /v1/responses/{id} returns one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -30,6 +32,7 @@ from pagedkv.models.errors import ChatRequestError
 
 from .completions import ApiError, Completions
 from .protocol import ChatCompletionRequest, ResponsesRequest
+from .response_store import ResponseStore
 
 PASSED_ON = (
     "seed",
@@ -58,22 +61,31 @@ PARAMS = {
 
 
 class Responses:
-    """The Responses endpoint over the chat endpoint (`Completions`)."""
+    """The Responses endpoint over the chat endpoint (`Completions`), its
+    finished responses kept in `store`."""
 
-    def __init__(self, completions: Completions) -> None:
+    def __init__(self, completions: Completions, store: ResponseStore) -> None:
         self.completions = completions
+        self.store = store
 
     async def create(self, request: Request, body: ResponsesRequest):
         reject = self.completions.reject
+        given = body.input
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        history: list[dict] = []
         if body.previous_response_id is not None:
-            raise reject(
-                400,
-                "responses are not stored: send the earlier items in input",
-                "invalid_request_error",
-                param="previous_response_id",
-            )
+            history = self.store.conversation(body.previous_response_id)
+            if history is None:
+                raise reject(
+                    404,
+                    f"no stored response {body.previous_response_id!r} (a server keeps the "
+                    f"{self.store.capacity} most recently used, in its memory)",
+                    "invalid_request_error",
+                    param="previous_response_id",
+                )
         try:
-            chat = ChatCompletionRequest.model_validate(chat_fields(body))
+            chat = ChatCompletionRequest.model_validate(chat_fields(body, [*history, *given]))
         except ChatRequestError as e:
             raise reject(400, str(e), "invalid_request_error", param=e.param) from None
         except ValidationError as e:
@@ -91,20 +103,37 @@ class Responses:
             e.param = PARAMS.get(e.param, e.param)
             raise
         base = _base(body)
+
+        def keep(response: dict) -> None:
+            if body.store is not False:
+                self.store.put(response, body.previous_response_id, given)
+
         if isinstance(answer, StreamingResponse):
-            stream = stream_events(answer.body_iterator, base)
+            stream = stream_events(answer.body_iterator, base, keep)
             return StreamingResponse(
                 stream, media_type="text/event-stream", background=answer.background
             )
-        return _response_of(answer, base)
+        response = _response_of(answer, base)
+        keep(response)
+        return response
+
+    async def retrieve(self, response_id: str) -> dict:
+        """GET /v1/responses/{response_id}: a stored response, or 404."""
+        response = self.store.get(response_id)
+        if response is None:
+            raise self.completions.reject(
+                404, f"no stored response {response_id!r}", "invalid_request_error"
+            )
+        return response
 
 
-def chat_fields(body: ResponsesRequest) -> dict:
-    """The chat request a Responses request asks for. Raises
+def chat_fields(body: ResponsesRequest, items: list[dict]) -> dict:
+    """The chat request a Responses request asks for, over the input
+    `items` (the earlier conversation's, then its own). Raises
     ChatRequestError naming the field (input, tools, text) it cannot take."""
     fields = {
         "model": body.model,
-        "messages": input_messages(body.input, body.instructions),
+        "messages": input_messages(items, body.instructions),
         "temperature": body.temperature,
         "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls,
@@ -212,7 +241,8 @@ def _base(body: ResponsesRequest) -> dict:
         "tools": body.tools or [],
         "text": body.text or {"format": {"type": "text"}},
         "metadata": body.metadata,
-        "store": False,
+        "store": body.store is not False,
+        "previous_response_id": body.previous_response_id,
         "error": None,
     }
 
@@ -285,11 +315,13 @@ def _response_of(chat: dict, base: dict) -> dict:
     return _finished(base, output, chat["usage"], choice["finish_reason"] == "length")
 
 
-async def stream_events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator[str]:
+async def stream_events(
+    chunks: AsyncIterator[str], base: dict, on_final: Callable[[dict], None] | None = None
+) -> AsyncIterator[str]:
     """A streamed chat answer's server-sent events as the Responses API's:
-    each output item added, its text in deltas, done; then the response.
-    Closing it (a client gone) closes the chat stream at once, which
-    cancels the request."""
+    each output item added, its text in deltas, done; then the response,
+    which `on_final` is given first. Closing it (a client gone) closes the
+    chat stream at once, which cancels the request."""
     events = _EventWriter(base)
     yield events.write("response.created", response=events.snapshot("in_progress"))
     yield events.write("response.in_progress", response=events.snapshot("in_progress"))
@@ -310,6 +342,8 @@ async def stream_events(chunks: AsyncIterator[str], base: dict) -> AsyncIterator
     for event in events.close_item():
         yield event
     final = _finished(base, events.output, events.usage, events.finish_reason == "length")
+    if on_final is not None:
+        on_final(final)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield events.write(kind, response=final)
 
