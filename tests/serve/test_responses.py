@@ -165,6 +165,11 @@ def test_previous_response_id_continues_a_stored_conversation(server):
     assert not third.store
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(third.id)
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):  # its conversation is gone with it
+        c.responses.create(model=MODEL, previous_response_id=second.id, input="Hi.")
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(first.id)
 
 
 def test_the_response_store_keeps_the_most_recently_used():

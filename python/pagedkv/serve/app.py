@@ -111,6 +111,7 @@ def create_app(
     responses = Responses(completions, ResponseStore(limits.max_stored_responses))
     v1.post("/responses")(responses.create)
     v1.get("/responses/{response_id}")(responses.retrieve)
+    v1.delete("/responses/{response_id}")(responses.delete)
     app.include_router(v1)
     # vLLM's and llama.cpp's tokenizer endpoints sit outside /v1.
     tokens = APIRouter(dependencies=[Depends(authorize)])

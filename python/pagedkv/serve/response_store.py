@@ -69,6 +69,11 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry.response
 
+    def delete(self, response_id: str) -> bool:
+        """Drops a stored response (a conversation that went through it can
+        no longer be continued); whether it was stored."""
+        return self._entries.pop(response_id, None) is not None
+
     def conversation(self, response_id: str) -> list[dict] | None:
         """Every input item of the conversation up to and including the
         response, oldest first; None where it or an earlier response of

@@ -14,7 +14,7 @@ Responses are kept in the server's memory (`response_store`, the most
 recently used `ServeLimits.max_stored_responses`) unless a request says
 `"store": false`: `previous_response_id` continues one (its conversation's
 items come before the new input; instructions are not carried over, as in
-OpenAI's API), and GET /v1/responses/{id} returns one.
+OpenAI's API), GET /v1/responses/{id} returns one and DELETE drops it.
 """
 
 from __future__ import annotations
@@ -125,6 +125,14 @@ class Responses:
                 404, f"no stored response {response_id!r}", "invalid_request_error"
             )
         return response
+
+    async def delete(self, response_id: str) -> dict:
+        """DELETE /v1/responses/{response_id}: drops a stored response, or 404."""
+        if not self.store.delete(response_id):
+            raise self.completions.reject(
+                404, f"no stored response {response_id!r}", "invalid_request_error"
+            )
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def chat_fields(body: ResponsesRequest, items: list[dict]) -> dict:
