@@ -74,6 +74,23 @@ def add_parser(sub) -> None:
         help="origins whose browser pages may call the server (CORS), e.g. "
         "http://localhost:3000, or * for any (default: none)",
     )
+    add_limit_arguments(p)
+    p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a request's answer does not depend on what else is in its batch (default off: "
+        "requests that share a prompt's prefix read its pages once)",
+    )
+    add_weights_arguments(p)
+    add_gguf_argument(p)
+    add_chat_default_arguments(p)
+    add_distributed_arguments(p)
+
+
+def add_limit_arguments(p) -> None:
+    """The `ServeLimits` flags: a request over one gets a 4xx."""
     limits = p.add_argument_group("limits (a request over one gets a 4xx)")
     limits.add_argument(
         "--max-body-bytes",
@@ -104,18 +121,6 @@ def add_parser(sub) -> None:
         help="Responses API responses kept in memory for previous_response_id, the most "
         "recently used (default %(default)s)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
-    p.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="a request's answer does not depend on what else is in its batch (default off: "
-        "requests that share a prompt's prefix read its pages once)",
-    )
-    add_weights_arguments(p)
-    add_gguf_argument(p)
-    add_chat_default_arguments(p)
-    add_distributed_arguments(p)
 
 
 def add_chat_default_arguments(p) -> None:
