@@ -91,7 +91,7 @@ def add_parser(sub) -> None:
 
 def add_limit_arguments(p) -> None:
     """The `ServeLimits` flags: a request over one gets a 4xx."""
-    limits = p.add_argument_group("limits (a request over one gets a 4xx)")
+    limits = p.add_argument_group("limits (a request over one gets a 4xx; what the server keeps)")
     limits.add_argument(
         "--max-body-bytes",
         type=int,
