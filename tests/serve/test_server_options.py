@@ -55,6 +55,8 @@ def test_allowed_origins(llm):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
         r = httpx.get(s.url + "/v1/models", headers={"Origin": page})
         assert r.headers["access-control-allow-origin"] == page
+        deleting = {**preflight, "Access-Control-Request-Method": "DELETE"}
+        assert httpx.options(s.url + "/v1/responses/x", headers=deleting).status_code == 200
         other = {**preflight, "Origin": "http://elsewhere.example"}
         assert httpx.options(s.url + "/v1/chat/completions", headers=other).status_code == 400
     with ServerThread(llm) as s:
@@ -62,10 +64,14 @@ def test_allowed_origins(llm):
         assert "access-control-allow-origin" not in r.headers
 
 
-def test_reasoning_format_flag():
+def test_reasoning_format_flag_and_a_stored_responses_bound():
     """--reasoning-format parses into the serve command (run_serve passes it to
-    `load`; its effect is tested in test_reasoning.py)."""
+    `load`; its effect is tested in test_reasoning.py); a bound of stored
+    responses under 1 is refused before the model loads."""
     from pagedkv.cli.main import _parser
+    from pagedkv.serve.cli import run_serve
+
+    assert run_serve(_parser().parse_args(["serve", "--max-stored-responses", "0"])) == 2
 
     assert _parser().parse_args(["serve"]).reasoning_format == "auto"
     assert _parser().parse_args(["serve", "--reasoning-format", "none"]).reasoning_format == "none"

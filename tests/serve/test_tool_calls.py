@@ -393,6 +393,8 @@ def test_llm_chat_calls_tools_and_answers():
         llm.chat([[{"role": "robot", "content": "hi"}]])
     with pytest.raises(TypeError):
         llm.chat(ASK)
+    with pytest.raises(TypeError, match="on_delta"):
+        llm.chat([ASK], on_delta="print")
     llm.manager.validate()
     assert llm.manager.num_used_pages == 0
 

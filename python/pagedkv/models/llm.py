@@ -299,6 +299,8 @@ class LLM:
             isinstance(c, Sequence) and not isinstance(c, str) for c in conversations
         ):
             raise TypeError("conversations must be a list of message lists")
+        if on_delta is not None and not callable(on_delta):
+            raise TypeError("on_delta must be a callable (index, delta, finished)")
         reasoning_format = reasoning_format or self.reasoning_format
         fields = (tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_format)
         prompts = [chat_prompt(self.tokenizer, c, *fields) for c in conversations]

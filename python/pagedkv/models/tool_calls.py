@@ -34,7 +34,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pagedkv.graphs.structured import JSON_LAYOUT
 
@@ -409,32 +409,38 @@ def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
         partial = partial_response(text)
         return (text if partial is None else partial), []
     given = value.get("tool_calls") or ([value["tool_call"]] if "tool_call" in value else [])
-    calls = [_call_of(json.dumps(c)) for c in given if isinstance(c, dict)]
+    given = [c for c in given if isinstance(c, dict)]
+    written = raw_arguments(text, "arguments")
+    if len(written) != len(given):  # not the grammars' layout: arguments re-serialized
+        written = [None] * len(given)
+    calls = [_call(c, "arguments", w) for c, w in zip(given, written, strict=True)]
     if calls and all(c is not None for c in calls):
-        written = raw_arguments(text, "arguments")
-        if [name for name, _ in written] == [c.name for c in calls]:
-            pairs = zip(calls, written, strict=True)
-            calls = [replace(c, arguments=args) for c, (_, args) in pairs]
         return None, calls
     response = value.get("response")
     return (response if isinstance(response, str) else text), []
 
 
 def _call_of(text: str, key: str = "arguments") -> ToolCall | None:
-    """A call from its JSON {"name": ..., KEY: {...}}, or None; its
-    arguments as the text wrote them where the grammars' layout holds."""
+    """A call from its JSON text {"name": ..., KEY: {...}}, or None."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
+    written = raw_arguments(text, key)
+    return _call(value, key, written[0] if len(written) == 1 else None)
+
+
+def _call(value: object, key: str, written: tuple[str, str] | None) -> ToolCall | None:
+    """A call from its parsed JSON {"name": ..., KEY: {...}}, or None; its
+    arguments as `written` (name, the arguments' text) gives them where it
+    names the same function, else re-serialized."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(key, {})
     if not isinstance(arguments, dict):
         return None
-    written = raw_arguments(text, key)
-    as_written = len(written) == 1 and written[0][0] == value["name"]
-    text = written[0][1] if as_written else json.dumps(arguments)
+    as_written = written is not None and written[0] == value["name"]
+    text = written[1] if as_written else json.dumps(arguments)
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], text)
 
 

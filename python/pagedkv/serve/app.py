@@ -130,7 +130,7 @@ def add_middleware(app: FastAPI, limits: ServeLimits, allowed_origins: Sequence[
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],
         )
 

@@ -199,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ("--max-prompt-tokens", args.max_prompt_tokens),
         ("--max-tokens-limit", args.max_tokens_limit),
         ("--max-streams-per-key", args.max_streams_per_key),
+        ("--max-stored-responses", args.max_stored_responses),
     )
     for flag, value in positive:
         if value is not None and value < 1:
