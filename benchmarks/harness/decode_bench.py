@@ -154,10 +154,13 @@ def _like_pool(x, pool):
     return out
 
 
-def plan_decode(wrapper, case: DecodeCase, to_device: Callable[[np.ndarray], object]) -> None:
+def plan_decode(
+    wrapper, case: DecodeCase, to_device: Callable[[np.ndarray], object], **options
+) -> None:
     """Plans `wrapper` (pagedkv's or FlashInfer's
     BatchDecodeWithPagedKVCacheWrapper: the same plan) for the case's batch,
-    its page table moved by to_device where the wrapper reads it."""
+    its page table moved by to_device where the wrapper reads it; options go
+    to plan() as they are (fixed_split_size, disable_split_kv)."""
     s = case.shape
     wrapper.plan(
         to_device(case.kv_indptr),
@@ -169,17 +172,19 @@ def plan_decode(wrapper, case: DecodeCase, to_device: Callable[[np.ndarray], obj
         s.page_size,
         q_data_type=case.q.dtype,
         kv_data_type=case.pool.dtype,
+        **options,
     )
 
 
-def pagedkv_decode(case: DecodeCase, backend: str = "auto"):
-    """A callable running pagedkv's decode on the case (plan outside timing);
-    its `wrapper` attribute is the planned BatchDecodeWithPagedKVCacheWrapper."""
+def pagedkv_decode(case: DecodeCase, backend: str = "auto", **options):
+    """A callable running pagedkv's decode on the case (plan outside timing,
+    `options` passed to plan()); its `wrapper` attribute is the planned
+    BatchDecodeWithPagedKVCacheWrapper."""
     import pagedkv
     from pagedkv._ops.tensors import new_like
 
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", backend=backend)
-    plan_decode(w, case, lambda x: new_like(case.q, x))
+    plan_decode(w, case, lambda x: new_like(case.q, x), **options)
 
     def run():
         return w.run(case.q, case.pool)

@@ -1,12 +1,18 @@
 """Where a GPU decode call's time goes: each kernel's device time (torch's
 profiler, through CUPTI) beside the call's time between CUDA events, for
-pagedkv's two decode kernels and MAX's built-in decode, at the GPU bench's
-shapes (bf16, page 16, head_dim 128).
+pagedkv's decode kernels ("auto" and each kernel it picks from), MAX's
+built-in decode and, where installed, FlashInfer's two decode kernels, at the
+GPU bench's shapes (bf16, page 16, head_dim 128).
 
     python benchmarks/kernel_investigations/decode_gpu_profile.py [--shapes 0 2] [--reps 20]
+        [--skip pagedkv-generic] [--split-sweep]
 
 A call whose kernels take much less than its event time spends the rest
 launching (graph execution, stream ordering) rather than reading memory.
+--split-sweep also times the kernel "auto" runs with the keys of each request
+cut into fixed chunks (plan()'s fixed_split_size: the longest request's pages
+over 1, 2, 4, .. chunks), to set beside plan()'s own choice, which the
+"auto" line names.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.decode_bench import DecodeShape, make_case, pagedkv_decode  # noqa: E402
-from harness.gpu_bench import GPU_SHAPES, max_builtin_decode, time_cuda  # noqa: E402
+from harness.gpu_bench import (  # noqa: E402
+    GPU_SHAPES,
+    flashinfer_decode,
+    max_builtin_decode,
+    time_cuda,
+)
 
 
 def kernel_times(fn, reps: int) -> list[tuple[str, float, float]]:
@@ -134,6 +145,38 @@ def host_breakdown(reps: int = 300) -> None:
     )
 
 
+def report(label: str, name: str, fn, reps: int, nbytes: int) -> None:
+    """Prints fn's time between events and its kernels' device time."""
+    wall = time_cuda(fn, reps)
+    kernels = kernel_times(fn, reps)
+    busy = sum(us for _, _, us in kernels)
+    print(
+        f"{label:22s} {name:16s} events {wall:8.1f} us, kernels {busy:8.1f} us "
+        f"({nbytes / busy / 1e6:5.2f} TB/s while they run)",
+        flush=True,
+    )
+    for kernel, count, us in kernels[:4]:
+        print(f"    {us:8.1f} us  x{count:4.1f}  {kernel[:100]}")
+
+
+def split_sweep(shape, case, reps: int) -> None:
+    """The kernel "auto" runs at the shape's group (tensor cores from
+    8 query heads per KV head, TMA below) with fixed chunks of the longest
+    request's pages over 1, 2, 4, .. (at least 8 pages a chunk)."""
+    pages = -(-shape.seq_len // shape.page_size)
+    chunks = [pages // n for n in (1, 2, 4, 8, 16, 32) if pages // n >= 8]
+    group = shape.num_qo_heads // shape.num_kv_heads
+    for backend in ("mma",) if group >= 8 else ("tma",):
+        for chunk in chunks:
+            name = f"{backend} split {pages // chunk}"
+            try:
+                fn = pagedkv_decode(case, backend, fixed_split_size=chunk)
+                report(shape.label, name, fn, reps, shape.kv_bytes(2))
+            except Exception as e:
+                print(f"{shape.label:22s} {name:16s} failed: {str(e).splitlines()[0][:200]}")
+                break
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -144,34 +187,41 @@ def main() -> None:
         help="indices into GPU_SHAPES (default: all)",
     )
     parser.add_argument("--reps", type=int, default=20, help="calls profiled (default %(default)s)")
+    parser.add_argument("--skip", nargs="*", default=[], help="implementations left out")
+    parser.add_argument("--split-sweep", action="store_true", help="time fixed key splits too")
     args = parser.parse_args()
     host_breakdown()
     for index in args.shapes:
         shape = GPU_SHAPES[index]
         case = make_case(shape, "bfloat16", device="cuda")
-        nbytes = shape.kv_bytes(2)
         impls = {
-            "pagedkv": lambda c=case: pagedkv_decode(c, "generic"),
+            "pagedkv-auto": lambda c=case: pagedkv_decode(c, "auto"),
+            "pagedkv-generic": lambda c=case: pagedkv_decode(c, "generic"),
             "pagedkv-tma": lambda c=case: pagedkv_decode(c, "tma"),
             "pagedkv-mma": lambda c=case: pagedkv_decode(c, "mma"),
             "max": lambda c=case: max_builtin_decode(c),
+            "flashinfer": lambda c=case: flashinfer_decode(c, False),
+            "flashinfer-tc": lambda c=case: flashinfer_decode(c, True),
         }
         for name, make in impls.items():
+            if name in args.skip:
+                continue
             try:
                 fn = make()
-                wall = time_cuda(fn, args.reps)
-                kernels = kernel_times(fn, args.reps)
+                if fn is None:
+                    print(f"{shape.label:22s} {name:16s} not installed", flush=True)
+                    continue
+                if name == "pagedkv-auto":
+                    # The split scratch holds a float32 [H, D] state per work item.
+                    plan = fn.wrapper._plan
+                    row = 4 * shape.num_qo_heads * shape.head_dim
+                    items = plan.float_workspace_bytes // row
+                    print(f"{shape.label:22s} plan(): {items / shape.batch:g} items a request")
+                report(shape.label, name, fn, args.reps, shape.kv_bytes(2))
             except Exception as e:  # one kernel's failure does not end the run
-                print(f"{shape.label:22s} {name:12s} failed: {str(e).splitlines()[0][:200]}")
-                continue
-            busy = sum(us for _, _, us in kernels)
-            print(
-                f"{shape.label:22s} {name:12s} events {wall:8.1f} us, kernels {busy:8.1f} us "
-                f"({nbytes / busy / 1e6:5.2f} TB/s while they run)",
-                flush=True,
-            )
-            for kernel, count, us in kernels[:4]:
-                print(f"    {us:8.1f} us  x{count:4.1f}  {kernel[:100]}")
+                print(f"{shape.label:22s} {name:16s} failed: {str(e).splitlines()[0][:200]}")
+        if args.split_sweep:
+            split_sweep(shape, case, args.reps)
 
 
 if __name__ == "__main__":

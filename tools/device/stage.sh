@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 out=.devstage
 part_mib=${PART_MIB:-58}
 py=3.12
-platforms=(--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
+platforms=(--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 mkdir -p .git/info
@@ -28,10 +28,17 @@ rm -rf "$out" && mkdir -p "$out/build"
 build=$out/build
 
 install_target() { # DIR REQUIREMENTS... : a site tree for the device's Python
-  local dir=$1
+  local dir=$1 log
   shift
-  pip install --quiet --no-deps --only-binary=:all: --python-version "$py" \
-    --implementation cp "${platforms[@]}" --target "$dir" "$@" 2>&1 | grep -v '^WARNING' || true
+  # A requirement with no wheel for these platforms fails the whole install:
+  # stop here rather than stage a site that lacks every package.
+  if ! log=$(pip install --quiet --no-deps --only-binary=:all: --python-version "$py" \
+    --implementation cp "${platforms[@]}" --target "$dir" "$@" 2>&1); then
+    echo "$log" >&2
+    echo "stage.sh: pip could not stage $* for the device" >&2
+    exit 1
+  fi
+  grep -v '^WARNING' <<<"$log" || true
 }
 
 # FlashInfer's Python package and tvm-ffi; its import pulls in every kernel
