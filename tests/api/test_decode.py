@@ -328,6 +328,24 @@ def test_gpu_decode_work_tiles_requests_in_even_waves(lens, window_left, monkeyp
         assert len(items) == 33
 
 
+@pytest.mark.parametrize(
+    "batch,length,splits",
+    [(64, 8192, 1), (64, 4096, 1), (16, 4096, 2), (8, 2048, 4), (1, 65536, 33)],
+)
+def test_gpu_decode_work_splits_only_to_fill_the_gpu(batch, length, splits, monkeypatch):
+    """On 132 SMs, requests whose blocks already fill two waves keep one
+    chunk each (a block's start outweighs a fuller last wave), and shorter
+    batches split until a wave is full: the splits that ran fastest in the
+    H100 sweep of docs/gpu.md."""
+    from pagedkv._plan import work
+    from pagedkv._plan.work import decode_work
+
+    monkeypatch.setattr(work, "gpu_sm_count", lambda: 132)
+    options = type("Options", (), {"window_left": -1})()
+    items, _ = decode_work(np.full(batch, length), 16, 32, 8, 1, options, is_gpu=True)
+    assert len(items) == batch * splits
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_decode_writes_into_out_and_lse(kind):
     """run(out=, lse=) fills the caller's arrays with what run() returns."""
