@@ -2,8 +2,8 @@
 the same answers as the chat endpoint, whole and streamed (the events in
 order, their deltas adding up to the items), function calls and their
 outputs, `text.format`, a reasoning model's block as a reasoning item,
-stored responses continued by `previous_response_id`, and refusals naming
-the Responses field."""
+stored responses continued by `previous_response_id` and their input items
+listed a page at a time, and refusals naming the Responses field."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from chat_server import MODEL, chat_server, openai_client
 
 from pagedkv.serve.response_store import ResponseStore
-from pagedkv.serve.responses import stream_events
+from pagedkv.serve.responses import cursor_page, stream_events
 
 WEATHER = {
     "type": "function",
@@ -191,6 +191,73 @@ def test_the_response_store_keeps_the_most_recently_used():
     assert store.conversation("c") is None and store.get("c") is not None
     with pytest.raises(ValueError, match="capacity"):
         ResponseStore(0)
+
+
+def test_input_items_list_what_a_response_was_generated_from():
+    """A response's input items: each earlier response's input and output
+    (its reasoning left out), then its own input, every item with an id and
+    a message's string content as a text part of its role's kind."""
+    store = ResponseStore(4)
+    thought = {"type": "reasoning", "id": "rs_1", "content": []}
+    said = {"type": "message", "id": "msg_out", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hi."}]}  # fmt: skip
+    store.put({"id": "a", "output": [thought, said]}, None, [{"role": "user", "content": "1"}])
+    answer = {"type": "function_call_output", "call_id": "c0", "output": "42"}
+    mine = {"role": "user", "content": [{"type": "input_text", "text": "2"}], "id": "mine"}
+    call = {"type": "function_call", "id": "fc_9", "call_id": "c1", "name": "f", "arguments": "{}"}
+    store.put({"id": "b", "output": [call]}, "a", [answer, mine])
+    first, out, output, own = store.input_items("b")
+    assert first["id"].startswith("msg_") and first["type"] == "message"
+    assert first["content"] == [{"type": "input_text", "text": "1"}]
+    assert out is said
+    assert output["id"].startswith("fco_") and output["output"] == "42"
+    assert own["id"] == "mine" and own["status"] == "completed"
+    assert store.input_items("b")[0]["id"] == first["id"]  # ids are kept, not drawn anew
+    assert [i["id"] for i in store.input_items("a")] == [first["id"]]
+    assert store.input_items("z") is None
+
+
+def test_input_item_pages_follow_their_cursors():
+    items = [{"id": name} for name in "abcde"]
+
+    def ids(limit, order="asc", after=None, before=None):
+        page = cursor_page(items, limit, order, after, before)
+        listed = "".join(i["id"] for i in page["data"])
+        assert (page["first_id"], page["last_id"]) == (listed[:1] or None, listed[-1:] or None)
+        return listed, page["has_more"]
+
+    assert ids(2) == ("ab", True) and ids(2, "desc") == ("ed", True)
+    assert ids(2, after="b") == ("cd", True) and ids(5, after="b") == ("cde", False)
+    assert ids(2, "desc", after="c") == ("ba", False)
+    assert ids(2, before="d") == ("bc", True) and ids(2, after="a", before="d") == ("bc", False)
+    assert ids(3, after="e") == ("", False)
+    with pytest.raises(ValueError, match="after"):
+        cursor_page(items, 2, "asc", "z", None)
+
+
+def test_input_items_of_a_stored_response(server):
+    """GET /v1/responses/{id}/input_items through OpenAI's client: the
+    conversation's items in either order, a page at a time; 404 for a
+    response not stored, 400 naming a bad limit."""
+    c = openai_client(server)
+    first = c.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4,
+                               temperature=0)  # fmt: skip
+    second = c.responses.create(model=MODEL, previous_response_id=first.id, input="Hi.",
+                                max_output_tokens=2, temperature=0)  # fmt: skip
+    listed = c.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "message", "message"]
+    assert listed.data[0].content[0].text == "My name is Ada."
+    assert listed.data[1].id == first.output[-1].id
+    assert listed.data[2].content[0].text == "Hi." and not listed.has_more
+    newest = c.responses.input_items.list(second.id, limit=1)
+    assert newest.data[0].id == listed.data[2].id and newest.has_more
+    rest = c.responses.input_items.list(second.id, limit=2, after=newest.data[0].id)
+    assert [i.id for i in rest.data] == [listed.data[1].id, listed.data[0].id]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.input_items.list("resp_nothing")
+    r = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items?limit=0",
+                  timeout=HANG_GUARD)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 
 def test_text_format_and_reasoning(server):

@@ -111,6 +111,7 @@ def create_app(
     responses = Responses(completions, ResponseStore(limits.max_stored_responses))
     v1.post("/responses")(responses.create)
     v1.get("/responses/{response_id}")(responses.retrieve)
+    v1.get("/responses/{response_id}/input_items")(responses.input_items)
     v1.delete("/responses/{response_id}")(responses.delete)
     app.include_router(v1)
     # vLLM's and llama.cpp's tokenizer endpoints sit outside /v1.
@@ -177,7 +178,7 @@ def add_error_handlers(app: FastAPI, metrics) -> None:
     async def _invalid(request: Request, e: RequestValidationError):
         metrics.http_rejections.labels("400").inc()
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query"))
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg")
         return JSONResponse(
             error_body(message or "invalid request", "invalid_request_error", where or None),

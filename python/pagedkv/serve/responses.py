@@ -14,7 +14,9 @@ Responses are kept in the server's memory (`response_store`, the most
 recently used `ServeLimits.max_stored_responses`) unless a request says
 `"store": false`: `previous_response_id` continues one (its conversation's
 items come before the new input; instructions are not carried over, as in
-OpenAI's API), GET /v1/responses/{id} returns one and DELETE drops it.
+OpenAI's API), GET /v1/responses/{id} returns one, GET
+/v1/responses/{id}/input_items lists the items it was generated from, a
+page at a time, and DELETE drops it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Literal
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
@@ -126,6 +129,31 @@ class Responses:
             )
         return response
 
+    async def input_items(
+        self,
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        before: str | None = None,
+        include: Annotated[list[str] | None, Query()] = None,
+    ) -> dict:
+        """GET /v1/responses/{response_id}/input_items: a page of the items
+        the stored response was generated from (`ResponseStore.input_items`),
+        or 404. `include` names output details pagedkv has none of."""
+        del include
+        items = self.store.input_items(response_id)
+        if items is None:
+            raise self.completions.reject(
+                404, f"no stored response {response_id!r}", "invalid_request_error"
+            )
+        try:
+            return cursor_page(items, limit, order, after, before)
+        except ChatRequestError as e:
+            raise self.completions.reject(
+                400, str(e), "invalid_request_error", param=e.param
+            ) from None
+
     async def delete(self, response_id: str) -> dict:
         """DELETE /v1/responses/{response_id}: drops a stored response, or 404."""
         if not self.store.delete(response_id):
@@ -133,6 +161,40 @@ class Responses:
                 404, f"no stored response {response_id!r}", "invalid_request_error"
             )
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+def cursor_page(
+    items: list[dict], limit: int, order: str, after: str | None, before: str | None
+) -> dict:
+    """OpenAI's list page of `items` (oldest first, each with an id) in
+    `order` ("asc" or "desc"): the first `limit` items after the item
+    `after`, or, with `before` alone, the last `limit` before the item
+    `before` (the page that precedes it); both bound the window. Raises
+    ChatRequestError naming a cursor that is not one of the items.
+
+    Examples
+    --------
+    >>> page = cursor_page([{"id": "a"}, {"id": "b"}, {"id": "c"}], 1, "asc", "a", None)
+    >>> page["data"], page["has_more"]
+    ([{'id': 'b'}], True)
+    """
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    bounds = []
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ChatRequestError(name, f"{name}: no input item {cursor!r} in this response")
+        bounds.append(None if cursor is None else ids.index(cursor))
+    start = 0 if bounds[0] is None else bounds[0] + 1
+    window = ordered[start : bounds[1]]
+    page = window[-limit:] if after is None and before is not None else window[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(window) > len(page),
+    }
 
 
 def chat_fields(body: ResponsesRequest, items: list[dict]) -> dict:
