@@ -121,6 +121,31 @@ def after_reasoning(grammar: str, opened: bool) -> str:
     return json.dumps({**(spec or {}), "grammars": [first, *inner]})
 
 
+def one_of(*grammars: str) -> str:
+    """A grammar whose whole text follows one of `grammars` (llguidance's:
+    lark text, or a JSON spec of grammars whose first is the start). Their
+    start grammars are renamed apart; other names must not collide.
+
+    Examples
+    --------
+    >>> "@alt_0 | @regex_1" in one_of('start: "a"', response_format_grammar({"type": "regex",
+    ...                                                                    "regex": "[0-9]+"}))
+    True
+    """
+    parts, starts = [], []
+    for k, grammar in enumerate(grammars):
+        spec = json.loads(grammar) if grammar.lstrip().startswith("{") else None
+        inner = [dict(g) for g in spec["grammars"]] if spec else [{"lark_grammar": grammar}]
+        inner[0]["name"] = f"{inner[0].get('name') or 'alt'}_{k}"
+        starts.append(f"@{inner[0]['name']}")
+        parts += inner
+    names = [g["name"] for g in parts if g.get("name")]
+    if len(names) != len(set(names)):
+        raise ValueError(f"grammars to combine share names: {names}")
+    top = "\n".join(["%llguidance {}", "start: " + " | ".join(starts)])
+    return json.dumps({"grammars": [{"name": "one_of", "lark_grammar": top}, *parts]})
+
+
 def grammar_given(response_format: Mapping | None) -> bool:
     """Whether a `response_format` asks for more than free text."""
     return response_format is not None and response_format.get("type") != "text"

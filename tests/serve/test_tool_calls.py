@@ -5,22 +5,38 @@ read back, and the server's answers, whole and streamed, in both formats
 writes <tool_call> tags, tests/data/hermes_chat_template.jinja).
 
 A call's arguments are checked here by hand against the tool's schema,
-not by the grammar engine that enforced them.
+not by the grammar engine that enforced them (tool_helpers.py); a content
+format beside the tools is test_tool_format.py's.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
 from chat_server import MODEL, assembled, chat_server, openai_client
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tool_helpers import (
+    ANSWER,
+    ASK,
+    CLOCK,
+    HANG_GUARD,
+    HERMES_TEMPLATE,
+    LLAMA3_TEMPLATE,
+    MAX_TOKENS,
+    TOOLS,
+    UNFOLLOWABLE,
+    WEATHER,
+    allows,
+    call_follows,
+    follows_tools,
+    grammar_engine,
+    streamed,
+)
 
-from pagedkv.graphs.structured import Grammars
 from pagedkv.models import load
 from pagedkv.models.chat import chat_messages
 from pagedkv.models.errors import ChatRequestError
@@ -33,72 +49,10 @@ from pagedkv.models.tool_calls import (
     template_format,
 )
 
-DATA = Path(__file__).parent.parent / "data"
-HERMES_TEMPLATE = DATA / "hermes_chat_template.jinja"
-LLAMA3_TEMPLATE = DATA / "llama3_tools_chat_template.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 32},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {"type": "function", "function": {"name": "now"}}
-TOOLS = [WEATHER, CLOCK]
-UNFOLLOWABLE = {"type": "function", "function": {"name": "a", "parameters": {
-    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}  # fmt: skip
-"""A tool whose parameters the grammar engine refuses."""
-ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
-MAX_TOKENS = 96
-HANG_GUARD = 600.0
 
-
-def weather_arguments(arguments: str) -> bool:
-    """Whether arguments (a JSON string) are get_weather's: a city of at
-    most 32 characters and a unit, nothing else."""
-    value = json.loads(arguments)
-    return (
-        set(value) == {"city", "unit"}
-        and isinstance(value["city"], str)
-        and len(value["city"]) <= 32
-        and value["unit"] in ("celsius", "fahrenheit")
-    )
-
-
-def call_follows(name: str, arguments: str) -> bool:
-    """Whether a call names one of TOOLS with arguments it takes."""
-    if name == "now":
-        return json.loads(arguments) == {}
-    return name == "get_weather" and weather_arguments(arguments)
-
-
-def follows_tools(call) -> bool:
-    """Whether an OpenAI client's tool call is one of TOOLS, well formed."""
-    function = call.function
-    return call.type == "function" and call.id and call_follows(function.name, function.arguments)
-
-
-def streamed(use: ToolUse, text: str, sizes) -> tuple[str, list[dict], list]:
-    """text pushed through use's stream in pieces of the given sizes (in
-    turn): (content sent, call deltas, the stream's whole calls)."""
-    stream, sent, deltas, at, k = ToolCallStream(use), [], [], 0, 0
-    while at < len(text):
-        size = sizes[k % len(sizes)]
-        content, calls = stream.push(text[at : at + size])
-        sent.append(content)
-        deltas += calls
-        at, k = at + size, k + 1
-    rest, calls = stream.finish()
-    return "".join(sent) + rest, deltas + calls, stream.calls
+@pytest.fixture(scope="module")
+def grammars():
+    return grammar_engine()
 
 
 # What is offered, and how a request names it.
@@ -240,6 +194,12 @@ def test_reading_generic_answers():
         assert sent == "" and [(c["name"], c["arguments"]) for c in assembled(deltas)] == [
             ("now", "{}"), ("get_weather", '{"city": "Rome"}')]  # fmt: skip
         assert [c["id"] for c in assembled(deltas)] == [c.id for c in calls]
+    # A content format's JSON value, as the grammar laid it out, whole or streamed.
+    held = '{"response": {"answer": 42, "why": "Caf\\u00e9"}}'
+    assert use.read(held) == ('{"answer": 42, "why": "Caf\\u00e9"}', [])
+    assert streamed(use, held, [3])[:2] == ('{"answer": 42, "why": "Caf\\u00e9"}', [])
+    assert use.read('{"response": [1,2]}') == ("[1,2]", [])  # as written
+    assert use.read('{"response":[1,2]}') == ("[1, 2]", [])  # another layout: re-serialized
     # Arguments come back as the model wrote them (here, an escape kept).
     written = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Caf\\u00e9"}}}'
     assert use.read(written)[1][0].arguments == '{"city": "Caf\\u00e9"}'
@@ -299,23 +259,6 @@ def test_reading_llama3_answers_and_streaming_them():
 
 
 # The grammar.
-
-
-@pytest.fixture(scope="module")
-def grammars():
-    tokenizer = load_tokenizer(MODEL)
-    return tokenizer, Grammars(tokenizer.tokenizer, 49152, tokenizer.stop_ids)
-
-
-def allows(grammars, grammar: str, text: str) -> bool:
-    """Whether the grammar lets the tokens of text come, in order."""
-    tokenizer, engine = grammars
-    state = engine.start(grammar)
-    for token in tokenizer.encode(text):
-        if not state.allowed()[token]:
-            return False
-        state.advance(token)
-    return True
 
 
 def test_the_generic_grammar(grammars):
@@ -381,9 +324,12 @@ def test_llm_chat_calls_tools_and_answers():
     (free,) = llm.chat([ASK], max_new_tokens=8, tools=TOOLS, tool_choice="none")
     assert not free.tool_calls and free.text and "Respond in JSON" not in free.prompt
     assert free.prompt == llm.tokenizer.render_chat(ASK)
+    (either,) = llm.chat([ASK], max_new_tokens=MAX_TOKENS, tools=TOOLS, response_format=ANSWER)
+    assert either.tool_calls or set(json.loads(either.text)) == {"answer"}
     for kw, param in (
         ({"tools": [CLOCK], "tool_choice": "always"}, "tool_choice"),
-        ({"tools": [CLOCK], "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": [CLOCK], "response_format": {"type": "regex", "regex": "a"}}, "response_format"),
+        ({"tools": [CLOCK], "response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [UNFOLLOWABLE]}, "tools"),
     ):
         with pytest.raises(ChatRequestError) as e:
@@ -532,7 +478,7 @@ def test_a_conversation_with_calls_and_results(request, which):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": TOOLS, "response_format": {"type": "regex", "regex": "a"}}, "response_format"),
         ({"tools": [UNFOLLOWABLE]}, "tools"),
         ({"functions": [{"name": "a"}]}, "functions"),
         ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages"),

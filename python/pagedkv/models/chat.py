@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.graphs.structured import after_reasoning
+from pagedkv.graphs.structured import after_reasoning, response_format_grammar
 
 from .errors import ChatRequestError
 from .reasoning import FORMATS as REASONING_FORMATS
@@ -88,17 +88,19 @@ class ChatPrompt:
             return None
         return self.reasoning == "opened"
 
-    def grammar(self, format_grammar: str | None) -> str | None:
-        """The answer's grammar: the tool calls' where tools may be
-        called, else `format_grammar` (a `response_format`'s); after a
-        reasoning block where the model reasons (`structured.after_reasoning`),
-        so that a grammar does not stop it thinking. Raises ChatRequestError
-        (param "tools") where both are asked for."""
-        grammar = format_grammar
+    def grammar(self, response_format: Mapping | None) -> str | None:
+        """The answer's grammar: the tool calls' where tools may be called
+        (the content of an answer that calls none in `response_format`,
+        `ToolUse.grammar`), else the format's (`response_format_grammar`);
+        after a reasoning block where the model reasons
+        (`structured.after_reasoning`), so that a grammar does not stop it
+        thinking. Raises ValueError (a ChatRequestError naming
+        response_format where the tool format cannot hold the format) for a
+        format that cannot be followed."""
         if self.tools.active:
-            if format_grammar is not None:
-                raise ChatRequestError("tools", "give tools or an output format, not both")
-            grammar = self.tools.grammar()
+            grammar = self.tools.grammar(response_format)
+        else:
+            grammar = response_format_grammar(response_format)
         if grammar is None or self.reasoning is None:
             return grammar
         return after_reasoning(grammar, opened=self.reasoning == "opened")

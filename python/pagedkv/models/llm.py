@@ -304,7 +304,12 @@ class LLM:
         reasoning_format = reasoning_format or self.reasoning_format
         fields = (tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_format)
         prompts = [chat_prompt(self.tokenizer, c, *fields) for c in conversations]
-        grammar = prompts[0].grammar(self._format_grammar(response_format)) if prompts else None
+        try:
+            grammar = prompts[0].grammar(response_format) if prompts else None
+        except ChatRequestError:
+            raise
+        except ValueError as e:
+            raise ChatRequestError("response_format", str(e)) from None
         if grammar is not None and (error := self.grammars.error(grammar)) is not None:
             param = "tools" if prompts[0].tools.active else "response_format"
             raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")

@@ -21,10 +21,18 @@ Three formats, chosen by the model's chat template:
   "arguments": {...}}]} ({"tool_call": {...}} where parallel calls are off)
   or, under "auto", {"response": "..."}.
 
-In every format a call's arguments follow the tool's `parameters` schema, so a
-call read back always parses; a sample cut by max_tokens mid-call keeps
-its text as content. Under tool_choice "none" the prompt leaves the tools
-out and the answer is free text. A streamed answer is read by
+In every format a call's arguments follow the tool's `parameters` schema,
+so a call read back always parses; a sample cut by max_tokens mid-call
+keeps its text as content. A `response_format` beside the tools binds the
+content of an answer that calls none (under "auto"): in the hermes and
+Llama 3 formats the answer is then either calls alone or the content in
+its format; in the generic one the reply's "response" holds the content,
+a JSON value of the format's schema (llama.cpp's way), and the content
+read back is that value's text. The two JSON call formats (generic,
+Llama 3) take JSON content formats only (json_object, json_schema). A
+required or named call's answer is calls only, whatever the format. Under
+tool_choice "none" the prompt leaves the tools out and the answer is free
+text. A streamed answer is read by
 `tool_call_stream.ToolCallStream`.
 """
 
@@ -36,7 +44,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedkv.graphs.structured import JSON_LAYOUT
+from pagedkv.graphs.structured import (
+    JSON_LAYOUT,
+    grammar_given,
+    one_of,
+    response_format_grammar,
+)
 
 from .errors import ChatRequestError
 
@@ -279,31 +292,49 @@ class ToolUse:
             f"{json.dumps(example, indent=2)}"
         )
 
-    def grammar(self) -> str | None:
-        """The llguidance grammar of the answer (None under "none")."""
+    def grammar(self, content_format: Mapping | None = None) -> str | None:
+        """The llguidance grammar of the answer (None under "none"):
+        content_format, a `response_format`, binds the content of an answer
+        that calls no tool (see the module's docstring). Raises
+        ChatRequestError (param "response_format") for a generic-format
+        answer whose format is not JSON, and ValueError for a format
+        `response_format_grammar` does not take."""
         from llguidance import LLMatcher
 
         if not self.active:
             return None
+        bound = self.choice == "auto" and grammar_given(content_format)
         if self.format == "generic":
-            return LLMatcher.grammar_from_json_schema(self._generic_schema(), defaults=JSON_LAYOUT)
-        if self.format == "llama3":
-            return LLMatcher.grammar_from_lark(self._llama3_lark())
-        return LLMatcher.grammar_from_lark(self._hermes_lark())
+            reply = _reply_schema(content_format if bound else None)
+            return LLMatcher.grammar_from_json_schema(
+                self._generic_schema(reply), defaults=JSON_LAYOUT
+            )
+        if self.format == "llama3" and bound:
+            # A call and JSON content both open with `{`: one schema of
+            # either, which the grammar engine keeps apart as it goes.
+            either = [*self._call_schemas("parameters"), _reply_schema(content_format)]
+            return LLMatcher.grammar_from_json_schema({"anyOf": either}, defaults=JSON_LAYOUT)
+        free = self.choice == "auto" and not bound
+        lark = self._llama3_lark(free) if self.format == "llama3" else self._hermes_lark(free)
+        calls = LLMatcher.grammar_from_lark(lark)
+        if not bound:
+            return calls
+        return one_of(calls, response_format_grammar(content_format))
 
-    def _generic_schema(self) -> dict:
-        calls = [
+    def _call_schemas(self, arguments_key: str) -> list[dict]:
+        """JSON schemas of one call {"name": ..., KEY: {...}}, a tool each."""
+        return [
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": tool.name},
-                    "arguments": tool.parameters,
-                },
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+                "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
             for tool in self.offered
         ]
+
+    def _generic_schema(self, reply: dict) -> dict:
+        calls = self._call_schemas("arguments")
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         key, value = (
             ("tool_calls", {"type": "array", "items": call, "minItems": 1})
@@ -312,7 +343,7 @@ class ToolUse:
         )
         answer = _object({key: value})
         if self.choice == "auto":
-            return {"anyOf": [answer, _object({"response": {"type": "string"}})]}
+            return {"anyOf": [answer, _object({"response": reply})]}
         return answer
 
     def _call_bodies(self, arguments_key: str) -> str:
@@ -324,25 +355,27 @@ class ToolUse:
             for tool in self.offered
         )
 
-    def _llama3_lark(self) -> str:
+    def _llama3_lark(self, free: bool) -> str:
         """One call as the whole answer: {"name": ..., "parameters": {...}}
-        (Llama 3.x's templates render one call a turn); under "auto" an
+        (Llama 3.x's templates render one call a turn); where `free`, an
         answer that does not open with `{` is free text."""
         lines = ["%llguidance {}", "call: " + self._call_bodies("parameters")]
-        if self.choice == "auto":
+        if free:
             lines += ["start: call | TEXT", r"TEXT: /([^{](.|\n)*)?/"]
         else:
             lines.append("start: call")
         return "\n".join(lines)
 
-    def _hermes_lark(self) -> str:
+    def _hermes_lark(self, free: bool) -> str:
+        """Calls in <tool_call> tags: where `free`, after free text (the
+        grammar binds from the tag on), else the whole answer."""
         lines = [
             "%llguidance {}",
             "body: " + self._call_bodies("arguments"),
             f'call_end: "\\n" body "\\n{HERMES_CLOSE}"',
         ]
         repeat = "*" if self.parallel else "?"
-        if self.choice == "auto":
+        if free:
             # Free text, where the tag (matched lazily: at its first
             # appearance) starts a call the grammar binds.
             lines += [
@@ -416,8 +449,42 @@ def _read_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = [_call(c, "arguments", w) for c, w in zip(given, written, strict=True)]
     if calls and all(c is not None for c in calls):
         return None, calls
-    response = value.get("response")
-    return (response if isinstance(response, str) else text), []
+    if "response" not in value:
+        return text, []
+    response = value["response"]
+    if isinstance(response, str):
+        return response, []
+    # A content format's JSON value: its text as the grammar laid it out.
+    written = text.strip()
+    inner = written[len('{"response": ') : -1] if written.startswith('{"response": ') else ""
+    return (inner if _parses_to(inner, response) else json.dumps(response)), []
+
+
+def _parses_to(text: str, value: object) -> bool:
+    try:
+        return json.loads(text) == value
+    except json.JSONDecodeError:
+        return False
+
+
+def _reply_schema(content_format: Mapping | None) -> dict:
+    """The schema of a generic answer's "response": a string, or the JSON
+    value a content format asks for. Raises ChatRequestError for a format
+    that is not JSON."""
+    if content_format is None:
+        return {"type": "string"}
+    kind = content_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = content_format.get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
+    if not isinstance(schema, Mapping):
+        raise ChatRequestError(
+            "response_format",
+            "beside tools, this model's tool format (its calls are JSON) takes a json_object "
+            "or json_schema response_format (with its schema) only",
+        )
+    return dict(schema)
 
 
 def _call_of(text: str, key: str = "arguments") -> ToolCall | None:

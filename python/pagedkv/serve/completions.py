@@ -199,12 +199,17 @@ class Completions:
             _, fmt = request_format(
                 body.response_format, body.structured_outputs, body.json_schema, body.grammar
             )
-            grammar = response_format_grammar(fmt)
             if chat is not None:
+                # A tool's parameters are the likelier culprit of a grammar
+                # that cannot be followed.
                 param = "tools" if chat.tools.active else param
-                grammar = chat.grammar(grammar)
+                grammar = chat.grammar(fmt)
+            else:
+                grammar = response_format_grammar(fmt)
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)
+        except ChatRequestError as e:
+            grammar, error, param = None, str(e), e.param
         except ValueError as e:
             grammar, error = None, str(e)
         if error is not None:
