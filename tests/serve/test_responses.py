@@ -136,6 +136,20 @@ def test_function_calls_and_their_outputs(server):
     assert item.type == "function_call" and json.loads(item.arguments)["city"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [item.arguments]
+    # Tools beside text.format (an agent with an output type): a call, or
+    # a message whose text follows the format.
+    shaped = {"type": "json_schema", "name": "weather", "schema": {
+        "type": "object", "properties": {"degrees": {"type": "integer"}},
+        "required": ["degrees"], "additionalProperties": False}}  # fmt: skip
+    for given in ([ask], history):
+        answer = c.responses.create(model=MODEL, input=given, tools=[WEATHER],
+                                    text={"format": shaped}, temperature=0)  # fmt: skip
+        items = [item for item in answer.output if item.type != "reasoning"]
+        assert answer.status == "completed" and items, answer
+        if items[0].type == "function_call":
+            assert all(set(json.loads(item.arguments)) == {"city"} for item in items)
+        else:
+            assert set(json.loads(answer.output_text)) == {"degrees"}, answer
 
 
 def test_previous_response_id_continues_a_stored_conversation(server):
