@@ -9,10 +9,10 @@ GPU bench's shapes (bf16, page 16, head_dim 128).
 
 A call whose kernels take much less than its event time spends the rest
 launching (graph execution, stream ordering) rather than reading memory.
---split-sweep also times the kernel "auto" runs with the keys of each request
-cut into fixed chunks (plan()'s fixed_split_size: the longest request's pages
-over 1, 2, 4, .. chunks), to set beside plan()'s own choice, which the
-"auto" line names.
+--split-sweep also times the kernels "auto" chooses between with the keys
+of each request cut into fixed chunks (plan()'s fixed_split_size: the
+longest request's pages over 1, 2, 4, .. chunks), to set beside plan()'s
+own choice, which the "auto" line names.
 """
 
 from __future__ import annotations
@@ -160,13 +160,14 @@ def report(label: str, name: str, fn, reps: int, nbytes: int) -> None:
 
 
 def split_sweep(shape, case, reps: int) -> None:
-    """The kernel "auto" runs at the shape's group (tensor cores from
-    8 query heads per KV head, TMA below) with fixed chunks of the longest
-    request's pages over 1, 2, 4, .. (at least 8 pages a chunk)."""
+    """The kernels "auto" chooses between at the shape's group (tensor
+    cores alone from 8 query heads per KV head, where the TMA kernel's
+    CUDA-core arithmetic falls behind; both below) with fixed chunks of the
+    longest request's pages over 1, 2, 4, .. (at least 8 pages a chunk)."""
     pages = -(-shape.seq_len // shape.page_size)
     chunks = [pages // n for n in (1, 2, 4, 8, 16, 32) if pages // n >= 8]
     group = shape.num_qo_heads // shape.num_kv_heads
-    for backend in ("mma",) if group >= 8 else ("tma",):
+    for backend in ("mma",) if group >= 8 else ("tma", "mma"):
         for chunk in chunks:
             name = f"{backend} split {pages // chunk}"
             try:
