@@ -214,7 +214,9 @@ def compiled_ops(request):
     their own, and minutes of CPU compiles would be wasted on a lent GPU
     machine.
     """
-    model_files = {"test_smollm2.py", "test_serve.py"} if MODEL_DEVICE == "gpu" else set()
+    model_files = (
+        {"test_smollm2.py", "test_serve.py", "test_gemma3.py"} if MODEL_DEVICE == "gpu" else set()
+    )
     if all(
         item.get_closest_marker("gpu") is not None or item.path.name in model_files
         for item in request.session.items

@@ -7,6 +7,8 @@ in Gemma's turn format, raw completions, a chat of 1662 tokens and a
 multi-turn conversation of 756, both past the local layers' 512-token
 window. Compiling Gemma's step graphs costs about a minute cold, so the
 comparisons are in the slow set (`python -m pytest -m slow`).
+`PAGEDKV_TEST_DEVICE=gpu` runs the model on a GPU (tools/device/checks.sh's
+gemma-tests job).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MODEL_DEVICE
 from exactness import assert_matches_reference, compared_prefix
 from pagedkv.models import fetch_gguf, load
 from pagedkv.models.tokenizer import ChatTokenizer, TextStream
@@ -38,7 +41,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return load("gemma3-270m", weights="f32")
+    return load("gemma3-270m", weights="f32", device=MODEL_DEVICE)
 
 
 def test_description_read_from_the_gguf(model):

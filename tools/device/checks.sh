@@ -13,6 +13,9 @@
 # model-tests: the real model's tests on the GPU (greedy answers against
 #   transformers', the server), then the demo (float32 and bfloat16 weights)
 #   and `generate` with it.
+# gemma-tests: Gemma 3's tests on the GPU (staged with GEMMA=1: greedy
+#   answers against transformers' past its local layers' window, the window
+#   group's pages, the server), then its demo (not in the default list).
 source tools/device/env.sh
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(bf16-bisect mma-probe gpu-tests model-tests)
@@ -32,6 +35,9 @@ for name in "${jobs[@]}"; do
     python3 -m pagedkv demo --device gpu --weights bf16 || s=1;
     python3 -m pagedkv generate --device gpu --json --max-new-tokens 24 \
       "What is the capital of France?" "Write a haiku about the sea." || s=1; exit $s' ;;
+  gemma-tests) job gemma-tests bash -c 'PAGEDKV_TEST_DEVICE=gpu python3 -m pytest \
+    tests/models/test_gemma3.py -m slow -q -ra -p no:cacheprovider -o faulthandler_timeout=1200;
+    s=$?; python3 -m pagedkv demo --device gpu --model gemma3-270m || s=1; exit $s' ;;
   *) echo "unknown job $name" >&2; exit 2 ;;
   esac
   echo "started $name"

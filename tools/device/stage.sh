@@ -9,6 +9,8 @@
 #   bash tools/device/stage.sh          # in the repository root, here
 #   FLASHINFER=0 bash tools/device/stage.sh   # without FlashInfer: one part
 #                                       # fewer, and no nvcc builds beside the checks
+#   GEMMA=1 bash tools/device/stage.sh  # Gemma 3 270M's GGUF too (five parts
+#                                       # more), for checks.sh's gemma-tests
 #
 # Writes .devstage/p1 .. pN (git-ignored through .git/info/exclude) and prints
 # the device calls, in order. The parts' plain tar holds FlashInfer first, so
@@ -63,11 +65,15 @@ install_target "$build/extsite" -r tools/device/requirements.txt
 install_target "$build/maxsite" "max==26.7.0" "max-core==26.7.0" "max-mojo-libs==26.7.0" \
   "max-shmem-libs==26.7.0" "mojo-compiler==1.2.0" "mojo-compiler-mojo-libs==1.2.0" \
   msgspec taskgroup exceptiongroup
-# SmolLM2's GGUF, from this machine's pagedkv cache (fetched here if absent).
-gguf=$(python -c "from pagedkv.models import fetch_gguf; print(fetch_gguf('smollm2-135m-instruct'))")
-rel=$(python -c "import sys; from pathlib import Path; from pagedkv._ops.paths import cache_root; print(Path(sys.argv[1]).relative_to(cache_root()))" "$gguf")
-mkdir -p "$build/model/$(dirname "$rel")"
-cp "$gguf" "$build/model/$rel"
+# The models' GGUFs, from this machine's pagedkv cache (fetched here if absent).
+models=(smollm2-135m-instruct)
+[ "${GEMMA:-0}" != 0 ] && models+=(gemma3-270m)
+for name in "${models[@]}"; do
+  gguf=$(python -c "import sys; from pagedkv.models import fetch_gguf; print(fetch_gguf(sys.argv[1]))" "$name")
+  rel=$(python -c "import sys; from pathlib import Path; from pagedkv._ops.paths import cache_root; print(Path(sys.argv[1]).relative_to(cache_root()))" "$gguf")
+  mkdir -p "$build/model/$(dirname "$rel")"
+  cp "$gguf" "$build/model/$rel"
+done
 # The kernel package, built here: the device then skips `mojo precompile`.
 package=$(python -c "from pagedkv._ops.kernels import kernel_package as k; print(k())")
 mkdir -p "$build/model/$(basename "$(dirname "$package")")"
