@@ -6,8 +6,9 @@ pool small enough to force preemption, then checks that nothing leaked.
 The server runs in this process on a loopback port (so the manager's
 validator can be sampled between steps); the clients are asyncio streams
 over HTTP. Each client loops: a chat, a completion or a Responses API
-request, short or long, some on one shared system prompt, some chats
-offering a tool, some with n = 2 or 3, some streamed and dropped
+request (a whole one's input items read back), short or long, some on one
+shared system prompt, some chats offering a tool (some of those with a
+response format beside it), some with n = 2 or 3, some streamed and dropped
 mid-answer, some cancelled before their first token. Every `--every`
 seconds it samples the manager's validator, free and cached pages, the
 process's RSS and the window's latency percentiles.
@@ -56,7 +57,12 @@ TOOLS = [
         },
     }
 ]
-"""Offered to a fifth of the chats (tool_choice auto or required)."""
+"""Offered to a fifth of the chats (tool_choice auto or required), a third
+of those with ANSWER_FORMAT beside them."""
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+    "required": ["answer"], "additionalProperties": False}}}  # fmt: skip
+"""The content format of a tool chat's answer that calls no tool."""
 SYSTEM = (
     "You are a careful assistant for a shipping company. Answer in two short "
     "sentences, name the policy you rely on, and never invent tracking numbers. "
@@ -114,6 +120,8 @@ def body_for(rng: random.Random) -> tuple[str, dict, str]:
             messages.insert(0, {"role": "system", "content": SYSTEM})
         if rng.random() < 0.2:
             common |= {"tools": TOOLS, "tool_choice": rng.choice(["auto", "required"])}
+            if rng.random() < 1 / 3:
+                common["response_format"] = ANSWER_FORMAT
         return "/v1/chat/completions", {**common, "messages": messages}, fault
     return "/v1/completions", {**common, "prompt": question * (4 if long else 1)}, fault
 
@@ -130,6 +138,11 @@ async def client(c: httpx.AsyncClient, seed: int, until: float, tally: Tally) ->
                     tally.errors[r.status_code] = tally.errors.get(r.status_code, 0) + 1
                     continue
                 tally.completed += 1
+                if path == "/v1/responses":
+                    # A stored response's input items, as an agent reads them back.
+                    items = await c.get(f"/v1/responses/{r.json()['id']}/input_items")
+                    if items.status_code != 200:
+                        tally.errors[items.status_code] = tally.errors.get(items.status_code, 0) + 1
                 if (
                     path != "/v1/responses"
                     and body["temperature"] == 0
