@@ -5,6 +5,7 @@ tokenizer with a check that a grammar lets a text come."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -89,8 +90,11 @@ ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
 """A content format: an object holding one integer."""
 
 
+@functools.cache
 def grammar_engine() -> tuple:
-    """(SmolLM2's tokenizer, a grammar engine over its vocabulary)."""
+    """(SmolLM2's tokenizer, a grammar engine over its vocabulary), built
+    once per process (its tables take seconds; matchers keep their own
+    state)."""
     tokenizer = load_tokenizer(MODEL)
     return tokenizer, Grammars(tokenizer.tokenizer, 49152, tokenizer.stop_ids)
 
