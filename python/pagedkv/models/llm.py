@@ -304,15 +304,7 @@ class LLM:
         reasoning_format = reasoning_format or self.reasoning_format
         fields = (tools, tool_choice, parallel_tool_calls, chat_template_kwargs, reasoning_format)
         prompts = [chat_prompt(self.tokenizer, c, *fields) for c in conversations]
-        try:
-            grammar = prompts[0].grammar(response_format) if prompts else None
-        except ChatRequestError:
-            raise
-        except ValueError as e:
-            raise ChatRequestError("response_format", str(e)) from None
-        if grammar is not None and (error := self.grammars.error(grammar)) is not None:
-            param = "tools" if prompts[0].tools.active else "response_format"
-            raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")
+        grammar = self._chat_grammar(prompts[0], response_format) if prompts else None
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
         streams = [p.stream() for p in prompts] if on_delta is not None else None
         on_text = None if streams is None else _chat_deltas(streams, on_delta)
@@ -340,6 +332,21 @@ class LLM:
             calls,
             answer.reasoning,
         )
+
+    def _chat_grammar(self, prompt: ChatPrompt, response_format: Mapping | None) -> str | None:
+        """The grammar of a chat's answers (`ChatPrompt.grammar`); raises
+        ChatRequestError naming the field at fault where it cannot be
+        followed (the tools where they are offered)."""
+        try:
+            grammar = prompt.grammar(response_format)
+        except ChatRequestError:
+            raise
+        except ValueError as e:
+            raise ChatRequestError("response_format", str(e)) from None
+        if grammar is not None and (error := self.grammars.error(grammar)) is not None:
+            param = "tools" if prompt.tools.active else "response_format"
+            raise ChatRequestError(param, f"the answer's grammar cannot be followed: {error}")
+        return grammar
 
     def _format_grammar(self, response_format: Mapping | None) -> str | None:
         """The grammar of `response_format` (None for free text); raises
