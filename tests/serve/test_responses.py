@@ -139,7 +139,8 @@ def test_function_calls_and_their_outputs(server):
     # Tools beside text.format (an agent with an output type): a call, or
     # a message whose text follows the format.
     shaped = {"type": "json_schema", "name": "weather", "schema": {
-        "type": "object", "properties": {"degrees": {"type": "integer"}},
+        "type": "object", "properties": {"degrees": {"type": "integer", "minimum": -100,
+                                                     "maximum": 100}},
         "required": ["degrees"], "additionalProperties": False}}  # fmt: skip
     for given in ([ask], history):
         answer = c.responses.create(model=MODEL, input=given, tools=[WEATHER],

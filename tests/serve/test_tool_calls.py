@@ -479,6 +479,8 @@ def test_a_conversation_with_calls_and_results(request, which):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "response_format": {"type": "regex", "regex": "a"}}, "response_format"),
+        ({"tools": TOOLS, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"tools": TOOLS, "response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [UNFOLLOWABLE]}, "tools"),
         ({"functions": [{"name": "a"}]}, "functions"),
         ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages"),

@@ -85,9 +85,10 @@ def streamed(use: ToolUse, text: str, sizes) -> tuple[str, list[dict], list]:
 
 
 ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
-    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-    "additionalProperties": False}}}  # fmt: skip
-"""A content format: an object holding one integer."""
+    "type": "object", "properties": {"answer": {"type": "integer", "minimum": -1000,
+    "maximum": 1000}}, "required": ["answer"], "additionalProperties": False}}}  # fmt: skip
+"""A content format: an object holding one integer. Bounded, so that no
+sampled answer can run to max_tokens in its digits."""
 
 
 @functools.cache

@@ -31,10 +31,14 @@ left() { echo $(($1 - (SECONDS - start))); }
 for phase in "${phases[@]}"; do
   case $phase in
   profile)
-    job profile timeout "$(left $((budget - 5)))" python3 \
+    # At most PROFILE_SECONDS (240: the profile and its sweep took 196 s on
+    # an H100), so that the phases after it keep their time.
+    cap=$(left $((budget - 5)))
+    [ "$cap" -gt "${PROFILE_SECONDS:-240}" ] && cap=${PROFILE_SECONDS:-240}
+    job profile timeout "$cap" python3 \
       benchmarks/kernel_investigations/decode_gpu_profile.py --reps 20 --skip pagedkv-generic \
       --split-sweep
-    TAIL_LINES=200 wait_jobs "$(left "$budget")" profile
+    TAIL_LINES=200 wait_jobs "$((cap + 5))" profile
     collect profile ;;
   checks)
     bash tools/device/checks.sh gpu-tests model-tests

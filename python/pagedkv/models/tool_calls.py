@@ -296,9 +296,9 @@ class ToolUse:
         """The llguidance grammar of the answer (None under "none"):
         content_format, a `response_format`, binds the content of an answer
         that calls no tool (see the module's docstring). Raises
-        ChatRequestError (param "response_format") for a generic-format
-        answer whose format is not JSON, and ValueError for a format
-        `response_format_grammar` does not take."""
+        ChatRequestError (param "response_format") where a JSON call format
+        (generic, Llama 3) is given a format that is not JSON, and
+        ValueError for a format `response_format_grammar` does not take."""
         from llguidance import LLMatcher
 
         if not self.active:

@@ -199,17 +199,15 @@ class Completions:
             _, fmt = request_format(
                 body.response_format, body.structured_outputs, body.json_schema, body.grammar
             )
-            if chat is not None:
-                # A tool's parameters are the likelier culprit of a grammar
-                # that cannot be followed.
-                param = "tools" if chat.tools.active else param
-                grammar = chat.grammar(fmt)
-            else:
-                grammar = response_format_grammar(fmt)
+            # Raises ValueError for a format that cannot be taken (beside
+            # tools too): the field that names it is at fault.
+            grammar = response_format_grammar(fmt) if chat is None else chat.grammar(fmt)
+            if chat is not None and chat.tools.active:
+                # A grammar the engine cannot follow: a tool's parameters
+                # are the likelier culprit.
+                param = "tools"
             grammars = self.engine.llm.grammars
             error = None if grammar is None else await asyncio.to_thread(grammars.error, grammar)
-        except ChatRequestError as e:
-            grammar, error, param = None, str(e), e.param
         except ValueError as e:
             grammar, error = None, str(e)
         if error is not None:
