@@ -85,7 +85,7 @@ def copy_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> 
     return vocab
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3", "gemma2"))
@@ -105,19 +105,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
     parser.add_argument("--soft-caps", default="50,30", help="Gemma 2's ATTENTION,FINAL caps")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    source = args.tokenizer_from
-    if source is None:
-        from pagedkv.models.fetch import fetch_gguf
+    return parser.parse_args()
 
-        source = fetch_gguf("smollm2-135m-instruct")
-    rng = np.random.default_rng(args.seed)
-    hidden, head_dim = args.hidden, args.head_dim or args.hidden // args.heads
-    writer = GGUFWriter(str(args.out), args.arch)
-    writer.add_name(f"random {args.arch} {hidden}x{args.layers}")
+
+def add_hyperparameters(writer: GGUFWriter, args: argparse.Namespace, head_dim: int) -> None:
+    """The architecture's keys: shape, RoPE, and Gemma 2's window and caps."""
+    writer.add_name(f"random {args.arch} {args.hidden}x{args.layers}")
     writer.add_block_count(args.layers)
     writer.add_context_length(args.context)
-    writer.add_embedding_length(hidden)
+    writer.add_embedding_length(args.hidden)
     writer.add_feed_forward_length(args.ffn)
     writer.add_head_count(args.heads)
     writer.add_head_count_kv(args.kv_heads)
@@ -135,6 +131,19 @@ def main() -> None:
         writer.add_sliding_window(args.window)
         writer.add_attn_logit_softcapping(attention_cap)
         writer.add_final_logit_softcapping(final_cap)
+
+
+def main() -> None:
+    args = parse_args()
+    source = args.tokenizer_from
+    if source is None:
+        from pagedkv.models.fetch import fetch_gguf
+
+        source = fetch_gguf("smollm2-135m-instruct")
+    rng = np.random.default_rng(args.seed)
+    hidden, head_dim = args.hidden, args.head_dim or args.hidden // args.heads
+    writer = GGUFWriter(str(args.out), args.arch)
+    add_hyperparameters(writer, args, head_dim)
     vocab = copy_tokenizer(writer, source, args.tokenizer_pre)
     kind = GGMLQuantizationType[args.type]
 
