@@ -78,10 +78,11 @@ comptime ADD_RESIDUAL = 1
 
 comptime NV = PANEL // WI
 """Vectors of 32-bit lanes across a panel's columns."""
-comptime MR = 6 if VECTOR_REGISTERS >= 32 else 2
-"""Rows of x in a register tile: 2 * MR * NV accumulators (int32 for the
-block, float32 across blocks), the codes and the scales stay within the
-target's vector registers."""
+comptime MR = 6 if VECTOR_REGISTERS >= 32 else 4
+"""Rows of x in a register tile: a tile takes one vector of its columns
+at a time, so 2 * MR accumulators (int32 or int16 pairs for the block,
+float32 across blocks), the codes and the scales stay within the target's
+vector registers."""
 comptime MAX_TILES_PER_TASK = 8
 """Register tiles of rows a task runs over its panel at most (the panel
 stays in L1 across them)."""
@@ -180,26 +181,30 @@ def tile[
     var supers = mins.unsafe_offset(
         blocks * PANEL * scale_bytes(fmt) if MIN else 0
     )
-    var acc = stack_allocation[rows * NV, SIMD[F32, WI]]()
-    comptime for i in range(rows * NV):
-        acc[unsafe_offset=i] = 0
-    for b in range(blocks):
-        var isum = stack_allocation[PARTS * rows * NV, Acc]()
-        var pairs = stack_allocation[PARTS * rows * NV, Pairs]()
-        comptime for i in range(PARTS * rows * NV):
-            isum[unsafe_offset=i] = 0
-            comptime if PAIRED:
-                pairs[unsafe_offset=i] = 0
-        var codes = panel.unsafe_offset(b * CODE_BYTES)
-        var xb = x.q.unsafe_offset(b * QK)
-        if ahead != 0:
-            comptime for g in range(CODE_BYTES // GROUP_BYTES):
-                prefetch[PrefetchOptions().for_read().low_locality()](
-                    codes.unsafe_offset(ahead + g * GROUP_BYTES)
-                )
-        comptime for g in range(GROUPS):
-            comptime part = g // PART_GROUPS
-            comptime for v in range(NV):
+    # One vector of columns at a time, all blocks: its rows' accumulators
+    # are all a tile keeps live, so that AVX2's 16 registers hold taller
+    # tiles without spilling.
+    comptime for v in range(NV):
+        var acc = stack_allocation[rows, SIMD[F32, WI]]()
+        comptime for r in range(rows):
+            acc[unsafe_offset=r] = 0
+        for b in range(blocks):
+            var isum = stack_allocation[PARTS * rows, Acc]()
+            var pairs = stack_allocation[PARTS * rows, Pairs]()
+            comptime for i in range(PARTS * rows):
+                isum[unsafe_offset=i] = 0
+                comptime if PAIRED:
+                    pairs[unsafe_offset=i] = 0
+            var codes = panel.unsafe_offset(b * CODE_BYTES)
+            var xb = x.q.unsafe_offset(b * QK)
+            comptime if v == 0:
+                if ahead != 0:
+                    comptime for g in range(CODE_BYTES // GROUP_BYTES):
+                        prefetch[PrefetchOptions().for_read().low_locality()](
+                            codes.unsafe_offset(ahead + g * GROUP_BYTES)
+                        )
+            comptime for g in range(GROUPS):
+                comptime part = g // PART_GROUPS
                 var raw = codes.unsafe_offset(
                     g * GROUP_BYTES + v * BYTES
                 ).unsafe_load[width=BYTES]()
@@ -221,7 +226,7 @@ def tile[
                     comptime steps = (g % PART_GROUPS + 1) * 2
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 8 * g)
-                        var i = (part * rows + r) * NV + v
+                        var i = part * rows + r
                         comptime if PAIRED:
                             var p = add_pair_dot(
                                 pairs[unsafe_offset=i], lo, broadcast_word(xr)
@@ -250,7 +255,7 @@ def tile[
                 else:
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 4 * g)
-                        var i = (part * rows + r) * NV + v
+                        var i = part * rows + r
                         comptime if SIGNED:
                             isum[unsafe_offset=i] = dot_s8s8(
                                 isum[unsafe_offset=i],
@@ -263,7 +268,6 @@ def tile[
                                 raw ^ 0x80,
                                 broadcast_word(xr),
                             )
-        comptime for v in range(NV):
             comptime for part in range(PARTS):
                 var d = block_scales[fmt](
                     scales, (b * PARTS + part) * PANEL + v * WI
@@ -296,11 +300,10 @@ def tile[
                 elif Z != 0:
                     shift = d * Float32(-Z)
                 comptime for r in range(rows):
-                    var i = r * NV + v
-                    var dot = isum[unsafe_offset=(part * rows + r) * NV + v]
-                    acc[unsafe_offset=i] = dot.cast[F32]().fma(
+                    var dot = isum[unsafe_offset=part * rows + r]
+                    acc[unsafe_offset=r] = dot.cast[F32]().fma(
                         d * x.d[unsafe_offset=r * blocks + b],
-                        acc[unsafe_offset=i],
+                        acc[unsafe_offset=r],
                     )
                     comptime if MIN or Z != 0:
                         var d_sum: Float32
@@ -310,13 +313,12 @@ def tile[
                             ]
                         else:
                             d_sum = x.d_sums[unsafe_offset=r * blocks + b]
-                        acc[unsafe_offset=i] = shift.fma(
-                            SIMD[F32, WI](d_sum), acc[unsafe_offset=i]
+                        acc[unsafe_offset=r] = shift.fma(
+                            SIMD[F32, WI](d_sum), acc[unsafe_offset=r]
                         )
-    comptime for r in range(rows):
-        comptime for v in range(NV):
+        comptime for r in range(rows):
             dst.unsafe_offset(r * PANEL + v * WI).unsafe_store(
-                acc[unsafe_offset=r * NV + v]
+                acc[unsafe_offset=r]
             )
 
 
