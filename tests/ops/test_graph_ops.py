@@ -13,11 +13,11 @@ from max.graph import BufferType, DeviceRef, Module, TensorType
 import pagedkv
 import reference
 from pagedkv import graph_ops
-from pagedkv._plan.work import CPU_MAX_TASK_ROWS
+from pagedkv._plan.work import CPU_MAX_SHARED_ROWS
 from suite_graphs import ops_graph, suite_graph, suite_model
 
 P, HQ, HKV, D = 16, 8, 2, 64
-CPU_SHARED_QUERIES = CPU_MAX_TASK_ROWS // (HQ // HKV)
+CPU_SHARED_QUERIES = CPU_MAX_SHARED_ROWS // (HQ // HKV)
 """Requests one shared decode item holds at most."""
 
 
@@ -185,11 +185,11 @@ def shared_prefix_table(rng: np.random.Generator, groups, tails):
 
 def test_decode_reads_shared_prefix_pages_once_and_matches_float64():
     """Requests that share a prefix's pages are scored together (one item
-    holds the queries of up to 16 requests, or of two, below the rows that
+    holds the queries of up to 32 requests, or of two, below the rows that
     take matrix products); every request's output still matches float64."""
     model = suite_model("append_then_decode")
     rng = np.random.default_rng(3)
-    groups = [(40, 19), (20, 2), (0, 1), (12, 3)]
+    groups = [(40, 35), (20, 2), (0, 1), (12, 3)]
     tails = rng.integers(1, 60, sum(n for _, n in groups)).tolist()
     num_pages, lens, kv_indptr, kv_indices, last = shared_prefix_table(rng, groups, tails)
     batch = len(lens)

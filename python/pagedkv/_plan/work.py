@@ -257,6 +257,14 @@ CPU_MAX_TASK_ROWS = 64
 """Query rows (a query token's head) one CPU task scores together: their
 state lives on the heap, their K/V reads are shared."""
 
+CPU_MAX_SHARED_ROWS = 128
+"""Query rows a shared decode item (`share_decode_prefixes`) takes at most:
+more than a task's usual, as each chunk of the shared keys is widened and
+transposed once for all of them. Without VNNI the widening is a tenth of a
+32-request step after a long shared prompt, and 96 rows in one item made
+that step about 5% faster than two items of 64 and 32 (docs/performance.md);
+with it, no slower."""
+
 
 def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
     """KV heads per CPU task: all of them when their query heads fit, so an
@@ -442,7 +450,7 @@ def share_decode_prefixes(
     prefix's pages read them once: where requests b, b + 1, .. have the same
     c-th item (same first and end key, inside the pages they have in common,
     `common_prefix_pages`), request b's item takes all their queries (up to
-    CPU_MAX_TASK_ROWS rows of a KV head) and theirs none; the shared item
+    CPU_MAX_SHARED_ROWS rows of a KV head) and theirs none; the shared item
     writes their partial states into their own items' slots
     (mojo_ops/attention/work.mojo). Items of one query per request (rows in
     request order) over a page table without a window; returns a new array,
@@ -454,7 +462,7 @@ def share_decode_prefixes(
     if not common.any():
         return items
     counts = np.diff(request_items)
-    most = max(CPU_MAX_TASK_ROWS // group, 1)
+    most = max(CPU_MAX_SHARED_ROWS // group, 1)
     # [C, B]: request b's c-th item, where it has one.
     c = np.arange(int(counts.max()))[:, None]
     has = c < counts[None, :]
