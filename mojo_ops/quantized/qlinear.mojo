@@ -182,8 +182,8 @@ def tile[
         blocks * PANEL * scale_bytes(fmt) if MIN else 0
     )
     # One vector of columns at a time, all blocks: its rows' accumulators
-    # are all a tile keeps live, so that AVX2's 16 registers hold taller
-    # tiles without spilling.
+    # are all a tile keeps live, so that AVX2's 16 registers hold a tile of
+    # 4 rows, each unpacked vector of codes serving all of them.
     comptime for v in range(NV):
         var acc = stack_allocation[rows, SIMD[F32, WI]]()
         comptime for r in range(rows):
