@@ -260,10 +260,9 @@ state lives on the heap, their K/V reads are shared."""
 CPU_MAX_SHARED_ROWS = 128
 """Query rows a shared decode item (`share_decode_prefixes`) takes at most:
 more than a task's usual, as each chunk of the shared keys is widened and
-transposed once for all of them. Without VNNI the widening is a tenth of a
-32-request step after a long shared prompt, and 96 rows in one item made
-that step about 5% faster than two items of 64 and 32 (docs/performance.md);
-with it, no slower."""
+transposed once for all of them, which pays where int8 keys are widened to
+float32 (AVX2; docs/performance.md, "AVX2 products one vector of columns
+at a time")."""
 
 
 def heads_per_task(num_qo_heads: int, num_kv_heads: int) -> int:
