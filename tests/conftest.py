@@ -459,3 +459,15 @@ def redis_url():
     yield url
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def grammars() -> tuple:
+    """(SmolLM2's tokenizer, a grammar engine over its vocabulary), built
+    once per session for the tool and format tests: its tables take
+    seconds; matchers keep their own state."""
+    from pagedkv.graphs.structured import Grammars
+    from pagedkv.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    return tokenizer, Grammars(tokenizer.tokenizer, 49152, tokenizer.stop_ids)

@@ -33,7 +33,6 @@ from tool_helpers import (
     allows,
     call_follows,
     follows_tools,
-    grammar_engine,
     streamed,
 )
 
@@ -48,12 +47,6 @@ from pagedkv.models.tool_calls import (
     read_tools,
     template_format,
 )
-
-
-@pytest.fixture(scope="module")
-def grammars():
-    return grammar_engine()
-
 
 # What is offered, and how a request names it.
 

@@ -18,16 +18,10 @@ from tool_helpers import (
     TOOLS,
     allows,
     follows_tools,
-    grammar_engine,
 )
 
 from pagedkv.models.errors import ChatRequestError
 from pagedkv.models.tool_calls import ToolUse, read_tools
-
-
-@pytest.fixture(scope="module")
-def grammars():
-    return grammar_engine()
 
 
 def test_a_content_format_beside_tools(grammars):

@@ -5,14 +5,9 @@ tokenizer with a check that a grammar lets a text come."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
-from chat_server import MODEL
-
-from pagedkv.graphs.structured import Grammars
-from pagedkv.models.tokenizer import load_tokenizer
 from pagedkv.models.tool_call_stream import ToolCallStream
 from pagedkv.models.tool_calls import ToolUse
 
@@ -91,18 +86,9 @@ ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
 sampled answer can run to max_tokens in its digits."""
 
 
-@functools.cache
-def grammar_engine() -> tuple:
-    """(SmolLM2's tokenizer, a grammar engine over its vocabulary), built
-    once per process (its tables take seconds; matchers keep their own
-    state)."""
-    tokenizer = load_tokenizer(MODEL)
-    return tokenizer, Grammars(tokenizer.tokenizer, 49152, tokenizer.stop_ids)
-
-
 def allows(grammars, grammar: str, text: str) -> bool:
     """Whether the grammar lets the tokens of text come, in order
-    (grammars: `grammar_engine()`)."""
+    (grammars: the `grammars` fixture)."""
     tokenizer, engine = grammars
     state = engine.start(grammar)
     for token in tokenizer.encode(text):
