@@ -1,13 +1,14 @@
 """Where a decode step of a served batch goes, in process: a GGUF model's
 decode step of B requests that share a prompt of P tokens (each with 16
-tokens of its own), the same step with the shared prompt cut to 16 tokens
-(the difference is the prefix's attention), and each of the step's
+tokens of its own, or each count of `--own` in turn: a served request's own
+tokens grow as it answers), the same step with the shared prompt cut to 16
+tokens (the difference is the prefix's attention), and each of the step's
 quantized products alone at B rows (ms and GOP/s). With one request, the
 step against its floor: the packed weights' bytes at the machine's best
 plain read (measured in the same run).
 
     python benchmarks/decode_step.py [--model smollm2-135m-instruct | --gguf PATH]
-        [--batch 32] [--prefix 926] [--steps 30]
+        [--batch 32] [--prefix 926] [--own 16,80,150] [--steps 30]
 
 PAGEDKV_CPU_TARGET=x86-64-v3 runs the AVX2 code path (one target a process:
 run the script once per target and compare).
@@ -32,9 +33,9 @@ from pagedkv._ops.tensors import CPU
 from pagedkv.models import load
 
 
-def forked_batch(llm, tag: str, batch: int, prefix: int) -> list[str]:
+def forked_batch(llm, tag: str, batch: int, prefix: int, own: int = 16) -> list[str]:
     """Ids of `batch` requests forked from one `prefix`-token prompt, each
-    with 16 tokens of its own, prefilled."""
+    with `own` tokens of its own, prefilled."""
     rng = np.random.default_rng(prefix)
     engine, manager = llm.engine, llm.manager
     parent, ids = f"{tag}-prompt", [f"{tag}-{i}" for i in range(batch)]
@@ -42,7 +43,7 @@ def forked_batch(llm, tag: str, batch: int, prefix: int) -> list[str]:
     engine.prefill([parent], [rng.integers(100, 10000, prefix).tolist()])
     for i in ids:
         manager.fork(parent, i)
-        engine.prefill([i], [rng.integers(100, 10000, 16).tolist()])
+        engine.prefill([i], [rng.integers(100, 10000, own).tolist()])
     return ids
 
 
@@ -80,26 +81,34 @@ def main() -> None:
     parser.add_argument("--gguf", help="a Llama, Qwen or Gemma GGUF of your own instead")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=926)
+    parser.add_argument(
+        "--own", default="16", help="each request's own tokens: counts, comma-separated"
+    )
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     pin_max_workers()
     llm = load(args.model, weights="gguf", gguf=args.gguf)
     print(f"CPU: {cpu_model()}\n{kernel_isa_line()}")
-    print(f"{llm.name}, {llm.manager.dtype} cache, {args.batch} requests\n")
     engine, b = llm.engine, args.batch
-    batches = {p: forked_batch(llm, f"p{p}", b, p) for p in dict.fromkeys((args.prefix, 16))}
-    steps = {p: (lambda ids=ids: engine.decode(ids, [5] * b)) for p, ids in batches.items()}
+    print(f"{llm.name}, {llm.manager.dtype} cache, {b} requests\n")
+    owns = [int(n) for n in args.own.split(",")]
+    # (shared prompt, own tokens): each own count after the prompt, and the
+    # first after a 16-token one.
+    shapes = dict.fromkeys([(args.prefix, n) for n in owns] + [(16, owns[0])])
+    batches = {(p, n): forked_batch(llm, f"p{p}o{n}", b, p, n) for p, n in shapes}
+    steps = {k: (lambda ids=ids: engine.decode(ids, [5] * b)) for k, ids in batches.items()}
     # Interleaved, so that a drift in the machine's speed hits all alike.
     timed = time_round_robin(steps, reps=args.steps, max_s=60.0, flush=False)
-    print("| decode step | ms (median) | ms (best) |\n|---|---|---|")
-    for p, t in timed.items():
-        print(f"| after a shared {p}-token prompt | {t.median_ms:.1f} | {t.min_ms:.1f} |")
+    print("| decode step | own tokens (at the first step) | ms (median) | ms (best) |")
+    print("|---|---|---|---|")
+    for (p, n), t in timed.items():
+        print(f"| after a shared {p}-token prompt | {n} | {t.median_ms:.1f} | {t.min_ms:.1f} |")
     if b == 1:
         # The products' bytes (a step reads each once; not the embedding's).
         nbytes = sum(q.panels.nbytes for name, q in llm.quantized.items() if name != "embed")
         gbps = read_bandwidth_gbps()
         floor_ms = nbytes / gbps / 1e6
-        step_ms = timed[16].median_ms
+        step_ms = timed[16, owns[0]].median_ms
         print(
             f"\none request's step: {nbytes / 1e6:.0f} MB of packed weights at {gbps:.1f} GB/s"
             f" (the best plain read) is {floor_ms:.1f} ms; the step ({step_ms:.1f} ms) reads"
