@@ -75,6 +75,14 @@ def product_call(w, rows: int):
     return lambda: model.execute(x, panels)
 
 
+def token_counts(text: str) -> list[int]:
+    """Comma-separated counts of at least 1 token, as `--own` takes them."""
+    counts = [int(n) for n in text.split(",")]
+    if min(counts) < 1:
+        raise ValueError(text)
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -82,7 +90,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=926)
     parser.add_argument(
-        "--own", default="16", help="each request's own tokens: counts, comma-separated"
+        "--own",
+        type=token_counts,
+        default=[16],
+        help="each request's own tokens: counts, comma-separated (default 16)",
     )
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
@@ -91,7 +102,7 @@ def main() -> None:
     print(f"CPU: {cpu_model()}\n{kernel_isa_line()}")
     engine, b = llm.engine, args.batch
     print(f"{llm.name}, {llm.manager.dtype} cache, {b} requests\n")
-    owns = [int(n) for n in args.own.split(",")]
+    owns = args.own
     # (shared prompt, own tokens): each own count after the prompt, and the
     # first after a 16-token one.
     shapes = dict.fromkeys([(args.prefix, n) for n in owns] + [(16, owns[0])])
