@@ -173,11 +173,15 @@ def check_masked_merge(kind: str, device: str = "cpu") -> None:
 
 
 def test_bad_cascade_input_raises_before_writing():
-    v, s = np.zeros((3, 2, 64), np.float32), np.zeros((3, 2), np.float32)
+    rng = np.random.default_rng(0)
+    v, v_other = rng.standard_normal((2, 3, 2, 64)).astype(np.float32)
+    s, s_other = rng.standard_normal((2, 3, 2)).astype(np.float32)
+    before = v.copy(), s.copy()  # a merge with the other states would change every row
     with pytest.raises(ValueError, match="mask must be bool"):
-        pagedkv.merge_state_in_place(v, s, v.copy(), s.copy(), mask=np.ones(4, bool))
+        pagedkv.merge_state_in_place(v, s, v_other, s_other, mask=np.ones(4, bool))
     with pytest.raises(ValueError, match="mask must be bool"):
-        pagedkv.merge_state_in_place(v, s, v.copy(), s.copy(), mask=np.ones(3, np.int32))
+        pagedkv.merge_state_in_place(v, s, v_other, s_other, mask=np.ones(3, np.int32))
+    assert np.array_equal(v, before[0]) and np.array_equal(s, before[1])
     with pytest.raises(ValueError, match="num_levels"):
         pagedkv.MultiLevelCascadeAttentionWrapper(0)
     with pytest.raises(ValueError, match="use_cuda_graph"):
