@@ -4,6 +4,7 @@ block scales of 16 values, value = e2m1 * e4m3 * global decode scale."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -292,7 +293,8 @@ def test_numpy_caches() -> None:
 
 
 def bad_calls():
-    """(description, callable) pairs that must raise and write nothing."""
+    """(description, callable) pairs that must raise and write nothing, the
+    pools they would write, and the two valid calls each bad one departs from."""
     k, v, cache, sf, _ = make_append_inputs("NHD", torch.float16)
     idx = dict(
         batch_indices=torch.zeros(11, dtype=torch.int32),
@@ -307,13 +309,18 @@ def bad_calls():
         append_key=k, append_value=v, paged_kv_cache=cache, kv_cache_sf=sf, k_scale=1.0, v_scale=1.0
     )
 
+    def call(fn, base, over):
+        # A misspelled argument would raise TypeError and pass for the wrong reason.
+        assert set(over) <= set(inspect.signature(fn).parameters), set(over)
+        args = {**base, **over}
+        return lambda: fn(**args)
+
     def append(**over):
-        args = {**common, **idx, **over}
-        return lambda: pagedkv.nvfp4_quantize_append_paged_kv_cache(**args)
+        return call(pagedkv.nvfp4_quantize_append_paged_kv_cache, {**common, **idx}, over)
 
     def slots(**over):
-        args = {**common, "slot_mapping": torch.arange(11, dtype=torch.int32), **over}
-        return lambda: pagedkv.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(**args)
+        base = {**common, "slot_mapping": torch.arange(11, dtype=torch.int32)}
+        return call(pagedkv.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping, base, over)
 
     calls = [
         ("zero scale", append(k_scale=0.0)),
@@ -345,17 +352,26 @@ def bad_calls():
             ),
         ),
     ]
-    return calls, cache, sf
+    return calls, cache, sf, (append(), slots())
 
 
 def test_bad_input_refused_before_writing() -> None:
-    calls, cache, sf = bad_calls()
+    calls, cache, sf, valid = bad_calls()
     before = [x.clone().view(torch.uint8) for x in (*cache, *sf)]
     for what, call in calls:
         with pytest.raises((ValueError, TypeError)):
             call()
         for old, new in zip(before, (*cache, *sf), strict=True):
             assert torch.equal(old, new.view(torch.uint8)), what
+    # The calls they depart from are valid: each writes the pools.
+    for call in valid:
+        for pool, old in zip((*cache, *sf), before, strict=True):
+            pool.view(torch.uint8).copy_(old)
+        call()
+        assert any(
+            not torch.equal(old, new.view(torch.uint8))
+            for old, new in zip(before, (*cache, *sf), strict=True)
+        )
 
 
 def test_empty_append_is_a_no_op() -> None:
