@@ -58,6 +58,16 @@ def test_fused_add_rmsnorm_writes_both_in_place(dtype, gemma):
     np.testing.assert_allclose(x.double().numpy(), want, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
 
 
+def assert_rounds_near(got: np.ndarray, want: np.ndarray, step: np.ndarray) -> None:
+    """got (fp8 codes, widened) is finite, within two steps of want
+    everywhere and within one step for at least 99% of its elements (the
+    rest: near ties that rounded the other way)."""
+    err = np.abs(got - want)
+    assert np.isfinite(got).all()
+    assert (err <= step).mean() > 0.99
+    assert (err <= 2 * step).all(), err.max()
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_quantized_outputs_round_to_the_scaled_reference(fp8):
     x, w = tensors((9, 256), torch.bfloat16), tensors((256,), torch.bfloat16, seed=1)
@@ -66,7 +76,7 @@ def test_quantized_outputs_round_to_the_scaled_reference(fp8):
     want = np.clip(rms_ref(x.float().numpy(), w.float().numpy(), 1e-6, False) / 0.5, -448, 448)
     want_fp8 = torch.from_numpy(want).to(fp8).double().numpy()
     step = np.abs(want_fp8) * (0.07 if fp8 == torch.float8_e4m3fn else 0.13) + 1e-3
-    assert (np.abs(out.double().numpy() - want_fp8) <= step).mean() > 0.99
+    assert_rounds_near(out.double().numpy(), want_fp8, step)
     gamma, beta = torch.randn(256), torch.randn(256)
     norm.layernorm_quant(out, x, gamma, beta, 2.0)
     xs = x.double().numpy()
@@ -74,7 +84,7 @@ def test_quantized_outputs_round_to_the_scaled_reference(fp8):
     ln = ln * gamma.double().numpy() + beta.double().numpy()
     want_fp8 = torch.from_numpy(ln / 2.0).to(fp8).double().numpy()
     step = np.abs(want_fp8) * 0.25 + 2e-2
-    assert (np.abs(out.double().numpy() - want_fp8) <= step).mean() > 0.99
+    assert_rounds_near(out.double().numpy(), want_fp8, step)
 
 
 def test_fused_add_rmsnorm_quant_updates_the_residual():
