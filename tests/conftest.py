@@ -7,8 +7,14 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# No deadline for any property test: an example slowed by a busy machine is
+# not a failure (a test may still set its own bounds on counts).
+settings.register_profile("pagedkv", deadline=None)
+settings.load_profile("pagedkv")
 
 import background  # noqa: E402  (from this folder, put on the path above)
 
