@@ -89,6 +89,7 @@ def time_round_robin(
     max_s: float = 4.0,
     flush: bool = True,
     min_reps: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Timing]:
     """Times the functions interleaved (one run of each per round, rotating the
     order), so drifts in the machine's speed hit all of them alike.
@@ -97,6 +98,7 @@ def time_round_robin(
     has spent `max_s` seconds: a slow anchor (seconds per call) stops early
     without cutting the fast ones' count short. After the warm-up calls,
     MAX's runtime poller is demoted (threads.py), for all of them alike.
+    `clock` (seconds) is what runs are timed by; tests pass a simulated one.
     """
     names = list(fns)
     for name in names:
@@ -116,9 +118,9 @@ def time_round_robin(
                 continue
             if flush:
                 flush_caches()
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         r += 1
     steal = steal_share(counters, cpu_times())
     return {

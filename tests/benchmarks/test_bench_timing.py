@@ -1,7 +1,6 @@
 """The benchmarks' timing loop (no kernels: fake workloads)."""
 
 import threading
-import time
 
 import pytest
 
@@ -17,30 +16,8 @@ from harness.decode_bench import (
 from harness.prefill_bench import PrefillRow, PrefillShape, format_prefill_table
 
 
-def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
-    calls: list[str] = []
-
-    def slow() -> None:
-        calls.append("slow")
-        time.sleep(0.05)
-
-    def fast() -> None:
-        calls.append("fast")
-
-    timings = time_round_robin(
-        {"slow": slow, "fast": fast}, reps=10, max_s=0.08, flush=False, min_reps=3
-    )
-    assert timings["fast"].runs == 10
-    assert timings["slow"].runs == 3
-    assert timings["slow"].median_ms >= 50
-    # Interleaved while both run: a fast run between the first two slow ones.
-    timed = calls[2:]  # after one warm-up call each
-    first = timed.index("slow")
-    assert "fast" in timed[first : timed.index("slow", first + 1)]
-
-
 class SimulatedClock:
-    """Seconds that advance only when a burst says so: exact, unlike a VM's."""
+    """Seconds that advance only when a workload says so: exact, unlike a VM's."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -52,6 +29,30 @@ class SimulatedClock:
     def advance(self, seconds: float) -> None:
         with self.lock:
             self.now += seconds
+
+
+def test_a_slow_anchor_stops_early_and_the_fast_ones_get_every_rep():
+    calls: list[str] = []
+    clock = SimulatedClock()
+
+    def slow() -> None:
+        calls.append("slow")
+        clock.advance(0.05)
+
+    def fast() -> None:
+        calls.append("fast")
+        clock.advance(1e-6)
+
+    timings = time_round_robin(
+        {"slow": slow, "fast": fast}, reps=10, max_s=0.08, flush=False, min_reps=3, clock=clock
+    )
+    assert timings["fast"].runs == 10
+    assert timings["slow"].runs == 3
+    assert timings["slow"].median_ms == pytest.approx(50)
+    # Interleaved while both run: a fast run between the first two slow ones.
+    timed = calls[2:]  # after one warm-up call each
+    first = timed.index("slow")
+    assert "fast" in timed[first : timed.index("slow", first + 1)]
 
 
 def test_burst_speedup_is_the_work_done_in_parallel_over_one_thread():
