@@ -35,19 +35,26 @@ def subscriber(endpoint: str):
     return sock
 
 
+SENTINEL = BlockRemoved([bytes(16)], medium="sentinel")
+"""The last event `connected` publishes: no manager sends its like."""
+
+
 def connected(publisher, sock) -> None:
     """Waits until the SUB socket receives (a PUB drops messages sent before
     a subscriber's connection completes): probe events are published until
-    one arrives, then drained."""
+    one arrives, then a sentinel, and what comes up to it is read, so the
+    next message is the first event published after this returns."""
     for _ in range(100):
         publisher(AllBlocksCleared())
         if sock.poll(50):
             break
     else:
         pytest.fail("the subscriber never connected")
-    time.sleep(0.1)
-    while sock.poll(50):
-        sock.recv_multipart()
+    publisher(SENTINEL)  # after every probe: one queue, sent in order
+    while True:  # each receive waits at most TIMEOUT_MS
+        events = decode_batch(sock.recv_multipart()[2])[1]
+        if events[-1][0] == "BlockRemoved":
+            return
 
 
 def test_wire_form_follows_vllm_structs():
