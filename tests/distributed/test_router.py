@@ -137,12 +137,14 @@ def test_two_replicas_behind_the_router_answer_as_one(tmp_path):
     """`pagedkv serve --kv-events` twice and `pagedkv route --kv-events` in
     front: chats sent through the router get the replicas' own greedy
     answers, and a second chat on a system prompt goes where the first went
-    and finds it cached."""
+    and finds it cached. Batch-invariant, so that the replica that reads the
+    prompt's prefix from its cache computes what the other computes whole."""
     from llamacpp import Server, pagedkv_serve_command
 
     events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    flags = ("--weights", "f32", "--batch-invariant")
     replicas = [
-        Server(f"replica-{i}", pagedkv_serve_command("--weights", "f32", "--kv-events", e))
+        Server(f"replica-{i}", pagedkv_serve_command(*flags, "--kv-events", e))
         for i, e in enumerate(events)
     ]
     router = None
