@@ -58,6 +58,8 @@ def test_round_robin_ignores_prefixes():
     assert picks == [0, 1, 2, 0, 1, 2]
     with pytest.raises(ValueError, match="policy"):
         PrefixRouter(["http://a"], PAGE, policy="random")
+    with pytest.raises(ValueError, match="indexer_timeout"):
+        PrefixRouter(["http://a"], PAGE, indexer_timeout=0.0)
 
 
 def test_prompts_are_read_as_the_replicas_read_them():
@@ -91,7 +93,8 @@ def test_dynamo_indexer_steers_the_router(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    router = PrefixRouter(["http://a", "http://b"], PAGE, indexer_url=url)
+    # A slow answer would fall back to memory: the timeout only guards a hang.
+    router = PrefixRouter(["http://a", "http://b"], PAGE, indexer_url=url, indexer_timeout=30.0)
     try:
         wait_for_indexer(url, indexer)
         for m, p in zip(managers, publishers, strict=True):

@@ -98,6 +98,10 @@ class PrefixRouter:
     overlap_weight : float
         What a page to prefill costs against a page in flight (Dynamo's
         ``overlap_score_weight``).
+    indexer_timeout : float
+        Seconds an indexer query may take before the prompt is routed on
+        remembered prompts alone (counted in ``stats.indexer_errors``): a
+        route waits on it.
 
     Examples
     --------
@@ -117,6 +121,7 @@ class PrefixRouter:
         remembered_pages: int = 65536,
         remember_seconds: float = 10.0,
         overlap_weight: float = 1.0,
+        indexer_timeout: float = 1.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -124,6 +129,8 @@ class PrefixRouter:
             raise ValueError("give at least one replica")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not indexer_timeout > 0:
+            raise ValueError(f"indexer_timeout must be > 0 seconds, got {indexer_timeout}")
         self.replicas = [r.rstrip("/") for r in replicas]
         self.page_size = page_size
         self.indexer_url = indexer_url.rstrip("/") if indexer_url else None
@@ -138,7 +145,7 @@ class PrefixRouter:
         self._remembered: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self._capacity = remembered_pages
         self.remember_seconds = remember_seconds
-        self._indexer = httpx.Client(timeout=1.0) if self.indexer_url else None
+        self._indexer = httpx.Client(timeout=indexer_timeout) if self.indexer_url else None
 
     def _chain(self, token_ids: Sequence[int]) -> list[bytes]:
         size, keys, key = self.page_size, [], b""
