@@ -16,6 +16,7 @@ import openai
 import pytest
 from chat_server import MODEL, chat_server, openai_client
 
+from conftest import Gate
 from pagedkv.serve.response_store import ResponseStore
 from pagedkv.serve.responses import cursor_page, stream_events
 
@@ -308,17 +309,25 @@ def test_text_format_and_reasoning(server):
 
 
 def test_a_client_leaving_a_stream_cancels_its_request(server):
-    before = server.engine.cancels_received
-    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 400,
-            "stream": True, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=HANG_GUARD) as r:
-        for k, _ in enumerate(r.iter_lines()):
-            if k > 12:  # past response.created and a few deltas
-                break
-    deadline = time.monotonic() + 60
-    while server.engine.cancels_received == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.engine.cancels_received > before
+    # Decode steps wait at a gate: the request is still running when the
+    # client leaves, however fast the engine.
+    gate = server.engine.engine = Gate(server.engine.engine)
+    try:
+        before = server.engine.cancels_received
+        body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 400,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        url = server.url + "/v1/responses"
+        with httpx.stream("POST", url, json=body, timeout=HANG_GUARD) as r:
+            for line in r.iter_lines():
+                if "response.output_text.delta" in line:  # the prefill's token
+                    break
+        deadline = time.monotonic() + 60  # a hang guard: the loop sees it at once
+        while server.engine.cancels_received == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.engine.cancels_received > before
+    finally:
+        gate.opened.set()
+        server.engine.engine = gate.inner
     assert server.engine.wait_idle(HANG_GUARD)
 
 
