@@ -208,12 +208,13 @@ def test_logit_bias_and_penalties_change_the_choice_not_the_logprobs(weights):
     reference = DenseDecoder(CONFIG, weights)
     want_prompt = log_softmax(reference.feed_all(list(prompt)))
     want = log_softmax(np.stack([want_prompt[-1], *reference.feed_all([forced] * 3)]))
-    assert int(np.argmax(want[0])) != forced  # else a leaked bias would not show
+    assert want[0].max() - want[0, forced] > 1  # else a leaked bias would not show
     for i, d in enumerate(biased):
         assert d.logprobs.logprob == pytest.approx(want[i, forced], abs=2e-3)
-        assert d.logprobs.top[0][0] == int(np.argmax(want[i]))
+        # A most likely token (within the tolerance: near ties may go either way).
+        assert want[i, d.logprobs.top[0][0]] == pytest.approx(want[i].max(), abs=2e-3)
     first_plain = next(e for e in plain if isinstance(e, Delta))
-    assert first_plain.token_ids[0] == int(np.argmax(want[0]))
+    assert want[0, first_plain.token_ids[0]] == pytest.approx(want[0].max(), abs=2e-3)
 
     # A large frequency penalty: a greedy answer never repeats a token.
     events = []
