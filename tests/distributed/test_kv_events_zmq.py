@@ -23,7 +23,7 @@ from pagedkv.distributed.kv_event_wire import block_hash_int, decode_batch  # no
 from pagedkv.serve.server import free_port  # noqa: E402
 
 PAGE = 4
-TIMEOUT_MS = 5000
+TIMEOUT_MS = 30000  # a hang guard: events arrive in milliseconds
 
 
 def subscriber(endpoint: str):
