@@ -42,6 +42,7 @@ from ._checks import (
     check_output,
     check_scale,
     host_int_array,
+    narrow_indices,
     refuse_gpu_only,
 )
 from ._ops.tensors import Array, check_array, device_of, dtype_of, empty, is_contiguous
@@ -183,7 +184,7 @@ def _sparse_table(
     return (
         rows,
         kv_indptr,
-        table.reshape(tokens, top_k)[used].astype(np.int32),
+        narrow_indices("block_tables", table.reshape(tokens, top_k)[used]),
         kv_lens.astype(np.int32),
     )
 

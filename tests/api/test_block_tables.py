@@ -394,3 +394,19 @@ def test_trtllm_ragged_attention_deepseek_equals_reference():
         pagedkv.trtllm_ragged_attention_deepseek(*args[:4], torch.tensor([9, 4]), *args[5:])
     with pytest.raises(ValueError, match="NVFP4"):
         pagedkv.trtllm_ragged_attention_deepseek(*args[:9], 300.0, *args[10:])
+
+
+def test_block_table_page_ids_are_refused_not_wrapped():
+    """A page id int32 cannot hold, or a negative one, in the columns a
+    request uses raises (a wrap to another page would read it silently);
+    the columns past a request's pages may hold anything."""
+    lens = np.array([5, 2])
+    table = np.array([[3, 1, -1], [2, -7, 2**40]], np.int64)
+    t = pagedkv.csr_from_block_tables(table, lens, 4)
+    assert t.indices.tolist() == [3, 1, 2]
+    with pytest.raises(ValueError, match="does not fit in int32"):
+        pagedkv.csr_from_block_tables(np.array([[2**32 + 1]]), np.array([3]), 4)
+    with pytest.raises(ValueError, match="page ids are >= 0"):
+        pagedkv.csr_from_block_tables(np.array([[-1]]), np.array([3]), 4)
+    with pytest.raises(TypeError, match="page_size must be an integer"):
+        pagedkv.csr_from_block_tables(np.array([[1]]), np.array([3]), 2.5)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import host_int_array
+from .._checks import check_int, host_int_array, narrow_indices
 from .._ops.tensors import Array, check_array, device_of, is_contiguous, is_torch
 
 
@@ -54,8 +54,7 @@ def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) 
     """
     table = host_int_array("block_tables", block_tables, 2)
     lens = host_int_array("seq_lens", seq_lens, 1)
-    if page_size < 1:
-        raise ValueError(f"page_size must be positive, got {page_size}")
+    page_size = check_int("page_size", page_size, 1)
     if lens.shape[0] != table.shape[0]:
         raise ValueError(f"seq_lens {lens.shape} and block_tables {table.shape} differ in batch")
     if lens.size and lens.min() < 0:
@@ -70,7 +69,12 @@ def csr_from_block_tables(block_tables: Array, seq_lens: Array, page_size: int) 
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     keep = np.arange(table.shape[1])[None, :] < pages[:, None]
     last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-    return CsrPageTable(indptr, table[keep].astype(np.int32), last.astype(np.int32))
+    # The pages in use are page ids: int32, never wrapped, never negative
+    # (the columns past a request's pages may hold anything, -1 often).
+    indices = narrow_indices("block_tables", table[keep])
+    if indices.size and indices.min() < 0:
+        raise ValueError(f"block_tables names page {int(indices.min())}: page ids are >= 0")
+    return CsrPageTable(indptr, indices, last.astype(np.int32))
 
 
 def check_block_tables_agree(
