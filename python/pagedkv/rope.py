@@ -520,6 +520,12 @@ def rope_quantize_fp8_append_paged_kv_cache(
     dtype = _fp8_dtype(quantize_dtype, (first, q_rope_out, q_nope_out))
     if first.dtype != dtype or second.dtype != dtype:
         raise ValueError(f"the paged cache must be {dtype}")
+    # MLA: [pages, page_size, width]; GQA: NHD [pages, page_size, Hk, D],
+    # HND [pages, Hk, page_size, D].
+    cache_page_size = first.shape[2 if not mla and kv_layout == "HND" else 1]
+    if page_size != cache_page_size:
+        raise ValueError(f"page_size is {page_size} but the cache's pages hold {cache_page_size}")
+    _check_slot_shapes(first, second, k_rope, k_nope, v, mla, kv_layout)
     real, pages, slots = _append_slots(
         q_rope.shape[0], batch_indices, positions, kv_indptr, kv_indices, page_size,
         first.shape[0],
@@ -547,6 +553,25 @@ def rope_quantize_fp8_append_paged_kv_cache(
     return q_r, q_n
 
 
+def _check_slot_shapes(first, second, k_rope, k_nope, v, mla, kv_layout) -> None:
+    """Raises unless a token's rows fit a slot of each cache (checked before
+    anything is written: the queries' outputs come first)."""
+    nope = tuple(k_nope.shape[1:]) if k_nope is not None else (*k_rope.shape[1:-1], 0)
+    if mla:
+        want = ((nope[-1],), tuple(k_rope.shape[1:]))
+        got = (tuple(first.shape[2:]), tuple(second.shape[2:]))
+    else:
+        key = (*k_rope.shape[1:-1], k_rope.shape[-1] + nope[-1])
+        want = (key, tuple(v.shape[1:]))
+        # A token's slot of [pages, page_size, Hk, D] (NHD), [pages, Hk, page_size, D] (HND).
+        at = (1, 3) if kv_layout == "HND" else (2, 3)
+        got = tuple((c.shape[at[0]], *c.shape[at[1] :]) for c in (first, second))
+    if got != want:
+        raise ValueError(
+            f"the caches' slots are {got[0]} and {got[1]}, the rows {want[0]} and {want[1]}"
+        )
+
+
 def _append_slots(nnz, batch_indices, positions, kv_indptr, kv_indices, page_size, num_pages):
     """(real rows [nnz] bool, their pages, their slots) of a paged append,
     every index checked; batch_indices -1 marks a padding row (from
@@ -559,6 +584,17 @@ def _append_slots(nnz, batch_indices, positions, kv_indptr, kv_indices, page_siz
     indices = torch.as_tensor(kv_indices, device="cpu").long()
     if batch.shape != (nnz,) or pos.shape != (nnz,):
         raise ValueError(f"batch_indices and positions must be [{nnz}]")
+    if (
+        indptr.dim() != 1
+        or indptr.numel() == 0
+        or int(indptr[0]) != 0
+        or bool((indptr[1:] < indptr[:-1]).any())
+        or int(indptr[-1]) > indices.numel()
+    ):
+        raise ValueError(
+            "kv_indptr must start at 0, never decrease and end within kv_indices"
+            f" ({indices.numel()} pages)"
+        )
     real = batch >= 0
     b, p = batch[real], pos[real]
     if bool((batch < -1).any()) or bool((b >= indptr.numel() - 1).any()):

@@ -137,6 +137,40 @@ def test_quantized_append_writes_fp8_pages_and_skips_padding():
     assert torch.equal(k_cache, before)
 
 
+def test_bad_page_tables_and_caches_are_refused_before_any_write():
+    """A page table or cache the append cannot address raises before the
+    queries' outputs or a page are written."""
+    q, k = qk(nnz=2, hq=2, hk=1, d=16, dtype=torch.bfloat16)
+    v = torch.randn(2, 1, 16).to(torch.bfloat16)
+    cache = torch.ones(8, 16, dtype=torch.float32)
+    k_cache = torch.zeros(4, 4, 1, 16, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    q_out = torch.zeros(2, 2, 16, dtype=torch.float8_e4m3fn)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+    table = i32(0, 1, 2)
+
+    def append(kv_indptr=table, page_size=4, caches=(k_cache, v_cache)):
+        rope.rope_quantize_fp8_append_paged_kv_cache(
+            q[..., :16], k[..., :16], None, None, v, cache, i32(0, 1), caches,
+            i32(2, 3), kv_indptr, i32(1, 1), i32(0, 1), page_size=page_size,
+            q_rope_out=q_out,
+        )  # fmt: skip
+
+    cases = [
+        (dict(kv_indptr=i32(-2, 1, 2)), "kv_indptr must start at 0"),
+        (dict(kv_indptr=i32(0, 1, 3)), "end within kv_indices"),
+        (dict(page_size=16), "page_size is 16"),
+        (dict(caches=(k_cache[..., :8], v_cache[..., :8])), "slots are"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            append(**changes)
+        assert not q_out.float().any() and not k_cache.float().any(), message
+    append()  # the call they depart from writes
+    assert q_out.float().any() and k_cache.float().any()
+
+
 def test_bad_input_is_refused():
     q, k = qk()
     with pytest.raises(ValueError, match="rotary_dim"):
