@@ -199,6 +199,13 @@ def _draw(
 ) -> Any:
     """One token an output from rows probs [B, V] (unnormalized allowed)."""
     torch = _torch()
+    if indices is not None and (
+        not isinstance(indices, torch.Tensor)
+        or indices.dim() != 1
+        or indices.is_floating_point()
+        or indices.dtype == torch.bool
+    ):
+        raise TypeError("indices must be a 1-D integer torch tensor (a row of probs per output)")
     rows = torch.arange(probs.shape[0]) if indices is None else indices.long().cpu()
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= probs.shape[0]):
         raise ValueError(f"indices must be in [0, {probs.shape[0]})")
@@ -406,12 +413,21 @@ def chain_speculative_sampling(
     refusal), the counts added into the maybe_output_* tensors when given.
     """
     torch = _torch()
-    batch, n, _ = draft_probs.shape
-    if tuple(draft_token_ids.shape) != (batch, n) or tuple(target_probs.shape[:2]) != (
+    if draft_probs.dim() != 3 or target_probs.dim() != 3:
+        raise ValueError("draft_probs must be [B, n, V] and target_probs [B, n + 1, V]")
+    batch, n, vocab = draft_probs.shape
+    if tuple(draft_token_ids.shape) != (batch, n) or tuple(target_probs.shape) != (
         batch,
         n + 1,
+        vocab,
     ):
         raise ValueError("draft_token_ids must be [B, n] and target_probs [B, n + 1, V]")
+    if draft_token_ids.is_floating_point() or draft_token_ids.dtype == torch.bool:
+        raise TypeError(f"draft_token_ids must be integers, got {draft_token_ids.dtype}")
+    if draft_token_ids.numel() and (
+        int(draft_token_ids.min()) < 0 or int(draft_token_ids.max()) >= vocab
+    ):
+        raise ValueError(f"draft_token_ids must be token ids in [0, {vocab})")
     u = _uniforms(batch * (n + 1), generator, seed, offset).reshape(batch, n + 1)
     out = torch.full((batch, n + 1), -1, dtype=torch.int32)
     accepted = torch.zeros(batch, dtype=torch.int32)

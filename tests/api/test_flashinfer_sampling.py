@@ -174,3 +174,25 @@ def test_parameter_tensors_have_one_value_a_row(given, message):
         sampling.softmax(probs, given(torch))
     kept = sampling.top_k_renorm_probs(probs, torch.tensor([1, 2, 40]))
     assert (kept > 0).sum(-1).tolist() == [1, 2, 40]
+
+
+def test_speculative_sampling_refuses_ids_outside_the_vocabulary():
+    """Draft token ids index the vocabulary: a negative one (which torch
+    would read from the end), one past it, float ids or a target of another
+    vocabulary raise before any count is added."""
+    torch = pytest.importorskip("torch")
+    draft = torch.full((1, 2, 4), 0.25)
+    target = torch.full((1, 3, 4), 0.25)
+    accepted = torch.zeros(1, dtype=torch.int32)
+    cases = [
+        (torch.tensor([[-1, 2]]), target, ValueError, r"token ids in \[0, 4\)"),
+        (torch.tensor([[1, 4]]), target, ValueError, r"token ids in \[0, 4\)"),
+        (torch.tensor([[1.0, 2.0]]), target, TypeError, "integers"),
+        (torch.tensor([[1, 2]]), torch.full((1, 3, 5), 0.2), ValueError, "target_probs"),
+    ]
+    for ids, tgt, error, message in cases:
+        with pytest.raises(error, match=message):
+            sampling.chain_speculative_sampling(draft, ids, tgt, accepted)
+        assert int(accepted[0]) == 0
+    with pytest.raises(TypeError, match="indices"):
+        sampling.sampling_from_probs(torch.full((2, 4), 0.25), torch.tensor([0.0, 1.0]))
