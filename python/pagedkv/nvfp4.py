@@ -523,10 +523,20 @@ def _torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+def _output_dtype_name(dtype: Any) -> str:
+    """A torch or NumPy dtype's name ("float16"); "" for something else."""
+    if str(dtype).startswith("torch."):
+        return str(dtype).removeprefix("torch.")
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return ""
+
+
 def _from_float32(values: np.ndarray, dtype: Any, like: Array) -> Array:
     """values (float32, host) rounded to dtype (nearest even), as an array of
     like's kind and device."""
-    name = str(dtype).removeprefix("torch.")
+    name = _output_dtype_name(dtype)
     if name not in ("float16", "bfloat16", "float32"):
         raise ValueError(f"the output dtype must be float16, bfloat16 or float32, got {dtype}")
     if is_torch(like):
@@ -569,14 +579,14 @@ def nvfp4_kv_dequantize(
     for NumPy) of packed [M, K // 2] and scale bytes [M, K // 16]."""
     if output_dtype is None:
         output_dtype = _torch_dtype("bfloat16") if is_torch(fp4_data) else np.float16
+    if _dtype_name(fp4_data) != "uint8":
+        raise TypeError(f"fp4_data must be packed uint8, got {fp4_data.dtype}")
+    if _dtype_name(block_scales) not in ("uint8", "float8_e4m3fn"):
+        raise TypeError(f"block_scales must be e4m3 bytes (uint8), got {block_scales.dtype}")
     k = int(fp4_data.shape[-1]) * 2
     if k % BLOCK:
         raise ValueError(f"K dimension ({k}) must be divisible by {BLOCK}")
-    gs = (
-        float(_host(global_scale).reshape(-1)[0])
-        if not isinstance(global_scale, float)
-        else global_scale
-    )
+    gs = _positive_finite("global_scale", global_scale)
     values = dequantize_float32(_host(fp4_data), _host(block_scales), gs)
     return _from_float32(values, output_dtype, fp4_data)
 

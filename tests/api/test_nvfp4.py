@@ -410,6 +410,15 @@ def test_kv_quantize_and_dequantize() -> None:
         packed, scales, torch.tensor([0.5]), is_sf_swizzled_layout=False
     )
     np.testing.assert_array_equal(f.numpy(), want)
+    # NumPy arrays in, float16 (the default for them) out.
+    got = pagedkv.nvfp4_kv_dequantize(packed.numpy(), scales.numpy(), np.float32([0.5]))
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, want.astype(np.float16))
+    for scale in (torch.tensor([math.nan]), torch.tensor([-1.0]), torch.ones(3)):
+        with pytest.raises(ValueError, match="global_scale"):
+            pagedkv.nvfp4_kv_dequantize(packed, scales, scale)
+    with pytest.raises(TypeError, match="fp4_data must be packed uint8"):
+        pagedkv.nvfp4_kv_dequantize(packed.float(), scales, torch.tensor([0.5]))
     with pytest.raises(NotImplementedError, match="linear"):
         nvfp4.e2m1_and_ufp8sf_scale_to_float(packed, scales)
 
