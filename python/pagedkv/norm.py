@@ -22,10 +22,13 @@ def _torch():
     return torch
 
 
-def _check_norm(name: str, input: Any, weight: Any, out: Any = None) -> None:
+def _check_norm(name: str, input: Any, weight: Any, out: Any = None, eps: Any = 1e-6) -> None:
     torch = _torch()
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name}: input and weight must be torch tensors")
+    if not input.is_floating_point() or str(input.dtype).removeprefix("torch.") in FP8:
+        raise TypeError(f"{name}: input must be float32, float16 or bfloat16, got {input.dtype}")
+    _check_eps(name, eps)
     if input.dim() not in (2, 3):
         raise ValueError(f"{name}: input must be 2D or 3D, got shape {tuple(input.shape)}")
     if weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
@@ -36,6 +39,13 @@ def _check_norm(name: str, input: Any, weight: Any, out: Any = None) -> None:
         raise ValueError(f"{name}: input's last dimension must be contiguous")
     if out is not None and (not isinstance(out, torch.Tensor) or out.shape != input.shape):
         raise ValueError(f"{name}: out must be a tensor of input's shape {tuple(input.shape)}")
+    if out is not None and out.dtype != input.dtype:
+        raise TypeError(f"{name}: out must be {input.dtype}, input's dtype, got {out.dtype}")
+
+
+def _check_eps(name: str, eps: Any) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
 
 
 def _scale_of(name: str, scale: Any) -> float:
@@ -120,7 +130,7 @@ def gemma_rmsnorm(
 
 
 def _rmsnorm(name: str, input: Any, weight: Any, eps: float, out: Any, gemma: bool) -> Any:
-    _check_norm(name, input, weight, out)
+    _check_norm(name, input, weight, out, eps)
     y = _rms(input.float(), weight, eps, gemma).to(input.dtype)
     if out is None:
         return y
@@ -188,7 +198,7 @@ def _add_into_residual(input: Any, residual: Any) -> Any:
 
 
 def _fused_add(name: str, input: Any, residual: Any, weight: Any, eps: float, gemma: bool):
-    _check_norm(name, input, weight)
+    _check_norm(name, input, weight, eps=eps)
     _check_residual(name, input, residual)
     total = _add_into_residual(input, residual)
     input.copy_(_rms(total, weight, eps, gemma).to(input.dtype))
@@ -222,7 +232,7 @@ def rmsnorm_quant(
     >>> pagedkv.norm.rmsnorm_quant(out, torch.ones(1, 2), torch.ones(2), 0.5); out.float()
     tensor([[2., 2.]])
     """
-    _check_norm("rmsnorm_quant", input, weight)
+    _check_norm("rmsnorm_quant", input, weight, eps=eps)
     _check_fp8_out("rmsnorm_quant", out, tuple(input.shape))
     s = _scale_of("rmsnorm_quant", scale)
     _to_fp8(_rms(input.float(), weight, eps, False), out, s)
@@ -249,7 +259,7 @@ def fused_add_rmsnorm_quant(
     tensor([[2., 2.]])
     """
     name = "fused_add_rmsnorm_quant"
-    _check_norm(name, input, weight)
+    _check_norm(name, input, weight, eps=eps)
     _check_residual(name, input, residual)
     _check_fp8_out(name, out, tuple(input.shape))
     s = _scale_of(name, scale)
@@ -257,10 +267,11 @@ def fused_add_rmsnorm_quant(
     _to_fp8(_rms(total, weight, eps, False), out, s)
 
 
-def _check_layernorm(name: str, input: Any, gamma: Any, beta: Any) -> None:
+def _check_layernorm(name: str, input: Any, gamma: Any, beta: Any, eps: Any) -> None:
     torch = _torch()
     if not all(isinstance(t, torch.Tensor) for t in (input, gamma, beta)):
         raise TypeError(f"{name}: input, gamma and beta must be torch tensors")
+    _check_eps(name, eps)
     if input.dim() != 2:
         raise ValueError(f"{name}: input must be 2D, got shape {tuple(input.shape)}")
     hidden = input.shape[-1]
@@ -292,7 +303,7 @@ def layernorm(input: Any, gemma: Any, beta: Any, eps: float = 1e-6) -> Any:
     >>> pagedkv.norm.layernorm(torch.tensor([[1.0, 3.0]]), torch.ones(2), torch.zeros(2))
     tensor([[-1.0000,  1.0000]])
     """
-    _check_layernorm("layernorm", input, gemma, beta)
+    _check_layernorm("layernorm", input, gemma, beta, eps)
     return _layernorm(input, gemma, beta, eps).to(input.dtype)
 
 
@@ -321,7 +332,7 @@ def layernorm_quant(
     """
     torch = _torch()
     name = "layernorm_quant"
-    _check_layernorm(name, input, gemma, beta)
+    _check_layernorm(name, input, gemma, beta, eps)
     if input.dtype != torch.bfloat16:
         raise RuntimeError(f"{name}: input must be bfloat16, got {input.dtype}")
     if not input.is_contiguous():

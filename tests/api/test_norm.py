@@ -132,3 +132,22 @@ def test_bad_input_raises_before_writing():
     with pytest.raises(TypeError, match="torch tensors"):
         norm.rmsnorm(x.numpy(), w)
     assert torch.equal(x, before[0]) and torch.equal(r, before[1])
+
+
+def test_bad_dtypes_and_eps_are_refused():
+    x, w = tensors((3, 64), torch.float32), tensors((64,), torch.float32, seed=1)
+    with pytest.raises(TypeError, match="input must be float32"):
+        norm.rmsnorm(torch.ones(3, 64, dtype=torch.int32), w)
+    out = torch.zeros(3, 64, dtype=torch.int8)
+    with pytest.raises(TypeError, match="out must be torch.float32"):
+        norm.rmsnorm(x, w, out=out)
+    assert not out.any()
+    for eps in (float("nan"), -2.0, float("inf"), "1e-6"):
+        with pytest.raises(ValueError, match="eps"):
+            norm.rmsnorm(x, w, eps=eps)
+    r = x.clone()
+    with pytest.raises(ValueError, match="eps"):
+        norm.fused_add_rmsnorm(x, r, w, eps=float("nan"))
+    assert torch.equal(r, x)
+    with pytest.raises(ValueError, match="eps"):
+        norm.layernorm(x, w, w, eps=-1.0)
