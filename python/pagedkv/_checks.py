@@ -94,6 +94,32 @@ def check_scale(name: str, value: Any, *, positive: bool = False) -> float:
     return check_float(name, value, positive=positive)
 
 
+def checked_scales(
+    q_scale: Any, k_scale: Any, v_scale: Any
+) -> tuple[float | None, float | None, float | None]:
+    """A run's q_scale, k_scale and v_scale (None: 1), each a number or a
+    one-element array, as floats; TypeError or ValueError naming the scale
+    for anything else. NaN and infinities pass: a scale is data, and NaN in
+    data comes out as NaN (tests/api/test_reliability.py)."""
+    return tuple(
+        s if s is None or type(s) is float else _scale_value(name, s)
+        for name, s in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
+    )
+
+
+def _scale_value(name: str, value: Any) -> float:
+    if hasattr(value, "shape"):
+        if int(np.prod(value.shape)) != 1:
+            raise ValueError(f"{name} must be a number or hold one value, got {tuple(value.shape)}")
+        value = value.reshape(()).item()
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+
+
 def check_writable(name: str, x: Array) -> None:
     """Raises unless x can be written in place: MAX copies a read-only NumPy
     array, so a write into one would be lost without an error."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from ._checks import as_int32_index, check_int
+from ._checks import as_int32_index, check_int, checked_scales
 from ._ops.kernels import OpSpec
 from ._ops.tensors import Array, device_of, dtype_of, new_like
 from ._plan.block_tables import check_trtllm_table
@@ -431,6 +431,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
                     f"{planned} takes {rows}"
                 )
             # The prefill kernel takes q's scale folded into k's (both scale q.k).
+            q_scale, k_scale, v_scale = checked_scales(q_scale, k_scale, v_scale)
             qk = None
             if q_scale is not None or k_scale is not None:
                 qk = (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)

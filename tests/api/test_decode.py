@@ -179,6 +179,14 @@ def test_single_decode_matches_reference(layout):
         kv_layout=layout,
     )
     assert (empty == 0).all()
+    # With no keys the kernel does not run; bad arguments still raise.
+    no_k, no_v = np.zeros((0, 2, 64), np.float32), np.zeros((0, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        pagedkv.single_decode_with_kv_cache(q[:, :32], no_k, no_v)
+    with pytest.raises(ValueError, match="multiple"):
+        pagedkv.single_decode_with_kv_cache(q[:7], no_k, no_v)
+    with pytest.raises(TypeError, match="q dtype"):
+        pagedkv.single_decode_with_kv_cache(q.astype(np.int32), no_k, no_v)
 
 
 def test_single_decode_takes_flashinfer_scales():
@@ -199,6 +207,13 @@ def test_single_decode_takes_flashinfer_scales():
     np.testing.assert_allclose(as_f64(lse), want_lse[0], rtol=1e-2, atol=1e-2)
     same = pagedkv.single_decode_with_kv_cache(q, k, v, use_tensor_cores=True, **scales)
     np.testing.assert_array_equal(as_f64(same), as_f64(o))
+    # A scale may be a one-element array; a bad one raises naming it.
+    as_arrays = {name: np.float32([value]) for name, value in scales.items()}
+    again = pagedkv.single_decode_with_kv_cache(q, k, v, **as_arrays)
+    np.testing.assert_array_equal(as_f64(again), as_f64(o))
+    for name, bad, error in [("v_scale", np.ones(2), ValueError), ("k_scale", "2", TypeError)]:
+        with pytest.raises(error, match=name):
+            pagedkv.single_decode_with_kv_cache(q, k, v, **{**scales, name: bad})
 
 
 def test_flashinfer_style_construction_runs_the_same_decode():

@@ -15,6 +15,8 @@ from max.dtype import DType
 
 from .._checks import layout_code
 from .._ops.tensors import Array, check_array, contiguous, dtype_of, empty, new_like
+from .io_dtypes import widened_dtype
+from .plan import check_dtypes
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,16 @@ def one_page_kv(
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     heads, length = (k.shape[1], k.shape[0]) if kv_layout == "NHD" else k.shape[:2]
+    # What plan() and run() check, checked here too: with no keys (L = 0)
+    # neither runs.
+    num_qo_heads, head_dim = int(q.shape[-2]), int(q.shape[-1])
+    if int(k.shape[-1]) != head_dim:
+        raise ValueError(f"q's head_dim is {head_dim} but k's is {int(k.shape[-1])}")
+    if heads == 0 or num_qo_heads % heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of k's {heads} heads")
+    if dtype_of(k) != dtype_of(v):
+        raise TypeError(f"k and v must have one dtype, got {dtype_of(k).name}, {dtype_of(v).name}")
+    check_dtypes(widened_dtype(dtype_of(q)), dtype_of(k))  # an fp8 q is widened
     return OnePageKV(
         (contiguous(k)[None], contiguous(v)[None]),
         int(heads),

@@ -22,6 +22,7 @@ from .._checks import (
     check_int,
     check_output,
     check_writable,
+    checked_scales,
     host_index_copy,
 )
 from .._ops.contract import ATTENTION_OP, ITEM_FIELDS, attention_operands
@@ -327,7 +328,7 @@ class AttentionPlan:
     ) -> Buffer:
         """The op's float parameters for these scales (the last call's, reused:
         a server passes the same scales to every layer)."""
-        scales = (q_scale, k_scale, v_scale)
+        scales = checked_scales(q_scale, k_scale, v_scale)
         if self._float_params is None or scales != self._scales:
             self._float_params = to_buffer(self.options.float_params(*scales))
             self._scales = scales
