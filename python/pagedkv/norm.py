@@ -11,6 +11,8 @@ writes anything.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -44,7 +46,8 @@ def _check_norm(name: str, input: Any, weight: Any, out: Any = None, eps: Any = 
 
 
 def _check_eps(name: str, eps: Any) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+    # numbers.Real: Python's and NumPy's scalars alike.
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
         raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
 
 

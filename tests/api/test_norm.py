@@ -151,3 +151,4 @@ def test_bad_dtypes_and_eps_are_refused():
     assert torch.equal(r, x)
     with pytest.raises(ValueError, match="eps"):
         norm.layernorm(x, w, w, eps=-1.0)
+    torch.testing.assert_close(norm.rmsnorm(x, w, eps=np.float32(1e-6)), norm.rmsnorm(x, w))
