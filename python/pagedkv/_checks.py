@@ -69,55 +69,43 @@ def check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
     return number
 
 
-def check_float(name: str, value: Any, *, positive: bool = False) -> float:
-    """value as a finite float, raising ValueError for NaN, an infinity or
-    (with positive) a value <= 0, TypeError for a non-number."""
+def check_float(name: str, value: Any, *, positive: bool = False, finite: bool = True) -> float:
+    """value as a float, raising TypeError for a non-number and ValueError
+    for NaN or an infinity (unless finite=False) or, with positive, a value
+    <= 0."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(number) or (positive and not number > 0):
+    if (finite and not math.isfinite(number)) or (positive and not number > 0):
         want = "a positive finite number" if positive else "a finite number"
         raise ValueError(f"{name} must be {want}, got {value!r}")
     return number
 
 
-def check_scale(name: str, value: Any, *, positive: bool = False) -> float:
+def check_scale(name: str, value: Any, *, positive: bool = False, finite: bool = True) -> float:
     """check_float of a scale given as a number or a one-element array (the
     fused bmm scales of FlashInfer's block-table and ragged calls)."""
     if hasattr(value, "shape"):
         if int(np.prod(value.shape)) != 1:
             raise ValueError(f"{name} as a tensor must hold one value")
         value = value.reshape(()).item()
-    return check_float(name, value, positive=positive)
+    return check_float(name, value, positive=positive, finite=finite)
 
 
 def checked_scales(
     q_scale: Any, k_scale: Any, v_scale: Any
 ) -> tuple[float | None, float | None, float | None]:
     """A run's q_scale, k_scale and v_scale (None: 1), each a number or a
-    one-element array, as floats; TypeError or ValueError naming the scale
-    for anything else. NaN and infinities pass: a scale is data, and NaN in
-    data comes out as NaN (tests/api/test_reliability.py)."""
+    one-element array, as floats (`check_scale`). NaN and infinities pass: a
+    scale is data, and NaN in data comes out as NaN
+    (tests/api/test_reliability.py)."""
     return tuple(
-        s if s is None or type(s) is float else _scale_value(name, s)
+        s if s is None or type(s) is float else check_scale(name, s, finite=False)
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
     )
-
-
-def _scale_value(name: str, value: Any) -> float:
-    if hasattr(value, "shape"):
-        if int(np.prod(value.shape)) != 1:
-            raise ValueError(f"{name} must be a number or hold one value, got {tuple(value.shape)}")
-        value = value.reshape(()).item()
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
 
 
 def check_writable(name: str, x: Array) -> None:

@@ -24,7 +24,7 @@ def _torch():
     return torch
 
 
-def _check_norm(name: str, input: Any, weight: Any, out: Any = None, eps: Any = 1e-6) -> None:
+def _check_norm(name: str, input: Any, weight: Any, eps: Any, out: Any = None) -> None:
     torch = _torch()
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name}: input and weight must be torch tensors")
@@ -133,7 +133,7 @@ def gemma_rmsnorm(
 
 
 def _rmsnorm(name: str, input: Any, weight: Any, eps: float, out: Any, gemma: bool) -> Any:
-    _check_norm(name, input, weight, out, eps)
+    _check_norm(name, input, weight, eps, out)
     y = _rms(input.float(), weight, eps, gemma).to(input.dtype)
     if out is None:
         return y
@@ -201,7 +201,7 @@ def _add_into_residual(input: Any, residual: Any) -> Any:
 
 
 def _fused_add(name: str, input: Any, residual: Any, weight: Any, eps: float, gemma: bool):
-    _check_norm(name, input, weight, eps=eps)
+    _check_norm(name, input, weight, eps)
     _check_residual(name, input, residual)
     total = _add_into_residual(input, residual)
     input.copy_(_rms(total, weight, eps, gemma).to(input.dtype))
@@ -235,7 +235,7 @@ def rmsnorm_quant(
     >>> pagedkv.norm.rmsnorm_quant(out, torch.ones(1, 2), torch.ones(2), 0.5); out.float()
     tensor([[2., 2.]])
     """
-    _check_norm("rmsnorm_quant", input, weight, eps=eps)
+    _check_norm("rmsnorm_quant", input, weight, eps)
     _check_fp8_out("rmsnorm_quant", out, tuple(input.shape))
     s = _scale_of("rmsnorm_quant", scale)
     _to_fp8(_rms(input.float(), weight, eps, False), out, s)
@@ -262,7 +262,7 @@ def fused_add_rmsnorm_quant(
     tensor([[2., 2.]])
     """
     name = "fused_add_rmsnorm_quant"
-    _check_norm(name, input, weight, eps=eps)
+    _check_norm(name, input, weight, eps)
     _check_residual(name, input, residual)
     _check_fp8_out(name, out, tuple(input.shape))
     s = _scale_of(name, scale)

@@ -211,7 +211,7 @@ def test_single_decode_takes_flashinfer_scales():
     as_arrays = {name: np.float32([value]) for name, value in scales.items()}
     again = pagedkv.single_decode_with_kv_cache(q, k, v, **as_arrays)
     np.testing.assert_array_equal(as_f64(again), as_f64(o))
-    for name, bad, error in [("v_scale", np.ones(2), ValueError), ("k_scale", "2", TypeError)]:
+    for name, bad, error in [("v_scale", np.ones(2), ValueError), ("k_scale", "two", TypeError)]:
         with pytest.raises(error, match=name):
             pagedkv.single_decode_with_kv_cache(q, k, v, **{**scales, name: bad})
 

@@ -17,6 +17,7 @@ from .._checks import layout_code
 from .._ops.tensors import Array, check_array, contiguous, dtype_of, empty, new_like
 from .io_dtypes import widened_dtype
 from .plan import check_dtypes
+from .work import check_heads
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ def one_page_kv(
     num_qo_heads, head_dim = int(q.shape[-2]), int(q.shape[-1])
     if int(k.shape[-1]) != head_dim:
         raise ValueError(f"q's head_dim is {head_dim} but k's is {int(k.shape[-1])}")
-    if heads == 0 or num_qo_heads % heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of k's {heads} heads")
+    check_heads(num_qo_heads, int(heads))
     if dtype_of(k) != dtype_of(v):
         raise TypeError(f"k and v must have one dtype, got {dtype_of(k).name}, {dtype_of(v).name}")
     check_dtypes(widened_dtype(dtype_of(q)), dtype_of(k))  # an fp8 q is widened
