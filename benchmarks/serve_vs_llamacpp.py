@@ -59,6 +59,7 @@ import httpx
 import numpy as np
 
 from harness.serve_bench import PROMPTS
+from harness.threads import thread_cpu_seconds
 from llamacpp import (
     MODEL,
     Server,
@@ -413,6 +414,16 @@ def step_share(before: dict | None, after: dict | None, seconds: float) -> dict:
     return {"steps": got}
 
 
+def cpu_per_token(before: dict, after: dict, tokens: int) -> dict:
+    """The server's CPU milliseconds per output token during a workload, by
+    thread name (`thread_cpu_seconds`): on a machine of few cores, what its
+    threads besides the compute ones use is taken from the computing."""
+    if not before or not after or not tokens:
+        return {}
+    used = {name: 1e3 * (after[name] - before.get(name, 0.0)) / tokens for name in after}
+    return {"cpu_ms_per_token": {k: v for k, v in sorted(used.items()) if v > 0}}
+
+
 def run_server(
     name: str, command: list[str], workloads: list[Workload], keep_log: bool = False
 ) -> dict:
@@ -432,9 +443,11 @@ def run_server(
             warm_up(server.url, w.model)
             result["load_before"][w.name] = os.getloadavg()[0]
             steps = engine_steps(server.url)
+            cpu = thread_cpu_seconds(server.proc.pid)
             answers, seconds, cut = asyncio.run(replay(server.url, w))
             r = summarize(w, answers, seconds, cut)
             r |= step_share(steps, engine_steps(server.url), seconds)
+            r |= cpu_per_token(cpu, thread_cpu_seconds(server.proc.pid), r["output_tokens"])
             result["workloads"][w.name] = r
             print(f"  {w.name}: {progress_line(r)}", flush=True)
     except ServerError as e:
@@ -462,6 +475,9 @@ def progress_line(r: dict) -> str:
             f"{st.get('prefill_count', 0):.0f} prefills {st.get('prefill_sum', 0):.1f} s, "
             f"{st.get('decode_count', 0):.0f} decode steps {st.get('decode_sum', 0):.1f} s"
         )
+    if r.get("cpu_ms_per_token"):
+        used = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items())
+        line += f"; server CPU ms per token by thread: {used}"
     if r["errors"]:
         line += f", {r['errors']} errors ({r['first_error']})"
     if r["token_count_mismatches"]:

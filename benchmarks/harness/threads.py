@@ -16,6 +16,10 @@ second and preempts a worker each time (pagedkv/runtime/max_poller.py). The timi
 loop demotes it to SCHED_IDLE after its warm-up calls, for every function it
 times, anchors and plain reads included; PAGEDKV_BENCH_DEMOTE_POLLER=0 leaves
 it alone, to measure the difference.
+
+`thread_cpu_seconds` reads what each thread of a process has used: the
+serving benchmark's CPU per token, by thread, for a server's own threads
+against its compute threads.
 """
 
 from __future__ import annotations
@@ -52,3 +56,29 @@ def demote_poller_for_timing() -> None:
 def poller_demoted() -> bool:
     """Whether the timing loop demoted MAX's poller in this process."""
     return _poller_demoted
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used,
+    summed by thread name with trailing digits dropped (MAX names its
+    workers "🔥 Thread0", "🔥 Thread1"; Python's threads are all "python").
+    {} where /proc cannot be read (not Linux, the process gone)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    seconds: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip().rstrip("0123456789") or "thread"
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                # Fields after the parenthesized name: utime and stime are
+                # the 12th and 13th (stat(5)'s 14th and 15th).
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        used = (int(fields[11]) + int(fields[12])) / ticks
+        seconds[name] = seconds.get(name, 0.0) + used
+    return seconds
