@@ -289,6 +289,10 @@ def test_models_health_and_metrics(server):
         "pagedkv_inter_token_latency_seconds_bucket",
     ):
         assert name in text
+    # The engine's thread is named for the OS too (top -H, /proc).
+    engine_tid = server.engine._thread.native_id
+    with open(f"/proc/self/task/{engine_tid}/comm") as f:
+        assert f.read().strip() == "pagedkv-engine"
 
 
 # ------------------------------------------------------- faults and overload

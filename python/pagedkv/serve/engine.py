@@ -31,6 +31,7 @@ from pagedkv.graphs.scheduler import (
 )
 from pagedkv.graphs.scheduler import Request as GenerationRequest
 from pagedkv.models.tokenizer import TextStream
+from pagedkv.runtime import name_os_thread
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -259,6 +260,7 @@ class ServingEngine:
     # --------------------------------------------------------- engine thread
 
     def _main(self) -> None:
+        name_os_thread(threading.current_thread().name)
         scheduler = self.scheduler
         try:
             while True:
