@@ -1,4 +1,3 @@
-import ctypes
 import os
 import sys
 import threading
@@ -7,17 +6,16 @@ import time
 import pytest
 
 from harness.threads import thread_cpu_seconds
+from pagedkv.runtime import name_os_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-PR_SET_NAME = 15
 
 
 def spin_named(name: str, cpu_seconds: float, spun: threading.Barrier, done: threading.Event):
     """Names the calling thread (as the kernel sees it), uses cpu_seconds
     of its own CPU time however long that takes, then waits for `done`
     (an ended thread leaves /proc/<pid>/task)."""
-    ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode(), 0, 0, 0)
+    assert name_os_thread(name)
     start = time.thread_time()
     while time.thread_time() - start < cpu_seconds:
         pass

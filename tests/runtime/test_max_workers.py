@@ -3,36 +3,32 @@ change, by how much, and only once."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
 
 import pytest
 
-from pagedkv.runtime import max_workers, step_loop
+from pagedkv.runtime import max_workers, name_os_thread, step_loop
 from pagedkv.runtime.max_poller import MAX_WORKER_PREFIX
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc and sets thread niceness"
 )
 
-PR_SET_NAME = 15
-
 
 class NamedThread:
     """A thread that names itself (its /proc comm) and sleeps until stopped."""
 
     def __init__(self, name: str) -> None:
-        self.name = name.encode()
+        self.name = name
         self.ready = threading.Event()
         self.stop = threading.Event()
         self.tid = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(self.name), 0, 0, 0)
+        assert name_os_thread(self.name)
         self.tid = threading.get_native_id()
         self.ready.set()
         self.stop.wait()
@@ -81,6 +77,7 @@ def test_settle_runs_once_and_can_be_turned_off(monkeypatch):
     calls = []
     monkeypatch.setattr(step_loop, "demote_max_poller", lambda: calls.append("poller"))
     monkeypatch.setattr(step_loop, "nice_max_workers", lambda: calls.append("workers"))
+    monkeypatch.setattr(step_loop, "other_processes_cores", lambda window_s: 0.0)
     monkeypatch.setattr(step_loop, "_settled", False)
     monkeypatch.setenv("PAGEDKV_SETTLE_MAX_THREADS", "0")
     assert step_loop.settle_max_threads_once() is False
@@ -90,3 +87,33 @@ def test_settle_runs_once_and_can_be_turned_off(monkeypatch):
     assert calls == ["poller", "workers"]
     assert step_loop.settle_max_threads_once() is False
     assert calls == ["poller", "workers"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "busy", "settles"),
+    [(None, 0.4, True), (None, 0.5, False), (None, 1.7, False), ("1", 1.7, True)],
+)
+def test_a_busy_machine_leaves_max_threads_alone_unless_told(
+    monkeypatch, caplog, setting, busy, settles
+):
+    """Unset, the variable lets the machine's load decide (from BUSY_CORES
+    of other processes' CPU on, nothing is changed, and the log says why);
+    =1 settles whatever the load, without watching it."""
+    calls, watched = [], []
+    monkeypatch.setattr(step_loop, "demote_max_poller", lambda: calls.append("poller"))
+    monkeypatch.setattr(step_loop, "nice_max_workers", lambda: calls.append("workers"))
+    monkeypatch.setattr(
+        step_loop, "other_processes_cores", lambda window_s: watched.append(window_s) or busy
+    )
+    monkeypatch.setattr(step_loop, "_settled", False)
+    if setting is None:
+        monkeypatch.delenv("PAGEDKV_SETTLE_MAX_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_SETTLE_MAX_THREADS", setting)
+    with caplog.at_level("WARNING", logger="pagedkv.runtime"):
+        assert step_loop.settle_max_threads_once() is settles
+    assert calls == (["poller", "workers"] if settles else [])
+    assert watched == ([] if setting == "1" else [step_loop.LOAD_WINDOW_S])
+    assert ("keep their priority" in caplog.text) is (not settles)
+    # Decided once, for the process's life.
+    assert step_loop.settle_max_threads_once() is False
