@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,7 +74,6 @@ from llamacpp import (
     pagedkv_commit,
     pagedkv_serve_command,
 )
-from pagedkv._ops.cpu_target import kernel_isa_line
 from pagedkv.models.fetch import fetch_gguf
 from pagedkv.models.tokenizer import FAMILY_CHAT_TEMPLATES
 
@@ -414,6 +414,18 @@ def step_share(before: dict | None, after: dict | None, seconds: float) -> dict:
     return {"steps": got}
 
 
+def pagedkv_isa_line() -> str:
+    """What pagedkv's kernels are compiled for (`kernel_isa_line`), asked in
+    a process of its own: the probe starts MAX's runtime, whose poller
+    would then wake thousands of times a second in this client (about a
+    tenth of a core) and take that from whichever server it measures."""
+    probe = "from pagedkv._ops.cpu_target import kernel_isa_line; print(kernel_isa_line())"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False
+    )
+    return result.stdout.strip() or f"kernels unknown ({result.stderr.strip()[-200:]})"
+
+
 def cpu_per_token(before: dict, after: dict, tokens: int) -> dict:
     """The server's CPU milliseconds per output token during a workload, by
     thread name (`thread_cpu_seconds`): on a machine of few cores, what its
@@ -443,11 +455,14 @@ def run_server(
             warm_up(server.url, w.model)
             result["load_before"][w.name] = os.getloadavg()[0]
             steps = engine_steps(server.url)
-            cpu = thread_cpu_seconds(server.proc.pid)
+            cpu, client_cpu = thread_cpu_seconds(server.proc.pid), time.process_time()
             answers, seconds, cut = asyncio.run(replay(server.url, w))
+            client_cpu = time.process_time() - client_cpu
             r = summarize(w, answers, seconds, cut)
             r |= step_share(steps, engine_steps(server.url), seconds)
             r |= cpu_per_token(cpu, thread_cpu_seconds(server.proc.pid), r["output_tokens"])
+            if r["output_tokens"]:
+                r["client_cpu_ms_per_token"] = 1e3 * client_cpu / r["output_tokens"]
             result["workloads"][w.name] = r
             print(f"  {w.name}: {progress_line(r)}", flush=True)
     except ServerError as e:
@@ -478,6 +493,8 @@ def progress_line(r: dict) -> str:
     if r.get("cpu_ms_per_token"):
         used = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items())
         line += f"; server CPU ms per token by thread: {used}"
+    if r.get("client_cpu_ms_per_token"):
+        line += f"; this client's CPU {r['client_cpu_ms_per_token']:.2f} ms per token"
     if r["errors"]:
         line += f", {r['errors']} errors ({r['first_error']})"
     if r["token_count_mismatches"]:
@@ -716,7 +733,7 @@ def main() -> int:
         f"llama.cpp: {version}; -t {threads} {shlex.join(LLAMA_ARGS)} {args.llama_args}".strip()
         if llama
         else "llama.cpp: not run",
-        f"pagedkv: {pagedkv_commit()}; {kernel_isa_line()}",
+        f"pagedkv: {pagedkv_commit()}; {pagedkv_isa_line()}",
         f"date: {datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
         f"model: {gguf.name}; temperature 0, ignore_eos, usage-counted tokens; "
         f"shared-prefix system prompt {prefix_tokens} tokens",
