@@ -18,9 +18,9 @@ log = logging.getLogger("pagedkv.runtime")
 SETTLE_VARIABLE = "PAGEDKV_SETTLE_MAX_THREADS"
 BUSY_CORES = 0.5
 """Cores' worth of CPU other processes use, over LOAD_WINDOW_S, from which
-the machine counts as shared: a busy neighbour then costs settled threads
-far more (a step 2.8x as long) than an idle machine gains (1.1-1.2x as
-fast; docs/performance.md, "The server's own threads")."""
+the machine counts as shared: beside a busy process, settled threads lose
+far more than they gain on an idle machine (docs/performance.md, "The
+server's own threads")."""
 LOAD_WINDOW_S = 0.1
 """How long the machine's load is watched before deciding (10 clock ticks
 a core at the usual 100 a second)."""
