@@ -48,7 +48,7 @@ def settle_max_threads_once() -> bool:
         busy = other_processes_cores(LOAD_WINDOW_S)
         if busy >= BUSY_CORES:
             log.warning(
-                "other processes keep %.1f cores busy: MAX's threads keep their priority "
+                "pagedkv: other processes keep %.1f cores busy: MAX's threads keep their priority "
                 "(%s=1 settles them anyway)",
                 busy,
                 SETTLE_VARIABLE,
