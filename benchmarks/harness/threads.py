@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+from pagedkv.runtime.machine_load import cpu_ticks
 from pagedkv.runtime.max_poller import demote_max_poller
 
 AFFINITY_VARIABLE = "MODULAR_ENABLE_AFFINITY"
@@ -73,12 +74,8 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip().rstrip("0123456789") or "thread"
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                # Fields after the parenthesized name: utime and stime are
-                # the 12th and 13th (stat(5)'s 14th and 15th).
-                fields = f.read().rsplit(")", 1)[1].split()
+            used = cpu_ticks(f"/proc/{pid}/task/{tid}/stat") / ticks
         except OSError:  # the thread ended meanwhile
             continue
-        used = (int(fields[11]) + int(fields[12])) / ticks
         seconds[name] = seconds.get(name, 0.0) + used
     return seconds

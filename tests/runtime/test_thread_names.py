@@ -35,3 +35,9 @@ def test_a_thread_names_itself_for_the_os_and_no_other(name, shown):
     assert got["before"] != shown
     assert got["after"] == shown
     assert os_name(threading.main_thread().native_id) == main
+
+
+@pytest.mark.parametrize("name", [None, b"engine", 7])
+def test_a_name_that_is_not_a_string_is_refused(name):
+    with pytest.raises(TypeError, match="string"):
+        name_os_thread(name)

@@ -26,11 +26,20 @@ def _machine_busy_ticks() -> int:
     return user + nice + system + irq + softirq
 
 
-def _own_ticks() -> int:
-    """Clock ticks this process's threads have run (utime + stime)."""
-    with open("/proc/self/stat") as f:
+def cpu_ticks(stat_path: str) -> int:
+    """Clock ticks (utime + stime) in a /proc stat file: a process's
+    (/proc/<pid>/stat, all its threads) or one thread's
+    (/proc/<pid>/task/<tid>/stat). Raises OSError where it cannot be read."""
+    with open(stat_path) as f:
+        # Fields after the parenthesized name: utime and stime are the 12th
+        # and 13th (stat(5)'s 14th and 15th).
         fields = f.read().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
+
+
+def _own_ticks() -> int:
+    """Clock ticks this process's threads have run."""
+    return cpu_ticks("/proc/self/stat")
 
 
 def other_processes_cores(window_s: float = 0.1) -> float:

@@ -21,7 +21,7 @@ MAX_NAME_BYTES = 15
 def name_os_thread(name: str) -> bool:
     """Names the calling thread for the OS (Linux; its first 15 bytes);
     returns whether it did. Elsewhere, or where prctl fails, it does
-    nothing.
+    nothing. Raises TypeError for a name that is not a string.
 
     Examples
     --------
@@ -29,11 +29,13 @@ def name_os_thread(name: str) -> bool:
     >>> name_os_thread("pagedkv-engine")  # doctest: +SKIP
     True
     """
+    if not isinstance(name, str):
+        raise TypeError(f"a thread's name is a string, got {name!r}")
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         raw = name.encode()[:MAX_NAME_BYTES]
         return libc.prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0
-    except (OSError, AttributeError):
+    except OSError:  # no C library to load
         return False
