@@ -88,14 +88,15 @@ comptime MAX_TILES_PER_TASK = 8
 stays in L1 across them)."""
 comptime MIN_TASKS = 32
 """Tasks a product is split into when it has that many tiles."""
-comptime TASK_BYTES = 65536
+comptime TASK_BYTES = 1 << 20
 """Weight bytes a task of a one-tile product (a decode step of a few
 requests) streams at least: adjacent panels lie one after another in
 memory, so a task reads on in one stream, and its claim from the shared
-counter is a small part of its time. With PREFETCH_AHEAD, a one-row
-product of SmolLM2's or Gemma 3's layers streamed 25-32 GB/s against 19-25
-with tasks of 16 KiB and no prefetch
-(benchmarks/kernel_investigations/qlinear_cpu_stream.mojo)."""
+counter is a small part of its time. The cores' streams stay long: tasks
+of 64 KiB, each core taking every other one, left a one-row output head
+reading a quarter slower than tasks of 1 MiB, on AVX2 and AVX-512 alike
+(docs/performance.md, "Longer tasks for one-row products"); small
+products keep TASKS_PER_CORE tasks instead."""
 comptime PREFETCH_AHEAD = 8192
 """How far ahead of a panel's first register tile its codes are asked into
 the L2 (a run of panels is one stream, so this reaches into the next one).
