@@ -40,8 +40,10 @@ def settle_max_threads_once() -> bool:
     process's life. It costs the calling thread those windows (0.15 s),
     once."""
     global _settled
+    if _settled:
+        return False
     setting = os.environ.get(SETTLE_VARIABLE, "")
-    if _settled or setting == "0":
+    if setting == "0":
         return False
     _settled = True
     if setting != "1":
