@@ -92,11 +92,11 @@ comptime TASK_BYTES = 1 << 20
 """Weight bytes a task of a one-tile product (a decode step of a few
 requests) streams at least: adjacent panels lie one after another in
 memory, so a task reads on in one stream, and its claim from the shared
-counter is a small part of its time. The cores' streams stay long: tasks
-of 64 KiB, each core taking every other one, left a one-row output head
-reading a quarter slower than tasks of 1 MiB, on AVX2 and AVX-512 alike
-(docs/performance.md, "Longer tasks for one-row products"); small
-products keep TASKS_PER_CORE tasks instead."""
+counter is a small part of its time. Each core's stream stays long:
+with tasks of 64 KiB, each core taking every other one, one-row products
+read their weights slower than with tasks of 1 MiB, on AVX2 and AVX-512
+alike (docs/performance.md, "Longer tasks for one-row products"). Small
+products keep TASKS_PER_CORE tasks a core instead."""
 comptime PREFETCH_AHEAD = 8192
 """How far ahead of a panel's first register tile its codes are asked into
 the L2 (a run of panels is one stream, so this reaches into the next one).

@@ -234,3 +234,18 @@ def test_shared_prefix_work_refuses_what_it_cannot_share():
     assert request_items.tolist() == [0, 2, 4, 6]
     assert items[:, 2].tolist() == [3, 1, 0, 1, 0, 1]
     assert items[:, 4:].tolist() == [[0, 64], [64, 69], [0, 64], [64, 73], [0, 64], [64, 84]]
+
+
+@pytest.mark.parametrize("length", [1, 17, 300, 5000])
+def test_one_request_shares_nothing_and_its_work_list_is_the_plain_one(length):
+    """A lone request has no neighbour to share a prefix with: the engine
+    skips the shared-prefix planning for it, which is right only while the
+    plan it would make is the plain one."""
+    kv_indptr = np.array([0, -(-length // P)], np.int32)
+    last = np.array([length - (kv_indptr[1] - 1) * P], np.int32)
+    kv_indices = np.arange(kv_indptr[1], dtype=np.int32)
+    args = (kv_indptr, last, P, HQ, HKV, D)
+    shared = graph_ops.decode_work(*args, gpu=False, kv_indices=kv_indices)
+    plain = graph_ops.decode_work(*args, gpu=False)
+    for got, want in zip(shared, plain, strict=True):
+        np.testing.assert_array_equal(got, want)
