@@ -95,7 +95,7 @@ class DecoderEngine:
         computes each row on its own, in an order that does not depend on
         the batch."""
         self._pool_buffers: tuple[list, list] | None = None
-        self._groups = len(group_windows(config))
+        self._group_count = len(group_windows(config))
         self.share_prefixes = not batch_invariant
         """Decode reads the pages of a prefix that consecutive requests share
         once for all of them (CPU, layer groups without a window): a shared
@@ -197,14 +197,7 @@ class DecoderEngine:
                 meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu,
                 align=align,
             )  # fmt: skip
-        # One request shares with no neighbour: its plain work list is the same.
-        shares = (
-            self.share_prefixes
-            and not gpu
-            and meta.window_left < 0
-            and not self.decode_chunk
-            and len(meta.kv_indptr) > 2
-        )
+        shares = self.share_prefixes and not gpu and meta.window_left < 0 and not self.decode_chunk
         return graph_ops.decode_work(
             *table,
             *shape,
@@ -217,7 +210,7 @@ class DecoderEngine:
     def _group_tables(self, kind: str, request_ids: Sequence[Hashable], md) -> dict:
         """Each layer group's page ids and work list (md: group 0's metadata)."""
         tables = {}
-        for g in range(self._groups):
+        for g in range(self._group_count):
             meta = md if g == 0 else self.manager.metadata(request_ids, group=g)
             items, request_items = self._work(kind, meta)
             tables |= {

@@ -698,6 +698,9 @@ def decode_work(
             raise ValueError(
                 "shared prefixes are read once on the CPU, without a window or fixed_chunk"
             )
+    if kv_indices is not None and len(kv_indptr) > 2:
+        # A lone request has no neighbour to share with: its plain work
+        # list is the one the shared-prefix plan would make.
         common = attention_work.common_prefix_pages(np.asarray(kv_indptr), np.asarray(kv_indices))
         prefix = attention_work.shared_prefix_tokens(common, seq_lens, page_size)
     items, request_items = attention_work.decode_work(

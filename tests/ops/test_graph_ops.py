@@ -13,7 +13,8 @@ from max.graph import BufferType, DeviceRef, Module, TensorType
 import pagedkv
 import reference
 from pagedkv import graph_ops
-from pagedkv._plan.work import CPU_MAX_SHARED_ROWS
+from pagedkv._plan import work as attention_work
+from pagedkv._plan.work import CPU_MAX_SHARED_ROWS, AttentionOptions, heads_per_task
 from suite_graphs import ops_graph, suite_graph, suite_model
 
 P, HQ, HKV, D = 16, 8, 2, 64
@@ -238,14 +239,25 @@ def test_shared_prefix_work_refuses_what_it_cannot_share():
 
 @pytest.mark.parametrize("length", [1, 17, 300, 5000])
 def test_one_request_shares_nothing_and_its_work_list_is_the_plain_one(length):
-    """A lone request has no neighbour to share a prefix with: the engine
-    skips the shared-prefix planning for it, which is right only while the
-    plan it would make is the plain one."""
+    """A lone request has no neighbour to share a prefix with, so
+    `decode_work` skips the shared-prefix plan for it: right only while
+    that plan, with no neighbour, is the plain one."""
     kv_indptr = np.array([0, -(-length // P)], np.int32)
     last = np.array([length - (kv_indptr[1] - 1) * P], np.int32)
     kv_indices = np.arange(kv_indptr[1], dtype=np.int32)
+    seq_lens = np.array([length])
+    common = attention_work.common_prefix_pages(kv_indptr, kv_indices)
+    prefix = attention_work.shared_prefix_tokens(common, seq_lens, P)
+    options = AttentionOptions(D)
+    per_task = heads_per_task(HQ, HKV)
+    planned = attention_work.decode_work(
+        seq_lens, P, HQ, HKV, per_task, options, False, shared_prefix=prefix
+    )
+    plain = attention_work.decode_work(seq_lens, P, HQ, HKV, per_task, options, False)
+    for got, want in zip(planned, plain, strict=True):
+        np.testing.assert_array_equal(got, want)
     args = (kv_indptr, last, P, HQ, HKV, D)
-    shared = graph_ops.decode_work(*args, gpu=False, kv_indices=kv_indices)
-    plain = graph_ops.decode_work(*args, gpu=False)
-    for got, want in zip(shared, plain, strict=True):
+    for got, want in zip(
+        graph_ops.decode_work(*args, gpu=False, kv_indices=kv_indices), plain, strict=True
+    ):
         np.testing.assert_array_equal(got, want)
