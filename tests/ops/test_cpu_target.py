@@ -1,7 +1,8 @@
 """PAGEDKV_CPU_TARGET: the kernels compile for the CPU it names.
 
 The probe op (simd/isa.mojo) reports the branches a compile took. Without
-the variable they follow the host's /proc/cpuinfo; with `x86-64-v3` they
+the variable they follow the CPU the compiler sees on the host (never more
+than /proc/cpuinfo lists, sometimes less); with `x86-64-v3` they
 are AVX2's (8 float32 lanes, `vpmaddubsw` pairs, no AVX-512), whatever the
 host has, and the compile cache names those artifacts apart. The slow set
 runs the quantized, linear and attention kernels' tests on an x86 host
@@ -14,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,21 +58,76 @@ def host_flags() -> set[str]:
     return set()
 
 
+def compiler_host_view() -> tuple[str, set[str]]:
+    """The CPU the Mojo compiler compiles for when no target is named, and
+    the features it gives that CPU (from the LLVM IR of an empty program):
+    what MAX's host compiles take too."""
+    from mojo.run import subprocess_run_mojo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, ir = Path(tmp) / "main.mojo", Path(tmp) / "main.ll"
+        source.write_text("def main():\n    pass\n")
+        built = subprocess_run_mojo(
+            ["build", "--emit", "llvm", str(source), "-o", str(ir)], capture_output=True, text=True
+        )
+        assert built.returncode == 0, built.stderr[-2000:]
+        text = ir.read_text()
+    cpu = re.search(r'"target-cpu"="([^"]+)"', text).group(1)
+    features = re.search(r'"target-features"="([^"]*)"', text).group(1).split(",")
+    return cpu, {f[1:] for f in features if f.startswith("+")}
+
+
 @pytest.mark.skipif(not X86 or not Path("/proc/cpuinfo").exists(), reason="reads x86 cpuinfo")
 @pytest.mark.skipif(bool(os.environ.get(cpu_target.ENV)), reason="a CPU target is set")
 def test_kernels_compile_for_the_host_by_default():
+    """The kernels take the branches of the CPU the compiler sees, which
+    never claims a feature the CPU lacks (it may lack some the CPU has:
+    `unused_cpu_features`)."""
     isa = cpu_target.kernel_isa()
-    flags = host_flags()
+    cpu, features = compiler_host_view()
     assert set(isa) == set(CPU_ISA_FIELDS)
     assert isa["x86"] == 1
-    assert isa["avx2"] == int("avx2" in flags)
-    assert isa["avx512f"] == int("avx512f" in flags)
-    assert isa["f32_lanes"] == (16 if "avx512f" in flags else 8)
+    assert isa["avx2"] == int("avx2" in features), cpu
+    assert isa["avx512f"] == int("avx512f" in features), cpu
+    assert isa["f32_lanes"] == (16 if "avx512f" in features else 8)
     # vpdpbusd at the vector width: AVX512_VNNI with AVX-512, AVX-VNNI without.
-    vnni = "avx512_vnni" in flags if "avx512f" in flags else "avx_vnni" in flags
-    assert isa["vnni"] == int(vnni)
-    assert isa["maddubs"] == int("avx2" in flags and not vnni)
-    assert isa["dot_bf16"] == int("avx512_bf16" in flags)
+    vnni = "avx512vnni" in features if "avx512f" in features else "avxvnni" in features
+    assert isa["vnni"] == int(vnni), cpu
+    assert isa["maddubs"] == int("avx2" in features and not vnni)
+    assert isa["dot_bf16"] == int("avx512bf16" in features), cpu
+    # /proc/cpuinfo's names for the features the kernels branch on.
+    named = {"avx2": "avx2", "avx512f": "avx512f", "avx512vnni": "avx512_vnni"}
+    named |= {"avxvnni": "avx_vnni", "avx512bf16": "avx512_bf16"}
+    flags = host_flags()
+    assert {named[f] for f in features if f in named} <= flags, cpu
+    unused = cpu_target.unused_cpu_features(isa, flags)
+    # What the line reports unused is what the compiler's CPU lacks.
+    cpuinfo_name = {flag: feature for feature, flag in named.items()}
+    assert all(flag in flags and cpuinfo_name[flag] not in features for flag in unused)
+    assert (f"this CPU's {', '.join(unused)} unused" in cpu_target.kernel_isa_line()) == bool(
+        unused
+    )
+
+
+@pytest.mark.parametrize(
+    ("isa", "flags", "unused"),
+    [
+        # An AVX-512 compile that lacks AVX512_BF16 where the CPU has it.
+        (
+            (1, 1, 1, 0),
+            {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"},
+            ["avx512_bf16"],
+        ),
+        ((1, 1, 1, 1), {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, []),
+        # An AVX2 compile on an AVX-512 CPU: its VNNI is AVX-VNNI.
+        ((1, 0, 0, 0), {"avx2", "avx512f", "avx512_vnni", "avx_vnni"}, ["avx512f", "avx_vnni"]),
+        ((1, 0, 1, 0), {"avx2", "avx_vnni"}, []),
+        ((0, 0, 0, 0), set(), []),
+    ],
+)
+def test_unused_cpu_features_are_the_cpus_features_the_compile_left_out(isa, flags, unused):
+    isa = dict(zip(("avx2", "avx512f", "vnni", "dot_bf16"), isa, strict=True))
+    assert cpu_target.unused_cpu_features(isa, flags) == unused
 
 
 def host_artifact() -> str:

@@ -12,7 +12,10 @@ the first compile of the process on; the compile cache names artifacts by
 it (compile_cache.host_digest).
 
 `kernel_isa()` runs a probe op compiled like every other kernel and says
-which branches the compile took.
+which branches the compile took. The host's CPU is the one LLVM names from
+the CPUID model number, which a virtual machine may report for a CPU with
+fewer features than the one it runs on; `kernel_isa_line()` then names the
+features left unused (`unused_cpu_features`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -102,17 +106,61 @@ def isa_probe_spec():
     return OpSpec.of(CPU_ISA_OP, [Operand(DType.int32, 1, mutable=True)])
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where
+    there is no such file, or no flags line: not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def unused_cpu_features(isa: Mapping[str, int], flags: Iterable[str]) -> list[str]:
+    """The x86 features the kernels branch on that the CPU has (`flags`,
+    /proc/cpuinfo's names) and a compile reporting `isa` (`kernel_isa()`)
+    did not take.
+
+    MAX compiles for the CPU that LLVM names from the CPUID model number,
+    with that CPU's features. A virtual machine may report a model number
+    whose CPU has fewer features than the one it runs on: LLVM reads
+    model 167 as Rocket Lake, a CPU without AVX512_BF16, while the Xeon
+    behind it has it (docs/performance.md, "An Intel Xeon with AMX").
+
+    Examples
+    --------
+    >>> isa = {"avx2": 1, "avx512f": 1, "vnni": 1, "dot_bf16": 0}
+    >>> unused_cpu_features(isa, {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"})
+    ['avx512_bf16']
+    """
+    flags = set(flags)
+    vnni = "avx512_vnni" if isa["avx512f"] else "avx_vnni"
+    taken = (("avx2", "avx2"), ("avx512f", "avx512f"), ("vnni", vnni), ("dot_bf16", "avx512_bf16"))
+    return [flag for field, flag in taken if flag in flags and not isa[field]]
+
+
 def kernel_isa_line() -> str:
     """`kernel_isa()` in words, with the target it came from: for the
-    first lines of a benchmark's output."""
+    first lines of a benchmark's output. A host compile that leaves some of
+    the CPU's features unused (`unused_cpu_features`) says which."""
     import max.driver
 
     isa = kernel_isa()
     vectors = " ".join(name for name in ("avx2", "avx512f") if isa[name]) or "baseline vectors"
     int8 = "/".join(name for name in ("vnni", "maddubs", "sdot") if isa[name]) or "widening"
-    target = max.driver.get_virtual_cpu_target() or "the host CPU"
-    return (
-        f"kernels compiled for {target}: {vectors}, int8 dot products by {int8}, "
-        f"bf16 dot products {'yes' if isa['dot_bf16'] else 'no'}, "
+    target = max.driver.get_virtual_cpu_target()
+    line = (
+        f"kernels compiled for {target or 'the host CPU'}: {vectors}, int8 dot products by "
+        f"{int8}, bf16 dot products {'yes' if isa['dot_bf16'] else 'no'}, "
         f"{isa['f32_lanes']} float32 lanes, {isa['vector_registers']} vector registers"
     )
+    unused = [] if target or not isa["x86"] else unused_cpu_features(isa, cpu_flags())
+    if unused:
+        line += (
+            f" (this CPU's {', '.join(unused)} unused: LLVM's name for it lacks them; "
+            f"{ENV} can name a CPU that has them)"
+        )
+    return line
