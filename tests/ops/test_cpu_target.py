@@ -50,14 +50,6 @@ def probe(target: str | None) -> subprocess.CompletedProcess:
     )
 
 
-def host_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def compiler_host_view() -> tuple[str, set[str]]:
     """The CPU the Mojo compiler compiles for when no target is named, and
     the features it gives that CPU (from the LLVM IR of an empty program):
@@ -98,7 +90,7 @@ def test_kernels_compile_for_the_host_by_default():
     # /proc/cpuinfo's names for the features the kernels branch on.
     named = {"avx2": "avx2", "avx512f": "avx512f", "avx512vnni": "avx512_vnni"}
     named |= {"avxvnni": "avx_vnni", "avx512bf16": "avx512_bf16"}
-    flags = host_flags()
+    flags = cpu_target.cpu_flags()
     assert {named[f] for f in features if f in named} <= flags, cpu
     unused = cpu_target.unused_cpu_features(isa, flags)
     # What the line reports unused is what the compiler's CPU lacks.
