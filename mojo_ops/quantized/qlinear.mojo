@@ -41,6 +41,14 @@ from ..simd.int8_dot import (
     pair_dot_steps,
     widen_pairs,
 )
+from ..simd.amx import (
+    AMX_ROWS,
+    AMX_TARGET,
+    amx_ready,
+    configure_tiles,
+    release_tiles,
+    tile_product,
+)
 from ..simd.widen import F32, VECTOR_REGISTERS
 from max.runtime.asyncrt import parallelism_level
 
@@ -147,6 +155,105 @@ def top_bits[bit: Int, width: Int](top: Bytes) -> Bytes:
 
 
 @always_inline
+def group_codes[
+    fmt: Int, g: Int, v: Int
+](codes: Ptr[DType.uint8]) -> Tuple[Bytes, Bytes]:
+    """The codes of group g of a 4- to 6-bit block (`codes` its first byte),
+    vector v of its columns, as unsigned bytes: the inputs 8g .. 8g + 3 of
+    each column (the low nibbles, with their top bits), then 8g + 4 .. 8g +
+    7 (the high ones)."""
+    comptime BITS = code_bits(fmt)
+    comptime GROUPS = code_groups(fmt)
+    comptime assert BITS <= 6, "8-bit codes are bytes as stored"
+    var raw = codes.unsafe_offset(g * GROUP_BYTES + v * BYTES).unsafe_load[
+        width=BYTES
+    ]()
+    var lo = raw & 0x0F
+    var hi = raw >> 4
+    comptime if BITS > 4:
+        # The top bits' groups follow the nibbles' (block_formats.mojo).
+        comptime TOP = BITS - 4
+        comptime PER_GROUP = 8 // (2 * TOP)
+        var top = codes.unsafe_offset(
+            (GROUPS + g // PER_GROUP) * GROUP_BYTES + v * BYTES
+        ).unsafe_load[width=BYTES]()
+        comptime at = (g % PER_GROUP) * 2 * TOP
+        lo |= top_bits[at, TOP](top)
+        hi |= top_bits[at + TOP, TOP](top)
+    return (lo, hi)
+
+
+@always_inline
+def add_block[
+    fmt: Int, rows: Int, v: Int, signed_codes: Bool
+](
+    acc: Pointer[SIMD[F32, WI], MutUntrackedOrigin],
+    sums: Pointer[Acc, MutUntrackedOrigin],
+    panel: Ptr[DType.uint8],
+    x: QuantizedRows,
+    b: Int,
+):
+    """Adds block b's products to acc [rows] (vector v of the panel's
+    columns): its exact sums [parts, rows] of byte products, each scaled by
+    the weight's and the activations' block scales, then corrected for the
+    zero point or min by the activations' d * sum over the part's inputs:
+    four vector operations per row and part. `signed_codes`: whether the
+    sums took 8-bit codes as signed bytes (else offset by 128)."""
+    comptime CODE_BYTES = code_bytes(fmt)
+    comptime Z = zero_point(fmt, signed_codes)
+    comptime MIN = has_min(fmt)
+    comptime PARTS = scales_per_block(fmt)
+    var blocks = x.blocks
+    var scales = panel.unsafe_offset(blocks * CODE_BYTES)
+    var mins = scales.unsafe_offset(blocks * PARTS * PANEL * scale_bytes(fmt))
+    # Super-blocks' float16 scales follow the blocks' (and their mins).
+    var supers = mins.unsafe_offset(
+        blocks * PANEL * scale_bytes(fmt) if MIN else 0
+    )
+    comptime for part in range(PARTS):
+        var d = block_scales[fmt](scales, (b * PARTS + part) * PANEL + v * WI)
+        comptime if has_super_scales(fmt):
+            d *= (
+                supers.unsafe_offset(((b // 8) * PANEL + v * WI) * 2)
+                .unsafe_bitcast[Float16]()
+                .unsafe_load[width=WI]()
+                .cast[F32]()
+            )
+        # What multiplies the activations' d * sum: the block's min, or its
+        # zero point as one (w = d q - z d).
+        var shift = SIMD[F32, WI](0)
+        comptime if MIN:
+            shift = block_scales[fmt](mins, b * PANEL + v * WI)
+            comptime if has_super_scales(fmt):
+                shift *= (
+                    supers.unsafe_offset(
+                        ((super_blocks(x.k_dim) + b // 8) * PANEL + v * WI) * 2
+                    )
+                    .unsafe_bitcast[Float16]()
+                    .unsafe_load[width=WI]()
+                    .cast[F32]()
+                )
+        elif Z != 0:
+            shift = d * Float32(-Z)
+        comptime for r in range(rows):
+            var dot = sums[unsafe_offset=part * rows + r]
+            acc[unsafe_offset=r] = dot.cast[F32]().fma(
+                d * x.d[unsafe_offset=r * blocks + b], acc[unsafe_offset=r]
+            )
+            comptime if MIN or Z != 0:
+                var d_sum: Float32
+                comptime if PARTS == 2:
+                    d_sum = x.d_half_sums[
+                        unsafe_offset=2 * (r * blocks + b) + part
+                    ]
+                else:
+                    d_sum = x.d_sums[unsafe_offset=r * blocks + b]
+                acc[unsafe_offset=r] = shift.fma(
+                    SIMD[F32, WI](d_sum), acc[unsafe_offset=r]
+                )
+
+
+@always_inline
 def tile[
     fmt: Int, rows: Int
 ](panel: Ptr[DType.uint8], x: QuantizedRows, dst: Ptr[F32], ahead: Int):
@@ -156,15 +263,11 @@ def tile[
     none), each block asks for the codes that far on into the L2.
 
     A block's byte dot products sum exactly in int32, one sum per scale of
-    the weight's block (two for Q6_K's halves of 16 inputs); each is scaled,
-    then corrected for the zero point or min by the activations' d * sum
-    over its inputs: four vector operations per row, part and block
-    besides the dot products."""
+    the weight's block (two for Q6_K's halves of 16 inputs), then
+    `add_block` scales them into float32."""
     comptime BITS = code_bits(fmt)
     comptime GROUPS = code_groups(fmt)
     comptime CODE_BYTES = code_bytes(fmt)
-    comptime Z = zero_point(fmt, SIGNED_CODES)
-    comptime MIN = has_min(fmt)
     comptime SIGNED = BITS == 8 and SIGNED_CODES
     comptime PARTS = scales_per_block(fmt)
     comptime PART_GROUPS = GROUPS // PARTS
@@ -176,12 +279,6 @@ def tile[
     comptime assert not PAIRED or PAIR_STEPS % 2 == 0, "pairs of steps fit"
     var blocks = x.blocks
     var k_dim = x.k_dim
-    var scales = panel.unsafe_offset(blocks * CODE_BYTES)
-    var mins = scales.unsafe_offset(blocks * PARTS * PANEL * scale_bytes(fmt))
-    # Super-blocks' float16 scales follow the blocks' (and their mins).
-    var supers = mins.unsafe_offset(
-        blocks * PANEL * scale_bytes(fmt) if MIN else 0
-    )
     # One vector of columns at a time, all blocks: its rows' accumulators
     # are all a tile keeps live, so that AVX2's 16 registers hold a tile of
     # 4 rows, each unpacked vector of codes serving all of them.
@@ -206,23 +303,8 @@ def tile[
                         )
             comptime for g in range(GROUPS):
                 comptime part = g // PART_GROUPS
-                var raw = codes.unsafe_offset(
-                    g * GROUP_BYTES + v * BYTES
-                ).unsafe_load[width=BYTES]()
                 comptime if BITS <= 6:
-                    var lo = raw & 0x0F
-                    var hi = raw >> 4
-                    comptime if BITS > 4:
-                        # The top bits' groups follow the nibbles'
-                        # (block_formats.mojo).
-                        comptime TOP = BITS - 4
-                        comptime PER_GROUP = 8 // (2 * TOP)
-                        var top = codes.unsafe_offset(
-                            (GROUPS + g // PER_GROUP) * GROUP_BYTES + v * BYTES
-                        ).unsafe_load[width=BYTES]()
-                        comptime at = (g % PER_GROUP) * 2 * TOP
-                        lo |= top_bits[at, TOP](top)
-                        hi |= top_bits[at + TOP, TOP](top)
+                    var lo, hi = group_codes[fmt, g, v](codes)
                     # The part's steps so far, this group's two included.
                     comptime steps = (g % PART_GROUPS + 1) * 2
                     comptime for r in range(rows):
@@ -254,6 +336,9 @@ def tile[
                                 broadcast_word(xr.unsafe_offset(4)),
                             )
                 else:
+                    var raw = codes.unsafe_offset(
+                        g * GROUP_BYTES + v * BYTES
+                    ).unsafe_load[width=BYTES]()
                     comptime for r in range(rows):
                         var xr = xb.unsafe_offset(r * k_dim + 4 * g)
                         var i = part * rows + r
@@ -269,58 +354,146 @@ def tile[
                                 raw ^ 0x80,
                                 broadcast_word(xr),
                             )
-            comptime for part in range(PARTS):
-                var d = block_scales[fmt](
-                    scales, (b * PARTS + part) * PANEL + v * WI
-                )
-                comptime if has_super_scales(fmt):
-                    d *= (
-                        supers.unsafe_offset(((b // 8) * PANEL + v * WI) * 2)
-                        .unsafe_bitcast[Float16]()
-                        .unsafe_load[width=WI]()
-                        .cast[F32]()
-                    )
-                # What multiplies the activations' d * sum: the block's
-                # min, or its zero point as one (w = d q - z d).
-                var shift = SIMD[F32, WI](0)
-                comptime if MIN:
-                    shift = block_scales[fmt](mins, b * PANEL + v * WI)
-                    comptime if has_super_scales(fmt):
-                        shift *= (
-                            supers.unsafe_offset(
-                                (
-                                    (super_blocks(k_dim) + b // 8) * PANEL
-                                    + v * WI
-                                )
-                                * 2
-                            )
-                            .unsafe_bitcast[Float16]()
-                            .unsafe_load[width=WI]()
-                            .cast[F32]()
-                        )
-                elif Z != 0:
-                    shift = d * Float32(-Z)
-                comptime for r in range(rows):
-                    var dot = isum[unsafe_offset=part * rows + r]
-                    acc[unsafe_offset=r] = dot.cast[F32]().fma(
-                        d * x.d[unsafe_offset=r * blocks + b],
-                        acc[unsafe_offset=r],
-                    )
-                    comptime if MIN or Z != 0:
-                        var d_sum: Float32
-                        comptime if PARTS == 2:
-                            d_sum = x.d_half_sums[
-                                unsafe_offset=2 * (r * blocks + b) + part
-                            ]
-                        else:
-                            d_sum = x.d_sums[unsafe_offset=r * blocks + b]
-                        acc[unsafe_offset=r] = shift.fma(
-                            SIMD[F32, WI](d_sum), acc[unsafe_offset=r]
-                        )
+            add_block[fmt, rows, v, SIGNED_CODES](acc, isum, panel, x, b)
         comptime for r in range(rows):
             dst.unsafe_offset(r * PANEL + v * WI).unsafe_store(
                 acc[unsafe_offset=r]
             )
+
+
+comptime AMX_CODES = 8 * BYTES
+"""Bytes of one block's codes as a B tile (8 rows of 64 bytes)."""
+comptime AMX_SUMS = 2 * AMX_ROWS * PANEL * 4
+"""Bytes of one block's sums: a C tile for each of at most two parts."""
+comptime AMX_SCRATCH = 2 * (AMX_CODES + AMX_SUMS)
+"""Bytes of a task's AMX scratch (64-byte aligned): two blocks' unpacked
+codes, then two blocks' sums."""
+
+
+@always_inline
+def _amx_codes[
+    fmt: Int
+](
+    panel: Ptr[DType.uint8], b: Int, scratch: Ptr[DType.uint8], ahead: Int
+) -> Ptr[DType.uint8]:
+    """Block b's codes as B tile rows: 8-bit codes where they lie; 4- to
+    6-bit codes unpacked into scratch's half b % 2, row 2g the group's low
+    codes and 2g + 1 its high ones. With `ahead` (bytes, 0 for none), asks
+    for the codes that far on into the L2, as `tile` does."""
+    var codes = panel.unsafe_offset(b * code_bytes(fmt))
+    if ahead != 0:
+        comptime for g in range(code_bytes(fmt) // GROUP_BYTES):
+            prefetch[PrefetchOptions().for_read().low_locality()](
+                codes.unsafe_offset(ahead + g * GROUP_BYTES)
+            )
+    comptime if code_bits(fmt) == 8:
+        return codes
+    else:
+        var rows = scratch.unsafe_offset((b % 2) * AMX_CODES)
+        comptime for g in range(code_groups(fmt)):
+            var lo, hi = group_codes[fmt, g, 0](codes)
+            rows.unsafe_offset(2 * g * BYTES).unsafe_store(lo)
+            rows.unsafe_offset((2 * g + 1) * BYTES).unsafe_store(hi)
+        return rows
+
+
+@always_inline
+def _amx_block_product[
+    fmt: Int, tile_set: Int
+](sums: Ptr[DType.int32], x: QuantizedRows, b: Int, codes: Ptr[DType.uint8],):
+    """Block b's sums [parts, AMX_ROWS, PANEL] from its codes' B tile rows:
+    in tile set `tile_set`, or, for a block of two parts, one in each."""
+    comptime PARTS = scales_per_block(fmt)
+    comptime SIGNED = code_bits(fmt) == 8
+    comptime for part in range(PARTS):
+        tile_product[SIGNED, (tile_set + part) % 2](
+            sums.unsafe_offset(part * AMX_ROWS * PANEL),
+            x.q.unsafe_offset(b * QK + part * (QK // PARTS)),
+            x.k_dim,
+            codes.unsafe_offset(part * (8 // PARTS) * BYTES),
+        )
+
+
+@always_inline
+def amx_tile[
+    fmt: Int
+](
+    panel: Ptr[DType.uint8],
+    x: QuantizedRows,
+    dst: Ptr[F32],
+    scratch: Ptr[DType.uint8],
+    ahead: Int,
+):
+    """`tile` for AMX_ROWS rows with AMX tile products (simd/amx.mojo), in a
+    thread whose tiles are configured for the format's parts: each block's
+    codes as the B tile (8-bit ones as signed bytes), the rows' activations
+    as the A tile, the sums scaled by `add_block`.
+
+    The work is staggered over three blocks, so that no load waits on the
+    store just before it: block b + 1's codes are unpacked and block b's
+    tile product stored (in the other tile set than block b - 1's) while
+    block b - 1's sums are scaled."""
+    comptime assert NV == 1, "a panel is one vector of columns"
+    comptime BLOCK_SUMS = scales_per_block(fmt) * AMX_ROWS * PANEL
+    var sums = rebind[Ptr[DType.int32]](scratch.unsafe_offset(2 * AMX_CODES))
+    var acc = stack_allocation[AMX_ROWS, SIMD[F32, WI]]()
+    comptime for r in range(AMX_ROWS):
+        acc[unsafe_offset=r] = 0
+    var blocks = x.blocks
+    var next_codes = _amx_codes[fmt](panel, 0, scratch, ahead)
+    for b in range(blocks + 1):
+        if b < blocks:
+            var codes = next_codes
+            if b + 1 < blocks:
+                next_codes = _amx_codes[fmt](panel, b + 1, scratch, ahead)
+            var block_sums = sums.unsafe_offset((b % 2) * BLOCK_SUMS)
+            if b % 2 == 0:
+                _amx_block_product[fmt, 0](block_sums, x, b, codes)
+            else:
+                _amx_block_product[fmt, 1](block_sums, x, b, codes)
+        if b > 0:
+            add_block[fmt, AMX_ROWS, 0, True](
+                acc,
+                rebind[Pointer[Acc, MutUntrackedOrigin]](
+                    sums.unsafe_offset(((b - 1) % 2) * BLOCK_SUMS)
+                ),
+                panel,
+                x,
+                b - 1,
+            )
+    comptime for r in range(AMX_ROWS):
+        dst.unsafe_offset(r * PANEL).unsafe_store(acc[unsafe_offset=r])
+
+
+@always_inline
+def store_rows[
+    epilogue: Int
+](
+    tile_out: Ptr[F32],
+    y: Ptr[F32],
+    residual: Ptr[F32],
+    rows: Int,
+    cols: Int,
+    n_dim: Int,
+):
+    """y[i, :cols] = tile_out[i, :cols] (+ residual[i, :cols]) for i < rows:
+    a register tile's rows (PANEL apart) into the output (n_dim apart)."""
+    for i in range(rows):
+        var dst = y.unsafe_offset(i * n_dim)
+        var add = residual.unsafe_offset(i * n_dim)
+        var src = tile_out.unsafe_offset(i * PANEL)
+        if cols == PANEL:
+            comptime for v in range(NV):
+                var value = src.unsafe_offset(v * WI).unsafe_load[width=WI]()
+                comptime if epilogue == ADD_RESIDUAL:
+                    value += add.unsafe_offset(v * WI).unsafe_load[width=WI]()
+                dst.unsafe_offset(v * WI).unsafe_store(value)
+        else:
+            for c in range(cols):
+                var value = src[unsafe_offset=c]
+                comptime if epilogue == ADD_RESIDUAL:
+                    value += add[unsafe_offset=c]
+                dst[unsafe_offset=c] = value
 
 
 @always_inline
@@ -334,12 +507,36 @@ def panel_rows[
     rows: Int,
     cols: Int,
     n_dim: Int,
+    amx_scratch: Ptr[DType.uint8],
+    amx: Bool,
 ):
     """Computes y[r, :cols] for r < rows of x (a view from the first row)
-    from one panel, MR rows at a time (y's and residual's row stride n_dim).
-    """
-    var tile_out = stack_allocation[MR * PANEL, Scalar[F32]]()
+    from one panel (y's and residual's row stride n_dim): with `amx` (the
+    thread's tiles configured, `amx_scratch` AMX_SCRATCH bytes) AMX_ROWS
+    rows at a time while that many are left, then MR at a time."""
+    var tile_out = stack_allocation[
+        max(MR, AMX_ROWS) * PANEL, Scalar[F32], alignment=64
+    ]()
     var r = 0
+    comptime if AMX_TARGET:
+        if amx:
+            while rows - r >= AMX_ROWS:
+                amx_tile[fmt](
+                    panel,
+                    x.row(r),
+                    tile_out,
+                    amx_scratch,
+                    PREFETCH_AHEAD if r == 0 else 0,
+                )
+                store_rows[epilogue](
+                    tile_out,
+                    y.unsafe_offset(r * n_dim),
+                    residual.unsafe_offset(r * n_dim),
+                    AMX_ROWS,
+                    cols,
+                    n_dim,
+                )
+                r += AMX_ROWS
     while r < rows:
         var n = min(MR, rows - r)
         comptime for m in range(1, MR + 1):
@@ -347,26 +544,14 @@ def panel_rows[
                 tile[fmt, m](
                     panel, x.row(r), tile_out, PREFETCH_AHEAD if r == 0 else 0
                 )
-        for i in range(n):
-            var dst = y.unsafe_offset((r + i) * n_dim)
-            var add = residual.unsafe_offset((r + i) * n_dim)
-            var src = tile_out.unsafe_offset(i * PANEL)
-            if cols == PANEL:
-                comptime for v in range(NV):
-                    var value = src.unsafe_offset(v * WI).unsafe_load[
-                        width=WI
-                    ]()
-                    comptime if epilogue == ADD_RESIDUAL:
-                        value += add.unsafe_offset(v * WI).unsafe_load[
-                            width=WI
-                        ]()
-                    dst.unsafe_offset(v * WI).unsafe_store(value)
-            else:
-                for c in range(cols):
-                    var value = src[unsafe_offset=c]
-                    comptime if epilogue == ADD_RESIDUAL:
-                        value += add[unsafe_offset=c]
-                    dst[unsafe_offset=c] = value
+        store_rows[epilogue](
+            tile_out,
+            y.unsafe_offset(r * n_dim),
+            residual.unsafe_offset(r * n_dim),
+            n,
+            cols,
+            n_dim,
+        )
         r += MR
 
 
@@ -387,6 +572,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
     var y_stride: Int
     var rows_per_task: Int
     var panels_per_task: Int
+    var amx: Bool
 
     def __init__(
         out self,
@@ -417,8 +603,20 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
             max(row_tiles * self.panels // MIN_TASKS, 1), MAX_TILES_PER_TASK
         )
         self.rows_per_task = tiles_per_task * MR
+        # AMX takes rows AMX_ROWS at a time: a task's block of rows is a
+        # multiple of that where the product has as many.
+        self.amx = m_dim >= AMX_ROWS and amx_ready()
+        if self.amx:
+            self.rows_per_task = (
+                (self.rows_per_task + AMX_ROWS - 1) // AMX_ROWS * AMX_ROWS
+            )
         self.panels_per_task = 1
-        if row_tiles == 1:
+        if self.amx:
+            var cores = max(parallelism_level(None), 1)
+            self.panels_per_task = max(
+                self.panels // (TASKS_PER_CORE * cores), 1
+            )
+        elif row_tiles == 1:
             var cores = max(parallelism_level(None), 1)
             self.panels_per_task = max(
                 min(
@@ -441,6 +639,13 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         var first = (t % runs) * self.panels_per_task
         var rows = row_block(t // runs, self.m_dim, self.rows_per_task)
         var r0 = rows[0]
+        var amx_scratch = stack_allocation[
+            AMX_SCRATCH, DType.uint8, alignment=64
+        ]()
+        var amx = self.amx and rows[1] - r0 >= AMX_ROWS
+        comptime if AMX_TARGET:
+            if amx:
+                configure_tiles[scales_per_block(Self.fmt)](amx_scratch)
         for p in range(first, min(first + self.panels_per_task, self.panels)):
             panel_rows[Self.fmt, Self.epilogue](
                 self.weight.unsafe_offset(p * self.stride),
@@ -450,7 +655,12 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
                 rows[1] - r0,
                 min(PANEL, self.n_dim - p * PANEL),
                 self.y_stride,
+                amx_scratch,
+                amx,
             )
+        comptime if AMX_TARGET:
+            if amx:
+                release_tiles()
 
 
 def qlinear_cpu[

@@ -181,14 +181,15 @@ K-quants) that hold its codes, and the value that makes every code its
 largest (4 bits: 15, 5 bits: 31, 6 bits: 63, Q8_0: 127)."""
 
 
+@pytest.mark.parametrize("rows", [3, 18])
 @pytest.mark.parametrize("sign", [1, -1])
-def test_largest_codes_by_largest_activations_sum_exactly(qlinear_model, sign):
+def test_largest_codes_by_largest_activations_sum_exactly(qlinear_model, sign, rows):
     """Every code at its largest, every activation at +-127: the dot
     products' partial sums are as large as they get, so a sum kept in too
     narrow an integer (int16 pairs without VNNI: simd/int8_dot.mojo's
-    pair_dot_steps) wraps and misses the reference by far."""
+    pair_dot_steps) wraps and misses the reference by far. 18 rows take
+    AMX's tile products where the CPU has them (16 rows, then 2)."""
     rng = np.random.default_rng(11)
-    rows = 3
     args, cases = [], []
     for fmt, n, k, prologue, _, dt in PRODUCTS:
         raw = gguf_blocks(rng, fmt, rng.standard_normal((n, k)).astype(np.float32))

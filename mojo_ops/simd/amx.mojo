@@ -1,0 +1,152 @@
+"""Intel AMX's int8 tile products: one instruction multiplies a tile of 16
+rows of bytes by a tile of byte columns into 16 x 16 int32 sums.
+
+A quantized product of many rows (prefill, a decode step of many
+requests) spends most of its time in byte dot products; AMX's `tdpbsud`
+and `tdpbssd` take 16 x 16 x 32 of them in one instruction where
+AVX512_VNNI's `vpdpbusd` takes 16 x 4, so the scaling of each block's sums
+(AVX-512, as before) becomes the larger part of the work.
+
+Three tiles hold one block's product (`tile_product`):
+
+    tmm0  C  [16 rows, 16 int32]   the block's sums, stored to memory
+    tmm1  A  [16 rows, 32 / parts bytes]   activations, signed bytes
+    tmm2  B  [8 / parts rows, 64 bytes]    the weight's codes, 4 inputs of
+                                           16 columns a row (the VNNI layout
+                                           of a panel's groups)
+
+`parts` splits a block into halves of 16 inputs where the weight has a
+scale for each (Q6_K). The instructions are emitted as inline assembly:
+the compile target of a virtual machine may lack the CPU's AMX features
+(LLVM names such a CPU from its model number), and the assembler takes
+them regardless. Whether the running CPU has AMX and the OS lets this
+process use it is asked at run time (`amx_ready`); the tile configuration
+is per thread, so each task loads it (`configure_tiles`) and releases the
+tiles when done (`release_tiles`), leaving no tile state to save when the
+thread is switched out.
+"""
+
+from std.ffi import external_call
+from std.os import getenv
+from std.memory import stack_allocation
+from std.sys import inlined_assembly
+from std.sys.info import CompilationTarget
+
+from ..cache.paged_kv_cache import Ptr
+from .int8_dot import VNNI_512
+
+comptime AMX_TARGET = CompilationTarget.is_x86() and VNNI_512
+"""Whether a compile has the AMX path: x86 with AVX-512 and VNNI, whose
+16-lane vectors scale a tile's rows of sums."""
+comptime AMX_ROWS = 16
+"""Rows of activations one tile product takes."""
+comptime CONFIG_BYTES = 64
+"""Bytes of a tile configuration (palette 1)."""
+
+comptime _SYS_ARCH_PRCTL = 158
+comptime _ARCH_REQ_XCOMP_PERM = 0x1023
+comptime _XFEATURE_XTILEDATA = 18
+comptime _CPUID7_EDX_AMX_TILE = 1 << 24
+comptime _CPUID7_EDX_AMX_INT8 = 1 << 25
+
+
+comptime AMX_ENV = "PAGEDKV_AMX"
+"""Set to 0 to keep the products off AMX (the AVX-512 path instead)."""
+
+
+def amx_ready() -> Bool:
+    """Whether this process may run AMX int8 tile products: a compile with
+    the AMX path, a CPU with AMX-TILE and AMX-INT8 (CPUID leaf 7), Linux's
+    permission for the tiles' state (`arch_prctl` ARCH_REQ_XCOMP_PERM,
+    granted once per process; asking again is a cheap no-op), and
+    PAGEDKV_AMX not 0."""
+    comptime if not AMX_TARGET:
+        return False
+    else:
+        if getenv(AMX_ENV, "1") == "0":
+            return False
+        var edx = inlined_assembly[
+            "movl $$7, %eax\n\txorl %ecx, %ecx\n\tcpuid\n\tmovl %edx, $0",
+            Int32,
+            constraints="=r,~{eax},~{ebx},~{ecx},~{edx}",
+            has_side_effect=False,
+        ]()
+        var wanted = _CPUID7_EDX_AMX_TILE | _CPUID7_EDX_AMX_INT8
+        if Int(edx) & wanted != wanted:
+            return False
+        return (
+            external_call["syscall", Int](
+                _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA
+            )
+            == 0
+        )
+
+
+@always_inline
+def configure_tiles[parts: Int](config: Ptr[DType.uint8]):
+    """Loads the configuration of `tile_product`'s two sets of three tiles
+    for blocks of `parts` scales into this thread, built in `config`
+    (CONFIG_BYTES, 64-byte aligned scratch)."""
+    comptime assert parts == 1 or parts == 2, "a block has 1 or 2 scales"
+    for i in range(CONFIG_BYTES):
+        config[unsafe_offset=i] = 0
+    config[unsafe_offset=0] = 1  # palette 1
+    # Tile t's bytes a row (colsb, 16 bits) at byte 16 + 2t, rows at 48 + t.
+    comptime for tile_set in range(2):
+        comptime c = 3 * tile_set
+        config[unsafe_offset=16 + 2 * c] = 64
+        config[unsafe_offset=18 + 2 * c] = UInt8(32 // parts)
+        config[unsafe_offset=20 + 2 * c] = 64
+        config[unsafe_offset=48 + c] = AMX_ROWS
+        config[unsafe_offset=49 + c] = AMX_ROWS
+        config[unsafe_offset=50 + c] = UInt8(8 // parts)
+    inlined_assembly["ldtilecfg ($0)", NoneType, constraints="r,~{memory}"](
+        config
+    )
+
+
+@always_inline
+def release_tiles():
+    """Returns this thread's tiles to their initial state."""
+    inlined_assembly["tilerelease", NoneType, constraints="~{memory}"]()
+
+
+@always_inline
+def tile_product[
+    signed_codes: Bool, tile_set: Int
+](
+    sums: Ptr[DType.int32],
+    a: Ptr[DType.int8],
+    a_stride: Int,
+    b: Ptr[DType.uint8],
+):
+    """sums [16, 16] (rows 64 bytes apart) = A . B over the configured depth:
+    A's 16 rows of signed bytes from `a` (a_stride bytes apart), B's rows of
+    64 bytes from `b` (64 apart), unsigned codes or, with `signed_codes`,
+    signed ones. In tile set 0 (tmm0-2) or 1 (tmm3-5): tiles are not
+    renamed, so consecutive products in different sets overlap where those
+    in one set wait for each other."""
+    comptime assert tile_set == 0 or tile_set == 1, "two sets of tiles"
+    comptime LOADS = "tileloadd ($1,$2,1), %tmm1\n\ttileloadd ($3,$4,1), %tmm2\n\t" if tile_set == 0 else (
+        "tileloadd ($1,$2,1), %tmm4\n\ttileloadd ($3,$4,1), %tmm5\n\t"
+    )
+    comptime if tile_set == 0:
+        comptime PRODUCT = "tdpbssd %tmm2, %tmm1, %tmm0" if signed_codes else "tdpbsud %tmm2, %tmm1, %tmm0"
+        inlined_assembly[
+            "tilezero %tmm0\n\t"
+            + LOADS
+            + PRODUCT
+            + "\n\ttilestored %tmm0, ($0,$4,1)",
+            NoneType,
+            constraints="r,r,r,r,r,~{memory}",
+        ](sums, a, a_stride, b, 64)
+    else:
+        comptime PRODUCT = "tdpbssd %tmm5, %tmm4, %tmm3" if signed_codes else "tdpbsud %tmm5, %tmm4, %tmm3"
+        inlined_assembly[
+            "tilezero %tmm3\n\t"
+            + LOADS
+            + PRODUCT
+            + "\n\ttilestored %tmm3, ($0,$4,1)",
+            NoneType,
+            constraints="r,r,r,r,r,~{memory}",
+        ](sums, a, a_stride, b, 64)
