@@ -13,14 +13,16 @@ from max.gpu.host import DeviceContext
 from std.sys.info import CompilationTarget
 
 from ..cache.tensor_access import ptr_of
+from .amx import amx_ready
 from .int8_dot import MADDUBS, SDOT, VNNI
 from .widen import DOT_BF16, VECTOR_REGISTERS, W
 
-comptime CPU_ISA_FIELDS = 9
+comptime CPU_ISA_FIELDS = 10
 """Fields of the op's output, in order: x86, AVX2, AVX-512F, int8 dot
 products in one `vpdpbusd` (VNNI), in `vpmaddubsw` pairs, in NEON `sdot`,
 bfloat16 dot products (`vdpbf16ps`), float32 lanes of a vector register,
-vector registers."""
+vector registers, and whether quantized products of many rows run on AMX
+tiles in this process (asked at run time: `amx_ready`)."""
 
 
 @extensibility.register("pagedkv_cpu_isa")
@@ -49,3 +51,4 @@ struct CpuIsa:
         out[unsafe_offset=6] = Int32(DOT_BF16)
         out[unsafe_offset=7] = Int32(W)
         out[unsafe_offset=8] = Int32(VECTOR_REGISTERS)
+        out[unsafe_offset=9] = Int32(amx_ready())

@@ -7,7 +7,9 @@ are AVX2's (8 float32 lanes, `vpmaddubsw` pairs, no AVX-512), whatever the
 host has, and the compile cache names those artifacts apart. The slow set
 runs the quantized, linear and attention kernels' tests on an x86 host
 under `x86-64-v3`, so the AVX2 code paths are checked against their float64
-references on AVX-512 hosts too.
+references on AVX-512 hosts too. Where the CPU has AMX, quantized products
+of 16 rows or more run on its tiles (simd/amx.mojo), unless PAGEDKV_AMX is
+0: the slow set runs the same kernels' tests that way too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 
 from pagedkv._ops import cpu_target
 from pagedkv._ops.compile_cache import artifact_path
-from pagedkv._ops.contract import CPU_ISA_FIELDS
+from pagedkv._ops.contract import AMX_ENV, CPU_ISA_FIELDS
 from pagedkv._ops.tensors import CPU
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +43,8 @@ print(json.dumps({"isa": kernel_isa(), "artifact": str(artifact_path(("probe",),
 """
 
 
-def probe(target: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != cpu_target.ENV}
+def probe(target: str | None, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != cpu_target.ENV} | extra_env
     if target is not None:
         env[cpu_target.ENV] = target
     return subprocess.run(
@@ -91,6 +93,9 @@ def test_kernels_compile_for_the_host_by_default():
     named = {"avx2": "avx2", "avx512f": "avx512f", "avx512vnni": "avx512_vnni"}
     named |= {"avxvnni": "avx_vnni", "avx512bf16": "avx512_bf16"}
     flags = cpu_target.cpu_flags()
+    # AMX is asked of the running CPU, past the compiler's view of it.
+    amx = isa["avx512f"] and isa["vnni"] and {"amx_tile", "amx_int8"} <= flags
+    assert isa["amx"] == int(amx and os.environ.get(AMX_ENV) != "0"), flags
     assert {named[f] for f in features if f in named} <= flags, cpu
     unused = cpu_target.unused_cpu_features(isa, flags)
     # What the line reports unused is what the compiler's CPU lacks.
@@ -140,7 +145,18 @@ def test_a_cpu_target_takes_its_branches_and_its_own_artifacts():
     isa = avx2["isa"]
     assert (isa["avx2"], isa["avx512f"], isa["vnni"], isa["maddubs"]) == (1, 0, 0, 1)
     assert (isa["f32_lanes"], isa["vector_registers"], isa["dot_bf16"]) == (8, 16, 0)
+    assert isa["amx"] == 0
     assert avx2["artifact"] != host_artifact()
+
+
+def test_pagedkv_amx_0_keeps_the_products_off_amx():
+    """The variable the kernels read is the one the contract names, and 0
+    turns AMX off (on a host without AMX it is off either way)."""
+    source = (ROOT / "mojo_ops" / "simd" / "amx.mojo").read_text()
+    assert f'comptime AMX_ENV = "{AMX_ENV}"' in source
+    off = probe(None, **{AMX_ENV: "0"})
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert json.loads(off.stdout)["isa"]["amx"] == 0
 
 
 @pytest.mark.parametrize("name", ["no-such-cpu", "native"])
@@ -161,16 +177,32 @@ AVX2_SUITES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not X86, reason="an x86 target")
-def test_the_avx2_code_paths_pass_the_kernel_tests():
-    env = {**os.environ, cpu_target.ENV: AVX2_TARGET}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_SUITES],
+def run_suites(suites: list[str], **env: str) -> subprocess.CompletedProcess:
+    """The test files `suites` in a pytest process of their own, with `env` set."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=3600,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="an x86 target")
+def test_the_avx2_code_paths_pass_the_kernel_tests():
+    result = run_suites(AVX2_SUITES, **{cpu_target.ENV: AVX2_TARGET})
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not {"amx_tile", "amx_int8"} <= cpu_target.cpu_flags(), reason="a CPU without AMX"
+)
+def test_the_avx512_products_of_many_rows_pass_without_amx():
+    """Where AMX takes the products of 16 rows or more, the AVX-512 tiles
+    that take them elsewhere are checked with it turned off."""
+    suites = ["tests/ops/test_qlinear.py", "tests/ops/test_decoder_layer.py"]
+    result = run_suites(suites, **{AMX_ENV: "0"})
     assert result.returncode == 0, result.stdout[-4000:]

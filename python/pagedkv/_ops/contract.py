@@ -200,8 +200,12 @@ CPU_ISA_FIELDS = (
     "dot_bf16",
     "f32_lanes",
     "vector_registers",
+    "amx",
 )
 """The probe's int32 output, in order (simd/isa.mojo: CPU_ISA_FIELDS counts them)."""
+
+AMX_ENV = "PAGEDKV_AMX"
+"""Set to 0 to keep quantized products off AMX tiles (simd/amx.mojo: AMX_ENV)."""
 
 MASK_READ_PADDING = 8
 """Zero bytes after a packed custom mask (attention/custom_mask.mojo: BIT_READ_PADDING)."""

@@ -154,7 +154,8 @@ def kernel_isa_line() -> str:
     target = max.driver.get_virtual_cpu_target()
     line = (
         f"kernels compiled for {target or 'the host CPU'}: {vectors}, int8 dot products by "
-        f"{int8}, bf16 dot products {'yes' if isa['dot_bf16'] else 'no'}, "
+        f"{int8}{' (and AMX tiles at 16 rows or more)' if isa['amx'] else ''}, "
+        f"bf16 dot products {'yes' if isa['dot_bf16'] else 'no'}, "
         f"{isa['f32_lanes']} float32 lanes, {isa['vector_registers']} vector registers"
     )
     unused = [] if target or not isa["x86"] else unused_cpu_features(isa, cpu_flags())
