@@ -363,11 +363,18 @@ def tile[
 
 comptime AMX_CODES = 8 * BYTES
 """Bytes of one block's codes as a B tile (8 rows of 64 bytes)."""
-comptime AMX_SUMS = 2 * AMX_ROWS * PANEL * 4
-"""Bytes of one block's sums: a C tile for each of at most two parts."""
+comptime AMX_SUMS = AMX_ROWS * PANEL * 4
+"""Bytes of one block's sums (a C tile)."""
 comptime AMX_SCRATCH = 2 * (AMX_CODES + AMX_SUMS)
 """Bytes of a task's AMX scratch (64-byte aligned): two blocks' unpacked
 codes, then two blocks' sums."""
+
+
+def takes_amx(fmt: Int) -> Bool:
+    """Whether the format's products of many rows take AMX tiles (where the
+    CPU has them): one scale a block. Q6_K's two halves, each half a tile
+    product's depth, ran no faster than the AVX-512 tile."""
+    return scales_per_block(fmt) == 1
 
 
 @always_inline
@@ -376,42 +383,32 @@ def _amx_codes[
 ](
     panel: Ptr[DType.uint8], b: Int, scratch: Ptr[DType.uint8], ahead: Int
 ) -> Ptr[DType.uint8]:
-    """Block b's codes as B tile rows: 8-bit codes where they lie; 4- to
-    6-bit codes unpacked into scratch's half b % 2, row 2g the group's low
-    codes and 2g + 1 its high ones. With `ahead` (bytes, 0 for none), asks
-    for the codes that far on into the L2, as `tile` does."""
+    """Block b's codes as unsigned B tile rows in scratch's half b % 2:
+    4- to 6-bit codes unpacked, row 2g the group's low codes and 2g + 1 its
+    high ones; 8-bit codes offset by 128, as the register tile reads them
+    (so a row's sums, and its products, are the same bits whichever tile
+    takes it). With `ahead` (bytes, 0 for none), asks for the codes that
+    far on into the L2, as `tile` does."""
     var codes = panel.unsafe_offset(b * code_bytes(fmt))
     if ahead != 0:
         comptime for g in range(code_bytes(fmt) // GROUP_BYTES):
             prefetch[PrefetchOptions().for_read().low_locality()](
                 codes.unsafe_offset(ahead + g * GROUP_BYTES)
             )
+    var rows = scratch.unsafe_offset((b % 2) * AMX_CODES)
     comptime if code_bits(fmt) == 8:
-        return codes
+        comptime assert not SIGNED_CODES, "AMX targets have VNNI"
+        comptime for g in range(code_groups(fmt)):
+            var raw = codes.unsafe_offset(g * GROUP_BYTES).unsafe_load[
+                width=BYTES
+            ]()
+            rows.unsafe_offset(g * BYTES).unsafe_store(raw ^ 0x80)
     else:
-        var rows = scratch.unsafe_offset((b % 2) * AMX_CODES)
         comptime for g in range(code_groups(fmt)):
             var lo, hi = group_codes[fmt, g, 0](codes)
             rows.unsafe_offset(2 * g * BYTES).unsafe_store(lo)
             rows.unsafe_offset((2 * g + 1) * BYTES).unsafe_store(hi)
-        return rows
-
-
-@always_inline
-def _amx_block_product[
-    fmt: Int, tile_set: Int
-](sums: Ptr[DType.int32], x: QuantizedRows, b: Int, codes: Ptr[DType.uint8],):
-    """Block b's sums [parts, AMX_ROWS, PANEL] from its codes' B tile rows:
-    in tile set `tile_set`, or, for a block of two parts, one in each."""
-    comptime PARTS = scales_per_block(fmt)
-    comptime SIGNED = code_bits(fmt) == 8
-    comptime for part in range(PARTS):
-        tile_product[SIGNED, (tile_set + part) % 2](
-            sums.unsafe_offset(part * AMX_ROWS * PANEL),
-            x.q.unsafe_offset(b * QK + part * (QK // PARTS)),
-            x.k_dim,
-            codes.unsafe_offset(part * (8 // PARTS) * BYTES),
-        )
+    return rows
 
 
 @always_inline
@@ -425,16 +422,19 @@ def amx_tile[
     ahead: Int,
 ):
     """`tile` for AMX_ROWS rows with AMX tile products (simd/amx.mojo), in a
-    thread whose tiles are configured for the format's parts: each block's
-    codes as the B tile (8-bit ones as signed bytes), the rows' activations
-    as the A tile, the sums scaled by `add_block`.
+    thread whose tiles are configured, for a format with one scale a block
+    (`takes_amx`): each block's
+    codes as the B tile (`_amx_codes`), the rows' activations as the A
+    tile, the sums scaled by `add_block`: bit for bit the register tile's
+    products, so a row's result does not depend on the rows beside it
+    (batch-invariant decode).
 
     The work is staggered over three blocks, so that no load waits on the
     store just before it: block b + 1's codes are unpacked and block b's
-    tile product stored (in the other tile set than block b - 1's) while
-    block b - 1's sums are scaled."""
+    tile products stored while block b - 1's sums are scaled."""
     comptime assert NV == 1, "a panel is one vector of columns"
-    comptime BLOCK_SUMS = scales_per_block(fmt) * AMX_ROWS * PANEL
+    comptime assert takes_amx(fmt), "one scale a block"
+    comptime BLOCK_SUMS = AMX_ROWS * PANEL
     var sums = rebind[Ptr[DType.int32]](scratch.unsafe_offset(2 * AMX_CODES))
     var acc = stack_allocation[AMX_ROWS, SIMD[F32, WI]]()
     comptime for r in range(AMX_ROWS):
@@ -446,13 +446,14 @@ def amx_tile[
             var codes = next_codes
             if b + 1 < blocks:
                 next_codes = _amx_codes[fmt](panel, b + 1, scratch, ahead)
-            var block_sums = sums.unsafe_offset((b % 2) * BLOCK_SUMS)
-            if b % 2 == 0:
-                _amx_block_product[fmt, 0](block_sums, x, b, codes)
-            else:
-                _amx_block_product[fmt, 1](block_sums, x, b, codes)
+            tile_product(
+                sums.unsafe_offset((b % 2) * BLOCK_SUMS),
+                x.q.unsafe_offset(b * QK),
+                x.k_dim,
+                codes,
+            )
         if b > 0:
-            add_block[fmt, AMX_ROWS, 0, True](
+            add_block[fmt, AMX_ROWS, 0, SIGNED_CODES](
                 acc,
                 rebind[Pointer[Acc, MutUntrackedOrigin]](
                     sums.unsafe_offset(((b - 1) % 2) * BLOCK_SUMS)
@@ -518,7 +519,7 @@ def panel_rows[
         max(MR, AMX_ROWS) * PANEL, Scalar[F32], alignment=64
     ]()
     var r = 0
-    comptime if AMX_TARGET:
+    comptime if AMX_TARGET and takes_amx(fmt):
         if amx:
             while rows - r >= AMX_ROWS:
                 amx_tile[fmt](
@@ -605,7 +606,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         self.rows_per_task = tiles_per_task * MR
         # AMX takes rows AMX_ROWS at a time: a task's block of rows is a
         # multiple of that where the product has as many.
-        self.amx = m_dim >= AMX_ROWS and amx_ready()
+        self.amx = takes_amx(Self.fmt) and m_dim >= AMX_ROWS and amx_ready()
         if self.amx:
             self.rows_per_task = (
                 (self.rows_per_task + AMX_ROWS - 1) // AMX_ROWS * AMX_ROWS
@@ -645,7 +646,7 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
         var amx = self.amx and rows[1] - r0 >= AMX_ROWS
         comptime if AMX_TARGET:
             if amx:
-                configure_tiles[scales_per_block(Self.fmt)](amx_scratch)
+                configure_tiles(amx_scratch)
         for p in range(first, min(first + self.panels_per_task, self.panels)):
             panel_rows[Self.fmt, Self.epilogue](
                 self.weight.unsafe_offset(p * self.stride),

@@ -3,20 +3,19 @@ rows of bytes by a tile of byte columns into 16 x 16 int32 sums.
 
 A quantized product of many rows (prefill, a decode step of many
 requests) spends most of its time in byte dot products; AMX's `tdpbsud`
-and `tdpbssd` take 16 x 16 x 32 of them in one instruction where
+takes 16 x 16 x 32 of them in one instruction where
 AVX512_VNNI's `vpdpbusd` takes 16 x 4, so the scaling of each block's sums
 (AVX-512, as before) becomes the larger part of the work.
 
 Three tiles hold one block's product (`tile_product`):
 
     tmm0  C  [16 rows, 16 int32]   the block's sums, stored to memory
-    tmm1  A  [16 rows, 32 / parts bytes]   activations, signed bytes
-    tmm2  B  [8 / parts rows, 64 bytes]    the weight's codes, 4 inputs of
-                                           16 columns a row (the VNNI layout
-                                           of a panel's groups)
+    tmm1  A  [16 rows, 32 bytes]   activations, signed bytes
+    tmm2  B  [8 rows, 64 bytes]    the weight's codes, unsigned, 4 inputs of
+                                   16 columns a row (the VNNI layout of a
+                                   panel's groups)
 
-`parts` splits a block into halves of 16 inputs where the weight has a
-scale for each (Q6_K). The instructions are emitted as inline assembly:
+The instructions are emitted as inline assembly:
 the compile target of a virtual machine may lack the CPU's AMX features
 (LLVM names such a CPU from its model number), and the assembler takes
 them regardless. Whether the running CPU has AMX and the OS lets this
@@ -83,23 +82,19 @@ def amx_ready() -> Bool:
 
 
 @always_inline
-def configure_tiles[parts: Int](config: Ptr[DType.uint8]):
-    """Loads the configuration of `tile_product`'s two sets of three tiles
-    for blocks of `parts` scales into this thread, built in `config`
-    (CONFIG_BYTES, 64-byte aligned scratch)."""
-    comptime assert parts == 1 or parts == 2, "a block has 1 or 2 scales"
+def configure_tiles(config: Ptr[DType.uint8]):
+    """Loads the configuration of `tile_product`'s three tiles into this
+    thread, built in `config` (CONFIG_BYTES, 64-byte aligned scratch)."""
     for i in range(CONFIG_BYTES):
         config[unsafe_offset=i] = 0
     config[unsafe_offset=0] = 1  # palette 1
     # Tile t's bytes a row (colsb, 16 bits) at byte 16 + 2t, rows at 48 + t.
-    comptime for tile_set in range(2):
-        comptime c = 3 * tile_set
-        config[unsafe_offset=16 + 2 * c] = 64
-        config[unsafe_offset=18 + 2 * c] = UInt8(32 // parts)
-        config[unsafe_offset=20 + 2 * c] = 64
-        config[unsafe_offset=48 + c] = AMX_ROWS
-        config[unsafe_offset=49 + c] = AMX_ROWS
-        config[unsafe_offset=50 + c] = UInt8(8 // parts)
+    config[unsafe_offset=16] = 64
+    config[unsafe_offset=18] = 32
+    config[unsafe_offset=20] = 64
+    config[unsafe_offset=48] = AMX_ROWS
+    config[unsafe_offset=49] = AMX_ROWS
+    config[unsafe_offset=50] = 8
     inlined_assembly["ldtilecfg ($0)", NoneType, constraints="r,~{memory}"](
         config
     )
@@ -112,41 +107,21 @@ def release_tiles():
 
 
 @always_inline
-def tile_product[
-    signed_codes: Bool, tile_set: Int
-](
+def tile_product(
     sums: Ptr[DType.int32],
     a: Ptr[DType.int8],
     a_stride: Int,
     b: Ptr[DType.uint8],
 ):
-    """sums [16, 16] (rows 64 bytes apart) = A . B over the configured depth:
-    A's 16 rows of signed bytes from `a` (a_stride bytes apart), B's rows of
-    64 bytes from `b` (64 apart), unsigned codes or, with `signed_codes`,
-    signed ones. In tile set 0 (tmm0-2) or 1 (tmm3-5): tiles are not
-    renamed, so consecutive products in different sets overlap where those
-    in one set wait for each other."""
-    comptime assert tile_set == 0 or tile_set == 1, "two sets of tiles"
-    comptime LOADS = "tileloadd ($1,$2,1), %tmm1\n\ttileloadd ($3,$4,1), %tmm2\n\t" if tile_set == 0 else (
-        "tileloadd ($1,$2,1), %tmm4\n\ttileloadd ($3,$4,1), %tmm5\n\t"
-    )
-    comptime if tile_set == 0:
-        comptime PRODUCT = "tdpbssd %tmm2, %tmm1, %tmm0" if signed_codes else "tdpbsud %tmm2, %tmm1, %tmm0"
-        inlined_assembly[
-            "tilezero %tmm0\n\t"
-            + LOADS
-            + PRODUCT
-            + "\n\ttilestored %tmm0, ($0,$4,1)",
-            NoneType,
-            constraints="r,r,r,r,r,~{memory}",
-        ](sums, a, a_stride, b, 64)
-    else:
-        comptime PRODUCT = "tdpbssd %tmm5, %tmm4, %tmm3" if signed_codes else "tdpbsud %tmm5, %tmm4, %tmm3"
-        inlined_assembly[
-            "tilezero %tmm3\n\t"
-            + LOADS
-            + PRODUCT
-            + "\n\ttilestored %tmm3, ($0,$4,1)",
-            NoneType,
-            constraints="r,r,r,r,r,~{memory}",
-        ](sums, a, a_stride, b, 64)
+    """sums [16, 16] (rows 64 bytes apart) = A . B over the configured depth
+    (`tdpbsud`): A's 16 rows of signed bytes from `a` (a_stride bytes
+    apart), B's rows of 64 unsigned bytes from `b` (64 apart)."""
+    inlined_assembly[
+        (
+            "tilezero %tmm0\n\ttileloadd ($1,$2,1), %tmm1\n\t"
+            "tileloadd ($3,$4,1), %tmm2\n\ttdpbsud %tmm2, %tmm1, %tmm0\n\t"
+            "tilestored %tmm0, ($0,$4,1)"
+        ),
+        NoneType,
+        constraints="r,r,r,r,r,~{memory}",
+    ](sums, a, a_stride, b, 64)
