@@ -423,11 +423,10 @@ def amx_tile[
 ):
     """`tile` for AMX_ROWS rows with AMX tile products (simd/amx.mojo), in a
     thread whose tiles are configured, for a format with one scale a block
-    (`takes_amx`): each block's
-    codes as the B tile (`_amx_codes`), the rows' activations as the A
-    tile, the sums scaled by `add_block`: bit for bit the register tile's
-    products, so a row's result does not depend on the rows beside it
-    (batch-invariant decode).
+    (`takes_amx`): each block's codes as the B tile (`_amx_codes`), the
+    rows' activations as the A tile, the sums scaled by `add_block`: bit
+    for bit the register tile's products, so a row's result does not depend
+    on the rows beside it (batch-invariant decode).
 
     The work is staggered over three blocks, so that no load waits on the
     store just before it: block b + 1's codes are unpacked and block b's
