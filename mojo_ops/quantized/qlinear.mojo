@@ -155,6 +155,18 @@ def top_bits[bit: Int, width: Int](top: Bytes) -> Bytes:
 
 
 @always_inline
+def prefetch_codes[fmt: Int](codes: Ptr[DType.uint8], ahead: Int):
+    """Asks for the block codes `ahead` bytes on from `codes` (a block's
+    first byte) into the L2; nothing with `ahead` 0 (PREFETCH_AHEAD says
+    why)."""
+    if ahead != 0:
+        comptime for g in range(code_bytes(fmt) // GROUP_BYTES):
+            prefetch[PrefetchOptions().for_read().low_locality()](
+                codes.unsafe_offset(ahead + g * GROUP_BYTES)
+            )
+
+
+@always_inline
 def group_codes[
     fmt: Int, g: Int, v: Int
 ](codes: Ptr[DType.uint8]) -> Tuple[Bytes, Bytes]:
@@ -296,11 +308,7 @@ def tile[
             var codes = panel.unsafe_offset(b * CODE_BYTES)
             var xb = x.q.unsafe_offset(b * QK)
             comptime if v == 0:
-                if ahead != 0:
-                    comptime for g in range(CODE_BYTES // GROUP_BYTES):
-                        prefetch[PrefetchOptions().for_read().low_locality()](
-                            codes.unsafe_offset(ahead + g * GROUP_BYTES)
-                        )
+                prefetch_codes[fmt](codes, ahead)
             comptime for g in range(GROUPS):
                 comptime part = g // PART_GROUPS
                 comptime if BITS <= 6:
@@ -390,11 +398,7 @@ def _amx_codes[
     takes it). With `ahead` (bytes, 0 for none), asks for the codes that
     far on into the L2, as `tile` does."""
     var codes = panel.unsafe_offset(b * code_bytes(fmt))
-    if ahead != 0:
-        comptime for g in range(code_bytes(fmt) // GROUP_BYTES):
-            prefetch[PrefetchOptions().for_read().low_locality()](
-                codes.unsafe_offset(ahead + g * GROUP_BYTES)
-            )
+    prefetch_codes[fmt](codes, ahead)
     var rows = scratch.unsafe_offset((b % 2) * AMX_CODES)
     comptime if code_bits(fmt) == 8:
         comptime assert not SIGNED_CODES, "AMX targets have VNNI"
@@ -611,13 +615,14 @@ struct QuantizedProduct[fmt: Int, epilogue: Int](TrivialRegisterPassable):
                 (self.rows_per_task + AMX_ROWS - 1) // AMX_ROWS * AMX_ROWS
             )
         self.panels_per_task = 1
+        var cores = max(parallelism_level(None), 1)
         if self.amx:
-            var cores = max(parallelism_level(None), 1)
+            # A task configures and releases its tiles: runs of panels keep
+            # that small beside its products (docs/design.md, "Kernel notes").
             self.panels_per_task = max(
                 self.panels // (TASKS_PER_CORE * cores), 1
             )
         elif row_tiles == 1:
-            var cores = max(parallelism_level(None), 1)
             self.panels_per_task = max(
                 min(
                     TASK_BYTES // self.stride,
