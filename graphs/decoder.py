@@ -32,9 +32,11 @@ The weights come in one of two forms:
   product after it, SwiGLU or GeGLU the down projection's, each residual
   add an epilogue, the Q|K|V bias, QK-norm and sandwich norms row phases
   of the op; a Q|K|V stored in two formats is two products in
-  the op's one phase); otherwise the layer is built op by op, each product
-  quantized or, where its format is one the product does not take,
-  float32. The cache keeps its own dtype (`dtype`).
+  the op's one phase). Consecutive fused layers of one window and one set
+  of formats are one op (`layer_runs`), their weights stacked in the
+  registry under "runs.{first}.": SmolLM2's 30 layers are one op, not 30.
+  Any other layer is built op by op, each product quantized or, where its
+  format is one the product does not take, float32. The cache keeps its own dtype (`dtype`).
 """
 
 from __future__ import annotations
@@ -166,6 +168,27 @@ def quantized_formats(quantized: dict, num_layers: int) -> QuantizedFormats:
     )
 
 
+def layer_runs(c: DecoderConfig, quantized: QuantizedFormats | None) -> list[range]:
+    """The layers in the step graph's ops: consecutive fused layers of the
+    same window and formats run as one op (their weights stacked under
+    "runs.{first}."), every other layer alone (under "layers.{i}.")."""
+    runs: list[range] = []
+    for i in range(c.num_layers):
+        formats = quantized.layers[i] if quantized is not None else None
+        if runs and formats is not None and formats.fused():
+            last = runs[-1]
+            if (c.window(last[0]), quantized.layers[last[0]]) == (c.window(i), formats):
+                runs[-1] = range(last.start, i + 1)
+                continue
+        runs.append(range(i, i + 1))
+    return runs
+
+
+def run_prefix(run: range) -> str:
+    """The prefix of a run's weights in the graph and its registry."""
+    return f"layers.{run.start}." if len(run) == 1 else f"runs.{run.start}."
+
+
 def quantized_weight_shapes(c: DecoderConfig) -> dict[str, tuple[int, int]]:
     """[out_features, in_features] of a quantized graph's matrices (GGUF's
     order); a layer's are named without their "layers.{i}." prefix."""
@@ -270,8 +293,11 @@ def _layer_weights(
     device: DeviceRef,
     quantized: LayerFormats | None,
     placeholder: bool = True,
+    layers: int = 1,
 ) -> dict[str, Weight]:
-    """A layer's weights (placeholders, resolved by each layer's prefix).
+    """A layer's weights (placeholders, resolved by each layer's prefix), or
+    a run's of `layers` fused layers, each weight stacked along its first
+    axis.
 
     In a quantized graph the norms and the float products' weights are
     float32 and the quantized products' packed bytes."""
@@ -292,10 +318,12 @@ def _layer_weights(
         if fmt is None:
             names += floats[product]
         else:
-            shape = quantized_panels_shape(fmt, *quantized_weight_shapes(c)[product])
+            rows, row_bytes = quantized_panels_shape(fmt, *quantized_weight_shapes(c)[product])
+            shape = (layers * rows, row_bytes)
             w[product] = Weight(product, DType.uint8, shape, device, _placeholder=placeholder)
     for name in names:
-        w[name] = _weight(name, DType.float32, shapes[name], device, placeholder)
+        shape = shapes[name] if layers == 1 else (layers * shapes[name][0], *shapes[name][1:])
+        w[name] = _weight(name, DType.float32, shape, device, placeholder)
     return w
 
 
@@ -407,15 +435,16 @@ def _layer(
     w: dict[str, TensorValue],
     x: TensorValue,
     rope: tuple[TensorValue, TensorValue],
-    pool: BufferValue,
+    pools: list[BufferValue],
     rows_index: tuple[TensorValue, TensorValue],
     table: tuple[TensorValue, TensorValue, TensorValue],
     work: tuple[TensorValue, TensorValue],
     quantized: LayerFormats | None,
     window: int | None,
 ) -> TensorValue:
-    """One decoder layer on x [rows, H]: attention over its pool (appending
-    the rows' K/V first), then the MLP; returns the new x."""
+    """One decoder layer on x [rows, H] (or a run of fused ones, one pool
+    each): attention over its pool (appending the rows' K/V first), then
+    the MLP; returns the new x."""
     if quantized is not None and quantized.fused():
         split = quantized.qkv_parts()
         qkv_name, qkv_format = ("wqkv", quantized.wqkv) if split is None else ("wqk", split[0])
@@ -432,7 +461,7 @@ def _layer(
         )
         return graph_ops.quantized_decoder_layer(
             x,
-            pool,
+            pools,
             layer,
             *rope,
             c.num_qo_heads,
@@ -476,7 +505,7 @@ def _layer(
         qkv = qkv + w["bqkv"]
     if c.qk_norm:
         qkv = _qk_norm(c, qkv, w["q_norm"], w["k_norm"])
-    attn = _attention(kind, c, qkv, rope, pool, rows_index, table, work, window)
+    attn = _attention(kind, c, qkv, rope, pools[0], rows_index, table, work, window)
     x = x + sandwich(linear(attn, "wo"), "post_attn_norm")
     gate, up = gate_and_up(_rms_norm(c, x, w["mlp_norm"]))
     gate = ops.silu(gate) if c.activation == "silu" else ops.gelu(gate, approximate="tanh")
@@ -493,19 +522,23 @@ def _layer_subgraph(
     quantized: LayerFormats | None,
     window: int | None,
     name: str,
+    layers: int = 1,
 ) -> Graph:
     """The decoder layer of one window (and, quantized, one set of formats)
-    as subgraph `name` of g, compiled once and called by every such layer:
-    its weights are placeholders ("attn_norm", ...) that each call resolves
-    under its own prefix ("layers.{i}.")."""
+    as subgraph `name` of g, compiled once and called by every such layer
+    (or by every run of `layers` fused ones, `layer_runs`): its weights are
+    placeholders ("attn_norm", ...) that each call resolves under its own
+    prefix (`run_prefix`)."""
     with g.add_subgraph(
         name,
         input_types=[a.type for a in args],
         custom_extensions=graph_ops.custom_extensions(),
         devices=[device],
     ) as sub:
-        x, cos, sin, pool, batch_indices, positions, *rest = sub.inputs
-        w = _layer_weights(c, dtype, device, quantized)
+        x, cos, sin = sub.inputs[:3]
+        pools = [p.buffer for p in sub.inputs[3 : 3 + layers]]
+        batch_indices, positions, *rest = sub.inputs[3 + layers :]
+        w = _layer_weights(c, dtype, device, quantized, layers=layers)
         table = tuple(v.tensor for v in rest[:3])
         work = tuple(v.tensor for v in rest[3:])
         sub.output(
@@ -515,7 +548,7 @@ def _layer_subgraph(
                 w,
                 x.tensor,
                 (cos.tensor, sin.tensor),
-                pool.buffer,
+                pools,
                 (batch_indices.tensor, positions.tensor),
                 table,
                 work,
@@ -598,26 +631,27 @@ def build_step_graph(
         if c.embed_scale != 1.0:
             x = x * ops.constant(c.embed_scale, act, device=device)
         layers: dict[tuple, Graph] = {}
-        for i in range(c.num_layers):
-            window = c.window(i)
-            formats = quantized.layers[i] if quantized is not None else None
+        for run in layer_runs(c, quantized):
+            window = c.window(run.start)
+            formats = quantized.layers[run.start] if quantized is not None else None
             rope, table, work = groups[windows.index(window)]
             args = [
                 x,
                 *rope,
-                named[f"pool.{i}"].buffer,
+                *(named[f"pool.{i}"].buffer for i in run),
                 t["batch_indices"],
                 positions,
                 *table,
                 *work,
             ]
-            if (window, formats) not in layers:
+            key = (window, formats, len(run))
+            if key not in layers:
                 name = f"decoder_{kind}_layer" + ("" if window is None else f"_window_{window}")
                 name += f"_{len(layers)}" if layers else ""
-                layers[window, formats] = _layer_subgraph(
-                    g, kind, c, dtype, device, args, formats, window, name
+                layers[key] = _layer_subgraph(
+                    g, kind, c, dtype, device, args, formats, window, name, len(run)
                 )
-            x = ops.call(layers[window, formats], *args, prefix=f"layers.{i}.")[0].tensor
+            x = ops.call(layers[key], *args, prefix=run_prefix(run))[0].tensor
         if kind == PREFILL:
             x = ops.gather(x, t["last_rows"], 0)
         if quantized is not None and quantized.lm_head is not None:
@@ -642,6 +676,22 @@ def packed_float_names(quantized: Iterable[str]) -> set[str]:
     names = set(quantized)
     names |= {name.replace("w_gate_up", part) for name in names for part in ("w_gate", "w_up")}
     return names | {name.replace(".wqk", ".wqkv") for name in names if name.endswith(".wqk")}
+
+
+def _stack_runs(
+    c: DecoderConfig, registry: dict[str, np.ndarray], formats: QuantizedFormats
+) -> dict[str, np.ndarray]:
+    """`registry` with each run of fused layers' weights stacked under the
+    run's prefix in place of each layer's ("runs.{first}.{name}": the
+    layers' arrays one after another along their first axis)."""
+    for run in layer_runs(c, formats):
+        if len(run) == 1:
+            continue
+        names = _layer_weights(c, DType.float32, DeviceRef.CPU(), formats.layers[run.start])
+        for name in names:
+            parts = [registry.pop(f"layers.{i}.{name}") for i in run]
+            registry[run_prefix(run) + name] = np.concatenate(parts)
+    return registry
 
 
 def weights_registry(
@@ -672,7 +722,8 @@ def weights_registry(
             for name in weights
             if name not in covered
         }
-        return {**floats, **{name: q.panels for name, q in quantized.items()}, **rope}
+        registry = {**floats, **{name: q.panels for name, q in quantized.items()}}
+        return {**_stack_runs(c, registry, quantized_formats(quantized, c.num_layers)), **rope}
     if dtype == DType.float32:
         return {
             **{

@@ -21,7 +21,7 @@ another to arrive, only for tasks already taken to finish.
 from max.algorithm import sync_parallelize
 from max.runtime.asyncrt import parallelism_level
 from std.atomic import Atomic, Ordering
-from std.memory import stack_allocation
+from std.memory.alloc import unsafe_alloc
 from std.ffi import external_call
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
@@ -101,10 +101,14 @@ struct Phases(TrivialRegisterPassable):
 
 def parallel_phases[
     FuncType: def(Int, Int) -> None,
-](func: FuncType, phases: Phases) raises:
+](func: FuncType, phases: Phases, rounds: Int = 1) raises:
     """Runs func(p, t) for every task t of every phase p on all cores: the
     phases in order, the tasks of a phase in any order and at once, each
     core taking the next unclaimed task; returns when all are done.
+
+    With `rounds` > 1 the phases run that many times over, round r's phase
+    p as func(r * phases.count + p, t): a stack of layers whose phases
+    have the same task counts, on one dispatch to the cores.
 
     Tasks do not raise: an op checks its operands before its phases start,
     so a bad call writes nothing."""
@@ -112,28 +116,28 @@ def parallel_phases[
         raise Error("pagedkv: more than ", MAX_PHASES, " phases")
     var workers = min(parallelism_level(None), phases.max_tasks())
     if workers <= 1:
-        for p in range(phases.count):
-            for t in range(Int(phases.tasks[p])):
-                func(p, t)
+        for r in range(rounds):
+            for p in range(phases.count):
+                for t in range(Int(phases.tasks[p])):
+                    func(r * phases.count + p, t)
         return
     # Each phase's two counters on a 64-byte line of their own: the cores
     # write them, and a line shared with another phase's would move between
     # the cores on every claim of either.
-    var claimed = stack_allocation[
-        MAX_PHASES * LINE_WORDS, Scalar[DType.int64], alignment=64
-    ]()
-    var done = stack_allocation[
-        MAX_PHASES * LINE_WORDS, Scalar[DType.int64], alignment=64
-    ]()
-    for p in range(MAX_PHASES):
-        claimed[unsafe_offset=p * LINE_WORDS] = 0
-        done[unsafe_offset=p * LINE_WORDS] = 0
+    var lines = rounds * phases.count * LINE_WORDS
+    var counters = unsafe_alloc[Int64](2 * lines, alignment=64)
+    for i in range(2 * lines):
+        counters[unsafe_offset=i] = 0
+    var claimed = counters
+    var done = counters.unsafe_offset(lines)
 
-    def worker(_w: Int) {imm func, var phases, var claimed, var done}:
-        for p in range(phases.count):
-            var n = Int(phases.tasks[p])
-            var next_task = claimed.unsafe_offset(p * LINE_WORDS)
-            var finished = done.unsafe_offset(p * LINE_WORDS)
+    def worker(
+        _w: Int,
+    ) {imm func, var phases, var rounds, var claimed, var done}:
+        for i in range(rounds * phases.count):
+            var n = Int(phases.tasks[i % phases.count])
+            var next_task = claimed.unsafe_offset(i * LINE_WORDS)
+            var finished = done.unsafe_offset(i * LINE_WORDS)
             # A core counts the tasks it ran and adds them once, when it
             # finds none left: one write to the shared count per core and
             # phase, not one per task.
@@ -142,7 +146,7 @@ def parallel_phases[
                 var t = Int(Atomic.fetch_add(next_task, 1))
                 if t >= n:
                     break
-                func(p, t)
+                func(i, t)
                 ran += 1
             if ran > 0:
                 _ = Atomic.fetch_add(finished, Int64(ran))
@@ -151,6 +155,7 @@ def parallel_phases[
                 waiter.wait()
 
     sync_parallelize(worker, workers)
+    counters.unsafe_free()
 
 
 def parallel_dynamic[

@@ -31,13 +31,20 @@ same phase.
 A decode step of a small model is some hundred such steps, each a few to a
 few tens of microseconds of work; as separate ops each would pay MAX's
 dispatch between ops and a wake-up of the cores, as much again as the work
-(docs/performance.md). Everything is checked before the first phase, so a
-bad call raises before it writes the pool.
+(docs/performance.md). So one op runs a run of consecutive layers of the
+same shapes and formats, all their phases on one dispatch: each layer's
+pool is one of the op's variadic operands, each weight holds the run's
+layers one after another, and layer l + 1 reads the rows layer l wrote
+into x_out. Everything is checked before the first phase, so a bad call
+raises before it writes any pool.
 """
 
 import extensibility
+from std.memory import stack_allocation
 from extensibility import InputTensor, OutputTensor
-from extensibility import _MutableInputTensor as MutableInputTensor
+from extensibility import (
+    _MutableInputVariadicTensors as MutableInputVariadicTensors,
+)
 from max.gpu.host import DeviceContext
 
 from ..attention.cpu.dispatch import AttentionPhases
@@ -46,7 +53,7 @@ from ..attention.params import INT_HEADS_PER_TASK, INT_KV_SPLIT
 from ..attention.run import kv_element_type, read_params
 from ..attention.work import AttentionWork
 from ..cache.cache_tensors import cache_from_tensors
-from ..cache.paged_kv_cache import KVLayout, Ptr
+from ..cache.paged_kv_cache import KVLayout, PagedKVCache, Ptr
 from ..cache.tensor_access import ptr_of
 from ..page_ops.append import check_append
 from ..page_ops.rope_append import RopeAppendRows, check_rope_append
@@ -78,12 +85,19 @@ comptime V_IN_QKV = -1
 def check_norm(
     name: StaticString,
     norm: InputTensor[dtype=DType.float32, rank=1, ...],
+    layers: Int,
     size: Int,
 ) raises:
-    """Raises unless norm holds `size` weights."""
-    if norm.dim_size(0) != size:
+    """Raises unless norm holds `size` weights for each of `layers` layers."""
+    if norm.dim_size(0) != layers * size:
         raise Error(
-            "pagedkv: the decoder layer's ", name, " is not [", size, "]"
+            "pagedkv: the decoder layers' ",
+            name,
+            " is not [",
+            layers,
+            " x ",
+            size,
+            "]",
         )
 
 
@@ -91,17 +105,21 @@ def check_weight(
     name: StaticString,
     weight: InputTensor[dtype=DType.uint8, rank=2, ...],
     fmt: Int,
+    layers: Int,
     n_dim: Int,
     k_dim: Int,
 ) raises:
-    """Raises unless weight holds [n_dim, k_dim] in fmt's packed panels."""
-    if weight.dim_size(0) != (n_dim + PANEL - 1) // PANEL or weight.dim_size(
-        1
-    ) != panel_bytes(fmt, k_dim):
+    """Raises unless weight holds `layers` [n_dim, k_dim] matrices in fmt's
+    packed panels, one after another."""
+    if weight.dim_size(0) != layers * (
+        (n_dim + PANEL - 1) // PANEL
+    ) or weight.dim_size(1) != panel_bytes(fmt, k_dim):
         raise Error(
-            "pagedkv: the decoder layer's ",
+            "pagedkv: the decoder layers' ",
             name,
-            " is not a packed [",
+            " is not ",
+            layers,
+            " packed [",
             n_dim,
             ", ",
             k_dim,
@@ -109,11 +127,38 @@ def check_weight(
         )
 
 
+comptime LAYER_PHASES = 14
+"""Phases of one layer (the table above)."""
+
+
+@always_inline
+def layer_panels(
+    weight: InputTensor[dtype=DType.uint8, rank=2, ...], layers: Int, l: Int
+) -> Ptr[DType.uint8]:
+    """Layer l's packed panels in a weight of `layers` stacked matrices."""
+    return ptr_of(weight).unsafe_offset(
+        l * (weight.dim_size(0) // layers) * weight.dim_size(1)
+    )
+
+
+@always_inline
+def layer_row(
+    stacked: InputTensor[dtype=DType.float32, rank=1, ...], l: Int, size: Int
+) -> Ptr[F32]:
+    """Layer l's `size` weights in a norm or bias of stacked layers (an
+    empty one, which a layer without it never reads, gives its start)."""
+    return ptr_of(stacked).unsafe_offset(
+        l * size if stacked.dim_size(0) > 0 else 0
+    )
+
+
 @extensibility.register("pagedkv_decoder_layer")
 struct DecoderLayer:
-    """One decoder layer over x [rows, H] float32 with GGUF-quantized
-    weights; appends the rows' keys and values into a pool passed as
-    k_cache, v_cache (cache/cache_tensors.mojo) and returns x_out [rows, H].
+    """A run of decoder layers over x [rows, H] float32 with GGUF-quantized
+    weights; appends the rows' keys and values into each layer's pool (the
+    variadic `pools`, [pages, 2, ...page...] each, in the run's order) and
+    returns x_out [rows, H]. Each weight, norm and bias holds the run's
+    layers one after another along its first axis.
 
     Parameters: the pool's `layout` and `kv_format` (as the attention op's),
     the four products' GGUF formats, `v_format` (V_IN_QKV, or the format
@@ -145,8 +190,7 @@ struct DecoderLayer:
         activation: Int,
     ](
         x_out: OutputTensor[dtype=DType.float32, rank=2, ...],
-        k_cache: MutableInputTensor[rank=5, ...],
-        v_cache: MutableInputTensor[dtype=k_cache.dtype, rank=5, ...],
+        pools: MutableInputVariadicTensors[rank=5, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
         attn_norm: InputTensor[dtype=DType.float32, rank=1, ...],
         wqkv: InputTensor[dtype=DType.uint8, rank=2, ...],
@@ -176,9 +220,20 @@ struct DecoderLayer:
     ) raises:
         comptime if target != "cpu":
             raise Error("pagedkv: pagedkv_decoder_layer runs on the CPU")
-        var cache = cache_from_tensors[KVLayout(layout)](
-            k_cache, v_cache, kv_indices, kv_indptr, kv_last_page_len
-        ).bitcast[kv_element_type[k_cache.dtype, kv_format]()]()
+        comptime LAYERS = pools.size
+        comptime KV_LAYOUT = KVLayout(layout)
+        comptime KV_ELEMENT = kv_element_type[pools.dtype, kv_format]()
+        comptime Cache = PagedKVCache[KV_ELEMENT, KV_LAYOUT]
+        # Each layer's pool viewed through the step's page table. The pools
+        # are the op's one variadic operand, which only compile-time indices
+        # reach: the views are gathered here, the layers then run as a
+        # runtime loop over them.
+        var caches = stack_allocation[LAYERS, Cache]()
+        comptime for l in range(LAYERS):
+            caches[l] = cache_from_tensors[KV_LAYOUT](
+                pools[l], pools[l], kv_indices, kv_indptr, kv_last_page_len
+            ).bitcast[KV_ELEMENT]()
+        var cache = caches[0]
         var rows = x.dim_size(0)
         var hidden = x.dim_size(1)
         var d = cache.head_dim()
@@ -191,56 +246,71 @@ struct DecoderLayer:
         if (
             x_out.dim_size(0) != rows
             or x_out.dim_size(1) != hidden
-            or attn_norm.dim_size(0) != hidden
-            or mlp_norm.dim_size(0) != hidden
+            or attn_norm.dim_size(0) != LAYERS * hidden
+            or mlp_norm.dim_size(0) != LAYERS * hidden
             or norm_eps.dim_size(0) < 1
             or num_qo_heads % kv_heads != 0
         ):
             raise Error(
-                "pagedkv: the decoder layer's x, x_out, norms or heads do not"
+                "pagedkv: the decoder layers' x, x_out, norms or heads do not"
                 " match"
             )
-        check_weight("wqkv", wqkv, qkv_format, qkv_width - v_width, hidden)
-        comptime if SPLIT_QKV:
-            check_weight("wv", wv, v_format, v_width, hidden)
-        check_weight("wo", wo, wo_format, hidden, q_width)
+        for l in range(1, LAYERS):
+            if (
+                caches[l].head_dim() != d
+                or caches[l].num_kv_heads() != kv_heads
+                or caches[l].page_size() != cache.page_size()
+            ):
+                raise Error("pagedkv: the decoder layers' pools differ")
         check_weight(
-            "w_gate_up", w_gate_up, gate_up_format, 2 * ffn_size, hidden
+            "wqkv", wqkv, qkv_format, LAYERS, qkv_width - v_width, hidden
         )
-        check_weight("w_down", w_down, down_format, hidden, ffn_size)
+        comptime if SPLIT_QKV:
+            check_weight("wv", wv, v_format, LAYERS, v_width, hidden)
+        check_weight("wo", wo, wo_format, LAYERS, hidden, q_width)
+        check_weight(
+            "w_gate_up",
+            w_gate_up,
+            gate_up_format,
+            LAYERS,
+            2 * ffn_size,
+            hidden,
+        )
+        check_weight("w_down", w_down, down_format, LAYERS, hidden, ffn_size)
         comptime if qkv_bias != 0:
-            check_norm("bqkv", bqkv, qkv_width)
+            check_norm("bqkv", bqkv, LAYERS, qkv_width)
         comptime if qk_norm != 0:
-            check_norm("q_norm", q_norm, d)
-            check_norm("k_norm", k_norm, d)
+            check_norm("q_norm", q_norm, LAYERS, d)
+            check_norm("k_norm", k_norm, LAYERS, d)
         comptime if sandwich_norms != 0:
-            check_norm("post_attn_norm", post_attn_norm, hidden)
-            check_norm("post_mlp_norm", post_mlp_norm, hidden)
+            check_norm("post_attn_norm", post_attn_norm, LAYERS, hidden)
+            check_norm("post_mlp_norm", post_mlp_norm, LAYERS, hidden)
         if rope_sin.dim_size(0) != rope_cos.dim_size(0) or rope_sin.dim_size(
             1
         ) != rope_cos.dim_size(1):
             raise Error("pagedkv: the decoder layer's cos and sin differ")
-        check_append[target](
-            cache,
-            batch_indices,
-            positions,
-            kv_indices,
-            kv_indptr,
-            kv_last_page_len,
-            ctx,
-        )
-        check_rope_append(
-            cache,
-            rows,
-            num_qo_heads,
-            d,
-            rows,
-            qkv_width,
-            rope_cos.dim_size(0),
-            rope_cos.dim_size(1),
-            ptr_of(positions),
-            rows,
-        )
+        for l in range(LAYERS):
+            check_append[target](
+                caches[l],
+                batch_indices,
+                positions,
+                kv_indices,
+                kv_indptr,
+                kv_last_page_len,
+                ctx,
+            )
+            check_rope_append(
+                caches[l],
+                rows,
+                num_qo_heads,
+                d,
+                rows,
+                qkv_width,
+                rope_cos.dim_size(0),
+                rope_cos.dim_size(1),
+                ptr_of(positions),
+                rows,
+            )
         if rows == 0:
             return
         comptime if target == "cpu":
@@ -279,53 +349,49 @@ struct DecoderLayer:
             )
             var out = ptr_of(x_out)
 
-            var quantize_x = RowQuantizer[DType.float32, RMS_NORM](
-                ptr_of(x), ptr_of(attn_norm), eps, normed, rows
-            )
-            var qkv_product = QuantizedProduct[qkv_format, NO_EPILOGUE](
-                ptr_of(wqkv),
-                normed,
-                qkv,
-                qkv,
-                rows,
-                qkv_width - v_width,
-                qkv_width,
-            )
             comptime V_FORMAT = v_format if SPLIT_QKV else qkv_format
-            var v_columns = qkv.unsafe_offset(qkv_width - v_width)
-            var v_product = QuantizedProduct[V_FORMAT, NO_EPILOGUE](
-                ptr_of(wv),
-                normed,
-                v_columns,
-                v_columns,
-                rows,
-                v_width,
-                qkv_width,
+            comptime SANDWICH = sandwich_norms != 0
+            # Without sandwich norms a product adds its residual itself.
+            comptime PRODUCT_EPILOGUE = NO_EPILOGUE if SANDWICH else ADD_RESIDUAL
+            comptime GATED = GEGLU if activation == GELU_TANH else SWIGLU
+            comptime Product[fmt: Int, epilogue: Int] = QuantizedProduct[
+                fmt, epilogue
+            ]
+            comptime Quantizer[prologue: Int] = RowQuantizer[
+                DType.float32, prologue
+            ]
+            var quantize_x = stack_allocation[LAYERS, Quantizer[RMS_NORM]]()
+            var qkv_product = stack_allocation[
+                LAYERS, Product[qkv_format, NO_EPILOGUE]
+            ]()
+            var v_product = stack_allocation[
+                LAYERS, Product[V_FORMAT, NO_EPILOGUE]
+            ]()
+            var qkv_rows = stack_allocation[LAYERS, QKVRows]()
+            var rope = stack_allocation[
+                LAYERS, RopeAppendRows[DType.float32, KV_ELEMENT, KV_LAYOUT]
+            ]()
+            var attention = stack_allocation[
+                LAYERS, AttentionPhases[DType.float32, KV_ELEMENT, KV_LAYOUT]
+            ]()
+            var wo_product = stack_allocation[
+                LAYERS, Product[wo_format, PRODUCT_EPILOGUE]
+            ]()
+            var attn_sandwich = stack_allocation[LAYERS, NormAddRows]()
+            var quantize_h = stack_allocation[LAYERS, Quantizer[RMS_NORM]]()
+            var gate_up_product = stack_allocation[
+                LAYERS, Product[gate_up_format, NO_EPILOGUE]
+            ]()
+            var down_product = stack_allocation[
+                LAYERS, Product[down_format, PRODUCT_EPILOGUE]
+            ]()
+            var mlp_sandwich = stack_allocation[LAYERS, NormAddRows]()
+            # Layer-independent: quantize o, quantize act(gate) * up.
+            var quantize_o = Quantizer[NO_PROLOGUE](
+                o, ptr_of(attn_norm), 0, attended, rows
             )
-            var qk_tasks = qkv_product.tasks()
-            var qkv_rows = QKVRows(
-                qkv,
-                ptr_of(bqkv),
-                ptr_of(q_norm),
-                ptr_of(k_norm),
-                eps,
-                rows,
-                num_qo_heads,
-                kv_heads,
-                d,
-                qkv_bias != 0,
-                qk_norm != 0,
-            )
-            var rope = RopeAppendRows[DType.float32, cache.dtype, cache.layout](
-                cache,
-                qkv,
-                q,
-                ptr_of(rope_cos),
-                ptr_of(rope_sin),
-                ptr_of(batch_indices),
-                ptr_of(positions),
-                rows,
-                num_qo_heads,
+            var quantize_gu = Quantizer[GATED](
+                gate_up, ptr_of(attn_norm), 0, activated, rows
             )
             var work = AttentionWork(
                 ptr_of(work_items),
@@ -335,84 +401,126 @@ struct DecoderLayer:
                 partial_lse,
                 kv_split,
             )
-            var attention = AttentionPhases[
-                DType.float32, cache.dtype, cache.layout
-            ](
-                cache,
-                q,
-                o,
-                lse,
-                work,
-                read_params(float_params, int_params),
-                # No mask: its pointers are never read.
-                CustomMask(
-                    rebind[Ptr[DType.uint8]](ptr_of(work_items)),
-                    ptr_of(work_items),
-                    False,
-                ),
-                num_qo_heads,
-                max(Int(int_params[INT_HEADS_PER_TASK]), 1),
-                batch_size,
-                kv_split and num_items > batch_size,
-            )
-            var quantize_o = RowQuantizer[DType.float32, NO_PROLOGUE](
-                o, ptr_of(attn_norm), 0, attended, rows
-            )
-            comptime SANDWICH = sandwich_norms != 0
-            # Without sandwich norms a product adds its residual itself.
-            comptime PRODUCT_EPILOGUE = NO_EPILOGUE if SANDWICH else ADD_RESIDUAL
-            var wo_product = QuantizedProduct[wo_format, PRODUCT_EPILOGUE](
-                ptr_of(wo),
-                attended,
-                proj if SANDWICH else out,
-                ptr_of(x),
-                rows,
-                hidden,
-                hidden,
-            )
-            var attn_sandwich = NormAddRows(
-                proj,
-                ptr_of(post_attn_norm),
-                ptr_of(x),
-                out,
-                eps,
-                rows if SANDWICH else 0,
-                hidden,
-            )
-            var quantize_h = RowQuantizer[DType.float32, RMS_NORM](
-                out, ptr_of(mlp_norm), eps, normed, rows
-            )
-            var gate_up_product = QuantizedProduct[gate_up_format, NO_EPILOGUE](
-                ptr_of(w_gate_up),
-                normed,
-                gate_up,
-                gate_up,
-                rows,
-                2 * ffn_size,
-                2 * ffn_size,
-            )
-            comptime GATED = GEGLU if activation == GELU_TANH else SWIGLU
-            var quantize_gu = RowQuantizer[DType.float32, GATED](
-                gate_up, ptr_of(attn_norm), 0, activated, rows
-            )
-            var down_product = QuantizedProduct[down_format, PRODUCT_EPILOGUE](
-                ptr_of(w_down),
-                activated,
-                proj if SANDWICH else out,
-                out,
-                rows,
-                hidden,
-                hidden,
-            )
-            var mlp_sandwich = NormAddRows(
-                proj,
-                ptr_of(post_mlp_norm),
-                out,
-                out,
-                eps,
-                rows if SANDWICH else 0,
-                hidden,
-            )
+            var v_columns = qkv.unsafe_offset(qkv_width - v_width)
+            for l in range(LAYERS):
+                # Layer l reads the rows layer l - 1 wrote into x_out (each
+                # row phase and product epilogue reads an element before it
+                # writes it), layer 0 reads x.
+                var x_l = ptr_of(x) if l == 0 else out
+                quantize_x[l] = Quantizer[RMS_NORM](
+                    x_l, layer_row(attn_norm, l, hidden), eps, normed, rows
+                )
+                qkv_product[l] = Product[qkv_format, NO_EPILOGUE](
+                    layer_panels(wqkv, LAYERS, l),
+                    normed,
+                    qkv,
+                    qkv,
+                    rows,
+                    qkv_width - v_width,
+                    qkv_width,
+                )
+                v_product[l] = Product[V_FORMAT, NO_EPILOGUE](
+                    layer_panels(wv, LAYERS, l),
+                    normed,
+                    v_columns,
+                    v_columns,
+                    rows,
+                    v_width,
+                    qkv_width,
+                )
+                qkv_rows[l] = QKVRows(
+                    qkv,
+                    layer_row(bqkv, l, qkv_width),
+                    layer_row(q_norm, l, d),
+                    layer_row(k_norm, l, d),
+                    eps,
+                    rows,
+                    num_qo_heads,
+                    kv_heads,
+                    d,
+                    qkv_bias != 0,
+                    qk_norm != 0,
+                )
+                rope[l] = RopeAppendRows[DType.float32, KV_ELEMENT, KV_LAYOUT](
+                    caches[l],
+                    qkv,
+                    q,
+                    ptr_of(rope_cos),
+                    ptr_of(rope_sin),
+                    ptr_of(batch_indices),
+                    ptr_of(positions),
+                    rows,
+                    num_qo_heads,
+                )
+                attention[l] = AttentionPhases[
+                    DType.float32, KV_ELEMENT, KV_LAYOUT
+                ](
+                    caches[l],
+                    q,
+                    o,
+                    lse,
+                    work,
+                    read_params(float_params, int_params),
+                    # No mask: its pointers are never read.
+                    CustomMask(
+                        rebind[Ptr[DType.uint8]](ptr_of(work_items)),
+                        ptr_of(work_items),
+                        False,
+                    ),
+                    num_qo_heads,
+                    max(Int(int_params[INT_HEADS_PER_TASK]), 1),
+                    batch_size,
+                    kv_split and num_items > batch_size,
+                )
+                wo_product[l] = Product[wo_format, PRODUCT_EPILOGUE](
+                    layer_panels(wo, LAYERS, l),
+                    attended,
+                    proj if SANDWICH else out,
+                    x_l,
+                    rows,
+                    hidden,
+                    hidden,
+                )
+                attn_sandwich[l] = NormAddRows(
+                    proj,
+                    layer_row(post_attn_norm, l, hidden),
+                    x_l,
+                    out,
+                    eps,
+                    rows if SANDWICH else 0,
+                    hidden,
+                )
+                quantize_h[l] = Quantizer[RMS_NORM](
+                    out, layer_row(mlp_norm, l, hidden), eps, normed, rows
+                )
+                gate_up_product[l] = Product[gate_up_format, NO_EPILOGUE](
+                    layer_panels(w_gate_up, LAYERS, l),
+                    normed,
+                    gate_up,
+                    gate_up,
+                    rows,
+                    2 * ffn_size,
+                    2 * ffn_size,
+                )
+                down_product[l] = Product[down_format, PRODUCT_EPILOGUE](
+                    layer_panels(w_down, LAYERS, l),
+                    activated,
+                    proj if SANDWICH else out,
+                    out,
+                    rows,
+                    hidden,
+                    hidden,
+                )
+                mlp_sandwich[l] = NormAddRows(
+                    proj,
+                    layer_row(post_mlp_norm, l, hidden),
+                    out,
+                    out,
+                    eps,
+                    rows if SANDWICH else 0,
+                    hidden,
+                )
+            var qk_tasks = qkv_product[0].tasks()
 
             def task(
                 p: Int, t: Int
@@ -433,52 +541,56 @@ struct DecoderLayer:
                 var down_product,
                 var mlp_sandwich,
             }:
-                if p == 0:
-                    quantize_x.run(t)
-                elif p == 1:
+                var l = p // LAYER_PHASES
+                var phase = p % LAYER_PHASES
+                if phase == 0:
+                    quantize_x[l].run(t)
+                elif phase == 1:
                     if t < qk_tasks:
-                        qkv_product.run(t)
+                        qkv_product[l].run(t)
                     else:
-                        v_product.run(t - qk_tasks)
-                elif p == 2:
-                    qkv_rows.run(t)
-                elif p == 3:
-                    rope.run(t)
-                elif p == 4:
-                    attention.run_item(t)
-                elif p == 5:
-                    attention.run_merge(t)
-                elif p == 6:
+                        v_product[l].run(t - qk_tasks)
+                elif phase == 2:
+                    qkv_rows[l].run(t)
+                elif phase == 3:
+                    rope[l].run(t)
+                elif phase == 4:
+                    attention[l].run_item(t)
+                elif phase == 5:
+                    attention[l].run_merge(t)
+                elif phase == 6:
                     quantize_o.run(t)
-                elif p == 7:
-                    wo_product.run(t)
-                elif p == 8:
-                    attn_sandwich.run(t)
-                elif p == 9:
-                    quantize_h.run(t)
-                elif p == 10:
-                    gate_up_product.run(t)
-                elif p == 11:
+                elif phase == 7:
+                    wo_product[l].run(t)
+                elif phase == 8:
+                    attn_sandwich[l].run(t)
+                elif phase == 9:
+                    quantize_h[l].run(t)
+                elif phase == 10:
+                    gate_up_product[l].run(t)
+                elif phase == 11:
                     quantize_gu.run(t)
-                elif p == 12:
-                    down_product.run(t)
+                elif phase == 12:
+                    down_product[l].run(t)
                 else:
-                    mlp_sandwich.run(t)
+                    mlp_sandwich[l].run(t)
 
+            # Every layer's phases have the same task counts (the same
+            # shapes, rows and work list): layer 0's stand for all.
             var phases = Phases()
-            _ = phases.add(quantize_x.tasks())
-            _ = phases.add(qk_tasks + v_product.tasks())
-            _ = phases.add(qkv_rows.tasks())
-            _ = phases.add(rope.tasks())
-            _ = phases.add(attention.item_tasks())
-            _ = phases.add(attention.merge_tasks())
+            _ = phases.add(quantize_x[0].tasks())
+            _ = phases.add(qk_tasks + v_product[0].tasks())
+            _ = phases.add(qkv_rows[0].tasks())
+            _ = phases.add(rope[0].tasks())
+            _ = phases.add(attention[0].item_tasks())
+            _ = phases.add(attention[0].merge_tasks())
             _ = phases.add(quantize_o.tasks())
-            _ = phases.add(wo_product.tasks())
-            _ = phases.add(attn_sandwich.tasks())
-            _ = phases.add(quantize_h.tasks())
-            _ = phases.add(gate_up_product.tasks())
+            _ = phases.add(wo_product[0].tasks())
+            _ = phases.add(attn_sandwich[0].tasks())
+            _ = phases.add(quantize_h[0].tasks())
+            _ = phases.add(gate_up_product[0].tasks())
             _ = phases.add(quantize_gu.tasks())
-            _ = phases.add(down_product.tasks())
-            _ = phases.add(mlp_sandwich.tasks())
-            parallel_phases(task, phases)
+            _ = phases.add(down_product[0].tasks())
+            _ = phases.add(mlp_sandwich[0].tasks())
+            parallel_phases(task, phases, LAYERS)
             scratch^.free()

@@ -20,6 +20,7 @@ NumPy; the page manager has the page table on the host anyway).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -341,7 +342,7 @@ def _pool_heads(paged_kv_cache: BufferValue, kv_layout: str) -> tuple[int, int]:
 
 def quantized_decoder_layer(
     x: TensorValue,
-    paged_kv_cache: BufferValue,
+    paged_kv_cache: BufferValue | Sequence[BufferValue],
     weights: QuantizedLayerWeights,
     rope_cos: TensorValue,
     rope_sin: TensorValue,
@@ -362,7 +363,7 @@ def quantized_decoder_layer(
     logits_soft_cap: float | None = None,
     sm_scale: float | None = None,
 ) -> TensorValue:
-    """A decoder layer with GGUF-quantized weights, as one CPU op.
+    """Decoder layers with GGUF-quantized weights, as one CPU op.
 
     ``h = x + wo(attention(rope(wqkv(rms_norm(x)))))``, then
     ``h + w_down(act(gate) * up)`` with ``gate|up = w_gate_up(rms_norm(h))``,
@@ -375,13 +376,16 @@ def quantized_decoder_layer(
     (Qwen 3, Gemma 3); with `post_attn_norm` and `post_mlp_norm` each
     product's output is RMS-normed before its residual add (Gemma 3). The rows' keys and values
     are appended to the pool first; everything is checked before anything
-    is written.
+    is written. A run of layers of the same shapes and formats is one op
+    (one start on the cores for all of them): their pools in order, each
+    of their weights stacked along its first axis.
 
     Args:
         x: [rows, H] float32 (rows symbolic).
-        paged_kv_cache: the layer's pool [pages, 2, ...page...], written in
-            place.
-        weights: the layer's weights.
+        paged_kv_cache: the layer's pool [pages, 2, ...page...], or the
+            run's pools in order, written in place.
+        weights: the layers' weights, each stacked over the run's layers
+            ([layers x panels, bytes] packed matrices, [layers x H] norms).
         rope_cos, rope_sin: [max_positions, D / 2] float32 tables.
         num_qo_heads, ffn_size: Hq and the MLP's width F.
         rms_eps: the RMSNorms' epsilon.
@@ -401,7 +405,8 @@ def quantized_decoder_layer(
     """
     if activation not in DECODER_ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(DECODER_ACTIVATIONS)}")
-    heads, head_dim = _pool_heads(paged_kv_cache, kv_layout)
+    pools = [paged_kv_cache] if isinstance(paged_kv_cache, BufferValue) else list(paged_kv_cache)
+    heads, head_dim = _pool_heads(pools[0], kv_layout)
     options = AttentionOptions(
         head_dim, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale
     )
@@ -411,8 +416,7 @@ def quantized_decoder_layer(
         DECODER_LAYER_OP,
         device=cpu,
         values=[
-            paged_kv_cache,
-            paged_kv_cache,
+            *pools,
             x,
             *weights.values(cpu),
             rope_cos,

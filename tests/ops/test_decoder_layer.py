@@ -161,6 +161,45 @@ def decoder_layer_prefill_split_qkv(module: Module) -> None:
     build(module, "decoder_layer_prefill_split_qkv", decode=False, split=True)
 
 
+RUN = 3
+"""Layers in the run of `decoder_layer_run`."""
+
+
+@suite_graph("decoder_layer_run")
+def decoder_layer_run(module: Module) -> None:
+    """RUN decode layers as one op: RUN pools, each weight stacked."""
+    c = CONFIG
+    types = graph_inputs()
+    stacked = [types[0]] * RUN + [types[1]]
+    for t in types[2:8]:
+        shape = [RUN * int(t.shape[0]), *(int(d) for d in t.shape[1:])]
+        stacked.append(TensorType(t.dtype, shape, DeviceRef.CPU()))
+    with ops_graph(module, "decoder_layer_run", stacked + types[8:]) as g:
+        pools, (x, attn_norm, mlp_norm, *packed), (cos, sin, *index) = (
+            g.inputs[:RUN],
+            g.inputs[RUN : RUN + 7],
+            g.inputs[RUN + 7 :],
+        )
+        weights = graph_ops.QuantizedLayerWeights(
+            attn_norm.tensor, *(packed[0].tensor, packed[1].tensor), mlp_norm.tensor,
+            *(packed[2].tensor, packed[3].tensor), FORMATS,
+        )  # fmt: skip
+        g.output(
+            graph_ops.quantized_decoder_layer(
+                x.tensor,
+                [p.buffer for p in pools],
+                weights,
+                cos.tensor,
+                sin.tensor,
+                c.num_qo_heads,
+                c.ffn_size,
+                EPS,
+                *(v.tensor for v in index),
+                decode=True,
+            )
+        )
+
+
 def rope_append_graph(module: Module, name: str, pool_dtype: DType = DType.float32) -> None:
     c = CONFIG
     cpu = DeviceRef.CPU()
@@ -477,3 +516,29 @@ def test_bad_layer_weights_are_refused():
             decode=True,
             activation="relu",
         )
+
+
+def test_a_run_of_layers_is_its_layers_one_op_each():
+    """Three decode layers as one op (their pools in order, their weights
+    stacked) write the same bits, in x_out and in each pool, as the three
+    layers run one op each: the same products, in the same order, read
+    each layer's own weights and pool."""
+    rng = np.random.default_rng(13)
+    layers = [Layer(rng) for _ in range(RUN)]
+    batch, pool, x, bi, pos, work = step(rng, [300, 17, 0], [1, 1, 1], True)
+    pools = [pool * (1 + i) for i in range(RUN)]
+    single = [p.copy() for p in pools]
+    want = x
+    for layer, p in zip(layers, single, strict=True):
+        want = run_layer(suite_model("decoder_layer_decode"), layer, p, want, batch, bi, pos, work)
+    stacked = [
+        np.concatenate([getattr(layer, name) for layer in layers])
+        for name in ("attn_norm", "mlp_norm")
+    ] + [np.concatenate([layer.panels[name] for layer in layers]) for name in SHAPES]
+    index = [bi, pos, batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len, *work]
+    args = [*pools, x, *stacked, layers[0].cos, layers[0].sin, *index]
+    model = suite_model("decoder_layer_run")
+    got = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in args))
+    assert got[0].to_numpy().tobytes() == want.tobytes()
+    for i in range(RUN):
+        assert pools[i].tobytes() == single[i].tobytes(), f"layer {i}'s pool"
