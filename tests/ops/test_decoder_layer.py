@@ -109,16 +109,31 @@ def graph_inputs(pool_dtype: DType = DType.float32, split: bool = False) -> list
     ]
 
 
+def stacked_inputs(types: list, layers: int) -> list:
+    """`graph_inputs` for a run of `layers` layers: a pool each, and each
+    norm and packed weight of the unsplit layer stacked along its first
+    axis."""
+    stacked = [types[0]] * layers + [types[1]]
+    for t in types[2:8]:
+        shape = [layers * int(t.shape[0]), *(int(d) for d in t.shape[1:])]
+        stacked.append(TensorType(t.dtype, shape, DeviceRef.CPU()))
+    return stacked + types[8:]
+
+
 def build(
     module: Module,
     name: str,
     decode: bool,
     pool_dtype: DType = DType.float32,
     split: bool = False,
+    layers: int = 1,
 ) -> None:
+    """The op's graph; with `layers` > 1 (unsplit only) a run of that many."""
     c = CONFIG
-    with ops_graph(module, name, graph_inputs(pool_dtype, split)) as g:
-        pool, x, attn_norm, mlp_norm, *rest = g.inputs
+    types = graph_inputs(pool_dtype, split)
+    with ops_graph(module, name, types if layers == 1 else stacked_inputs(types, layers)) as g:
+        pools = [p.buffer for p in g.inputs[:layers]]
+        x, attn_norm, mlp_norm, *rest = g.inputs[layers:]
         bqkv = rest.pop(0).tensor if split else None
         n = len(weight_shapes(split))
         packed, (cos, sin, *index) = [v.tensor for v in rest[:n]], rest[n:]
@@ -138,7 +153,7 @@ def build(
         g.output(
             graph_ops.quantized_decoder_layer(
                 x.tensor,
-                pool.buffer,
+                pools,
                 weights,
                 cos.tensor,
                 sin.tensor,
@@ -168,36 +183,7 @@ RUN = 3
 @suite_graph("decoder_layer_run")
 def decoder_layer_run(module: Module) -> None:
     """RUN decode layers as one op: RUN pools, each weight stacked."""
-    c = CONFIG
-    types = graph_inputs()
-    stacked = [types[0]] * RUN + [types[1]]
-    for t in types[2:8]:
-        shape = [RUN * int(t.shape[0]), *(int(d) for d in t.shape[1:])]
-        stacked.append(TensorType(t.dtype, shape, DeviceRef.CPU()))
-    with ops_graph(module, "decoder_layer_run", stacked + types[8:]) as g:
-        pools, (x, attn_norm, mlp_norm, *packed), (cos, sin, *index) = (
-            g.inputs[:RUN],
-            g.inputs[RUN : RUN + 7],
-            g.inputs[RUN + 7 :],
-        )
-        weights = graph_ops.QuantizedLayerWeights(
-            attn_norm.tensor, *(packed[0].tensor, packed[1].tensor), mlp_norm.tensor,
-            *(packed[2].tensor, packed[3].tensor), FORMATS,
-        )  # fmt: skip
-        g.output(
-            graph_ops.quantized_decoder_layer(
-                x.tensor,
-                [p.buffer for p in pools],
-                weights,
-                cos.tensor,
-                sin.tensor,
-                c.num_qo_heads,
-                c.ffn_size,
-                EPS,
-                *(v.tensor for v in index),
-                decode=True,
-            )
-        )
+    build(module, "decoder_layer_run", decode=True, layers=RUN)
 
 
 def rope_append_graph(module: Module, name: str, pool_dtype: DType = DType.float32) -> None:
