@@ -376,14 +376,12 @@ def quantized_decoder_layer(
     (Qwen 3, Gemma 3); with `post_attn_norm` and `post_mlp_norm` each
     product's output is RMS-normed before its residual add (Gemma 3). The rows' keys and values
     are appended to the pool first; everything is checked before anything
-    is written. A run of layers of the same shapes and formats is one op
-    (one start on the cores for all of them): their pools in order, each
-    of their weights stacked along its first axis.
+    is written. A run of layers of one shape and formats is one op (one
+    start on the cores): their pools in order, their weights stacked.
 
     Args:
         x: [rows, H] float32 (rows symbolic).
-        paged_kv_cache: the layer's pool [pages, 2, ...page...], or the
-            run's pools in order, written in place.
+        paged_kv_cache: the pool [pages, 2, ...page...], written in place (a run's: in order).
         weights: the layers' weights, each stacked over the run's layers
             ([layers x panels, bytes] packed matrices, [layers x H] norms).
         rope_cos, rope_sin: [max_positions, D / 2] float32 tables.
