@@ -36,7 +36,8 @@ The weights come in one of two forms:
   of formats are one op (`layer_runs`), their weights stacked in the
   registry under "runs.{first}.": SmolLM2's 30 layers are one op, not 30.
   Any other layer is built op by op, each product quantized or, where its
-  format is one the product does not take, float32. The cache keeps its own dtype (`dtype`).
+  format is one the product does not take, float32. The cache keeps its
+  own dtype (`dtype`).
 """
 
 from __future__ import annotations

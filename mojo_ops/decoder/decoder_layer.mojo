@@ -255,11 +255,14 @@ struct DecoderLayer:
                 "pagedkv: the decoder layers' x, x_out, norms or heads do not"
                 " match"
             )
+        # Pools of one shape: the page table and the rows' slots, checked
+        # once against the first, hold for every layer's.
         for l in range(1, LAYERS):
             if (
                 caches[l].head_dim() != d
                 or caches[l].num_kv_heads() != kv_heads
                 or caches[l].page_size() != cache.page_size()
+                or caches[l].num_pages != cache.num_pages
             ):
                 raise Error("pagedkv: the decoder layers' pools differ")
         check_weight(
@@ -289,28 +292,27 @@ struct DecoderLayer:
             1
         ) != rope_cos.dim_size(1):
             raise Error("pagedkv: the decoder layer's cos and sin differ")
-        for l in range(LAYERS):
-            check_append[target](
-                caches[l],
-                batch_indices,
-                positions,
-                kv_indices,
-                kv_indptr,
-                kv_last_page_len,
-                ctx,
-            )
-            check_rope_append(
-                caches[l],
-                rows,
-                num_qo_heads,
-                d,
-                rows,
-                qkv_width,
-                rope_cos.dim_size(0),
-                rope_cos.dim_size(1),
-                ptr_of(positions),
-                rows,
-            )
+        check_append[target](
+            cache,
+            batch_indices,
+            positions,
+            kv_indices,
+            kv_indptr,
+            kv_last_page_len,
+            ctx,
+        )
+        check_rope_append(
+            cache,
+            rows,
+            num_qo_heads,
+            d,
+            rows,
+            qkv_width,
+            rope_cos.dim_size(0),
+            rope_cos.dim_size(1),
+            ptr_of(positions),
+            rows,
+        )
         if rows == 0:
             return
         comptime if target == "cpu":
