@@ -691,8 +691,41 @@ def _stack_runs(
         names = _layer_weights(c, DType.float32, DeviceRef.CPU(), formats.layers[run.start])
         for name in names:
             parts = [registry.pop(f"layers.{i}.{name}") for i in run]
-            registry[run_prefix(run) + name] = np.concatenate(parts)
+            registry[run_prefix(run) + name] = _stacked(parts)
     return registry
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    """The arrays one after another along axis 0. Where they already lie so,
+    in order and without gaps, in the one array they are slices of (the
+    unpacked copy stacks each matrix's layers in one memory-mapped file),
+    that array's slice: the weights stay mapped, not copied. Else a copy."""
+    root = _root(parts[0])
+    row = root.strides[0] if root.ndim and root.flags.c_contiguous else 0
+    start = at = (_address(parts[0]) - _address(root)) // row if row else 0
+    for part in parts:
+        if (
+            not row
+            or _root(part) is not root
+            or part.dtype != root.dtype
+            or part.shape[1:] != root.shape[1:]
+            or not part.flags.c_contiguous
+            or _address(part) != _address(root) + at * row
+        ):
+            return np.concatenate(parts)
+        at += len(part)
+    return root[start:at]
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    """The array whose memory `array` views (itself if it owns it)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
 
 def weights_registry(

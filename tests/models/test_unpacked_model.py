@@ -184,3 +184,43 @@ def test_a_tied_embedding_stays_in_the_heads_blocks(tmp_path, monkeypatch):
     assert "embed" not in stored
     want = dequantize(embd.data, GGMLQuantizationType.Q8_0)
     assert np.array_equal(model.weights["embed"], want)
+
+
+def test_a_run_of_layers_reads_its_weights_in_place(tmp_path, monkeypatch):
+    """The unpacked copy stacks each matrix's layers in one file, so a run of
+    fused layers (`layer_runs`) takes its stacked weights as one slice of the
+    memory-mapped file, not a copy; read from the GGUF itself they are
+    copied. Either way they are the layers' panels one after another."""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from pagedkv.graphs import decoder
+    from pagedkv.models import unpacked
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "q8.gguf"
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    blocks = {f"blk.{i}.{m}.weight": "Q8_0" for i in range(3) for m in matrices}
+    write_tiny_gguf(path, layers=3, blocks=blocks)
+    loads = []
+    for _ in range(2):  # read from the GGUF, then from the unpacked copy
+        model = unpacked.read_unpacked(path)
+        formats = decoder.quantized_formats(model.quantized, model.config.num_layers)
+        assert decoder.layer_runs(model.config, formats) == [range(3)]
+        registry = decoder.weights_registry(
+            model.config, model.weights, DType.float32, DeviceRef.CPU(), model.quantized
+        )
+        loads.append((model, registry))
+    (direct, copied), (mapped, in_place) = loads
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        layers = [direct.quantized[f"layers.{i}.{name}"].panels for i in range(3)]
+        assert copied[f"runs.0.{name}"].tobytes() == np.concatenate(layers).tobytes()
+        assert in_place[f"runs.0.{name}"].tobytes() == np.concatenate(layers).tobytes()
+        first = mapped.quantized[f"layers.0.{name}"].panels
+        assert isinstance(first, np.memmap)
+        assert np.shares_memory(in_place[f"runs.0.{name}"], first), name
+    # Slices out of order are copied in the order given.
+    parts = [mapped.quantized[f"layers.{i}.wo"].panels for i in (2, 1)]
+    again = decoder._stacked(parts)
+    assert not np.shares_memory(again, parts[0])
+    assert again.tobytes() == np.concatenate(parts).tobytes()

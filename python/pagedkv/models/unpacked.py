@@ -8,10 +8,13 @@ the file.
 
 Reading the GGUF costs seconds (the `gguf` reader parses every tokenizer
 string one at a time; dequantizing and packing are the rest); the unpacked
-copy loads in milliseconds (the weights are memory-mapped, read-only). It is
-named by the GGUF's size and modification time and by the source of the
-reader, the packer and this module, so a new file or a fix to any of them
-unpacks afresh.
+copy loads in milliseconds (the weights are memory-mapped, read-only, and
+MAX takes them as they are: they stay in the page cache, shared by every
+process serving the file). Each packed matrix's layers lie one after
+another in one file, so the weights a run of layers' op takes stacked are
+a slice of the mapping, not a copy. The copy is named by the GGUF's size
+and modification time and by the source of the reader, the packer and this
+module, so a new file or a fix to any of them unpacks afresh.
 A missing, partial or unreadable copy is never used: the GGUF is read again
 and the copy rewritten.
 """
@@ -23,13 +26,14 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from pagedkv._ops import quantized_panels
-from pagedkv._ops.quantized_panels import QuantizedWeight
+from pagedkv._ops.quantized_panels import QuantizedWeight, quantized_panels_shape
 from pagedkv.graphs.decoder import packed_float_names
 from pagedkv.graphs.model import DecoderConfig
 
@@ -39,6 +43,8 @@ from .gguf_model import GGUFModel, LazyWeights, read_float_weights, read_gguf
 
 _DONE = "model.json"
 """Written last: a folder without it is partial."""
+_LAYER = re.compile(r"^layers\.\d+\.")
+"""A layer's prefix of a weight's name."""
 
 
 def unpacked_dir(path: Path) -> Path:
@@ -85,23 +91,40 @@ def _save(model: GGUFModel, folder: Path) -> None:
     stored = {name: i for i, name in enumerate(n for n in model.weights if n not in packed)}
     for name, i in stored.items():
         np.save(staging / f"{i}.npy", model.weights[name])
-    # One file per distinct packed matrix: a tied embedding is its head.
-    distinct = list({id(q): q for q in model.quantized.values()}.values())
-    files = {id(q): i for i, q in enumerate(distinct)}
-    for i, q in enumerate(distinct):
-        np.save(staging / f"q{i}.npy", q.panels)
+    where = _save_panels(model.quantized, staging)
     record = {
         "config": dataclasses.asdict(model.config),
         # Each weight's .npy index, or None: dequantized from the GGUF.
         "weights": [[name, stored.get(name)] for name in model.weights],
         "quantized": [
-            [name, q.format, q.out_features, q.in_features, files[id(q)]]
+            [name, q.format, q.out_features, q.in_features, *where[id(q)]]
             for name, q in model.quantized.items()
         ],
         "metadata": model.metadata,
     }
     (staging / _DONE).write_text(json.dumps(record, default=_plain))
     os.replace(staging, folder)
+
+
+def _save_panels(quantized: dict[str, QuantizedWeight], staging: Path) -> dict[int, tuple]:
+    """Each distinct packed matrix (a tied embedding is its head) into a
+    file `q{file}.npy` shared by the matrices of one name, format and shape
+    in every layer, stacked in layer order: a run of layers' matrices is
+    then one slice of the file, which the step graph takes as it is
+    (`graphs.decoder`'s `_stack_runs`). Returns, by id, (file, first panel)."""
+    stacks: dict[tuple, list[QuantizedWeight]] = {}
+    seen: set[int] = set()
+    for name, q in quantized.items():
+        if id(q) not in seen:
+            seen.add(id(q))
+            key = (_LAYER.sub("", name), q.format, q.out_features, q.in_features)
+            stacks.setdefault(key, []).append(q)
+    where = {}
+    for file, stack in enumerate(stacks.values()):
+        np.save(staging / f"q{file}.npy", np.concatenate([q.panels for q in stack]))
+        offsets = np.cumsum([0] + [len(q.panels) for q in stack])
+        where |= {id(q): (file, int(start)) for q, start in zip(stack, offsets[:-1], strict=True)}
+    return where
 
 
 def _load(folder: Path, path: Path) -> GGUFModel:
@@ -115,11 +138,13 @@ def _load(folder: Path, path: Path) -> GGUFModel:
         return lambda: array
 
     weights = LazyWeights({name: maker(name, i) for name, i in record["weights"]})
-    by_file: dict[int, QuantizedWeight] = {}
-    for _, fmt, n, k, i in record["quantized"]:
-        if i not in by_file:
-            by_file[i] = QuantizedWeight(fmt, n, k, np.load(folder / f"q{i}.npy", mmap_mode="r"))
-    quantized = {name: by_file[i] for name, *_, i in record["quantized"]}
+    files = functools.cache(lambda i: np.load(folder / f"q{i}.npy", mmap_mode="r"))
+    by_place: dict[tuple[int, int], QuantizedWeight] = {}
+    for _, fmt, n, k, i, start in record["quantized"]:
+        if (i, start) not in by_place:
+            panels = files(i)[start : start + quantized_panels_shape(fmt, n, k)[0]]
+            by_place[i, start] = QuantizedWeight(fmt, n, k, panels)
+    quantized = {name: by_place[i, start] for name, *_, i, start in record["quantized"]}
     return GGUFModel(DecoderConfig(**record["config"]), weights, record["metadata"], quantized)
 
 
