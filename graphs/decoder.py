@@ -43,6 +43,9 @@ The weights come in one of two forms:
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -62,11 +65,13 @@ from max.graph import (
 
 from pagedkv import graph_ops
 from pagedkv._ops.contract import pool_row_width
+from pagedkv._ops.kept_arrays import kept_array
 from pagedkv._ops.linear_panels import (
     linear_panels_shape,
     pack_linear_weight,
     pack_linear_weight_cached,
 )
+from pagedkv._ops.paths import cache_root
 from pagedkv._ops.quantized_panels import quantized_panels_shape
 
 from .model import DecoderConfig, layer_weight_shapes, rope_tables
@@ -565,14 +570,30 @@ def step_graph_name(kind: str) -> str:
     return f"decoder_{kind}"
 
 
+_ROPE_SOURCE = inspect.getsource(rope_tables)
+"""What the kept RoPE tables' names depend on besides the model: a change to
+the formula makes them afresh."""
+
+
 def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
     """The RoPE tables of each layer group ("rope_cos.{g}", "rope_sin.{g}",
     float32 [max_positions, D / 2]): weights of the graph, not constants,
-    so a long context does not grow the compiled module."""
+    so a long context does not grow the compiled module. They are kept in
+    the cache directory's `rope/` (`kept_array`), named by the model's
+    shape, the group's window and `rope_tables`' source: a long context's
+    tables (Gemma 3's are 64 MB) are mapped and shared, not computed and
+    held by every process."""
+    shape = (c.max_positions, c.head_dim // 2)
     tables = {}
     for g, window in enumerate(group_windows(c)):
-        cos, sin = rope_tables(c, window)
-        tables[f"rope_cos.{g}"], tables[f"rope_sin.{g}"] = cos, sin
+        # Pickled: every float of the config keeps all its bits.
+        key = hashlib.sha256(pickle.dumps((c, window, _ROPE_SOURCE), protocol=4)).hexdigest()[:20]
+        pair = functools.cache(functools.partial(rope_tables, c, window))
+        for i, name in enumerate(("cos", "sin")):
+            path = cache_root() / "rope" / f"{key}.{name}.npy"
+            tables[f"rope_{name}.{g}"] = kept_array(
+                path, shape, np.dtype(np.float32), lambda i=i, pair=pair: pair()[i]
+            )
     return tables
 
 

@@ -89,3 +89,34 @@ def test_a_rope_scaling_it_cannot_compute_is_refused(tmp_path, keys, rope_freqs,
     write_tiny_gguf(path, keys=keys, rope_freqs=rope_freqs)
     with pytest.raises(ModelError, match=message):
         read_gguf(path)
+
+
+def test_the_graphs_tables_are_kept_on_disk_and_mapped(tmp_path, monkeypatch):
+    """`rope_weights` computes a model's tables once into the cache
+    directory and maps them after: bitwise `rope_tables`' own, a pair of
+    files per layer group; a file of another shape (a broken cache) is made
+    again, another base gets files of its own."""
+    from pagedkv.graphs import decoder
+
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    c = DecoderConfig(head_dim=D, max_positions=300, rope_theta=5e5, rope_scale=4.0)
+    cos, sin = rope_tables(c)
+
+    def check(tables):
+        assert isinstance(tables["rope_cos.0"], np.memmap)
+        assert tables["rope_cos.0"].tobytes() == cos.tobytes()
+        assert tables["rope_sin.0"].tobytes() == sin.tobytes()
+
+    check(decoder.rope_weights(c))
+    files = sorted((tmp_path / "rope").iterdir())
+    assert len(files) == 2
+    with monkeypatch.context() as m:
+        m.setattr(decoder, "rope_tables", lambda *a: pytest.fail("computed again"))
+        check(decoder.rope_weights(c))
+    # Put in place whole, so that the tables mapped above stay readable.
+    np.save(tmp_path / "short.npy", np.zeros(3, np.float32))
+    (tmp_path / "short.npy").replace(files[0])
+    check(decoder.rope_weights(c))
+    other = DecoderConfig(head_dim=D, max_positions=300, rope_theta=1e4, rope_scale=4.0)
+    assert decoder.rope_weights(other)["rope_sin.0"].tobytes() == rope_tables(other)[1].tobytes()
+    assert len(list((tmp_path / "rope").iterdir())) == 4

@@ -10,12 +10,12 @@ them in a step graph.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from .contract import LINEAR_PANEL
+from .kept_arrays import kept_array
 
 
 def linear_panels_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
@@ -81,19 +81,9 @@ def pack_linear_weight_cached(weight: np.ndarray) -> np.ndarray:
     if not isinstance(weight, np.memmap) or source is None:
         return pack_linear_weight(weight)
     source = Path(source)
-    cached = source.with_name(f"{source.stem}.panels.npy")
-    shape = linear_panels_shape(*weight.shape)
-    if cached.is_file():
-        panels = np.load(cached, mmap_mode="r")
-        if panels.shape == shape and panels.dtype == weight.dtype:
-            return panels
-    packed = pack_linear_weight(weight)
-    staging = cached.with_name(f".{cached.name}.{os.getpid()}")
-    try:
-        with open(staging, "wb") as f:  # a path would get ".npy" appended
-            np.save(f, packed)
-        os.replace(staging, cached)
-    except OSError:
-        staging.unlink(missing_ok=True)
-        return packed
-    return np.load(cached, mmap_mode="r")
+    return kept_array(
+        source.with_name(f"{source.stem}.panels.npy"),
+        linear_panels_shape(*weight.shape),
+        weight.dtype,
+        lambda: pack_linear_weight(weight),
+    )
