@@ -48,6 +48,7 @@ import inspect
 import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from max.dtype import DType
@@ -570,9 +571,10 @@ def step_graph_name(kind: str) -> str:
     return f"decoder_{kind}"
 
 
-_ROPE_SOURCE = inspect.getsource(rope_tables)
-"""What the kept RoPE tables' names depend on besides the model: a change to
-the formula makes them afresh."""
+_ROPE_SOURCE = Path(inspect.getsourcefile(rope_tables)).read_bytes()
+"""What the kept RoPE tables' names depend on besides the model: the module
+of `rope_tables` and of the config's RoPE fields, so that a change to the
+formula makes them afresh."""
 
 
 def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
@@ -580,7 +582,7 @@ def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
     float32 [max_positions, D / 2]): weights of the graph, not constants,
     so a long context does not grow the compiled module. They are kept in
     the cache directory's `rope/` (`kept_array`), named by the model's
-    shape, the group's window and `rope_tables`' source: a long context's
+    config, the group's window and `rope_tables`' module: a long context's
     tables (Gemma 3's are 64 MB) are mapped and shared, not computed and
     held by every process."""
     shape = (c.max_positions, c.head_dim // 2)
