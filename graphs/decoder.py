@@ -571,28 +571,37 @@ def step_graph_name(kind: str) -> str:
     return f"decoder_{kind}"
 
 
-_ROPE_SOURCE = Path(inspect.getsourcefile(rope_tables)).read_bytes()
-"""What the kept RoPE tables' names depend on besides the model: the module
-of `rope_tables` and of the config's RoPE fields, so that a change to the
-formula makes them afresh."""
+_ROPE_SOURCE_DIGEST = hashlib.sha256(
+    Path(inspect.getsourcefile(rope_tables)).read_bytes()
+).hexdigest()[:16]
+"""What the kept RoPE tables depend on besides the model: the module of
+`rope_tables` and of the config's RoPE fields."""
+
+
+def rope_dir() -> Path:
+    """The folder of the kept RoPE tables this version computes: named by
+    the digest of `rope_tables`' module, so that a change to the formula
+    makes them afresh and the older folders beside it are never read."""
+    return cache_root() / "rope" / _ROPE_SOURCE_DIGEST
 
 
 def rope_weights(c: DecoderConfig) -> dict[str, np.ndarray]:
     """The RoPE tables of each layer group ("rope_cos.{g}", "rope_sin.{g}",
     float32 [max_positions, D / 2]): weights of the graph, not constants,
     so a long context does not grow the compiled module. They are kept in
-    the cache directory's `rope/` (`kept_array`), named by the model's
-    config, the group's window and `rope_tables`' module: a long context's
+    `rope_dir()` (`kept_array`), named by the model's config and the
+    group's window: a long context's
     tables (Gemma 3's are 64 MB) are mapped and shared, not computed and
     held by every process."""
     shape = (c.max_positions, c.head_dim // 2)
+    folder = rope_dir()
     tables = {}
     for g, window in enumerate(group_windows(c)):
         # Pickled: every float of the config keeps all its bits.
-        key = hashlib.sha256(pickle.dumps((c, window, _ROPE_SOURCE), protocol=4)).hexdigest()[:20]
+        key = hashlib.sha256(pickle.dumps((c, window), protocol=4)).hexdigest()[:20]
         pair = functools.cache(functools.partial(rope_tables, c, window))
         for i, name in enumerate(("cos", "sin")):
-            path = cache_root() / "rope" / f"{key}.{name}.npy"
+            path = folder / f"{key}.{name}.npy"
             tables[f"rope_{name}.{g}"] = kept_array(
                 path, shape, np.dtype(np.float32), lambda i=i, pair=pair: pair()[i]
             )

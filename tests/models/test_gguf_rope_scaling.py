@@ -108,7 +108,8 @@ def test_the_graphs_tables_are_kept_on_disk_and_mapped(tmp_path, monkeypatch):
         assert tables["rope_sin.0"].tobytes() == sin.tobytes()
 
     check(decoder.rope_weights(c))
-    files = sorted((tmp_path / "rope").iterdir())
+    files = sorted(decoder.rope_dir().iterdir())
+    assert decoder.rope_dir().parent == tmp_path / "rope"
     assert len(files) == 2
     with monkeypatch.context() as m:
         m.setattr(decoder, "rope_tables", lambda *a: pytest.fail("computed again"))
@@ -119,4 +120,4 @@ def test_the_graphs_tables_are_kept_on_disk_and_mapped(tmp_path, monkeypatch):
     check(decoder.rope_weights(c))
     other = DecoderConfig(head_dim=D, max_positions=300, rope_theta=1e4, rope_scale=4.0)
     assert decoder.rope_weights(other)["rope_sin.0"].tobytes() == rope_tables(other)[1].tobytes()
-    assert len(list((tmp_path / "rope").iterdir())) == 4
+    assert len(list(decoder.rope_dir().iterdir())) == 4

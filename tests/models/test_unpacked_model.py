@@ -224,3 +224,27 @@ def test_a_run_of_layers_reads_its_weights_in_place(tmp_path, monkeypatch):
     again = decoder._stacked(parts)
     assert not np.shares_memory(again, parts[0])
     assert again.tobytes() == np.concatenate(parts).tobytes()
+
+
+def test_stale_copies_are_those_no_read_will_use_again(gguf, tmp_path):
+    """A copy of a GGUF outside the cache or inside it is stale once its GGUF
+    is gone or rewritten, or when it names no GGUF (an older version's), and
+    not before; a copy being written is never listed."""
+    from pagedkv.models import unpacked
+
+    inside = tmp_path / "cache" / "models" / "tiny" / "inside.gguf"
+    inside.parent.mkdir(parents=True)
+    write_tiny_gguf(inside)
+    gone = tmp_path / "models" / "gone.gguf"
+    write_tiny_gguf(gone)
+    for path in (gguf, inside, gone):
+        unpacked.read_unpacked(path)
+    copies = {p: unpacked.unpacked_dir(p) for p in (gguf, inside, gone)}
+    assert copies[inside].parent.parent == inside.parent  # beside it, in the cache
+    assert unpacked.stale_copies() == []
+    gone.unlink()
+    os.utime(inside, ns=(0, 0))
+    unnamed = copies[gguf].parent.with_name("older-000000000000") / "key"
+    unnamed.mkdir(parents=True)
+    (copies[gguf].parent / "key.123.partial").mkdir()
+    assert sorted(unpacked.stale_copies()) == sorted([copies[gone], copies[inside], unnamed])

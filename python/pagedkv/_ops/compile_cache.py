@@ -84,7 +84,13 @@ def host_digest(device: Device) -> str:
 def artifact_path(key: Hashable, device: Device) -> Path:
     """Where the artifact for `key` on `device` lives (it may not exist yet)."""
     name = hashlib.sha256(repr((key, host_digest(device))).encode()).hexdigest()[:32]
-    return cache_root() / "compiled" / build_digest() / f"{name}.mef"
+    return artifact_dir() / f"{name}.mef"
+
+
+def artifact_dir() -> Path:
+    """The folder of this build's artifacts (those of other builds, in the
+    folders beside it, are never read by this one)."""
+    return cache_root() / "compiled" / build_digest()
 
 
 def load_or_compile(

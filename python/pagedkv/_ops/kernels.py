@@ -36,6 +36,9 @@ from .tensors import Array, Device, accelerator, is_torch, to_buffer
 
 _package_lock = threading.Lock()
 
+KERNEL_PACKAGE_NAME = "mojo_ops.mojoc"
+"""The compiler names a package after its file's stem: it must be "mojo_ops"."""
+
 
 def build_kernel_package_in_background() -> None:
     """Starts building the kernel package on a thread, so that a program that
@@ -58,19 +61,25 @@ def kernel_package() -> Path:
         return _build_kernel_package()
 
 
-def _build_kernel_package() -> Path:
+def kernel_package_path() -> Path:
+    """Where this source version's kernel package lives (it may not exist
+    yet): a folder of the cache directory named by a hash of the Mojo
+    sources and the compiler's version."""
     from importlib.metadata import version
-
-    from mojo.run import subprocess_run_mojo
 
     source = mojo_ops_path()
     digest = hashlib.sha256(version("mojo-compiler").encode())
     for path in sorted(source.rglob("*.mojo")):
         digest.update(str(path.relative_to(source)).encode())
         digest.update(path.read_bytes())
-    root = cache_root()
-    # The compiler names the package after the file's stem: keep "mojo_ops".
-    package = root / digest.hexdigest()[:20] / "mojo_ops.mojoc"
+    return cache_root() / digest.hexdigest()[:20] / KERNEL_PACKAGE_NAME
+
+
+def _build_kernel_package() -> Path:
+    from mojo.run import subprocess_run_mojo
+
+    source = mojo_ops_path()
+    package = kernel_package_path()
     if not package.is_file():
         staging = package.parent / f".staging.{os.getpid()}"
         staging.mkdir(parents=True, exist_ok=True)

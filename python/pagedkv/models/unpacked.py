@@ -43,6 +43,8 @@ from .gguf_model import GGUFModel, LazyWeights, read_float_weights, read_gguf
 
 _DONE = "model.json"
 """Written last: a folder without it is partial."""
+_SOURCE = "source"
+"""The GGUF's absolute path, so that a copy whose GGUF is gone can be told."""
 _LAYER = re.compile(r"^layers\.\d+\.")
 """A layer's prefix of a weight's name."""
 
@@ -65,6 +67,33 @@ def unpacked_dir(path: Path) -> Path:
     return cache / "unpacked" / f"{path.stem}-{where}" / key
 
 
+def stale_copies() -> list[Path]:
+    """The unpacked copies in the cache directory that no read will use
+    again: their GGUF is gone or has changed, or another version of the
+    reader made them (their folder is not `unpacked_dir` of their GGUF).
+    Copies being written (`.partial`) are left out."""
+    cache = cache_dir()
+    # Copies of GGUFs elsewhere name their GGUF in a file; a copy beside a
+    # GGUF in the cache directory is named after it.
+    copies = [(f, _named_source(f)) for f in cache.glob("unpacked/*/*")]
+    copies += [(f, f.parent.with_suffix(".gguf")) for f in cache.glob("models/**/*.unpacked/*")]
+    return [
+        folder
+        for folder, gguf in copies
+        if not folder.name.endswith(".partial")
+        and (gguf is None or not gguf.is_file() or unpacked_dir(gguf) != folder.resolve())
+    ]
+
+
+def _named_source(folder: Path) -> Path | None:
+    """The GGUF a copy in `unpacked/` names (None: unreadable, or made
+    before copies named their GGUF)."""
+    try:
+        return Path((folder / _SOURCE).read_text())
+    except OSError:
+        return None
+
+
 def read_unpacked(path: str | Path) -> GGUFModel:
     """The model in the GGUF at `path`, from its unpacked copy (made on first
     use; see the module docstring). Raises ModelError as `read_gguf` does."""
@@ -77,16 +106,17 @@ def read_unpacked(path: str | Path) -> GGUFModel:
             pass  # unreadable: read the GGUF again below
     model = read_gguf(path)
     try:
-        _save(model, folder)
+        _save(model, folder, path.resolve())
     except OSError:
         pass  # a read-only cache still serves this process
     return model
 
 
-def _save(model: GGUFModel, folder: Path) -> None:
+def _save(model: GGUFModel, folder: Path, source: Path) -> None:
     shutil.rmtree(folder.parent, ignore_errors=True)  # older copies of this GGUF
     staging = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
     staging.mkdir(parents=True, exist_ok=True)
+    (staging / _SOURCE).write_text(str(source))
     packed = packed_float_names(model.quantized)
     stored = {name: i for i, name in enumerate(n for n in model.weights if n not in packed)}
     for name, i in stored.items():
