@@ -1,4 +1,5 @@
-"""The `pagedkv` command: demo (the main job), generate, serve, route, bench and check-gpu.
+"""The `pagedkv` command: demo (the main job), generate, serve, route, bench,
+check-gpu and cache.
 
 Bad flags and impossible configurations end with a one-line error naming
 the problem and how to fix it, and exit status 2; no traceback.
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_route_parser(sub)
     _add_bench_and_check_gpu(sub)
+    from .disk_cache import add_parser as add_cache_parser
+
+    add_cache_parser(sub)
     return parser
 
 
@@ -155,7 +159,7 @@ def _add_bench_and_check_gpu(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `pagedkv` command: runs `demo`, `bench` or `check-gpu`; returns the exit status."""
+    """The `pagedkv` command: runs the subcommand `argv` names; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
@@ -174,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_route(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "cache":
+            from .disk_cache import run_cache
+
+            return run_cache(args)
         from .._ops.gpu_check import main as check_gpu
 
         return check_gpu(args.archs + (["--no-demo"] if args.no_demo else []))
