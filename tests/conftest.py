@@ -318,6 +318,23 @@ def pytest_sessionfinish(session, exitstatus):
     background.stop_all()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forget_unpacked_copies_of_temporary_ggufs(tmp_path_factory):
+    """Tests read tiny GGUFs written into pytest's temporary folders; their
+    unpacked copies land in the cache directory (the one whose compiled
+    graphs the suite reuses run after run) and are removed when the session
+    ends, so that runs do not pile them up."""
+    yield
+    import shutil
+
+    from pagedkv.models.unpacked import copies_of_outside_ggufs
+
+    temporary = tmp_path_factory.getbasetemp().resolve()
+    for folder, gguf in copies_of_outside_ggufs():
+        if gguf is not None and gguf.is_relative_to(temporary):
+            shutil.rmtree(folder.parent, ignore_errors=True)
+
+
 # The demo's random Llama (pagedkv.graphs.model.DecoderConfig()), shared by the
 # step-graph and scheduler tests: one compile of its step graphs per process.
 DEMO_PAGE = 16

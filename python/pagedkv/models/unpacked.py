@@ -72,11 +72,11 @@ def stale_copies() -> list[Path]:
     again: their GGUF is gone or has changed, or another version of the
     reader made them (their folder is not `unpacked_dir` of their GGUF).
     Copies being written (`.partial`) are left out."""
-    cache = cache_dir()
-    # Copies of GGUFs elsewhere name their GGUF in a file; a copy beside a
-    # GGUF in the cache directory is named after it.
-    copies = [(f, _named_source(f)) for f in cache.glob("unpacked/*/*")]
-    copies += [(f, f.parent.with_suffix(".gguf")) for f in cache.glob("models/**/*.unpacked/*")]
+    # A copy beside a GGUF in the cache directory is named after it.
+    copies = copies_of_outside_ggufs()
+    copies += [
+        (f, f.parent.with_suffix(".gguf")) for f in cache_dir().glob("models/**/*.unpacked/*")
+    ]
     return [
         folder
         for folder, gguf in copies
@@ -85,13 +85,17 @@ def stale_copies() -> list[Path]:
     ]
 
 
-def _named_source(folder: Path) -> Path | None:
-    """The GGUF a copy in `unpacked/` names (None: unreadable, or made
-    before copies named their GGUF)."""
-    try:
-        return Path((folder / _SOURCE).read_text())
-    except OSError:
-        return None
+def copies_of_outside_ggufs() -> list[tuple[Path, Path | None]]:
+    """The copies in the cache directory's `unpacked/` (of GGUFs outside
+    it), each with the GGUF it names (None: unreadable, or made before
+    copies named their GGUF)."""
+    copies = []
+    for folder in cache_dir().glob("unpacked/*/*"):
+        try:
+            copies.append((folder, Path((folder / _SOURCE).read_text())))
+        except OSError:
+            copies.append((folder, None))
+    return copies
 
 
 def read_unpacked(path: str | Path) -> GGUFModel:
