@@ -27,6 +27,11 @@ def start(key: str, argv: list[str]) -> None:
     _runs[key] = (subprocess.Popen(argv, stdout=out, stderr=err, text=True), out, err)
 
 
+def running(key: str) -> bool:
+    """Whether the run under key was started and has not ended."""
+    return key in _runs and _runs[key][0].poll() is None
+
+
 def result(key: str, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     """The finished run of argv under key (started now if it was not)."""
     start(key, argv)

@@ -17,8 +17,8 @@ settings.register_profile("pagedkv", deadline=None)
 settings.load_profile("pagedkv")
 
 import background  # noqa: E402  (from this folder, put on the path above)
-
 import suite_graphs  # noqa: E402
+import warm_graphs  # noqa: E402
 
 TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
@@ -293,21 +293,33 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Starts the selected GPU compile checks (minutes each) in the
+    """Starts the selected GPU compile checks (minutes each) and the model
+    graphs the selected CPU tests name (warm_graphs.py) compiling in the
     background, beside the CPU tests (see background.py)."""
     checks = [
         item
         for item in session.items
         if getattr(item, "originalname", "") == "test_gpu_paths_compile"
     ]
-    if not checks:
+    warm = (
+        []
+        if MODEL_DEVICE == "gpu"
+        else [
+            name
+            for item in session.items
+            if item.get_closest_marker("gpu") is None
+            for name in getattr(item.module, "WARM_GRAPHS", ())
+        ]
+    )
+    if (not checks and not warm) or session.config.option.collectonly:
         return
     from pagedkv._ops.kernels import kernel_package
 
     try:
-        kernel_package()  # built once here, not by each check at once
+        kernel_package()  # built once here, not by each process at once
     except RuntimeError:
         pass  # a kernel that does not compile fails in the tests themselves
+    warm_graphs.start(list(dict.fromkeys(warm)))
     for item in checks:
         arch, flags = item.callspec.params["arch"], item.callspec.params["flags"]
         argv = item.module.gpu_check_argv(arch, flags)
@@ -316,6 +328,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     background.stop_all()
+    warm_graphs.forget()
 
 
 @pytest.fixture(scope="session", autouse=True)

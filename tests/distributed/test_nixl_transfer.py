@@ -21,6 +21,9 @@ from pagedkv.distributed.nixl_transfer import (  # noqa: E402
 from pagedkv.graphs.kv_connector import KVTransferError  # noqa: E402
 from pagedkv.graphs.scheduler import Request  # noqa: E402
 
+WARM_GRAPHS = ("demo",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 PAGE = 4
 LAYERS = 3
 

@@ -22,6 +22,9 @@ from pagedkv.distributed.prefix_store import (  # noqa: E402
 from pagedkv.graphs.scheduler import Request, Scheduler  # noqa: E402
 from pagedkv.graphs.self_check import check_sequences  # noqa: E402
 
+WARM_GRAPHS = ("demo",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 PAGE = 4
 GROUPS = [((0, 2), None), ((1,), 2 * PAGE)]
 

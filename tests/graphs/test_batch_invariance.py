@@ -20,6 +20,9 @@ import pytest
 
 from conftest import engine_with_pool
 
+WARM_GRAPHS = ("demo",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 PROMPT_LEN, COMPANIONS, STEPS = 300, 31, 4
 
 

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+import warm_graphs
 from conftest import DEMO_CONFIG as CONFIG
 from conftest import (
     assert_exact_and_released,
@@ -23,6 +24,9 @@ from pagedkv.graphs.demo import DemoError, DemoOptions, check_options, gpu_visib
 from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.scheduler import Request, Scheduler
 from pagedkv.graphs.self_check import check_sequences
+
+WARM_GRAPHS = ("demo", "demo-command")
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
 
 
 def test_one_prefill_and_decode_step_equal_numpy(weights):
@@ -135,6 +139,7 @@ def test_a_callers_module_holds_its_specs_whatever_was_compiled_before():
 
 
 def test_demo_runs_and_checks_itself():
+    warm_graphs.wait("demo-command")
     result = subprocess.run(
         [
             sys.executable,

@@ -4,13 +4,10 @@ layers with their own RoPE base beside global ones) through the step graphs
 and the page manager's layer groups, against the float64 NumPy reference;
 the GGUF reader's refusals.
 
-The windows are short (12 tokens over 4-token pages) so that a few dozen
-tokens release pages in the window group, which the reference never has.
+The model and its engine: gemma3_shaped.py.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -20,51 +17,18 @@ from conftest import (
     assert_greedy_steps_match,
     shared_prompt_requests,
 )
-from pagedkv.cache.manager import PagedKVCacheManager
-from pagedkv.graphs.engine import DecoderEngine
+from gemma3_shaped import CONFIG, PAGE, WEIGHTS_SEED, WINDOW, engine
 from pagedkv.graphs.model import DecoderConfig, init_weights
 from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.scheduler import Scheduler
 
-PAGE = 4
-WINDOW = 12
-CONFIG = DecoderConfig(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=3,
-    num_qo_heads=4,
-    num_kv_heads=1,
-    head_dim=64,
-    ffn_size=256,
-    rope_theta=1e6,
-    rms_eps=1e-6,
-    max_positions=256,
-    family="gemma3",
-    activation="gelu_tanh",
-    qk_norm=True,
-    sandwich_norms=True,
-    norm_in_float32=True,
-    embed_scale=math.sqrt(128),
-    windows=(WINDOW, None, WINDOW),
-    local_rope_theta=1e4,
-)
+WARM_GRAPHS = ("gemma3-shaped", "gemma3-shaped-q8_0")
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
 
 
 @pytest.fixture(scope="module")
 def gemma_weights():
-    return init_weights(CONFIG, seed=7)
-
-
-def engine(weights, num_pages: int, quantized: dict | None = None) -> DecoderEngine:
-    manager = PagedKVCacheManager(
-        num_pages,
-        PAGE,
-        CONFIG.num_kv_heads,
-        CONFIG.head_dim,
-        num_layers=CONFIG.num_layers,
-        layer_groups=CONFIG.layer_groups,
-    )
-    return DecoderEngine(CONFIG, weights, manager, quantized=quantized)
+    return init_weights(CONFIG, seed=WEIGHTS_SEED)
 
 
 def test_layer_groups_come_from_the_windows():

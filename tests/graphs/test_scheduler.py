@@ -22,6 +22,9 @@ from pagedkv.graphs.scheduler import (
 )
 from pagedkv.graphs.self_check import check_sequences
 
+WARM_GRAPHS = ("demo",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 
 def prompts(seed: int, count: int, length: int) -> list[tuple[int, ...]]:
     rng = np.random.default_rng(seed)

@@ -21,11 +21,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import warm_graphs
 from conftest import MODEL_DEVICE
 from exactness import assert_matches_reference, compared_prefix
 from pagedkv.models import ModelError, fetch_gguf, load
 from pagedkv.models.gguf_model import read_gguf, undo_rope_permutation
 from pagedkv.models.tokenizer import ChatTokenizer, TextStream, load_tokenizer
+
+WARM_GRAPHS = ("smollm2-f32", "smollm2-gguf")
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
 
 DATA = Path(__file__).parent.parent / "data"
 MODEL = "smollm2-135m-instruct"
@@ -143,6 +147,7 @@ def test_unknown_model_corrupt_file_and_failed_fetch_are_one_line_errors(tmp_pat
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    warm_graphs.wait("smollm2-gguf")
     return subprocess.run(
         [sys.executable, "-m", "pagedkv", *args],
         capture_output=True,

@@ -35,6 +35,9 @@ from pagedkv.models.tool_calls import ToolUse, read_tools, tool_use
 from pagedkv.serve import ServerThread
 from pagedkv.serve.choices import Choices
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 MODEL = "smollm2-135m-instruct"
 TEMPLATE = Path(__file__).parent.parent / "data" / "reasoning_chat_template.jinja"
 ASK = [{"role": "user", "content": "What is two plus two?"}]

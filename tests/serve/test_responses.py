@@ -20,6 +20,9 @@ from conftest import Gate
 from pagedkv.serve.response_store import ResponseStore
 from pagedkv.serve.responses import cursor_page, stream_events
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",

@@ -24,6 +24,9 @@ from conftest import MODEL_DEVICE, Gate
 from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
+WARM_GRAPHS = ("smollm2-f32",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 MODEL = "smollm2-135m-instruct"
 PAGE_BYTES = 2 * 16 * 3 * 64 * 4 * 30
 """One float32 page of SmolLM2-135M (16 tokens, 3 KV heads of 64, 30 layers)."""

@@ -19,6 +19,9 @@ from pagedkv.models import load
 from pagedkv.serve import ServerThread
 from pagedkv.serve.limits import ServeLimits
 
+WARM_GRAPHS = ("smollm2-f32",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 # The test extra holds it; a lent GPU machine's staged packages do not.
 schemathesis = pytest.importorskip("schemathesis", reason="the test extra is not installed")
 

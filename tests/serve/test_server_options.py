@@ -12,6 +12,9 @@ from chat_server import MODEL, openai_client
 from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 
 @pytest.fixture(scope="module")
 def llm():

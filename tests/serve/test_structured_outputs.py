@@ -21,6 +21,9 @@ from pagedkv.graphs.structured import Grammars, response_format_grammar
 from pagedkv.models import load
 from pagedkv.serve import ServerThread
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 MODEL = "smollm2-135m-instruct"
 SCHEMA = {
     "type": "object",

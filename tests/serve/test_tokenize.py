@@ -9,6 +9,9 @@ from chat_server import MODEL, chat_server
 
 from pagedkv.models.chat import chat_prompt
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 ASK = [{"role": "user", "content": "What time is it?"}]
 TOOLS = [{"type": "function", "function": {"name": "now"}}]
 HANG_GUARD = 600.0

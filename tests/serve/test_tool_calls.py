@@ -48,6 +48,9 @@ from pagedkv.models.tool_calls import (
     template_format,
 )
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 # What is offered, and how a request names it.
 
 

@@ -23,6 +23,9 @@ from tool_helpers import (
 from pagedkv.models.errors import ChatRequestError
 from pagedkv.models.tool_calls import ToolUse, read_tools
 
+WARM_GRAPHS = ("smollm2-gguf",)
+"""Compiled ahead beside the suite's first tests (warm_graphs.py)."""
+
 
 def test_a_content_format_beside_tools(grammars):
     """Under "auto", a response_format binds an answer that calls no tool:
