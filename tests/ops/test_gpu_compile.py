@@ -1,7 +1,8 @@
 """Every GPU path compiles for NVIDIA GPUs through MAX's virtual devices.
 
 CI has no GPU: the virtual device runs the whole compile of each op's GPU
-branch, so GPU-only compile errors fail here. Each architecture needs a
+branch, so GPU-only compile errors fail here (the slow set, which CI
+runs: `python -m pytest -m slow`). Each architecture needs a
 fresh process (the virtual device is set before any device exists). The
 processes start when the suite is collected and run beside the CPU tests
 (background.py, conftest.py); each test waits for its architecture's.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import sys
 
-import background
 import pytest
+
+import background
 
 GPU_COMPILE_TIMEOUT_S = 1800
 """A cold sm_90 compile takes about 7.5 minutes alone on 2 cores, and longer
@@ -27,11 +29,11 @@ def gpu_check_argv(arch: str, flags: list[str]) -> list[str]:
 @pytest.mark.parametrize(
     "arch,flags",
     [
-        ("sm_90", ["--no-demo"]),
-        # sm_80 compiles the same generic kernels as sm_90 without the Hopper
-        # one, and the demo's model graphs add MAX's own GPU kernels (minutes,
-        # and no pagedkv op the ops check leaves out): both in the slow set,
-        # which CI runs, so the main suite's CPU goes to the CPU tests.
+        # Each is minutes of a core that the main suite's cold run spends on
+        # compiling the CPU tests' graphs ahead (warm_graphs.py): both in the
+        # slow set, which CI runs. sm_80 compiles the same generic kernels as
+        # sm_90 without the Hopper one; sm_90 adds the demo's model graphs
+        # (MAX's own GPU kernels) to every op.
         pytest.param("sm_80", ["--no-demo"], marks=pytest.mark.slow, id="sm_80"),
         pytest.param("sm_90", [], marks=pytest.mark.slow, id="sm_90-demo"),
     ],
