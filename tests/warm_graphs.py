@@ -2,12 +2,13 @@
 suite's first tests.
 
 A cold run of the suite spends most of its time compiling, and a compile
-keeps about one core busy: the other one idles. So when the collected test
-modules name graphs in `WARM_GRAPHS` (a module-level tuple of names of
-WARMERS below), conftest.py starts this file as a script (`start`) to
-compile them in the order the tests first need them, by the calls the tests
-make, so that each lands in the compile cache under the name the tests look
-up. The script notes each name and artifact it begins and ends in a file.
+keeps about one core busy: on two cores the other one mostly idles. So when
+the collected test modules name graphs in `WARM_GRAPHS` (a module-level
+tuple of names of WARMERS below), conftest.py starts this file as a script
+(`start`) to compile them in the order the tests first need them, by the
+calls the tests make, so that each lands in the compile cache under the
+name the tests look up. The script notes each name and artifact it begins
+and ends in a file.
 
 In the suite's process `install` wraps the compile cache's compile: a
 compile of an artifact the script has started waits for it and loads it;
