@@ -340,10 +340,10 @@ def forget_unpacked_copies_of_temporary_ggufs(tmp_path_factory):
     yield
     import shutil
 
-    from pagedkv.models.unpacked import copies_of_outside_ggufs
+    from pagedkv.models.unpacked import copies
 
     temporary = tmp_path_factory.getbasetemp().resolve()
-    for folder, gguf in copies_of_outside_ggufs():
+    for folder, gguf in copies():
         if gguf is not None and gguf.is_relative_to(temporary):
             shutil.rmtree(folder.parent, ignore_errors=True)
 

@@ -14,7 +14,7 @@ In the suite's process `install` wraps the compile cache's compile: a
 compile of an artifact the script has started waits for it and loads it;
 one the script has not reached yet is compiled as usual (the script then
 finds it in the cache). A test that compiles in a process of its own (a
-command) first waits for its name (`wait`). A failed or absent script
+command) first waits for its name. A failed or absent script
 changes nothing but time.
 """
 
@@ -69,7 +69,8 @@ def install() -> None:
 
     def compile_to_disk(session, key, device, build, custom_extensions):
         path = compile_cache.artifact_path(key, device)
-        if _wait_for(path):
+        wait(str(path))
+        if path.is_file():
             try:
                 return session.compile(str(path))
             except Exception:  # noqa: BLE001  (an unreadable artifact: compile it)
@@ -79,30 +80,21 @@ def install() -> None:
     compile_cache.compile_to_disk = compile_to_disk
 
 
-def wait(name: str) -> None:
-    """Returns once the script is done with the graphs of `name` (a test
-    that compiles in a process of its own waits here first); at once where
-    the script has not begun them."""
+def wait(item: str) -> None:
+    """Returns once the script is done with `item` (a name of WARMERS, or
+    an artifact's path): at once where it has not begun it or has ended. A
+    test that compiles in a process of its own waits for its name here."""
     deadline = time.monotonic() + WAIT_S
     while _notes is not None and time.monotonic() < deadline and background.running(_KEY):
         notes = _notes.read_text().splitlines()
-        if f"end {name}" in notes or f"begin {name}" not in notes:
+        if f"end {item}" in notes or f"begin {item}" not in notes:
             return
         time.sleep(0.2)
 
 
-def _wait_for(path: Path) -> bool:
-    """Whether `path` is there once the script is done with it: waits while
-    the script compiles it; at once where the script has not started it."""
-    deadline = time.monotonic() + WAIT_S
-    while _notes is not None and time.monotonic() < deadline:
-        notes = _notes.read_text().splitlines()
-        if f"end {path}" in notes or f"start {path}" not in notes:
-            return path.is_file()
-        if not background.running(_KEY):
-            return path.is_file()
-        time.sleep(0.2)
-    return False
+def _note(notes: Path, line: str) -> None:
+    with open(notes, "a") as f:
+        f.write(line + "\n")
 
 
 def _demo() -> None:
@@ -160,24 +152,20 @@ def _main(notes: Path, names: list[str]) -> None:
 
     def noted(session, key, device, build, custom_extensions):
         path = compile_cache.artifact_path(key, device)
-        with open(notes, "a") as f:
-            f.write(f"start {path}\n")
+        _note(notes, f"begin {path}")
         try:
             return compile_itself(session, key, device, build, custom_extensions)
         finally:
-            with open(notes, "a") as f:
-                f.write(f"end {path}\n")
+            _note(notes, f"end {path}")
 
     compile_cache.compile_to_disk = noted
     for name in names:
-        with open(notes, "a") as f:
-            f.write(f"begin {name}\n")
+        _note(notes, f"begin {name}")
         try:
             WARMERS[name]()
         except Exception:  # noqa: BLE001  (its tests compile it, and fail there if it is broken)
             traceback.print_exc()
-        with open(notes, "a") as f:
-            f.write(f"end {name}\n")
+        _note(notes, f"end {name}")
 
 
 if __name__ == "__main__":

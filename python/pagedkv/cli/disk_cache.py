@@ -61,20 +61,19 @@ def cache_entries() -> list[CacheEntry]:
     from .._ops.kernels import KERNEL_PACKAGE_NAME, kernel_package_path
     from .._ops.paths import cache_root
     from ..graphs.decoder import rope_dir
-    from ..models.unpacked import stale_copies
+    from ..models import unpacked
 
     root = cache_root()
     if not root.is_dir():
         return []
     leftovers = _leftovers(root)
-    stale_unpacked = set(stale_copies())
-    unpacked = [*root.glob("unpacked/*/*"), *root.glob("models/**/*.unpacked/*")]
+    stale_unpacked = set(unpacked.stale_copies())
     kinds = {
         "models": [p for p in root.glob("models/**/*.gguf") if p.is_file()],
         "compiled graphs": list(root.glob("compiled/*")),
         "kernel packages": [p.parent for p in root.glob(f"*/{KERNEL_PACKAGE_NAME}")],
         "RoPE tables": list(root.glob("rope/*")),
-        "unpacked GGUFs": [p for p in unpacked if not p.name.endswith(".partial")],
+        "unpacked GGUFs": [folder for folder, _ in unpacked.copies()],
     }
     current = {artifact_dir(), kernel_package_path().parent, rope_dir()}
     entries = [

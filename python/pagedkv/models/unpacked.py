@@ -67,35 +67,33 @@ def unpacked_dir(path: Path) -> Path:
     return cache / "unpacked" / f"{path.stem}-{where}" / key
 
 
-def stale_copies() -> list[Path]:
-    """The unpacked copies in the cache directory that no read will use
-    again: their GGUF is gone or has changed, or another version of the
-    reader made them (their folder is not `unpacked_dir` of their GGUF).
-    Copies being written (`.partial`) are left out."""
+def copies() -> list[tuple[Path, Path | None]]:
+    """Every unpacked copy in the cache directory (those being written,
+    `.partial`, left out), each with the GGUF it was made from (None: a copy
+    in `unpacked/` that does not name it, made by an older version)."""
+    cache = cache_dir()
+    found = [(f, _named_source(f)) for f in cache.glob("unpacked/*/*")]
     # A copy beside a GGUF in the cache directory is named after it.
-    copies = copies_of_outside_ggufs()
-    copies += [
-        (f, f.parent.with_suffix(".gguf")) for f in cache_dir().glob("models/**/*.unpacked/*")
-    ]
+    found += [(f, f.parent.with_suffix(".gguf")) for f in cache.glob("models/**/*.unpacked/*")]
+    return [(folder, gguf) for folder, gguf in found if not folder.name.endswith(".partial")]
+
+
+def stale_copies() -> list[Path]:
+    """The unpacked copies that no read will use again: their GGUF is gone,
+    changed or unknown, or another version of the reader made them (their
+    folder is not `unpacked_dir` of their GGUF)."""
     return [
         folder
-        for folder, gguf in copies
-        if not folder.name.endswith(".partial")
-        and (gguf is None or not gguf.is_file() or unpacked_dir(gguf) != folder.resolve())
+        for folder, gguf in copies()
+        if gguf is None or not gguf.is_file() or unpacked_dir(gguf) != folder.resolve()
     ]
 
 
-def copies_of_outside_ggufs() -> list[tuple[Path, Path | None]]:
-    """The copies in the cache directory's `unpacked/` (of GGUFs outside
-    it), each with the GGUF it names (None: unreadable, or made before
-    copies named their GGUF)."""
-    copies = []
-    for folder in cache_dir().glob("unpacked/*/*"):
-        try:
-            copies.append((folder, Path((folder / _SOURCE).read_text())))
-        except OSError:
-            copies.append((folder, None))
-    return copies
+def _named_source(folder: Path) -> Path | None:
+    try:
+        return Path((folder / _SOURCE).read_text())
+    except OSError:
+        return None
 
 
 def read_unpacked(path: str | Path) -> GGUFModel:
