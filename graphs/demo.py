@@ -347,10 +347,13 @@ def run_demo(options: DemoOptions) -> int:
         f"prompt tokens prefilled) in {stats.seconds:.1f} s: "
         f"{generated / stats.seconds:.1f} tokens/s"
     )
-    print(
-        f"decode step latency: median {np.median(decode_ms):.1f} ms, "
-        f"p99 {np.percentile(decode_ms, 99):.1f} ms over {len(decode_ms)} steps"
-    )
+    if len(decode_ms):
+        print(
+            f"decode step latency: median {np.median(decode_ms):.1f} ms, "
+            f"p99 {np.percentile(decode_ms, 99):.1f} ms over {len(decode_ms)} steps"
+        )
+    else:  # every sequence ended with the token its prefill sampled
+        print("decode step latency: no decode steps")
     leaked = manager.num_used_pages
     print(
         f"pages: peak {stats.peak_used_pages} of {plan.num_pages} in use, {leaked} at the end "

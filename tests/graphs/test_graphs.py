@@ -163,6 +163,18 @@ def test_demo_runs_and_checks_itself():
     assert "compile:" in result.stdout and "tokens/s" in result.stdout
 
 
+def test_a_demo_of_one_token_a_request_has_no_decode_steps_to_report(capsys):
+    """Every request ends with the token its prefill sampled: the demo says
+    so instead of taking percentiles of no step times."""
+    from pagedkv.graphs.demo import run_demo
+
+    warm_graphs.wait("demo-command")
+    assert run_demo(DemoOptions(model="random", requests=1, max_new_tokens=1)) == 0
+    printed = capsys.readouterr().out
+    assert "decode step latency: no decode steps" in printed
+    assert "PASS" in printed
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
