@@ -28,6 +28,7 @@ import pytest
 from pagedkv._ops import cpu_target
 from pagedkv._ops.compile_cache import artifact_path
 from pagedkv._ops.contract import AMX_ENV, CPU_ISA_FIELDS
+from pagedkv._ops.kernels import MAX_BUSY_WAIT_ENV
 from pagedkv._ops.tensors import CPU
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,6 +165,18 @@ def test_an_unknown_cpu_is_a_value_error_not_an_abort(monkeypatch, name):
     monkeypatch.setenv(cpu_target.ENV, name)
     with pytest.raises(ValueError, match=cpu_target.ENV):
         cpu_target.check_cpu_name(name)
+
+
+def test_maxs_busy_wait_setting_is_a_value_error_not_an_abort():
+    """MAX aborts a process whose session starts with its busy-wait
+    variable set; pagedkv's first call raises before starting one."""
+    env = {**os.environ, MAX_BUSY_WAIT_ENV: "50"}
+    code = "import numpy as np, pagedkv\npagedkv.get_seq_lens(np.array([0, 1]), np.array([1]), 16)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"ValueError: {MAX_BUSY_WAIT_ENV} is set" in result.stderr, result.stderr[-2000:]
 
 
 AVX2_SUITES = [

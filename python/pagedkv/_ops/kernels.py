@@ -157,11 +157,29 @@ compile_stats = CompileStats()
 _lock = threading.Lock()
 
 
+MAX_BUSY_WAIT_ENV = "MODULAR_THREAD_BUSY_WAIT_US"
+"""MAX's setting of how long its idle workers spin. Any non-empty value
+makes MAX 26.7 abort the process as a session starts: importing
+`max.engine` made the CPU device with the default, and the session asks
+for another."""
+
+
+def check_max_environment() -> None:
+    """Raises ValueError where MAX's environment would abort the process
+    as the first session starts (MAX_BUSY_WAIT_ENV set)."""
+    if os.environ.get(MAX_BUSY_WAIT_ENV):
+        raise ValueError(
+            f"{MAX_BUSY_WAIT_ENV} is set: MAX would abort the process as its session "
+            "starts (its CPU device already exists with the default); unset it"
+        )
+
+
 @functools.cache
 def session(device: Device) -> Any:
     from max.driver import CPU
     from max.engine import InferenceSession
 
+    check_max_environment()
     apply_cpu_target()  # before anything compiles: it applies from then on
     devices = [CPU()]
     if device.is_gpu:
