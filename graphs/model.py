@@ -64,6 +64,25 @@ class DecoderConfig:
     """Each rotary pair's frequency is divided by its factor ([head_dim / 2],
     GGUF's `rope_freqs`: Llama 3.1's scaling), in the layers at rope_theta;
     empty: none."""
+    rope_scaling: str = "linear"
+    """How rope_scale applies in the layers at rope_theta: "linear" divides
+    every position by it; "yarn" (YaRN, as llama.cpp and transformers
+    compute it) divides the frequency of the pairs that turn fewer than
+    yarn_beta_slow times over yarn_original_context positions, keeps those
+    that turn more than yarn_beta_fast times, ramps linearly between, and
+    multiplies cos and sin by 1 + 0.1 ln(rope_scale) where rope_scale > 1."""
+    yarn_original_context: int = 0
+    """The context the model was trained at, over which YaRN counts turns
+    (GGUF's `rope.scaling.original_context_length`); at least 1 under YaRN."""
+    yarn_beta_fast: float = 32.0
+    """Pairs turning more often than this over the original context keep
+    their frequency (YaRN)."""
+    yarn_beta_slow: float = 1.0
+    """Pairs turning less often than this over the original context are
+    interpolated whole (YaRN)."""
+    rope_attn_factor: float = 1.0
+    """cos and sin are multiplied by this in every layer (GGUF's
+    `rope.scaling.attn_factor`), besides YaRN's own factor."""
     attention_scale: float | None = None
     """What q . k is multiplied by (None: 1 / sqrt(head_dim); Gemma's 27B
     models: 1 / sqrt(hidden_size / num_qo_heads))."""
@@ -97,8 +116,20 @@ class DecoderConfig:
             raise ValueError(
                 f"rope_freq_factors holds {len(factors)} factors for {self.head_dim // 2} pairs"
             )
-        if not all(0 < f < math.inf for f in (self.rope_scale, *factors)):
-            raise ValueError("rope_scale and rope_freq_factors must be positive and finite")
+        if not all(0 < f < math.inf for f in (self.rope_scale, self.rope_attn_factor, *factors)):
+            raise ValueError(
+                "rope_scale, rope_attn_factor and rope_freq_factors must be positive and finite"
+            )
+        if self.rope_scaling not in ("linear", "yarn"):
+            raise ValueError(f"rope_scaling must be linear or yarn, got {self.rope_scaling!r}")
+        if self.rope_scaling == "yarn" and not (
+            self.yarn_original_context >= 1
+            and 0 < self.yarn_beta_slow < self.yarn_beta_fast < math.inf
+        ):
+            raise ValueError(
+                "YaRN needs yarn_original_context >= 1 and 0 < yarn_beta_slow < yarn_beta_fast, "
+                f"got {self.yarn_original_context}, {self.yarn_beta_slow}, {self.yarn_beta_fast}"
+            )
         scalars = (self.attention_scale, self.attn_soft_cap, self.final_soft_cap)
         if not all(f is None or 0 < f < math.inf for f in scalars):
             raise ValueError(
@@ -182,17 +213,46 @@ def rope_tables(c: DecoderConfig, window: int | None = None) -> tuple[np.ndarray
     """cos and sin [max_positions, head_dim / 2] of the rotary embedding of
     a layer with this window, computed in float64 and rounded once: pair i
     of position p turns by p / rope_scale * base^(-2i / D) / factor_i, at
-    base `rope_theta_of(window)`; a window layer with a base of its own
-    (Gemma 3's) has neither scaling, as llama.cpp's does not."""
+    base `rope_theta_of(window)` (under YaRN, `yarn_frequencies` instead of
+    the division by rope_scale), and both are multiplied by
+    rope_attn_factor; a window layer with a base of its own (Gemma 3's) is
+    not scaled, as llama.cpp's is not."""
     theta = c.rope_theta_of(window)
     inv_freq = theta ** (-np.arange(0, c.head_dim // 2, dtype=np.float64) * 2 / c.head_dim)
     positions = np.arange(c.max_positions, dtype=np.float64)
+    magnitude = c.rope_attn_factor
     if window is None or c.local_rope_theta is None:
-        positions /= c.rope_scale
         if c.rope_freq_factors:
             inv_freq /= np.asarray(c.rope_freq_factors, np.float64)
+        if c.rope_scaling == "yarn":
+            inv_freq = yarn_frequencies(c, theta, inv_freq)
+            magnitude *= 1 + 0.1 * math.log(c.rope_scale) if c.rope_scale > 1 else 1.0
+        else:
+            positions /= c.rope_scale
     angle = positions[:, None] * inv_freq[None, :]
-    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    cos, sin = np.cos(angle), np.sin(angle)
+    if magnitude != 1.0:
+        cos, sin = cos * magnitude, sin * magnitude
+    return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def yarn_frequencies(c: DecoderConfig, theta: float, inv_freq: np.ndarray) -> np.ndarray:
+    """YaRN's frequencies [head_dim / 2] from the unscaled ones at base
+    `theta`: pair i keeps inv_freq[i] below the pair that turns
+    yarn_beta_fast times over yarn_original_context positions (rounded
+    down), takes inv_freq[i] / rope_scale past the one that turns
+    yarn_beta_slow times (rounded up), and mixes the two linearly between
+    (llama.cpp's `rope_yarn` with ext_factor 1; transformers' "yarn")."""
+
+    def pair_turning(turns: float) -> float:
+        ratio = c.yarn_original_context / (turns * 2 * math.pi)
+        return c.head_dim * math.log(ratio) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_turning(c.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(c.yarn_beta_slow)), c.head_dim - 1)
+    pairs = np.arange(c.head_dim // 2, dtype=np.float64)
+    interpolated = np.clip((pairs - low) / max(high - low, 0.001), 0.0, 1.0)
+    return inv_freq * (1 - interpolated) + inv_freq / c.rope_scale * interpolated
 
 
 def quantize_weights(

@@ -7,7 +7,7 @@ token ids with `tools/llamacpp_logits.py --gguf`, their speed with
     python tools/random_llama_gguf.py OUT.gguf [--arch llama|qwen2|qwen3|gemma2]
         [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --ffn 8192]
         [--head-dim 128] [--type F16|F32|Q8_0]
-        [--rope-freqs llama3|random] [--rope-scaling linear:F]
+        [--rope-freqs llama3|random] [--rope-scaling linear:F|yarn:F[:ORIGINAL]]
         [--tokenizer-from PATH] [--tokenizer-pre NAME]
         [--window 4096] [--soft-caps 50,30]
 
@@ -27,7 +27,8 @@ Q4_K_M. `--rope-freqs llama3` writes the `rope_freqs` tensor of Llama 3.1's
 scaling (factor 8, low 1, high 4, 8192 original positions); `random` writes
 factors drawn from [0.25, 4], which move every rotary pair's angle, so that
 a reader ignoring them disagrees at once. `--rope-scaling linear:F` writes
-linear position scaling by F.
+linear position scaling by F, `yarn:F:ORIGINAL` YaRN by F over ORIGINAL
+positions (the file's context if left out).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--type", default="F32", choices=("F32", "F16", "Q8_0"))
     parser.add_argument("--rope-freqs", choices=("llama3", "random"))
-    parser.add_argument("--rope-scaling", help="linear:FACTOR")
+    parser.add_argument("--rope-scaling", help="linear:FACTOR or yarn:FACTOR[:ORIGINAL]")
     parser.add_argument("--tokenizer-from", type=Path)
     parser.add_argument("--tokenizer-pre")
     parser.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
@@ -123,9 +124,11 @@ def add_hyperparameters(writer: GGUFWriter, args: argparse.Namespace, head_dim: 
     writer.add_rope_freq_base(args.theta)
     writer.add_layer_norm_rms_eps(1e-5)
     if args.rope_scaling:
-        kind, factor = args.rope_scaling.split(":")
+        kind, factor, *original = args.rope_scaling.split(":")
         writer.add_rope_scaling_type(RopeScalingType(kind))
         writer.add_rope_scaling_factor(float(factor))
+        if original:
+            writer.add_rope_scaling_orig_ctx_len(int(original[0]))
     if args.arch == "gemma2":
         attention_cap, final_cap = (float(c) for c in args.soft_caps.split(","))
         writer.add_sliding_window(args.window)

@@ -28,11 +28,14 @@ family's 27B model (1 / sqrt(hidden / heads), where the others take
 
 RoPE scaling is read as llama.cpp reads it: `{arch}.rope.scaling.factor`
 divides positions (linear scaling: the type named "linear", or not named;
-"none" turns it off), and a `rope_freqs` tensor divides each rotary pair's
-frequency (Llama 3.1's scaling, which its converter writes as that tensor);
-both in the layers at the model's own base, not in window layers with a
-base of their own (Gemma 3's).
-Other scaling types (YaRN, LongRoPE) are refused.
+"none" turns it off) or, with the type "yarn", the frequencies YaRN
+interpolates over `rope.scaling.original_context_length` (the file's
+context if absent; the model's context becomes that times the factor), and
+a `rope_freqs` tensor divides each rotary pair's frequency (Llama 3.1's
+scaling, which its converter writes as that tensor); all in the layers at
+the model's own base, not in window layers with a base of their own
+(Gemma 3's). `rope.scaling.attn_factor` multiplies cos and sin in every
+layer. LongRoPE and YaRN's DeepSeek variants are refused.
 """
 
 from __future__ import annotations
@@ -201,7 +204,8 @@ def _read(path: Path) -> tuple[DecoderConfig, dict[str, object], dict, LazyWeigh
 
         factors = matrix("rope_freqs.weight")().ravel() if "rope_freqs.weight" in tensors else ()
         try:
-            config = replace(config, **_rope_scaling(metadata, arch), rope_freq_factors=factors)
+            scaling = _rope_scaling(metadata, arch, config.max_positions)
+            config = replace(config, **scaling, rope_freq_factors=factors)
         except ValueError as e:
             raise ModelError(f"{path}: {e}") from None
         weights = _float_weights(config, matrix, permuted=arch == "llama")
@@ -479,20 +483,41 @@ def _gemma_config(metadata: dict[str, object], arch: str) -> DecoderConfig:
     )
 
 
-def _rope_scaling(metadata: dict[str, object], arch: str) -> dict[str, float]:
-    """DecoderConfig's rope_scale from `{arch}.rope.scaling.*` (see the module
-    docstring); raises ModelError for a scaling pagedkv does not implement."""
-    kind = str(metadata.get(f"{arch}.rope.scaling.type", "linear"))
-    if kind not in ("linear", "none"):
+def _rope_scaling(metadata: dict[str, object], arch: str, context: int) -> dict[str, object]:
+    """DecoderConfig's RoPE scaling fields from `{arch}.rope.scaling.*` (see
+    the module docstring), for a model whose file states `context` tokens;
+    raises ModelError for a scaling pagedkv does not implement."""
+
+    def key(name: str, default: object = None) -> object:
+        return metadata.get(f"{arch}.rope.scaling.{name}", default)
+
+    kind = str(key("type", "linear"))
+    if kind not in ("linear", "none", "yarn"):
         raise ModelError(
-            f"{arch} GGUF with {kind!r} RoPE scaling: pagedkv implements linear scaling "
-            "and Llama 3.1's rope_freqs"
+            f"{arch} GGUF with {kind!r} RoPE scaling: pagedkv implements linear scaling, "
+            "YaRN and Llama 3.1's rope_freqs"
         )
-    if float(metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0)) != 1.0:
-        raise ModelError(f"{arch} GGUF with a RoPE attention factor: not implemented")
-    factor = metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear"))
-    scaled = kind == "linear" and factor is not None and float(factor) != 0.0
-    return {"rope_scale": float(factor) if scaled else 1.0}
+    fields: dict[str, object] = {"rope_attn_factor": float(key("attn_factor", 1.0))}
+    factor = key("factor", metadata.get(f"{arch}.rope.scale_linear"))
+    if kind == "none" or factor is None or float(factor) == 0.0:
+        return fields | {"rope_scale": 1.0}
+    fields["rope_scale"] = float(factor)
+    if kind == "yarn":
+        log_multiplier = float(key("yarn_log_multiplier", 0.0))
+        if log_multiplier != 0.0 or float(key("yarn_ext_factor", -1.0)) not in (-1.0, 1.0):
+            raise ModelError(
+                f"{arch} GGUF with a YaRN log multiplier or extrapolation mix: not implemented"
+            )
+        original = int(key("original_context_length", context))
+        fields |= {
+            "rope_scaling": "yarn",
+            "yarn_original_context": original,
+            "yarn_beta_fast": float(key("yarn_beta_fast", 32.0)),
+            "yarn_beta_slow": float(key("yarn_beta_slow", 1.0)),
+            # The context YaRN stretches the original one to.
+            "max_positions": max(context, round(original * float(factor))),
+        }
+    return fields
 
 
 def _vocab_size(metadata: dict[str, object], arch: str) -> int:
