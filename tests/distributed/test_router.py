@@ -6,9 +6,11 @@ directly."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -124,6 +126,37 @@ def test_dynamo_indexer_steers_the_router(tmp_path):
         router.close()
         for p in publishers:
             p.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the router's children in /proc")
+def test_a_terminated_route_command_stops_the_indexer_it_started():
+    """A SIGTERM (what a supervisor sends) to `pagedkv route --kv-events`
+    ends the Dynamo indexer it started too, and the router itself as a
+    SIGTERM ends a process (uvicorn raises it again once shut down)."""
+    pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime is not installed")
+    port = free_port()
+    command = [sys.executable, "-m", "pagedkv", "route", "--replica", "http://127.0.0.1:1"]
+    command += ["--kv-events", f"tcp://127.0.0.1:{free_port()}", "--port", str(port)]
+    command += ["--indexer-port", str(free_port())]
+    route = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert route.poll() is None and time.monotonic() < deadline, "the router did not start"
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).raise_for_status()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        children = Path(f"/proc/{route.pid}/task/{route.pid}/children").read_text().split()
+        (indexer,) = children
+        route.terminate()
+        assert route.wait(30) == -signal.SIGTERM
+        assert not Path(f"/proc/{indexer}").exists(), "the indexer outlived the router"
+    finally:
+        if route.poll() is None:
+            route.kill()
+            route.wait()
 
 
 def test_an_indexer_that_is_down_leaves_routing_to_memory():

@@ -11,6 +11,8 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,8 +127,7 @@ def run_route(args: argparse.Namespace) -> int:
             wait_for_indexer(url, indexer)
         router = PrefixRouter(args.replica, args.page_size, url, args.policy)
     except (ValueError, RuntimeError) as e:  # ModelError is a RuntimeError
-        if indexer is not None:
-            indexer.terminate()
+        _stop(indexer)
         return fail(str(e))
     print(
         f"routing ({args.policy}) on http://{args.host}:{args.port}/v1 to "
@@ -135,12 +136,44 @@ def run_route(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        uvicorn.run(create_router_app(router, tokenizer), host=args.host, port=args.port)
+        with _terminated_as_exception():
+            uvicorn.run(create_router_app(router, tokenizer), host=args.host, port=args.port)
+    except _Terminated:
+        _stop(indexer)
+        # Exit as a SIGTERM ends a process, which is what uvicorn meant to do.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     finally:
-        if indexer is not None:
-            indexer.terminate()
-            indexer.wait(10)
+        _stop(indexer)
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (uvicorn re-raises it once it has shut down)."""
+
+
+class _terminated_as_exception:
+    """Within it, SIGTERM raises _Terminated. uvicorn takes SIGTERM while
+    it serves and, shut down, raises it again under the handler it found:
+    with the default one the process would die there, before the caller's
+    `finally` stops the indexer it started (which then outlives it)."""
+
+    def __enter__(self) -> None:
+        self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise _Terminated
+
+
+def _stop(process: subprocess.Popen | None) -> None:
+    """Terminates `process` (if any, and running) and waits for it."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        process.wait(10)
 
 
 def run_disagg_proxy(args: argparse.Namespace) -> int:
