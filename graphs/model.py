@@ -226,7 +226,8 @@ def rope_tables(c: DecoderConfig, window: int | None = None) -> tuple[np.ndarray
             inv_freq /= np.asarray(c.rope_freq_factors, np.float64)
         if c.rope_scaling == "yarn":
             inv_freq = yarn_frequencies(c, theta, inv_freq)
-            magnitude *= 1 + 0.1 * math.log(c.rope_scale) if c.rope_scale > 1 else 1.0
+            if c.rope_scale > 1:
+                magnitude *= 1 + 0.1 * math.log(c.rope_scale)
         else:
             positions /= c.rope_scale
     angle = positions[:, None] * inv_freq[None, :]
