@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .protocol import error_body
 from .response_store import DEFAULT_CAPACITY
 
 
@@ -83,6 +82,10 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send) -> None:
+        # Imported here: protocol.py needs pydantic (the serve extra), and
+        # the `pagedkv` command reads ServeLimits' defaults without it.
+        from .protocol import error_body
+
         body = json.dumps(
             error_body(f"the request body is over {self.limit} bytes", "invalid_request_error")
         ).encode()
