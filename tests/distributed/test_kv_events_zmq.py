@@ -5,6 +5,7 @@ replicas and naming the one that holds a prompt's prefix."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -139,6 +140,56 @@ def test_publisher_sends_numbered_batches_and_replays_them():
         publisher.close()
 
 
+PUBLISH_THEN_END = """
+import os, signal, sys
+from pagedkv.cache.kv_events import AllBlocksCleared, BlockStored
+from pagedkv.distributed.kv_event_publisher import ZmqKvEventPublisher
+
+publisher = ZmqKvEventPublisher(sys.argv[1], bind=False)
+while not sys.stdin.readline().strip():  # an empty line: the test wants a probe
+    publisher(AllBlocksCleared())
+tokens = list(range(1 << 22))  # more than loopback sockets buffer
+publisher(BlockStored([bytes(16)], None, tokens, len(tokens)))
+publisher(BlockStored([bytes(16)], None, [1], 1))
+publisher.close()
+os.kill(os.getpid(), signal.SIGTERM)  # as a server ends on SIGTERM
+"""
+
+
+def test_events_published_before_close_outlive_the_process():
+    """A process that publishes, closes its publisher and ends at once (a
+    server on SIGTERM) still delivers every event, a batch of megabytes
+    included (one larger than the sockets buffer): close() waits until
+    they have left."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    command = [sys.executable, "-c", PUBLISH_THEN_END, f"tcp://127.0.0.1:{port}"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):  # probes until one arrives (PUB drops them before)
+            process.stdin.write("\n")
+            process.stdin.flush()
+            if sock.poll(50):
+                break
+        else:
+            pytest.fail("the publisher never connected")
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        got = []
+        while not got or got[-1][0] != "BlockStored" or len(got[-1][3]) != 1:
+            got += decode_batch(sock.recv_multipart()[2])[1]  # waits TIMEOUT_MS at most
+        assert [len(e[3]) for e in got if e[0] == "BlockStored"] == [1 << 22, 1]
+        assert process.wait(30) == -signal.SIGTERM
+    finally:
+        sock.close(0)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_only_the_full_attention_group_is_published():
     """A manager with a window group: its events (pages given back as the
     window passes) stay home unless asked for; group 0's go out."""
@@ -208,7 +259,8 @@ def dynamo_indexer():
 
 def test_dynamo_indexer_follows_two_replicas(dynamo_indexer):
     """Two managers publish; Dynamo's indexer names, for each prompt, the
-    replica holding its longest cached prefix, and forgets evicted pages."""
+    replica holding its longest cached prefix, and forgets evicted pages
+    and a replica whose cache was cleared."""
     start, query = dynamo_indexer
     managers = [PagedKVCacheManager(12, PAGE, 1, 8) for _ in range(2)]
     publishers = [ZmqKvEventPublisher("tcp://127.0.0.1:0") for _ in managers]
@@ -240,6 +292,9 @@ def test_dynamo_indexer_follows_two_replicas(dynamo_indexer):
         managers[1].add("c", other)
         managers[1].reserve(["c"], len(other))
         assert settled(two, {1: len(shared)}), query(two)
+        # Replica 1 ends (`pagedkv serve` on SIGTERM): the indexer forgets it.
+        publishers[0](AllBlocksCleared())
+        assert settled(one, {}), query(one)
     finally:
         for p in publishers:
             p.close()

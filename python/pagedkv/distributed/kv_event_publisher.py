@@ -79,7 +79,9 @@ class ZmqKvEventPublisher:
             raise ValueError(
                 f"endpoint must be a ZeroMQ address like tcp://host:port, got {endpoint!r}"
             )
-        self._context = zmq.Context.instance()
+        # Its own context, so that close() can wait for the last messages
+        # to leave (a context's term() waits out its sockets' linger).
+        self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
@@ -121,16 +123,20 @@ class ZmqKvEventPublisher:
         return group is None or self._groups is None or group in self._groups
 
     def close(self, timeout: float = 2.0) -> None:
-        """Sends what is queued, then closes the sockets."""
+        """Sends what is queued and waits (up to `timeout` seconds) until it
+        has left the process, then closes: events published just before a
+        process ends still reach its subscribers."""
         if self._thread.is_alive():
             self._events.put(None)
             self._thread.join(timeout)
-        self._close_sockets()
+        self._close_sockets(linger_ms=int(timeout * 1000))
 
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None and not sock.closed:
-                sock.close(0)
+    def _close_sockets(self, linger_ms: int = 0) -> None:
+        if not self._pub.closed:
+            self._pub.close(linger_ms)
+        if self._replay is not None and not self._replay.closed:
+            self._replay.close(0)
+        self._context.term()
 
     def _run(self) -> None:
         while True:

@@ -11,15 +11,12 @@ status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 from ..models.catalog import DEFAULT_MODEL, MODELS
+from ..serve.sigterm import cleanup_before_sigterm
 
 
 def add_parser(sub) -> None:
@@ -137,39 +134,12 @@ def run_route(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    terminated = False
-    try:
-        with _sigterm_raises():
+    with cleanup_before_sigterm():
+        try:
             uvicorn.run(create_router_app(router, tokenizer), host=args.host, port=args.port)
-    except _Terminated:
-        terminated = True
-    finally:
-        _stop(indexer)
-    if terminated:  # end as a SIGTERM ends a process, as uvicorn meant to
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            _stop(indexer)
     return 0
-
-
-class _Terminated(BaseException):
-    """SIGTERM arrived (uvicorn raises it again once it has shut down)."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Within it, SIGTERM raises _Terminated. uvicorn takes SIGTERM while
-    it serves and, shut down, raises it again under the handler it found:
-    with the default one the process would die there, before the caller's
-    `finally` stops the indexer it started (which then outlives it)."""
-
-    def raise_terminated(signum: int, frame: object) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(process: subprocess.Popen | None) -> None:

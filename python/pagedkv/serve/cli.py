@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cache.kv_events import AllBlocksCleared
 from ..models.catalog import DEFAULT_MODEL, MODELS
 from ..models.forms import add_gguf_argument, add_weights_arguments, load_from_arguments
 from .engine import DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_WAITING
 from .limits import ServeLimits
+from .sigterm import cleanup_before_sigterm
 
 
 def add_parser(sub) -> None:
@@ -238,28 +240,34 @@ def run_serve(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/v1 "
         f"({llm.manager.num_pages} KV pages of {llm.manager.page_size} tokens)"
     )
-    serve(
-        llm,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        allowed_origins=args.allowed_origins,
-        served_model_names=args.served_model_name,
-        max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_waiting=args.max_waiting,
-        policy=args.scheduling_policy,
-        connectors=connectors,
-        limits=ServeLimits(
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_tokens=args.max_tokens_limit,
-            max_streams_per_key=args.max_streams_per_key,
-            max_stored_responses=args.max_stored_responses,
-        ),
-    )
-    if publisher is not None:
-        publisher.close()
+    with cleanup_before_sigterm():
+        try:
+            serve(
+                llm,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                allowed_origins=args.allowed_origins,
+                served_model_names=args.served_model_name,
+                max_num_seqs=args.max_num_seqs,
+                max_prefill_tokens=args.max_prefill_tokens,
+                max_waiting=args.max_waiting,
+                policy=args.scheduling_policy,
+                connectors=connectors,
+                limits=ServeLimits(
+                    max_body_bytes=args.max_body_bytes,
+                    max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens_limit,
+                    max_streams_per_key=args.max_streams_per_key,
+                    max_stored_responses=args.max_stored_responses,
+                ),
+            )
+        finally:
+            if publisher is not None:
+                # The replica's cache ends with the process: routers that
+                # follow its events forget what it held.
+                publisher(AllBlocksCleared())
+                publisher.close()
     return 0
 
 
