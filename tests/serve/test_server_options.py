@@ -80,3 +80,12 @@ def test_reasoning_format_flag_and_a_stored_responses_bound():
     assert _parser().parse_args(["serve", "--reasoning-format", "none"]).reasoning_format == "none"
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--reasoning-format", "deepseek"])
+
+
+@pytest.mark.parametrize("seconds", ["-1", "nan", "inf"])
+def test_a_shutdown_timeout_that_is_not_a_time_is_refused_before_the_model_loads(seconds, capsys):
+    from pagedkv.cli.main import _parser
+    from pagedkv.serve.cli import run_serve
+
+    assert run_serve(_parser().parse_args(["serve", "--shutdown-timeout", seconds])) == 2
+    assert "--shutdown-timeout must be a number of seconds" in capsys.readouterr().err

@@ -6,6 +6,7 @@ Load failures and bad flags are one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from ..cache.kv_events import AllBlocksCleared
@@ -75,6 +76,14 @@ def add_parser(sub) -> None:
         metavar="ORIGIN",
         help="origins whose browser pages may call the server (CORS), e.g. "
         "http://localhost:3000, or * for any (default: none)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long the requests in flight may take to finish before "
+        "they are cut (default %(default)s); below your supervisor's grace period",
     )
     add_limit_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu (default) or gpu")
@@ -207,6 +216,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             say(f"pagedkv serve: error: {flag} must be at least 1")
             return 2
+    if not 0 <= args.shutdown_timeout < math.inf:
+        say("pagedkv serve: error: --shutdown-timeout must be a number of seconds, at least 0")
+        return 2
     if not 0 <= args.port < 65536:
         say("pagedkv serve: error: --port must be in [0, 65535]")
         return 2
@@ -249,6 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 allowed_origins=args.allowed_origins,
                 served_model_names=args.served_model_name,
+                shutdown_timeout=args.shutdown_timeout,
                 max_num_seqs=args.max_num_seqs,
                 max_prefill_tokens=args.max_prefill_tokens,
                 max_waiting=args.max_waiting,

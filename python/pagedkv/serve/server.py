@@ -47,9 +47,12 @@ def serve(
     limits=None,
     allowed_origins: Sequence[str] = (),
     served_model_names: Sequence[str] = (),
+    shutdown_timeout: float = 5.0,
     **engine_options,
 ) -> None:
-    """Serves `llm` until interrupted.
+    """Serves `llm` until interrupted (SIGINT or SIGTERM): then it stops
+    accepting, lets the requests in flight finish for up to
+    `shutdown_timeout` seconds, cuts the rest and stops the engine.
 
     Examples
     --------
@@ -59,7 +62,13 @@ def serve(
         llm, api_key, limits, allowed_origins, served_model_names, **engine_options
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=shutdown_timeout,
+        )
     finally:
         engine.stop()
 
