@@ -13,7 +13,7 @@ from typing import Any
 from max.dtype import DType
 
 from ._checks import APPROXIMATIONS, layout_code, refuse_gpu_only
-from ._ops.tensors import Array, dtype_of
+from ._ops.tensors import Array, check_array, dtype_of
 from ._plan.io_dtypes import check_out_dtype, widened_query
 from ._plan.plan import AttentionPlan
 from ._plan.workspace import WorkspaceMethods
@@ -78,11 +78,15 @@ class PagedWrapper(WorkspaceMethods):
         return self._fixed is not None
 
     def _run_query(self, q: Array, out: Array | None, gpu_only: dict[str, Any]) -> tuple:
-        """run()'s first steps: refuses the GPU-only options among gpu_only
+        """run()'s first steps: checks that q and `out` (if given) are arrays,
+        refuses the GPU-only options among gpu_only
         (run()'s by name; under backend "trtllm-gen" the approximations its
         FlashInfer kernel takes are taken, and computed exactly), checks `out`
         against the output dtype (the planned one, else q's) and widens an
         fp8 q for the kernel. Returns (the kernel's q, the output dtype)."""
+        check_array("q", q)
+        if out is not None:
+            check_array("out", out)
         approximations = APPROXIMATIONS if self._backend == "trtllm-gen" else ()
         refuse_gpu_only("run()", gpu_only, approximations)
         o_dtype = self._o_dtype or dtype_of(q)

@@ -33,12 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import APPROXIMATIONS, check_float, check_scale, host_int_array, refuse_gpu_only
-from ._ops.tensors import Array, to_host_numpy
+from ._checks import (
+    APPROXIMATIONS,
+    check_float,
+    check_int,
+    check_scale,
+    host_int_array,
+    refuse_gpu_only,
+)
+from ._ops.tensors import Array, check_array, to_host_numpy
 from ._plan.block_tables import check_multi_ctas_kv_counter_buffer, csr_from_block_tables
 from ._plan.nvfp4_output import check_nvfp4_request, nvfp4_output, wants_nvfp4
 from .decode import BatchDecodeWithPagedKVCacheWrapper
-from .nvfp4 import trtllm_v_scales_linear
+from .nvfp4 import FP4Tensor, trtllm_v_scales_linear
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
@@ -165,6 +172,22 @@ def _shared_page_table(
     return cache, np.where(used, k_rows // 2, 0)
 
 
+def _check_call(query: Any, kv_cache: Any, block_tables: Any, out: Any, **bounds: Any) -> None:
+    """Raises TypeError unless query, kv_cache (a pool or a (K, V) pair),
+    block_tables and `out` (if given: an array, or FlashInfer's NVFP4
+    output) are what they must be, before any is read, or ValueError unless
+    each of `bounds` (the lengths FlashInfer sizes its kernels by; pagedkv
+    reads the lengths themselves) is an integer >= 0."""
+    check_array("query", query)
+    for part in kv_cache if isinstance(kv_cache, (tuple, list)) else (kv_cache,):
+        check_array("kv_cache", part)
+    check_array("block_tables", block_tables)
+    if out is not None and not isinstance(out, FP4Tensor):
+        check_array("out", out)
+    for name, value in bounds.items():
+        check_int(name, value, 0)
+
+
 def _paged_attention(
     function: str,
     query: Array,
@@ -289,8 +312,8 @@ def trtllm_batch_decode_with_kv_cache(
     bmm1_scale_log2, given, replaces bmm1_scale (``bmm1_scale * log2(e)``).
     o_scale (positive) is checked and read no further: FlashInfer's kernels
     split the output's factor between it and bmm2_scale, whose product with
-    1 / o_scale they store, the same number. max_seq_len, enable_pdl,
-    backend and cp_rank are accepted and read no further.
+    1 / o_scale they store, the same number. max_seq_len (an integer >= 0),
+    enable_pdl, backend and cp_rank are accepted and read no further.
     multi_ctas_kv_counter_buffer is checked as FlashInfer checks it and left
     as it is (pagedkv's kernels count nothing). Returns the output (out when
     given), and its lse [tokens, Hq] with return_lse; a given lse is filled
@@ -309,6 +332,7 @@ def trtllm_batch_decode_with_kv_cache(
     """
     options = dict(locals())
     nvfp4 = _refuse_gpu_only("trtllm_batch_decode_with_kv_cache", options, nvfp4_kv=True)
+    _check_call(query, kv_cache, block_tables, out, max_seq_len=max_seq_len)
     check_multi_ctas_kv_counter_buffer(
         multi_ctas_kv_counter_buffer, len(seq_lens), query.shape[1], query
     )
@@ -423,8 +447,8 @@ def trtllm_batch_context_with_kv_cache(
     batch_size must be B and cum_seq_lens_kv have B + 1 entries, not read
     further: the pages and lengths come from block_tables and seq_lens, as
     FlashInfer's kernel reads them (its own tests pass page counts there).
-    max_q_len, max_kv_len, enable_pdl and backend are accepted and read no
-    further.
+    max_q_len, max_kv_len (integers >= 0), enable_pdl and backend are
+    accepted and read no further.
 
     Examples
     --------
@@ -439,6 +463,7 @@ def trtllm_batch_context_with_kv_cache(
     """
     options = dict(locals())
     nvfp4 = _refuse_gpu_only("trtllm_batch_context_with_kv_cache", options, nvfp4_kv=True)
+    _check_call(query, kv_cache, block_tables, out, max_q_len=max_q_len, max_kv_len=max_kv_len)
     lens = host_int_array("seq_lens", seq_lens, 1)
     kv_indptr = host_int_array("cum_seq_lens_kv", cum_seq_lens_kv, 1)
     if batch_size != lens.shape[0] or kv_indptr.shape[0] != batch_size + 1:

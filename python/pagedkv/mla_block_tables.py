@@ -285,7 +285,7 @@ def trtllm_batch_decode_with_kv_cache_mla(
         FlashInfer's kernels' scratch: not used (module docstring).
     qk_nope_head_dim, max_seq_len : int
         Not read (FlashInfer marks the first for removal; the second is a
-        scheduling hint of its kernels).
+        scheduling hint of its kernels, checked to be an integer >= 0).
     kv_lora_rank, qk_rope_head_dim : int
         The latent and rope widths (multiples of 16; the rope's may be 0).
     block_tables : int array [B, max_pages]
@@ -377,6 +377,7 @@ def _check_decode_call(options: dict[str, Any]) -> None:
     if options["seq_lens"] is None:
         raise ValueError("trtllm_batch_decode_with_kv_cache_mla: seq_lens is required")
     check_array("query", options["query"])
+    check_int("max_seq_len", options["max_seq_len"], 0)
 
 
 def _check_xqa_limits(query, cum_seq_lens_q, max_q_len, sinks, lse, return_lse) -> None:

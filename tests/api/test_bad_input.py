@@ -255,3 +255,42 @@ def test_bad_mla_run_raises_before_running(rng):
         pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8), backend="cutlass")
     with pytest.raises(ValueError, match="use_cuda_graph"):
         pagedkv.BatchMLAPagedAttentionWrapper(np.empty(16, np.uint8), use_cuda_graph=True)
+
+
+def test_arguments_that_are_not_arrays_or_sizes_are_refused_by_name(rng):
+    """run()'s q and out, and the block-table calls' arrays and the lengths
+    FlashInfer sizes its kernels by: a TypeError or ValueError naming the
+    argument, before anything is read or written."""
+    pool = np.zeros((4, 2, 16, 2, 64), np.float32)
+    table = np.array([0, 2, 3], np.int32), np.array([3, 1, 0], np.int32), np.array([4, 9], np.int32)
+    decode = pagedkv.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    decode.plan(*table, 8, 2, 64, 16)
+    prefill = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
+    prefill.plan(np.array([0, 1, 2], np.int32), *table, 8, 2, 64, 16)
+    ragged = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(np.array([0, 1, 2], np.int32), np.array([0, 4, 9], np.int32), 8, 2, 64)
+    q = np.zeros((2, 8, 64), np.float32)
+    rows = np.zeros((9, 2, 64), np.float32)
+    for run in (
+        lambda q, **kw: decode.run(q, pool, **kw),
+        lambda q, **kw: prefill.run(q, pool, **kw),
+        lambda q, **kw: ragged.run(q, rows, rows, **kw),
+    ):
+        for bad in (None, q.tolist()):
+            with pytest.raises(TypeError, match="q must be a numpy.ndarray or a torch.Tensor"):
+                run(bad)
+        with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+            run(q, out=q.tolist())
+
+    cache = np.zeros((4, 2, 2, 16, 64), np.float32)  # HND
+    blocks, lens = np.array([[0, 1], [2, 0]], np.int32), np.array([20, 5], np.int32)
+    call = dict(query=q, kv_cache=cache, workspace_buffer=None, block_tables=blocks)
+    call |= dict(seq_lens=lens, max_seq_len=32, bmm1_scale=0.125)
+    for name, bad in [("query", None), ("kv_cache", None), ("block_tables", blocks.tolist())]:
+        with pytest.raises(TypeError, match=f"{name} must be a numpy"):
+            pagedkv.trtllm_batch_decode_with_kv_cache(**{**call, name: bad})
+    for bad, error in [(-1, ValueError), (2**63, ValueError), (1.5, TypeError), (None, TypeError)]:
+        with pytest.raises(error, match="max_seq_len"):
+            pagedkv.trtllm_batch_decode_with_kv_cache(**{**call, "max_seq_len": bad})
+    out = pagedkv.trtllm_batch_decode_with_kv_cache(**call)  # the same call, whole, runs
+    assert out.shape == q.shape

@@ -197,6 +197,8 @@ REFUSED = [
     (dict(bmm1_scale=0.0), ValueError, "bmm1_scale"),
     (dict(bmm2_scale=torch.tensor([1.0, 2.0])), ValueError, "bmm2_scale"),
     (dict(max_q_len=2), ValueError, "max_q_len"),
+    (dict(max_seq_len=-1), ValueError, "max_seq_len"),
+    (dict(max_seq_len=None), TypeError, "max_seq_len must be an integer"),
     (dict(cum_seq_lens_q=torch.tensor([0, 1, 3])), ValueError, "cum_seq_lens_q"),
     (dict(return_lse_base="log10"), ValueError, "return_lse_base"),
     (dict(backend="xqa", return_lse=True), NotImplementedError, "lse"),
