@@ -145,6 +145,24 @@ def parameter_names(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
+def wait_until_serving(process, url: str, seconds: float) -> None:
+    """Returns once `url`/health answers 200; fails the test if `process`
+    (a subprocess.Popen of the server) ends first or `seconds` pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, f"the server ended with status {process.returncode}"
+        assert time.monotonic() < deadline, f"{url} did not answer in {seconds} s"
+        try:
+            httpx.get(f"{url}/health", timeout=1.0).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
 def flashinfer_serves(module: str, name: str) -> bool:
     """Whether `import flashinfer...` with pagedkv's stand-in installed finds
     pagedkv's own `name` in `module` (a dotted name under flashinfer)."""

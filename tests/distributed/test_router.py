@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("zmq", reason="the distributed extra (pyzmq) is not installed")
 
+from conftest import wait_until_serving  # noqa: E402
 from pagedkv.cache.manager import PagedKVCacheManager  # noqa: E402
 from pagedkv.distributed.kv_event_publisher import ZmqKvEventPublisher  # noqa: E402
 from pagedkv.distributed.route_cli import indexer_command, wait_for_indexer  # noqa: E402
@@ -140,14 +141,7 @@ def test_a_terminated_route_command_stops_the_indexer_it_started():
     command += ["--indexer-port", str(free_port())]
     route = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert route.poll() is None and time.monotonic() < deadline, "the router did not start"
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_serving(route, f"http://127.0.0.1:{port}", 120)
         children = Path(f"/proc/{route.pid}/task/{route.pid}/children").read_text().split()
         (indexer,) = children
         route.terminate()

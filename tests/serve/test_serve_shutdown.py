@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ httpx = pytest.importorskip("httpx", reason="the test extra (httpx) is not insta
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 zmq = pytest.importorskip("zmq", reason="the distributed extra (pyzmq) is not installed")
 
+from conftest import wait_until_serving  # noqa: E402
 from pagedkv.distributed.kv_event_wire import decode_batch  # noqa: E402
 from pagedkv.serve.server import free_port  # noqa: E402
 
@@ -39,14 +39,7 @@ def test_a_terminated_server_finishes_its_streams_and_tells_its_routers_its_cach
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(events)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "no server"
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_serving(server, f"http://127.0.0.1:{port}", 600)
         # Chats of new prompts until their cached pages are heard of (a PUB
         # drops what it sends before the subscription has reached it).
         for i in range(50):
