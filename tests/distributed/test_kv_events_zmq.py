@@ -151,7 +151,7 @@ while not sys.stdin.readline().strip():  # an empty line: the test wants a probe
 tokens = list(range(1 << 22))  # more than loopback sockets buffer
 publisher(BlockStored([bytes(16)], None, tokens, len(tokens)))
 publisher(BlockStored([bytes(16)], None, [1], 1))
-publisher.close()
+publisher.close(timeout=60)  # ample for a busy machine: it returns once all has left
 os.kill(os.getpid(), signal.SIGTERM)  # as a server ends on SIGTERM
 """
 
