@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 from max.dtype import DType
 
-from .._checks import layout_code
+from .._checks import INT32_MAX, layout_code
 from .._ops.contract import pool_row_width
 from .._ops.tensors import Array, new_like
 from .._plan.work import as_dtype
@@ -81,8 +81,12 @@ class PageTensors:
             ("head_dim", head_dim),
             ("num_layers", num_layers),
         ):
-            if not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or not 1 <= value <= INT32_MAX
+            ):
+                raise ValueError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
         pool_dtype = as_dtype(dtype, "dtype")
         if pool_dtype not in POOL_DTYPES:
             raise TypeError(
@@ -125,11 +129,18 @@ class PageTensors:
             or pool_dtype in (DType.bfloat16, DType.float8_e4m3fn)
             or torch_device != "cpu"
         )
-        self.pools: list[Array] = [
-            _zeros(shape, pool_dtype, torch_device if torch_pools else None, pin_memory)
-            for _ in range(self.num_layers)
-        ]
-        """One pool per layer, written in place by the kernels."""
+        try:
+            self.pools: list[Array] = [
+                _zeros(shape, pool_dtype, torch_device if torch_pools else None, pin_memory)
+                for _ in range(self.num_layers)
+            ]
+            """One pool per layer, written in place by the kernels."""
+        except (MemoryError, OSError) as e:  # NumPy's and mmap's refusals
+            size = int(np.prod(shape)) * pool_dtype.size_in_bytes * self.num_layers
+            raise MemoryError(
+                f"KV pools of {size} bytes ({self.num_layers} layers of {shape} "
+                f"{pool_dtype.name}) cannot be allocated on {torch_device}: {e}"
+            ) from None
 
     @property
     def on_gpu(self) -> bool:
