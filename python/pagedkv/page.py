@@ -340,7 +340,17 @@ def _append_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict
         )
         for name in names
     ]
-    bound = inspect.Signature(parameters).bind(*args, **kwargs)
+    try:
+        bound = inspect.Signature(parameters).bind(*args, **kwargs)
+    except TypeError as e:
+        # Which form the call was read in decides which arguments it lacks.
+        form = "append_indptr" if names is _APPEND_INDPTR_FORM else "batch_indices / positions"
+        raise TypeError(
+            f"append_paged_kv_cache: {e}, reading the call in the {form} form (append_key, "
+            f"append_value, {', '.join(names)}); a call is in the append_indptr form when its "
+            "fourth argument is a cache (an array of 4 or more dims, or a (K, V) pair) or "
+            "append_indptr is a keyword"
+        ) from None
     bound.apply_defaults()
     return dict(bound.arguments)
 

@@ -114,6 +114,19 @@ def test_bad_append_raises_and_leaves_cache_untouched(setup):
     assert not np.array_equal(bits(pool), before)
 
 
+def test_a_call_of_neither_append_form_says_which_form_it_was_read_in(setup):
+    """A pool that is no cache (0-d here) makes the call read in the
+    batch_indices form: the error says so, and what makes the other."""
+    batch, pool, args = setup
+    table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
+    key, value = args["append_key"], args["append_value"]
+    before = bits(pool)
+    form = "'kv_last_page_len', reading the call in the batch_indices / positions form"
+    with pytest.raises(TypeError, match=f"{form}.*fourth argument is a cache"):
+        pagedkv.append_paged_kv_cache(key, value, batch.append_indptr, np.array(0.0), *table)
+    np.testing.assert_array_equal(bits(pool), before)
+
+
 def test_bad_mla_append_raises(rng):
     batch = reference.paged_batch(rng, PAGE, [5], [5])
     ckv = np.zeros((batch.num_pages, PAGE, 12), np.float32)
