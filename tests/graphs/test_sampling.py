@@ -59,10 +59,17 @@ def test_sampling_draws_from_the_kept_tokens_in_proportion(top_k, top_p, min_p):
 
 
 @pytest.mark.parametrize(
-    "field, value", [("top_k", -2), ("min_p", 1.5), ("min_p", -0.1), ("top_p", 0.0)]
+    "field, value",
+    [("top_k", -2), ("min_p", 1.5), ("min_p", -0.1), ("top_p", 0.0), ("seed", -1)],
 )
 def test_sampling_params_refuse_values_out_of_range(field, value):
     with pytest.raises(ValueError, match=field):
+        SamplingParams(1.0, **{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2.5), ("seed", "x"), ("seed", True)])
+def test_sampling_params_refuse_what_is_not_an_integer(field, value):
+    with pytest.raises(TypeError, match=f"{field} must be an integer"):
         SamplingParams(1.0, **{field: value})
 
 

@@ -130,6 +130,18 @@ def test_sampling_is_reproducible_with_a_seed(llm):
         llm.generate(prompts, top_p=0)
 
 
+def test_generate_refuses_arguments_of_the_wrong_kind_before_serving(llm):
+    for prompts, pattern in [("hi", "not one string"), (["hi", 5], r"prompts\[1\] must be a str")]:
+        with pytest.raises(TypeError, match=pattern):
+            llm.generate(prompts, max_new_tokens=2)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+            llm.generate(["hi"], max_new_tokens=bad)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        llm.generate(["hi"], max_new_tokens=2, seed="x")
+    assert llm.manager.num_used_pages == 0
+
+
 def test_unknown_model_corrupt_file_and_failed_fetch_are_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="unknown model 'nope'.*smollm2-135m-instruct"):
         load("nope")

@@ -13,6 +13,7 @@ seeded temperature / top-p sampling, stopping after EOS.
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -204,6 +205,9 @@ class LLM:
         """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not one string")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompts[{i}] must be a string, got {type(prompt).__name__}")
         grammar = self._format_grammar(response_format)
         ids = [self.prompt_ids(p, chat, system_prompt) for p in prompts]
         sampling = SamplingParams(temperature, top_p, seed, top_k=top_k, min_p=min_p)
@@ -366,6 +370,8 @@ class LLM:
     ) -> list[GeneratedSequence]:
         """Serves the prompts `ids` together (one scheduler run); returns
         their sequences in order."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         stop = self.tokenizer.stop_ids
