@@ -38,6 +38,7 @@ from ._ops.kernels import Operand, OpSpec, run_op
 from ._ops.tensors import (
     CPU,
     Array,
+    Device,
     check_array,
     contiguous,
     device_of,
@@ -184,6 +185,14 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
         host_index_copy("kv_last_page_len", kv_last_page_len),
         page_size,
     )
+    return _seq_lens_op(kv_indptr, kv_last_page_len, page_size, device)
+
+
+def _seq_lens_op(
+    kv_indptr: Array, kv_last_page_len: Array, page_size: int, device: Device
+) -> Array:
+    """`get_seq_lens`'s kernel on int32 arrays of one batch, their values
+    unchecked: for a caller whose op checks the page table itself."""
     seq_lens = empty(kv_last_page_len, kv_last_page_len.shape, DType.int32)
     run_op(
         SEQ_LENS,
@@ -398,7 +407,10 @@ def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwarg
     if indptr_form:
         check_index_array("append_indptr", a["append_indptr"], batch_size + 1)
         check_device("append_indptr", a["append_indptr"], geometry.device)
-        seq_lens = get_seq_lens(a["kv_indptr"], a["kv_last_page_len"], geometry.page_size)
+        # The append op checks the page table's values before it writes.
+        seq_lens = _seq_lens_op(
+            a["kv_indptr"], a["kv_last_page_len"], geometry.page_size, geometry.device
+        )
         batch_indices, positions = get_batch_indices_positions(a["append_indptr"], seq_lens, nnz)
     else:
         batch_indices, positions = a["batch_indices"], a["positions"]
