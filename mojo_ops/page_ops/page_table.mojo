@@ -29,20 +29,22 @@ def seq_len_of(
     )
 
 
-def check_page_table(
+comptime INT32_MAX = 2**31 - 1
+"""The longest request a page table may describe: lengths are int32."""
+
+
+def check_requests(
     kv_indptr: IndexPtr,
-    kv_indices: IndexPtr,
-    num_indices: Int,
     kv_last_page_len: IndexPtr,
     batch_size: Int,
     page_size: Int,
-    num_pages: Int,
 ) raises:
-    """Raises unless the CSR page table addresses only pages of the pool.
+    """Raises unless kv_indptr and kv_last_page_len describe requests as a
+    page table must, whatever its page ids.
 
-    Host pointers. Checks: kv_indptr starts at 0 and never decreases, ends
-    within kv_indices, every page id is in [0, num_pages), and each request's
-    kv_last_page_len is in [1, page_size] (0 for a request with no pages).
+    Host pointers. Checks: kv_indptr starts at 0 and never decreases, each
+    request's kv_last_page_len is in [1, page_size] (0 for a request with no
+    pages), and each request's length (`seq_len_of`) fits int32.
     """
     if Int(kv_indptr[unsafe_offset=0]) != 0:
         raise Error(
@@ -85,6 +87,32 @@ def check_page_table(
                 page_size,
                 "]",
             )
+        var length = seq_len_of(kv_indptr, kv_last_page_len, b, page_size)
+        if length > INT32_MAX:
+            raise Error(
+                "pagedkv: request ",
+                b,
+                " holds ",
+                length,
+                " tokens, more than an int32 length holds",
+            )
+
+
+def check_page_table(
+    kv_indptr: IndexPtr,
+    kv_indices: IndexPtr,
+    num_indices: Int,
+    kv_last_page_len: IndexPtr,
+    batch_size: Int,
+    page_size: Int,
+    num_pages: Int,
+) raises:
+    """Raises unless the CSR page table addresses only pages of the pool.
+
+    Host pointers. Checks `check_requests`, then that kv_indptr ends within
+    kv_indices and that every page id is in [0, num_pages).
+    """
+    check_requests(kv_indptr, kv_last_page_len, batch_size, page_size)
     var used = Int(kv_indptr[unsafe_offset=batch_size])
     if used > num_indices:
         raise Error(
@@ -221,7 +249,13 @@ struct HostPageTable(Movable):
 
 @extensibility.register("pagedkv_get_seq_lens")
 struct GetSeqLens:
-    """Seq_lens[b] = max(pages(b) - 1, 0) * page_size + kv_last_page_len[b]."""
+    """Seq_lens[b] = max(pages(b) - 1, 0) * page_size + kv_last_page_len[b].
+
+    limits (host): [page_size, check]. With check != 0 the op first raises,
+    writing nothing, unless the arrays pass `check_requests` (for a GPU op,
+    on host copies: one synchronization); a caller whose next op checks the
+    whole page table passes 0.
+    """
 
     @staticmethod
     def execute[
@@ -230,13 +264,30 @@ struct GetSeqLens:
         seq_lens: MutableInputTensor[dtype=DType.int32, rank=1, ...],
         kv_indptr: InputTensor[dtype=DType.int32, rank=1, ...],
         kv_last_page_len: InputTensor[dtype=DType.int32, rank=1, ...],
-        page_size: InputTensor[dtype=DType.int32, rank=1, ...],
+        limits: InputTensor[dtype=DType.int32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        # page_size is a one-element host tensor for both targets (as MAX's own
-        # ops take their max lengths): no copy, no recompile per page size.
-        var p = Int(page_size[0])
+        # limits is a host tensor for both targets (as MAX's own ops take
+        # their max lengths): no copy, no recompile per page size.
+        var p = Int(limits[0])
         var batch_size = seq_lens.dim_size(0)
+        if (
+            kv_last_page_len.dim_size(0) != batch_size
+            or kv_indptr.dim_size(0) != batch_size + 1
+        ):
+            raise Error(
+                "pagedkv: get_seq_lens takes kv_indptr [B + 1] and"
+                " kv_last_page_len [B] for seq_lens [B]"
+            )
+        if Int(limits[1]) != 0:
+            var host_indptr = HostIndices.enqueue[target](kv_indptr, ctx)
+            var host_last = HostIndices.enqueue[target](kv_last_page_len, ctx)
+            host_ready[target](ctx)
+            check_requests(host_indptr.ptr, host_last.ptr, batch_size, p)
+            # The copies live until here, past the check's reads of their
+            # bare pointers (HostIndices.ptr).
+            _ = host_indptr^
+            _ = host_last^
         var out_ptr = ptr_of(seq_lens)
         var indptr = ptr_of(kv_indptr)
         var last = ptr_of(kv_last_page_len)

@@ -13,7 +13,6 @@ import numpy as np
 from max.dtype import DType
 
 from ._checks import (
-    INT32_MAX,
     CacheGeometry,
     as_int32_index,
     cache_geometry,
@@ -169,10 +168,11 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
 
     kv_indptr: [B + 1], kv_last_page_len: [B], int32 (another integer dtype
     is narrowed to int32 after checking every value fits). Raises
-    ValueError, as the ops taking a page table do, unless kv_indptr starts
-    at 0 and never decreases, each kv_last_page_len is in [1, page_size]
-    (0 for a request with no pages) and each length fits int32; the check
-    reads host copies (from a GPU: a copy of the two arrays).
+    ValueError, as the ops taking a page table do (the kernel's own check),
+    unless kv_indptr starts at 0 and never decreases, each kv_last_page_len
+    is in [1, page_size] (0 for a request with no pages) and each length
+    fits int32; for arrays on a GPU the check reads host copies (one
+    synchronization).
     """
     kv_indptr, kv_last_page_len = _request_index_arrays(
         "kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len
@@ -180,19 +180,14 @@ def get_seq_lens(kv_indptr: Array, kv_last_page_len: Array, page_size: int) -> A
     device = device_of(kv_indptr)
     check_device("kv_last_page_len", kv_last_page_len, device)
     page_size = check_int("page_size", page_size, 1)
-    _check_request_pages(
-        host_index_copy("kv_indptr", kv_indptr),
-        host_index_copy("kv_last_page_len", kv_last_page_len),
-        page_size,
-    )
-    return _seq_lens_op(kv_indptr, kv_last_page_len, page_size, device)
+    return _seq_lens_op(kv_indptr, kv_last_page_len, page_size, device, checked=True)
 
 
 def _seq_lens_op(
-    kv_indptr: Array, kv_last_page_len: Array, page_size: int, device: Device
+    kv_indptr: Array, kv_last_page_len: Array, page_size: int, device: Device, checked: bool
 ) -> Array:
-    """`get_seq_lens`'s kernel on int32 arrays of one batch, their values
-    unchecked: for a caller whose op checks the page table itself."""
+    """`get_seq_lens`'s kernel on int32 arrays of one batch; checked=False
+    for a caller whose next op checks the page table itself."""
     seq_lens = empty(kv_last_page_len, kv_last_page_len.shape, DType.int32)
     run_op(
         SEQ_LENS,
@@ -200,40 +195,11 @@ def _seq_lens_op(
             seq_lens,
             contiguous(kv_indptr),
             contiguous(kv_last_page_len),
-            np.array([page_size], np.int32),
+            np.array([page_size, int(checked)], np.int32),
         ],
         device,
     )
     return seq_lens
-
-
-def _check_request_pages(kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int):
-    """Raises ValueError unless the host arrays describe requests as a page
-    table does (the rules of the kernels' page-table check, without page
-    ids): kv_indptr starts at 0 and never decreases, each last page holds
-    1 to page_size tokens (0 for a request with no pages), and each
-    request's length fits int32."""
-    if kv_indptr[0] != 0:
-        raise ValueError(f"kv_indptr[0] = {kv_indptr[0]} must be 0")
-    pages = np.diff(kv_indptr.astype(np.int64))
-    for what, bad in (
-        ("kv_indptr must not decrease", pages < 0),
-        (
-            "kv_last_page_len must be in [1, page_size] (0 for a request with no pages)",
-            np.where(pages > 0, (kv_last_page_len < 1) | (kv_last_page_len > page_size),
-                     kv_last_page_len != 0),
-        ),
-        (
-            "a request's length must fit int32",
-            seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size) > INT32_MAX,
-        ),
-    ):  # fmt: skip
-        if bad.any():
-            b = int(np.flatnonzero(bad)[0])
-            raise ValueError(
-                f"{what}: request {b} has kv_indptr[{b}:{b + 2}] = "
-                f"{kv_indptr[b : b + 2].tolist()}, kv_last_page_len[{b}] = {kv_last_page_len[b]}"
-            )
 
 
 def get_batch_indices_positions(
@@ -409,8 +375,9 @@ def append_paged_kv_cache(append_key: Array, append_value: Array, *args, **kwarg
         check_device("append_indptr", a["append_indptr"], geometry.device)
         # The append op checks the page table's values before it writes.
         seq_lens = _seq_lens_op(
-            a["kv_indptr"], a["kv_last_page_len"], geometry.page_size, geometry.device
-        )
+            a["kv_indptr"], a["kv_last_page_len"], geometry.page_size, geometry.device,
+            checked=False,
+        )  # fmt: skip
         batch_indices, positions = get_batch_indices_positions(a["append_indptr"], seq_lens, nnz)
     else:
         batch_indices, positions = a["batch_indices"], a["positions"]

@@ -76,14 +76,14 @@ def test_index_helpers_reject_bad_input():
         pagedkv.get_seq_lens(indptr[:2], last, 4)
     with pytest.raises(ValueError, match="page_size"):
         pagedkv.get_seq_lens(indptr, last, 0)
-    # Values a page table may not hold: the rules of the kernels' own check.
+    # Values a page table may not hold: the kernels' own check.
     for bad_indptr, bad_last, match in [
         ([1, 2, 3], [3, 1], r"kv_indptr\[0\] = 1 must be 0"),
-        ([0, 3, 2], [3, 1], r"must not decrease: request 1 has kv_indptr\[1:3\] = \[3, 2\]"),
-        ([0, 2, 3], [0, 1], r"\[1, page_size\].*request 0"),
-        ([0, 2, 3], [3, 5], r"\[1, page_size\].*request 1"),
-        ([0, 0, 3], [2, 1], r"0 for a request with no pages.*request 0"),
-        ([0, 2**31 - 1], [1], "fit int32: request 0"),
+        ([0, 3, 2], [3, 1], r"must not decrease: kv_indptr\[2\] = 2 < kv_indptr\[1\] = 3"),
+        ([0, 2, 3], [0, 1], r"kv_last_page_len\[0\] = 0 is outside \[1, page_size = 4\]"),
+        ([0, 2, 3], [3, 5], r"kv_last_page_len\[1\] = 5 is outside \[1, page_size = 4\]"),
+        ([0, 0, 3], [2, 1], r"request 0 owns no pages but kv_last_page_len\[0\] = 2"),
+        ([0, 2**31 - 1], [1], "request 0 holds 8589934585 tokens, more than an int32"),
     ]:
         with pytest.raises(ValueError, match=match):
             pagedkv.get_seq_lens(np.array(bad_indptr, np.int32), np.array(bad_last, np.int32), 4)

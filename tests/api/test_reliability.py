@@ -359,7 +359,7 @@ def test_append_kv_never_wraps_a_position(offset):
     ("name", "value", "pattern"),
     [
         ("kv_last_page_len", 2**30, "kv_last_page_len\\[2\\] = 1073741824"),
-        ("kv_indptr", 2**30, "kv_indptr|kv_indices holds only"),
+        ("kv_indptr", 2**30, "kv_indptr|kv_indices holds only|more than an int32 length holds"),
     ],
 )
 def test_gather_kv_checks_the_table_before_sizing_its_output(name, value, pattern):
