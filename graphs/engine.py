@@ -10,10 +10,11 @@ logits copied back (greedy sampling happens on the host).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
-from max.driver import CPU
+from max.driver import CPU, Buffer
 
 from pagedkv import graph_ops
 from pagedkv._ops.kernels import accelerator, stream_ordered
@@ -95,6 +96,10 @@ class DecoderEngine:
         computes each row on its own, in an order that does not depend on
         the batch."""
         self._pool_buffers: tuple[list, list] | None = None
+        self._index_names = {
+            kind: step_input_names(kind, config)[: -config.num_layers] for kind in (PREFILL, DECODE)
+        }
+        """Each step graph's inputs before its pools, in order."""
         self._group_count = len(group_windows(config))
         self.share_prefixes = not batch_invariant
         """Decode reads the pages of a prefix that consecutive requests share
@@ -237,7 +242,7 @@ class DecoderEngine:
         if (
             cached is None
             or len(cached[0]) != len(pools)
-            or any(a is not b for a, b in zip(cached[0], pools, strict=True))
+            or not all(map(operator.is_, cached[0], pools))
         ):
             cached = self._pool_buffers = (
                 list(pools),
@@ -246,13 +251,14 @@ class DecoderEngine:
         return cached[1]
 
     def _run(self, model, kind: str, inputs: dict) -> np.ndarray:
-        names = step_input_names(kind, self.config)[: -self.config.num_layers]
-        buffers = [self._index_buffer(inputs[n]) for n in names] + self._pools()
+        names = self._index_names[kind]
+        if not self.device.is_gpu:
+            # No context manager on the CPU: entering and leaving one costs
+            # tens of microseconds once a step has evicted Python's code.
+            buffers = [Buffer.from_numpy(inputs[n]) for n in names] + self._pools()
+            return model.execute(*buffers)[0].to_numpy()
+        gpu = accelerator(self.device)
+        buffers = [Buffer.from_numpy(inputs[n]).to(gpu) for n in names] + self._pools()
         with stream_ordered(self.manager.pools, self.device):
             logits = model.execute(*buffers)[0]
-        return (logits if logits.is_host else logits.to(CPU())).to_numpy()
-
-    def _index_buffer(self, values: np.ndarray):
-        """A host index array as a graph input on the engine's device."""
-        buffer = to_buffer(np.ascontiguousarray(values))
-        return buffer.to(accelerator(self.device)) if self.device.is_gpu else buffer
+        return logits.to(CPU()).to_numpy()

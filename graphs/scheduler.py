@@ -594,7 +594,7 @@ class Scheduler:
         and the pages a chunked prefill still has to fill, with one for each
         sample's first decode of a new request. Layer group 0's pages tell:
         a fork shares its pages in every group."""
-        m, refcounts = self.manager, self.manager.refcounts(0)
+        m = self.manager
         need = 0
         for live in lives:
             for sid, (_, tokens) in live.pending.items():
@@ -604,7 +604,7 @@ class Scheduler:
                 need += live.req.n
             for s in live.live_samples():
                 n = m.seq_len(s.seq_id)
-                if n % m.page_size == 0 or refcounts[m.pages(s.seq_id, 0)[-1]] > 1:
+                if n % m.page_size == 0 or m.last_page_owners(s.seq_id, 0) > 1:
                     need += 1
         return need
 
@@ -637,6 +637,8 @@ class Scheduler:
         of it: `_prefill` takes its prompt in chunks). A new request whose
         first uncached page an admitted one, or a chunked prefill, computes
         is passed over this step (`_prefill_cost`)."""
+        if not self._waiting:
+            return []
         size = self.manager.page_size
         budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         # A request still prefilling in chunks will decode its samples (a

@@ -5,6 +5,7 @@ the rows it appends."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -35,12 +36,21 @@ class BatchMetadata:
     """[nnz]: the request of each appended row."""
     positions: np.ndarray
     """[nnz]: the sequence position of each appended row."""
-    block_table: np.ndarray
-    """[B, max pages of a request]: the same pages, one row per request, padded
-    with PAD_PAGE (-1)."""
     window_left: int = -1
     """The wrappers' window_left for the layer group the page table is of:
     window - 1 for a sliding-window group, -1 (no window) otherwise."""
+
+    @cached_property
+    def block_table(self) -> np.ndarray:
+        """[B, max pages of a request]: the same pages, one row per request,
+        padded with PAD_PAGE (-1). Made on first read: a decode step reads
+        only the CSR form."""
+        page_counts = np.diff(self.kv_indptr)
+        width = int(page_counts.max()) if len(page_counts) else 0
+        table = np.full((len(page_counts), width), PAD_PAGE, np.int32)
+        # Row-major order of the mask is CSR order.
+        table[np.arange(width) < page_counts[:, None]] = self.kv_indices
+        return table
 
     @property
     def batch_size(self) -> int:

@@ -404,6 +404,26 @@ class PagedKVCacheManager:
         """Owners of each page ([num_pages] int32, a copy), in layer group `group`."""
         return self._groups[self._group_index(group)].pool.refcount.copy()
 
+    def last_page_owners(self, request_id: Hashable, group: int | None = None) -> int:
+        """Owners of the request's last page in layer group `group` (0 for a
+        request without pages): more than 1 where its next token is written
+        into a copy (a fork's shared partial page). Reads one entry; a
+        scheduler asks it of every running request each step, where
+        `refcounts` and `pages` would copy whole arrays.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a"); m.reserve(["a"], 6); m.fork("a", "b")
+        >>> m.last_page_owners("a"), m.last_page_owners("b")
+        (2, 2)
+        """
+        g = self._group_index(group)
+        request = self._request("request_id", request_id)
+        if request.num_pages == 0:
+            return 0
+        return int(self._groups[g].pool.refcount[request.pages[g, request.num_pages - 1]])
+
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the bookkeeping (not the pools): equal snapshots mean
         equal states. For tests and debugging."""
@@ -948,10 +968,6 @@ class PagedKVCacheManager:
         positions = np.arange(nnz, dtype=np.int32) + np.repeat(
             (seq_lens - appended - append_indptr[:-1]).astype(np.int32), appended
         )
-        width = int(page_counts.max()) if batch else 0
-        block_table = np.full((batch, width), PAD_PAGE, np.int32)
-        # Row-major order of the mask is CSR order.
-        block_table[np.arange(width) < page_counts[:, None]] = kv_indices
         window = self._groups[g].window
         return BatchMetadata(
             kv_indptr=kv_indptr,
@@ -961,7 +977,6 @@ class PagedKVCacheManager:
             append_indptr=append_indptr,
             batch_indices=batch_indices,
             positions=positions,
-            block_table=block_table,
             window_left=-1 if window is None else window - 1,
         )
 
