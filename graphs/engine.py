@@ -210,6 +210,7 @@ class DecoderEngine:
             gpu=gpu,
             fixed_chunk=self.decode_chunk,
             kv_indices=meta.kv_indices if shares else None,
+            seq_lens=meta.seq_lens,
         )
 
     def _group_tables(self, kind: str, request_ids: Sequence[Hashable], md) -> dict:

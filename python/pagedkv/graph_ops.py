@@ -20,6 +20,7 @@ NumPy; the page manager has the page table on the host anyway).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -669,6 +670,13 @@ def batch_prefill(
     )
 
 
+@functools.cache
+def _decode_options(head_dim: int, window_left: int) -> AttentionOptions:
+    """A decode step's options, checked once per (head_dim, window_left): a
+    step builds its work list on every call."""
+    return AttentionOptions(head_dim, window_left=window_left)
+
+
 def decode_work(
     kv_indptr: np.ndarray,
     kv_last_page_len: np.ndarray,
@@ -681,6 +689,7 @@ def decode_work(
     gpu: bool,
     fixed_chunk: int | None = None,
     kv_indices: np.ndarray | None = None,
+    seq_lens: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The work list of a decode step (host NumPy): (work_items [I, 6] int32,
     request_items [B + 1] int32), for `batch_decode` in a graph on a GPU
@@ -691,9 +700,12 @@ def decode_work(
     attention sums in the same order (batch-invariant results); by default
     the chunks grow or shrink to keep every core busy. kv_indices (the page
     ids, CPU, no window): consecutive requests that share a prefix's pages
-    read them once (`share_decode_prefixes`; not batch-invariant)."""
-    options = AttentionOptions(head_dim, window_left=window_left)
-    seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
+    read them once (`share_decode_prefixes`; not batch-invariant).
+    seq_lens [B]: the table's lengths where the caller has them
+    (`BatchMetadata.seq_lens`), else computed from it."""
+    options = _decode_options(head_dim, window_left)
+    if seq_lens is None:
+        seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
     common, prefix = None, None
     if kv_indices is not None:
         if gpu or window_left >= 0 or fixed_chunk is not None:
