@@ -589,24 +589,22 @@ class Scheduler:
             connector.after_step(ran)
 
     def _decode_need(self, lives) -> int:
-        """Pages the next decode step of these requests' samples may take:
-        one per sample whose last page is full or shared (copy-on-write);
-        and the pages a chunked prefill still has to fill, with one for each
-        sample's first decode of a new request. Layer group 0's pages tell:
-        a fork shares its pages in every group."""
+        """Pages the next decode step of these requests' samples takes (the
+        manager's count: a page for each sample whose last page is full,
+        the copies of shared partial ones); and the pages a chunked prefill
+        still has to fill, with one for each sample's first decode of a new
+        request."""
         m = self.manager
         need = 0
+        decoding = []
         for live in lives:
             for sid, (_, tokens) in live.pending.items():
                 held = m.seq_len(sid)
                 need += pages_for(held + len(tokens), m.page_size) - pages_for(held, m.page_size)
             if live.pending and not live.started:
                 need += live.req.n
-            for s in live.live_samples():
-                n = m.seq_len(s.seq_id)
-                if n % m.page_size == 0 or m.last_page_owners(s.seq_id, 0) > 1:
-                    need += 1
-        return need
+            decoding += [s.seq_id for s in live.live_samples()]
+        return need + m.pages_needed(decoding, 1)
 
     def _preempt_for_decode(self) -> None:
         """Preempts the last requests in queue order until the running ones'

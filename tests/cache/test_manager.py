@@ -112,7 +112,7 @@ def test_released_prompt_stays_cached_and_is_evicted_tail_first():
 def test_fork_copies_a_shared_partial_page_on_first_write():
     manager = PagedKVCacheManager(8, PAGE, HEADS, DIM, num_layers=LAYERS)
     manager.add("empty", [])
-    assert manager.last_page_owners("empty") == 0
+    assert manager.pages_needed(["empty"]) == 1
     manager.release("empty")
     parent = BASE[: PAGE + 2]  # the last page holds 2 of 4 tokens
     prefilled(manager, "p", parent)
@@ -121,11 +121,17 @@ def test_fork_copies_a_shared_partial_page_on_first_write():
     np.testing.assert_array_equal(manager.pages("c"), shared)
     assert manager.refcounts()[shared].tolist() == [2, 2]
 
-    assert [manager.last_page_owners(r) for r in ("p", "c")] == [2, 2]
+    # A writer copies the shared page, but when both write, one keeps it.
+    assert [manager.pages_needed(r) for r in (["p"], ["c"], ["p", "c"])] == [1, 1, 1]
 
+    free = manager.num_free_pages
     manager.reserve(["c"], 1, [[9]])
     assert manager.stats.cow_copies == 1
-    assert [manager.last_page_owners(r) for r in ("p", "c")] == [1, 1]
+    assert free - manager.num_free_pages == 1
+    assert manager.pages_needed(["p", "c"]) == 0
+    # p holds 2 tokens of its last page, c 3 of its copy's (pages of 4).
+    assert manager.pages_needed(["p", "c"], [2, 1]) == 0
+    assert manager.pages_needed(["p", "c"], [3, 2]) == 2
     child_pages = manager.pages("c")
     assert child_pages[0] == shared[0] and child_pages[1] != shared[1]
     np.testing.assert_array_equal(manager.pages("p"), shared)

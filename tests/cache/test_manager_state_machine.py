@@ -124,6 +124,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = state_of(self.manager)
         events = self.router.count
         counts = [len(t) for t in new_tokens]
+        needed, free = self.manager.pages_needed(ids, counts), self.manager.num_free_pages
         try:
             self.manager.reserve(ids, counts, new_tokens if hashed else None, num_steps=num_steps)
         except OutOfPagesError as e:
@@ -132,7 +133,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert f"{e.requested} asked for, {e.available} free" in str(e)
             assert_same_state(self.manager, before)
             assert self.router.count == events, "a failed call emitted events"
+            if num_steps == 1:
+                assert needed > free, "pages_needed promised room that reserve lacked"
             return False
+        if num_steps == 1 and self.windows == [None]:
+            # One pool, nothing given back: reserve took what it was to take.
+            assert free - self.manager.num_free_pages == needed
         histories = [self.model[rid] for rid in ids]
         append_tokens(self.manager, ids, new_tokens, histories)
         for rid, tokens in zip(ids, new_tokens, strict=True):

@@ -404,25 +404,26 @@ class PagedKVCacheManager:
         """Owners of each page ([num_pages] int32, a copy), in layer group `group`."""
         return self._groups[self._group_index(group)].pool.refcount.copy()
 
-    def last_page_owners(self, request_id: Hashable, group: int | None = None) -> int:
-        """Owners of the request's last page in layer group `group` (0 for a
-        request without pages): more than 1 where its next token is written
-        into a copy (a fork's shared partial page). Reads one entry; a
-        scheduler asks it of every running request each step, where
-        `refcounts` and `pages` would copy whole arrays.
+    def pages_needed(
+        self, request_ids: Sequence[Hashable], num_new_tokens: int | Sequence[int] = 1
+    ) -> int:
+        """Pages that reserve(request_ids, num_new_tokens) would take from
+        the pool of the group that needs most: new pages past each
+        request's last (less its set-aside ones) and copies of the shared
+        partial last pages it writes (a fork's; when every owner of such a
+        page writes, the last keeps the original). Changes nothing:
+        reserve() succeeds when this is at most ``num_free_pages``.
 
         Examples
         --------
         >>> m = PagedKVCacheManager(8, 4, 1, 8)
         >>> _ = m.add("a"); m.reserve(["a"], 6); m.fork("a", "b")
-        >>> m.last_page_owners("a"), m.last_page_owners("b")
-        (2, 2)
+        >>> m.pages_needed(["a"]), m.pages_needed(["a", "b"])
+        (1, 1)
         """
-        g = self._group_index(group)
-        request = self._request("request_id", request_id)
-        if request.num_pages == 0:
-            return 0
-        return int(self._groups[g].pool.refcount[request.pages[g, request.num_pages - 1]])
+        requests = self._batch(request_ids)
+        counts = self._counts("num_new_tokens", num_new_tokens, len(requests)).tolist()
+        return max(need for need, _ in self._claim_sizes(requests, counts, 1))
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the bookkeeping (not the pools): equal snapshots mean
@@ -596,10 +597,19 @@ class PagedKVCacheManager:
     def _room_needed(
         self, requests: list[RequestPages], count_list: list[int], num_steps: int
     ) -> list[tuple[int, dict[int, int]]]:
+        """`_claim_sizes`, after making room for them in each group
+        (eviction), or raises OutOfPagesError before anything changes."""
+        needs = self._claim_sizes(requests, count_list, num_steps)
+        for group, (need, _) in zip(self._groups, needs, strict=True):
+            group.pool.ensure_room(need)
+        return needs
+
+    def _claim_sizes(
+        self, requests: list[RequestPages], count_list: list[int], num_steps: int
+    ) -> list[tuple[int, dict[int, int]]]:
         """Per group, the pages a reservation takes (new pages and copies of
         shared last pages about to be written) and the writers of each
-        shared page; makes room for them (eviction) or raises
-        OutOfPagesError before anything changes."""
+        shared page. Changes nothing."""
         size = self.page_size
         groups = self._groups
         # Every group's table grows by as many pages; copies differ by group.
@@ -629,9 +639,7 @@ class PagedKVCacheManager:
             # Every writer into a shared page copies it, but when all its
             # owners write, the last one keeps the original.
             need = grow_all + sum(c - (c == refcount[p]) for p, c in writers.items())
-            group.pool.ensure_room(need)
             needs.append((need, writers))
-
         return needs
 
     def _plan_claims(
