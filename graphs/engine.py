@@ -262,4 +262,4 @@ class DecoderEngine:
         buffers = [Buffer.from_numpy(inputs[n]).to(gpu) for n in names] + self._pools()
         with stream_ordered(self.manager.pools, self.device):
             logits = model.execute(*buffers)[0]
-        return logits.to(CPU()).to_numpy()
+        return (logits if logits.is_host else logits.to(CPU())).to_numpy()
