@@ -8,12 +8,12 @@ rules of pagedkv.sampling (FlashInfer's sampling API), not a copy of them.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv._checks import check_int
 from pagedkv.sampling import min_p_mask, top_k_mask, top_p_mask
 
 
@@ -40,15 +40,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name, value in (("top_k", self.top_k), ("seed", self.seed)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            ):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 or -1 (off), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        check_int("top_k", self.top_k, -1, 2**63 - 1)  # 0 and -1: off; past the vocabulary: all
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**63 - 1)
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

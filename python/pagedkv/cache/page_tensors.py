@@ -9,13 +9,12 @@ free, shared or cached is :class:`pagedkv.cache.page_pool.PagePool`'s business.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
 from max.dtype import DType
 
-from .._checks import INT32_MAX, layout_code
+from .._checks import check_int, layout_code
 from .._ops.contract import pool_row_width
 from .._ops.tensors import Array, new_like
 from .._plan.work import as_dtype
@@ -81,12 +80,7 @@ class PageTensors:
             ("head_dim", head_dim),
             ("num_layers", num_layers),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Integral)
-                or not 1 <= value <= INT32_MAX
-            ):
-                raise ValueError(f"{name} must be an integer in [1, {INT32_MAX}], got {value!r}")
+            check_int(name, value, 1)  # page ids and sizes are int32 in the kernels
         pool_dtype = as_dtype(dtype, "dtype")
         if pool_dtype not in POOL_DTYPES:
             raise TypeError(

@@ -13,12 +13,12 @@ seeded temperature / top-p sampling, stopping after EOS.
 from __future__ import annotations
 
 import functools
-import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pagedkv._checks import check_int
 from pagedkv._ops.contract import pool_row_width
 from pagedkv._ops.kernels import build_kernel_package_in_background
 from pagedkv._ops.quantized_panels import PACKED_AS
@@ -370,10 +370,7 @@ class LLM:
     ) -> list[GeneratedSequence]:
         """Serves the prompts `ids` together (one scheduler run); returns
         their sequences in order."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        check_int("max_new_tokens", max_new_tokens, 1)
         stop = self.tokenizer.stop_ids
         requests = []
         for prompt_ids in ids:
