@@ -706,6 +706,11 @@ def decode_work(
     options = _decode_options(head_dim, window_left)
     if seq_lens is None:
         seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
+    elif np.shape(seq_lens) != (len(kv_indptr) - 1,):
+        raise ValueError(
+            f"seq_lens has shape {np.shape(seq_lens)}; the table's batch needs "
+            f"({len(kv_indptr) - 1},)"
+        )
     common, prefix = None, None
     if kv_indices is not None:
         if gpu or window_left >= 0 or fixed_chunk is not None:

@@ -92,6 +92,11 @@ def test_append_then_decode_in_one_graph_matches_eager():
         )  # fmt: skip
         for got, want in zip(given, (items, request_items), strict=True):
             np.testing.assert_array_equal(got, want)
+        with pytest.raises(ValueError, match="seq_lens has shape"):
+            graph_ops.decode_work(
+                batch.kv_indptr, batch.kv_last_page_len, P, HQ, HKV, D, gpu=False,
+                seq_lens=batch.seq_lens[1:],
+            )  # fmt: skip
         table = (batch.kv_indices, batch.kv_indptr, batch.kv_last_page_len)
         o, lse = model.execute(
             *[Buffer.from_numpy(x) for x in (pool, k, v, bi, pos, *table, q, items, request_items)]
