@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv._checks import check_int
+from pagedkv._checks import INT64_MAX, check_int
 from pagedkv.sampling import min_p_mask, top_k_mask, top_p_mask
 
 
@@ -40,9 +40,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        check_int("top_k", self.top_k, -1, 2**63 - 1)  # 0 and -1: off; past the vocabulary: all
+        check_int("top_k", self.top_k, -1, INT64_MAX)  # 0 and -1: off; past the vocabulary: all
         if self.seed is not None:
-            check_int("seed", self.seed, 0, 2**63 - 1)
+            check_int("seed", self.seed, 0, INT64_MAX)
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

@@ -53,6 +53,7 @@ ROW_DTYPES_OF_INT8_POOLS = (DType.float32, DType.float16, DType.bfloat16)
 
 
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 def check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:

@@ -85,6 +85,20 @@ def test_pages_filled_piecemeal_are_cached_and_unknown_tokens_stop_caching():
     manager.validate()
 
 
+def test_forget_drops_prefix_keys_from_start_to_stop():
+    """Forgotten pages serve no prefix hit, and a hit stops at the first of
+    them; pages before `start` stay cached."""
+    prompt = BASE[: 2 * PAGE] + [1] * PAGE + [2]
+    for (start, stop), cached in (((PAGE, 2 * PAGE), PAGE), ((2 * PAGE, None), 2 * PAGE)):
+        manager = PagedKVCacheManager(10, PAGE, HEADS, DIM, num_layers=LAYERS)
+        prefilled(manager, "a", prompt)
+        manager.forget("a", start, stop)
+        manager.release("a")
+        assert manager.cached_prefix_length(prompt) == cached
+        assert manager.add("b", prompt) == cached
+        manager.validate()
+
+
 def test_released_prompt_stays_cached_and_is_evicted_tail_first():
     manager = PagedKVCacheManager(6, PAGE, HEADS, DIM, num_layers=LAYERS)
     prompt = BASE[: 3 * PAGE]
@@ -242,6 +256,11 @@ def test_bad_calls_raise_and_change_nothing():
         (KeyError, "request_id 'zz'", lambda: manager.release("zz")),
         (KeyError, "request_id 'zz'", lambda: manager.seq_len("zz")),
         (ValueError, "exceeds the 6 tokens", lambda: manager.metadata(["a"], 7)),
+        (ValueError, "start must be a multiple of page_size", lambda: manager.forget("a", 1)),
+        (ValueError, r"stop must be in \[4, ", lambda: manager.forget("a", PAGE, PAGE - 1)),
+        (TypeError, "start must be an integer", lambda: manager.forget("a", True)),
+        (TypeError, "stop must be an integer", lambda: manager.forget("a", 0, 5.0)),
+        (KeyError, "request_id 'zz'", lambda: manager.forget("zz", 0)),
     ]
     for error, pattern, call in calls:
         with pytest.raises(error, match=pattern):
@@ -348,6 +367,14 @@ def test_bad_construction_is_refused():
         PagedKVCacheManager(4, 0, HEADS, DIM)
     with pytest.raises(TypeError, match="page_size must be an integer, got True"):
         PagedKVCacheManager(4, True, HEADS, DIM)
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, "):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, num_layers=0)
+    with pytest.raises(TypeError, match="num_layers must be an integer, got 2.0"):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, num_layers=2.0)
+    with pytest.raises(ValueError, match=r"max_pinned_pages must be in \[0, "):
+        PagedKVCacheManager(4, PAGE, HEADS, DIM, max_pinned_pages=-1)
+    with pytest.raises(TypeError, match="max_frequency must be an integer, got 2.5"):
+        pagedkv.cache.eviction.LFUPolicy(2.5)
     with pytest.raises(ValueError, match="num_pages must be in .*got 2147483648"):
         PagedKVCacheManager(2**31, PAGE, HEADS, DIM)  # past the kernels' int32 page ids
     # More bytes than any address space: a MemoryError that says how many.

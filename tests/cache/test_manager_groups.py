@@ -242,7 +242,7 @@ def test_reserve_for_several_steps_sets_pages_aside():
     manager.reserve(["b"], 1, num_steps=3)  # room for 11 tokens: a third page
     manager.release("b")
     assert manager.num_free_pages == 3
-    with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match="num_steps must be in \\[1, "):
         manager.reserve(["a"], 1, num_steps=0)
     manager.validate()
 
@@ -260,7 +260,7 @@ def test_layer_groups_are_checked():
         ([([0, 1, 2, 2], None)], "twice"),
         ([([0, 1, 3], None)], "layer indices in \\[0, 3\\)"),
         ([([], None), ([0, 1, 2], 4)], "non-empty"),
-        ([([0], 0), ([1, 2], None)], "window must be None or an int >= 1"),
+        ([([0], 0), ([1, 2], None)], "window must be in \\[1, "),
         ([(0, None)], "layers must be a sequence"),
         ([[0, 1, 2]], "a \\(layers, window\\) pair"),
     ):
@@ -268,6 +268,15 @@ def test_layer_groups_are_checked():
             make(groups)
     with pytest.raises(ValueError, match="one per layer group"):
         PagedKVCacheManager([8, 8, 8], PAGE, HEADS, DIM, num_layers=2)
+    two_groups = {"num_layers": 3, "layer_groups": [([0], 8), ([1, 2], None)]}
+    with pytest.raises(ValueError, match="num_pages\\[1\\] must be in \\[1, "):
+        PagedKVCacheManager([8, 0], PAGE, HEADS, DIM, **two_groups)
+    # A bool or a float is not a count, alone or in a list.
+    for pages, offload in ((True, 0), (8, 2.0), ([8, 8.5], 0)):
+        with pytest.raises(TypeError, match="must be an integer"):
+            PagedKVCacheManager(pages, PAGE, HEADS, DIM, offload=offload, **two_groups)
+    with pytest.raises(TypeError, match="window must be an integer"):
+        make([([0], 4.0), ([1, 2], None)])
     with pytest.raises(ValueError, match="one EvictionPolicy object per layer group"):
         make([([0], 8), ([1, 2], None)], eviction=pagedkv.cache.eviction.LRUPolicy())
     manager = make([([0, 2], 8), ([1], None)], offload=[2, 0])

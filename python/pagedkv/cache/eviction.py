@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
+from .._checks import check_int
+
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
@@ -124,9 +126,7 @@ class LFUPolicy:
     """
 
     def __init__(self, max_frequency: int = 8) -> None:
-        if max_frequency < 1:
-            raise ValueError(f"max_frequency must be >= 1, got {max_frequency!r}")
-        self.max_frequency = int(max_frequency)
+        self.max_frequency = check_int("max_frequency", max_frequency, 1)
         self._frequency: dict[int, int] = {}
         # page -> release tick; the order key is (frequency, tick).
         self._released: dict[int, int] = {}

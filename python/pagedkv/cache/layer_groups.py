@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .._checks import check_int
 from .batch_metadata import PAD_PAGE
 from .eviction import EvictionPolicy
 from .kv_events import MEDIUM_CPU, MEDIUM_CPU_OFFLOAD, MEDIUM_GPU, EventHub
@@ -77,11 +78,9 @@ def parse_layer_groups(layer_groups: Any, num_layers: int) -> GroupSpecs:
         if twice:
             raise ValueError(f"layer_groups[{g}]: a layer is in two groups or twice: {layers!r}")
         seen.update(layers)
-        if window is not None and (not isinstance(window, numbers.Integral) or window < 1):
-            raise ValueError(
-                f"layer_groups[{g}]: window must be None or an int >= 1, got {window!r}"
-            )
-        groups.append((tuple(int(x) for x in layers), None if window is None else int(window)))
+        if window is not None:
+            window = check_int(f"layer_groups[{g}]: window", window, 1)
+        groups.append((tuple(int(x) for x in layers), window))
     if len(seen) != num_layers:
         missing = sorted(set(range(num_layers)) - seen)
         raise ValueError(f"layer_groups must cover every layer once; no group holds {missing}")
@@ -89,16 +88,17 @@ def parse_layer_groups(layer_groups: Any, num_layers: int) -> GroupSpecs:
 
 
 def per_group(name: str, value: Any, num_groups: int, low: int) -> list[int]:
-    """An int for every group, or one int per group, each >= low."""
-    values = [value] * num_groups if isinstance(value, numbers.Integral) else list(value)
-    if len(values) != num_groups or not all(
-        isinstance(v, numbers.Integral) and v >= low for v in values
-    ):
+    """An int for every group, or one int per group, each >= low (a bool or
+    non-integer is a TypeError)."""
+    if not isinstance(value, Iterable):
+        return [check_int(name, value, low)] * num_groups
+    values = list(value)
+    if len(values) != num_groups:
         raise ValueError(
             f"{name} must be an integer >= {low} or one per layer group ({num_groups}), "
             f"got {value!r}"
         )
-    return [int(v) for v in values]
+    return [check_int(f"{name}[{g}]", v, low) for g, v in enumerate(values)]
 
 
 @dataclass(frozen=True)

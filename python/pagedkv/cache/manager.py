@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import INT64_MAX, check_int
 from .._ops.kernels import debug_enabled
 from .._ops.tensors import Array
 from .batch_metadata import PAD_PAGE, BatchMetadata
@@ -250,9 +251,8 @@ class PagedKVCacheManager:
         layer_groups: Sequence[tuple[Sequence[int], int | None]] | None = None,
         offload: int | Sequence[int] = 0,
     ) -> None:
-        if not isinstance(num_layers, numbers.Integral) or num_layers < 1:
-            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
-        specs = parse_layer_groups(layer_groups, int(num_layers))
+        num_layers = check_int("num_layers", num_layers, 1)
+        specs = parse_layer_groups(layer_groups, num_layers)
         count = len(specs)
         page_counts = per_group("num_pages", num_pages, count, 1)
         host_counts = per_group("offload", offload, count, 0)
@@ -584,8 +584,7 @@ class PagedKVCacheManager:
         requests = self._batch(request_ids)
         counts = self._counts("num_new_tokens", num_new_tokens, len(requests))
         new_tokens = _split_tokens(tokens, counts)
-        if not isinstance(num_steps, numbers.Integral) or num_steps < 1:
-            raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+        num_steps = check_int("num_steps", num_steps, 1)
         count_list = counts.tolist()
         claims = self._plan_claims(
             self._room_needed(requests, count_list, num_steps), requests, count_list
@@ -778,12 +777,13 @@ class PagedKVCacheManager:
         4
         """
         request = self._request("request_id", request_id)
-        if not isinstance(start, numbers.Integral) or start < 0 or start % self.page_size:
-            raise ValueError(f"start must be a multiple of page_size >= 0, got {start!r}")
-        if stop is not None and (not isinstance(stop, numbers.Integral) or stop < start):
-            raise ValueError(f"stop must be an integer >= start ({start}), got {stop!r}")
+        start = check_int("start", start, 0, INT64_MAX)
+        if start % self.page_size:
+            raise ValueError(f"start must be a multiple of page_size, got {start}")
+        if stop is not None:
+            stop = check_int("stop", stop, start, INT64_MAX)
         first = start // self.page_size
-        last = request.num_pages if stop is None else -(-int(stop) // self.page_size)
+        last = request.num_pages if stop is None else -(-stop // self.page_size)
         chosen = [self._groups[self._group_index(g)] for g in groups] if groups else self._groups
         for group in chosen:
             group.pool.forget(request.pages[group.index, first:last].tolist())

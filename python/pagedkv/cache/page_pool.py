@@ -17,12 +17,12 @@ composes all-or-nothing operations by checking (:meth:`PagePool.ensure_room`,
 from __future__ import annotations
 
 import hashlib
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._checks import check_int
 from .eviction import EvictionPolicy, make_policy
 from .kv_events import (
     MEDIUM_CPU,
@@ -187,11 +187,8 @@ class PagePool:
         events: EventHub | None = None,
         keep_token_ids: bool = False,
     ) -> None:
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.num_pages = int(num_pages)
-        self.page_size = int(page_size)
+        self.num_pages = check_int("num_pages", num_pages, 1)
+        self.page_size = check_int("page_size", page_size, 1)
         # pop() hands out low page ids first.
         self.free: list[int] = list(range(self.num_pages - 1, -1, -1))
         """Unused pages; the next claimed is the last."""
@@ -201,9 +198,7 @@ class PagePool:
         self.page_of_hash: dict[bytes, int] = {}
         if max_pinned_pages is None:
             max_pinned_pages = self.num_pages // 2
-        if not isinstance(max_pinned_pages, numbers.Integral) or max_pinned_pages < 0:
-            raise ValueError(f"max_pinned_pages must be an integer >= 0, got {max_pinned_pages!r}")
-        self.max_pinned_pages = int(max_pinned_pages)
+        self.max_pinned_pages = check_int("max_pinned_pages", max_pinned_pages, 0)
         self.evictable: EvictionPolicy = make_policy(eviction)
         """Pages with a key, no owner and no pin, in the policy's eviction order."""
         self.pinned: set[int] = set()
