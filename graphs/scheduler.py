@@ -602,9 +602,21 @@ class Scheduler:
                 held = m.seq_len(sid)
                 need += pages_for(held + len(tokens), m.page_size) - pages_for(held, m.page_size)
             if live.pending and not live.started:
-                need += live.req.n
+                need += self._first_decode_pages(live)
             decoding += [s.seq_id for s in live.live_samples()]
         return need + m.pages_needed(decoding, 1)
+
+    def _first_decode_pages(self, live: _Live) -> int:
+        """Pages the first decode after a (re)admission's prefill takes. A new
+        request's samples share its prompt's last page: each opens a page
+        where the prompt fills its last one, and otherwise all but one copy
+        it (reserve's last writer keeps the original). A readmitted sample
+        holds its own context and opens a page where that fills its last."""
+        size = self.manager.page_size
+        prompt = len(live.req.prompt)
+        if not live.started:
+            return live.req.n - (prompt % size != 0)
+        return sum((prompt + len(s.tokens)) % size == 0 for s in live.live_samples())
 
     def _preempt_for_decode(self) -> None:
         """Preempts the last requests in queue order until the running ones'
@@ -661,10 +673,10 @@ class Scheduler:
         while i < len(self._waiting):
             live = self._waiting[i]
             contexts = live.contexts()
-            # Each sample's first decode may open a page or copy the shared
-            # one; never more than the request's full length.
+            # Its prompt (or recomputed contexts) and the first decode after
+            # it; never more than the request's full length.
             need = min(
-                sum(pages_for(len(c), size) for _, c in contexts) + live.req.n,
+                sum(pages_for(len(c), size) for _, c in contexts) + self._first_decode_pages(live),
                 self.footprint(live.req),
             )
             new_seqs = len(live.live_samples()) if live.started else live.req.n

@@ -96,6 +96,24 @@ def test_the_policy_orders_admission(weights, policy, order):
     assert engine.manager.num_used_pages == 0
 
 
+@pytest.mark.parametrize(("prompt_len", "first_prefill"), [(20, [20, 20]), (32, [32])])
+def test_admission_counts_the_first_decode_as_reserve_does(weights, prompt_len, first_prefill):
+    """Two requests on a 4-page pool (16-token pages), each needing 3 pages
+    at its full length. A prompt that ends inside its last page decodes its
+    first token into that page, so both prompts (2 pages each) fit at once;
+    a prompt that fills its pages opens a third at its first decode, so
+    the second request waits."""
+    engine = engine_with_pool(weights, 4)
+    requests = [Request(f"r{i}", p, max_tokens=13) for i, p in enumerate(prompts(5, 2, prompt_len))]
+    prefills = record_prefills(engine)
+    sequences, _ = Scheduler(engine, keep_logits=True).run(requests)
+    assert prefills[0] == first_prefill
+    assert [len(s.tokens) for s in sequences] == [13, 13]
+    assert engine.manager.num_used_pages == 0
+    check = check_sequences(CONFIG, weights, sequences)
+    assert check.passed, check.mismatches
+
+
 def test_a_cancelled_request_releases_its_pages_and_gets_no_more_events(weights):
     engine = engine_with_pool(weights, 32)
     scheduler = Scheduler(engine)
