@@ -591,19 +591,22 @@ class Scheduler:
     def _decode_need(self, lives) -> int:
         """Pages the next decode step of these requests' samples takes (the
         manager's count: a page for each sample whose last page is full,
-        the copies of shared partial ones); and the pages a chunked prefill
-        still has to fill, with one for each sample's first decode of a new
-        request."""
+        the copies of shared partial ones); and, for a request whose prefill
+        or recompute is still in chunks, the pages its chunks fill and its
+        first decode after them (`_first_decode_pages`)."""
         m = self.manager
         need = 0
         decoding = []
         for live in lives:
+            if not live.pending:
+                decoding += [s.seq_id for s in live.live_samples()]
+                continue
+            # It decodes once every context is in: its first decode comes
+            # after the pages its chunks fill, not at the lengths held now.
             for sid, (_, tokens) in live.pending.items():
                 held = m.seq_len(sid)
                 need += pages_for(held + len(tokens), m.page_size) - pages_for(held, m.page_size)
-            if live.pending and not live.started:
-                need += self._first_decode_pages(live)
-            decoding += [s.seq_id for s in live.live_samples()]
+            need += self._first_decode_pages(live)
         return need + m.pages_needed(decoding, 1)
 
     def _first_decode_pages(self, live: _Live) -> int:
