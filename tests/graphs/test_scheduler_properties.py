@@ -1,27 +1,37 @@
 """The scheduler under generated load on pools too small for it: requests of
-random prompts (some sharing a prefix), samples, lengths and arrival steps,
-whole or chunked prefills. Whatever the admission and preemption order,
-every request the pool can hold at its full length gets all its tokens,
-the same as the NumPy model's, in a bounded number of steps, and every page
-comes back; the others are refused before anything runs."""
+random prompts (some sharing a prefix), samples, lengths, priorities and
+arrival steps, whole or chunked prefills, on the demo's model and on the
+Gemma-3-shaped one (sliding-window layers, whose pages come back as the
+window passes). Whatever the admission and preemption order, every request
+the pool can hold at its full length gets all its tokens, the same as the
+NumPy model's, in a bounded number of steps, and every page comes back;
+the others are refused before anything runs."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEMO_CONFIG as CONFIG
-from conftest import engine_with_pool
+import gemma3_shaped
+from conftest import DEMO_CONFIG, DEMO_PAGE, engine_with_pool
+from pagedkv.graphs.model import init_weights
 from pagedkv.graphs.scheduler import Request, Scheduler
 from pagedkv.graphs.self_check import check_sequences
 
-WARM_GRAPHS = ("demo",)
+WARM_GRAPHS = ("demo", "gemma3-shaped")
 """Compiled ahead beside the suite's first tests (warm_graphs.py)."""
 
-SHARED = tuple(np.random.default_rng(3).integers(0, CONFIG.vocab_size, 40).tolist())
-"""The prefix that generated prompts may start with (up to 40 tokens: two
-and a half 16-token pages)."""
+MODELS = {
+    "demo": (DEMO_CONFIG, DEMO_PAGE, engine_with_pool),
+    "gemma3-shaped": (gemma3_shaped.CONFIG, gemma3_shaped.PAGE, gemma3_shaped.engine),
+}
+"""Each model's config, page size and engine over a fresh pool."""
+
+SHARED = tuple(np.random.default_rng(3).integers(0, gemma3_shaped.CONFIG.vocab_size, 40).tolist())
+"""The prefix that generated prompts may start with (40 tokens: past the
+Gemma-shaped model's 12-token window, two and a half of the demo's pages)."""
 
 request_shapes = st.lists(
     st.tuples(
@@ -37,10 +47,16 @@ request_shapes = st.lists(
 )
 
 
+@pytest.fixture(scope="module")
+def gemma_weights():
+    return init_weights(gemma3_shaped.CONFIG, seed=gemma3_shaped.WEIGHTS_SEED)
+
+
+@pytest.mark.parametrize("model", MODELS)
 @settings(max_examples=30, suppress_health_check=list(HealthCheck))
 @given(
     shapes=request_shapes,
-    num_pages=st.integers(3, 10),
+    num_pages=st.integers(3, 10),  # in 16 tokens' worth of pages
     prefill_budget=st.sampled_from([8, 4096]),
     max_num_seqs=st.sampled_from([2, 64]),
     policy=st.sampled_from(["fcfs", "priority"]),
@@ -60,13 +76,16 @@ request_shapes = st.lists(
     seed=0,
 )
 def test_every_request_the_pool_can_hold_completes(
-    weights, shapes, num_pages, prefill_budget, max_num_seqs, policy, seed
+    weights, gemma_weights, model, shapes, num_pages, prefill_budget, max_num_seqs, policy, seed
 ):
+    config, page_size, make_engine = MODELS[model]
+    weights = weights if model == "demo" else gemma_weights
+    num_pages *= 16 // page_size
     rng = np.random.default_rng(seed)
     requests = [
         Request(
             f"r{i}",
-            SHARED[:shared] + tuple(rng.integers(0, CONFIG.vocab_size, own).tolist()),
+            SHARED[:shared] + tuple(rng.integers(0, config.vocab_size, own).tolist()),
             max_tokens=max_tokens,
             n=n,
             arrival_step=arrival,
@@ -74,7 +93,7 @@ def test_every_request_the_pool_can_hold_completes(
         )
         for i, (shared, own, n, max_tokens, arrival, priority) in enumerate(shapes)
     ]
-    engine = engine_with_pool(weights, num_pages)
+    engine = make_engine(weights, num_pages)
     scheduler = Scheduler(
         engine,
         max_num_seqs=max_num_seqs,
@@ -102,7 +121,7 @@ def test_every_request_the_pool_can_hold_completes(
             assert s.error is not None and not s.tokens
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
-    check = check_sequences(CONFIG, weights, served)
+    check = check_sequences(config, weights, served)
     assert check.passed, check.mismatches
     # Each token's logits, not only its choice: a wrong key or value in a
     # recomputed or shared page moves them far past float32's rounding.
