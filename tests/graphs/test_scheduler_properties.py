@@ -5,9 +5,12 @@ Gemma-3-shaped one (sliding-window layers, whose pages come back as the
 window passes). Whatever the admission and preemption order, every request
 the pool can hold at its full length gets all its tokens, the same as the
 NumPy model's, in a bounded number of steps, and every page comes back;
-the others are refused before anything runs."""
+the others are refused before anything runs. Run again with a stop token
+each, samples end where their answers first hold it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,7 +56,7 @@ def gemma_weights():
 
 
 @pytest.mark.parametrize("model", MODELS)
-@settings(max_examples=30, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, suppress_health_check=list(HealthCheck))
 @given(
     shapes=request_shapes,
     num_pages=st.integers(3, 10),  # in 16 tokens' worth of pages
@@ -93,14 +96,52 @@ def test_every_request_the_pool_can_hold_completes(
         )
         for i, (shared, own, n, max_tokens, arrival, priority) in enumerate(shapes)
     ]
-    engine = make_engine(weights, num_pages)
-    scheduler = Scheduler(
-        engine,
-        max_num_seqs=max_num_seqs,
-        max_prefill_tokens=prefill_budget,
-        policy=policy,
-        keep_logits=True,
-    )
+    fits = {
+        r.request_id: r.n <= max_num_seqs and footprint(r, page_size) <= num_pages for r in requests
+    }
+    options = {"max_num_seqs": max_num_seqs, "max_prefill_tokens": prefill_budget}
+    sequences = serve(make_engine(weights, num_pages), requests, policy=policy, **options)
+    for s in sequences:
+        if fits[s.request.request_id]:
+            assert (s.error, s.finish_reason) == (None, "length"), s
+            assert len(s.tokens) == s.request.max_tokens
+        else:
+            assert s.error is not None and not s.tokens
+    assert_reference_tokens(config, weights, [s for s in sequences if fits[s.request.request_id]])
+
+    # Again, each request stopping at a token of its first sample's answer:
+    # its samples end early (a fork's before another's), release their
+    # pages and stop nothing else.
+    answers = {s.request.request_id: s.tokens for s in sequences if s.sample == 0}
+    stopping = []
+    for r in requests:
+        answer = answers[r.request_id] or [0]
+        stop = answer[int(rng.integers(len(answer)))]
+        stopping.append(replace(r, stop_token_ids=frozenset({stop})))
+    sequences = serve(make_engine(weights, num_pages), stopping, policy=policy, **options)
+    for s in sequences:
+        r = s.request
+        if not fits[r.request_id]:
+            assert s.error is not None and not s.tokens
+            continue
+        assert s.error is None and len(s.tokens) <= r.max_tokens
+        early = [i for i, t in enumerate(s.tokens) if t in r.stop_token_ids]
+        if s.finish_reason == "stop":
+            assert early == [len(s.tokens) - 1], s
+        else:
+            assert (s.finish_reason, early, len(s.tokens)) == ("length", [], r.max_tokens), s
+    assert_reference_tokens(config, weights, [s for s in sequences if fits[s.request.request_id]])
+
+
+def footprint(request: Request, page_size: int) -> int:
+    """Pages a request's samples hold at their full length, each its own."""
+    return request.n * -(-(len(request.prompt) + request.max_tokens) // page_size)
+
+
+def serve(engine, requests: list[Request], **options) -> list:
+    """Scheduler(engine, **options).run(requests)'s sequences, the step count
+    bounded, with every page back and the manager's books valid after."""
+    scheduler = Scheduler(engine, keep_logits=True, **options)
     # Every step prefills, preempts or decodes; far more steps than tokens
     # means requests are readmitted and preempted again without end.
     bound = 10 * sum(r.n * (len(r.prompt) + r.max_tokens) for r in requests) + 50
@@ -109,21 +150,16 @@ def test_every_request_the_pool_can_hold_completes(
         assert step <= bound, f"{step} steps for {len(requests)} requests"
 
     sequences, _ = scheduler.run(requests, on_step=on_step)
-    fits = {
-        r.request_id: r.n <= max_num_seqs and scheduler.footprint(r) <= num_pages for r in requests
-    }
-    served = [s for s in sequences if fits[s.request.request_id]]
-    for s in sequences:
-        if fits[s.request.request_id]:
-            assert (s.error, s.finish_reason) == (None, "length"), s
-            assert len(s.tokens) == s.request.max_tokens
-        else:
-            assert s.error is not None and not s.tokens
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
-    check = check_sequences(config, weights, served)
+    return sequences
+
+
+def assert_reference_tokens(config, weights, sequences) -> None:
+    """Every token is the NumPy model's choice (near-ties aside), from logits
+    within float32's rounding of the model's: a wrong key or value in a
+    recomputed or shared page moves them far past it."""
+    check = check_sequences(config, weights, sequences)
     assert check.passed, check.mismatches
-    # Each token's logits, not only its choice: a wrong key or value in a
-    # recomputed or shared page moves them far past float32's rounding.
-    scale = max((float(np.abs(row).max()) for s in served for row in s.logits), default=0.0)
+    scale = max((float(np.abs(row).max()) for s in sequences for row in s.logits), default=0.0)
     assert check.max_logit_diff <= 1e-4 * scale, (check.max_logit_diff, scale)
