@@ -13,14 +13,13 @@ import pytest
 
 pytest.importorskip("redis", reason="the distributed extra (redis) is not installed")
 
-from conftest import DEMO_CONFIG, engine_with_pool  # noqa: E402
+from conftest import DEMO_CONFIG, assert_reference_tokens, engine_with_pool  # noqa: E402
 from pagedkv.cache.manager import PagedKVCacheManager  # noqa: E402
 from pagedkv.distributed.prefix_store import (  # noqa: E402
     RedisPageStore,
     SharedPrefixCache,
 )
 from pagedkv.graphs.scheduler import Request, Scheduler  # noqa: E402
-from pagedkv.graphs.self_check import check_sequences  # noqa: E402
 
 WARM_GRAPHS = ("demo",)
 """Compiled ahead beside the suite's first tests (warm_graphs.py)."""
@@ -206,5 +205,4 @@ def test_a_second_instance_serves_from_the_first_ones_pages(weights, redis_url, 
     assert [s.tokens for s in got] == [s.tokens for s in want]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), rtol=0, atol=1e-4)
-    check = check_sequences(DEMO_CONFIG, weights, got)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(DEMO_CONFIG, weights, got)

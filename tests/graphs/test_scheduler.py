@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import DEMO_CONFIG as CONFIG
-from conftest import engine_with_pool
+from conftest import assert_reference_tokens, engine_with_pool
 from pagedkv.graphs.numpy_reference import DenseDecoder
 from pagedkv.graphs.sampling import LogitAdjustments, log_softmax
 from pagedkv.graphs.scheduler import (
@@ -20,7 +20,6 @@ from pagedkv.graphs.scheduler import (
     RequestError,
     Scheduler,
 )
-from pagedkv.graphs.self_check import check_sequences
 
 WARM_GRAPHS = ("demo",)
 """Compiled ahead beside the suite's first tests (warm_graphs.py)."""
@@ -69,8 +68,7 @@ def test_preempted_requests_recompute_the_reference_tokens(weights, prefill_budg
     assert stats.peak_used_pages <= 8
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    check = assert_reference_tokens(CONFIG, weights, sequences)
     assert check.tokens == 200
 
 
@@ -110,8 +108,7 @@ def test_admission_counts_the_first_decode_as_reserve_does(weights, prompt_len, 
     assert prefills[0] == first_prefill
     assert [len(s.tokens) for s in sequences] == [13, 13]
     assert engine.manager.num_used_pages == 0
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(CONFIG, weights, sequences)
 
 
 def test_a_cancelled_request_releases_its_pages_and_gets_no_more_events(weights):
@@ -356,8 +353,7 @@ def test_a_shared_prompt_is_prefilled_once_and_other_requests_go_on(weights):
     assert prefills[1] == [3, 3]
     assert scheduler.stats.prompt_tokens_cached == 2 * 3 * size
     assert engine.manager.num_used_pages == 0
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(CONFIG, weights, sequences)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(weights):
@@ -386,8 +382,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(weights):
     assert [len(s.tokens) for s in sequences] == [12, 4, 4]
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(CONFIG, weights, sequences)
 
 
 def test_a_request_cancelled_between_chunks_releases_its_pages(weights):
@@ -416,8 +411,7 @@ def test_chunks_end_on_page_boundaries_whatever_else_is_prefilled(weights):
     scheduler = Scheduler(engine, max_prefill_tokens=2 * size + 8, keep_logits=True)
     sequences, _ = scheduler.run([Request("a", first, 3), Request("b", second, 3)])
     assert prefills == [[2 * size], [size + 5, size], [40 - size]]
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(CONFIG, weights, sequences)
     assert engine.manager.num_used_pages == 0
 
 
@@ -435,6 +429,5 @@ def test_requests_sharing_a_chunked_prompt_wait_for_its_pages(weights):
     sequences, _ = scheduler.run(requests)
     assert prefills == [[3 * size], [size + 3], [3, 3]]
     assert scheduler.stats.prompt_tokens_cached == 2 * 4 * size
-    check = check_sequences(CONFIG, weights, sequences)
-    assert check.passed, check.mismatches
+    assert_reference_tokens(CONFIG, weights, sequences)
     assert engine.manager.num_used_pages == 0

@@ -18,10 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gemma3_shaped
-from conftest import DEMO_CONFIG, DEMO_PAGE, engine_with_pool
+from conftest import DEMO_CONFIG, DEMO_PAGE, assert_reference_tokens, engine_with_pool
 from pagedkv.graphs.model import init_weights
 from pagedkv.graphs.scheduler import Request, Scheduler
-from pagedkv.graphs.self_check import check_sequences
 
 WARM_GRAPHS = ("demo", "gemma3-shaped")
 """Compiled ahead beside the suite's first tests (warm_graphs.py)."""
@@ -153,13 +152,3 @@ def serve(engine, requests: list[Request], **options) -> list:
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
     return sequences
-
-
-def assert_reference_tokens(config, weights, sequences) -> None:
-    """Every token is the NumPy model's choice (near-ties aside), from logits
-    within float32's rounding of the model's: a wrong key or value in a
-    recomputed or shared page moves them far past it."""
-    check = check_sequences(config, weights, sequences)
-    assert check.passed, check.mismatches
-    scale = max((float(np.abs(row).max()) for s in sequences for row in s.logits), default=0.0)
-    assert check.max_logit_diff <= 1e-4 * scale, (check.max_logit_diff, scale)
