@@ -6,7 +6,8 @@ window passes). Whatever the admission and preemption order, every request
 the pool can hold at its full length gets all its tokens, the same as the
 NumPy model's, in a bounded number of steps, and every page comes back;
 the others are refused before anything runs. Run again with a stop token
-each, samples end where their answers first hold it."""
+each, samples end where their answers first hold it; with some requests
+cancelled at a step, the others still complete and no page is lost."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 import gemma3_shaped
 from conftest import DEMO_CONFIG, DEMO_PAGE, assert_reference_tokens, engine_with_pool
 from pagedkv.graphs.model import init_weights
-from pagedkv.graphs.scheduler import Request, Scheduler
+from pagedkv.graphs.scheduler import Delta, Done, Request, Scheduler
 
 WARM_GRAPHS = ("demo", "gemma3-shaped")
 """Compiled ahead beside the suite's first tests (warm_graphs.py)."""
@@ -152,3 +153,63 @@ def serve(engine, requests: list[Request], **options) -> list:
     assert engine.manager.num_used_pages == 0
     engine.manager.validate()
     return sequences
+
+
+@settings(max_examples=20, suppress_health_check=list(HealthCheck))
+@given(
+    shapes=request_shapes,
+    cancels=st.lists(st.one_of(st.none(), st.integers(0, 30)), min_size=5, max_size=5),
+    num_pages=st.integers(3, 10),
+    prefill_budget=st.sampled_from([8, 4096]),
+    seed=st.integers(0, 2**16),
+)
+def test_cancelled_requests_give_their_pages_back_and_others_complete(
+    weights, shapes, cancels, num_pages, prefill_budget, seed
+):
+    """The same loads on the demo's model, some requests cancelled at a
+    step (waiting, prefilling in chunks, decoding or preempted): each
+    cancelled one gets no event after it, every other servable one every
+    token and its Done, and every page comes back."""
+    rng = np.random.default_rng(seed)
+    requests = [
+        Request(
+            f"r{i}",
+            SHARED[:shared] + tuple(rng.integers(0, DEMO_CONFIG.vocab_size, own).tolist()),
+            max_tokens=max_tokens,
+            n=n,
+            priority=priority,
+        )
+        for i, (shared, own, n, max_tokens, _, priority) in enumerate(shapes)
+    ]
+    engine = engine_with_pool(weights, num_pages)
+    scheduler = Scheduler(engine, max_prefill_tokens=prefill_budget)
+    events: dict[str, list] = {}
+    for r in requests:
+        if footprint(r, DEMO_PAGE) <= num_pages:
+            events[r.request_id] = []
+            scheduler.submit(r, events[r.request_id].append)
+    cancel_at = {f"r{i}": step for i, step in enumerate(cancels) if step is not None}
+    seen: dict[str, int] = {}
+    bound = 10 * sum(r.n * (len(r.prompt) + r.max_tokens) for r in requests) + 50
+    step = 0
+    while scheduler.has_work:
+        for rid, at in cancel_at.items():
+            if at == step and rid in events and rid not in seen:
+                scheduler.cancel(rid)
+                seen[rid] = len(events[rid])
+        if scheduler.has_work:
+            scheduler.step()
+        step += 1
+        assert step <= bound
+    for r in requests:
+        if r.request_id not in events:
+            continue
+        got = events[r.request_id]
+        if r.request_id in seen:
+            assert len(got) == seen[r.request_id]
+        else:
+            assert isinstance(got[-1], Done), got[-1]
+            tokens = sum(len(e.token_ids) for e in got if isinstance(e, Delta))
+            assert tokens == r.n * r.max_tokens
+    assert engine.manager.num_used_pages == 0
+    engine.manager.validate()
