@@ -85,17 +85,7 @@ def test_every_request_the_pool_can_hold_completes(
     weights = weights if model == "demo" else gemma_weights
     num_pages *= 16 // page_size
     rng = np.random.default_rng(seed)
-    requests = [
-        Request(
-            f"r{i}",
-            SHARED[:shared] + tuple(rng.integers(0, config.vocab_size, own).tolist()),
-            max_tokens=max_tokens,
-            n=n,
-            arrival_step=arrival,
-            priority=priority,
-        )
-        for i, (shared, own, n, max_tokens, arrival, priority) in enumerate(shapes)
-    ]
+    requests = make_requests(shapes, config.vocab_size, rng)
     fits = {
         r.request_id: r.n <= max_num_seqs and footprint(r, page_size) <= num_pages for r in requests
     }
@@ -131,6 +121,22 @@ def test_every_request_the_pool_can_hold_completes(
         else:
             assert (s.finish_reason, early, len(s.tokens)) == ("length", [], r.max_tokens), s
     assert_reference_tokens(config, weights, [s for s in sequences if fits[s.request.request_id]])
+
+
+def make_requests(shapes, vocab_size: int, rng: np.random.Generator) -> list[Request]:
+    """Request i of each drawn shape (`request_shapes`), its own tokens drawn
+    from rng."""
+    return [
+        Request(
+            f"r{i}",
+            SHARED[:shared] + tuple(rng.integers(0, vocab_size, own).tolist()),
+            max_tokens=max_tokens,
+            n=n,
+            arrival_step=arrival,
+            priority=priority,
+        )
+        for i, (shared, own, n, max_tokens, arrival, priority) in enumerate(shapes)
+    ]
 
 
 def footprint(request: Request, page_size: int) -> int:
@@ -170,17 +176,8 @@ def test_cancelled_requests_give_their_pages_back_and_others_complete(
     step (waiting, prefilling in chunks, decoding or preempted): each
     cancelled one gets no event after it, every other servable one every
     token and its Done, and every page comes back."""
-    rng = np.random.default_rng(seed)
-    requests = [
-        Request(
-            f"r{i}",
-            SHARED[:shared] + tuple(rng.integers(0, DEMO_CONFIG.vocab_size, own).tolist()),
-            max_tokens=max_tokens,
-            n=n,
-            priority=priority,
-        )
-        for i, (shared, own, n, max_tokens, _, priority) in enumerate(shapes)
-    ]
+    # Every request is submitted at once; arrival steps are run()'s.
+    requests = make_requests(shapes, DEMO_CONFIG.vocab_size, np.random.default_rng(seed))
     engine = engine_with_pool(weights, num_pages)
     scheduler = Scheduler(engine, max_prefill_tokens=prefill_budget)
     events: dict[str, list] = {}
