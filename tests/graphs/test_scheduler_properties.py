@@ -1,6 +1,7 @@
 """The scheduler under generated load on pools too small for it: requests of
-random prompts (some sharing a prefix), samples, lengths, priorities and
-arrival steps, whole or chunked prefills, on the demo's model and on the
+random prompts (some sharing a prefix, some asking for prompt logprobs and
+so prefilled whole), samples, lengths, priorities and arrival steps, whole
+or chunked prefills, on the demo's model and on the
 Gemma-3-shaped one (sliding-window layers, whose pages come back as the
 window passes). Whatever the admission and preemption order, every request
 the pool can hold at its full length gets all its tokens, the same as the
@@ -44,6 +45,7 @@ request_shapes = st.lists(
         st.integers(1, 24),  # max_tokens
         st.integers(0, 6),  # arrival step
         st.integers(0, 2),  # priority (lower first, under the "priority" policy)
+        st.sampled_from([None, None, 0, 2]),  # prompt_logprobs (prefilled whole)
     ),
     min_size=1,
     max_size=5,
@@ -71,7 +73,7 @@ def gemma_weights():
 # a page for the next token at the length held before that chunk), and
 # failed as if the pool could not hold it.
 @example(
-    shapes=[(0, 1, 1, 1, 0, 0)] * 3 + [(0, 10, 1, 24, 0, 0), (0, 1, 2, 17, 0, 0)],
+    shapes=[(0, 1, 1, 1, 0, 0, None)] * 3 + [(0, 10, 1, 24, 0, 0, None), (0, 1, 2, 17, 0, 0, None)],
     num_pages=4,
     prefill_budget=8,
     max_num_seqs=64,
@@ -134,8 +136,9 @@ def make_requests(shapes, vocab_size: int, rng: np.random.Generator) -> list[Req
             n=n,
             arrival_step=arrival,
             priority=priority,
+            prompt_logprobs=prompt_logprobs,
         )
-        for i, (shared, own, n, max_tokens, arrival, priority) in enumerate(shapes)
+        for i, (shared, own, n, max_tokens, arrival, priority, prompt_logprobs) in enumerate(shapes)
     ]
 
 
