@@ -20,7 +20,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gemma3_shaped
-from conftest import DEMO_CONFIG, DEMO_PAGE, assert_reference_tokens, engine_with_pool
+from conftest import (
+    DEMO_CONFIG,
+    DEMO_PAGE,
+    assert_exact_and_released,
+    assert_released,
+    engine_with_pool,
+)
 from pagedkv.graphs.model import init_weights
 from pagedkv.graphs.scheduler import Delta, Done, Request, Scheduler
 
@@ -92,14 +98,16 @@ def test_every_request_the_pool_can_hold_completes(
         r.request_id: r.n <= max_num_seqs and footprint(r, page_size) <= num_pages for r in requests
     }
     options = {"max_num_seqs": max_num_seqs, "max_prefill_tokens": prefill_budget}
-    sequences = serve(make_engine(weights, num_pages), requests, policy=policy, **options)
+    engine = make_engine(weights, num_pages)
+    sequences = serve(engine, requests, policy=policy, **options)
     for s in sequences:
         if fits[s.request.request_id]:
             assert (s.error, s.finish_reason) == (None, "length"), s
             assert len(s.tokens) == s.request.max_tokens
         else:
             assert s.error is not None and not s.tokens
-    assert_reference_tokens(config, weights, [s for s in sequences if fits[s.request.request_id]])
+    served = [s for s in sequences if fits[s.request.request_id]]
+    assert_exact_and_released(engine, config, weights, served)
 
     # Again, each request stopping at a token of its first sample's answer:
     # its samples end early (a fork's before another's), release their
@@ -110,7 +118,8 @@ def test_every_request_the_pool_can_hold_completes(
         answer = answers[r.request_id] or [0]
         stop = answer[int(rng.integers(len(answer)))]
         stopping.append(replace(r, stop_token_ids=frozenset({stop})))
-    sequences = serve(make_engine(weights, num_pages), stopping, policy=policy, **options)
+    engine = make_engine(weights, num_pages)
+    sequences = serve(engine, stopping, policy=policy, **options)
     for s in sequences:
         r = s.request
         if not fits[r.request_id]:
@@ -122,7 +131,8 @@ def test_every_request_the_pool_can_hold_completes(
             assert early == [len(s.tokens) - 1], s
         else:
             assert (s.finish_reason, early, len(s.tokens)) == ("length", [], r.max_tokens), s
-    assert_reference_tokens(config, weights, [s for s in sequences if fits[s.request.request_id]])
+    served = [s for s in sequences if fits[s.request.request_id]]
+    assert_exact_and_released(engine, config, weights, served)
 
 
 def make_requests(shapes, vocab_size: int, rng: np.random.Generator) -> list[Request]:
@@ -147,20 +157,22 @@ def footprint(request: Request, page_size: int) -> int:
     return request.n * -(-(len(request.prompt) + request.max_tokens) // page_size)
 
 
+def step_bound(requests: list[Request]) -> int:
+    """Steps that serving `requests` may take. Every step prefills, preempts
+    or decodes; far more steps than tokens means requests are readmitted
+    and preempted again without end."""
+    return 10 * sum(r.n * (len(r.prompt) + r.max_tokens) for r in requests) + 50
+
+
 def serve(engine, requests: list[Request], **options) -> list:
-    """Scheduler(engine, **options).run(requests)'s sequences, the step count
-    bounded, with every page back and the manager's books valid after."""
-    scheduler = Scheduler(engine, keep_logits=True, **options)
-    # Every step prefills, preempts or decodes; far more steps than tokens
-    # means requests are readmitted and preempted again without end.
-    bound = 10 * sum(r.n * (len(r.prompt) + r.max_tokens) for r in requests) + 50
+    """Scheduler(engine, **options).run(requests)'s sequences, within
+    `step_bound` steps."""
+    bound = step_bound(requests)
 
     def on_step(step: int, *_) -> None:
         assert step <= bound, f"{step} steps for {len(requests)} requests"
 
-    sequences, _ = scheduler.run(requests, on_step=on_step)
-    assert engine.manager.num_used_pages == 0
-    engine.manager.validate()
+    sequences, _ = Scheduler(engine, keep_logits=True, **options).run(requests, on_step=on_step)
     return sequences
 
 
@@ -190,7 +202,7 @@ def test_cancelled_requests_give_their_pages_back_and_others_complete(
             scheduler.submit(r, events[r.request_id].append)
     cancel_at = {f"r{i}": step for i, step in enumerate(cancels) if step is not None}
     seen: dict[str, int] = {}
-    bound = 10 * sum(r.n * (len(r.prompt) + r.max_tokens) for r in requests) + 50
+    bound = step_bound(requests)
     step = 0
     while scheduler.has_work:
         for rid, at in cancel_at.items():
@@ -211,5 +223,4 @@ def test_cancelled_requests_give_their_pages_back_and_others_complete(
             assert isinstance(got[-1], Done), got[-1]
             tokens = sum(len(e.token_ids) for e in got if isinstance(e, Delta))
             assert tokens == r.n * r.max_tokens
-    assert engine.manager.num_used_pages == 0
-    engine.manager.validate()
+    assert_released(engine)
