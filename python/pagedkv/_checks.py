@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,37 @@ def checked_scales(
         s if s is None or type(s) is float else check_scale(name, s, finite=False)
         for name, s in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
     )
+
+
+def available_memory() -> int:
+    """Bytes of host memory free for a new allocation: Linux's MemAvailable,
+    or the physical memory where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_plan_size(what: str, count: int, bytes_each: int) -> None:
+    """Raises ValueError before a plan builds host arrays of `count` entries
+    of `bytes_each` bytes (with their NumPy temporaries) that would take more
+    than half of the host's available memory. Plans are sized by their index
+    arrays' values (a qo_indptr ending near 2^31 asks for 2^31 queries), and
+    run() would need data arrays larger still, so only tables no call could
+    run get here; without the check they end in a MemoryError, or in the OOM
+    killer on a host that overcommits."""
+    need = count * bytes_each
+    have = available_memory()
+    if need > have // 2:
+        raise ValueError(
+            f"{what} asks for {count} entries: planning them takes "
+            f"{need / 2**30:.1f} GiB, more than half of the host's "
+            f"{have / 2**30:.1f} GiB available"
+        )
 
 
 def check_writable(name: str, x: Array) -> None:

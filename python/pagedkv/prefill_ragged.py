@@ -18,6 +18,7 @@ from ._checks import (
     APPROXIMATIONS,
     as_int32_index,
     check_index_array,
+    check_plan_size,
     check_scale,
     host_index_copy,
     host_int_array,
@@ -127,6 +128,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         if host[0] != 0 or (np.diff(host) < 0).any():
             raise ValueError("kv_indptr must start at 0 and never decrease")
         nnz = int(host[-1])
+        # The one-token page table below, and its copies while planned.
+        check_plan_size("kv_indptr's keys", nnz, 16)
         # One-token pages: request b holds pages kv_indptr[b]..kv_indptr[b+1]-1,
         # all full (a request without keys has a last page of 0 tokens).
         self._paged.plan(

@@ -307,3 +307,27 @@ def test_arguments_that_are_not_arrays_or_sizes_are_refused_by_name(rng):
             pagedkv.trtllm_batch_decode_with_kv_cache(**{**call, "max_seq_len": bad})
     out = pagedkv.trtllm_batch_decode_with_kv_cache(**call)  # the same call, whole, runs
     assert out.shape == q.shape
+
+
+def test_plans_larger_than_the_host_could_hold_are_refused(monkeypatch):
+    """A plan sized by its index arrays' values (a qo_indptr asking for many
+    queries, a ragged kv_indptr for many keys) is a ValueError naming the
+    array before its work list is built, once it would take more than half
+    of the available memory (here made 1 MiB); the same plans fit otherwise."""
+    table = np.array([0, 1], np.int32), np.array([0], np.int32), np.array([4], np.int32)
+    queries = np.array([0, 2**20], np.int32)
+    keys = np.array([0, 2**20], np.int32)
+
+    def plan_both():
+        prefill = pagedkv.BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
+        prefill.plan(queries, *table, 8, 8, 64, 16)
+        ragged = pagedkv.BatchPrefillWithRaggedKVCacheWrapper()
+        ragged.plan(np.array([0, 1], np.int32), keys, 8, 8, 64)
+
+    plan_both()
+    monkeypatch.setattr(pagedkv._checks, "available_memory", lambda: 2**20)
+    with pytest.raises(ValueError, match="qo_indptr's queries asks for 16384 entries"):
+        plan_both()
+    queries = np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match="kv_indptr's keys asks for 1048576 entries"):
+        plan_both()

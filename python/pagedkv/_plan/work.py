@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 from max.dtype import DType
 
-from .._checks import INT32_MAX, check_float, check_int
+from .._checks import INT32_MAX, check_float, check_int, check_plan_size
 from .._ops.contract import (
     CPU_HEAD_DIMS,
     CPU_MAX_HEAD_DIM,
@@ -309,6 +309,11 @@ GPU_MAX_ROWS = 8
 """Query rows per GPU thread block (MAX_ROWS in mojo_ops/attention/gpu/generic.mojo)."""
 
 
+WORK_ITEM_BYTES = 160
+"""Host bytes a work item takes while a plan builds its list: its six int32
+fields and the int64 temporaries NumPy makes on the way (about a dozen)."""
+
+
 def item_array(*fields: np.ndarray) -> np.ndarray:
     """Work items [I, ITEM_FIELDS]: request, first query row, query rows,
     first query's position, first key, end key (mojo_ops/attention/work.mojo)."""
@@ -577,6 +582,7 @@ def prefill_work(
     # starts from the first query (no align) or from position 0 (align).
     offset = np.zeros_like(starts) if align is None else starts % tile
     tiles = np.where(counts > 0, -(-(counts + offset) // tile), 0)
+    check_plan_size("qo_indptr's queries", int(tiles.sum()), WORK_ITEM_BYTES)
     request_items = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     request = np.repeat(np.arange(len(counts)), tiles)
     k = np.arange(int(request_items[-1])) - request_items[request]
