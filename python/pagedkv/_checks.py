@@ -124,9 +124,10 @@ def available_memory() -> int:
 
 
 def check_plan_size(what: str, count: int, bytes_each: int) -> None:
-    """Raises ValueError before a plan builds host arrays of `count` entries
-    of `bytes_each` bytes (with their NumPy temporaries) that would take more
-    than half of the host's available memory. Plans are sized by their index
+    """Raises ValueError (naming `what`, the entries counted) before a plan
+    builds host arrays of `count` entries of `bytes_each` bytes (with their
+    NumPy temporaries) that would take more than half of the host's
+    available memory. Plans are sized by their index
     arrays' values (a qo_indptr ending near 2^31 asks for 2^31 queries), and
     run() would need data arrays larger still, so only tables no call could
     run get here; without the check they end in a MemoryError, or in the OOM
@@ -139,9 +140,8 @@ def check_plan_size(what: str, count: int, bytes_each: int) -> None:
     have = available_memory()
     if need > have // 2:
         raise ValueError(
-            f"{what} asks for {count} entries: planning them takes "
-            f"{need / 2**30:.1f} GiB, more than half of the host's "
-            f"{have / 2**30:.1f} GiB available"
+            f"{what} ({count}) would take {need / 2**30:.1f} GiB to plan, "
+            f"more than half of the host's {have / 2**30:.1f} GiB available"
         )
 
 

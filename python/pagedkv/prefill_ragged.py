@@ -129,7 +129,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             raise ValueError("kv_indptr must start at 0 and never decrease")
         nnz = int(host[-1])
         # The one-token page table below, and its copies while planned.
-        check_plan_size("kv_indptr's keys", nnz, 16)
+        check_plan_size("the one-token pages of kv_indptr's keys", nnz, 16)
         # One-token pages: request b holds pages kv_indptr[b]..kv_indptr[b+1]-1,
         # all full (a request without keys has a last page of 0 tokens).
         self._paged.plan(

@@ -326,8 +326,12 @@ def test_plans_larger_than_the_host_could_hold_are_refused(monkeypatch):
 
     plan_both()
     monkeypatch.setattr(pagedkv._checks, "available_memory", lambda: 2**20)
-    with pytest.raises(ValueError, match="qo_indptr's queries asks for 16384 entries"):
+    with pytest.raises(
+        ValueError, match=r"the work items of qo_indptr's queries \(16384\) would take"
+    ):
         plan_both()
     queries = np.array([0, 1], np.int32)
-    with pytest.raises(ValueError, match="kv_indptr's keys asks for 1048576 entries"):
+    with pytest.raises(
+        ValueError, match=r"the one-token pages of kv_indptr's keys \(1048576\) would"
+    ):
         plan_both()

@@ -582,7 +582,7 @@ def prefill_work(
     # starts from the first query (no align) or from position 0 (align).
     offset = np.zeros_like(starts) if align is None else starts % tile
     tiles = np.where(counts > 0, -(-(counts + offset) // tile), 0)
-    check_plan_size("qo_indptr's queries", int(tiles.sum()), WORK_ITEM_BYTES)
+    check_plan_size("the work items of qo_indptr's queries", int(tiles.sum()), WORK_ITEM_BYTES)
     request_items = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     request = np.repeat(np.arange(len(counts)), tiles)
     k = np.arange(int(request_items[-1])) - request_items[request]
