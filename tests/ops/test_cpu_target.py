@@ -185,7 +185,7 @@ AVX2_SUITES = [
     "tests/ops/test_linear.py",
     "tests/api/test_decode.py",
     "tests/api/test_prefill.py",
-    # On a VNNI host the int8 pool's products multiply codes; AVX2 widens them.
+    # The int8 pool's products multiply codes: vpmaddwd here, vpdpwssd with VNNI.
     "tests/api/test_int8_cache.py",
 ]
 

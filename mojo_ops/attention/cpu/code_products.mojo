@@ -1,8 +1,9 @@
 """A task's products over an int8 pool in integer arithmetic: q and the
 probabilities rounded to 16-bit codes and multiplied by the pool's K and V
-codes, two products to a 32-bit lane (`dot_i16`: one `vpdpwssd` with VNNI
-takes 32 of a vector's products, where a float32 FMA takes 16), instead of
-the codes widened to float32 (products.mojo).
+codes, two products to a 32-bit lane (`dot_i16`), instead of the codes
+widened to float32 (products.mojo). A multiplying instruction then takes
+twice the products of a float32 FMA: one `vpdpwssd` with VNNI, or
+`vpmaddwd` with AVX2, whose add goes to a port the multiplies leave free.
 
 - Scores: each query row is rounded to codes within CODE_MAX, q[r] ~
   sq[r] * cq[r], and score[r, j] = sq[r] * w[j] * (cq[r] . ck[j]), w[j]
@@ -24,7 +25,7 @@ from std.memory import bitcast, stack_allocation
 from std.sys import llvm_intrinsic
 
 from ...cache.paged_kv_cache import Ptr
-from ...simd.int8_dot import VNNI
+from ...simd.int8_dot import MADDUBS, VNNI
 from ...simd.lane_reduce import reduce_many
 from ...simd.widen import F32, W
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
@@ -37,11 +38,11 @@ from .products import (
 )
 from .task_state import TaskState
 
-comptime CODE_PRODUCTS = VNNI
+comptime CODE_PRODUCTS = VNNI or MADDUBS
 """Whether tasks of products over an int8 pool multiply codes on this
-target: with VNNI's `vpdpwssd` an instruction takes twice an FMA's
-products. Elsewhere (AVX2's `vpmaddwd` and an add take as many
-instructions as the FMAs) they widen the codes to float32."""
+target: x86 with VNNI (`vpdpwssd`) or AVX2 (`vpmaddwd`, then `vpaddd` on
+another port), where a multiply takes twice an FMA's products. Elsewhere
+they widen the codes to float32."""
 comptime CODE_MAX = 32767
 """The largest magnitude of q's and the probabilities' codes."""
 
