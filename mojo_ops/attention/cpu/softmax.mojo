@@ -10,14 +10,14 @@ from ...simd.exp2 import exp2_f32, nan_lanes
 from ...simd.lane_reduce import reduce_many
 from ...simd.widen import F32, W
 from ..custom_mask import CustomMask
-from ..params import AttentionParams
+from ..params import POS_ALIBI, AttentionParams
 from .key_chunks import CHUNK
 from .task_state import TaskState
 
 
 @always_inline
 def softmax_tile[
-    tile: Int
+    tile: Int, whole: Bool = False
 ](
     head_dim: Int,
     params: AttentionParams,
@@ -41,6 +41,9 @@ def softmax_tile[
     causal, before its window, masked out) get no weight. The tile's rows go
     through each step together, without branches, so that their reductions
     and exponentials overlap instead of forming one long chain per row.
+    With `whole` (`sees_whole_chunk`), every row sees all CHUNK keys and
+    the scores are final as they are: the masks and the score function
+    are skipped.
     """
     comptime vectors = CHUNK // W
     var iota = SIMD[F32, W]()
@@ -56,21 +59,21 @@ def softmax_tile[
         var top = SIMD[F32, W](neg_inf[F32]())
         var nan_seen = SIMD[DType.bool, W](fill=False)
         comptime for c in range(vectors):
-            var distance = (
-                iota + Float32(kv_pos0 + c * W) - row_pos[unsafe_offset=g]
-            )
-            var s = params.finish_scores(
-                row.unsafe_offset(c * W).unsafe_load[width=W](),
-                alibi_log2[unsafe_offset=g],
-                distance,
-            )
-            var seen = params.visible(distance, iota.lt(Float32(n - c * W)))
-            if mask.enabled:
-                seen = seen & mask.lanes[W](
-                    Int(mask_bit[unsafe_offset=g]) + kv_pos0 + c * W
+            var s = row.unsafe_offset(c * W).unsafe_load[width=W]()
+            comptime if not whole:
+                var distance = (
+                    iota + Float32(kv_pos0 + c * W) - row_pos[unsafe_offset=g]
                 )
-            s = seen.select(s, neg_inf[F32]())
-            row.unsafe_offset(c * W).unsafe_store(s)
+                s = params.finish_scores(
+                    s, alibi_log2[unsafe_offset=g], distance
+                )
+                var seen = params.visible(distance, iota.lt(Float32(n - c * W)))
+                if mask.enabled:
+                    seen = seen & mask.lanes[W](
+                        Int(mask_bit[unsafe_offset=g]) + kv_pos0 + c * W
+                    )
+                s = seen.select(s, neg_inf[F32]())
+                row.unsafe_offset(c * W).unsafe_store(s)
             top = max(top, s)
             nan_seen = nan_seen | nan_lanes(s)
         tops[unsafe_offset=g] = top
@@ -107,6 +110,32 @@ def softmax_tile[
 
 
 @always_inline
+def sees_whole_chunk(
+    params: AttentionParams,
+    mask: CustomMask,
+    state: TaskState,
+    count: Int,
+    n: Int,
+    kv_pos0: Int,
+) -> Bool:
+    """Whether each of the count rows sees every key of a full chunk from
+    kv_pos0 with its score as it is: no custom mask, window, soft cap or
+    ALiBi, and each row's query at or past the chunk's last key (or no
+    causal mask)."""
+    if n != CHUNK or mask.enabled or params.window_left >= 0:
+        return False
+    if params.has_soft_cap() or params.pos_encoding == POS_ALIBI:
+        return False
+    if not params.causal:
+        return True
+    var last = Float32(kv_pos0 + CHUNK - 1)
+    for r in range(count):
+        if state.row_pos[unsafe_offset=r] < last:
+            return False
+    return True
+
+
+@always_inline
 def softmax_rows(
     head_dim: Int,
     params: AttentionParams,
@@ -118,6 +147,29 @@ def softmax_rows(
 ):
     """The online softmax step of one chunk of n keys from kv_pos0 for all
     the task's count query rows, in tiles of 8, 4, 2 and 1."""
+    if sees_whole_chunk(params, mask, state, count, n, kv_pos0):
+        softmax_tiles[whole=True](
+            head_dim, params, mask, state, count, n, kv_pos0
+        )
+    else:
+        softmax_tiles[whole=False](
+            head_dim, params, mask, state, count, n, kv_pos0
+        )
+
+
+@always_inline
+def softmax_tiles[
+    whole: Bool
+](
+    head_dim: Int,
+    params: AttentionParams,
+    mask: CustomMask,
+    state: TaskState,
+    count: Int,
+    n: Int,
+    kv_pos0: Int,
+):
+    """`softmax_tile[whole]` over the count rows, in tiles of 8, 4, 2 and 1."""
     var r = 0
     while r < count:
         var left = count - r
@@ -125,7 +177,7 @@ def softmax_rows(
         comptime for i in range(4):
             comptime tile = 8 >> i
             if not taken and left >= tile:
-                softmax_tile[tile](
+                softmax_tile[tile, whole](
                     head_dim,
                     params,
                     mask,
