@@ -249,6 +249,26 @@ def test_shared_prefix_work_refuses_what_it_cannot_share():
     assert items[:, 4:].tolist() == [[0, 64], [64, 69], [0, 64], [64, 73], [0, 64], [64, 84]]
 
 
+@pytest.mark.parametrize(
+    ("cores", "prefix", "keys"),
+    [(2, 926, 464), (2, 64, 256), (8, 926, 256), (4, 4000, 1008), (1, 926, 928)],
+)
+def test_a_shared_prefix_is_split_once_per_core_in_pages(monkeypatch, cores, prefix, keys):
+    """A shared prefix's decode items: one per core of whole pages, never
+    under min_chunk (256) keys, so the setup of the many queries an item
+    holds is paid as few times as keeps every core busy."""
+    monkeypatch.setattr(attention_work, "cpu_count", lambda: cores)
+    lens = np.full(32, prefix + 20)
+    shared = np.full(32, prefix)
+    assert attention_work.shared_prefix_chunk(shared, P, 256) == keys
+    items, request_items = attention_work.decode_work(
+        lens, P, HQ, HKV, heads_per_task(HQ, HKV), AttentionOptions(D), False, shared_prefix=shared
+    )
+    first, end = items[: request_items[1], 4], items[: request_items[1], 5]
+    assert (first[1:] == end[:-1]).all() and first[0] == 0 and end[-1] == prefix + 20
+    assert (np.diff(first) == keys)[: -(-prefix // keys) - 1].all()
+
+
 @pytest.mark.parametrize("length", [1, 17, 300, 5000])
 def test_one_request_shares_nothing_and_its_work_list_is_the_plain_one(length):
     """A lone request has no neighbour to share a prefix with, so

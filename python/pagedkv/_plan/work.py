@@ -349,8 +349,8 @@ def decode_work(
     `decode_split_cap`). shared_prefix [B] (CPU, no window, no fixed_chunk):
     tokens of each request's prefix whose pages a neighbour in the batch
     shares (`shared_prefix_tokens`); its keys are split apart from the
-    rest, in chunks of min_chunk, for `share_decode_prefixes`. Returns items
-    [I, 6] and request_items [B + 1].
+    rest, in chunks of `shared_prefix_chunk`, for `share_decode_prefixes`.
+    Returns items [I, 6] and request_items [B + 1].
     """
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     if options.window_left < 0:
@@ -377,7 +377,8 @@ def decode_work(
         longest_pages = -(-int(span.max(initial=0)) // page_size)
         chunk = max(chunk, -(-longest_pages // max_splits) * page_size)
     if shared_prefix is not None and not is_gpu and options.window_left < 0:
-        return shared_prefix_items(seq_lens, shared_prefix, chunk, min_chunk)
+        shared_chunk = shared_prefix_chunk(shared_prefix, page_size, min_chunk)
+        return shared_prefix_items(seq_lens, shared_prefix, chunk, shared_chunk)
     counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
@@ -396,14 +397,25 @@ def decode_work(
     return items, request_items
 
 
+def shared_prefix_chunk(shared_prefix: np.ndarray, page_size: int, min_chunk: int) -> int:
+    """Keys of each decode item over a shared prefix (whole pages): the
+    longest shared prefix split once per core, and min_chunk at least. An
+    item's setup (its queries loaded and coded, its partial states written
+    and merged) is paid once per item, and a shared item's run is long:
+    one per core keeps the cores even at the fewest items."""
+    longest = int(np.max(shared_prefix, initial=0))
+    chunk = max(min_chunk, -(-longest // cpu_count()))
+    return -(-chunk // page_size) * page_size
+
+
 def shared_prefix_items(
     seq_lens: np.ndarray, shared_prefix: np.ndarray, chunk: int, shared_chunk: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode items (CPU, no window) whose keys split at each request's
     shared prefix: the prefix in chunks of shared_chunk (the queries of many
-    requests share each of those items, so smaller chunks keep the cores
-    even), then the rest in chunks of `chunk`. Returns items and
-    request_items as `decode_work` does."""
+    requests share each of those items: `shared_prefix_chunk`), then the
+    rest in chunks of `chunk`. Returns items and request_items as
+    `decode_work` does."""
     prefix = np.minimum(np.asarray(shared_prefix, np.int64), seq_lens)
     heads = -(-prefix // shared_chunk)
     tails = np.maximum(-(-(seq_lens - prefix) // chunk), 1)
