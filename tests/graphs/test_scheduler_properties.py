@@ -7,8 +7,9 @@ window passes). Whatever the admission and preemption order, every request
 the pool can hold at its full length gets all its tokens, the same as the
 NumPy model's, in a bounded number of steps, and every page comes back;
 the others are refused before anything runs. Run again with a stop token
-each, samples end where their answers first hold it; with some requests
-cancelled at a step, the others still complete and no page is lost."""
+each, samples end where their answers first hold it, and later than that
+where min_tokens holds the stop token back; with some requests cancelled
+at a step, the others still complete and no page is lost."""
 
 from __future__ import annotations
 
@@ -223,4 +224,56 @@ def test_cancelled_requests_give_their_pages_back_and_others_complete(
             assert isinstance(got[-1], Done), got[-1]
             tokens = sum(len(e.token_ids) for e in got if isinstance(e, Delta))
             assert tokens == r.n * r.max_tokens
+    assert_released(engine)
+
+
+@settings(max_examples=10, suppress_health_check=list(HealthCheck))
+@given(
+    shapes=request_shapes,
+    num_pages=st.integers(3, 10),
+    prefill_budget=st.sampled_from([8, 4096]),
+    seed=st.integers(0, 2**16),
+)
+def test_min_tokens_holds_stop_tokens_back_through_preemption(
+    weights, shapes, num_pages, prefill_budget, seed
+):
+    """The same loads on the demo's model, each request stopping at a
+    token of its first sample's answer and asking for min_tokens past
+    that token's first place in it: whatever the preemptions and chunked
+    prefills, no sample holds a stop token among its first min_tokens
+    tokens, a first sample's answer is the unstopped one's until that
+    place, a sample that stops ends on its first stop token, and every
+    page comes back."""
+    rng = np.random.default_rng(seed)
+    requests = make_requests(shapes, DEMO_CONFIG.vocab_size, rng)
+    fits = {r.request_id: footprint(r, DEMO_PAGE) <= num_pages for r in requests}
+    options = {"max_prefill_tokens": prefill_budget}
+    sequences = serve(engine_with_pool(weights, num_pages), requests, **options)
+    answers = {s.request.request_id: s.tokens for s in sequences if s.sample == 0}
+    holding = []
+    for r in requests:
+        answer = answers[r.request_id] or [0]
+        stop = answer[int(rng.integers(len(answer)))]
+        first = answer.index(stop)
+        held = min(first + 1 + int(rng.integers(0, 3)), r.max_tokens)
+        holding.append(replace(r, stop_token_ids=frozenset({stop}), min_tokens=held))
+    engine = engine_with_pool(weights, num_pages)
+    for s in serve(engine, holding, **options):
+        r = s.request
+        if not fits[r.request_id]:
+            assert s.error is not None and not s.tokens
+            continue
+        assert s.error is None, s
+        if s.sample == 0:
+            # Greedy, its row's first choice; the other samples take the
+            # next ones, which the held stop token may shift from the start.
+            (stop,) = r.stop_token_ids
+            first = answers[r.request_id].index(stop)
+            assert s.tokens[:first] == answers[r.request_id][:first], s
+        stops = [i for i, t in enumerate(s.tokens) if t in r.stop_token_ids]
+        assert not stops or stops[0] >= r.min_tokens, s
+        if s.finish_reason == "stop":
+            assert stops == [len(s.tokens) - 1], s
+        else:
+            assert (s.finish_reason, stops, len(s.tokens)) == ("length", [], r.max_tokens), s
     assert_released(engine)
