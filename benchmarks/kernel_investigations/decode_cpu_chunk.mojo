@@ -52,21 +52,12 @@ from mojo_ops.attention.cpu.scores import score_tile
 from mojo_ops.attention.cpu.softmax import softmax_rows
 from mojo_ops.attention.cpu.task import attention_task
 from mojo_ops.attention.cpu.task_state import TaskState
-from mojo_ops.attention.custom_mask import CustomMask
 from mojo_ops.attention.params import AttentionParams
 from mojo_ops.attention.work import AttentionWork
 from mojo_ops.cache.paged_kv_cache import DYNAMIC, KVLayout, PagedKVCache, Ptr
 from mojo_ops.simd.widen import W
 from mojo_ops.work_queue import parallel_dynamic
-
-
-def no_mask() -> CustomMask:
-    """A disabled custom mask (its pointers are never read)."""
-    return CustomMask(
-        rebind[Ptr[DType.uint8]](unsafe_alloc[UInt8](8)),
-        rebind[Ptr[DType.int32]](unsafe_alloc[Int32](1)),
-        enabled=False,
-    )
+from rig_parts import PEAK_CHAINS, fma_rate, no_mask
 
 
 comptime HEAD_DIM = 128
@@ -85,7 +76,6 @@ comptime BATCH = 64
 comptime BATCH_TOKENS = 2048
 """The batch from memory: 64 requests of 2048 tokens, 256 MiB of bfloat16
 K/V (512 MiB of float32), one task per request."""
-comptime PEAK_CHAINS = 10
 comptime STEP_CHAINS = 8
 """FMA chains a scoring step or V pass keeps with AVX2 (`CHAINS` and
 `DOTS_PER_STEP` in mojo_ops/attention/cpu/step_sizes.mojo). In four runs
@@ -112,36 +102,6 @@ def index_array(values: List[Int]) -> Ptr[DType.int32]:
     for i in range(len(values)):
         p[unsafe_offset=i] = Int32(values[i])
     return p
-
-
-@no_inline
-def fma_rate[chains: Int]() -> Float64:
-    """Vector FMAs per ns on one core from `chains` independent chains of
-    register operands. With PEAK_CHAINS, enough to fill both FMA ports of
-    a Zen or Intel core (latency 4-5 cycles x 2 ports), the core's peak:
-    the anchor of the hot figures, as the FMAs a (token, KV head) takes, at
-    this rate, are the least time the arithmetic can take. With
-    STEP_CHAINS, what the kernel's AVX2 steps keep in flight, the most
-    those steps' FMAs could reach."""
-    comptime STEPS = 20_000_000
-    var acc = stack_allocation[chains, SIMD[DType.float32, W]]()
-    comptime for i in range(chains):
-        acc[unsafe_offset=i] = Float32(i + 2)  # Not 1: the fixed point.
-    var x = SIMD[DType.float32, W](0.999999)
-    var y = SIMD[DType.float32, W](1e-6)
-    var best = Float64.MAX
-    for _ in range(REPEATS // 3):
-        var start = Int(perf_counter_ns())
-        for _ in range(STEPS):
-            comptime for i in range(chains):
-                acc[unsafe_offset=i] = acc[unsafe_offset=i].fma(x, y)
-        best = min(best, Float64(Int(perf_counter_ns()) - start))
-    var total = SIMD[DType.float32, W](0)
-    comptime for i in range(chains):
-        total += acc[unsafe_offset=i]
-    if total[0] == 0:  # Keeps the chains.
-        print(total)
-    return Float64(STEPS * chains) / best
 
 
 def ns_per_token(start: Int, stop: Int) -> Float64:

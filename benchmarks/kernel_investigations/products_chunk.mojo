@@ -22,7 +22,6 @@ another port; AVX2 multiplies codes since (docs/design.md, "Kernel
 notes").
 """
 
-from std.memory import stack_allocation
 from std.memory.alloc import unsafe_alloc
 from std.time import perf_counter_ns
 
@@ -43,10 +42,10 @@ from mojo_ops.attention.cpu.products import (
 )
 from mojo_ops.attention.cpu.softmax import softmax_rows
 from mojo_ops.attention.cpu.task_state import TaskState
-from mojo_ops.attention.custom_mask import CustomMask
 from mojo_ops.attention.params import AttentionParams
 from mojo_ops.cache.paged_kv_cache import Ptr
 from mojo_ops.simd.widen import W
+from rig_parts import fma_rate, no_mask
 
 comptime HEAD_DIM = 64
 comptime ROWS = 96
@@ -57,47 +56,12 @@ comptime REPEATS = 7
 shared)."""
 
 
-def no_mask() -> CustomMask:
-    """A disabled custom mask (its pointers are never read)."""
-    return CustomMask(
-        rebind[Ptr[DType.uint8]](unsafe_alloc[UInt8](8)),
-        rebind[Ptr[DType.int32]](unsafe_alloc[Int32](1)),
-        enabled=False,
-    )
-
-
 def codes(n: Int) -> Ptr[DType.int8]:
     """n int8 codes in [-6, 6]."""
     var p = rebind[Ptr[DType.int8]](unsafe_alloc[Int8](n, alignment=64))
     for i in range(n):
         p[unsafe_offset=i] = Int8((i * 7919) % 13 - 6)
     return p
-
-
-@no_inline
-def fma_rate() -> Float64:
-    """Vector FMAs per ns on one core: ten independent chains of register
-    operands, enough to fill both FMA ports."""
-    comptime STEPS = 20_000_000
-    comptime CHAINS = 10
-    var acc = stack_allocation[CHAINS, SIMD[DType.float32, W]]()
-    comptime for i in range(CHAINS):
-        acc[unsafe_offset=i] = Float32(i + 2)  # Not 1: the fixed point.
-    var x = SIMD[DType.float32, W](0.999999)
-    var y = SIMD[DType.float32, W](1e-6)
-    var best = Float64.MAX
-    for _ in range(3):
-        var start = Int(perf_counter_ns())
-        for _ in range(STEPS):
-            comptime for i in range(CHAINS):
-                acc[unsafe_offset=i] = acc[unsafe_offset=i].fma(x, y)
-        best = min(best, Float64(Int(perf_counter_ns()) - start))
-    var total = SIMD[DType.float32, W](0)
-    comptime for i in range(CHAINS):
-        total += acc[unsafe_offset=i]
-    if total[0] == 0:  # Keeps the chains.
-        print(total)
-    return Float64(STEPS * CHAINS) / best
 
 
 def per_chunk(start: Int) -> Float64:
