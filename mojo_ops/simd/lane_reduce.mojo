@@ -2,6 +2,7 @@
 reduction), for dot products and row maxima."""
 
 from std.bit import log2_floor
+from std.memory import stack_allocation
 from std.utils import IndexList
 
 from .widen import F32, W
@@ -46,7 +47,8 @@ def reduce_many[
     count: Int, is_max: Bool = False
 ](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, count]:
     """The lane sums (or maxima) of count vectors, as one vector (lane i
-    reduces v[i]); v is overwritten.
+    reduces v[i]); v is overwritten. count is a power of two (a SIMD
+    vector's length is one): `reduce_padded` takes any.
 
     A transposed reduction: log2(count) levels of pairwise shuffles, then
     in-vector halving, instead of count separate horizontal reductions.
@@ -84,3 +86,32 @@ def reduce_many[
             # Only the low lanes matter from here on.
             x = rebind[SIMD[F32, W]](reduced.join(reduced))
         return x.slice[count]()
+
+
+def padded_lanes(count: Int) -> Int:
+    """count rounded up to a power of two."""
+    var lanes = 1
+    while lanes < count:
+        lanes *= 2
+    return lanes
+
+
+@always_inline
+def reduce_padded[
+    count: Int
+](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, padded_lanes(count)]:
+    """`reduce_many`'s lane sums of any count of vectors, at most W (a tile of
+    3 rows' dots): those of count rounded up to a power of two, the extra
+    vectors zeros, so lanes past count are 0; v may be overwritten."""
+    comptime lanes = padded_lanes(count)
+    comptime if lanes == count:
+        return rebind[SIMD[F32, lanes]](reduce_many[count](v))
+    else:
+        comptime assert lanes <= W, "padded vectors fit one vector's lanes"
+        var all = stack_allocation[lanes, SIMD[F32, W]]()
+        comptime for i in range(lanes):
+            comptime if i < count:
+                all[unsafe_offset=i] = v[unsafe_offset=i]
+            else:
+                all[unsafe_offset=i] = 0
+        return reduce_many[lanes](all)

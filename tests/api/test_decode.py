@@ -36,7 +36,7 @@ def test_decode_matches_reference(case: Case):
 
 # How a CPU task walks its KV heads depends on the heads it holds and their
 # query rows: heads of one row go 4 (float32) or 8 (16-bit, fp8) at a time,
-# of two rows half as many, the rest one by one in tiles of 8, 4, 2, 1 rows,
+# of two rows half as many, the rest one by one in tiles of 8, 4, 3, 2, 1 rows,
 # heads of three or more rows over sub-blocks of a block's tokens; blocks of
 # tokens are sized to the heads' bytes, and wide blocks skip the software
 # prefetch. Each case takes a different mix of these paths.
@@ -59,6 +59,10 @@ TASK_SHAPES = [
     # sub-blocks of 10, 10 and 4 (short requests: 10 and 6 or 7).
     Case("float32", "float32", 7, 4, 9, 256, 16, "NHD", "pool", "NONE", -1, None, None, 59),
     Case("bfloat16", "bfloat16", 7, 4, 3, 128, 16, "NHD", "pool", "NONE", -1, None, None, 60),
+    # Groups 3 (SmolLM2's) and 7: a head's rows in a tile of 3, and in tiles
+    # of 4 and 3, whose scoring steps reduce 6 or 12 dots (padded to 8, 16).
+    Case("float16", "float16", 7, 3, 3, 64, 16, "NHD", "pool", "NONE", -1, None, None, 61),
+    Case("float32", "float32", 7, 7, 2, 128, 16, "HND", "pool", "NONE", -1, None, None, 62),
 ]
 
 
@@ -72,10 +76,10 @@ def test_task_head_mixes_match_reference(case: Case):
 # dot products (q then unscaled, the scale applied to the scores), so lse,
 # in float32, holds to float32 sums, far inside the 1e-2 of the bfloat16
 # output; q rounded or scaled twice would move it by about that much. Groups
-# 1, 2, 4 and 8 take each scoring tile.
+# 1, 2, 3, 4 and 8 take each scoring tile.
 LSE_CASES = [
     Case("bfloat16", "bfloat16", 3, g, h, 128, 16, "NHD", "pool", "NONE", -1, None, s, 70 + g)
-    for g, h, s in [(1, 8, None), (2, 4, 0.05), (4, 8, None), (8, 2, 0.3)]
+    for g, h, s in [(1, 8, None), (2, 4, 0.05), (3, 3, None), (4, 8, None), (8, 2, 0.3)]
 ]
 
 

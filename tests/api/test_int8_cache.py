@@ -122,11 +122,13 @@ def test_append_leaves_other_pages_untouched():
     assert not torch.equal(pool[2], before[2])
 
 
-def test_decode_reads_an_int8_pool():
+# Groups 4, 3 (SmolLM2's) and 7: a KV head's rows in one tile of 4, one
+# of 3, and tiles of 4 and 3.
+@pytest.mark.parametrize("hq", [8, 6, 14])
+def test_decode_reads_an_int8_pool(hq):
     rng = np.random.default_rng(3)
     lens = [300, 1, 33]
     pool, indices, indptr, last, *_ = filled_pool(rng, lens)
-    hq = 8
     q = torch.randn(len(lens), hq, D)
     w = pagedkv.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8))
     w.plan(indptr, indices, last, hq, HKV, D, P, kv_data_type=torch.int8)

@@ -37,10 +37,10 @@ def accumulate_tile[
     comptime R = heads * tile
     comptime widest = row_run[kv_dtype]() if tile == 1 else MIN_HEAD_DIM
     # One slice where CHAINS rows fill the chains: two would hold 2 x CHAINS
-    # accumulators, past the registers.
-    comptime slices = 1 if R >= CHAINS else min(
-        max(CHAINS // R, BLOCK // W), widest // W
-    )
+    # accumulators, past the registers. Otherwise whole blocks, an even
+    # count (a tile of 3 rows: CHAINS // 3 rounded down to one).
+    comptime wanted = max(CHAINS // R - (CHAINS // R) % 2, BLOCK // W)
+    comptime slices = 1 if R >= CHAINS else min(wanted, widest // W)
     comptime if slices * W > MIN_HEAD_DIM:
         # As in `score_tile`: an odd number of granules, its own path.
         if head_dim % (slices * W) != 0:

@@ -109,7 +109,9 @@ def step_tokens[kv_dtype: DType](heads: Int, head_rows: Int) -> Int:
             DOTS_PER_STEP // paired if heads % (paired // 2)
             == 0 else DOTS_PER_STEP // 2
         )
-    # Tiles of 8, 4, 2, 1 rows take 2, 4, 8, 16 tokens a step.
+    # Tiles of 8, 4, 2, 1 rows take 2, 4, 8, 16 tokens a step (AVX-512), one
+    # of 3 as many as one of 4: DOTS_PER_STEP over head_rows' lowest set bit
+    # is a multiple of every tile's tokens.
     return DOTS_PER_STEP // min(head_rows & -head_rows, 8)
 
 

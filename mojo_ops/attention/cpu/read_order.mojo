@@ -1,7 +1,7 @@
 """The order in which the CPU task reads a chunk's K or V: block by block,
 all its heads of a block before the next; heads of one or two query rows
 several at a time, heads of more rows over sub-blocks; each head's rows in
-tiles of 8, 4, 2 and 1 (see task.mojo for the task as a whole)."""
+tiles of 8, 4, 3, 2 and 1 (see task.mojo for the task as a whole)."""
 
 from ...cache.paged_kv_cache import Ptr
 from .accumulate import accumulate_tile
@@ -59,6 +59,11 @@ def tile_rows[
         )
 
 
+def row_tile(i: Int) -> Int:
+    """The i-th tile of rows `walk_rows` tries, i < 5: 8, 4, 3, 2, 1."""
+    return 8 >> i if i < 2 else 5 - i
+
+
 @always_inline
 def walk_rows[
     kv_dtype: DType, scoring: Bool, raw_q: Bool = False
@@ -74,14 +79,17 @@ def walk_rows[
     prefetcher: BlockPrefetch,
 ):
     """`tile_rows` over the task's rows r0..r0+count of one KV head, in tiles
-    of 8, 4, 2 and 1; the first tile drives the prefetcher."""
+    of 8, 4, 3, 2 and 1; the first tile drives the prefetcher. A tile reads
+    each K and V row once for all its rows: the tile of 3 takes a GQA
+    group of 3 (or the rest of 7 after 4) in one pass, where 2 and 1 would
+    read and widen each row twice."""
     var r = r0
     var prefetching = prefetcher
     while r < r0 + count:
         var left = r0 + count - r
         var taken = False
-        comptime for i in range(4):
-            comptime tile = 8 >> i
+        comptime for i in range(5):
+            comptime tile = row_tile(i)
             if not taken and left >= tile:
                 tile_rows[kv_dtype, scoring, tile, raw_q=raw_q](
                     head_dim, state, r, kv, 0, rows, j0, j1, prefetching

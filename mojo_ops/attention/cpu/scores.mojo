@@ -2,10 +2,11 @@
 tokens and heads a step, reduced to scores[r * CHUNK + j] (see task.mojo for
 the task as a whole)."""
 
+from std.bit import log2_floor
 from std.memory import stack_allocation
 
 from ...cache.paged_kv_cache import Ptr
-from ...simd.lane_reduce import reduce_many
+from ...simd.lane_reduce import reduce_padded
 from ...simd.widen import BLOCK, DOT_BF16, F32, W, dot_bf16, load_block, load_kv
 from ..params import rope_rotate
 from .key_chunks import CHUNK, BlockPrefetch, RowOffsets
@@ -103,9 +104,10 @@ def store_scores[
     rows: Int, tokens: Int
 ](dots: Pointer[mut=True, SIMD[F32, W], _], j: Int, scores: Ptr[F32]):
     """Reduces the dots of a `score_tokens` step of tokens j..j+tokens for
-    `rows` query rows (dots overwritten) into scores[r * CHUNK + j + t]."""
+    `rows` query rows (dots may be overwritten) into scores[r * CHUNK + j +
+    t]."""
     # Lane r * tokens + t: row r's score of token j + t.
-    var sums = reduce_many[rows * tokens](dots)
+    var sums = reduce_padded[rows * tokens](dots)
     comptime for r in range(rows):
         scores.unsafe_offset(r * CHUNK + j).unsafe_store(
             sums.slice[tokens, offset=r * tokens]()
@@ -174,7 +176,9 @@ def score_runs[
     deferring and reduce step by step (docs/design.md, "Kernel notes").
     """
     comptime R = heads * tile
-    comptime tokens = max(DOTS_PER_STEP // R, 1)
+    # A power of two, so that a block's tokens (`step_tokens`) are whole
+    # steps for every tile (3 rows: 2 tokens with AVX2, 4 with AVX-512).
+    comptime tokens = 1 << log2_floor(max(DOTS_PER_STEP // R, 1))
     comptime deferred = R > 1 and tokens > 1
     var dots = stack_allocation[CHUNK * R if deferred else 1, SIMD[F32, W]]()
     var j = j0

@@ -24,12 +24,12 @@ heads; heads of more rows take the block in sub-blocks of a few tokens
 (`sub_block_tokens`), all heads of one before the next (read_order.mojo).
 
 The inner loops are specialised at compile time for the number of query rows
-scored together (tiles of 8, 4, 2, 1) and unrolled so that every tile keeps at
-least 8 independent FMA chains in flight; tiles of one row (GQA group 1)
-read each K and V row in runs of RUN_BYTES (step_sizes.mojo). head_dim is a
-run-time value, so one compile serves every model. bfloat16 K and V are
-widened in "paired" order (see simd/widen.mojo), which the q and
-accumulator rows follow.
+scored together (tiles of 8, 4, 3, 2, 1) and unrolled so that every tile keeps
+at least 8 independent FMA chains in flight (the tile of 3, six with AVX2);
+tiles of one row (GQA group 1) read each K and V row in runs of RUN_BYTES
+(step_sizes.mojo). head_dim is a run-time value, so one compile serves every
+model. bfloat16 K and V are widened in "paired" order (see simd/widen.mojo),
+which the q and accumulator rows follow.
 """
 
 from std.math import log2
