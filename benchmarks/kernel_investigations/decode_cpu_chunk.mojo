@@ -13,8 +13,9 @@ with a plain read of the same pool on as many cores.
 
 The hot figures are the best of REPEATS runs, in ns per (token, KV head), for
 GQA groups 8 (chunk loop only), 4 and 1, head_dim 128, K/V in bfloat16 and
-float32, with the split between scoring and accumulating, and beside the
-time their FMAs would take at this core's FMA peak (measured first, in the
+float32 (and group 3, SmolLM2's, chunk loop only, in int8 too: its codes
+widened as in the task, the row scales left out), with the split between
+scoring and accumulating, and beside the time their FMAs would take at this core's FMA peak (measured first, in the
 same run): the share of that peak the chunk loop reaches. Set beside the
 memory's time for the same bytes they say whether decode is bound by compute
 or by memory: the task's figure is the one to compare, as the chunk loop alone
@@ -441,6 +442,9 @@ def main() raises:
     bench[DType.float32, 4](peak)
     bench[DType.bfloat16, 1](peak)
     bench[DType.float32, 1](peak)
+    bench[DType.int8, 3](peak)
+    bench[DType.bfloat16, 3](peak)
+    bench[DType.float32, 3](peak)
     bench_task[DType.bfloat16, 4]()
     bench_task[DType.float32, 4]()
     bench_task[DType.bfloat16, 1]()
