@@ -38,7 +38,7 @@ def accumulate_tile[
     comptime widest = row_run[kv_dtype]() if tile == 1 else MIN_HEAD_DIM
     # One slice where CHAINS rows fill the chains: two would hold 2 x CHAINS
     # accumulators, past the registers. Otherwise whole blocks, an even
-    # count (a tile of 3 rows: CHAINS // 3 rounded down to one).
+    # count (a tile of 3 rows: CHAINS // 3 rounded down to an even count).
     comptime wanted = max(CHAINS // R - (CHAINS // R) % 2, BLOCK // W)
     comptime slices = 1 if R >= CHAINS else min(wanted, widest // W)
     comptime if slices * W > MIN_HEAD_DIM:
