@@ -1,7 +1,7 @@
 """Reductions across SIMD lanes of many vectors at once (a transposed
 reduction), for dot products and row maxima."""
 
-from std.bit import log2_floor
+from std.bit import log2_floor, next_power_of_two
 from std.memory import stack_allocation
 from std.utils import IndexList
 
@@ -88,22 +88,14 @@ def reduce_many[
         return x.slice[count]()
 
 
-def padded_lanes(count: Int) -> Int:
-    """count rounded up to a power of two."""
-    var lanes = 1
-    while lanes < count:
-        lanes *= 2
-    return lanes
-
-
 @always_inline
 def reduce_padded[
     count: Int
-](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, padded_lanes(count)]:
+](v: Pointer[mut=True, SIMD[F32, W], _]) -> SIMD[F32, next_power_of_two(count)]:
     """`reduce_many`'s lane sums of any count of vectors, at most W (a tile of
     3 rows' dots): those of count rounded up to a power of two, the extra
     vectors zeros, so lanes past count are 0; v may be overwritten."""
-    comptime lanes = padded_lanes(count)
+    comptime lanes = next_power_of_two(count)
     comptime if lanes == count:
         return rebind[SIMD[F32, lanes]](reduce_many[count](v))
     else:
