@@ -123,6 +123,82 @@ def test_released_prompt_stays_cached_and_is_evicted_tail_first():
     manager.validate()
 
 
+def test_a_page_that_matches_in_part_is_copied_and_read_back():
+    """copy_partial_hit serves the ids a cached page starts with (a system
+    prompt ending mid-page): a copy of that page, which the request's own
+    appends then complete. The source stays as it was, even when it is the
+    next page the pool would evict: the copy evicts another."""
+    manager = PagedKVCacheManager(5, PAGE, HEADS, DIM, num_layers=LAYERS)
+    a = BASE[: 2 * PAGE]
+    prefilled(manager, "a", a)
+    source = int(manager.pages("a")[1])
+    source_bits = [bits(pool[source]) for pool in manager.pools]
+    manager.release("a")  # evicted tail first: the source, then a's page 0
+    prefilled(manager, "y", [2] * PAGE)
+    manager.release("y")  # released last, evicted last
+    prefilled(manager, "x", [0] * (2 * PAGE), hashed=False)  # no unused page left
+    b = BASE[: PAGE + 3] + [0]  # a's page 0 whole, 3 ids of its page 1
+    assert manager.cached_prefix_length(b, partial=True) == PAGE + 3
+    assert manager.add("b", b) == PAGE
+    assert manager.copy_partial_hit("b") == 3
+    assert manager.seq_len("b") == PAGE + 3 and manager.stats.partial_hit_tokens == 3
+    assert manager.stats.evictions == 1 and manager.cached_prefix_length([2] * PAGE) == 0
+    copy = int(manager.pages("b")[1])
+    assert copy != source and manager.refcounts()[copy] == 1
+    # The rest of the prompt goes into the copy's free slot.
+    manager.reserve(["b"], 1)
+    append_tokens(manager, ["b"], [b[PAGE + 3 :]], [b[: PAGE + 3]])
+    check_reads_back(manager, {"b": b, "x": [0] * (2 * PAGE)})
+    for pool, before in zip(manager.pools, source_bits, strict=True):
+        np.testing.assert_array_equal(bits(pool[source]), before)
+    assert manager.cached_prefix_length(a) == 2 * PAGE
+    # b's copy, full now, is cached under b's own ids (the copied 3 and its 1).
+    assert manager.cached_prefix_length(b) == 2 * PAGE
+    # b's copy, now full, is cached under its own ids: a third request hits it.
+    assert manager.add("c", b + [1]) == 2 * PAGE
+    # A call with no match, or a second call, changes nothing and serves 0.
+    manager.add("d", [5, 5, 5])
+    for rid in ("d", "b"):
+        before = state_of(manager)
+        assert manager.copy_partial_hit(rid) == 0
+        assert_same_state(manager, before)
+    manager.validate()
+
+
+def test_a_partial_hit_keeps_to_its_tenant_and_its_room():
+    manager = PagedKVCacheManager(3, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prompt = BASE[: PAGE + 2]
+    manager.add("a", prompt, salt="tenant-a")
+    manager.reserve(["a"], len(prompt))
+    append_tokens(manager, ["a"], [prompt], [[]])
+    # Another tenant's request matches nothing.
+    manager.add("b", prompt[:3], salt="tenant-b")
+    assert manager.copy_partial_hit("b") == 0
+    # Its own tenant's does, while a page is free; with none, it serves 0.
+    manager.add("c", prompt[:3], salt="tenant-a")
+    assert manager.copy_partial_hit("c") == 3
+    check_reads_back(manager, {"a": prompt, "b": [], "c": prompt[:3]})
+    manager.add("d", prompt[:3], salt="tenant-a")
+    assert manager.num_free_pages == 0
+    before = state_of(manager)
+    assert manager.copy_partial_hit("d") == 0
+    assert_same_state(manager, before)
+    with pytest.raises(KeyError):
+        manager.copy_partial_hit("nobody")
+
+
+def test_validate_catches_a_partial_match_index_out_of_step():
+    manager = PagedKVCacheManager(4, PAGE, HEADS, DIM, num_layers=LAYERS)
+    prefilled(manager, "a", BASE[: 2 * PAGE])
+    manager.validate()
+    children = manager.page_pool.children
+    parent = next(iter(children))
+    page = next(iter(children[parent]))
+    children[parent][page] = children[parent][page][::-1].copy()
+    with pytest.raises(CacheStateError, match="partial matches"):
+        manager.validate()
+
+
 def test_fork_copies_a_shared_partial_page_on_first_write():
     manager = PagedKVCacheManager(8, PAGE, HEADS, DIM, num_layers=LAYERS)
     manager.add("empty", [])

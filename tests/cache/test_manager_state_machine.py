@@ -92,11 +92,13 @@ class ManagerMachine(RuleBasedStateMachine):
         """Per group, pinned page -> its hash at pin time: it must keep both."""
         self.prefix_of_key: dict[bytes, tuple[int, ...]] = {}
         """Every page key seen -> the tokens up to the end of its page."""
+        self.salt_of_key: dict[bytes, str | bytes | None] = {}
         self.router = Router()
         self.manager.subscribe(self.router)
         self.next_id = 0
         self.hits_seen = 0
         self.copies_seen = 0
+        self.partial_seen = 0
         self.remembered_seen = 0
         self.set_aside_seen = 0
         self.pins_seen = 0
@@ -161,9 +163,10 @@ class ManagerMachine(RuleBasedStateMachine):
         extra=st.lists(st.integers(0, 1), max_size=6),
         hashed=st.sampled_from(["given", "remembered", "unknown"]),
         salt=st.sampled_from(SALTS),
+        partial=st.booleans(),
     )
-    def add(self, shared: int, extra: list[int], hashed: str, salt) -> None:
-        self.start(BASE[:shared] + extra, hashed, salt)
+    def add(self, shared: int, extra: list[int], hashed: str, salt, partial: bool) -> None:
+        self.start(BASE[:shared] + extra, hashed, salt, partial)
 
     @precondition(lambda self: self.model)
     @rule(
@@ -171,17 +174,23 @@ class ManagerMachine(RuleBasedStateMachine):
         extra=st.lists(st.integers(0, 1), max_size=3),
         hashed=st.sampled_from(["given", "remembered"]),
         other_tenant=st.booleans(),
+        partial=st.booleans(),
     )
-    def next_turn(self, data: st.DataObject, extra: list[int], hashed: str, other_tenant) -> None:
+    def next_turn(
+        self, data: st.DataObject, extra: list[int], hashed: str, other_tenant, partial: bool
+    ) -> None:
         """A conversation's next turn: a live request's tokens and more, from
         its tenant (hits) or another one (no shared page, checked below)."""
         rid = data.draw(st.sampled_from(sorted(self.model)))
         salt = self.salt[rid]
         if other_tenant:
             salt = data.draw(st.sampled_from([s for s in SALTS if s != salt]))
-        self.start(self.model[rid] + extra, hashed, salt)
+        self.start(self.model[rid] + extra, hashed, salt, partial)
 
-    def start(self, prompt: list[int], hashed: str, salt) -> None:
+    def start(self, prompt: list[int], hashed: str, salt, partial: bool = False) -> int:
+        """Adds a request (its prompt's cached tokens, and with `partial`
+        the ids copy_partial_hit serves) and appends the rest; returns the
+        tokens served from the cache."""
         rid = self.new_id()
         hits_before = self.manager.stats.prefix_hits
         cached = self.manager.add(rid, None if hashed == "unknown" else prompt, salt=salt)
@@ -191,14 +200,50 @@ class ManagerMachine(RuleBasedStateMachine):
             assert cached == 0
         self.hits_seen += cached // PAGE
         self.salted_hits += cached // PAGE if salt is not None else 0
-        self.model[rid] = prompt[:cached]
-        self.room[rid] = cached // PAGE
         self.first[rid] = [self.first_slot(g, cached) for g in range(len(self.windows))]
+        if partial:
+            # The next ids from a cached page that holds them in part: the
+            # K/V read back (below) shows whether the copy holds that prefix.
+            before = self.manager.stats.partial_hit_tokens
+            k = self.manager.copy_partial_hit(rid)
+            assert 0 <= k < PAGE and self.manager.stats.partial_hit_tokens - before == k
+            if hashed == "unknown":
+                assert k == 0
+            cached += k
+            self.partial_seen += k
+        self.model[rid] = prompt[:cached]
+        self.room[rid] = -(-cached // PAGE)
         self.salt[rid] = salt
         self.pending[rid] = [] if hashed == "unknown" else prompt[cached:]
         # "remembered": reserve() is not given the ids; add() kept them.
         if self.reserve_and_append([rid], [prompt[cached:]], hashed == "given"):
             self.remembered_seen += hashed == "remembered" and len(prompt) >= cached + PAGE
+        return cached
+
+    def cached_keys(self) -> list[bytes]:
+        """The keys seen that every group's pool holds now."""
+        pools = self.manager.page_pools
+        return sorted(k for k in self.prefix_of_key if all(k in p.page_of_hash for p in pools))
+
+    @precondition(lambda self: self.cached_keys())
+    @rule(data=st.data(), cut=st.integers(1, PAGE - 1))
+    def question(self, data: st.DataObject, cut: int) -> None:
+        """A prompt that leaves a cached page after `cut` of its ids (a
+        system prompt ending mid-page, a question after it): where every
+        pool has a page to spare beside the source, at least its shared
+        tokens are served (a partial hit, or whole pages of a prompt like
+        it)."""
+        key = data.draw(st.sampled_from(self.cached_keys()))
+        prefix = list(self.prefix_of_key[key])
+        shared = len(prefix) - PAGE + cut
+        room = all(
+            pool.num_free - (pool.page_of_hash[key] in pool.evictable) >= 1
+            for pool in self.manager.page_pools
+        )
+        prompt = prefix[:shared] + [prefix[shared] + 1]
+        cached = self.start(prompt, "given", self.salt_of_key[key], True)
+        if room:
+            assert cached >= shared, (cached, shared)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), hashed=st.booleans(), num_steps=st.sampled_from([2, 1, 4]))
@@ -258,11 +303,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if free:
             # Past the unused pages, so that it evicts.
             pages = data.draw(st.integers(min(unused + 1, free), free))
-            crowd = self.new_id()
+            crowd = self.next_id  # the id start() takes
             self.start([0] * (pages * PAGE), "unknown", None)
             if crowd in self.model:
                 self.end(crowd)
-        self.start(tokens + data.draw(st.lists(st.integers(0, 1), max_size=2)), "given", salt)
+        extra = data.draw(st.lists(st.integers(0, 1), max_size=2))
+        self.start(tokens + extra, "given", salt, data.draw(st.booleans()))
 
     @rule(data=st.data(), salt=st.sampled_from(SALTS), unpin=st.booleans())
     def pin(self, data: st.DataObject, salt, unpin: bool) -> None:
@@ -335,6 +381,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for start in range(0, len(tokens) - PAGE + 1, PAGE):
                 chain = page_hash(chain, np.array(tokens[start : start + PAGE], np.int64))
                 self.prefix_of_key[chain] = tuple(tokens[: start + PAGE])
+                self.salt_of_key[chain] = self.salt[rid]
         for g, pool in enumerate(manager.page_pools):
             self.check_group(g, pool)
         # The events told the router exactly which hashes are cached, where.
@@ -426,7 +473,7 @@ class ManagerMachineWindowsHND(ManagerMachine):
 
 MACHINE_SETTINGS = settings(
     max_examples=30,
-    stateful_step_count=25,
+    stateful_step_count=30,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
@@ -434,7 +481,8 @@ MACHINE_SETTINGS = settings(
 
 
 def run_machine(machine, machine_settings) -> dict[str, int]:
-    names = ["hits", "copies", "remembered", "salted_hits", "pins", "events", "set_aside"]
+    names = ["hits", "partial", "copies", "remembered", "salted_hits", "pins", "events"]
+    names.append("set_aside")
     if machine.layer_groups is not None:
         names.append("given_back")
     if machine.offload:
@@ -444,6 +492,7 @@ def run_machine(machine, machine_settings) -> dict[str, int]:
     class Counted(machine):
         def teardown(self) -> None:
             totals["hits"] += self.hits_seen
+            totals["partial"] += self.partial_seen
             totals["copies"] += self.copies_seen
             totals["remembered"] += self.remembered_seen
             totals["salted_hits"] += self.salted_hits

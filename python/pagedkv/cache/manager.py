@@ -33,9 +33,11 @@ full page whose token ids are known is keyed by a chained hash (its parent
 page's key and its own ids); add() reuses the cached pages a prompt starts
 with, and a page no request owns keeps its key until an allocation evicts it
 (by default least recently released first, a prompt's tail before its head;
-see pagedkv.cache.eviction) unless pin() keeps it. A salt given to add() enters the
-first page's key, so tenants never share pages; subscribe() reports cached and
-evicted pages as vLLM's KV events (pagedkv.cache.kv_events). Forks: a
+see pagedkv.cache.eviction) unless pin() keeps it; copy_partial_hit() then
+copies the first slots of a cached page that the prompt's next ids match
+only in part. A salt given to add() enters the first page's key, so tenants
+never share pages; subscribe() reports cached and evicted pages as vLLM's KV
+events (pagedkv.cache.kv_events). Forks: a
 child shares all its parent's pages; reserve() copies a shared, partially
 filled last page (pagedkv.copy_pages, every layer) before the first write
 into it. Writes only ever go to a request's partial last page or new pages.
@@ -125,6 +127,8 @@ class CacheStats:
     """Cached pages (refcount 0) reclaimed for new allocations."""
     cow_copies: int = 0
     """Shared pages copied on write (once per layer group, however many layers)."""
+    partial_hit_tokens: int = 0
+    """Tokens copy_partial_hit() served from cached pages that matched in part."""
     offloads: int = 0
     """Evicted pages copied to the host tier (once per layer group)."""
     reloads: int = 0
@@ -423,7 +427,7 @@ class PagedKVCacheManager:
         """
         requests = self._batch(request_ids)
         counts = self._counts("num_new_tokens", num_new_tokens, len(requests)).tolist()
-        return max(need for need, _ in self._claim_sizes(requests, counts, 1))
+        return int(max(need for need, _ in self._claim_sizes(requests, counts, 1)))
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the bookkeeping (not the pools): equal snapshots mean
@@ -518,24 +522,109 @@ class PagedKVCacheManager:
         return request.seq_len
 
     def cached_prefix_length(
-        self, tokens: Sequence[int] | np.ndarray, salt: str | bytes | None = None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        salt: str | bytes | None = None,
+        partial: bool = False,
     ) -> int:
         """How many leading tokens of `tokens` add() would serve from the
-        prefix cache now (pool or host tier), a multiple of page_size.
-        Changes nothing.
+        prefix cache now (pool or host tier), a multiple of page_size; with
+        `partial`, plus those copy_partial_hit() would then copy, a free page
+        permitting. Changes nothing.
 
         Examples
         --------
         >>> m = PagedKVCacheManager(8, 4, 1, 8)
-        >>> _ = m.add("a", [1, 2, 3, 4, 5]); m.reserve(["a"], 5)
+        >>> _ = m.add("a", [1, 2, 3, 4, 5, 6, 7, 8]); m.reserve(["a"], 8)
         >>> m.cached_prefix_length([1, 2, 3, 4, 9]), m.cached_prefix_length([7, 2, 3, 4])
         (4, 0)
+        >>> m.cached_prefix_length([1, 2, 3, 4, 5, 6, 9, 9], partial=True)  # 5, 6 in part
+        6
         """
         prompt = _token_ids("tokens", tokens)
         root = salt_root(salt)
+        size = self.page_size
         if self._simple:
-            return len(self.page_pool.lookup(prompt, root)[0]) * self.page_size
-        return self._find_hit(prompt, root)[0] * self.page_size
+            hits, chain = self.page_pool.lookup(prompt, root)
+            count = len(hits)
+        else:
+            count, _, keys = self._find_hit(prompt, root)
+            chain = keys[count - 1] if count else root
+        if not partial:
+            return count * size
+        start = count * size
+        wanted = prompt[start : start + size - 1]
+        return start + self.page_pool.partial_match(chain, wanted)[1]
+
+    def copy_partial_hit(self, request_id: Hashable) -> int:
+        """Extends a request by the next ids of its prompt that a cached page
+        holds in part; returns how many (0 .. page_size - 1).
+
+        A prefix hit ends where a prompt's page differs from every cached one,
+        though a cached page chained on the same prefix may hold the page's
+        first k ids (a system prompt ending mid-page, its questions after it).
+        This copies that page into a new one of the request, every layer, so
+        that the request holds those k tokens and prefills only the rest; its
+        own appends then overwrite the copy's later slots. Among the pages
+        chained on the request's last one, the 64 most recently cached are
+        looked at. Call it after add() (and a connector's pages) or between
+        reserves; it serves 0 tokens where the request's length is not a
+        whole number of pages, its prompt ids are unknown or used up, it has
+        pages set aside, no page matches, a layer group's pool lacks the
+        page, or a pool has no page to spare.
+
+        The copy is made now, so every token that reserve() counted before
+        this call must already have been appended: a scheduler finds a step's
+        prefix hits before it reserves the step's tokens.
+
+        Examples
+        --------
+        >>> m = PagedKVCacheManager(8, 4, 1, 8)
+        >>> _ = m.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]); m.reserve(["a"], 9)
+        >>> m.add("b", [1, 2, 3, 4, 5, 6, 0, 0])  # page 0 is cached
+        4
+        >>> m.copy_partial_hit("b"), m.seq_len("b")  # 5 and 6 from a's page 1
+        (2, 6)
+        """
+        request = self._request("request_id", request_id)
+        size = self.page_size
+        if request.seq_len % size or request.chain is None or request.ahead[0]:
+            return 0
+        wanted = request.pending[: size - 1]
+        page, k = self.page_pool.partial_match(request.chain, wanted)  # (-1, 0) if none
+        if not k:
+            return 0
+        key = self.page_pool.hash_of_page[page]
+        sources = [group.pool.page_of_hash.get(key, -1) for group in self._groups]
+        if min(sources) < 0:
+            return 0
+        plans = []
+        for group, source in zip(self._groups, sources, strict=True):
+            pool = group.pool
+            if pool.num_free - (source in pool.evictable) < 1:
+                return 0
+            fresh = pool.peek_except(1, [source])
+            offload = self._plan_offload(group, fresh, ()) if group.host is not None else None
+            plans.append((fresh, offload))
+        # Offloads first: they read the evicted page the copy overwrites.
+        for group, source, (fresh, offload) in zip(self._groups, sources, plans, strict=True):
+            if offload is not None:
+                group.tensors.copy_to(group.host_tensors, offload.pages, offload.dests)
+            group.tensors.copy_pages([source], fresh)
+        # Nothing below can fail: commit.
+        for group, source, (fresh, offload) in zip(self._groups, sources, plans, strict=True):
+            self.stats.evictions += group.pool.claim(fresh)
+            if offload is not None:
+                self._commit_offload(group, offload)
+            if source in group.pool.evictable:
+                group.pool.touch([source])
+        request.push([fresh for fresh, _ in plans])
+        request.seq_len += k
+        request.tail = wanted[:k].copy()
+        request.pending = request.pending[k:]
+        self.stats.partial_hit_tokens += k
+        self._after_mutation()
+        return k
 
     def reserve(
         self,
@@ -1167,7 +1256,12 @@ class PagedKVCacheManager:
                 if offload is not None:
                     self._commit_offload(group, offload)
                 host = group.host
-                pool.assign(fresh, [key for _, _, key in back], [host.origin[h] for h in sources])
+                pool.assign(
+                    fresh,
+                    [key for _, _, key in back],
+                    [host.origin[h] for h in sources],
+                    [keys[s - 1] if s else root for s, _, _ in back],
+                )
                 host.touch(sources)
                 self.stats.reloads += len(back)
             row = [group.null_page] * lo

@@ -150,6 +150,11 @@ class PagePool:
     page has a key. A page with a key is full (its owners' page tables, not
     the pool, can check that).
 
+    NOTE: ``children`` lists the keyed pages whose parent key and token ids
+    are known (every page keyed by :meth:`cache_keys`, and those
+    :meth:`assign` is given parents for), under their parent key; a page
+    leaves it when it loses its key. :meth:`partial_match` looks there.
+
     NOTE: ``peek(n)`` changes nothing and ``claim(peek(n))`` takes exactly
     those pages, so a caller may decide on the pages it will get (and copy
     into them) before it commits.
@@ -211,6 +216,10 @@ class PagePool:
         )
         """With keep_token_ids: keyed page -> (its event parent: None for a
         sequence's first page, else the previous page's key; its token ids)."""
+        self.children: dict[bytes, dict[int, np.ndarray]] = {}
+        """Parent key (a root for a first page) -> {keyed page chained on it:
+        its token ids}, the most recently keyed last."""
+        self._parent_of: dict[int, bytes] = {}
 
     # ----------------------------------------------------------- counts
 
@@ -277,6 +286,7 @@ class PagePool:
             removed.append(key)
             if self.origin is not None:
                 del self.origin[page]
+            self._unindex(page)
         if removed:
             self.events.emit(
                 BlockRemoved(block_hashes=removed, medium=self.medium, group_idx=self.group_idx)
@@ -284,16 +294,25 @@ class PagePool:
         self.refcount[pages] = 1
         return len(removed)
 
-    def assign(self, pages: Sequence[int], keys: Sequence[bytes], origins: Sequence[tuple]) -> None:
+    def assign(
+        self,
+        pages: Sequence[int],
+        keys: Sequence[bytes],
+        origins: Sequence[tuple],
+        parents: Sequence[bytes] | None = None,
+    ) -> None:
         """Keys ``pages`` (claimed, unkeyed, holding copies of pages another
         tier keyed) with ``keys``, none cached here yet; ``origins`` are the
-        (event parent, token ids) of each, as the other tier kept them. Emits
-        one BlockStored per page."""
-        for page, key, (parent, ids) in zip(pages, keys, origins, strict=True):
+        (event parent, token ids) of each, as the other tier kept them;
+        ``parents``, the key each is chained on, lists them in ``children``.
+        Emits one BlockStored per page."""
+        for i, (page, key, (parent, ids)) in enumerate(zip(pages, keys, origins, strict=True)):
             self.page_of_hash[key] = page
             self.hash_of_page[page] = key
             if self.origin is not None:
                 self.origin[page] = (parent, ids)
+            if parents is not None:
+                self._index(page, parents[i], ids)
             if self.events.active:
                 self._emit_stored([key], parent, ids)
 
@@ -347,6 +366,7 @@ class PagePool:
             self.pinned.discard(int(page))
             if self.origin is not None:
                 self.origin.pop(int(page), None)
+            self._unindex(int(page))
             removed.append(key)
         if removed:
             self.events.emit(
@@ -414,9 +434,11 @@ class PagePool:
                 page = int(pages[i])
                 page_of_hash[key] = page
                 hash_of_page[page] = key
+                ids = tokens[i * size : (i + 1) * size]
                 if origin is not None:
                     first = at_start and i == 0
-                    origin[page] = (None if first else chain, tokens[i * size : (i + 1) * size])
+                    origin[page] = (None if first else chain, ids)
+                self._index(page, chain, ids)
                 if events:
                     if not stored:
                         # A first page's parent is a root (salted or not): None.
@@ -430,6 +452,41 @@ class PagePool:
         if stored:
             self._emit_stored(stored, event_parent, tokens[start * size : len(pages) * size])
         return chain
+
+    def partial_match(self, parent: bytes, tokens: np.ndarray, limit: int = 64) -> tuple[int, int]:
+        """The keyed page chained on ``parent`` whose token ids start with
+        the most of ``tokens`` (int64, fewer than page_size), and how many:
+        (page, k), or (-1, 0) when none starts with ``tokens[0]``. Looks at
+        the ``limit`` most recently keyed such pages, so that a parent of
+        many children (a system prompt's page before its questions) costs a
+        bounded lookup. Changes nothing."""
+        n = len(tokens)
+        best, longest = -1, 0
+        children = self.children.get(parent)
+        if not children or not n:
+            return best, longest
+        for seen, (page, ids) in enumerate(reversed(children.items())):
+            if seen == limit:
+                break
+            differ = np.flatnonzero(ids[:n] != tokens)
+            k = int(differ[0]) if differ.size else n
+            if k > longest:
+                best, longest = page, k
+                if k == n:
+                    break
+        return best, longest
+
+    def _index(self, page: int, parent: bytes, ids: np.ndarray) -> None:
+        self.children.setdefault(parent, {})[page] = ids
+        self._parent_of[page] = parent
+
+    def _unindex(self, page: int) -> None:
+        parent = self._parent_of.pop(page, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            del siblings[page]
+            if not siblings:
+                del self.children[parent]
 
     def _emit_stored(self, hashes: list[bytes], parent: bytes | None, ids: np.ndarray) -> None:
         self.events.emit(
@@ -489,6 +546,8 @@ class PagePool:
         self.page_of_hash.clear()
         if self.origin is not None:
             self.origin.clear()
+        self.children.clear()
+        self._parent_of.clear()
         if emit:
             self.events.emit(AllBlocksCleared())
 
@@ -526,6 +585,10 @@ class PagePool:
             "origin": None
             if self.origin is None
             else {p: (parent, ids.tolist()) for p, (parent, ids) in self.origin.items()},
+            "children": {
+                parent: [(p, ids.tolist()) for p, ids in pages.items()]
+                for parent, pages in self.children.items()
+            },
         }
 
     def validate(self) -> None:
@@ -562,3 +625,13 @@ class PagePool:
             fail("the page -> hash and hash -> page maps disagree")
         if self.origin is not None and self.origin.keys() != self.hash_of_page.keys():
             fail("the kept token ids and the keyed pages disagree")
+        listed = [
+            (parent, p, ids) for parent, pages in self.children.items() for p, ids in pages.items()
+        ]
+        if len(listed) != len(self._parent_of) or any(
+            self._parent_of.get(p) != parent for parent, p, _ in listed
+        ):
+            fail("the partial-match index and its parents disagree")
+        for parent, p, ids in listed:
+            if p not in self.hash_of_page or page_hash(parent, ids) != self.hash_of_page[p]:
+                fail(f"page {p} is listed for partial matches under a key it does not hold")
