@@ -36,6 +36,11 @@ generators keep their state). Output already handed out is never taken
 back. A request whose full length cannot fit the whole pool is refused at
 submission, so the first request in queue order always makes progress.
 
+A new request takes what the prefix cache holds of its prompt: whole pages,
+then the first tokens of a cached page that starts like its next page (a
+copy: `PagedKVCacheManager.copy_partial_hit`), so requests on one system
+prompt compute only their own tokens wherever the prompt ends.
+
 `n` samples of a request are forked after its prefill and share the prompt's
 pages (copy-on-write on the last, partial one). A greedy request's sample k
 starts from the k-th most likely first token and continues greedily (a
@@ -715,7 +720,9 @@ class Scheduler:
         cached = self.manager.cached_prefix_length(prompt[:-1])
         size = self.manager.page_size
         first = tuple(prompt[cached : cached + size]) if len(prompt) - 1 - cached >= size else None
-        return len(prompt) - cached, first
+        # What it computes: less the tokens a partial prefix hit would copy.
+        copied = self.manager.cached_prefix_length(prompt[:-1], partial=True)
+        return len(prompt) - copied, first
 
     def _prefill(self, admitted: list[_Live], continuing: list[_Live]) -> None:
         """Prefills in one batch the next chunks of the prompts being
@@ -823,12 +830,13 @@ class Scheduler:
             if not every_row:
                 cut = max(min(len(suffix), left), 0)
                 if cut < len(suffix):
-                    # Chunks end on page boundaries (a prompt's uncached part
-                    # starts on one), so that each fills whole pages and
-                    # where a prompt is cut does not depend on its batch;
-                    # a budget under a page is taken as it is when nothing
-                    # else uses it.
-                    whole = cut - cut % size
+                    # Chunks end on page boundaries, so that each fills whole
+                    # pages and where a prompt is cut does not depend on its
+                    # batch (its first may start mid-page, after a partial
+                    # prefix hit); a budget that reaches no boundary is taken
+                    # as it is when nothing else uses it.
+                    end = self.manager.seq_len(sid) + cut
+                    whole = max(cut - end % size, 0)
                     cut = whole if whole or left < self.max_prefill_tokens else cut
                 suffix, rest = suffix[:cut], suffix[cut:]
                 if rest:
@@ -857,6 +865,8 @@ class Scheduler:
             if not every_row:
                 for connector in self.connectors:
                     cached = connector.fetch(sid, context[:-1], cached, live.req)
+                # Safe here: every token reserved so far has been appended.
+                cached += self.manager.copy_partial_hit(sid)
             if sample is None:
                 live.cached_tokens = cached
                 self.stats.prompt_tokens += len(context)
