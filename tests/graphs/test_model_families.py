@@ -61,17 +61,19 @@ def test_prefill_and_decode_past_the_window_equal_numpy(gemma_weights):
 
 
 def test_scheduler_shares_prefixes_and_forks_across_layer_groups(gemma_weights):
-    """Requests sharing a system prompt longer than the window, one of them
-    sampled twice (a fork), in a pool too small for all at once: every
-    generated token agrees with the reference and every page comes back."""
+    """Requests sharing a system prompt longer than the window and ending
+    mid-page, one of them sampled twice (a fork), in a pool too small for
+    all at once: the prompt's last page is copied in part in both layer
+    groups, every generated token agrees with the reference and every page
+    comes back."""
     e = engine(gemma_weights, 40)
     rng = np.random.default_rng(5)
     requests = shared_prompt_requests(
-        rng, CONFIG.vocab_size, 24, [3, 4, 5, 6], [10, 14, 18, 22], forked=1
+        rng, CONFIG.vocab_size, 6 * PAGE + 2, [3, 4, 5, 6], [10, 14, 18, 22], forked=1
     )
     sequences, _ = Scheduler(e, keep_logits=True).run(requests)
     assert [len(s.tokens) for s in sequences] == [10, 14, 14, 18, 22]
-    assert e.manager.stats.prefix_hits > 0
+    assert e.manager.stats.prefix_hits > 0 and e.manager.stats.partial_hit_tokens > 0
     assert_exact_and_released(e, CONFIG, gemma_weights, sequences)
 
 

@@ -415,6 +415,45 @@ def test_chunks_end_on_page_boundaries_whatever_else_is_prefilled(weights):
     assert engine.manager.num_used_pages == 0
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prompt_ending_mid_page_is_shared_to_its_last_token(weights, chunked):
+    """Requests on a system prompt of two pages and 5 tokens: the later ones
+    take the two pages cached and the 5 tokens of the third copied from the
+    first request's (a partial hit), and prefill only their own tails; with
+    a budget of a page and 2 tokens a step (`chunked`), chunks still end
+    on page boundaries, the first after the copied tokens. Every token
+    matches the NumPy model's (logits within 1e-4)."""
+    engine = engine_with_pool(weights, 64)
+    size = engine.manager.page_size
+    budget = size + 2 if chunked else 4096
+    system, tails = prompts(38, 1, 2 * size + 5)[0], prompts(39, 3, size + 4)
+    requests = [Request(f"s{i}", system + tails[i], max_tokens=3) for i in range(3)]
+    calls: list[list[tuple[int, int]]] = []
+    prefill = engine.prefill
+
+    def recorded(ids, tokens, *args, **kwargs):
+        m = engine.manager
+        calls.append([(m.seq_len(i), len(t)) for i, t in zip(ids, tokens, strict=True)])
+        return prefill(ids, tokens, *args, **kwargs)
+
+    engine.prefill = recorded
+    scheduler = Scheduler(engine, max_prefill_tokens=budget, keep_logits=True)
+    sequences, _ = scheduler.run(requests)
+    assert engine.manager.stats.partial_hit_tokens == 2 * 5
+    assert scheduler.stats.prompt_tokens_cached == 2 * (2 * size + 5)
+    prompt_length = len(system) + size + 4
+    starts = [start for call in calls for start, _ in call]
+    assert starts.count(2 * size + 5) == 2  # the copied tokens' end
+    for call in calls:
+        assert sum(n for _, n in call) <= budget
+        for start, n in call:  # a chunk short of the prompt's end ends a page
+            assert start + n == prompt_length or (start + n) % size == 0, calls
+    if not chunked:
+        assert calls[1:] == [[(2 * size + 5, size + 4)] * 2]
+    assert_reference_tokens(CONFIG, weights, sequences)
+    assert engine.manager.num_used_pages == 0
+
+
 def test_requests_sharing_a_chunked_prompt_wait_for_its_pages(weights):
     """Three requests on one uncached prompt of four pages, a budget of
     three pages a step: the first is prefilled in two chunks; the others
