@@ -229,19 +229,30 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), cut=st.integers(1, PAGE - 1))
     def question(self, data: st.DataObject, cut: int) -> None:
         """A prompt that leaves a cached page after `cut` of its ids (a
-        system prompt ending mid-page, a question after it): where every
-        pool has a page to spare beside the source, at least its shared
+        system prompt ending mid-page, a question after it): where the pools
+        hold the pages before it that a hit needs (none to copy back from a
+        host tier) and have a page to spare beside it, at least the shared
         tokens are served (a partial hit, or whole pages of a prompt like
         it)."""
+        manager = self.manager
         key = data.draw(st.sampled_from(self.cached_keys()))
         prefix = list(self.prefix_of_key[key])
         shared = len(prefix) - PAGE + cut
-        room = all(
-            pool.num_free - (pool.page_of_hash[key] in pool.evictable) >= 1
-            for pool in self.manager.page_pools
-        )
+        salt = self.salt_of_key[key]
         prompt = prefix[:shared] + [prefix[shared] + 1]
-        cached = self.start(prompt, "given", self.salt_of_key[key], True)
+        count, hit, _ = manager._find_hit(np.array(prompt, np.int64), salt_root(salt))
+        # Evictable pages the hit reuses, and the source, are not room.
+        room = (
+            count == shared // PAGE
+            and not any(back for _, back, _ in hit)
+            and all(
+                pool.num_free
+                - sum(p in pool.evictable for p in {*reused, pool.page_of_hash[key]})
+                >= 1
+                for pool, (reused, _, _) in zip(manager.page_pools, hit, strict=True)
+            )
+        )
+        cached = self.start(prompt, "given", salt, True)
         if room:
             assert cached >= shared, (cached, shared)
 
