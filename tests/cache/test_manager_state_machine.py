@@ -246,8 +246,7 @@ class ManagerMachine(RuleBasedStateMachine):
             count == shared // PAGE
             and not any(back for _, back, _ in hit)
             and all(
-                pool.num_free
-                - sum(p in pool.evictable for p in {*reused, pool.page_of_hash[key]})
+                pool.num_free - sum(p in pool.evictable for p in {*reused, pool.page_of_hash[key]})
                 >= 1
                 for pool, (reused, _, _) in zip(manager.page_pools, hit, strict=True)
             )
