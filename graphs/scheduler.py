@@ -717,11 +717,11 @@ class Scheduler:
         if live.started or live.req.prompt_logprobs is not None:
             return sum(len(c) for _, c in contexts), None
         prompt = contexts[0][1]
-        cached = self.manager.cached_prefix_length(prompt[:-1])
         size = self.manager.page_size
-        first = tuple(prompt[cached : cached + size]) if len(prompt) - 1 - cached >= size else None
-        # What it computes: less the tokens a partial prefix hit would copy.
+        # What it computes: less whole pages, and the tokens a partial hit copies.
         copied = self.manager.cached_prefix_length(prompt[:-1], partial=True)
+        cached = copied - copied % size  # whole pages: a partial hit is under one
+        first = tuple(prompt[cached : cached + size]) if len(prompt) - 1 - cached >= size else None
         return len(prompt) - copied, first
 
     def _prefill(self, admitted: list[_Live], continuing: list[_Live]) -> None:
