@@ -58,7 +58,11 @@ class DecoderEngine:
     the float ones in the manager's dtype. `batch_invariant` fixes decode's
     key splits so that a request's logits do not depend on its batch
     (`decode_chunk`); without it (the default) decode reads a prefix that
-    consecutive requests share once for all of them (`share_prefixes`)."""
+    consecutive requests share once for all of them (`share_prefixes`).
+
+    A step that raises once its pages are reserved leaves no prefix key on
+    the pages it was to fill (nothing serves them to a later prompt); its
+    requests still count its tokens, so the caller releases them."""
 
     def __init__(
         self,
@@ -122,13 +126,30 @@ class DecoderEngine:
         each of its new tokens (None for the others): what prompt logprobs
         are read from."""
         counts = [len(t) for t in tokens]
-        self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
-        md = self.manager.metadata(request_ids, group=0)
-        tables = self._group_tables(PREFILL, request_ids, md)
-        last = md.append_indptr[1:] - 1
         flags = list(every_row) if every_row is not None else [False] * len(counts)
         if len(flags) != len(counts):
             raise ValueError("every_row needs one flag per request")
+        self.manager.reserve(request_ids, counts, tokens=[list(t) for t in tokens])
+        try:
+            logits = self._prefill(request_ids, tokens, flags)
+        except BaseException:
+            self._unkey_failed_step(request_ids, counts)
+            raise
+        if every_row is None:
+            return logits
+        rows: list[np.ndarray | None] = []
+        at = len(counts)
+        for b, flag in enumerate(flags):
+            rows.append(logits[at : at + counts[b]] if flag else None)
+            at += counts[b] if flag else 0
+        return logits[: len(counts)], rows
+
+    def _prefill(self, request_ids, tokens, flags: list[bool]) -> np.ndarray:
+        """The prefill graph's logits: each request's last row, then every
+        row of the flagged requests (their pages already reserved)."""
+        md = self.manager.metadata(request_ids, group=0)
+        tables = self._group_tables(PREFILL, request_ids, md)
+        last = md.append_indptr[1:] - 1
         # Output rows: every request's last row first, then the flagged
         # requests' rows in order.
         extra = [
@@ -141,19 +162,19 @@ class DecoderEngine:
             "last_rows": np.concatenate([last.astype(np.int32), *extra]),
             **self._step_inputs(md, tables),
         }
-        logits = self._run(self.models.prefill, PREFILL, inputs)
-        if every_row is None:
-            return logits
-        rows: list[np.ndarray | None] = []
-        at = len(counts)
-        for b, flag in enumerate(flags):
-            rows.append(logits[at : at + counts[b]] if flag else None)
-            at += counts[b] if flag else 0
-        return logits[: len(counts)], rows
+        return self._run(self.models.prefill, PREFILL, inputs)
 
     def decode(self, request_ids: Sequence[Hashable], tokens: Sequence[int]) -> np.ndarray:
         """Appends one token per request and returns the next logits [B, vocab]."""
         self.manager.reserve(request_ids, 1, tokens=[[int(t)] for t in tokens])
+        try:
+            return self._decode(request_ids, tokens)
+        except BaseException:
+            self._unkey_failed_step(request_ids, [1] * len(request_ids))
+            raise
+
+    def _decode(self, request_ids, tokens) -> np.ndarray:
+        """The decode graph's logits, in the batch's order (pages reserved)."""
         md = self.manager.metadata(request_ids, group=0)
         order = self._prefix_order(md)
         if order is not None:
@@ -172,6 +193,19 @@ class DecoderEngine:
         back = np.empty_like(logits)
         back[order] = logits
         return back
+
+    def _unkey_failed_step(self, request_ids: Sequence[Hashable], counts: Sequence[int]) -> None:
+        """After a step whose computation raised past its reserve(): drops
+        the prefix keys reserve() gave the pages the step was to fill, which
+        may hold anything, so that no prefix hit or partial copy serves
+        them (a page the step was to complete included). Keys of pages
+        filled before the step stay. The requests still count the step's
+        tokens and cache no later page: end them."""
+        manager, size = self.manager, self.manager.page_size
+        for request_id, count in zip(request_ids, counts, strict=True):
+            if request_id in manager:
+                start = manager.seq_len(request_id) - count
+                manager.forget(request_id, start - start % size)
 
     def _prefix_order(self, md) -> np.ndarray | None:
         """An order of the batch that puts requests with the same first page

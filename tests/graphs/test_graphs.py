@@ -72,6 +72,45 @@ def test_decode_reads_two_interleaved_shared_prefixes_once_each(weights):
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_step_that_raises_leaves_no_prefix_key_on_what_it_was_to_write(weights, monkeypatch):
+    """A prefill chunk and a decode step whose computation raises after
+    reserve() keyed the pages they were to fill: those keys are dropped
+    (the page a chunk was to complete included), the keys of pages filled
+    before stay, and the prompt prefilled again on what is still cached
+    gives the NumPy model's logits. Bad flags are refused before reserve()."""
+    engine = engine_with_pool(weights, 64)
+    m, size = engine.manager, engine.manager.page_size
+    rng = np.random.default_rng(41)
+    prompt = rng.integers(0, CONFIG.vocab_size, 3 * size + 2).tolist()
+    short = rng.integers(0, CONFIG.vocab_size, 2 * size - 1).tolist()
+    m.add("chunked", prompt)
+    m.add("short", short)
+    engine.prefill(["chunked", "short"], [prompt[: 2 * size - 3], short])
+    run = engine._run
+
+    def failing(*args):
+        raise RuntimeError("the step failed")
+
+    monkeypatch.setattr(engine, "_run", failing)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        engine.prefill(["chunked"], [prompt[2 * size - 3 :]])
+    with pytest.raises(RuntimeError, match="the step failed"):
+        engine.decode(["short"], [7])
+    assert m.cached_prefix_length(prompt) == size
+    assert m.cached_prefix_length([*short, 7]) == size
+    m.release("chunked")
+    m.release("short")
+    m.validate()
+    monkeypatch.setattr(engine, "_run", run)
+    assert m.add("again", prompt) == size
+    logits = engine.prefill(["again"], [prompt[size:]])
+    want = DenseDecoder(CONFIG, weights).feed(prompt)
+    np.testing.assert_allclose(logits[0], want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="every_row"):  # refused before reserve()
+        engine.prefill(["again"], [[1]], every_row=[True, False])
+    assert m.seq_len("again") == len(prompt)
+
+
 def test_scheduler_replaces_finished_requests_and_leaks_nothing(weights):
     """A pool that holds two requests at a time: later arrivals wait, start when
     earlier ones finish, and every page comes back."""
