@@ -2,8 +2,9 @@
 
 :class:`PageTensors` is the layer of the page manager that touches memory:
 it allocates every layer's pool (host pools on 2 MiB pages through
-``pagedkv.runtime.huge_page_zeros``, torch tensors on a GPU) and launches
-``pagedkv.copy_pages`` on all of them for copy-on-write. Which page ids are
+``pagedkv.runtime.huge_page_zeros``, torch tensors on a GPU) and copies
+pages in all of them (``pagedkv.copy_pages`` on a GPU, NumPy's gathers on
+the host). Which page ids are
 free, shared or cached is :class:`pagedkv.cache.page_pool.PagePool`'s business.
 """
 
@@ -143,7 +144,14 @@ class PageTensors:
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies page src[i] onto page dst[i] in every layer's pool (the
-        copy-on-write of a shared page), on the pools' device."""
+        copy-on-write of a shared page, a partial prefix hit), on the pools'
+        device. The page ids are the manager's: in the pools, no destination
+        repeated, none also a source."""
+        if not self.on_gpu:
+            # One gather a layer: a few KB a page, where launching the
+            # pagedkv.copy_pages op costs some 100 us a layer.
+            _copy_host_pages(self.pools, self.pools, src, dst)
+            return
         # The page ids go where the pools are (a GPU's copy reads them there).
         src_ids = new_like(self.pools[0], np.array(src, np.int32))
         dst_ids = new_like(self.pools[0], np.array(dst, np.int32))
@@ -171,18 +179,28 @@ class PageTensors:
         if not len(src):
             return
         if not self.on_gpu and not other.on_gpu:
-            src_ids, dst_ids = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-            for mine, theirs in zip(self.pools, other.pools, strict=True):
-                if isinstance(theirs, np.ndarray):
-                    theirs[dst_ids] = mine[src_ids]
-                else:
-                    import torch
-
-                    theirs[torch.from_numpy(dst_ids)] = mine[torch.from_numpy(src_ids)]
+            _copy_host_pages(self.pools, other.pools, src, dst)
             return
         for mine, theirs in zip(self.pools, other.pools, strict=True):
             for s, d in zip(src, dst, strict=True):
                 theirs[int(d)].copy_(mine[int(s)], non_blocking=True)
+
+
+def _copy_host_pages(
+    sources: Sequence[Array], dests: Sequence[Array], src: Sequence[int], dst: Sequence[int]
+) -> None:
+    """dests[layer][dst[i]] = sources[layer][src[i]] for every layer, host
+    pools (NumPy arrays or CPU torch tensors): one gather and scatter a
+    layer, the gathered pages copied first."""
+    src_ids, dst_ids = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    for source, dest in zip(sources, dests, strict=True):
+        if isinstance(dest, np.ndarray) and isinstance(source, np.ndarray):
+            dest[dst_ids] = source[src_ids]
+        else:
+            import torch
+
+            dest, source = torch.as_tensor(dest), torch.as_tensor(source)  # shares memory
+            dest[torch.from_numpy(dst_ids)] = source[torch.from_numpy(src_ids)]
 
 
 def _zeros(
