@@ -571,8 +571,11 @@ class Scheduler:
             self.stats.last_decode_seconds = time.perf_counter() - t0
             if self.observer is not None:
                 self.observer.step("decode", self.stats.last_decode_seconds)
-            for (live, s), row in zip(batch, logits, strict=True):
-                self._emit(live, s, self._choose(live, s, row), row)
+            # Greedy rows' choices in one pass over the batch's logits.
+            best = logits.argmax(axis=1) if any(x.req.sampling.greedy for x, _ in batch) else None
+            for k, ((live, s), row) in enumerate(zip(batch, logits, strict=True)):
+                argmax = None if best is None else int(best[k])
+                self._emit(live, s, self._choose(live, s, row, argmax), row)
             break
         self._finish_ended()
 
@@ -657,8 +660,6 @@ class Scheduler:
         is passed over this step (`_prefill_cost`)."""
         if not self._waiting:
             return []
-        size = self.manager.page_size
-        budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         # A request still prefilling in chunks will decode its samples (a
         # new one forks them all).
         seqs = self.num_running_sequences + sum(
@@ -666,6 +667,10 @@ class Scheduler:
             for x in self._running.values()
             if x.pending
         )
+        if seqs >= self.max_num_seqs:  # every waiting request has a sample to run
+            return []
+        size = self.manager.page_size
+        budget = self.manager.num_free_pages - self._decode_need(self._running.values())
         tokens = 0
         admitted = []
         # The first pages that prefills under way compute this step: a
@@ -688,9 +693,9 @@ class Scheduler:
                 self.footprint(live.req),
             )
             new_seqs = len(live.live_samples()) if live.started else live.req.n
-            new_tokens, first_page = self._prefill_cost(live, contexts)
             if need > budget or seqs + new_seqs > self.max_num_seqs or prefill_budget < 1:
                 break
+            new_tokens, first_page = self._prefill_cost(live, contexts)
             if admitted and tokens + new_tokens > prefill_budget:
                 break
             if first_page is not None and first_page in computing:
@@ -875,15 +880,18 @@ class Scheduler:
         return opened
 
     @staticmethod
-    def _choose(live: _Live, s: Sequence, row: np.ndarray) -> int:
-        """The sample's next token from the model's logits row [vocab]."""
+    def _choose(live: _Live, s: Sequence, row: np.ndarray, argmax: int | None = None) -> int:
+        """The sample's next token from the model's logits row [vocab];
+        argmax: np.argmax(row) where the caller has it."""
         req = live.req
         if req.adjustments.active:
-            row = req.adjustments.apply(row, s.tokens, req.prompt)
+            row, argmax = req.adjustments.apply(row, s.tokens, req.prompt), None
         if s.grammar is not None:
-            row = s.grammar.mask(row)
+            row, argmax = s.grammar.mask(row), None
         if len(s.tokens) < req.min_tokens:
-            row = _held_stops(row, live.stop_token_ids)
+            row, argmax = _held_stops(row, live.stop_token_ids), None
+        if argmax is not None and req.sampling.greedy:
+            return argmax
         return sample_token(row, req.sampling, s.rng)
 
     def _emit(self, live: _Live, s: Sequence, token: int, row: np.ndarray) -> None:

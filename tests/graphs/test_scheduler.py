@@ -278,6 +278,11 @@ def test_stop_token_ids_end_a_sample_and_min_tokens_holds_them_back(weights):
     (late,), _ = Scheduler(engine, eos_token_ids=frozenset({plain.tokens[0]})).run([held])
     assert len(late.tokens) >= 6
     assert not {stop, plain.tokens[0]} & set(late.tokens[:6])
+    # Held in a decode step: the same tokens up to the stop's place, then another.
+    held = Request("d", prompt, 16, stop_token_ids=frozenset({stop}), min_tokens=6)
+    (late,), _ = Scheduler(engine).run([held])
+    assert late.tokens[:first] == plain.tokens[:first] and first > 0
+    assert stop not in late.tokens[:6]
     assert engine.manager.num_used_pages == 0
 
 
