@@ -315,6 +315,37 @@ def test_disconnect_frees_pages(server, gated):
     assert_no_page_in_use(server)
 
 
+def test_a_failing_prefill_fails_its_request_and_caches_nothing(server, monkeypatch):
+    """A prefill whose graph raises answers its request with a 500; the
+    server goes on, and the same prompt next time finds none of the pages
+    the failed step was to fill in the prefix cache."""
+    engine = server.engine.engine
+    run = engine._run
+
+    def failing(model, kind, inputs):
+        if kind == "prefill":
+            raise RuntimeError("the graph failed")
+        return run(model, kind, inputs)
+
+    text = "Describe, page after page, a quiet morning in a small mountain village. " * 6
+    messages = [{"role": "user", "content": text}]
+    c = client(server, timeout=HANG_GUARD)
+    monkeypatch.setattr(engine, "_run", failing)
+    with pytest.raises(openai.InternalServerError, match="the graph failed"):
+        c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    monkeypatch.setattr(engine, "_run", run)
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    page = server.engine.manager.page_size
+    # The template's first pages (its default system prompt) were cached by
+    # the tests before; the question's were only ever in the failed step.
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached < again.usage.prompt_tokens - 4 * page
+    third = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens > cached + 4 * page
+    assert third.choices[0].message.content == again.choices[0].message.content
+    assert_no_page_in_use(server)
+
+
 def test_queue_full_is_503_with_retry_after(server, gated):
     """With the engine held in a decode step and one request waiting, the
     next one is refused at once."""
