@@ -4,8 +4,8 @@
 it allocates every layer's pool (host pools on 2 MiB pages through
 ``pagedkv.runtime.huge_page_zeros``, torch tensors on a GPU) and copies
 pages in all of them (``pagedkv.copy_pages`` on a GPU, NumPy's gathers on
-the host). Which page ids are
-free, shared or cached is :class:`pagedkv.cache.page_pool.PagePool`'s business.
+the host). Which page ids are free, shared or cached is
+:class:`pagedkv.cache.page_pool.PagePool`'s business.
 """
 
 from __future__ import annotations
