@@ -8,8 +8,9 @@
 // Codes asked for on 2 MiB pages (madvise), each block's 256 bytes
 // prefetched 8 KiB ahead, as pagedkv's tile does.
 //
-//     gcc -O2 -mavx2 -mfma -o /tmp/q8_head_row q8_head_row.c -lpthread
-//     /tmp/q8_head_row    (from benchmarks/kernel_investigations)
+// From the repository root:
+//     gcc -O2 -mavx2 -mfma -o /tmp/q8_head_row benchmarks/kernel_investigations/q8_head_row.c -lpthread
+//     /tmp/q8_head_row
 //
 // On a 2-vCPU AMD EPYC guest (Zen 4), 2026-11-29, best of 7 in each of
 // three rounds: A 30.6, 32.9, 36.2 GB/s; B 22.5, 34.2, 36.0; the plain read
