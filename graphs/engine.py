@@ -107,8 +107,9 @@ class DecoderEngine:
         self._group_count = len(group_windows(config))
         self.share_prefixes = not batch_invariant
         """Decode reads the pages of a prefix that consecutive requests share
-        once for all of them (CPU, layer groups without a window): a shared
-        system prompt's keys are scored as one matrix product. Off in
+        once for all of them (CPU; in a window group, the part of it their
+        windows see): a shared system prompt's keys are scored as one
+        matrix product. Off in
         batch-invariant mode: a request's sums would then depend on who
         shares its prefix."""
 
@@ -236,7 +237,7 @@ class DecoderEngine:
                 meta.append_indptr, *table, *shape, window_left=meta.window_left, gpu=gpu,
                 align=align,
             )  # fmt: skip
-        shares = self.share_prefixes and not gpu and meta.window_left < 0 and not self.decode_chunk
+        shares = self.share_prefixes and not gpu and not self.decode_chunk
         return graph_ops.decode_work(
             *table,
             *shape,

@@ -111,14 +111,14 @@ def _demo_command() -> None:
     run_demo(DemoOptions(model="random", requests=1, max_new_tokens=1))
 
 
-def _gemma3_shaped(quantized: bool) -> None:
+def _gemma3_shaped(quantized: bool, kv_dtype: str = "float32") -> None:
     from gemma3_shaped import CONFIG, WEIGHTS_SEED, engine
     from pagedkv.graphs.model import init_weights, quantize_weights
 
     weights = init_weights(CONFIG, seed=WEIGHTS_SEED)
     if quantized:
         dense, packed = quantize_weights(CONFIG, weights, "Q8_0")
-        engine(dense, 16, packed)
+        engine(dense, 16, packed, kv_dtype=kv_dtype)
     else:
         engine(weights, 16)
 
@@ -135,6 +135,7 @@ WARMERS = {
     "demo-command": _demo_command,
     "gemma3-shaped": lambda: _gemma3_shaped(False),
     "gemma3-shaped-q8_0": lambda: _gemma3_shaped(True),
+    "gemma3-shaped-q8_0-int8": lambda: _gemma3_shaped(True, "int8"),
     "smollm2-f32": lambda: _smollm2("f32"),
     "smollm2-gguf": lambda: _smollm2(None),
 }

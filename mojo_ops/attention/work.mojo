@@ -14,8 +14,9 @@ run of keys whose pages they all share, read through request b's page
 table: a shared prefix is read once for all of them. Each of those
 requests lists an item at the same place among its own items (the others
 with no queries), whose partial state slot the shared item fills
-(`partial_slot`). The planner shares only keys every query sees whole: no
-window, no custom mask, no rotation inside the kernel.
+(`partial_slot`) and whose position is its query's (`query_pos`): a window
+masks each row at its own position. The planner shares no keys under a
+custom mask or with rotation inside the kernel.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
@@ -109,6 +110,16 @@ struct AttentionWork(DevicePassable, TrivialRegisterPassable):
         """The request of the item's query t: b + t for a shared decode
         item, the item's request for a prefill tile."""
         return self.request(item) + t if self.kv_split else self.request(item)
+
+    @always_inline
+    def query_pos(self, item: Int, t: Int) -> Int:
+        """The sequence position of the item's query t: that of its own
+        item (`partial_slot`) for a key-split item, whose queries are
+        requests of their own lengths; q_pos + t for a prefill tile, whose
+        queries are consecutive tokens."""
+        if self.kv_split:
+            return self.q_pos(self.partial_slot(item, t))
+        return self.q_pos(item) + t
 
     @always_inline
     def partial_slot(self, item: Int, t: Int) -> Int:

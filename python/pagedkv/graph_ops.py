@@ -699,8 +699,9 @@ def decode_work(
     keys at the same positions whatever else is in the batch, so that its
     attention sums in the same order (batch-invariant results); by default
     the chunks grow or shrink to keep every core busy. kv_indices (the page
-    ids, CPU, no window): consecutive requests that share a prefix's pages
-    read them once (`share_decode_prefixes`; not batch-invariant).
+    ids, CPU): consecutive requests that share a prefix's pages read them
+    once (`share_decode_prefixes`; not batch-invariant), under a window the
+    part of it each one sees.
     seq_lens [B]: the table's lengths where the caller has them
     (`BatchMetadata.seq_lens`), else computed from it."""
     options = _decode_options(head_dim, window_left)
@@ -713,10 +714,8 @@ def decode_work(
         )
     common, prefix = None, None
     if kv_indices is not None:
-        if gpu or window_left >= 0 or fixed_chunk is not None:
-            raise ValueError(
-                "shared prefixes are read once on the CPU, without a window or fixed_chunk"
-            )
+        if gpu or fixed_chunk is not None:
+            raise ValueError("shared prefixes are read once on the CPU, without fixed_chunk")
     if kv_indices is not None and len(kv_indptr) > 2:
         # A lone request has no neighbour to share with: its plain work
         # list is the one the shared-prefix plan would make.

@@ -72,6 +72,18 @@ def test_prefill_product_tiles(config, options):
 
 
 @pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [40, 95])
+def test_windows_longer_than_a_chunk(config, causal, window):
+    """Windows past a chunk of keys (32): a chunk that each of a task's rows
+    sees whole takes the softmax without masks, one that a row's window
+    cuts the masked one; with GQA group 3, rows of many queries (matrix
+    products) whose windows start at different keys, and one query."""
+    shape = [(300, 64), (130, 130), (200, 3), (45, 1)]
+    check_prefill_case(config, shape, dict(window_left=window), causal, 16, heads=(6, 2, 64))
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS[:2], ids=lambda c: f"{c[0]}-{c[2]}")
 @pytest.mark.parametrize("head_dim", [192, 512])
 def test_prefill_large_and_odd_head_dims(config, head_dim):
     """head_dim 512 (FlashInfer's largest) and 192 (three granules): the CPU

@@ -39,7 +39,9 @@ CONFIG = DecoderConfig(
 WEIGHTS_SEED = 7
 
 
-def engine(weights, num_pages: int, quantized: dict | None = None) -> DecoderEngine:
+def engine(
+    weights, num_pages: int, quantized: dict | None = None, kv_dtype: str = "float32"
+) -> DecoderEngine:
     """A `DecoderEngine` of CONFIG over a fresh pool of num_pages pages."""
     manager = PagedKVCacheManager(
         num_pages,
@@ -48,5 +50,6 @@ def engine(weights, num_pages: int, quantized: dict | None = None) -> DecoderEng
         CONFIG.head_dim,
         num_layers=CONFIG.num_layers,
         layer_groups=CONFIG.layer_groups,
+        dtype=kv_dtype,
     )
     return DecoderEngine(CONFIG, weights, manager, quantized=quantized)

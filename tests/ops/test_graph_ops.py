@@ -233,11 +233,11 @@ def test_decode_reads_shared_prefix_pages_once_and_matches_float64():
 
 
 def test_shared_prefix_work_refuses_what_it_cannot_share():
-    """A window, a GPU or fixed splits get a clear error, not a wrong plan."""
+    """A GPU or fixed splits get a clear error, not a wrong plan."""
     rng = np.random.default_rng(4)
     _, _, kv_indptr, kv_indices, last = shared_prefix_table(rng, [(4, 3)], [5, 9, 20])
     args = (kv_indptr, last, P, HQ, HKV, D)
-    for bad in ({"window_left": 8}, {"gpu": True}, {"fixed_chunk": 64}):
+    for bad in ({"gpu": True}, {"fixed_chunk": 64}):
         options = {"gpu": False, **bad}
         with pytest.raises(ValueError, match="shared prefixes"):
             graph_ops.decode_work(*args, kv_indices=kv_indices, **options)
@@ -247,6 +247,15 @@ def test_shared_prefix_work_refuses_what_it_cannot_share():
     assert request_items.tolist() == [0, 2, 4, 6]
     assert items[:, 2].tolist() == [3, 1, 0, 1, 0, 1]
     assert items[:, 4:].tolist() == [[0, 64], [64, 69], [0, 64], [64, 73], [0, 64], [64, 84]]
+    # Under a window the shared keys start at the page of each request's
+    # first visible key: requests 0 and 1 (keys 38 and 42 on) share [32, 64),
+    # request 2 (53 on) reads [48, 64) alone; the kernel masks the rest.
+    items, request_items = graph_ops.decode_work(
+        *args, window_left=30, gpu=False, kv_indices=kv_indices
+    )
+    assert request_items.tolist() == [0, 2, 4, 6]
+    assert items[:, 2].tolist() == [2, 1, 0, 1, 1, 1]
+    assert items[:, 4:].tolist() == [[32, 64], [64, 69], [32, 64], [64, 73], [48, 64], [64, 84]]
 
 
 @pytest.mark.parametrize(

@@ -119,18 +119,24 @@ def sees_whole_chunk(
     kv_pos0: Int,
 ) -> Bool:
     """Whether each of the count rows sees every key of a full chunk from
-    kv_pos0 with its score as it is: no custom mask, window, soft cap or
-    ALiBi, and each row's query at or past the chunk's last key (or no
-    causal mask)."""
-    if n != CHUNK or mask.enabled or params.window_left >= 0:
+    kv_pos0 with its score as it is: no custom mask, soft cap or ALiBi,
+    each row's query at or past the chunk's last key (or no causal mask)
+    and its window (if any) reaching back to the chunk's first key."""
+    if n != CHUNK or mask.enabled:
         return False
     if params.has_soft_cap() or params.pos_encoding == POS_ALIBI:
         return False
-    if not params.causal:
+    var window = params.window_left >= 0
+    if not params.causal and not window:
         return True
     var last = Float32(kv_pos0 + CHUNK - 1)
+    # A row sees key j when j - pos >= -window_left (`AttentionParams.visible`).
+    var reach = Float32(kv_pos0 + params.window_left)
     for r in range(count):
-        if state.row_pos[unsafe_offset=r] < last:
+        var pos = state.row_pos[unsafe_offset=r]
+        if params.causal and pos < last:
+            return False
+        if window and pos > reach:
             return False
     return True
 

@@ -173,7 +173,6 @@ def item_heads_task[
     var group = num_qo_heads // cache.num_kv_heads()
     var queries = work.q_count(item)
     var q_row0 = work.q_row(item)
-    var q_pos0 = work.q_pos(item)
     var head_rows = queries * group
     var b = work.request(item)
     var first = work.kv_first(item)
@@ -204,7 +203,8 @@ def item_heads_task[
         group,
         queries,
         q_row0,
-        q_pos0,
+        work,
+        item,
         q_scale,
         rope,
         keep_raw_q,
@@ -459,7 +459,8 @@ def load_query_rows[
     group: Int,
     queries: Int,
     q_row0: Int,
-    q_pos0: Int,
+    work: AttentionWork,
+    item: Int,
     q_scale: Float32,
     rope: Bool,
     keep_raw_q: Bool,
@@ -468,13 +469,15 @@ def load_query_rows[
     + g (KV heads h0..h1) as row r = (h - h0) * head_rows + t * group + g,
     widened, rotated (RoPE), scaled by q_scale and put in the order K widens
     in (or kept as it came, keep_raw_q: see `raw_bf16_q`); the rows'
-    accumulators and softmax states cleared, their positions, ALiBi
-    slopes and custom mask rows set. The RoPE frequencies must be in st.inv_freq.
+    accumulators and softmax states cleared, their positions
+    (`AttentionWork.query_pos`), ALiBi slopes and custom mask rows set. The
+    RoPE frequencies must be in st.inv_freq.
     """
     var head_rows = queries * group
     comptime raw_q = raw_bf16_q[q_dtype, kv_dtype]()
     for h in range(h0, h1):
         for t in range(queries):
+            var pos = work.query_pos(item, t)
             for g in range(group):
                 var r = (h - h0) * head_rows + t * group + g
                 var qo = h * group + g
@@ -503,7 +506,7 @@ def load_query_rows[
                             load_f32[q_dtype, W](src, c * W)
                         )
                     if rope:
-                        rope_rotate(dst, st.inv_freq, q_pos0 + t, head_dim)
+                        rope_rotate(dst, st.inv_freq, pos, head_dim)
                     for c in range(head_dim // W):
                         var d = dst.unsafe_offset(c * W)
                         d.unsafe_store(d.unsafe_load[width=W]() * q_scale)
@@ -513,7 +516,7 @@ def load_query_rows[
                             to_paired_order(dst, head_dim)
                 st.m[unsafe_offset=r] = neg_inf[F32]()
                 st.l[unsafe_offset=r] = 0
-                st.row_pos[unsafe_offset=r] = Float32(q_pos0 + t)
+                st.row_pos[unsafe_offset=r] = Float32(pos)
                 if mask.enabled:
                     st.mask_bit[unsafe_offset=r] = mask.row_bits[
                         unsafe_offset=q_row0 + t

@@ -346,7 +346,7 @@ def decode_work(
     page multiple) replaces that choice: FlashInfer's fixed_split_size and
     disable_split_kv. max_splits, if given, lengthens the chunks until no
     request has more items than that (a captured step's fixed work list,
-    `decode_split_cap`). shared_prefix [B] (CPU, no window, no fixed_chunk):
+    `decode_split_cap`). shared_prefix [B] (CPU, no fixed_chunk):
     tokens of each request's prefix whose pages a neighbour in the batch
     shares (`shared_prefix_tokens`); its keys are split apart from the
     rest, in chunks of `shared_prefix_chunk`, for `share_decode_prefixes`.
@@ -376,9 +376,11 @@ def decode_work(
     if max_splits is not None:
         longest_pages = -(-int(span.max(initial=0)) // page_size)
         chunk = max(chunk, -(-longest_pages // max_splits) * page_size)
-    if shared_prefix is not None and not is_gpu and options.window_left < 0:
-        shared_chunk = shared_prefix_chunk(shared_prefix, page_size, min_chunk)
-        return shared_prefix_items(seq_lens, shared_prefix, chunk, shared_chunk)
+    if shared_prefix is not None and not is_gpu:
+        shared_chunk = shared_prefix_chunk(shared_prefix, page_size, min_chunk, aligned)
+        return shared_prefix_items(
+            seq_lens, shared_prefix, chunk, shared_chunk, first_visible, page_size
+        )
     counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), counts)
@@ -397,35 +399,59 @@ def decode_work(
     return items, request_items
 
 
-def shared_prefix_chunk(shared_prefix: np.ndarray, page_size: int, min_chunk: int) -> int:
+def shared_prefix_chunk(
+    shared_prefix: np.ndarray, page_size: int, min_chunk: int, start: np.ndarray | None = None
+) -> int:
     """Keys of each decode item over a shared prefix (whole pages): the
-    longest shared prefix split once per core, and min_chunk at least. An
-    item's setup (its queries loaded and coded, its partial states written
-    and merged) is paid once per item, and a shared item's run is long:
-    one per core keeps the cores even at the fewest items."""
-    longest = int(np.max(shared_prefix, initial=0))
+    longest shared prefix (from each request's start [B], its first visible
+    key's page under a window) split once per core, and min_chunk at least.
+    An item's setup (its queries loaded and coded, its partial states
+    written and merged) is paid once per item, and a shared item's run is
+    long: one per core keeps the cores even at the fewest items."""
+    span = np.asarray(shared_prefix) - (0 if start is None else np.asarray(start))
+    longest = int(np.max(span, initial=0))
     chunk = max(min_chunk, -(-longest // cpu_count()))
     return -(-chunk // page_size) * page_size
 
 
 def shared_prefix_items(
-    seq_lens: np.ndarray, shared_prefix: np.ndarray, chunk: int, shared_chunk: int
+    seq_lens: np.ndarray,
+    shared_prefix: np.ndarray,
+    chunk: int,
+    shared_chunk: int,
+    first_visible: np.ndarray,
+    page_size: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode items (CPU, no window) whose keys split at each request's
-    shared prefix: the prefix in chunks of shared_chunk (the queries of many
-    requests share each of those items: `shared_prefix_chunk`), then the
-    rest in chunks of `chunk`. Returns items and request_items as
-    `decode_work` does."""
-    prefix = np.minimum(np.asarray(shared_prefix, np.int64), seq_lens)
-    heads = -(-prefix // shared_chunk)
+    """Decode items (CPU) whose keys split at each request's shared prefix:
+    the prefix's visible part in pieces of a grid of shared_chunk keys from
+    key 0 (the queries of many requests share each piece:
+    `shared_prefix_chunk`), then the rest in chunks of `chunk`.
+
+    Under a window (first_visible [B], each request's first visible key)
+    the prefix's pieces start at the page of that key, so that requests
+    whose windows start in one page cut the prefix alike; the kernel masks
+    each row's keys before its window. A request that shares nothing it
+    can see gets the items the plain plan gives it. Returns items and
+    request_items as `decode_work` does."""
+    first_visible = np.asarray(first_visible, np.int64)
+    start = first_visible // page_size * page_size
+    prefix = np.clip(np.asarray(shared_prefix, np.int64), start, seq_lens)
+    first_cell = start // shared_chunk
+    heads = np.where(prefix > start, -(-prefix // shared_chunk) - first_cell, 0)
     tails = np.maximum(-(-(seq_lens - prefix) // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(heads + tails)]).astype(np.int32)
     request = np.repeat(np.arange(len(seq_lens)), heads + tails)
     k = np.arange(int(request_items[-1])) - request_items[request]
     in_head = k < heads[request]
-    first = np.where(in_head, k * shared_chunk, prefix[request] + (k - heads[request]) * chunk)
+    cell = first_cell[request] + k
+    tail = prefix[request] + (k - heads[request]) * chunk
+    first = np.where(
+        in_head,
+        np.maximum(cell * shared_chunk, start[request]),
+        np.maximum(tail, first_visible[request]),
+    )
     end = np.minimum(
-        np.where(in_head, np.minimum(first + shared_chunk, prefix[request]), first + chunk),
+        np.where(in_head, np.minimum((cell + 1) * shared_chunk, prefix[request]), tail + chunk),
         seq_lens[request],
     )
     items = item_array(request, request, np.ones_like(request), seq_lens[request] - 1, first, end)
@@ -469,7 +495,7 @@ def share_decode_prefixes(
     CPU_MAX_SHARED_ROWS rows of a KV head) and theirs none; the shared item
     writes their partial states into their own items' slots
     (mojo_ops/attention/work.mojo). Items of one query per request (rows in
-    request order) over a page table without a window; returns a new array,
+    request order); returns a new array,
     or `items` itself when nothing is shared.
 
     A shared item sums its rows in another order than an item of one
