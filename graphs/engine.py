@@ -109,9 +109,8 @@ class DecoderEngine:
         """Decode reads the pages of a prefix that consecutive requests share
         once for all of them (CPU; in a window group, the part of it their
         windows see): a shared system prompt's keys are scored as one
-        matrix product. Off in
-        batch-invariant mode: a request's sums would then depend on who
-        shares its prefix."""
+        matrix product. Off in batch-invariant mode: a request's sums would
+        then depend on who shares its prefix."""
 
     def prefill(
         self,
