@@ -379,7 +379,7 @@ def decode_work(
     if shared_prefix is not None and not is_gpu:
         shared_chunk = shared_prefix_chunk(shared_prefix, page_size, min_chunk, aligned)
         return shared_prefix_items(
-            seq_lens, shared_prefix, chunk, shared_chunk, first_visible, page_size
+            seq_lens, shared_prefix, chunk, shared_chunk, first_visible, aligned
         )
     counts = np.maximum(-(-span // chunk), 1)
     request_items = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
@@ -420,7 +420,7 @@ def shared_prefix_items(
     chunk: int,
     shared_chunk: int,
     first_visible: np.ndarray,
-    page_size: int,
+    start: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode items (CPU) whose keys split at each request's shared prefix:
     the prefix's visible part in pieces of a grid of shared_chunk keys from
@@ -428,13 +428,11 @@ def shared_prefix_items(
     `shared_prefix_chunk`), then the rest in chunks of `chunk`.
 
     Under a window (first_visible [B], each request's first visible key)
-    the prefix's pieces start at the page of that key, so that requests
-    whose windows start in one page cut the prefix alike; the kernel masks
-    each row's keys before its window. A request that shares nothing it
-    can see gets the items the plain plan gives it. Returns items and
-    request_items as `decode_work` does."""
-    first_visible = np.asarray(first_visible, np.int64)
-    start = first_visible // page_size * page_size
+    the prefix's pieces start at start [B], the page of that key, so that
+    requests whose windows start in one page cut the prefix alike; the
+    kernel masks each row's keys before its window. A request that shares
+    nothing it can see gets the items the plain plan gives it. Returns
+    items and request_items as `decode_work` does."""
     prefix = np.clip(np.asarray(shared_prefix, np.int64), start, seq_lens)
     first_cell = start // shared_chunk
     heads = np.where(prefix > start, -(-prefix // shared_chunk) - first_cell, 0)
